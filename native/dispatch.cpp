@@ -1,0 +1,147 @@
+#include "dispatch.h"
+
+#include <atomic>
+#include <stdexcept>
+#include <thread>
+
+namespace offload {
+namespace {
+
+struct Variant {
+  const char* name;
+  const KernelTable* table;
+};
+
+const std::vector<Variant>& variants() {
+  static const std::vector<Variant> v = {
+      {"portable", &kernels_portable},
+#if defined(OFFLOAD_HAVE_AVX2)
+      {"avx2", &kernels_avx2},
+#endif
+#if defined(OFFLOAD_HAVE_AVX512)
+      {"avx512", &kernels_avx512},
+#endif
+  };
+  return v;
+}
+
+const Variant* find(const std::string& name) {
+  for (const Variant& v : variants())
+    if (name == v.name) return &v;
+  return nullptr;
+}
+
+// The features each variant's compile flags assume (CMakeLists.txt).
+std::vector<std::string> required_features(const std::string& name) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (name == "avx2") return {"avx2", "fma", "f16c"};
+  if (name == "avx512") return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"};
+#endif
+  return {};
+}
+
+bool has_feature(const std::string& f) {
+#if defined(__x86_64__) || defined(__i386__)
+  // __builtin_cpu_supports also checks that the OS saves the wide registers.
+  __builtin_cpu_init();
+  if (f == "avx2") return __builtin_cpu_supports("avx2");
+  if (f == "fma") return __builtin_cpu_supports("fma");
+  if (f == "f16c") return __builtin_cpu_supports("f16c");
+  if (f == "avx512f") return __builtin_cpu_supports("avx512f");
+  if (f == "avx512bw") return __builtin_cpu_supports("avx512bw");
+  if (f == "avx512vl") return __builtin_cpu_supports("avx512vl");
+  if (f == "avx512dq") return __builtin_cpu_supports("avx512dq");
+#endif
+  (void)f;
+  return false;
+}
+
+std::atomic<const KernelTable*> g_active{nullptr};
+
+const KernelTable* best_supported() {
+  const KernelTable* best = &kernels_portable;
+  for (const Variant& v : variants())
+    if (missing_features(v.name).empty()) best = v.table;
+  return best;
+}
+
+}  // namespace
+
+std::vector<std::string> compiled_variants() {
+  std::vector<std::string> out;
+  for (const Variant& v : variants()) out.emplace_back(v.name);
+  return out;
+}
+
+std::vector<std::string> supported_variants() {
+  std::vector<std::string> out;
+  for (const Variant& v : variants())
+    if (missing_features(v.name).empty()) out.emplace_back(v.name);
+  return out;
+}
+
+std::string missing_features(const std::string& name) {
+  std::string missing;
+  for (const std::string& f : required_features(name))
+    if (!has_feature(f)) missing += (missing.empty() ? "" : ", ") + f;
+  return missing;
+}
+
+const KernelTable& active_kernels() {
+  const KernelTable* t = g_active.load(std::memory_order_acquire);
+  if (t == nullptr) {
+    t = best_supported();
+    g_active.store(t, std::memory_order_release);
+  }
+  return *t;
+}
+
+void select_variant(const std::string& name) {
+  std::string compiled;
+  for (const Variant& v : variants()) compiled += (compiled.empty() ? "" : ", ") + std::string(v.name);
+  const Variant* v = find(name);
+  if (v == nullptr)
+    throw std::invalid_argument("kernel variant '" + name + "' is not in this build; compiled variants: " + compiled);
+  const std::string missing = missing_features(name);
+  if (!missing.empty()) {
+    std::string ok;
+    for (const std::string& s : supported_variants()) ok += (ok.empty() ? "" : ", ") + s;
+    throw std::invalid_argument("kernel variant '" + name + "' needs CPU features this machine lacks (" + missing +
+                                "); variants that run here: " + ok);
+  }
+  g_active.store(v->table, std::memory_order_release);
+}
+
+SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads) {
+  const KernelTable& k = active_kernels();
+  // Below ~256 KiB a thread costs more to start than it saves.
+  constexpr size_t kMinPerThread = size_t(1) << 16;
+  size_t t = threads < 1 ? 1 : size_t(threads);
+  if (n / kMinPerThread < t) t = n / kMinPerThread > 0 ? n / kMinPerThread : 1;
+  if (t == 1) return k.sq_norm(data, dtype, n);
+
+  const size_t elem = dtype == DType::F32 ? 4 : 2;
+  // Chunks on 64-element boundaries keep every thread's range cache-line aligned.
+  const size_t chunk = ((n + t - 1) / t + 63) / 64 * 64;
+  std::vector<SqNorm> parts(t);
+  std::vector<std::thread> pool;
+  pool.reserve(t - 1);
+  for (size_t w = 1; w < t; ++w) {
+    const size_t begin = w * chunk;
+    const size_t end = begin + chunk < n ? begin + chunk : n;
+    if (begin >= end) break;
+    pool.emplace_back([&, w, begin, end] {
+      parts[w] = k.sq_norm(static_cast<const char*>(data) + begin * elem, dtype, end - begin);
+    });
+  }
+  parts[0] = k.sq_norm(data, dtype, chunk < n ? chunk : n);
+  for (std::thread& th : pool) th.join();
+  SqNorm total;
+  for (const SqNorm& p : parts) {
+    total.sum_sq += p.sum_sq;
+    total.nonfinite += p.nonfinite;
+  }
+  return total;
+}
+
+}  // namespace offload

@@ -1,0 +1,25 @@
+// Run-time choice of a kernel variant, and the thread split every kernel shares.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace offload {
+
+// Variants this build contains, best last.
+std::vector<std::string> compiled_variants();
+// Compiled variants whose instructions this CPU (and OS) can execute.
+std::vector<std::string> supported_variants();
+// Why a compiled variant cannot run here ("" when it can).
+std::string missing_features(const std::string& name);
+
+const KernelTable& active_kernels();
+// Throws std::invalid_argument naming the variant and the fix.
+void select_variant(const std::string& name);
+
+// Sum of squares over n elements, split across `threads` threads.
+SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads);
+
+}  // namespace offload
