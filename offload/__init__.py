@@ -1,0 +1,7 @@
+"""offload: train PyTorch models larger than GPU memory over a GPU / host / NVMe tiered store."""
+
+from offload.config import Config, ConfigError, load_config
+
+__version__ = "0.1.0"
+
+__all__ = ["Config", "ConfigError", "__version__", "load_config"]

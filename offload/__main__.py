@@ -1,0 +1,3 @@
+from offload.cli import main
+
+raise SystemExit(main())

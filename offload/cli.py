@@ -1,0 +1,103 @@
+"""`offload` command line: info, config check/docs, demo."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+import psutil
+import torch
+
+import offload
+from offload import native
+from offload.config import Config, ConfigError
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    mem = psutil.virtual_memory()
+    print(f"offload {offload.__version__}  (python {platform.python_version()}, torch {torch.__version__})")
+    print(f"cpu: {psutil.cpu_count(logical=False)} physical / {psutil.cpu_count()} logical cores, "
+          f"{mem.total / 2**30:.1f} GiB RAM ({mem.available / 2**30:.1f} GiB available)")
+    print(f"accelerator: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none (CPU-only run)'}")
+    print(f"native kernels: active {native.active_variant()}; compiled {', '.join(native.compiled_variants())}; "
+          f"runnable here {', '.join(native.supported_variants())}")
+    return 0
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    try:
+        cfg = Config.load(args.config)
+        resolved = cfg.resolve(args.world_size, hidden_size=args.hidden_size)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    zero = resolved.zero_optimization
+    precision = "fp16" if resolved.fp16.enabled else "bf16" if resolved.bf16.enabled else "fp32"
+    print(f"{args.config}: valid")
+    print(f"  batch: {resolved.train_batch_size} = micro {resolved.train_micro_batch_size_per_gpu} x accumulation "
+          f"{resolved.gradient_accumulation_steps} x world {args.world_size}")
+    print(f"  precision: {precision}; gradient clipping: {resolved.gradient_clipping or 'off'}")
+    print(f"  zero stage {zero.stage}: params on {zero.offload_param.device}, optimizer on "
+          f"{zero.offload_optimizer.device}")
+    if resolved.optimizer:
+        p = resolved.optimizer.params
+        print(f"  optimizer: {resolved.optimizer.type} lr {p.lr} betas {p.betas} eps {p.eps} "
+              f"weight_decay {p.weight_decay}")
+    if cfg.auto_paths():
+        print(f"  auto keys resolved: {', '.join(cfg.auto_paths())}")
+    for note in resolved.notes:
+        print(f"  note: {note}")
+    if args.print_resolved:
+        print(resolved.to_json())
+    return 0
+
+
+def _cmd_config_docs(args: argparse.Namespace) -> int:
+    from offload.config.docs import render_markdown
+    sys.stdout.write(render_markdown())
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from offload.demo import run_demo
+    try:
+        result = run_demo(args.config, steps=args.steps, out=sys.stdout)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0 if result.last_loss < result.first_loss else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offload", description=offload.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="what this machine and build offer (kernels, cores, memory, accelerator)")
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("config", help="check a DeepSpeed-format config, or print the config reference")
+    csub = p.add_subparsers(dest="config_command", required=True)
+    c = csub.add_parser("check", help="load and resolve a config; exit 2 with the key path if it is wrong")
+    c.add_argument("config", help="path to a JSON config")
+    c.add_argument("--world-size", type=int, default=1, help="ranks to resolve the batch rule for (default 1)")
+    c.add_argument("--hidden-size", type=int, default=None, help="model width, for \"auto\" bucket sizes")
+    c.add_argument("--print-resolved", action="store_true", help="print the resolved config as JSON")
+    c.set_defaults(func=_cmd_config_check)
+    c = csub.add_parser("docs", help="print the config reference (docs/CONFIG.md)")
+    c.set_defaults(func=_cmd_config_docs)
+
+    p = sub.add_parser("demo", help="train a small model on the embedded default config (the README's first command)")
+    p.add_argument("--config", default=None, help="a JSON config instead of the embedded default")
+    p.add_argument("--steps", type=int, default=150)
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

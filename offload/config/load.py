@@ -1,0 +1,326 @@
+"""The whole config: load from a path, JSON text or dict; resolve "auto"; DeepSpeed's batch rule."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .fields import (AUTO, KEY_HOMES, Auto, ConfigError, FieldInfo, Support, iter_fields, logger, parse_section,
+                     public_fields, section, setting, to_raw)
+from .sections import (SCHEDULER_PARAMS, ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig,
+                       CommsLoggerConfig, DataTypesConfig, FlopsProfilerConfig, FP16Config, MonitorConfig,
+                       OffloadExtConfig, OptimizerConfig, SchedulerConfig, WandbConfig, ZeroConfig)
+
+IGNORED = Support.IGNORED
+UNSUPPORTED = Support.UNSUPPORTED
+_CHANGES_TRAINING = "offload does not implement it, and ignoring it would change what is trained; remove the section."
+_NOT_USED = "offload does not implement it; the section is ignored."
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """A DeepSpeed-format training config, checked. Build with :meth:`load`; see docs/CONFIG.md."""
+
+    train_batch_size: int | Auto | None = setting(
+        None, "Samples per optimizer step over all ranks = micro batch x accumulation steps x world size.",
+        ge=1, auto=True)
+    train_micro_batch_size_per_gpu: int | Auto | None = setting(
+        None, "Samples per forward/backward on one rank.", ge=1, auto=True)
+    gradient_accumulation_steps: int | Auto | None = setting(
+        None, "Micro-batches per optimizer step.", ge=1, auto=True)
+    gradient_clipping: float | Auto = setting(0.0, "Clip the global gradient norm to this; 0 turns clipping off.",
+                                              ge=0, auto=True)
+    fp16: FP16Config = section(FP16Config, "fp16 mixed precision with loss scaling.")
+    bf16: BF16Config = section(BF16Config, "bf16 mixed precision.", aliases=("bfloat16",))
+    optimizer: OptimizerConfig | None = section(None, "The optimizer; leave out to pass your own to initialize.")
+    scheduler: SchedulerConfig | None = section(None, "Learning-rate schedule; leave out for a constant rate.")
+    zero_optimization: ZeroConfig = section(ZeroConfig, "ZeRO sharding and offload.")
+    aio: AioConfig = section(AioConfig, "Swap-file I/O (NVMe offload).")
+    activation_checkpointing: ActivationCheckpointingConfig = section(
+        ActivationCheckpointingConfig, "Activation checkpointing.")
+    steps_per_print: int = setting(10, "Log progress every this many optimizer steps.", ge=1)
+    zero_allow_untested_optimizer: bool = setting(False, "Allow a client optimizer other than Adam/AdamW.")
+    gradient_predivide_factor: float = setting(1.0, "Divide gradients by this before the reduction and by "
+                                                    "world/factor after.", gt=0)
+    prescale_gradients: bool = setting(False, "Scale gradients before the reduction rather than after.")
+    communication_data_type: str | None = setting(None, "Dtype of gradient reductions.", choices=("fp32", "fp16", "bf16"),
+                                                  support=IGNORED, note="Reductions run in the compute dtype.")
+    wall_clock_breakdown: bool = setting(False, "Log time per phase.", support=IGNORED,
+                                         note="offload's telemetry arrives with the engine.")
+    memory_breakdown: bool = setting(False, "Log memory per phase.", support=IGNORED)
+    dump_state: bool = setting(False, "Print the engine's state at start.", support=IGNORED)
+    disable_allgather: bool = setting(False, "DeepSpeed's all-gather switch.", support=IGNORED)
+    zero_force_ds_cpu_optimizer: bool = setting(True, "DeepSpeed: require its CPU optimizer with offload.",
+                                                support=IGNORED, note="offload always runs its own CPU Adam.")
+    sparse_gradients: bool = setting(False, "Sparse embedding gradients.", support=UNSUPPORTED)
+    tensorboard: MonitorConfig = section(MonitorConfig, "TensorBoard monitor.", support=IGNORED)
+    csv_monitor: MonitorConfig = section(MonitorConfig, "CSV monitor.", support=IGNORED)
+    wandb: WandbConfig = section(WandbConfig, "Weights & Biases monitor.", support=IGNORED)
+    flops_profiler: FlopsProfilerConfig = section(FlopsProfilerConfig, "FLOPs profiler.", support=IGNORED)
+    comms_logger: CommsLoggerConfig = section(CommsLoggerConfig, "Collective-call logger.", support=IGNORED)
+    data_types: DataTypesConfig = section(DataTypesConfig, "Dtypes of internal buffers.")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoint options.")
+    amp: dict[str, Any] | None = setting(None, "NVIDIA apex AMP.", support=UNSUPPORTED,
+                                         note="Use the fp16 or bf16 section instead.")
+    elasticity: dict[str, Any] | None = setting(None, "Elastic training.", support=UNSUPPORTED, note=_CHANGES_TRAINING)
+    compression_training: dict[str, Any] | None = setting(None, "Compression.", support=UNSUPPORTED,
+                                                          note=_CHANGES_TRAINING)
+    sparse_attention: dict[str, Any] | None = setting(None, "Sparse attention.", support=UNSUPPORTED,
+                                                      note=_CHANGES_TRAINING)
+    quantize_training: dict[str, Any] | None = setting(None, "Quantization-aware training.", support=UNSUPPORTED,
+                                                       note=_CHANGES_TRAINING)
+    curriculum_learning: dict[str, Any] | None = setting(None, "Curriculum learning.", support=UNSUPPORTED,
+                                                         note=_CHANGES_TRAINING)
+    data_efficiency: dict[str, Any] | None = setting(None, "Data efficiency.", support=UNSUPPORTED,
+                                                     note=_CHANGES_TRAINING)
+    pipeline: dict[str, Any] | None = setting(None, "Pipeline parallelism.", support=IGNORED, note=_NOT_USED)
+    autotuning: dict[str, Any] | None = setting(None, "DeepSpeed's autotuner.", support=IGNORED,
+                                                note="Use `offload tune-nvme` for the swap path.")
+    nebula: dict[str, Any] | None = setting(None, "Nebula checkpointing.", support=IGNORED, note=_NOT_USED)
+    hybrid_engine: dict[str, Any] | None = setting(None, "RLHF hybrid engine.", support=IGNORED, note=_NOT_USED)
+    offload: OffloadExtConfig = section(OffloadExtConfig, "offload's own settings (not DeepSpeed keys).")
+    notes: tuple[str, ...] = dataclasses.field(default=(), compare=False, metadata={"internal": True})
+
+    def check(self, path: str) -> None:
+        if self.fp16.enabled is True and self.bf16.enabled is True:
+            raise ConfigError("bf16.enabled", "fp16 and bf16 are both enabled; enable one of them")
+        batch = (self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps)
+        if all(isinstance(v, int) for v in batch):
+            train, micro, accum = batch
+            if train % (micro * accum):
+                raise ConfigError("train_batch_size",
+                                  f"{train} is not train_micro_batch_size_per_gpu ({micro}) x "
+                                  f"gradient_accumulation_steps ({accum}) x a whole world size")
+
+    # ----------------------------------------------------------------- building
+
+    @classmethod
+    def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str]) -> Config:
+        """From a Config, a dict, a JSON string or a path to a JSON file."""
+        if isinstance(source, Config):
+            return source
+        if isinstance(source, Mapping):
+            raw = source
+        elif isinstance(source, (str, os.PathLike)):
+            raw = _read_json(source)
+        else:
+            raise ConfigError("", f"a config is a dict, a JSON string or a path to a JSON file; got "
+                                  f"{type(source).__name__}")
+        notes: list[str] = []
+        raw = _rewrite_legacy(raw, notes)
+        config = parse_section(cls, raw, "", notes)
+        for note in notes:
+            logger.warning("config: %s", note)
+        return dataclasses.replace(config, notes=tuple(notes))
+
+    def to_dict(self) -> dict[str, Any]:
+        """DeepSpeed-format JSON values; ``Config.load(c.to_dict()) == c``."""
+        return to_raw(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    # ----------------------------------------------------------------- auto and batch
+
+    def auto_paths(self) -> list[str]:
+        """Dotted paths of the keys still written "auto"."""
+        found: list[str] = []
+
+        def walk(obj: Any, path: str) -> None:
+            if obj is AUTO:
+                found.append(path)
+            elif dataclasses.is_dataclass(obj):
+                for f in public_fields(obj):
+                    walk(getattr(obj, f.name), f"{path}.{f.name}" if path else f.name)
+        walk(self, "")
+        return found
+
+    def resolve(self, world_size: int, hidden_size: int | None = None,
+                values: Mapping[str, Any] | None = None) -> Config:
+        """A copy with every "auto" filled in and DeepSpeed's batch rule applied for ``world_size``.
+
+        ``values`` maps dotted key paths to what the training script knows (as Hugging Face
+        fills "auto" from its TrainingArguments); ``hidden_size`` sizes the ZeRO buckets as
+        Hugging Face does. Anything else "auto" takes the field's documented default.
+        """
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ConfigError("", f"world size must be a positive whole number, got {world_size!r}")
+        values = dict(values or {})
+        leaves = {info.path: info for info in iter_fields(Config, variants=_VARIANTS)}
+        for key in values:
+            if key not in leaves and not key.startswith("scheduler.params."):
+                raise ConfigError(key, "is not a config key that resolve can fill")
+        raw = self.to_dict()
+        notes = list(self.notes)
+        for path in self.auto_paths():
+            if path in values:
+                value = values[path]
+            elif path in _HIDDEN_DERIVED and hidden_size is not None:
+                value = _HIDDEN_DERIVED[path](hidden_size)
+            elif path in _BATCH_KEYS:
+                value = None
+            else:
+                value = _schema_default(path, raw, leaves)
+                notes.append(f"{path} is auto and nothing set it; using the default {value!r}")
+            _set_path(raw, path, to_raw(value))
+        train, micro, accum = _batch_rule(raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu"),
+                                          raw.get("gradient_accumulation_steps"), world_size, notes)
+        raw.update(train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum)
+        resolved = parse_section(Config, raw, "", notes)
+        return dataclasses.replace(resolved, notes=tuple(dict.fromkeys(notes)))
+
+
+# ------------------------------------------------------------------------- helpers
+
+_VARIANTS = {"scheduler.params": tuple(SCHEDULER_PARAMS.values())}
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_HIDDEN_DERIVED = {
+    # Hugging Face's integration sizes these from the model's hidden size.
+    "zero_optimization.reduce_bucket_size": lambda h: h * h,
+    "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+def config_fields() -> list[FieldInfo]:
+    """Every key of the schema (scheduler params of every type), for docs and tests."""
+    return list(iter_fields(Config, variants=_VARIANTS))
+
+
+def _index_key_homes() -> None:
+    for info in config_fields():
+        if "." in info.path:
+            homes = KEY_HOMES.setdefault(info.path.rsplit(".", 1)[1], [])
+            if info.path not in homes:
+                homes.append(info.path)
+
+
+def _schema_default(path: str, raw: dict[str, Any], leaves: dict[str, FieldInfo]) -> Any:
+    if path.startswith("scheduler.params."):
+        params_cls = SCHEDULER_PARAMS[raw["scheduler"]["type"]]
+        f = {f.name: f for f in dataclasses.fields(params_cls)}[path.rsplit(".", 1)[1]]
+        return f.default
+    return leaves[path].default
+
+
+def _set_path(raw: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    node = raw
+    for p in parents:
+        node = node[p]
+    node[last] = value
+
+
+def _batch_rule(train: int | None, micro: int | None, accum: int | None, world: int,
+                notes: list[str]) -> tuple[int, int, int]:
+    """DeepSpeed's rule train = micro x accum x world: derive what is missing, refuse contradictions."""
+    def bad(msg: str) -> ConfigError:
+        return ConfigError("train_batch_size", f"{msg} (DeepSpeed's rule: train_batch_size = "
+                                               "train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
+                                               f"world size, and world size is {world})")
+    if train is None and micro is None:
+        if accum is not None:
+            raise bad("gradient_accumulation_steps alone does not fix the batch; give train_batch_size or "
+                      "train_micro_batch_size_per_gpu too")
+        notes.append("no batch size given; using train_micro_batch_size_per_gpu 1, gradient_accumulation_steps 1")
+        micro, accum = 1, 1
+    if train is not None and micro is not None and accum is not None:
+        if train != micro * accum * world:
+            raise bad(f"{train} != {micro} x {accum} x {world} = {micro * accum * world}")
+        return train, micro, accum
+    if train is not None and micro is not None:
+        if train % (micro * world):
+            raise bad(f"{train} is not divisible by micro batch {micro} x world size {world}")
+        return train, micro, train // (micro * world)
+    if train is not None and accum is not None:
+        if train % (accum * world):
+            raise bad(f"{train} is not divisible by accumulation steps {accum} x world size {world}")
+        return train, train // (accum * world), accum
+    if micro is not None:
+        accum = accum if accum is not None else 1
+        return micro * accum * world, micro, accum
+    assert train is not None
+    if train % world:
+        raise bad(f"{train} is not divisible by world size {world}")
+    return train, train // world, 1
+
+
+def _rewrite_legacy(raw: Mapping[str, Any], notes: list[str]) -> Mapping[str, Any]:
+    """DeepSpeed's deprecated zero_optimization booleans, rewritten to the offload sections."""
+    zero = raw.get("zero_optimization")
+    legacy = ("cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory")
+    if not isinstance(zero, Mapping) or not any(k in zero for k in legacy):
+        return raw
+    raw = copy.deepcopy(dict(raw))
+    zero = raw["zero_optimization"] = dict(zero)
+    for key, target in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
+        if key not in zero:
+            continue
+        value = zero.pop(key)
+        path = f"zero_optimization.{key}"
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {value!r}")
+        existing = zero.get(target)
+        if isinstance(existing, Mapping) and existing.get("device", "none") not in ("none", "cpu" if value else "none"):
+            raise ConfigError(path, f"contradicts zero_optimization.{target}.device = {existing.get('device')!r}; "
+                                    f"keep only {target}")
+        if value:
+            zero[target] = {**(existing if isinstance(existing, Mapping) else {}), "device": "cpu"}
+        notes.append(f"{path} is deprecated; read as zero_optimization.{target}.device = "
+                     f"{'cpu' if value else 'none'}")
+    if "cpu_offload_use_pin_memory" in zero:
+        value = zero.pop("cpu_offload_use_pin_memory")
+        path = "zero_optimization.cpu_offload_use_pin_memory"
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {value!r}")
+        for target in ("offload_optimizer", "offload_param"):
+            if isinstance(zero.get(target), Mapping):
+                zero[target] = {**zero[target], "pin_memory": value}
+        notes.append(f"{path} is deprecated; read as pin_memory = {str(value).lower()} on the offload sections")
+    return raw
+
+
+def _read_json(source: str | os.PathLike[str]) -> Any:
+    text = os.fspath(source)
+    if isinstance(source, str) and text.lstrip().startswith("{"):
+        where, body = "config JSON", text
+    else:
+        path = Path(text).expanduser()
+        if not path.exists():
+            raise ConfigError("", f"config file {text!r} does not exist (give a path to a JSON file, a JSON "
+                                  "string or a dict)")
+        if not path.is_file():
+            raise ConfigError("", f"config path {text!r} is not a file")
+        where, body = f"config file {text!r}", path.read_text()
+    try:
+        raw = json.loads(body, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as e:
+        raise ConfigError("", f"{where} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except _DuplicateKey as e:
+        raise ConfigError(e.key, f"given twice in {where}; keep one") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"{where} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+_index_key_homes()

@@ -1,0 +1,382 @@
+"""The sections of a DeepSpeed-format config, with DeepSpeed's defaults.
+
+Each field's doc, default and rules are here and nowhere else; ``offload config
+docs`` renders them (docs/CONFIG.md). Keys DeepSpeed defines that offload does
+not act on are parsed with ``support=IGNORED`` (a log line says so when set) or
+``UNSUPPORTED`` (an error when set, because ignoring them would change training).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from .fields import AUTO, Auto, ConfigError, Support, section, setting
+
+IGNORED = Support.IGNORED
+UNSUPPORTED = Support.UNSUPPORTED
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+
+# --------------------------------------------------------------------------- precision
+
+@dataclass(kw_only=True, slots=True)
+class FP16Config:
+    enabled: bool | Auto = setting(False, "Train with fp16 compute copies, fp32 master weights and loss scaling.", auto=True)
+    auto_cast: bool = setting(False, "Cast floating-point forward inputs to fp16.")
+    loss_scale: float = setting(0.0, "Static loss scale; 0 selects dynamic loss scaling.", ge=0)
+    initial_scale_power: int = setting(16, "Dynamic scaling starts at 2**initial_scale_power.", ge=0, le=126)
+    loss_scale_window: int = setting(1000, "Overflow-free steps before the dynamic scale doubles.", ge=1)
+    hysteresis: int = setting(2, "Overflows tolerated before the dynamic scale halves.", ge=1)
+    consecutive_hysteresis: bool = setting(False, "Refill hysteresis after every overflow-free step.")
+    min_loss_scale: float = setting(1.0, "The dynamic scale never drops below this.", gt=0)
+    fp16_master_weights_and_grads: bool = setting(
+        False, "Keep master weights in fp16.", support=UNSUPPORTED, note="Master weights are always fp32.")
+
+
+@dataclass(kw_only=True, slots=True)
+class BF16Config:
+    enabled: bool | Auto = setting(False, "Train with bf16 compute copies and fp32 master weights (no loss scaling).", auto=True)
+    immediate_grad_update: bool = setting(False, "DeepSpeed's bf16 optimizer option.", support=IGNORED,
+                                          note="Gradients always stream to the host as each unit finishes.")
+
+
+# --------------------------------------------------------------------------- optimizer
+
+@dataclass(kw_only=True, slots=True)
+class AdamParams:
+    lr: float | Auto = setting(1e-3, "Learning rate (the peak rate when a scheduler warms up to it).", ge=0, auto=True)
+    betas: tuple[float, float] | Auto = setting((0.9, 0.999), "Adam's (beta1, beta2).", ge=0, lt=1, auto=True)
+    eps: float | Auto = setting(1e-8, "Added to the denominator for numerical stability.", gt=0, auto=True)
+    weight_decay: float | Auto = setting(0.0, "Weight decay: decoupled (AdamW) or L2, see adam_w_mode.", ge=0, auto=True)
+    adam_w_mode: bool = setting(True, "Decoupled weight decay. DeepSpeed's type Adam defaults to it too; "
+                                      "set false (with type Adam) for L2 weight decay.")
+    bias_correction: bool = setting(True, "Adam's bias correction of the moments.")
+    amsgrad: bool = setting(False, "AMSGrad variant.", support=UNSUPPORTED, note="Use amsgrad: false.")
+    torch_adam: bool = setting(False, "DeepSpeed: use torch's Adam instead of its own.", support=IGNORED,
+                               note="offload always runs its native CPU Adam, which matches torch's within rounding.")
+    fused: bool | None = setting(None, "torch's fused Adam switch.", support=IGNORED,
+                                 note="offload's CPU Adam is always fused.")
+
+
+OPTIMIZER_TYPES = ("Adam", "AdamW")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    type: str = setting("AdamW", "Adam or AdamW (case-insensitive); both run offload's CPU Adam. For another "
+                                 "optimizer leave this section out and pass your own.", choices=OPTIMIZER_TYPES)
+    params: AdamParams = section(AdamParams, "Optimizer hyperparameters.")
+
+    def check(self, path: str) -> None:
+        if self.type == "AdamW" and not self.params.adam_w_mode:
+            raise ConfigError(f"{path}.params.adam_w_mode",
+                              "false contradicts type 'AdamW'; use type 'Adam' for L2 weight decay")
+
+
+# --------------------------------------------------------------------------- scheduler
+
+@dataclass(kw_only=True, slots=True)
+class WarmupLRParams:
+    warmup_min_lr: float | Auto = setting(0.0, "Learning rate at step 0.", ge=0, auto=True)
+    warmup_max_lr: float | Auto = setting(1e-3, "Learning rate reached at the end of warmup.", ge=0, auto=True)
+    warmup_num_steps: int | Auto = setting(1000, "Steps of warmup.", ge=0, auto=True)
+    warmup_type: str = setting("log", "Warmup curve.", choices=("log", "linear"))
+    last_batch_iteration: int = setting(-1, "Step to resume the schedule from (-1: start).", ge=-1)
+
+
+@dataclass(kw_only=True, slots=True)
+class WarmupDecayLRParams(WarmupLRParams):
+    total_num_steps: int | Auto | None = setting(None, "Total steps; the rate decays linearly to 0 at this step. Required.",
+                                                 ge=1, auto=True)
+
+    def check(self, path: str) -> None:
+        _check_total_steps(self.total_num_steps, self.warmup_num_steps, path)
+
+
+@dataclass(kw_only=True, slots=True)
+class WarmupCosineLRParams:
+    total_num_steps: int | Auto | None = setting(None, "Total steps of the schedule. Required.", ge=1, auto=True)
+    warmup_min_ratio: float = setting(0.0, "Warmup starts at this fraction of the optimizer's lr.", ge=0, le=1)
+    warmup_num_steps: int | Auto = setting(1000, "Steps of warmup.", ge=0, auto=True)
+    cos_min_ratio: float = setting(1e-4, "The cosine decays to this fraction of the optimizer's lr.", ge=0, le=1)
+    warmup_type: str = setting("log", "Warmup curve.", choices=("log", "linear"))
+    last_batch_iteration: int = setting(-1, "Step to resume the schedule from (-1: start).", ge=-1)
+
+    def check(self, path: str) -> None:
+        _check_total_steps(self.total_num_steps, self.warmup_num_steps, path)
+
+
+def _check_total_steps(total: Any, warmup: Any, path: str) -> None:
+    if total is None:
+        raise ConfigError(f"{path}.total_num_steps", "is required by this scheduler type (a whole number of steps)")
+    if isinstance(total, int) and isinstance(warmup, int) and warmup > total:
+        raise ConfigError(f"{path}.warmup_num_steps", f"warmup ({warmup} steps) is longer than total_num_steps ({total})")
+
+
+SCHEDULER_PARAMS: dict[str, type] = {
+    "WarmupLR": WarmupLRParams,
+    "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams,
+}
+
+
+def _scheduler_params_type(parsed: dict[str, Any]) -> Any:
+    return SCHEDULER_PARAMS.get(parsed.get("type", "WarmupLR"), WarmupLRParams)
+
+
+@dataclass(kw_only=True, slots=True)
+class SchedulerConfig:
+    type: str = setting("WarmupLR", "Learning-rate schedule, stepped once per optimizer step.",
+                        choices=tuple(SCHEDULER_PARAMS))
+    params: Any = section(None, "Schedule parameters; which keys depends on type.", hint_from=_scheduler_params_type)
+
+    def __post_init__(self) -> None:
+        if self.params is None:
+            self.params = SCHEDULER_PARAMS.get(self.type, WarmupLRParams)()
+
+    def check(self, path: str) -> None:
+        check = getattr(self.params, "check", None)
+        if check is not None:
+            check(f"{path}.params")
+
+
+# --------------------------------------------------------------------------- ZeRO
+
+DEVICES = ("none", "cpu", "nvme")
+
+
+def check_nvme_path(nvme_path: str | None, device: str, path: str) -> None:
+    """An nvme offload needs a directory we can create swap files in (created at initialize if missing)."""
+    if device != "nvme":
+        return
+    if not nvme_path:
+        raise ConfigError(f"{path}.nvme_path", "is required with device 'nvme': a directory on the NVMe drive "
+                                                "for swap files")
+    target = os.path.abspath(os.path.expanduser(nvme_path))
+    probe = target
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{path}.nvme_path", f"{nvme_path!r} is not a directory ({probe!r} is a file); "
+                                                "point it at a directory on the NVMe drive")
+    try:
+        # Creating a file is the only honest test: os.access says yes to root on read-only mounts.
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        what = "directory" if probe == target else f"nearest existing parent {probe!r}"
+        raise ConfigError(f"{path}.nvme_path", f"{nvme_path!r} is not writable (creating a file in the {what} "
+                                                f"failed: {e.strerror}); choose a directory this user can write "
+                                                "to") from None
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadParamConfig:
+    device: str = setting("none", "Where the 16-bit parameter shards live between uses: none (accelerator), cpu or nvme.",
+                          choices=DEVICES)
+    nvme_path: str | None = setting(None, "Directory for parameter swap files (device nvme).")
+    pin_memory: bool = setting(False, "Use pinned host buffers for the shards (faster host-device copies).")
+    buffer_count: int = setting(5, "Host buffers used to stage parameters read from NVMe.", ge=1)
+    buffer_size: int = setting(100_000_000, "Elements per staging buffer; must hold the largest unit's shard.", ge=1)
+    max_in_cpu: int = setting(1_000_000_000, "Parameter elements kept in host memory when device is nvme.", ge=0)
+
+    def check(self, path: str) -> None:
+        check_nvme_path(self.nvme_path, self.device, path)
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadOptimizerConfig:
+    device: str = setting("none", "Where the fp32 master weights, Adam state and gradient accumulator live, "
+                                  "and so where the step runs: none (accelerator), cpu or nvme.", choices=DEVICES)
+    nvme_path: str | None = setting(None, "Directory for optimizer-state swap files (device nvme).")
+    pin_memory: bool = setting(False, "Use pinned host buffers for optimizer state.")
+    buffer_count: int = setting(4, "Pinned buffers that pipeline the optimizer step's NVMe reads and writes.", ge=1)
+    pipeline_read: bool = setting(False, "Read sub-group i+1 from NVMe while the step runs on sub-group i.")
+    pipeline_write: bool = setting(False, "Write sub-group i-1 to NVMe while the step runs on sub-group i.")
+    fast_init: bool = setting(False, "Initialise NVMe optimizer state without a round trip through the accelerator.")
+    ratio: float = setting(1.0, "Fraction of the optimizer state that is offloaded (the rest stays on the accelerator).",
+                           ge=0, le=1)
+
+    def check(self, path: str) -> None:
+        check_nvme_path(self.nvme_path, self.device, path)
+
+
+@dataclass(kw_only=True, slots=True)
+class ZeroConfig:
+    stage: int = setting(0, "ZeRO stage: 0 data parallel, 1 shards optimizer state, 2 also gradients, "
+                            "3 also parameters.", ge=0, le=3)
+    contiguous_gradients: bool = setting(True, "Copy gradients into one contiguous buffer as they are produced.")
+    reduce_scatter: bool = setting(True, "Reduce gradients with reduce-scatter rather than all-reduce.")
+    reduce_bucket_size: int | Auto = setting(500_000_000, "Elements reduced at once. auto: hidden_size**2.",
+                                             ge=1, auto=True)
+    allgather_partitions: bool = setting(True, "Stages 1-2: all-gather updated partitions (vs. broadcast).")
+    allgather_bucket_size: int = setting(500_000_000, "Stages 1-2: elements all-gathered at once.", ge=1)
+    overlap_comm: bool | None = setting(None, "Overlap gradient reduction with backward. null: true for stage 3, "
+                                              "false otherwise (DeepSpeed's default).")
+    load_from_fp32_weights: bool = setting(True, "Restore master weights from the checkpoint's fp32 copy.")
+    elastic_checkpoint: bool = setting(False, "DeepSpeed's elastic checkpoint format.", support=IGNORED)
+    offload_param: OffloadParamConfig = section(OffloadParamConfig, "Stage 3: where parameter shards live.")
+    offload_optimizer: OffloadOptimizerConfig = section(OffloadOptimizerConfig, "Where optimizer state lives and the "
+                                                                                "step runs.")
+    sub_group_size: int = setting(1_000_000_000, "Elements per optimizer-step sub-group (the unit of the pipelined "
+                                                 "NVMe step).", ge=1)
+    stage3_prefetch_bucket_size: int | Auto = setting(
+        50_000_000, "Elements of parameters prefetched ahead of use. auto: 0.9 * hidden_size**2.",
+        ge=0, auto=True, aliases=("prefetch_bucket_size",))
+    stage3_param_persistence_threshold: int | Auto = setting(
+        100_000, "Parameters with fewer elements stay gathered. auto: 10 * hidden_size.",
+        ge=0, auto=True, aliases=("param_persistence_threshold",))
+    stage3_model_persistence_threshold: int = setting(
+        2**63 - 1, "Cap on all persistent parameter elements.", ge=0, aliases=("model_persistence_threshold",),
+        support=IGNORED)
+    stage3_max_live_parameters: int = setting(1_000_000_000, "Most parameter elements gathered at once.",
+                                              ge=0, aliases=("max_live_parameters",))
+    stage3_max_reuse_distance: int = setting(1_000_000_000, "Keep a gathered parameter if it is reused within this "
+                                                            "many elements.", ge=0, aliases=("max_reuse_distance",))
+    stage3_gather_16bit_weights_on_model_save: bool = setting(
+        False, "save_16bit_model gathers the full 16-bit weights.",
+        aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"))
+    stage3_module_granularity_threshold: int = setting(0, "DeepSpeed's leaf-module grouping threshold.", ge=0,
+                                                       support=IGNORED, note="Units are sized by offload.unit_bytes.")
+    ignore_unused_parameters: bool = setting(True, "Tolerate parameters that receive no gradient.")
+    round_robin_gradients: bool = setting(False, "Stage 1-2 gradient copy ordering.", support=IGNORED)
+    use_multi_rank_bucket_allreduce: bool = setting(True, "DeepSpeed's bucketed all-reduce switch.", support=IGNORED)
+    memory_efficient_linear: bool = setting(True, "DeepSpeed's linear-layer memory optimisation.", support=IGNORED)
+    pipeline_loading_checkpoint: bool = setting(False, "DeepSpeed's pipelined checkpoint loading.", support=IGNORED)
+    override_module_apply: bool = setting(True, "DeepSpeed's module.apply override.", support=IGNORED)
+    log_trace_cache_warnings: bool = setting(False, "DeepSpeed's trace-cache warnings.", support=IGNORED)
+    legacy_stage1: bool = setting(False, "DeepSpeed's legacy stage 1.", support=UNSUPPORTED)
+    zero_hpz_partition_size: int = setting(1, "ZeRO++ hierarchical partitioning.", ge=1, support=UNSUPPORTED)
+    zero_quantized_weights: bool = setting(False, "ZeRO++ quantized weights.", support=UNSUPPORTED)
+    zero_quantized_nontrainable_weights: bool = setting(False, "ZeRO++ quantized frozen weights.", support=UNSUPPORTED)
+    zero_quantized_gradients: bool = setting(False, "ZeRO++ quantized gradients.", support=UNSUPPORTED)
+    mics_shard_size: int = setting(-1, "MiCS sharding.", ge=-1, support=UNSUPPORTED)
+    mics_hierarchical_params_gather: bool = setting(False, "MiCS hierarchical gather.", support=UNSUPPORTED)
+
+    @property
+    def overlap_comm_effective(self) -> bool:
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    def check(self, path: str) -> None:
+        if self.offload_param.device != "none" and self.stage < 3:
+            raise ConfigError(f"{path}.offload_param.device",
+                              f"parameter offload needs stage 3 (got stage {self.stage}); set stage 3, or use "
+                              "offload_optimizer alone with stages 1-2")
+        if self.offload_optimizer.device != "none" and self.stage < 1:
+            raise ConfigError(f"{path}.offload_optimizer.device",
+                              "optimizer offload needs stage 1, 2 or 3 (got stage 0); set stage 2 for classic "
+                              "ZeRO-Offload")
+
+
+# --------------------------------------------------------------------------- aio
+
+@dataclass(kw_only=True, slots=True)
+class AioConfig:
+    block_size: int = setting(1 * MiB, "Bytes per I/O request; a multiple of 4096 (O_DIRECT).", ge=4096, le=1 * GiB)
+    queue_depth: int = setting(8, "Requests kept in flight per thread.", ge=1, le=32768)
+    intra_op_parallelism: int = setting(1, "I/O threads per operation.", ge=1, le=1024, aliases=("thread_count",))
+    single_submit: bool = setting(False, "Submit requests one at a time instead of in batches.")
+    overlap_events: bool = setting(True, "Overlap submission with completion reaping.")
+    use_gds: bool = setting(False, "GPUDirect Storage.", support=IGNORED,
+                            note="Reads and writes go through pinned host memory.")
+
+    def check(self, path: str) -> None:
+        if self.block_size % 4096:
+            raise ConfigError(f"{path}.block_size", f"{self.block_size} is not a multiple of 4096, which O_DIRECT I/O "
+                                                    f"needs; try {max(4096, self.block_size // 4096 * 4096)}")
+
+
+# --------------------------------------------------------------------------- other DeepSpeed sections
+
+_LATER = "It arrives with activation checkpointing support."
+
+
+@dataclass(kw_only=True, slots=True)
+class ActivationCheckpointingConfig:
+    partition_activations: bool = setting(False, "Shard saved activations across ranks.", support=IGNORED, note=_LATER)
+    contiguous_memory_optimization: bool = setting(False, "Copy saved activations into one buffer.",
+                                                   support=IGNORED, note=_LATER)
+    cpu_checkpointing: bool = setting(False, "Keep saved activations in host memory.", support=IGNORED, note=_LATER)
+    number_checkpoints: int | None = setting(None, "Checkpoints per contiguous buffer.", ge=1, support=IGNORED,
+                                             note=_LATER)
+    synchronize_checkpoint_boundary: bool = setting(False, "Synchronise at checkpoint boundaries.", support=IGNORED,
+                                                    note=_LATER)
+    profile: bool = setting(False, "Time checkpoint forward/recompute.", support=IGNORED, note=_LATER)
+
+
+@dataclass(kw_only=True, slots=True)
+class MonitorConfig:
+    enabled: bool = setting(False, "Write training metrics with this monitor.")
+    output_path: str = setting("", "Where the monitor writes.")
+    job_name: str = setting("DeepSpeedJobName", "Run name.")
+
+
+@dataclass(kw_only=True, slots=True)
+class WandbConfig:
+    enabled: bool = setting(False, "Log training metrics to Weights & Biases.")
+    group: str | None = setting(None, "W&B group.")
+    team: str | None = setting(None, "W&B team.")
+    project: str = setting("deepspeed", "W&B project.")
+
+
+@dataclass(kw_only=True, slots=True)
+class FlopsProfilerConfig:
+    enabled: bool = setting(False, "Profile FLOPs of one step.")
+    recompute_fwd_factor: float = setting(0.0, "Forward recompute factor.", ge=0)
+    profile_step: int = setting(1, "Step to profile.", ge=0)
+    module_depth: int = setting(-1, "Depth of the module report.", ge=-1)
+    top_modules: int = setting(1, "Modules listed.", ge=0)
+    detailed: bool = setting(True, "Per-module detail.")
+    output_file: str | None = setting(None, "Report file (stdout if null).")
+
+
+@dataclass(kw_only=True, slots=True)
+class CommsLoggerConfig:
+    enabled: bool = setting(False, "Log collective calls.")
+    verbose: bool = setting(False, "Log every call.")
+    prof_all: bool = setting(True, "Profile all collectives.")
+    debug: bool = setting(False, "Include caller names.")
+    prof_ops: list[str] | None = setting(None, "Only these collectives.")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataTypesConfig:
+    grad_accum_dtype: str | None = setting(None, "Dtype of the gradient accumulator.", choices=("fp32", "fp16", "bf16"),
+                                           support=IGNORED, note="Gradients accumulate in fp32 on the host.")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    tag_validation: str = setting("Warn", "Check that all ranks save under the same tag.",
+                                  choices=("Ignore", "Warn", "Fail"))
+    load_universal: bool = setting(False, "Load DeepSpeed's universal checkpoint format.", support=UNSUPPORTED)
+    use_node_local_storage: bool = setting(False, "Each node writes to local storage.", support=IGNORED)
+    parallel_write: dict[str, Any] | None = setting(None, "DeepSpeed's pipeline-parallel write options.", support=IGNORED)
+
+
+# --------------------------------------------------------------------------- ours
+
+@dataclass(kw_only=True, slots=True)
+class BudgetsConfig:
+    device: int | None = setting(None, "Bytes of accelerator memory offload may use (null: what is free at start).",
+                                 ge=0, size=True)
+    host: int | None = setting(None, "Bytes of pinned host memory in the pool (null: sized from the model).",
+                               ge=0, size=True)
+    nvme: int | None = setting(None, "Bytes of swap files under nvme_path (null: the free space there).",
+                               ge=0, size=True)
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadExtConfig:
+    budgets: BudgetsConfig = section(BudgetsConfig, "Hard byte budgets per tier; sizes may be written \"24GiB\".")
+    unit_bytes: int = setting(64 * MiB, "Target bytes of a ZeRO-3 unit (parameters gathered and released together).",
+                              ge=4096, size=True)
+    aio_engine: str = setting("auto", "Swap I/O engine: auto (io_uring where the kernel allows, else threads), "
+                                      "io_uring or threads.", choices=("auto", "io_uring", "threads"))
+    cpu_threads: int | None = setting(None, "Threads for the CPU optimizer step (null: physical cores).", ge=1)
+
+

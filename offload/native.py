@@ -1,0 +1,95 @@
+"""The native CPU kernels: which instruction-set variant runs, and typed entry points.
+
+The extension is compiled by the package build (native/, CMakeLists.txt) once per
+instruction set; the best variant this CPU runs is chosen on first use.
+``OFFLOAD_ISA=portable|avx2|avx512`` forces one (tests use it to cover each).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import psutil
+import torch
+
+from offload import _native
+
+ISA_ENV = "OFFLOAD_ISA"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class NativeError(ValueError):
+    """A bad argument to a native kernel, or a kernel variant this machine cannot run."""
+
+
+def compiled_variants() -> list[str]:
+    """Kernel variants in this build, best last."""
+    return list(_native.compiled_variants())
+
+
+def supported_variants() -> list[str]:
+    """Compiled variants whose instructions this CPU can execute, best last."""
+    return list(_native.supported_variants())
+
+
+def active_variant() -> str:
+    return _native.active_variant()
+
+
+def select_variant(name: str) -> None:
+    """Run every kernel with variant ``name`` from now on (for tests and benchmarks)."""
+    try:
+        _native.select_variant(name)
+    except ValueError as e:
+        raise NativeError(str(e)) from None
+
+
+def default_threads() -> int:
+    """Physical cores: the kernels are memory-bound, and hyper-threads add no bandwidth."""
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+class SqNorm(NamedTuple):
+    sum_sq: float
+    nonfinite: int
+
+    @property
+    def norm(self) -> float:
+        return self.sum_sq ** 0.5
+
+
+def _check_buffer(t: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise NativeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise NativeError(f"{name} is on {t.device}; the CPU kernels read host memory, so copy it with .cpu() first")
+    if t.dtype not in KERNEL_DTYPES:
+        raise NativeError(f"{name} has dtype {t.dtype}; the kernels take float32, bfloat16 or float16")
+    if not t.is_contiguous():
+        raise NativeError(f"{name} is not contiguous; pass .contiguous() (or a flat buffer)")
+    return t.detach()
+
+
+def grad_sq_norm(grad: torch.Tensor, threads: int | None = None) -> SqNorm:
+    """Squared L2 norm (accumulated in float64) and the count of NaN/Inf elements, in one read."""
+    grad = _check_buffer(grad, "grad")
+    if grad.numel() == 0:
+        return SqNorm(0.0, 0)
+    n_threads = default_threads() if threads is None else int(threads)
+    if n_threads < 1:
+        raise NativeError(f"threads must be >= 1, got {threads}")
+    sum_sq, nonfinite = _native.sq_norm(grad, n_threads)
+    return SqNorm(sum_sq, nonfinite)
+
+
+def _apply_env() -> None:
+    forced = os.environ.get(ISA_ENV, "").strip()
+    if forced:
+        try:
+            select_variant(forced)
+        except NativeError as e:
+            raise NativeError(f"{ISA_ENV}={forced}: {e}") from None
+
+
+_apply_env()
