@@ -252,10 +252,13 @@ def unknown_key(cls: type, key: Any, path: str) -> ConfigError:
     if homes:
         return ConfigError(here, f"unknown key here; it belongs under {' or '.join(h.rsplit('.', 1)[0] for h in homes)}")
     known = sorted(f.name for f in public_fields(cls))
-    near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    candidates = {name: f.name for name, f in _field_names(cls).items()}
+    near = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
     if near:
-        return ConfigError(here, f"unknown key; did you mean {near[0]!r}?")
-    return ConfigError(here, f"unknown key; {cls.__name__} takes: {', '.join(known)}")
+        canonical = candidates[near[0]]
+        also = f" (older name {near[0]!r})" if near[0] != canonical else ""
+        return ConfigError(here, f"unknown key; did you mean {canonical!r}{also}?")
+    return ConfigError(here, f"unknown key; {path or 'the top level'} takes: {', '.join(known)}")
 
 
 def parse_section(cls: type, raw: Any, path: str, notes: list[str]) -> Any:
@@ -281,7 +284,8 @@ def parse_section(cls: type, raw: Any, path: str, notes: list[str]) -> Any:
             continue
         spec = spec_of(f)
         hint = spec.hint_from(values) if spec.hint_from else hints[f.name]
-        here = f"{path}.{f.name}" if path else f.name
+        written = by_field[f.name][0]  # errors name the key as the user wrote it (maybe an alias)
+        here = f"{path}.{written}" if path else written
         values[f.name] = coerce(by_field[f.name][1], hint, spec, here, notes)
     try:
         obj = cls(**values)
@@ -359,6 +363,7 @@ def iter_fields(cls: type, prefix: str = "", variants: Mapping[str, tuple[type, 
         spec = spec_of(f)
         core, _ = _strip_optional(hints[f.name])
         if spec.hint_from is not None and variants and path in variants:
+            yield FieldInfo(path, variants[path][0], spec, None)
             for variant in variants[path]:
                 for info in iter_fields(variant, path, variants):
                     yield dataclasses.replace(info, variant=variant.__name__)

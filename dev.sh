@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One entry point for the README's two commands (and CI):
+#   ./dev.sh demo [args]   set up .venv, then run the main job on its embedded default
+#   ./dev.sh test [args]   set up .venv, then run the whole test suite (args go to pytest)
+# Needs only Python >= 3.10 with pip and venv, and a C++ compiler; everything else comes from PyPI.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3}
+VENV=${OFFLOAD_VENV:-.venv}
+# torch first, pinned to a CPU-capable release: an unpinned torch makes pip fetch a multi-GB
+# CUDA build. Set OFFLOAD_TORCH to the spec you want (e.g. the one your GPU machine has).
+TORCH_SPEC=${OFFLOAD_TORCH:-torch==2.13.0}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "== installing $TORCH_SPEC"
+  "$PY" -m pip install --disable-pip-version-check -q "$TORCH_SPEC"
+fi
+
+# Reinstall (and so rebuild native/) only when the build inputs changed.
+stamp="$VENV/.offload-build-stamp"
+digest=$(cat pyproject.toml CMakeLists.txt native/* | "$PY" -c "import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())")
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$digest" ] || ! "$PY" -c "import offload._native" 2>/dev/null; then
+  echo "== installing offload (builds the native kernels; the first run also builds liburing, about a minute)"
+  "$PY" -m pip install --disable-pip-version-check -q -e ".[test]"
+  echo "$digest" > "$stamp"
+fi
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  demo)
+    exec "$VENV/bin/offload" demo "$@" ;;
+  test)
+    set +e
+    "$PY" -m pytest "$@"
+    rc=$?
+    if [ $rc -eq 5 ]; then echo "pytest collected no tests: that is a failure" >&2; exit 1; fi
+    exit $rc ;;
+  *)
+    echo "usage: ./dev.sh demo|test [args]" >&2; exit 64 ;;
+esac

@@ -1,0 +1,65 @@
+"""The command line: what the README tells users to run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from offload.cli import main
+from offload.demo import run_demo
+
+from conftest import REPO
+
+
+def test_demo_trains_and_the_native_norm_matches_torch():
+    result = run_demo(steps=40)
+    assert result.last_loss < 0.7 * result.first_loss
+    assert result.max_norm_rel_error < 1e-5
+    assert result.skipped_steps == 0
+
+
+def test_demo_rejects_a_bad_config_with_the_key_path(capsys):
+    assert main(["demo", "--config", '{"optimizer": {"params": {"lr": -1}}}']) == 2
+    assert "optimizer.params.lr: must be >= 0" in capsys.readouterr().err
+
+
+def test_config_check_reports_the_resolved_batch(capsys):
+    assert main(["config", "check", str(REPO / "configs/zero3_fp16.json"), "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "batch: 64 = micro 8 x accumulation 4 x world 2" in out
+    assert "zero stage 3: params on cpu, optimizer on cpu" in out
+
+
+def test_config_check_prints_resolved_json(capsys):
+    assert main(["config", "check", str(REPO / "configs/zero3_bf16.json"), "--world-size", "4",
+                 "--print-resolved"]) == 0
+    out = capsys.readouterr().out
+    resolved = json.loads(out[out.index("{"):])
+    assert resolved["gradient_accumulation_steps"] == 1 and resolved["train_micro_batch_size_per_gpu"] == 8
+
+
+def test_config_check_fails_with_exit_2_and_the_path(tmp_path, capsys):
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}))
+    assert main(["config", "check", str(bad)]) == 2
+    assert "zero_optimization.offload_param.nvme_path: is required" in capsys.readouterr().err
+
+
+def test_info_names_the_active_kernels(capsys):
+    from offload import native
+    assert main(["info"]) == 0
+    assert f"native kernels: active {native.active_variant()}" in capsys.readouterr().out
+
+
+def test_console_script_is_installed():
+    proc = subprocess.run([sys.executable, "-m", "offload", "config", "docs"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("# Config reference")
+
+
+@pytest.mark.parametrize("argv", [[], ["nonsense"], ["config"]])
+def test_usage_errors_exit_2(argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
