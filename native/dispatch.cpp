@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
 
 namespace offload {
@@ -51,6 +52,7 @@ bool has_feature(const std::string& f) {
   if (f == "avx512bw") return __builtin_cpu_supports("avx512bw");
   if (f == "avx512vl") return __builtin_cpu_supports("avx512vl");
   if (f == "avx512dq") return __builtin_cpu_supports("avx512dq");
+  if (f == "avx512bf16") return __builtin_cpu_supports("avx512bf16");
 #endif
   (void)f;
   return false;
@@ -112,12 +114,61 @@ void select_variant(const std::string& name) {
   g_active.store(v->table, std::memory_order_release);
 }
 
+bool cpu_has_bf16() { return has_feature("avx512bf16"); }
+
+namespace {
+
+// Below this many elements per thread, starting a thread costs more than it saves.
+constexpr size_t kMinPerThread = size_t(1) << 16;
+
+size_t useful_threads(size_t n, int threads) {
+  size_t t = threads < 1 ? 1 : size_t(threads);
+  const size_t cap = n / kMinPerThread > 0 ? n / kMinPerThread : 1;
+  return t < cap ? t : cap;
+}
+
+// Threads take fixed tiles from a shared counter: a slow core (or one the OS borrows)
+// takes fewer tiles instead of stalling the whole step.
+template <class Fn>
+void for_each_tile(size_t n, int threads, size_t tile, const Fn& fn) {
+  const size_t t = useful_threads(n, threads);
+  if (t == 1) {
+    fn(size_t(0), n);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (;;) {
+      const size_t begin = next.fetch_add(tile, std::memory_order_relaxed);
+      if (begin >= n) return;
+      fn(begin, begin + tile < n ? begin + tile : n);
+    }
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(t - 1);
+  for (size_t w = 1; w < t; ++w) {
+    try {
+      pool.emplace_back(worker);
+    } catch (const std::system_error&) {
+      break;  // fewer threads, same result
+    }
+  }
+  worker();
+  for (std::thread& th : pool) th.join();
+}
+
+}  // namespace
+
+void adam(AdamArgs args, size_t n, int threads) {
+  const KernelTable& k = active_kernels();
+  args.native_bf16 = args.native_bf16 && cpu_has_bf16();
+  // 16K elements: 64 KiB of each fp32 stream, a multiple of every vector width.
+  for_each_tile(n, threads, size_t(1) << 14, [&](size_t begin, size_t end) { k.adam(args, begin, end); });
+}
+
 SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads) {
   const KernelTable& k = active_kernels();
-  // Below ~256 KiB a thread costs more to start than it saves.
-  constexpr size_t kMinPerThread = size_t(1) << 16;
-  size_t t = threads < 1 ? 1 : size_t(threads);
-  if (n / kMinPerThread < t) t = n / kMinPerThread > 0 ? n / kMinPerThread : 1;
+  const size_t t = useful_threads(n, threads);
   if (t == 1) return k.sq_norm(data, dtype, n);
 
   const size_t elem = dtype == DType::F32 ? 4 : 2;

@@ -22,4 +22,11 @@ void select_variant(const std::string& name);
 // Sum of squares over n elements, split across `threads` threads.
 SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads);
 
+// One Adam step over n elements, tiles shared among `threads` threads. Element-wise,
+// so the result does not depend on the thread count.
+void adam(AdamArgs args, size_t n, int threads);
+
+// Whether the CPU converts to bf16 natively (avx512_bf16).
+bool cpu_has_bf16();
+
 }  // namespace offload

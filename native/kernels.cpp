@@ -67,6 +67,59 @@ SqNorm sq_norm(const void* data, DType dtype, size_t n) {
   return r;
 }
 
+inline __m256i bf16_16_emulated(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// [Note: avx512_bf16 and subnormals] VCVTNEPS2BF16 rounds to nearest even like torch, but
+// flushes subnormal inputs to zero and keeps NaN payloads; lanes with a zero exponent are
+// redone the portable way so the copy equals torch's .to(torch.bfloat16) bit for bit on
+// every finite value.
+__attribute__((target("avx512bf16"))) inline __m256i bf16_16_native(__m512 x) {
+  __m256i r = (__m256i)_mm512_cvtneps_pbh(x);
+  const __mmask16 tiny = __mmask16(~_mm512_test_epi32_mask(_mm512_castps_si512(x), _mm512_set1_epi32(0x7f800000)));
+  if (tiny) r = _mm256_mask_mov_epi16(r, tiny, bf16_16_emulated(x));
+  return r;
+}
+
+inline void store16x16(const AdamArgs& a, size_t i, __m512 x) {
+  __m256i h;
+  if (a.out_dtype == DType::F16) h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  else h = a.native_bf16 ? bf16_16_native(x) : bf16_16_emulated(x);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(a.out16) + i), h);
+}
+
+void adam(const AdamArgs& a, size_t begin, size_t end) {
+  const __m512 scale = _mm512_set1_ps(a.grad_scale), decay = _mm512_set1_ps(a.decay), l2 = _mm512_set1_ps(a.l2);
+  const __m512 b1c = _mm512_set1_ps(a.one_minus_beta1), b2 = _mm512_set1_ps(a.beta2);
+  const __m512 b2c = _mm512_set1_ps(a.one_minus_beta2), bc2 = _mm512_set1_ps(a.bc2_sqrt);
+  const __m512 eps = _mm512_set1_ps(a.eps), step = _mm512_set1_ps(a.step_size);
+  const bool use_scale = a.grad_scale != 1.0f, use_decay = a.decay != 1.0f, use_l2 = a.l2 != 0.0f;
+  size_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    __m512 g = load16(a.grad, a.grad_dtype, i);
+    if (use_scale) g = _mm512_mul_ps(g, scale);
+    const __m512 p0 = _mm512_loadu_ps(a.param + i);
+    __m512 p = use_decay ? _mm512_mul_ps(p0, decay) : p0;
+    if (use_l2) g = _mm512_fmadd_ps(l2, p0, g);  // torch's add(alpha=) is an FMA
+    __m512 m = _mm512_loadu_ps(a.exp_avg + i);
+    m = _mm512_fmadd_ps(b1c, _mm512_sub_ps(g, m), m);
+    __m512 v = _mm512_loadu_ps(a.exp_avg_sq + i);
+    v = _mm512_fmadd_ps(_mm512_mul_ps(b2c, g), g, _mm512_mul_ps(v, b2));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
+    p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(step, m), denom));
+    _mm512_storeu_ps(a.param + i, p);
+    _mm512_storeu_ps(a.exp_avg + i, m);
+    _mm512_storeu_ps(a.exp_avg_sq + i, v);
+    if (a.out16 != nullptr) store16x16(a, i, p);
+  }
+  for (; i < end; ++i) scalar::adam_one(a, i);
+}
+
 #elif defined(__AVX2__)
 
 inline __m256 load8(const void* data, DType dtype, size_t i) {
@@ -119,9 +172,56 @@ SqNorm sq_norm(const void* data, DType dtype, size_t n) {
   return r;
 }
 
+inline __m128i bf16_8(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+  // packus works per 128-bit lane; gather qwords 0 and 2 to restore element order.
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+inline void store16x8(const AdamArgs& a, size_t i, __m256 x) {
+  const __m128i h = a.out_dtype == DType::F16 ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                              : bf16_8(x);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.out16) + i), h);
+}
+
+void adam(const AdamArgs& a, size_t begin, size_t end) {
+  const __m256 scale = _mm256_set1_ps(a.grad_scale), decay = _mm256_set1_ps(a.decay), l2 = _mm256_set1_ps(a.l2);
+  const __m256 b1c = _mm256_set1_ps(a.one_minus_beta1), b2 = _mm256_set1_ps(a.beta2);
+  const __m256 b2c = _mm256_set1_ps(a.one_minus_beta2), bc2 = _mm256_set1_ps(a.bc2_sqrt);
+  const __m256 eps = _mm256_set1_ps(a.eps), step = _mm256_set1_ps(a.step_size);
+  const bool use_scale = a.grad_scale != 1.0f, use_decay = a.decay != 1.0f, use_l2 = a.l2 != 0.0f;
+  size_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    __m256 g = load8(a.grad, a.grad_dtype, i);
+    if (use_scale) g = _mm256_mul_ps(g, scale);
+    const __m256 p0 = _mm256_loadu_ps(a.param + i);
+    __m256 p = use_decay ? _mm256_mul_ps(p0, decay) : p0;
+    if (use_l2) g = _mm256_fmadd_ps(l2, p0, g);  // torch's add(alpha=) is an FMA
+    __m256 m = _mm256_loadu_ps(a.exp_avg + i);
+    m = _mm256_fmadd_ps(b1c, _mm256_sub_ps(g, m), m);
+    __m256 v = _mm256_loadu_ps(a.exp_avg_sq + i);
+    v = _mm256_fmadd_ps(_mm256_mul_ps(b2c, g), g, _mm256_mul_ps(v, b2));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
+    p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step, m), denom));
+    _mm256_storeu_ps(a.param + i, p);
+    _mm256_storeu_ps(a.exp_avg + i, m);
+    _mm256_storeu_ps(a.exp_avg_sq + i, v);
+    if (a.out16 != nullptr) store16x8(a, i, p);
+  }
+  for (; i < end; ++i) scalar::adam_one(a, i);
+}
+
 #else
 
 SqNorm sq_norm(const void* data, DType dtype, size_t n) { return sq_norm_tail(data, dtype, 0, n); }
+
+void adam(const AdamArgs& a, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) scalar::adam_one(a, i);
+}
 
 #endif
 
@@ -130,6 +230,7 @@ SqNorm sq_norm(const void* data, DType dtype, size_t n) { return sq_norm_tail(da
 extern const KernelTable OFFLOAD_CAT(kernels_, OFFLOAD_ISA_NAME) = {
     OFFLOAD_STR(OFFLOAD_ISA_NAME),
     &sq_norm,
+    &adam,
 };
 
 }  // namespace offload

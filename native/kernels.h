@@ -22,10 +22,34 @@ struct SqNorm {
   uint64_t nonfinite = 0;
 };
 
+// One Adam/AdamW step over flat buffers. Scalars are computed by the caller in
+// double and rounded to float once, as torch.optim.Adam does with Python floats.
+struct AdamArgs {
+  float* param = nullptr;
+  const void* grad = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  void* out16 = nullptr;  // optional 16-bit copy of the updated params
+  DType grad_dtype = DType::F32;
+  DType out_dtype = DType::BF16;
+  float grad_scale = 1.0f;      // unscale and clip in one factor (1: off)
+  float decay = 1.0f;           // AdamW: param *= 1 - lr * weight_decay
+  float l2 = 0.0f;              // Adam: grad += l2 * param
+  float one_minus_beta1 = 0.1f;
+  float beta2 = 0.999f;
+  float one_minus_beta2 = 0.001f;
+  float bc2_sqrt = 1.0f;        // sqrt(1 - beta2**step), or 1 without bias correction
+  float eps = 1e-8f;
+  float step_size = 1e-3f;      // lr / (1 - beta1**step), or lr
+  bool native_bf16 = false;     // the CPU converts to bf16 itself (avx512_bf16)
+};
+
 struct KernelTable {
   const char* name;
   // One thread's share: elements [0, n) of data, read as dtype.
   SqNorm (*sq_norm)(const void* data, DType dtype, size_t n);
+  // Elements [begin, end) of one Adam step.
+  void (*adam)(const AdamArgs& a, size_t begin, size_t end);
 };
 
 extern const KernelTable kernels_portable;

@@ -2,6 +2,7 @@
 // so the extension never links against libtorch and builds in seconds.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -17,7 +18,8 @@ namespace {
 
 using AnyArray = nb::ndarray<nb::ro>;
 
-DType dtype_of(const AnyArray& a, const char* what) {
+template <class Array>
+DType dtype_of(const Array& a, const char* what) {
   const nb::dlpack::dtype d = a.dtype();
   if (d.lanes == 1) {
     if (d.code == uint8_t(nb::dlpack::dtype_code::Float) && d.bits == 32) return DType::F32;
@@ -28,7 +30,8 @@ DType dtype_of(const AnyArray& a, const char* what) {
 }
 
 // The kernels walk raw memory: anything but a dense CPU buffer would be read wrong.
-void require_dense_cpu(const AnyArray& a, const char* what) {
+template <class Array>
+void require_dense_cpu(const Array& a, const char* what) {
   if (a.device_type() != nb::device::cpu::value)
     throw std::invalid_argument(std::string(what) + " must be in CPU memory; copy it to the host first");
   int64_t expected = 1;
@@ -50,6 +53,56 @@ nb::tuple py_sq_norm(const AnyArray& a, int threads) {
   return nb::make_tuple(r.sum_sq, r.nonfinite);
 }
 
+using RwArray = nb::ndarray<>;
+
+float* fp32_buffer(const RwArray& a, const char* what, size_t n) {
+  require_dense_cpu(a, what);
+  const nb::dlpack::dtype d = a.dtype();
+  if (!(d.code == uint8_t(nb::dlpack::dtype_code::Float) && d.bits == 32 && d.lanes == 1))
+    throw std::invalid_argument(std::string(what) + " must be float32");
+  if (a.size() != n)
+    throw std::invalid_argument(std::string(what) + " has " + std::to_string(a.size()) + " elements, param has " +
+                                std::to_string(n));
+  return static_cast<float*>(a.data());
+}
+
+void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg, const RwArray& exp_avg_sq,
+             std::optional<RwArray> out16, float grad_scale, float decay, float l2, float one_minus_beta1, float beta2,
+             float one_minus_beta2, float bc2_sqrt, float eps, float step_size, int threads) {
+  AdamArgs a;
+  const size_t n = param.size();
+  a.param = fp32_buffer(param, "param", n);
+  a.exp_avg = fp32_buffer(exp_avg, "exp_avg", n);
+  a.exp_avg_sq = fp32_buffer(exp_avg_sq, "exp_avg_sq", n);
+  require_dense_cpu(grad, "grad");
+  a.grad_dtype = dtype_of(grad, "grad");
+  a.grad = grad.data();
+  if (grad.size() != n)
+    throw std::invalid_argument("grad has " + std::to_string(grad.size()) + " elements, param has " +
+                                std::to_string(n));
+  if (out16) {
+    require_dense_cpu(*out16, "out16");
+    a.out_dtype = dtype_of(*out16, "out16");
+    if (a.out_dtype == DType::F32) throw std::invalid_argument("out16 must be bfloat16 or float16");
+    if (out16->size() != n)
+      throw std::invalid_argument("out16 has " + std::to_string(out16->size()) + " elements, param has " +
+                                  std::to_string(n));
+    a.out16 = out16->data();
+  }
+  a.grad_scale = grad_scale;
+  a.decay = decay;
+  a.l2 = l2;
+  a.one_minus_beta1 = one_minus_beta1;
+  a.beta2 = beta2;
+  a.one_minus_beta2 = one_minus_beta2;
+  a.bc2_sqrt = bc2_sqrt;
+  a.eps = eps;
+  a.step_size = step_size;
+  a.native_bf16 = true;
+  nb::gil_scoped_release unlocked;
+  adam(a, n, threads);
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -62,6 +115,12 @@ NB_MODULE(_native, m) {
   m.def("select_variant", &select_variant, nb::arg("variant"));
   m.def("sq_norm", &py_sq_norm, nb::arg("grad").noconvert(), nb::arg("threads") = 1,
         "(sum of squares as float64, count of non-finite elements) of a dense CPU buffer.");
+  m.def("adam", &py_adam, nb::arg("param").noconvert(), nb::arg("grad").noconvert(),
+        nb::arg("exp_avg").noconvert(), nb::arg("exp_avg_sq").noconvert(), nb::arg("out16").none(),
+        nb::arg("grad_scale"), nb::arg("decay"), nb::arg("l2"), nb::arg("one_minus_beta1"), nb::arg("beta2"),
+        nb::arg("one_minus_beta2"), nb::arg("bc2_sqrt"), nb::arg("eps"), nb::arg("step_size"), nb::arg("threads"),
+        "One fused Adam/AdamW step over flat CPU buffers (scalars precomputed by offload.native.adam_step).");
+  m.def("cpu_has_bf16", &cpu_has_bf16);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);

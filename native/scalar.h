@@ -4,7 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+
+#include "kernels.h"
 
 namespace offload {
 namespace scalar {
@@ -49,6 +52,58 @@ static inline float load(const void* data, int dtype, size_t i) {
     case 2: return f16_to_f32(static_cast<const uint16_t*>(data)[i]);
     default: return static_cast<const float*>(data)[i];
   }
+}
+
+// binary32 -> bfloat16, round to nearest even; every NaN becomes the quiet 0x7fc0 (as torch does).
+static inline uint16_t f32_to_bf16(float f) {
+  const uint32_t x = f32_to_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+// binary32 -> binary16, round to nearest even, overflow to Inf, NaN -> quiet NaN.
+static inline uint16_t f32_to_f16(float f) {
+  const uint32_t x = f32_to_bits(f);
+  const uint16_t sign = uint16_t((x >> 16) & 0x8000u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return sign | 0x7e00u;
+  const int e = int(ax >> 23) - 127 + 15;
+  if (e >= 31) return sign | 0x7c00u;
+  if (e <= 0) {
+    const int shift = 14 - e;
+    if (shift > 24) return sign;
+    const uint32_t full = (ax & 0x7fffffu) | 0x800000u;
+    uint32_t r = full >> shift;
+    const uint32_t rem = full & ((1u << shift) - 1u);
+    const uint32_t half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return uint16_t(sign | r);
+  }
+  uint32_t h = (uint32_t(e) << 10) | ((ax & 0x7fffffu) >> 13);
+  const uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry into the exponent is still right
+  return uint16_t(sign | h);
+}
+
+static inline void store16(void* out, int dtype, size_t i, float f) {
+  static_cast<uint16_t*>(out)[i] = dtype == 1 ? f32_to_bf16(f) : f32_to_f16(f);
+}
+
+// The Adam update of one element, in torch.optim.Adam's order of operations.
+static inline void adam_one(const AdamArgs& a, size_t i) {
+  float g = load(a.grad, int(a.grad_dtype), i) * a.grad_scale;
+  float p = a.param[i] * a.decay;
+  if (a.l2 != 0.0f) g = __builtin_fmaf(a.l2, a.param[i], g);  // skipped, not multiplied by 0: 0 * inf is NaN
+  float m = a.exp_avg[i];
+  // Fused multiply-adds where torch's vectorized lerp_ and addcmul_ use them.
+  m = __builtin_fmaf(a.one_minus_beta1, g - m, m);
+  float v = __builtin_fmaf(a.one_minus_beta2 * g, g, a.exp_avg_sq[i] * a.beta2);
+  const float denom = __builtin_sqrtf(v) / a.bc2_sqrt + a.eps;
+  p = p - (a.step_size * m) / denom;  // torch's addcdiv order: self + (value * t1) / t2
+  a.param[i] = p;
+  a.exp_avg[i] = m;
+  a.exp_avg_sq[i] = v;
+  if (a.out16 != nullptr) store16(a.out16, int(a.out_dtype), i, p);
 }
 
 static inline bool nonfinite(float f) { return (f32_to_bits(f) & 0x7f800000u) == 0x7f800000u; }

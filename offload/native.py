@@ -83,6 +83,31 @@ def grad_sq_norm(grad: torch.Tensor, threads: int | None = None) -> SqNorm:
     return SqNorm(sum_sq, nonfinite)
 
 
+def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                out16: torch.Tensor | None, *, grad_scale: float, decay: float, l2: float, one_minus_beta1: float,
+                beta2: float, one_minus_beta2: float, bc2_sqrt: float, eps: float, step_size: float,
+                threads: int | None = None) -> None:
+    """The fused Adam pass with its scalars precomputed (offload.optim.adam_step computes them)."""
+    tensors = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if out16 is not None:
+        tensors["out16"] = out16
+    checked = {name: _check_buffer(t, name) for name, t in tensors.items()}
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        if checked[name].dtype != torch.float32:
+            raise NativeError(f"{name} has dtype {checked[name].dtype}; Adam's master weights and moments are float32")
+    if out16 is not None and checked["out16"].dtype == torch.float32:
+        raise NativeError("out16 has dtype torch.float32; the copy is bfloat16 or float16")
+    n = param.numel()
+    for name, t in checked.items():
+        if t.numel() != n:
+            raise NativeError(f"{name} has {t.numel()} elements but param has {n}; the buffers must match")
+    n_threads = default_threads() if threads is None else int(threads)
+    if n_threads < 1:
+        raise NativeError(f"threads must be >= 1, got {threads}")
+    _native.adam(checked["param"], checked["grad"], checked["exp_avg"], checked["exp_avg_sq"], checked.get("out16"),
+                 grad_scale, decay, l2, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size, n_threads)
+
+
 def _apply_env() -> None:
     forced = os.environ.get(ISA_ENV, "").strip()
     if forced:

@@ -1,0 +1,55 @@
+"""The flat-buffer Adam step the engine calls per sub-group, and its hyperparameters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from offload import native
+
+
+@dataclass(frozen=True, slots=True)
+class AdamHyper:
+    """Adam/AdamW hyperparameters, in torch.optim.Adam's meaning."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adamw_mode: bool = True  # decoupled weight decay (AdamW); False: L2 added to the gradient (Adam)
+    bias_correction: bool = True
+
+    def __post_init__(self) -> None:
+        beta1, beta2 = self.betas
+        for name, value, ok in (("lr", self.lr, self.lr >= 0), ("eps", self.eps, self.eps > 0),
+                                ("weight_decay", self.weight_decay, self.weight_decay >= 0),
+                                ("betas[0]", beta1, 0 <= beta1 < 1), ("betas[1]", beta2, 0 <= beta2 < 1)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
+                raise ValueError(f"invalid Adam {name}: {value!r} (lr >= 0, eps > 0, weight_decay >= 0, "
+                                 "0 <= betas < 1)")
+
+
+def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+              step: int, hyper: AdamHyper, grad_scale: float = 1.0, out16: torch.Tensor | None = None,
+              threads: int | None = None) -> None:
+    """One fused pass: unscale/clip the gradient by ``grad_scale``, update master/exp_avg/exp_avg_sq
+    in place, and (optionally) write the new params as bf16/fp16 into ``out16``.
+
+    ``step`` counts from 1, as torch's optimizers do after incrementing. Scalars are computed here
+    in double and rounded once, the way torch.optim.Adam passes Python floats to its kernels.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be a whole number >= 1 (the step being taken), got {step!r}")
+    if not math.isfinite(grad_scale):
+        raise ValueError(f"grad_scale must be finite, got {grad_scale!r}")
+    beta1, beta2 = hyper.betas
+    bc1 = 1.0 - beta1 ** step if hyper.bias_correction else 1.0
+    bc2 = 1.0 - beta2 ** step if hyper.bias_correction else 1.0
+    native.adam_kernel(
+        master, grad, exp_avg, exp_avg_sq, out16, grad_scale=grad_scale,
+        decay=1.0 - hyper.lr * hyper.weight_decay if hyper.adamw_mode else 1.0,
+        l2=0.0 if hyper.adamw_mode else hyper.weight_decay,
+        one_minus_beta1=1.0 - beta1, beta2=beta2, one_minus_beta2=1.0 - beta2, bc2_sqrt=math.sqrt(bc2),
+        eps=hyper.eps, step_size=hyper.lr / bc1, threads=threads)

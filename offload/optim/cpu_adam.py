@@ -1,0 +1,75 @@
+"""CPUAdam: a torch.optim.Optimizer over CPU fp32 params, running the native fused kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from offload.optim.adam import AdamHyper, adam_step
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW on CPU tensors; a drop-in for torch.optim.AdamW there and for DeepSpeedCPUAdam.
+
+    State (``step``, ``exp_avg``, ``exp_avg_sq``) has torch's names and layout, so state dicts
+    move between this and torch.optim.Adam/AdamW both ways; LR schedulers work through
+    ``param_groups`` as usual. ``threads`` defaults to the machine's physical cores.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 adamw_mode: bool = True, bias_correction: bool = True, *, threads: int | None = None) -> None:
+        AdamHyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)  # validates
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
+                        bias_correction=bias_correction)
+        super().__init__(params, defaults)
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = threads
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                where = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+                if p.device.type != "cpu":
+                    raise ValueError(f"CPUAdam updates CPU tensors; {where} is on {p.device}. Keep a CPU fp32 "
+                                     "master copy, or use torch.optim.AdamW on the device")
+                if p.dtype != torch.float32:
+                    raise ValueError(f"CPUAdam needs float32 params (the master weights); {where} is {p.dtype}")
+                if not p.is_contiguous():
+                    raise ValueError(f"CPUAdam needs contiguous params; {where} is not")
+
+    def _hyper(self, group: dict[str, Any]) -> AdamHyper:
+        if group.get("amsgrad", False):
+            raise ValueError("CPUAdam does not implement amsgrad (a loaded state dict asks for it)")
+        if group.get("maximize", False):
+            raise ValueError("CPUAdam does not implement maximize (a loaded state dict asks for it)")
+        # A group loaded from torch's AdamW lacks our keys; torch's AdamW is decoupled and bias-corrected.
+        return AdamHyper(lr=float(group["lr"]), betas=(float(group["betas"][0]), float(group["betas"][1])),
+                         eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                         adamw_mode=bool(group.get("adamw_mode", group.get("decoupled_weight_decay", True))),
+                         bias_correction=bool(group.get("bias_correction", True)))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            hyper = self._hyper(group)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("CPUAdam does not take sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["step"] += 1
+                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+                adam_step(p, grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), hyper,
+                          threads=self.threads)
+        return loss
