@@ -69,6 +69,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if result.last_loss < result.first_loss else 1
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from offload.bench import adam
+    if args.what not in ("adam", "all"):
+        print(f"offload bench {args.what}: not built yet (adam is)", file=sys.stderr)
+        return 2
+    sizes = [adam.parse_size(s) for s in args.sizes.split(",")]
+    out = Path(args.out) if args.out else Path("bench-results") / "adam.json"
+    adam.run(sizes, repeats=args.repeats, threads=args.threads, out=out, stream=sys.stdout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload", description=offload.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="a JSON config instead of the embedded default")
     p.add_argument("--steps", type=int, default=150)
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("bench", help="benchmarks beside their baselines, in one run; writes JSON")
+    p.add_argument("what", choices=["adam", "all", "pcie", "nvme", "step"], help="which benchmark")
+    p.add_argument("--sizes", default="10M,100M", help="parameter counts, comma-separated (default 10M,100M)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported")
+    p.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
+    p.add_argument("--out", default=None, help="JSON path (default bench-results/<what>.json)")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -3,8 +3,9 @@
 It loads the embedded default config (or yours), resolves its "auto" keys for the
 model, and trains a small byte-level causal transformer on embedded text. The
 global gradient norm, the clip and the non-finite check run through offload's
-native kernel (and are checked against torch's); the optimizer step is torch's
-AdamW with the config's hyperparameters until offload's CPU Adam and engine land.
+native kernel (and are checked against torch's), and the step is offload's
+native CPUAdam with the config's hyperparameters. The ZeRO engine is not here
+yet: this runs in one process, unsharded.
 The loss falls visibly within seconds.
 """
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from offload import native
 from offload.config import Config
+from offload.optim import CPUAdam
 
 TEXT = (
     "offload keeps the parameters, gradients and optimizer state of a model on the tier "
@@ -101,11 +103,13 @@ def run_demo(config: Config | str | None = None, steps: int = 150, seed: int = 0
         say(f"config note: {note}")
     say(f"native kernels: {native.active_variant()} (runs here: {', '.join(native.supported_variants())})")
     params = [p for p in model.parameters() if p.requires_grad]
-    say(f"model: {sum(p.numel() for p in params):,} parameters; optimizer step: torch AdamW "
-        "(offload's CPU Adam arrives with the optimizer issue)")
-    optimizer = torch.optim.AdamW(
+    say(f"model: {sum(p.numel() for p in params):,} parameters; optimizer: offload CPUAdam "
+        f"({'AdamW' if not opt_cfg or opt_cfg.adam_w_mode else 'Adam with L2'})")
+    optimizer = CPUAdam(
         params, lr=opt_cfg.lr if opt_cfg else 1e-3, betas=opt_cfg.betas if opt_cfg else (0.9, 0.999),
-        eps=opt_cfg.eps if opt_cfg else 1e-8, weight_decay=opt_cfg.weight_decay if opt_cfg else 0.0)
+        eps=opt_cfg.eps if opt_cfg else 1e-8, weight_decay=opt_cfg.weight_decay if opt_cfg else 0.0,
+        adamw_mode=opt_cfg.adam_w_mode if opt_cfg else True,
+        bias_correction=opt_cfg.bias_correction if opt_cfg else True)
 
     data = torch.tensor(list(TEXT.encode()), dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)

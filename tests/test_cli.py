@@ -63,3 +63,20 @@ def test_usage_errors_exit_2(argv):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
+
+
+def test_bench_adam_writes_json_with_every_comparison(tmp_path, capsys):
+    out = tmp_path / "adam.json"
+    assert main(["bench", "adam", "--sizes", "200K", "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    impls = {(r["what"], r["impl"].split(" (")[0]) for r in report["rows"]}
+    assert ("adam", "torch AdamW fused=True") in impls and ("adam", "offload adam_step") in impls
+    assert ("cpu-side", "offload norm + fused step") in impls and ("ceiling", "in-place axpy") in impls
+    ours = next(r for r in report["rows"] if r["impl"].startswith("offload adam_step"))
+    assert ours["ratio_vs_baseline"] > 0 and ours["size"] == 200_000
+    assert "x vs torch" in capsys.readouterr().out
+
+
+def test_bench_of_a_benchmark_not_built_yet_says_so(capsys):
+    assert main(["bench", "nvme"]) == 2
+    assert "not built yet" in capsys.readouterr().err
