@@ -26,6 +26,12 @@ SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads);
 // so the result does not depend on the thread count.
 void adam(AdamArgs args, size_t n, int threads);
 
+// a += s * b with the same tiles and threads as adam (the bandwidth ceiling's probe).
+void axpy(float* a, const float* b, float s, size_t n, int threads);
+
+// Adam's memory traffic without its arithmetic (the ceiling probe for the Adam benchmark).
+void touch3(float* p, float* m, float* v, const float* g, size_t n, int threads);
+
 // Whether the CPU converts to bf16 natively (avx512_bf16).
 bool cpu_has_bf16();
 

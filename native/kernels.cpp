@@ -86,39 +86,26 @@ __attribute__((target("avx512bf16"))) inline __m256i bf16_16_native(__m512 x) {
   return r;
 }
 
-inline void store16x16(const AdamArgs& a, size_t i, __m512 x) {
-  __m256i h;
-  if (a.out_dtype == DType::F16) h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  else h = a.native_bf16 ? bf16_16_native(x) : bf16_16_emulated(x);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(a.out16) + i), h);
-}
-
-void adam(const AdamArgs& a, size_t begin, size_t end) {
-  const __m512 scale = _mm512_set1_ps(a.grad_scale), decay = _mm512_set1_ps(a.decay), l2 = _mm512_set1_ps(a.l2);
-  const __m512 b1c = _mm512_set1_ps(a.one_minus_beta1), b2 = _mm512_set1_ps(a.beta2);
-  const __m512 b2c = _mm512_set1_ps(a.one_minus_beta2), bc2 = _mm512_set1_ps(a.bc2_sqrt);
-  const __m512 eps = _mm512_set1_ps(a.eps), step = _mm512_set1_ps(a.step_size);
-  const bool use_scale = a.grad_scale != 1.0f, use_decay = a.decay != 1.0f, use_l2 = a.l2 != 0.0f;
-  size_t i = begin;
-  for (; i + 16 <= end; i += 16) {
-    __m512 g = load16(a.grad, a.grad_dtype, i);
-    if (use_scale) g = _mm512_mul_ps(g, scale);
-    const __m512 p0 = _mm512_loadu_ps(a.param + i);
-    __m512 p = use_decay ? _mm512_mul_ps(p0, decay) : p0;
-    if (use_l2) g = _mm512_fmadd_ps(l2, p0, g);  // torch's add(alpha=) is an FMA
-    __m512 m = _mm512_loadu_ps(a.exp_avg + i);
-    m = _mm512_fmadd_ps(b1c, _mm512_sub_ps(g, m), m);
-    __m512 v = _mm512_loadu_ps(a.exp_avg_sq + i);
-    v = _mm512_fmadd_ps(_mm512_mul_ps(b2c, g), g, _mm512_mul_ps(v, b2));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
-    p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(step, m), denom));
-    _mm512_storeu_ps(a.param + i, p);
-    _mm512_storeu_ps(a.exp_avg + i, m);
-    _mm512_storeu_ps(a.exp_avg_sq + i, v);
-    if (a.out16 != nullptr) store16x16(a, i, p);
+struct Vec {
+  using F = __m512;
+  static constexpr size_t W = 16;
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F load_any(const void* data, DType dtype, size_t i) { return load16(data, dtype, i); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store16(void* out, DType dtype, bool native_bf16, size_t i, F x) {
+    __m256i h;
+    if (dtype == DType::F16) h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    else h = native_bf16 ? bf16_16_native(x) : bf16_16_emulated(x);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), h);
   }
-  for (; i < end; ++i) scalar::adam_one(a, i);
-}
+};
 
 #elif defined(__AVX2__)
 
@@ -182,48 +169,124 @@ inline __m128i bf16_8(__m256 x) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
 }
 
-inline void store16x8(const AdamArgs& a, size_t i, __m256 x) {
-  const __m128i h = a.out_dtype == DType::F16 ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                                              : bf16_8(x);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.out16) + i), h);
-}
-
-void adam(const AdamArgs& a, size_t begin, size_t end) {
-  const __m256 scale = _mm256_set1_ps(a.grad_scale), decay = _mm256_set1_ps(a.decay), l2 = _mm256_set1_ps(a.l2);
-  const __m256 b1c = _mm256_set1_ps(a.one_minus_beta1), b2 = _mm256_set1_ps(a.beta2);
-  const __m256 b2c = _mm256_set1_ps(a.one_minus_beta2), bc2 = _mm256_set1_ps(a.bc2_sqrt);
-  const __m256 eps = _mm256_set1_ps(a.eps), step = _mm256_set1_ps(a.step_size);
-  const bool use_scale = a.grad_scale != 1.0f, use_decay = a.decay != 1.0f, use_l2 = a.l2 != 0.0f;
-  size_t i = begin;
-  for (; i + 8 <= end; i += 8) {
-    __m256 g = load8(a.grad, a.grad_dtype, i);
-    if (use_scale) g = _mm256_mul_ps(g, scale);
-    const __m256 p0 = _mm256_loadu_ps(a.param + i);
-    __m256 p = use_decay ? _mm256_mul_ps(p0, decay) : p0;
-    if (use_l2) g = _mm256_fmadd_ps(l2, p0, g);  // torch's add(alpha=) is an FMA
-    __m256 m = _mm256_loadu_ps(a.exp_avg + i);
-    m = _mm256_fmadd_ps(b1c, _mm256_sub_ps(g, m), m);
-    __m256 v = _mm256_loadu_ps(a.exp_avg_sq + i);
-    v = _mm256_fmadd_ps(_mm256_mul_ps(b2c, g), g, _mm256_mul_ps(v, b2));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
-    p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step, m), denom));
-    _mm256_storeu_ps(a.param + i, p);
-    _mm256_storeu_ps(a.exp_avg + i, m);
-    _mm256_storeu_ps(a.exp_avg_sq + i, v);
-    if (a.out16 != nullptr) store16x8(a, i, p);
+struct Vec {
+  using F = __m256;
+  static constexpr size_t W = 8;
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static F load_any(const void* data, DType dtype, size_t i) { return load8(data, dtype, i); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store16(void* out, DType dtype, bool, size_t i, F x) {
+    const __m128i h = dtype == DType::F16 ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                          : bf16_8(x);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), h);
   }
-  for (; i < end; ++i) scalar::adam_one(a, i);
-}
+};
 
 #else
 
 SqNorm sq_norm(const void* data, DType dtype, size_t n) { return sq_norm_tail(data, dtype, 0, n); }
 
-void adam(const AdamArgs& a, size_t begin, size_t end) {
-  for (size_t i = begin; i < end; ++i) scalar::adam_one(a, i);
-}
+#define OFFLOAD_SCALAR_ONLY 1
 
 #endif
+
+// One element at a time: the portable variant, and every variant's tail.
+struct Scalar {
+  using F = float;
+  static constexpr size_t W = 1;
+  static F set1(float x) { return x; }
+  static F load(const float* p) { return *p; }
+  static void store(float* p, F x) { *p = x; }
+  static F load_any(const void* data, DType dtype, size_t i) { return scalar::load(data, int(dtype), i); }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F mul(F a, F b) { return a * b; }
+  static F div(F a, F b) { return a / b; }
+  static F sqrt(F a) { return __builtin_sqrtf(a); }
+  static F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
+  static void store16(void* out, DType dtype, bool, size_t i, F x) { scalar::store16(out, int(dtype), i, x); }
+};
+
+// [Note: Adam's order of operations] Each line rounds where torch.optim.Adam's
+// single-tensor path rounds, and uses an FMA where torch's vectorized lerp_, addcmul_
+// and add(alpha=) do, so the moments come out bit-identical to torch's; the params
+// differ only where torch's CPU sqrt is not correctly rounded (ours is). Scalars arrive
+// pre-rounded to float as torch rounds its Python-float arguments.
+template <class V>
+size_t adam_span(const AdamArgs& a, size_t i, size_t end) {
+  using F = typename V::F;
+  const F scale = V::set1(a.grad_scale), decay = V::set1(a.decay), l2 = V::set1(a.l2);
+  const F b1c = V::set1(a.one_minus_beta1), b2 = V::set1(a.beta2), b2c = V::set1(a.one_minus_beta2);
+  const F bc2 = V::set1(a.bc2_sqrt), eps = V::set1(a.eps), step = V::set1(a.step_size);
+  const bool use_scale = a.grad_scale != 1.0f, use_decay = a.decay != 1.0f, use_l2 = a.l2 != 0.0f;
+  for (; i + V::W <= end; i += V::W) {
+    F g = V::load_any(a.grad, a.grad_dtype, i);
+    if (use_scale) g = V::mul(g, scale);
+    const F p0 = V::load(a.param + i);
+    F p = use_decay ? V::mul(p0, decay) : p0;     // AdamW: param.mul_(1 - lr * wd)
+    if (use_l2) g = V::fmadd(l2, p0, g);          // Adam: grad.add(param, alpha=wd); skipped, not * 0 (0 * inf)
+    F m = V::load(a.exp_avg + i);
+    m = V::fmadd(b1c, V::sub(g, m), m);           // exp_avg.lerp_(grad, 1 - beta1)
+    F v = V::load(a.exp_avg_sq + i);
+    v = V::fmadd(V::mul(b2c, g), g, V::mul(v, b2));  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
+    const F denom = V::add(V::div(V::sqrt(v), bc2), eps);
+    p = V::sub(p, V::div(V::mul(step, m), denom));  // param.addcdiv_(m, denom, -step_size)
+    V::store(a.param + i, p);
+    V::store(a.exp_avg + i, m);
+    V::store(a.exp_avg_sq + i, v);
+    if (a.out16 != nullptr) V::store16(a.out16, a.out_dtype, a.native_bf16, i, p);
+  }
+  return i;
+}
+
+void adam(const AdamArgs& a, size_t begin, size_t end) {
+#if defined(OFFLOAD_SCALAR_ONLY)
+  adam_span<Scalar>(a, begin, end);
+#else
+  adam_span<Scalar>(a, adam_span<Vec>(a, begin, end), end);
+#endif
+}
+
+template <class V>
+size_t axpy_span(float* a, const float* b, float s, size_t i, size_t end) {
+  const typename V::F k = V::set1(s);
+  for (; i + V::W <= end; i += V::W) V::store(a + i, V::fmadd(k, V::load(b + i), V::load(a + i)));
+  return i;
+}
+
+void axpy(float* a, const float* b, float s, size_t begin, size_t end) {
+#if defined(OFFLOAD_SCALAR_ONLY)
+  axpy_span<Scalar>(a, b, s, begin, end);
+#else
+  axpy_span<Scalar>(a, b, s, axpy_span<Vec>(a, b, s, begin, end), end);
+#endif
+}
+
+template <class V>
+size_t touch3_span(float* p, float* m, float* v, const float* g, size_t i, size_t end) {
+  for (; i + V::W <= end; i += V::W) {
+    const typename V::F x = V::load(g + i);
+    V::store(p + i, V::add(V::load(p + i), x));
+    V::store(m + i, V::add(V::load(m + i), x));
+    V::store(v + i, V::add(V::load(v + i), x));
+  }
+  return i;
+}
+
+void touch3(float* p, float* m, float* v, const float* g, size_t begin, size_t end) {
+#if defined(OFFLOAD_SCALAR_ONLY)
+  touch3_span<Scalar>(p, m, v, g, begin, end);
+#else
+  touch3_span<Scalar>(p, m, v, g, touch3_span<Vec>(p, m, v, g, begin, end), end);
+#endif
+}
 
 }  // namespace
 
@@ -231,6 +294,8 @@ extern const KernelTable OFFLOAD_CAT(kernels_, OFFLOAD_ISA_NAME) = {
     OFFLOAD_STR(OFFLOAD_ISA_NAME),
     &sq_norm,
     &adam,
+    &axpy,
+    &touch3,
 };
 
 }  // namespace offload

@@ -50,6 +50,12 @@ struct KernelTable {
   SqNorm (*sq_norm)(const void* data, DType dtype, size_t n);
   // Elements [begin, end) of one Adam step.
   void (*adam)(const AdamArgs& a, size_t begin, size_t end);
+  // a[i] += s * b[i] over [begin, end): the in-place read-2-write-1 pattern of an optimizer
+  // update, measured by the benchmarks as the practical DRAM ceiling.
+  void (*axpy)(float* a, const float* b, float s, size_t begin, size_t end);
+  // p += g, m += g, v += g over [begin, end): Adam's memory traffic (read 4 streams, write 3)
+  // with no arithmetic to speak of, the ceiling an Adam step can approach.
+  void (*touch3)(float* p, float* m, float* v, const float* g, size_t begin, size_t end);
 };
 
 extern const KernelTable kernels_portable;

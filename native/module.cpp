@@ -61,7 +61,7 @@ float* fp32_buffer(const RwArray& a, const char* what, size_t n) {
   if (!(d.code == uint8_t(nb::dlpack::dtype_code::Float) && d.bits == 32 && d.lanes == 1))
     throw std::invalid_argument(std::string(what) + " must be float32");
   if (a.size() != n)
-    throw std::invalid_argument(std::string(what) + " has " + std::to_string(a.size()) + " elements, param has " +
+    throw std::invalid_argument(std::string(what) + " has " + std::to_string(a.size()) + " elements, expected " +
                                 std::to_string(n));
   return static_cast<float*>(a.data());
 }
@@ -103,6 +103,23 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
   adam(a, n, threads);
 }
 
+void py_axpy(const RwArray& a, const RwArray& b, float s, int threads) {
+  float* pa = fp32_buffer(a, "a", a.size());
+  const float* pb = fp32_buffer(b, "b", a.size());
+  nb::gil_scoped_release unlocked;
+  axpy(pa, pb, s, a.size(), threads);
+}
+
+void py_touch3(const RwArray& p, const RwArray& m, const RwArray& v, const RwArray& g, int threads) {
+  const size_t n = p.size();
+  float* pp = fp32_buffer(p, "p", n);
+  float* pm = fp32_buffer(m, "m", n);
+  float* pv = fp32_buffer(v, "v", n);
+  const float* pg = fp32_buffer(g, "g", n);
+  nb::gil_scoped_release unlocked;
+  touch3(pp, pm, pv, pg, n, threads);
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -121,6 +138,10 @@ NB_MODULE(_native, m) {
         nb::arg("one_minus_beta2"), nb::arg("bc2_sqrt"), nb::arg("eps"), nb::arg("step_size"), nb::arg("threads"),
         "One fused Adam/AdamW step over flat CPU buffers (scalars precomputed by offload.native.adam_step).");
   m.def("cpu_has_bf16", &cpu_has_bf16);
+  m.def("touch3", &py_touch3, nb::arg("p").noconvert(), nb::arg("m").noconvert(), nb::arg("v").noconvert(),
+        nb::arg("g").noconvert(), nb::arg("threads"), "p += g, m += g, v += g: Adam's memory traffic alone.");
+  m.def("axpy", &py_axpy, nb::arg("a").noconvert(), nb::arg("b").noconvert(), nb::arg("s"), nb::arg("threads"),
+        "a += s * b in place (float32), the benchmarks' DRAM-ceiling probe.");
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);

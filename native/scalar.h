@@ -4,10 +4,8 @@
 #pragma once
 
 #include <cstdint>
-#include <cmath>
 #include <cstring>
 
-#include "kernels.h"
 
 namespace offload {
 namespace scalar {
@@ -87,23 +85,6 @@ static inline uint16_t f32_to_f16(float f) {
 
 static inline void store16(void* out, int dtype, size_t i, float f) {
   static_cast<uint16_t*>(out)[i] = dtype == 1 ? f32_to_bf16(f) : f32_to_f16(f);
-}
-
-// The Adam update of one element, in torch.optim.Adam's order of operations.
-static inline void adam_one(const AdamArgs& a, size_t i) {
-  float g = load(a.grad, int(a.grad_dtype), i) * a.grad_scale;
-  float p = a.param[i] * a.decay;
-  if (a.l2 != 0.0f) g = __builtin_fmaf(a.l2, a.param[i], g);  // skipped, not multiplied by 0: 0 * inf is NaN
-  float m = a.exp_avg[i];
-  // Fused multiply-adds where torch's vectorized lerp_ and addcmul_ use them.
-  m = __builtin_fmaf(a.one_minus_beta1, g - m, m);
-  float v = __builtin_fmaf(a.one_minus_beta2 * g, g, a.exp_avg_sq[i] * a.beta2);
-  const float denom = __builtin_sqrtf(v) / a.bc2_sqrt + a.eps;
-  p = p - (a.step_size * m) / denom;  // torch's addcdiv order: self + (value * t1) / t2
-  a.param[i] = p;
-  a.exp_avg[i] = m;
-  a.exp_avg_sq[i] = v;
-  if (a.out16 != nullptr) store16(a.out16, int(a.out_dtype), i, p);
 }
 
 static inline bool nonfinite(float f) { return (f32_to_bits(f) & 0x7f800000u) == 0x7f800000u; }

@@ -108,6 +108,25 @@ def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                  grad_scale, decay, l2, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size, n_threads)
 
 
+def axpy_(a: torch.Tensor, b: torch.Tensor, s: float, threads: int | None = None) -> torch.Tensor:
+    """a += s * b in place (float32): the read-2-write-1 pattern whose speed bounds an in-place update."""
+    a_, b_ = _check_buffer(a, "a"), _check_buffer(b, "b")
+    if a_.dtype != torch.float32 or b_.dtype != torch.float32:
+        raise NativeError("axpy_ takes float32 tensors")
+    if a_.numel() != b_.numel():
+        raise NativeError(f"a has {a_.numel()} elements but b has {b_.numel()}")
+    _native.axpy(a_, b_, float(s), default_threads() if threads is None else int(threads))
+    return a
+
+
+def touch3_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, threads: int | None = None) -> None:
+    """p += g, m += g, v += g in one pass: an Adam step's memory traffic with none of its arithmetic."""
+    bufs = {name: _check_buffer(t, name) for name, t in (("p", p), ("m", m), ("v", v), ("g", g))}
+    if any(t.dtype != torch.float32 or t.numel() != p.numel() for t in bufs.values()):
+        raise NativeError("touch3_ takes four float32 tensors of one length")
+    _native.touch3(bufs["p"], bufs["m"], bufs["v"], bufs["g"], default_threads() if threads is None else int(threads))
+
+
 def _apply_env() -> None:
     forced = os.environ.get(ISA_ENV, "").strip()
     if forced:

@@ -10,14 +10,6 @@ from offload import native
 from offload.optim import AdamHyper, adam_step
 
 
-@pytest.fixture(params=native.supported_variants())
-def variant(request):
-    before = native.active_variant()
-    native.select_variant(request.param)
-    yield request.param
-    native.select_variant(before)
-
-
 # torch's CPU sqrt is not correctly rounded (ours is), so a denominator may differ by an ulp;
 # that is the whole difference, and it stays at fp32 rounding over many steps.
 RTOL, ATOL = 1e-6, 1e-6

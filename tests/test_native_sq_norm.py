@@ -8,14 +8,6 @@ import torch
 from offload import native
 
 
-@pytest.fixture(params=native.supported_variants())
-def variant(request):
-    before = native.active_variant()
-    native.select_variant(request.param)
-    yield request.param
-    native.select_variant(before)
-
-
 def reference(x: torch.Tensor) -> tuple[float, int]:
     x64 = x.double()
     return float((x64 * x64).sum()), int((~torch.isfinite(x)).sum())
@@ -113,3 +105,18 @@ def test_native_layer_rejects_what_the_wrapper_would(variant):
 def test_grad_requiring_tensor_is_read_without_copy():
     p = torch.nn.Parameter(torch.ones(10))
     assert native.grad_sq_norm(p).sum_sq == 10.0
+
+
+def test_bandwidth_probes_compute_what_they_say(variant):
+    a, b = torch.randn(100_003), torch.randn(100_003)
+    want = a + 0.25 * b
+    native.axpy_(a, b, 0.25, threads=2)
+    assert_close_exact = torch.testing.assert_close
+    assert_close_exact(a, want, rtol=1e-6, atol=1e-6)
+    p, m, v, g = (torch.randn(70_001) for _ in range(4))
+    expect = [t + g for t in (p, m, v)]
+    native.touch3_(p, m, v, g, threads=2)
+    for got, want in zip((p, m, v), expect):
+        assert torch.equal(got, want)
+    with pytest.raises(native.NativeError, match="one length"):
+        native.touch3_(p, m, v, torch.randn(3))

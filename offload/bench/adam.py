@@ -1,5 +1,8 @@
 """`offload bench adam`: the CPU optimizer step against torch's AdamW and the DRAM ceiling, in one run.
 
+The ceiling is the faster of two in-place probes run just before, with the same threads:
+an axpy (read 2, write 1) and Adam's own traffic without its arithmetic (read 4, write 3).
+
 Two comparisons at each size, medians of repeated runs on the same machine:
 1. Adam alone (fp32 grads): ours vs torch.optim.AdamW(fused=True) and (foreach=True), beside
    the in-place read-modify-write bandwidth measured now (the ceiling for an in-place update).
@@ -31,14 +34,23 @@ MAX_NORM = 1.0
 
 
 def median_seconds(fn: Callable[[], None], repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return interleaved({"only": fn}, repeats, warmup)["only"]
+
+
+def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds of each function, run in alternating rounds: memory bandwidth here drifts
+    20-30% within an hour, and rounds spread that drift over every contender alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 @dataclass
@@ -71,18 +83,26 @@ def _machine(threads: int) -> dict:
 def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None]) -> list[Row]:
     rows: list[Row] = []
     gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-    axpy = median_seconds(lambda: a.add_(b, alpha=1e-6), repeats)
-    ceiling = AXPY_BYTES * n / axpy / 1e9
-    rows.append(Row(n, "ceiling", "in-place axpy (torch add_)", axpy, n / axpy, ceiling))
-    say(f"  {n:>11,}  in-place bandwidth ceiling {ceiling:6.1f} GB/s")
-    del a, b
+    # The ceiling: the faster of two in-place probes measured now, on the same threads and tiles.
+    a, b, c, d = (torch.randn(n, generator=gen) for _ in range(4))
+    t = interleaved({"axpy": lambda: native.axpy_(a, b, 1e-6, threads=threads),
+                     "touch3": lambda: native.touch3_(a, c, d, b, threads=threads)}, repeats)
+    axpy, touch = t["axpy"], t["touch3"]
+    probes = {"in-place axpy a += s*b (read 2, write 1)": (axpy, AXPY_BYTES),
+              "Adam-shaped traffic p,m,v += g (read 4, write 3)": (touch, ADAM_BYTES)}
+    ceiling = 0.0
+    for impl, (seconds, nbytes) in probes.items():
+        gbs = nbytes * n / seconds / 1e9
+        ceiling = max(ceiling, gbs)
+        rows.append(Row(n, "ceiling", impl, seconds, n / seconds, gbs))
+        say(f"  {n:>11,}  ceiling    {impl:<48} {gbs:5.1f} GB/s")
+    del a, b, c, d
 
     def row(what: str, impl: str, seconds: float, nbytes: int, base: float | None) -> Row:
         gbs = nbytes * n / seconds / 1e9
         r = Row(n, what, impl, seconds, n / seconds, gbs, gbs / ceiling, None if base is None else base / seconds)
         ratio = f"  {r.ratio_vs_baseline:4.2f}x vs torch" if base is not None else ""
-        say(f"  {n:>11,}  {what:<10} {impl:<34} {seconds * 1e3:8.1f} ms  {n / seconds / 1e9:5.2f} G params/s  "
+        say(f"  {n:>11,}  {what:<10} {impl:<48} {seconds * 1e3:8.1f} ms  {n / seconds / 1e9:5.2f} G params/s  "
             f"{gbs:5.1f} GB/s ({gbs / ceiling:4.0%} of ceiling){ratio}")
         rows.append(r)
         return r
@@ -99,16 +119,16 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None]) -
 
     tp = torch.nn.Parameter(p.clone())
     tp.grad = g.clone()
-    fused = torch.optim.AdamW([tp], lr=HYPER.lr, betas=HYPER.betas, eps=HYPER.eps, weight_decay=HYPER.weight_decay,
-                              fused=True)
-    t_fused = median_seconds(fused.step, repeats)
-    row("adam", "torch AdamW fused=True", t_fused, ADAM_BYTES, None)
-    del fused
-    foreach = torch.optim.AdamW([tp], lr=HYPER.lr, betas=HYPER.betas, eps=HYPER.eps,
-                                weight_decay=HYPER.weight_decay, foreach=True)
-    row("adam", "torch AdamW foreach=True", median_seconds(foreach.step, repeats), ADAM_BYTES, None)
-    del foreach
-    row("adam", f"offload adam_step ({native.active_variant()})", median_seconds(ours, repeats), ADAM_BYTES, t_fused)
+    kw = dict(lr=HYPER.lr, betas=HYPER.betas, eps=HYPER.eps, weight_decay=HYPER.weight_decay)
+    fused = torch.optim.AdamW([tp], fused=True, **kw)
+    foreach = torch.optim.AdamW([tp], foreach=True, **kw)
+    ours_name = f"offload adam_step ({native.active_variant()})"
+    t = interleaved({"torch AdamW fused=True": fused.step, "torch AdamW foreach=True": foreach.step,
+                     ours_name: ours}, repeats)
+    base = t["torch AdamW fused=True"]
+    for impl, seconds in t.items():
+        row("adam", impl, seconds, ADAM_BYTES, base if impl == ours_name else None)
+    del fused, foreach
 
     # 2. The whole CPU side: bf16 grads in, bf16 params out.
     g16 = g.to(torch.bfloat16)
@@ -120,8 +140,7 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None]) -
         step[0] += 1
         adam_step(p, g16, m, v, step[0], HYPER, grad_scale=scale, out16=out16, threads=threads)
 
-    opt = torch.optim.AdamW([tp], lr=HYPER.lr, betas=HYPER.betas, eps=HYPER.eps, weight_decay=HYPER.weight_decay,
-                            fused=True)
+    opt = torch.optim.AdamW([tp], fused=True, **kw)
     tout = torch.empty(n, dtype=torch.bfloat16)
 
     def torch_side() -> None:
@@ -130,10 +149,11 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None]) -
         opt.step()
         tout.copy_(tp.detach())
 
-    t_torch = median_seconds(torch_side, repeats)
-    row("cpu-side", "torch float()+clip+fused AdamW+to(bf16)", t_torch, FUSED_BYTES, None)
-    row("cpu-side", f"offload norm + fused step ({native.active_variant()})", median_seconds(ours_fused, repeats),
-        FUSED_BYTES, t_torch)
+    torch_name = "torch float()+clip+fused AdamW+to(bf16)"
+    ours_name = f"offload norm + fused step ({native.active_variant()})"
+    t = interleaved({torch_name: torch_side, ours_name: ours_fused}, repeats)
+    row("cpu-side", torch_name, t[torch_name], FUSED_BYTES, None)
+    row("cpu-side", ours_name, t[ours_name], FUSED_BYTES, t[torch_name])
     return rows
 
 

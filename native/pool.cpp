@@ -1,0 +1,101 @@
+#include "pool.h"
+
+#include <pthread.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace offload {
+namespace {
+
+class Pool {
+ public:
+  void run(size_t workers, const std::function<void(size_t)>& fn) {
+    std::lock_guard<std::mutex> one_job_at_a_time(run_mu_);
+    const size_t helpers = grow(workers - 1);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = &fn;
+      wanted_ = helpers;
+      pending_ = helpers;
+      ++generation_;
+    }
+    start_.notify_all();
+    fn(0);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  // Start helpers up to `helpers`; returns how many exist (fewer if the OS refuses threads).
+  size_t grow(size_t helpers) {
+    while (threads_.size() < helpers) {
+      try {
+        // The helper starts from the current generation: a job posted before it first
+        // takes the lock is still seen as new (run_mu_ is held, so nothing posts meanwhile).
+        const size_t index = threads_.size(), seen = generation_;
+        threads_.emplace_back([this, index, seen] { loop(index, seen); });
+        threads_.back().detach();  // lives as long as the process; never joined at exit
+      } catch (const std::system_error&) {
+        break;
+      }
+    }
+    return threads_.size() < helpers ? threads_.size() : helpers;
+  }
+
+  void loop(size_t index, size_t seen) {
+    for (;;) {
+      const std::function<void(size_t)>* job = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        start_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (index >= wanted_) continue;
+        job = job_;
+      }
+      (*job)(index + 1);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex run_mu_;
+  std::mutex mu_;
+  std::condition_variable start_;
+  std::condition_variable done_;
+  std::vector<std::thread> threads_;
+  const std::function<void(size_t)>* job_ = nullptr;
+  size_t wanted_ = 0;
+  size_t pending_ = 0;
+  size_t generation_ = 0;
+};
+
+Pool* g_pool = nullptr;
+std::once_flag g_once;
+
+// A forked child has none of the parent's worker threads: give it a fresh pool (the old
+// one, whose locks may be held by threads that do not exist there, is abandoned).
+void reset_in_child() { g_pool = new Pool(); }
+
+Pool& pool() {
+  std::call_once(g_once, [] {
+    g_pool = new Pool();
+    pthread_atfork(nullptr, nullptr, &reset_in_child);
+  });
+  return *g_pool;
+}
+
+}  // namespace
+
+void run_on_workers(size_t workers, const std::function<void(size_t)>& fn) {
+  if (workers <= 1) {
+    fn(0);
+    return;
+  }
+  pool().run(workers, fn);
+}
+
+}  // namespace offload
