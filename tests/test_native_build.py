@@ -91,3 +91,22 @@ def test_gil_is_released_during_kernels():
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda _: native.grad_sq_norm(x, threads=1), range(4)))
     assert len({r.sum_sq for r in results}) == 1
+
+
+def test_kernels_work_in_a_forked_child_after_the_pool_started():
+    """A forked child (DataLoader workers, for one) has none of the parent's pool threads."""
+    code = (
+        "import os, torch\n"
+        "from offload import native\n"
+        "x = torch.ones(1 << 20)\n"
+        "assert native.grad_sq_norm(x, threads=2).sum_sq == float(1 << 20)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    ok = native.grad_sq_norm(x, threads=2).sum_sq == float(1 << 20)\n"
+        "    os._exit(0 if ok else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print(os.waitstatus_to_exitcode(status))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "0"
