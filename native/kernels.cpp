@@ -219,31 +219,58 @@ struct Scalar {
 // and add(alpha=) do, so the moments come out bit-identical to torch's; the params
 // differ only where torch's CPU sqrt is not correctly rounded (ours is). Scalars arrive
 // pre-rounded to float as torch rounds its Python-float arguments.
-template <class V>
-size_t adam_span(const AdamArgs& a, size_t i, size_t end) {
+//
+// [Note: hoisting] Everything the loop reads from AdamArgs is copied to locals and the
+// pointers marked __restrict: stores through float* could otherwise alias the struct's
+// float fields, and the compiler then reloads pointers and re-tests the flags on every
+// iteration. Gradient and copy dtypes are template parameters so their switches fold away.
+template <class V, DType G, int OUT>
+size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
   using F = typename V::F;
+  float* __restrict param = a.param;
+  float* __restrict exp_avg = a.exp_avg;
+  float* __restrict exp_avg_sq = a.exp_avg_sq;
+  const void* __restrict grad = a.grad;
+  void* __restrict out16 = a.out16;
+  const bool native_bf16 = a.native_bf16;
   const F scale = V::set1(a.grad_scale), decay = V::set1(a.decay), l2 = V::set1(a.l2);
   const F b1c = V::set1(a.one_minus_beta1), b2 = V::set1(a.beta2), b2c = V::set1(a.one_minus_beta2);
   const F bc2 = V::set1(a.bc2_sqrt), eps = V::set1(a.eps), step = V::set1(a.step_size);
   const bool use_scale = a.grad_scale != 1.0f, use_decay = a.decay != 1.0f, use_l2 = a.l2 != 0.0f;
   for (; i + V::W <= end; i += V::W) {
-    F g = V::load_any(a.grad, a.grad_dtype, i);
+    F g = V::load_any(grad, G, i);
     if (use_scale) g = V::mul(g, scale);
-    const F p0 = V::load(a.param + i);
+    const F p0 = V::load(param + i);
     F p = use_decay ? V::mul(p0, decay) : p0;     // AdamW: param.mul_(1 - lr * wd)
     if (use_l2) g = V::fmadd(l2, p0, g);          // Adam: grad.add(param, alpha=wd); skipped, not * 0 (0 * inf)
-    F m = V::load(a.exp_avg + i);
+    F m = V::load(exp_avg + i);
     m = V::fmadd(b1c, V::sub(g, m), m);           // exp_avg.lerp_(grad, 1 - beta1)
-    F v = V::load(a.exp_avg_sq + i);
+    F v = V::load(exp_avg_sq + i);
     v = V::fmadd(V::mul(b2c, g), g, V::mul(v, b2));  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
     const F denom = V::add(V::div(V::sqrt(v), bc2), eps);
     p = V::sub(p, V::div(V::mul(step, m), denom));  // param.addcdiv_(m, denom, -step_size)
-    V::store(a.param + i, p);
-    V::store(a.exp_avg + i, m);
-    V::store(a.exp_avg_sq + i, v);
-    if (a.out16 != nullptr) V::store16(a.out16, a.out_dtype, a.native_bf16, i, p);
+    V::store(param + i, p);
+    V::store(exp_avg + i, m);
+    V::store(exp_avg_sq + i, v);
+    if (OUT != 0) V::store16(out16, OUT == 1 ? DType::BF16 : DType::F16, native_bf16, i, p);
   }
   return i;
+}
+
+template <class V, DType G>
+size_t adam_span_g(const AdamArgs& a, size_t i, size_t end) {
+  if (a.out16 == nullptr) return adam_loop<V, G, 0>(a, i, end);
+  if (a.out_dtype == DType::BF16) return adam_loop<V, G, 1>(a, i, end);
+  return adam_loop<V, G, 2>(a, i, end);
+}
+
+template <class V>
+size_t adam_span(const AdamArgs& a, size_t i, size_t end) {
+  switch (a.grad_dtype) {
+    case DType::BF16: return adam_span_g<V, DType::BF16>(a, i, end);
+    case DType::F16: return adam_span_g<V, DType::F16>(a, i, end);
+    default: return adam_span_g<V, DType::F32>(a, i, end);
+  }
 }
 
 void adam(const AdamArgs& a, size_t begin, size_t end) {
