@@ -1,0 +1,8 @@
+"""Async file I/O for the NVMe tier: io_uring (liburing) or a thread pool, on O_DIRECT swap files."""
+
+from offload.aio.base import Engine, Request, SwapFile, SwapIOError
+from offload.aio.buffers import AlignedBuffer, BufferPool, PoolExhausted, round_up
+from offload.aio.select import make_engine, probe_io_uring
+
+__all__ = ["AlignedBuffer", "BufferPool", "Engine", "PoolExhausted", "Request", "SwapFile", "SwapIOError",
+           "make_engine", "probe_io_uring", "round_up"]

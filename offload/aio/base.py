@@ -1,0 +1,196 @@
+"""The I/O engine interface: byte ranges of aligned host buffers to and from O_DIRECT files.
+
+A request is split into ``block_size`` pieces, each a single read or write; pieces
+complete in any order. A short transfer continues from where it stopped and is never
+reported as success; a failed piece fails its request with an error naming the file,
+offset, length and errno, after every other piece in flight has finished (so the
+buffer is no longer being written when the caller sees the error).
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.aio.buffers import ALIGN
+
+
+class SwapIOError(OSError):
+    """A swap read or write failed; says which file, where, how much and why."""
+
+    def __init__(self, err: int, path: str, offset: int, length: int, op: str, detail: str = "") -> None:
+        reason = detail or os.strerror(err)
+        super().__init__(err, f"{op} of {length:,} bytes at offset {offset:,} in {path} failed: {reason} "
+                              f"[errno {err} {errno_mod.errorcode.get(err, '?')}]")
+        self.path, self.offset, self.length, self.op = path, offset, length, op
+
+
+@dataclass
+class SwapFile:
+    """An open O_DIRECT file, named in errors."""
+
+    path: str
+    fd: int
+    writable: bool
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], writable: bool = True, create: bool = True) -> SwapFile:
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_DIRECT | os.O_CLOEXEC
+        if create and writable:
+            flags |= os.O_CREAT
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as e:
+            raise SwapIOError(e.errno or errno_mod.EIO, os.fspath(path), 0, 0, "open",
+                              f"{e.strerror}{' (the file system may not support O_DIRECT)' if e.errno == errno_mod.EINVAL else ''}") from None
+        return cls(os.fspath(path), fd, writable)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> SwapFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class Piece:
+    """One block of a request: [offset, offset + length) of the file <-> buffer address."""
+
+    request: Request
+    offset: int
+    address: int
+    length: int
+    done: int = 0  # bytes transferred so far (short transfers continue from here)
+
+
+@dataclass(eq=False)
+class Request:
+    """A read or write of ``length`` bytes; wait() returns when every piece is done."""
+
+    op: str  # "read" | "write"
+    file: SwapFile
+    offset: int
+    length: int
+    buffer: torch.Tensor  # keeps the memory alive while the kernel writes into it
+    _pending: int = 0
+    _error: SwapIOError | None = None
+    _event: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def piece_finished(self, error: SwapIOError | None = None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._pending -= 1
+            if self._pending == 0:
+                self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"{self.op} of {self.length:,} bytes at {self.offset:,} in {self.file.path} "
+                               f"still in flight after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+
+def check_request(op: str, file: SwapFile, buffer: torch.Tensor, offset: int, length: int) -> int:
+    """Validate alignment; returns the buffer address. Lengths round up to 4 KiB on the wire."""
+    if buffer.device.type != "cpu" or not buffer.is_contiguous():
+        raise ValueError(f"{op}: the buffer must be a contiguous CPU tensor (an AlignedBuffer's)")
+    address = buffer.data_ptr()
+    if address % ALIGN or offset % ALIGN:
+        raise ValueError(f"{op} on {file.path}: O_DIRECT needs 4096-aligned buffer addresses and file offsets "
+                         f"(address % 4096 = {address % ALIGN}, offset = {offset}); use AlignedBuffer")
+    if length <= 0:
+        raise ValueError(f"{op} on {file.path}: length must be positive, got {length}")
+    capacity = buffer.numel() * buffer.element_size()
+    wire = (length + ALIGN - 1) // ALIGN * ALIGN
+    if wire > capacity:
+        raise ValueError(f"{op} on {file.path}: {length:,} bytes travel as {wire:,} (whole 4 KiB blocks) but the "
+                         f"buffer holds {capacity:,}; allocate buffers with AlignedBuffer, which rounds up")
+    if op == "write" and not file.writable:
+        raise ValueError(f"write to {file.path}, which was opened read-only")
+    return address
+
+
+def split(request: Request, address: int, block_size: int) -> list[Piece]:
+    wire = (request.length + ALIGN - 1) // ALIGN * ALIGN
+    pieces = [Piece(request, request.offset + start, address + start, min(block_size, wire - start))
+              for start in range(0, wire, block_size)]
+    request._pending = len(pieces)
+    return pieces
+
+
+class Engine:
+    """What every engine offers. Use as a context manager; close() waits for what is in flight."""
+
+    name = "engine"
+
+    def read(self, file: SwapFile, buffer: torch.Tensor, offset: int, length: int) -> Request:
+        return self.submit("read", file, buffer, offset, length)
+
+    def write(self, file: SwapFile, buffer: torch.Tensor, offset: int, length: int) -> Request:
+        return self.submit("write", file, buffer, offset, length)
+
+    def submit(self, op: str, file: SwapFile, buffer: torch.Tensor, offset: int, length: int) -> Request:
+        raise NotImplementedError
+
+    def wait_all(self, requests: list[Request]) -> None:
+        """Wait for every request; raise the first error only after all have finished."""
+        first: SwapIOError | None = None
+        for r in requests:
+            try:
+                r.wait()
+            except SwapIOError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def transfer_piece(piece: Piece) -> SwapIOError | None:
+    """One piece with plain syscalls, short transfers continued; the thread engine's worker."""
+    req = piece.request
+    view_base = piece.address
+    while piece.done < piece.length:
+        remaining = piece.length - piece.done
+        mv = _memoryview_at(view_base + piece.done, remaining)
+        try:
+            if req.op == "read":
+                n = os.preadv(req.file.fd, [mv], piece.offset + piece.done)
+            else:
+                n = os.pwritev(req.file.fd, [mv], piece.offset + piece.done)
+        except OSError as e:
+            return SwapIOError(e.errno or errno_mod.EIO, req.file.path, piece.offset + piece.done, remaining, req.op)
+        if n == 0:
+            if req.op == "read" and piece.offset + piece.done >= req.offset + req.length:
+                return None  # EOF inside the 4 KiB padding past the requested length
+            return SwapIOError(errno_mod.EIO, req.file.path, piece.offset + piece.done, remaining, req.op,
+                               "short " + req.op + ": the file ends here (truncated swap file?)")
+        piece.done += n
+    return None
+
+
+def _memoryview_at(address: int, length: int) -> memoryview:
+    import ctypes
+    return memoryview((ctypes.c_char * length).from_address(address)).cast("B")

@@ -1,0 +1,91 @@
+"""Choosing an engine: io_uring where it is safe and allowed here, else the thread pool, with a reason.
+
+[Note: probing liburing in a subprocess] liburing's 2026 wheels execute AVX-512
+instructions at import and die with SIGILL on CPUs without it; the kernel (or a
+seccomp profile such as Docker's default) may also refuse io_uring_setup. A SIGILL
+cannot be caught, so the first use runs a tiny ring in a child process and only a
+child that exits cleanly lets this process import liburing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from offload.aio.base import Engine
+
+logger = logging.getLogger("offload.aio")
+
+_PROBE = r"""
+import os, sys, tempfile, liburing
+ring = liburing.io_uring()
+rc = liburing.io_uring_queue_init(4, ring, 0)
+if rc < 0:
+    print(f"io_uring_queue_init failed: {os.strerror(-rc)}"); sys.exit(3)
+efd = os.eventfd(0)
+liburing.io_uring_register_eventfd(ring, efd)
+import mmap, ctypes
+buf = mmap.mmap(-1, 4096)
+addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+with tempfile.NamedTemporaryFile(dir=sys.argv[1]) as f:
+    fd = os.open(f.name, os.O_RDWR | os.O_DIRECT)
+    sqe = liburing.io_uring_get_sqe(ring)
+    liburing.io_uring_prep_write(sqe, fd, memoryview(buf), 4096, 0)
+    liburing.io_uring_submit(ring)
+    os.eventfd_read(efd)
+    cqe = liburing.io_uring_cqe()
+    liburing.io_uring_peek_cqe(ring, cqe)
+    if cqe.res != 4096:
+        print(f"an O_DIRECT write returned {cqe.res}"); sys.exit(4)
+    os.close(fd)
+liburing.io_uring_queue_exit(ring)
+print("ok")
+"""
+
+
+@dataclass(frozen=True)
+class Probe:
+    ok: bool
+    reason: str
+
+
+@functools.lru_cache(maxsize=None)
+def probe_io_uring(directory: str | None = None) -> Probe:
+    """Whether io_uring works here (CPU, kernel, seccomp, liburing build), decided in a child process."""
+    directory = directory or tempfile.gettempdir()
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, directory], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return Probe(False, "the io_uring probe hung for 60 s")
+    if proc.returncode < 0:
+        import signal
+        name = signal.Signals(-proc.returncode).name
+        hint = " (a liburing wheel built for AVX-512 on a CPU without it: pin liburing==2024.5.3)" \
+            if name == "SIGILL" else ""
+        return Probe(False, f"the io_uring probe died with {name}{hint}")
+    if proc.returncode != 0:
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        return Probe(False, f"the io_uring probe failed: {lines[-1] if lines else 'exit ' + str(proc.returncode)}")
+    return Probe(True, "io_uring works here")
+
+
+def make_engine(kind: str = "auto", block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 1,
+                directory: str | None = None) -> Engine:
+    """An engine of ``kind`` (auto | io_uring | threads); auto falls back to threads with a logged reason."""
+    from offload.aio.threads import ThreadPoolEngine
+
+    if kind not in ("auto", "io_uring", "threads"):
+        raise ValueError(f"engine must be 'auto', 'io_uring' or 'threads', got {kind!r}")
+    if kind != "threads":
+        probe = probe_io_uring(directory)
+        if probe.ok:
+            from offload.aio.uring import IoUringEngine
+            return IoUringEngine(block_size=block_size, queue_depth=queue_depth)
+        if kind == "io_uring":
+            raise RuntimeError(f"io_uring was asked for but cannot be used: {probe.reason}")
+        logger.warning("aio: using the thread-pool engine: %s", probe.reason)
+    return ThreadPoolEngine(block_size=block_size, threads=max(threads, 2))
