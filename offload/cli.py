@@ -72,13 +72,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from offload.bench import adam
-    if args.what not in ("adam", "all"):
-        print(f"offload bench {args.what}: not built yet (adam is)", file=sys.stderr)
+    from offload.bench import adam, nvme
+    if args.what not in ("adam", "nvme", "all"):
+        print(f"offload bench {args.what}: not built yet (adam and nvme are)", file=sys.stderr)
         return 2
-    sizes = [adam.parse_size(s) for s in args.sizes.split(",")]
-    out = Path(args.out) if args.out else Path("bench-results") / "adam.json"
-    adam.run(sizes, repeats=args.repeats, threads=args.threads, out=out, stream=sys.stdout)
+    if args.what in ("adam", "all"):
+        sizes = [adam.parse_size(s) for s in args.sizes.split(",")]
+        out = Path(args.out) if args.out and args.what == "adam" else Path("bench-results") / "adam.json"
+        adam.run(sizes, repeats=args.repeats, threads=args.threads, out=out, stream=sys.stdout)
+    if args.what in ("nvme", "all"):
+        out = Path(args.out) if args.out and args.what == "nvme" else Path("bench-results") / "nvme.json"
+        nvme.run(Path(args.path), size=adam.parse_size(args.file_size), rounds=args.rounds,
+                 blocks=tuple(adam.parse_size(b) for b in args.blocks.split(",")),
+                 depths=tuple(int(d) for d in args.depths.split(",")), out=out, stream=sys.stdout)
     return 0
 
 
@@ -111,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
     p.add_argument("--out", default=None, help="JSON path (default bench-results/<what>.json)")
+    p.add_argument("--path", default="/tmp/offload-bench", help="nvme: directory on the drive to measure")
+    p.add_argument("--file-size", default="1Gi", help="nvme: bytes per transfer (default 1Gi)")
+    p.add_argument("--rounds", type=int, default=3, help="nvme: interleaved rounds per grid point (default 3)")
+    p.add_argument("--blocks", default="1Mi,8Mi", help="nvme: block sizes (default 1Mi,8Mi)")
+    p.add_argument("--depths", default="8,32", help="nvme: queue depths (default 8,32)")
     p.set_defaults(func=_cmd_bench)
     return parser
 

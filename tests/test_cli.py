@@ -78,5 +78,16 @@ def test_bench_adam_writes_json_with_every_comparison(tmp_path, capsys):
 
 
 def test_bench_of_a_benchmark_not_built_yet_says_so(capsys):
-    assert main(["bench", "nvme"]) == 2
+    assert main(["bench", "pcie"]) == 2
     assert "not built yet" in capsys.readouterr().err
+
+
+def test_bench_nvme_compares_engines_interleaved(tmp_path, capsys):
+    out = tmp_path / "nvme.json"
+    assert main(["bench", "nvme", "--path", str(tmp_path / "drive"), "--file-size", "8Mi", "--blocks", "1Mi",
+                 "--depths", "4", "--rounds", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert {r["op"] for r in rows} == {"read", "write"}
+    assert {r["impl"] for r in rows} >= {"threads"}
+    assert all(r["gb_per_s"] > 0 and r["file_bytes"] == 8 << 20 for r in rows)
+    assert not (tmp_path / "drive" / "offload-bench-nvme.bin").exists()  # the scratch file is removed

@@ -179,6 +179,10 @@ def run(sizes: list[int], repeats: int = 5, threads: int | None = None, out: Pat
 
 
 def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
-    return int(float(text.rstrip("KMG")) * mult)
+    """Decimal K/M/G (10M = 10**7 parameters) and binary Ki/Mi/Gi (1Gi = 2**30 bytes)."""
+    text = text.strip()
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "K": 10**3, "M": 10**6, "G": 10**9}
+    for suffix, mult in units.items():
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * mult)
+    return int(float(text))
