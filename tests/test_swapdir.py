@@ -1,0 +1,100 @@
+"""Swap directories: one run each, space reserved up front, leftovers reported, never shared."""
+
+import errno
+import logging
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+from offload.aio import AlignedBuffer, SwapIOError, make_engine
+from offload.store import SwapDir, SwapDirError, find_leftovers
+
+
+def test_reserve_write_read_and_clean_exit(tmp_path):
+    with SwapDir(tmp_path) as d, make_engine("auto", block_size=1 << 20) as eng:
+        f = d.reserve("master.bin", 3 * (1 << 20) + 5)
+        assert os.path.getsize(f.path) == 3 * (1 << 20) + 4096
+        assert os.stat(f.path).st_blocks * 512 >= 3 * (1 << 20)  # blocks really allocated
+        buf = AlignedBuffer(1 << 20)
+        buf.tensor.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8))
+        eng.write(f, buf.tensor, 1 << 20, 1 << 20).wait()
+        back = AlignedBuffer(1 << 20)
+        eng.read(f, back.tensor, 1 << 20, 1 << 20).wait()
+        assert torch.equal(back.tensor, buf.tensor)
+        path = d.path
+        assert path.parent == tmp_path and path.name.startswith("offload-swap-")
+    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_two_users_of_one_directory_are_refused(tmp_path):
+    with SwapDir(tmp_path, name="shared"):
+        with pytest.raises(SwapDirError, match=r"shared is in use by pid \d+ on .*; two runs must not share"):
+            SwapDir(tmp_path, name="shared")
+
+
+def test_a_killed_run_leaves_a_directory_that_is_reported_not_deleted(tmp_path, caplog):
+    code = ("import os, sys; from offload.store import SwapDir; d = SwapDir(sys.argv[1]); "
+            "d.reserve('state.bin', 1 << 20); print(d.path, flush=True); os._exit(9)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr
+    left_path = proc.stdout.strip()
+    leftovers = find_leftovers(tmp_path)
+    assert [str(x.path) for x in leftovers] == [left_path] and leftovers[0].bytes >= 1 << 20
+    with caplog.at_level(logging.WARNING, logger="offload.store"), SwapDir(tmp_path):
+        pass
+    assert "left over from a run that did not exit cleanly" in caplog.text and left_path in caplog.text
+    assert os.path.isdir(left_path)  # still there: deleting is the user's call
+
+
+def test_a_live_run_is_not_reported_as_a_leftover(tmp_path):
+    with SwapDir(tmp_path) as d:
+        d.reserve("x.bin", 4096)
+        assert find_leftovers(tmp_path) == []
+
+
+def test_unwritable_nvme_path_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SwapDirError, match=r"cannot create nvme_path .*file/swap.*point nvme_path at a writable"):
+        SwapDir(blocker / "swap")
+
+
+def test_reserving_more_than_the_disk_holds_fails_at_start_with_numbers(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with SwapDir(tmp_path) as d:
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        with pytest.raises(SwapIOError, match=r"no space left: 8,192 bytes needed, [\d,]+ free") as e:
+            d.reserve("big.bin", 8000)
+        assert e.value.errno == errno.ENOSPC
+        assert not (d.path / "big.bin").exists()
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 1 MiB file system (tmpfs), where the machine lets us mount one."""
+    mnt = tmp_path / f"tiny-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (covered by the injected ENOSPC test)")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_real_full_disk_keeps_earlier_files_intact(tiny_fs):
+    with SwapDir(tiny_fs) as d, make_engine("auto", block_size=64 << 10) as eng:
+        f = d.reserve("a.bin", 256 << 10)
+        data = AlignedBuffer(256 << 10)
+        data.tensor.copy_(torch.randint(0, 256, (256 << 10,), dtype=torch.uint8))
+        eng.write(f, data.tensor, 0, 256 << 10).wait()
+        with pytest.raises(SwapIOError, match="no space left"):
+            d.reserve("b.bin", 4 << 20)
+        back = AlignedBuffer(256 << 10)
+        eng.read(f, back.tensor, 0, 256 << 10).wait()
+        assert torch.equal(back.tensor, data.tensor)
