@@ -88,6 +88,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tune_nvme(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from offload.aio import tune
+    from offload.bench.adam import parse_size
+    out = Path(args.out) if args.out else Path("offload-tune-nvme")
+    tune.run(Path(args.path), out, quick=args.quick, size=parse_size(args.file_size) if args.file_size else None,
+             with_fio=not args.no_fio, stream=sys.stdout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload", description=offload.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="a JSON config instead of the embedded default")
     p.add_argument("--steps", type=int, default=150)
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("tune-nvme", help="sweep the NVMe swap path; write the best aio settings as a config fragment")
+    p.add_argument("--path", required=True, help="a directory on the drive that will hold the swap files")
+    p.add_argument("--quick", action="store_true", help="a small grid on a 256 MiB file (under a minute)")
+    p.add_argument("--file-size", default=None, help="bytes per transfer (default: 1Gi, quick 256Mi)")
+    p.add_argument("--no-fio", action="store_true", help="skip fio even if it is installed")
+    p.add_argument("--out", default=None, help="output directory (default ./offload-tune-nvme)")
+    p.set_defaults(func=_cmd_tune_nvme)
 
     p = sub.add_parser("bench", help="benchmarks beside their baselines, in one run; writes JSON")
     p.add_argument("what", choices=["adam", "all", "pcie", "nvme", "step"], help="which benchmark")

@@ -210,3 +210,25 @@ def test_engine_choice():
         make_engine("spdk")
     with make_engine("threads") as eng:
         assert eng.name == "threads"
+
+
+def test_tune_nvme_quick_end_to_end_fragment_loads_into_a_config(tmp_path, capsys):
+    from offload.aio import engine_from_config
+    from offload.cli import main
+    from offload.config import Config
+    out = tmp_path / "tuned"
+    assert main(["tune-nvme", "--path", str(tmp_path / "drive"), "--quick", "--file-size", "16Mi", "--no-fio",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "best:" in printed and "read GB/s" in printed
+    import json
+    fragment = json.loads((out / "aio_fragment.json").read_text())
+    results = json.loads((out / "results.json").read_text())
+    assert len(results) == (8 if probe_io_uring().ok else 4)
+    assert (out / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    cfg = Config.load({**json.loads((__import__("conftest").REPO / "configs/zero3_nvme_offload.json").read_text()),
+                       **fragment})
+    assert cfg.aio.block_size == fragment["aio"]["block_size"] and cfg.offload.aio_engine == fragment["offload"]["aio_engine"]
+    with engine_from_config(cfg) as eng:
+        assert eng.name == fragment["offload"]["aio_engine"]
+    assert list((tmp_path / "drive").iterdir()) == []  # scratch files removed

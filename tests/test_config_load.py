@@ -50,7 +50,9 @@ def test_defaults_are_deepspeeds():
     assert zero.stage3_prefetch_bucket_size == 50_000_000 and zero.stage3_param_persistence_threshold == 100_000
     assert zero.stage3_max_live_parameters == 10**9 and zero.stage3_max_reuse_distance == 10**9
     assert zero.offload_param.buffer_count == 5 and zero.offload_optimizer.buffer_count == 4
-    assert cfg.aio.block_size == 1 << 20 and cfg.aio.queue_depth == 8 and cfg.aio.intra_op_parallelism == 1
+    assert cfg.aio.intra_op_parallelism == 1
+    # aio block size and depth are offload's measured defaults, not DeepSpeed's 1 MiB / 8.
+    assert cfg.aio.block_size == 8 << 20 and cfg.aio.queue_depth == 16
     assert cfg.fp16.initial_scale_power == 16 and cfg.fp16.loss_scale_window == 1000 and cfg.fp16.hysteresis == 2
     assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10
     assert Config.load({"zero_optimization": {"stage": 3}}).zero_optimization.overlap_comm_effective is True

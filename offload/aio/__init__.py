@@ -2,7 +2,7 @@
 
 from offload.aio.base import Engine, Request, SwapFile, SwapIOError
 from offload.aio.buffers import AlignedBuffer, BufferPool, PoolExhausted, round_up
-from offload.aio.select import make_engine, probe_io_uring
+from offload.aio.select import engine_from_config, make_engine, probe_io_uring
 
 __all__ = ["AlignedBuffer", "BufferPool", "Engine", "PoolExhausted", "Request", "SwapFile", "SwapIOError",
-           "make_engine", "probe_io_uring", "round_up"]
+           "engine_from_config", "make_engine", "probe_io_uring", "round_up"]

@@ -89,3 +89,10 @@ def make_engine(kind: str = "auto", block_size: int = 1 << 20, queue_depth: int 
             raise RuntimeError(f"io_uring was asked for but cannot be used: {probe.reason}")
         logger.warning("aio: using the thread-pool engine: %s", probe.reason)
     return ThreadPoolEngine(block_size=block_size, threads=max(threads, 2))
+
+
+def engine_from_config(config, directory: str | None = None) -> Engine:
+    """The engine a config asks for: its aio section and offload.aio_engine."""
+    aio = config.aio
+    return make_engine(config.offload.aio_engine, block_size=aio.block_size, queue_depth=aio.queue_depth,
+                       threads=aio.intra_op_parallelism, directory=directory)

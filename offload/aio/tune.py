@@ -1,0 +1,177 @@
+"""`offload tune-nvme`: sweep the swap path, print a table, write the best settings as a config fragment.
+
+Every engine runs once per grid point before the next point (interleaved), because the
+disk's speed drifts several-fold within an hour. The fragment (aio + offload.aio_engine)
+loads into a config unchanged: ``Config.load({**ds_config, **fragment})``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TextIO
+
+from offload.aio import AlignedBuffer, SwapFile, make_engine, probe_io_uring
+from offload.bench.nvme import _fio
+
+QUICK = dict(blocks=(1 << 20, 8 << 20), depths=(8, 32), threads=(2,), size=256 << 20, rounds=1)
+FULL = dict(blocks=(256 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20), depths=(4, 8, 16, 32, 64), threads=(1, 2, 4),
+            size=1 << 30, rounds=2)
+
+
+@dataclass
+class Cell:
+    engine: str
+    block_size: int
+    queue_depth: int
+    threads: int
+    read_gbs: float
+    write_gbs: float
+    fio_read_gbs: float | None = None
+    fio_write_gbs: float | None = None
+
+    @property
+    def score(self) -> float:
+        """Harmonic mean of read and write: a setting must be good both ways."""
+        return 2 / (1 / self.read_gbs + 1 / self.write_gbs)
+
+
+def _progress(done: int, total: int, label: str, stream: TextIO) -> None:
+    width = 30
+    filled = width * done // total
+    stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
+    stream.flush()
+    if done == total:
+        stream.write("\n")
+
+
+def sweep(path: Path, quick: bool = False, size: int | None = None, with_fio: bool = True,
+          stream: TextIO = sys.stderr) -> list[Cell]:
+    grid = QUICK if quick else FULL
+    size = size or grid["size"]
+    engines = ["threads"] + (["io_uring"] if probe_io_uring(str(path)).ok else [])
+    points = [(b, d) for b in grid["blocks"] for d in grid["depths"]]
+    contenders = [(e, t) for e in engines for t in (grid["threads"] if e == "threads" else (1,))]
+    total = len(points) * len(contenders)
+    results: dict[tuple, dict[str, list[float]]] = {}
+    buf = AlignedBuffer(size)
+    buf.tensor.fill_(1)
+    scratch = path / "offload-tune-nvme.bin"
+    done = 0
+    try:
+        with SwapFile.open(scratch) as f:
+            os.posix_fallocate(f.fd, 0, size)
+            for block, depth in points:
+                for _ in range(grid["rounds"]):
+                    for engine, threads in contenders:
+                        key = (engine, block, depth, threads)
+                        rec = results.setdefault(key, {"write": [], "read": []})
+                        with make_engine(engine, block_size=block, queue_depth=depth, threads=threads) as eng:
+                            for op in ("write", "read"):
+                                t0 = time.perf_counter()
+                                getattr(eng, op)(f, buf.tensor, 0, size).wait()
+                                rec[op].append(size / (time.perf_counter() - t0) / 1e9)
+                for engine, threads in contenders:
+                    done += 1
+                    _progress(done, total, f"{engine} bs {block >> 10} KiB qd {depth} t {threads}", stream)
+    finally:
+        scratch.unlink(missing_ok=True)
+    cells = [Cell(e, b, d, t, statistics.median(r["read"]), statistics.median(r["write"]))
+             for (e, b, d, t), r in results.items()]
+    if with_fio and shutil.which("fio"):
+        fio_file = path / "offload-tune-fio.bin"
+        try:
+            for block, depth in points:
+                r, w = _fio(fio_file, "write", block, depth, size), _fio(fio_file, "read", block, depth, size)
+                for c in cells:
+                    if (c.block_size, c.queue_depth) == (block, depth):
+                        c.fio_read_gbs, c.fio_write_gbs = r, w
+        finally:
+            fio_file.unlink(missing_ok=True)
+    return cells
+
+
+def best(cells: list[Cell]) -> Cell:
+    return max(cells, key=lambda c: c.score)
+
+
+def fragment(cell: Cell) -> dict:
+    """The config fragment the runtime loads unchanged."""
+    return {
+        "aio": {"block_size": cell.block_size, "queue_depth": cell.queue_depth,
+                "intra_op_parallelism": cell.threads, "single_submit": False, "overlap_events": True},
+        "offload": {"aio_engine": cell.engine},
+    }
+
+
+def table(cells: list[Cell]) -> str:
+    lines = [f"{'engine':<9} {'block':>8} {'depth':>5} {'thr':>3} {'read GB/s':>9} {'write GB/s':>10} "
+             f"{'read/fio':>8} {'write/fio':>9}"]
+    for c in sorted(cells, key=lambda c: (c.engine, c.block_size, c.queue_depth, c.threads)):
+        rf = f"{c.read_gbs / c.fio_read_gbs:8.2f}" if c.fio_read_gbs else f"{'-':>8}"
+        wf = f"{c.write_gbs / c.fio_write_gbs:9.2f}" if c.fio_write_gbs else f"{'-':>9}"
+        lines.append(f"{c.engine:<9} {c.block_size >> 10:>6}Ki {c.queue_depth:>5} {c.threads:>3} "
+                     f"{c.read_gbs:9.2f} {c.write_gbs:10.2f} {rf} {wf}")
+    return "\n".join(lines)
+
+
+def heatmap(cells: list[Cell], out: Path) -> None:
+    """GB/s over block size x queue depth, one panel per engine and direction."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    engines = sorted({c.engine for c in cells})
+    blocks = sorted({c.block_size for c in cells})
+    depths = sorted({c.queue_depth for c in cells})
+    fig, axes = plt.subplots(len(engines), 2, figsize=(10, 3.6 * len(engines)), squeeze=False)
+    vmax = max(max(c.read_gbs, c.write_gbs) for c in cells)
+    for row, engine in enumerate(engines):
+        for col, op in enumerate(("read", "write")):
+            grid = np.zeros((len(blocks), len(depths)))
+            for c in cells:
+                if c.engine == engine:
+                    value = c.read_gbs if op == "read" else c.write_gbs
+                    i, j = blocks.index(c.block_size), depths.index(c.queue_depth)
+                    grid[i, j] = max(grid[i, j], value)  # best thread count for the pool
+            ax = axes[row][col]
+            im = ax.imshow(grid, cmap="viridis", vmin=0, vmax=vmax, origin="lower", aspect="auto")
+            for i in range(len(blocks)):
+                for j in range(len(depths)):
+                    ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", fontsize=9,
+                            color="black" if grid[i, j] > 0.6 * vmax else "white")
+            ax.set_xticks(range(len(depths)), [str(d) for d in depths])
+            ax.set_yticks(range(len(blocks)), [f"{b >> 10} KiB" for b in blocks])
+            ax.set_xlabel("queue depth")
+            ax.set_ylabel("block size")
+            ax.set_title(f"{engine} {op} GB/s")
+            fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def run(path: Path, out_dir: Path, quick: bool = False, size: int | None = None, with_fio: bool = True,
+        stream: TextIO = sys.stdout) -> dict:
+    path.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"offload tune-nvme: sweeping {path} ({'quick' if quick else 'full'} grid)", file=stream, flush=True)
+    cells = sweep(path, quick=quick, size=size, with_fio=with_fio)
+    winner = best(cells)
+    frag = fragment(winner)
+    (out_dir / "results.json").write_text(json.dumps([{**asdict(c), "score": c.score} for c in cells], indent=2))
+    (out_dir / "aio_fragment.json").write_text(json.dumps(frag, indent=2) + "\n")
+    heatmap(cells, out_dir / "heatmap.png")
+    print(table(cells), file=stream)
+    print(f"best: {winner.engine}, block {winner.block_size >> 10} KiB, depth {winner.queue_depth}, "
+          f"threads {winner.threads}: read {winner.read_gbs:.2f} GB/s, write {winner.write_gbs:.2f} GB/s", file=stream)
+    print(f"wrote {out_dir / 'aio_fragment.json'} (merge it into your ds_config), results.json, heatmap.png",
+          file=stream)
+    return frag
