@@ -133,6 +133,12 @@ def split(request: Request, address: int, block_size: int) -> list[Piece]:
     return pieces
 
 
+def check_block_size(block_size: int) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or block_size % ALIGN:
+        raise ValueError(f"block_size must be a positive multiple of 4096, got {block_size!r}")
+    return block_size
+
+
 class Engine:
     """What every engine offers. Use as a context manager; close() waits for what is in flight."""
 

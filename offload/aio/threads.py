@@ -10,16 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from offload.aio.base import Engine, Request, SwapFile, check_request, split, transfer_piece
+from offload.aio.base import Engine, Request, SwapFile, check_block_size, check_request, split, transfer_piece
 
 
 class ThreadPoolEngine(Engine):
     name = "threads"
 
     def __init__(self, block_size: int = 1 << 20, threads: int = 2) -> None:
-        if block_size % 4096 or block_size <= 0:
-            raise ValueError(f"block_size must be a positive multiple of 4096, got {block_size}")
-        self.block_size = block_size
+        self.block_size = check_block_size(block_size)
         self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="offload-aio")
 

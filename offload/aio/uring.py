@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from offload.aio.base import Engine, Piece, Request, SwapFile, SwapIOError, _memoryview_at, check_request, split
+from offload.aio.base import (Engine, Piece, Request, SwapFile, SwapIOError, _memoryview_at, check_block_size,
+                              check_request, split)
 
 
 class IoUringEngine(Engine):
@@ -28,10 +29,8 @@ class IoUringEngine(Engine):
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8) -> None:
         import liburing  # imported only after select.probe_io_uring() said it is safe here
 
-        if block_size % 4096 or block_size <= 0:
-            raise ValueError(f"block_size must be a positive multiple of 4096, got {block_size}")
         self._lib = liburing
-        self.block_size = block_size
+        self.block_size = check_block_size(block_size)
         self.queue_depth = queue_depth
         self._ring = liburing.io_uring()
         rc = liburing.io_uring_queue_init(max(queue_depth, 1), self._ring, 0)
