@@ -34,8 +34,8 @@ const Variant* find(const std::string& name) {
 // The features each variant's compile flags assume (CMakeLists.txt).
 std::vector<std::string> required_features(const std::string& name) {
 #if defined(__x86_64__) || defined(__i386__)
-  if (name == "avx2") return {"avx2", "fma", "f16c"};
-  if (name == "avx512") return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"};
+  if (name == "avx2") return {"avx2", "fma", "f16c", "sse4.2"};
+  if (name == "avx512") return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "sse4.2"};
 #endif
   return {};
 }
@@ -47,6 +47,7 @@ bool has_feature(const std::string& f) {
   if (f == "avx2") return __builtin_cpu_supports("avx2");
   if (f == "fma") return __builtin_cpu_supports("fma");
   if (f == "f16c") return __builtin_cpu_supports("f16c");
+  if (f == "sse4.2") return __builtin_cpu_supports("sse4.2");
   if (f == "avx512f") return __builtin_cpu_supports("avx512f");
   if (f == "avx512bw") return __builtin_cpu_supports("avx512bw");
   if (f == "avx512vl") return __builtin_cpu_supports("avx512vl");
@@ -157,6 +158,23 @@ void axpy(float* a, const float* b, float s, size_t n, int threads) {
 void touch3(float* p, float* m, float* v, const float* g, size_t n, int threads) {
   const KernelTable& k = active_kernels();
   for_each_tile(n, threads, size_t(1) << 14, [&](size_t begin, size_t end) { k.touch3(p, m, v, g, begin, end); });
+}
+
+void crc32c_blocks(const void* data, size_t n, size_t block, uint32_t* out, int threads) {
+  const KernelTable& k = active_kernels();
+  const size_t blocks = (n + block - 1) / block;
+  // Threads split whole blocks; one block's CRC is one chain.
+  size_t t = threads < 1 ? 1 : size_t(threads);
+  if (t > blocks) t = blocks > 0 ? blocks : 1;
+  if (n < (size_t(1) << 20)) t = 1;
+  const size_t per = (blocks + t - 1) / t;
+  run_on_workers(t, [&](size_t w) {
+    for (size_t b = w * per; b < blocks && b < (w + 1) * per; ++b) {
+      const size_t begin = b * block;
+      const size_t len = begin + block < n ? block : n - begin;
+      out[b] = k.crc32c(static_cast<const char*>(data) + begin, len, 0);
+    }
+  });
 }
 
 SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads) {

@@ -9,7 +9,7 @@
 #include "kernels.h"
 #include "scalar.h"
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__SSE4_2__)
 #include <immintrin.h>
 #endif
 
@@ -315,6 +315,34 @@ void touch3(float* p, float* m, float* v, const float* g, size_t begin, size_t e
 #endif
 }
 
+#if defined(__SSE4_2__)
+// The CRC32 instruction: 8 bytes per instruction, one dependency chain (~8 GB/s a core);
+// blocks are checksummed in parallel across threads, so one chain per block suffices.
+uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  uint64_t c = ~crc;
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t word;
+    __builtin_memcpy(&word, p, 8);
+    c = _mm_crc32_u64(c, word);
+  }
+  uint32_t c32 = uint32_t(c);
+  for (; n > 0; --n, ++p) c32 = _mm_crc32_u8(c32, *p);
+  return ~c32;
+}
+#else
+uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
+  // Bitwise reflected CRC-32C, 0x82F63B78: slow, and only the portable fallback.
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  uint32_t c = ~crc;
+  for (size_t i = 0; i < n; ++i) {
+    c ^= p[i];
+    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
+  }
+  return ~c;
+}
+#endif
+
 }  // namespace
 
 extern const KernelTable OFFLOAD_CAT(kernels_, OFFLOAD_ISA_NAME) = {
@@ -323,6 +351,7 @@ extern const KernelTable OFFLOAD_CAT(kernels_, OFFLOAD_ISA_NAME) = {
     &adam,
     &axpy,
     &touch3,
+    &crc32c,
 };
 
 }  // namespace offload

@@ -56,6 +56,8 @@ struct KernelTable {
   // p += g, m += g, v += g over [begin, end): Adam's memory traffic (read 4 streams, write 3)
   // with no arithmetic to speak of, the ceiling an Adam step can approach.
   void (*touch3)(float* p, float* m, float* v, const float* g, size_t begin, size_t end);
+  // CRC-32C (Castagnoli) of n bytes, continuing from crc (0 to start); the swap checksums.
+  uint32_t (*crc32c)(const void* data, size_t n, uint32_t crc);
 };
 
 extern const KernelTable kernels_portable;

@@ -120,6 +120,18 @@ void py_touch3(const RwArray& p, const RwArray& m, const RwArray& v, const RwArr
   touch3(pp, pm, pv, pg, n, threads);
 }
 
+void py_crc32c_blocks(const AnyArray& data, size_t block, const nb::ndarray<uint32_t, nb::c_contig>& out, int threads) {
+  require_dense_cpu(data, "data");
+  if (block == 0) throw std::invalid_argument("block must be positive");
+  const size_t nbytes = data.nbytes();
+  const size_t blocks = (nbytes + block - 1) / block;
+  if (out.size() < blocks)
+    throw std::invalid_argument("out has " + std::to_string(out.size()) + " slots for " + std::to_string(blocks) +
+                                " blocks");
+  nb::gil_scoped_release unlocked;
+  crc32c_blocks(data.data(), nbytes, block, out.data(), threads);
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -138,6 +150,8 @@ NB_MODULE(_native, m) {
         nb::arg("one_minus_beta2"), nb::arg("bc2_sqrt"), nb::arg("eps"), nb::arg("step_size"), nb::arg("threads"),
         "One fused Adam/AdamW step over flat CPU buffers (scalars precomputed by offload.native.adam_step).");
   m.def("cpu_has_bf16", &cpu_has_bf16);
+  m.def("crc32c_blocks", &py_crc32c_blocks, nb::arg("data").noconvert(), nb::arg("block"), nb::arg("out").noconvert(),
+        nb::arg("threads"), "CRC-32C of each block of a dense CPU buffer into out (uint32).");
   m.def("touch3", &py_touch3, nb::arg("p").noconvert(), nb::arg("m").noconvert(), nb::arg("v").noconvert(),
         nb::arg("g").noconvert(), nb::arg("threads"), "p += g, m += g, v += g: Adam's memory traffic alone.");
   m.def("axpy", &py_axpy, nb::arg("a").noconvert(), nb::arg("b").noconvert(), nb::arg("s"), nb::arg("threads"),

@@ -127,6 +127,28 @@ def touch3_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     _native.touch3(bufs["p"], bufs["m"], bufs["v"], bufs["g"], default_threads() if threads is None else int(threads))
 
 
+def crc32c_blocks(data: torch.Tensor, block: int, threads: int | None = None) -> "numpy.ndarray":
+    """CRC-32C of each ``block``-byte piece of a dense CPU buffer (the last may be shorter), as uint32."""
+    import numpy as np
+    data = _check_any(data, "data")
+    if block <= 0:
+        raise NativeError(f"block must be positive, got {block}")
+    nbytes = data.numel() * data.element_size()
+    out = np.zeros(max(1, -(-nbytes // block)), dtype=np.uint32)
+    if nbytes:
+        _native.crc32c_blocks(data.view(torch.uint8) if data.dtype != torch.uint8 else data, block, out,
+                              default_threads() if threads is None else int(threads))
+    return out[: -(-nbytes // block)]
+
+
+def _check_any(t: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise NativeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise NativeError(f"{name} must be a contiguous CPU tensor")
+    return t.detach()
+
+
 def _apply_env() -> None:
     forced = os.environ.get(ISA_ENV, "").strip()
     if forced:

@@ -232,3 +232,44 @@ def test_tune_nvme_quick_end_to_end_fragment_loads_into_a_config(tmp_path, capsy
     with engine_from_config(cfg) as eng:
         assert eng.name == fragment["offload"]["aio_engine"]
     assert list((tmp_path / "drive").iterdir()) == []  # scratch files removed
+
+
+# ------------------------------------------------------------------ checksums
+
+def test_crc32c_matches_the_standard_check_value_on_every_variant(variant):
+    from offload import native
+    data = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
+    assert int(native.crc32c_blocks(data, 9)[0]) == 0xE3069283
+    big = torch.randint(0, 256, (3 * (1 << 20) + 5,), dtype=torch.uint8)
+    per_block = native.crc32c_blocks(big, 1 << 20, threads=2)
+    assert len(per_block) == 4
+    import zlib  # not CRC-32C, but proves blocks are independent: equal blocks give equal CRCs
+    big[: 1 << 20] = big[1 << 20: 2 << 20]
+    again = native.crc32c_blocks(big, 1 << 20, threads=2)
+    assert again[0] == again[1] == per_block[1] and zlib.crc32(b"") == 0
+
+
+@pytest.mark.parametrize("length", [4096, 300_001, 1 << 20])
+def test_checksummed_round_trip(engine, swap, length):
+    from offload.aio import ChecksummedFile
+    cf = ChecksummedFile(engine, swap)
+    src, dst = random_buffer(length, 11), AlignedBuffer(length)
+    cf.write(src.tensor, 8192, length).wait()
+    cf.read(dst.tensor, 8192, length).wait()
+    assert torch.equal(dst.tensor[:length], src.tensor[:length])
+
+
+def test_a_flipped_byte_in_a_swap_file_is_caught(engine, swap):
+    from offload.aio import ChecksumError, ChecksummedFile
+    cf = ChecksummedFile(engine, swap)
+    n = 300_000
+    cf.write(random_buffer(n, 12).tensor, 0, n).wait()
+    with open(swap.path, "r+b") as f:  # corrupt one byte behind the engine's back
+        f.seek(200_000)
+        byte = f.read(1)
+        f.seek(200_000)
+        f.write(bytes([byte[0] ^ 0x20]))
+    with pytest.raises(ChecksumError, match=r"at offset 196,608 in .*swap\.bin failed: checksum mismatch"):
+        cf.read(AlignedBuffer(n).tensor, 0, n).wait()
+    with pytest.raises(ValueError, match="no checksums recorded"):
+        cf.read(AlignedBuffer(n).tensor, 4096, n)

@@ -1,8 +1,9 @@
 """Async file I/O for the NVMe tier: io_uring (liburing) or a thread pool, on O_DIRECT swap files."""
 
 from offload.aio.base import Engine, Request, SwapFile, SwapIOError
+from offload.aio.checksum import ChecksumError, ChecksummedFile
 from offload.aio.buffers import AlignedBuffer, BufferPool, PoolExhausted, round_up
 from offload.aio.select import engine_from_config, make_engine, probe_io_uring
 
-__all__ = ["AlignedBuffer", "BufferPool", "Engine", "PoolExhausted", "Request", "SwapFile", "SwapIOError",
+__all__ = ["AlignedBuffer", "BufferPool", "ChecksumError", "ChecksummedFile", "Engine", "PoolExhausted", "Request", "SwapFile", "SwapIOError",
            "engine_from_config", "make_engine", "probe_io_uring", "round_up"]

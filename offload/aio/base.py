@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno as errno_mod
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -83,8 +84,16 @@ class Request:
     buffer: torch.Tensor  # keeps the memory alive while the kernel writes into it
     _pending: int = 0
     _error: SwapIOError | None = None
+    # Called for each piece that arrived whole, in the completing thread (so checksum checks
+    # overlap the pieces still in flight); a returned error fails the request.
+    verify: Callable[[Piece], SwapIOError | None] | None = None
     _event: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def finish_piece(self, piece: Piece, error: SwapIOError | None) -> None:
+        if error is None and self.verify is not None:
+            error = self.verify(piece)
+        self.piece_finished(error)
 
     def piece_finished(self, error: SwapIOError | None = None) -> None:
         with self._lock:
@@ -144,13 +153,15 @@ class Engine:
 
     name = "engine"
 
-    def read(self, file: SwapFile, buffer: torch.Tensor, offset: int, length: int) -> Request:
-        return self.submit("read", file, buffer, offset, length)
+    def read(self, file: SwapFile, buffer: torch.Tensor, offset: int, length: int,
+             verify: Callable[[Piece], SwapIOError | None] | None = None) -> Request:
+        return self.submit("read", file, buffer, offset, length, verify)
 
     def write(self, file: SwapFile, buffer: torch.Tensor, offset: int, length: int) -> Request:
         return self.submit("write", file, buffer, offset, length)
 
-    def submit(self, op: str, file: SwapFile, buffer: torch.Tensor, offset: int, length: int) -> Request:
+    def submit(self, op: str, file: SwapFile, buffer: torch.Tensor, offset: int, length: int,
+               verify: Callable[[Piece], SwapIOError | None] | None = None) -> Request:
         raise NotImplementedError
 
     def wait_all(self, requests: list[Request]) -> None:

@@ -21,11 +21,12 @@ class ThreadPoolEngine(Engine):
         self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="offload-aio")
 
-    def submit(self, op: str, file: SwapFile, buffer: torch.Tensor, offset: int, length: int) -> Request:
+    def submit(self, op: str, file: SwapFile, buffer: torch.Tensor, offset: int, length: int,
+               verify=None) -> Request:
         address = check_request(op, file, buffer, offset, length)
-        request = Request(op, file, offset, length, buffer)
+        request = Request(op, file, offset, length, buffer, verify=verify)
         for piece in split(request, address, self.block_size):
-            self._pool.submit(lambda p=piece: p.request.piece_finished(transfer_piece(p)))
+            self._pool.submit(lambda p=piece: p.request.finish_piece(p, transfer_piece(p)))
         return request
 
     def close(self) -> None:

@@ -51,11 +51,12 @@ class IoUringEngine(Engine):
         self._reaper = threading.Thread(target=self._reap, name="offload-io_uring-reaper", daemon=True)
         self._reaper.start()
 
-    def submit(self, op: str, file: SwapFile, buffer: torch.Tensor, offset: int, length: int) -> Request:
+    def submit(self, op: str, file: SwapFile, buffer: torch.Tensor, offset: int, length: int,
+               verify=None) -> Request:
         if self._closing:
             raise RuntimeError("the io_uring engine is closed")
         address = check_request(op, file, buffer, offset, length)
-        request = Request(op, file, offset, length, buffer)
+        request = Request(op, file, offset, length, buffer, verify=verify)
         pieces = split(request, address, self.block_size)
         with self._lock:
             self._waiting.extend(pieces)
@@ -101,14 +102,23 @@ class IoUringEngine(Engine):
             except OSError:
                 return
             while True:
+                completions = []
                 with self._lock:
-                    if lib.io_uring_peek_cqe(self._ring, self._cqe) != 0:
-                        break
-                    res, ident = self._cqe.res, self._cqe.user_data
-                    lib.io_uring_cqe_seen(self._ring, self._cqe)
-                    piece = self._inflight.pop(ident, None)
-                if piece is not None:
-                    self._complete(piece, res)
+                    while lib.io_uring_peek_cqe(self._ring, self._cqe) == 0:
+                        res, ident = self._cqe.res, self._cqe.user_data
+                        lib.io_uring_cqe_seen(self._ring, self._cqe)
+                        piece = self._inflight.pop(ident, None)
+                        if piece is not None:
+                            completions.append((piece, res))
+                if not completions:
+                    break
+                finished = [(p, e) for p, res in completions if (e := self._settle(p, res)) is not False]
+                # Refill the ring before finishing pieces: finishing may verify checksums, and
+                # the drive should stay busy meanwhile.
+                with self._lock:
+                    self._fill_locked()
+                for piece, error in finished:
+                    piece.request.finish_piece(piece, error)
             with self._lock:
                 self._fill_locked()
                 if not self._inflight and not self._waiting:
@@ -116,26 +126,23 @@ class IoUringEngine(Engine):
                     if self._closing:
                         return
 
-    def _complete(self, piece: Piece, res: int) -> None:
+    def _settle(self, piece: Piece, res: int) -> SwapIOError | None | bool:
+        """The outcome of one completion: an error, None (piece done) or False (continued, not done)."""
         if self._inject is not None:
             res = self._inject(piece, res)
         req = piece.request
         if res < 0:
-            req.piece_finished(self._error(piece, -res))
-            return
+            return self._error(piece, -res)
         if res == 0:
             if req.op == "read" and piece.offset + piece.done >= req.offset + req.length:
-                req.piece_finished(None)  # EOF inside the padding past the requested length
-            else:
-                req.piece_finished(self._error(piece, errno_mod.EIO, f"short {req.op}: the file ends here "
-                                                                     "(truncated swap file?)"))
-            return
+                return None  # EOF inside the padding past the requested length
+            return self._error(piece, errno_mod.EIO, f"short {req.op}: the file ends here (truncated swap file?)")
         piece.done += res
         if piece.done < piece.length:
             with self._lock:  # a short transfer: continue from where it stopped, ahead of new work
                 self._waiting.appendleft(piece)
-        else:
-            req.piece_finished(None)
+            return False
+        return None
 
     def close(self) -> None:
         """Wait for everything in flight (the kernel may still be writing into buffers), then tear down."""

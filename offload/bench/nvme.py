@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
 
-from offload.aio import AlignedBuffer, SwapFile, make_engine, probe_io_uring
+from offload.aio import AlignedBuffer, ChecksummedFile, SwapFile, make_engine, probe_io_uring
 
 
 @dataclass
@@ -71,15 +71,21 @@ def run(directory: Path, size: int = 1 << 30, blocks: tuple[int, ...] = (1 << 20
             os.posix_fallocate(f.fd, 0, size)
             for block in blocks:
                 for depth in depths:
-                    contenders = {name: make_engine(name, block_size=block, queue_depth=depth, threads=threads)
-                                  for name in engines}
+                    engines_here = {name: make_engine(name, block_size=block, queue_depth=depth, threads=threads)
+                                    for name in engines}
+                    best_engine = engines_here[engines[-1]]
+                    checked = ChecksummedFile(best_engine, f)
+                    contenders = {name: (lambda op, e=eng: getattr(e, op)(f, buf.tensor, 0, size))
+                                  for name, eng in engines_here.items()}
+                    # The same engine with CRC-32C on every block: the cost of never reading back wrong.
+                    contenders[f"{engines[-1]} + crc32c"] = lambda op: getattr(checked, op)(buf.tensor, 0, size)
                     for op in ("write", "read"):
                         times: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
                         fio: list[float] = []
                         for _ in range(rounds):
-                            for name, eng in contenders.items():
-                                times[name].append(_timed(lambda e=eng: getattr(e, op)(f, buf.tensor, 0, size).wait()))
-                            gbs = _fio(path, op, block, depth, size)
+                            for name, start in contenders.items():
+                                times[name].append(_timed(lambda s=start: s(op).wait()))
+                            gbs = _fio(path.with_suffix(".fio"), op, block, depth, size)
                             if gbs is not None:
                                 fio.append(gbs)
                         results = {name: (size / statistics.median(t for t, _ in ts) / 1e9,
@@ -89,15 +95,21 @@ def run(directory: Path, size: int = 1 << 30, blocks: tuple[int, ...] = (1 << 20
                             results["fio (io_uring, direct=1)"] = (statistics.median(fio), None)
                         for name, (gbs, cpu) in results.items():
                             others = [g for n, (g, _) in results.items() if n != name]
-                            ratio = gbs / max(others) if others and name == "io_uring" else None
+                            if name == "io_uring":
+                                others = [g for n, (g, _) in results.items() if n not in (name, "io_uring + crc32c")]
+                            elif name.endswith("+ crc32c"):
+                                others = [results[name.split(" + ")[0]][0]]
+                            ratio = gbs / max(others) if others and (name == "io_uring" or "crc" in name) else None
                             rows.append(NvmeRow(op, name, block, depth, size, gbs, cpu, ratio))
                             say(f"  {op:<5} bs {block >> 20:>2} MiB  qd {depth:>3}  {name:<26} {gbs:5.2f} GB/s"
                                 + (f"  {cpu:5.3f} CPU s/GB" if cpu is not None else "")
-                                + (f"  {ratio:4.2f}x best other" if ratio is not None else ""))
-                    for eng in contenders.values():
+                                + (f"  {ratio:4.2f}x {'without checksums' if 'crc' in name else 'best other'}"
+                                   if ratio is not None else ""))
+                    for eng in engines_here.values():
                         eng.close()
     finally:
         path.unlink(missing_ok=True)
+        path.with_suffix(".fio").unlink(missing_ok=True)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps([asdict(r) for r in rows], indent=2))
