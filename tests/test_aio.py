@@ -273,3 +273,8 @@ def test_a_flipped_byte_in_a_swap_file_is_caught(engine, swap):
         cf.read(AlignedBuffer(n).tensor, 0, n).wait()
     with pytest.raises(ValueError, match="no checksums recorded"):
         cf.read(AlignedBuffer(n).tensor, 4096, n)
+
+
+def test_the_pinned_liburing_is_what_is_installed():
+    from importlib.metadata import version
+    assert version("liburing") == "2024.5.3"  # the 2026 wheels SIGILL on AVX2-only CPUs
