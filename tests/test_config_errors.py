@@ -110,20 +110,20 @@ def test_file_problems(tmp_path):
         Config.load(tmp_path / "missing.json")
     with pytest.raises(ConfigError, match="is not a file"):
         Config.load(tmp_path)
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"train_batch_size": 8,\n "zero_optimization": {stage: 3}}')
-    with pytest.raises(ConfigError, match="is not valid JSON: .* at line 2 column"):
-        Config.load(bad)
-    dup = tmp_path / "dup.json"
-    dup.write_text('{"aio": {"block_size": 4096, "block_size": 8192}}')
-    with pytest.raises(ConfigError, match="block_size: given twice"):
-        Config.load(dup)
-    arr = tmp_path / "arr.json"
-    arr.write_text("[1, 2]")
-    with pytest.raises(ConfigError, match="must hold a JSON object"):
-        Config.load(arr)
     with pytest.raises(ConfigError, match="a config is a dict, a JSON string or a path"):
         Config.load(42)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"train_batch_size": 8,\n "zero_optimization": {stage: 3}}', "is not valid JSON: .* at line 2 column"),
+    ('{"aio": {"block_size": 4096, "block_size": 8192}}', "block_size: given twice"),
+    ("[1, 2]", "must hold a JSON object"),
+])
+def test_bad_json_files(tmp_path, text, message):
+    path = tmp_path / "ds_config.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        Config.load(path)
 
 
 # ------------------------------------------------------------------ property-based corruption
