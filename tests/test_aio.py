@@ -252,10 +252,10 @@ def test_crc32c_matches_the_standard_check_value_on_every_variant(variant):
 @pytest.mark.parametrize("length", [4096, 300_001, 1 << 20])
 def test_checksummed_round_trip(engine, swap, length):
     from offload.aio import ChecksummedFile
-    cf = ChecksummedFile(engine, swap)
     src, dst = random_buffer(length, 11), AlignedBuffer(length)
-    cf.write(src.tensor, 8192, length).wait()
-    cf.read(dst.tensor, 8192, length).wait()
+    with ChecksummedFile(engine, swap) as cf:
+        cf.write(src.tensor, 8192, length).wait()
+        cf.read(dst.tensor, 8192, length).wait()
     assert torch.equal(dst.tensor[:length], src.tensor[:length])
 
 

@@ -62,6 +62,10 @@ class SwapFile:
         self.close()
 
 
+# A verify hook returns this when it will call request.piece_finished itself later.
+DEFERRED = object()
+
+
 @dataclass
 class Piece:
     """One block of a request: [offset, offset + length) of the file <-> buffer address."""
@@ -93,6 +97,8 @@ class Request:
     def finish_piece(self, piece: Piece, error: SwapIOError | None) -> None:
         if error is None and self.verify is not None:
             error = self.verify(piece)
+            if error is DEFERRED:
+                return  # the verifier calls piece_finished itself, from its own thread
         self.piece_finished(error)
 
     def piece_finished(self, error: SwapIOError | None = None) -> None:

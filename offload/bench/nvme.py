@@ -105,6 +105,7 @@ def run(directory: Path, size: int = 1 << 30, blocks: tuple[int, ...] = (1 << 20
                                 + (f"  {cpu:5.3f} CPU s/GB" if cpu is not None else "")
                                 + (f"  {ratio:4.2f}x {'without checksums' if 'crc' in name else 'best other'}"
                                    if ratio is not None else ""))
+                    checked.close()
                     for eng in engines_here.values():
                         eng.close()
     finally:
