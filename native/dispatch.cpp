@@ -145,7 +145,7 @@ void for_each_tile(size_t n, int threads, size_t tile, const Fn& fn) {
 
 void adam(AdamArgs args, size_t n, int threads) {
   const KernelTable& k = active_kernels();
-  args.native_bf16 = args.native_bf16 && cpu_has_bf16();
+  args.native_bf16 = cpu_has_bf16();
   // 16K elements: 64 KiB of each fp32 stream, a multiple of every vector width.
   for_each_tile(n, threads, size_t(1) << 14, [&](size_t begin, size_t end) { k.adam(args, begin, end); });
 }

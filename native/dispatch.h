@@ -22,8 +22,8 @@ void select_variant(const std::string& name);
 // Sum of squares over n elements, split across `threads` threads.
 SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads);
 
-// One Adam step over n elements, tiles shared among `threads` threads. Element-wise,
-// so the result does not depend on the thread count.
+// One Adam step over n elements, each of `threads` threads sweeping one contiguous range.
+// Element-wise, so the result does not depend on the thread count.
 void adam(AdamArgs args, size_t n, int threads);
 
 // a += s * b with the same tiles and threads as adam (the bandwidth ceiling's probe).

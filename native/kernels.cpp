@@ -193,7 +193,7 @@ struct Vec {
 
 SqNorm sq_norm(const void* data, DType dtype, size_t n) { return sq_norm_tail(data, dtype, 0, n); }
 
-#define OFFLOAD_SCALAR_ONLY 1
+#define OFFLOAD_NO_VECTOR 1
 
 #endif
 
@@ -213,6 +213,10 @@ struct Scalar {
   static F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
   static void store16(void* out, DType dtype, bool, size_t i, F x) { scalar::store16(out, int(dtype), i, x); }
 };
+
+#if defined(OFFLOAD_NO_VECTOR)
+using Vec = Scalar;  // the portable build: the "vector" pass is the scalar one, the tail pass is empty
+#endif
 
 // [Note: Adam's order of operations] Each line rounds where torch.optim.Adam's
 // single-tensor path rounds, and uses an FMA where torch's vectorized lerp_, addcmul_
@@ -274,11 +278,7 @@ size_t adam_span(const AdamArgs& a, size_t i, size_t end) {
 }
 
 void adam(const AdamArgs& a, size_t begin, size_t end) {
-#if defined(OFFLOAD_SCALAR_ONLY)
-  adam_span<Scalar>(a, begin, end);
-#else
   adam_span<Scalar>(a, adam_span<Vec>(a, begin, end), end);
-#endif
 }
 
 template <class V>
@@ -289,11 +289,7 @@ size_t axpy_span(float* a, const float* b, float s, size_t i, size_t end) {
 }
 
 void axpy(float* a, const float* b, float s, size_t begin, size_t end) {
-#if defined(OFFLOAD_SCALAR_ONLY)
-  axpy_span<Scalar>(a, b, s, begin, end);
-#else
   axpy_span<Scalar>(a, b, s, axpy_span<Vec>(a, b, s, begin, end), end);
-#endif
 }
 
 template <class V>
@@ -308,11 +304,7 @@ size_t touch3_span(float* p, float* m, float* v, const float* g, size_t i, size_
 }
 
 void touch3(float* p, float* m, float* v, const float* g, size_t begin, size_t end) {
-#if defined(OFFLOAD_SCALAR_ONLY)
-  touch3_span<Scalar>(p, m, v, g, begin, end);
-#else
   touch3_span<Scalar>(p, m, v, g, touch3_span<Vec>(p, m, v, g, begin, end), end);
-#endif
 }
 
 #if defined(__SSE4_2__)

@@ -41,7 +41,7 @@ struct AdamArgs {
   float bc2_sqrt = 1.0f;        // sqrt(1 - beta2**step), or 1 without bias correction
   float eps = 1e-8f;
   float step_size = 1e-3f;      // lr / (1 - beta1**step), or lr
-  bool native_bf16 = false;     // the CPU converts to bf16 itself (avx512_bf16)
+  bool native_bf16 = false;     // the CPU converts to bf16 itself (avx512_bf16); set by dispatch
 };
 
 struct KernelTable {

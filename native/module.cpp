@@ -55,14 +55,19 @@ nb::tuple py_sq_norm(const AnyArray& a, int threads) {
 
 using RwArray = nb::ndarray<>;
 
+template <class Array>
+void require_size(const Array& a, const char* what, size_t n) {
+  if (a.size() != n)
+    throw std::invalid_argument(std::string(what) + " has " + std::to_string(a.size()) + " elements, expected " +
+                                std::to_string(n));
+}
+
 float* fp32_buffer(const RwArray& a, const char* what, size_t n) {
   require_dense_cpu(a, what);
   const nb::dlpack::dtype d = a.dtype();
   if (!(d.code == uint8_t(nb::dlpack::dtype_code::Float) && d.bits == 32 && d.lanes == 1))
     throw std::invalid_argument(std::string(what) + " must be float32");
-  if (a.size() != n)
-    throw std::invalid_argument(std::string(what) + " has " + std::to_string(a.size()) + " elements, expected " +
-                                std::to_string(n));
+  require_size(a, what, n);
   return static_cast<float*>(a.data());
 }
 
@@ -77,16 +82,12 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
   require_dense_cpu(grad, "grad");
   a.grad_dtype = dtype_of(grad, "grad");
   a.grad = grad.data();
-  if (grad.size() != n)
-    throw std::invalid_argument("grad has " + std::to_string(grad.size()) + " elements, param has " +
-                                std::to_string(n));
+  require_size(grad, "grad", n);
   if (out16) {
     require_dense_cpu(*out16, "out16");
     a.out_dtype = dtype_of(*out16, "out16");
     if (a.out_dtype == DType::F32) throw std::invalid_argument("out16 must be bfloat16 or float16");
-    if (out16->size() != n)
-      throw std::invalid_argument("out16 has " + std::to_string(out16->size()) + " elements, param has " +
-                                  std::to_string(n));
+    require_size(*out16, "out16", n);
     a.out16 = out16->data();
   }
   a.grad_scale = grad_scale;
@@ -98,7 +99,6 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
   a.bc2_sqrt = bc2_sqrt;
   a.eps = eps;
   a.step_size = step_size;
-  a.native_bf16 = true;
   nb::gil_scoped_release unlocked;
   adam(a, n, threads);
 }
