@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+import numpy as np
 import psutil
 import torch
 
@@ -59,12 +60,13 @@ class SqNorm(NamedTuple):
         return self.sum_sq ** 0.5
 
 
-def _check_buffer(t: torch.Tensor, name: str) -> torch.Tensor:
+def _check_buffer(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...] | None = KERNEL_DTYPES) -> torch.Tensor:
+    """A dense CPU tensor of one of ``dtypes`` (any dtype when None), detached for DLPack."""
     if not isinstance(t, torch.Tensor):
         raise NativeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise NativeError(f"{name} is on {t.device}; the CPU kernels read host memory, so copy it with .cpu() first")
-    if t.dtype not in KERNEL_DTYPES:
+    if dtypes is not None and t.dtype not in dtypes:
         raise NativeError(f"{name} has dtype {t.dtype}; the kernels take float32, bfloat16 or float16")
     if not t.is_contiguous():
         raise NativeError(f"{name} is not contiguous; pass .contiguous() (or a flat buffer)")
@@ -127,10 +129,9 @@ def touch3_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     _native.touch3(bufs["p"], bufs["m"], bufs["v"], bufs["g"], default_threads() if threads is None else int(threads))
 
 
-def crc32c_blocks(data: torch.Tensor, block: int, threads: int | None = None) -> "numpy.ndarray":
+def crc32c_blocks(data: torch.Tensor, block: int, threads: int | None = None) -> np.ndarray:
     """CRC-32C of each ``block``-byte piece of a dense CPU buffer (the last may be shorter), as uint32."""
-    import numpy as np
-    data = _check_any(data, "data")
+    data = _check_buffer(data, "data", dtypes=None)
     if block <= 0:
         raise NativeError(f"block must be positive, got {block}")
     nbytes = data.numel() * data.element_size()
@@ -139,14 +140,6 @@ def crc32c_blocks(data: torch.Tensor, block: int, threads: int | None = None) ->
         _native.crc32c_blocks(data.view(torch.uint8) if data.dtype != torch.uint8 else data, block, out,
                               default_threads() if threads is None else int(threads))
     return out[: -(-nbytes // block)]
-
-
-def _check_any(t: torch.Tensor, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise NativeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise NativeError(f"{name} must be a contiguous CPU tensor")
-    return t.detach()
 
 
 def _apply_env() -> None:

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from offload.config import Config, ConfigError, config_fields
 from offload.config.fields import _strip_optional
 
-from conftest import REPO
 from test_config_load import HF_STYLE, SHIPPED
 
 NVME = {"stage": 3, "offload_optimizer": {"device": "nvme"}}

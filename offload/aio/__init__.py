@@ -5,5 +5,5 @@ from offload.aio.checksum import ChecksumError, ChecksummedFile
 from offload.aio.buffers import AlignedBuffer, BufferPool, PoolExhausted, round_up
 from offload.aio.select import engine_from_config, make_engine, probe_io_uring
 
-__all__ = ["AlignedBuffer", "BufferPool", "ChecksumError", "ChecksummedFile", "Engine", "PoolExhausted", "Request", "SwapFile", "SwapIOError",
-           "engine_from_config", "make_engine", "probe_io_uring", "round_up"]
+__all__ = ["AlignedBuffer", "BufferPool", "ChecksumError", "ChecksummedFile", "Engine", "PoolExhausted", "Request",
+           "SwapFile", "SwapIOError", "engine_from_config", "make_engine", "probe_io_uring", "round_up"]

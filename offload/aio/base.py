@@ -9,6 +9,7 @@ buffer is no longer being written when the caller sees the error).
 
 from __future__ import annotations
 
+import ctypes
 import errno as errno_mod
 import os
 import threading
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.aio.buffers import ALIGN
+from offload.aio.buffers import ALIGN, round_up
 
 
 class SwapIOError(OSError):
@@ -131,7 +132,7 @@ def check_request(op: str, file: SwapFile, buffer: torch.Tensor, offset: int, le
     if length <= 0:
         raise ValueError(f"{op} on {file.path}: length must be positive, got {length}")
     capacity = buffer.numel() * buffer.element_size()
-    wire = (length + ALIGN - 1) // ALIGN * ALIGN
+    wire = round_up(length)
     if wire > capacity:
         raise ValueError(f"{op} on {file.path}: {length:,} bytes travel as {wire:,} (whole 4 KiB blocks) but the "
                          f"buffer holds {capacity:,}; allocate buffers with AlignedBuffer, which rounds up")
@@ -141,11 +142,46 @@ def check_request(op: str, file: SwapFile, buffer: torch.Tensor, offset: int, le
 
 
 def split(request: Request, address: int, block_size: int) -> list[Piece]:
-    wire = (request.length + ALIGN - 1) // ALIGN * ALIGN
+    wire = round_up(request.length)
     pieces = [Piece(request, request.offset + start, address + start, min(block_size, wire - start))
               for start in range(0, wire, block_size)]
     request._pending = len(pieces)
     return pieces
+
+
+def piece_error(piece: Piece, err: int, detail: str = "") -> SwapIOError:
+    """The error for what is left of a piece: file, offset and length from where it stopped."""
+    req = piece.request
+    return SwapIOError(err, req.file.path, piece.offset + piece.done, piece.length - piece.done, req.op, detail)
+
+
+def zero_transfer(piece: Piece) -> SwapIOError | None:
+    """A read or write that moved no bytes. Past the requested length (inside the 4 KiB
+    padding) a read has all it needs; anywhere else it is a truncated file."""
+    req = piece.request
+    if req.op == "read" and piece.offset + piece.done >= req.offset + req.length:
+        return None
+    return piece_error(piece, errno_mod.EIO, f"short {req.op}: the file ends here (truncated swap file?)")
+
+
+class RequestGroup:
+    """Requests that finish together; wait() raises the first error only after all are done."""
+
+    def __init__(self, requests: list[Request]) -> None:
+        self.requests = requests
+
+    def done(self) -> bool:
+        return all(r.done() for r in self.requests)
+
+    def wait(self, timeout: float | None = None) -> None:
+        first: SwapIOError | None = None
+        for r in self.requests:
+            try:
+                r.wait(timeout)
+            except SwapIOError as e:
+                first = first or e
+        if first is not None:
+            raise first
 
 
 def check_block_size(block_size: int) -> int:
@@ -172,14 +208,7 @@ class Engine:
 
     def wait_all(self, requests: list[Request]) -> None:
         """Wait for every request; raise the first error only after all have finished."""
-        first: SwapIOError | None = None
-        for r in requests:
-            try:
-                r.wait()
-            except SwapIOError as e:
-                first = first or e
-        if first is not None:
-            raise first
+        RequestGroup(requests).wait()
 
     def close(self) -> None:
         pass
@@ -194,26 +223,20 @@ class Engine:
 def transfer_piece(piece: Piece) -> SwapIOError | None:
     """One piece with plain syscalls, short transfers continued; the thread engine's worker."""
     req = piece.request
-    view_base = piece.address
     while piece.done < piece.length:
-        remaining = piece.length - piece.done
-        mv = _memoryview_at(view_base + piece.done, remaining)
+        mv = _memoryview_at(piece.address + piece.done, piece.length - piece.done)
         try:
             if req.op == "read":
                 n = os.preadv(req.file.fd, [mv], piece.offset + piece.done)
             else:
                 n = os.pwritev(req.file.fd, [mv], piece.offset + piece.done)
         except OSError as e:
-            return SwapIOError(e.errno or errno_mod.EIO, req.file.path, piece.offset + piece.done, remaining, req.op)
+            return piece_error(piece, e.errno or errno_mod.EIO)
         if n == 0:
-            if req.op == "read" and piece.offset + piece.done >= req.offset + req.length:
-                return None  # EOF inside the 4 KiB padding past the requested length
-            return SwapIOError(errno_mod.EIO, req.file.path, piece.offset + piece.done, remaining, req.op,
-                               "short " + req.op + ": the file ends here (truncated swap file?)")
+            return zero_transfer(piece)
         piece.done += n
     return None
 
 
 def _memoryview_at(address: int, length: int) -> memoryview:
-    import ctypes
     return memoryview((ctypes.c_char * length).from_address(address)).cast("B")

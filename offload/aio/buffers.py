@@ -49,7 +49,7 @@ class AlignedBuffer:
 
     def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The first ``numel`` elements as ``dtype``, sharing memory."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes > self.capacity:
             raise ValueError(f"{numel} x {dtype} needs {nbytes} bytes; this buffer holds {self.capacity}")
         return self.tensor[:nbytes].view(dtype)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from offload import native
-from offload.aio.base import DEFERRED, Engine, Piece, Request, SwapFile, SwapIOError
+from offload.aio.base import DEFERRED, Engine, Piece, Request, RequestGroup, SwapFile, SwapIOError
 
 
 class ChecksumError(SwapIOError):
@@ -25,26 +25,6 @@ class ChecksumError(SwapIOError):
 
 CHUNK_BYTES = 16 << 20  # checksummed ahead of each write submission: small enough to overlap, large
 # enough that per-chunk overhead stays negligible
-
-
-class RequestGroup:
-    """Several requests that finish together; wait() raises the first error after all are done."""
-
-    def __init__(self, requests: list[Request]) -> None:
-        self.requests = requests
-
-    def done(self) -> bool:
-        return all(r.done() for r in self.requests)
-
-    def wait(self, timeout: float | None = None) -> None:
-        first = None
-        for r in self.requests:
-            try:
-                r.wait(timeout)
-            except SwapIOError as e:
-                first = first or e
-        if first is not None:
-            raise first
 
 
 class ChecksummedFile:

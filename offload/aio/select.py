@@ -28,9 +28,8 @@ if rc < 0:
     print(f"io_uring_queue_init failed: {os.strerror(-rc)}"); sys.exit(3)
 efd = os.eventfd(0)
 liburing.io_uring_register_eventfd(ring, efd)
-import mmap, ctypes
+import mmap
 buf = mmap.mmap(-1, 4096)
-addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
 with tempfile.NamedTemporaryFile(dir=sys.argv[1]) as f:
     fd = os.open(f.name, os.O_RDWR | os.O_DIRECT)
     sqe = liburing.io_uring_get_sqe(ring)

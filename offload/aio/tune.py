@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from offload.aio import AlignedBuffer, SwapFile, make_engine, probe_io_uring
-from offload.bench.nvme import _fio
+from offload.bench.nvme import run_fio
 
 QUICK = dict(blocks=(1 << 20, 8 << 20), depths=(8, 32), threads=(2,), size=256 << 20, rounds=1)
 FULL = dict(blocks=(256 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20), depths=(4, 8, 16, 32, 64), threads=(1, 2, 4),
@@ -88,7 +88,7 @@ def sweep(path: Path, quick: bool = False, size: int | None = None, with_fio: bo
         fio_file = path / "offload-tune-fio.bin"
         try:
             for block, depth in points:
-                r, w = _fio(fio_file, "write", block, depth, size), _fio(fio_file, "read", block, depth, size)
+                r, w = run_fio(fio_file, "write", block, depth, size), run_fio(fio_file, "read", block, depth, size)
                 for c in cells:
                     if (c.block_size, c.queue_depth) == (block, depth):
                         c.fio_read_gbs, c.fio_write_gbs = r, w

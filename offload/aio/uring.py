@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from offload.aio.base import (Engine, Piece, Request, SwapFile, SwapIOError, _memoryview_at, check_block_size,
-                              check_request, split)
+                              check_request, piece_error, split, zero_transfer)
 
 
 class IoUringEngine(Engine):
@@ -87,12 +87,7 @@ class IoUringEngine(Engine):
             except OSError as e:
                 for ident in added:
                     piece = self._inflight.pop(ident)
-                    piece.request.piece_finished(self._error(piece, e.errno or errno_mod.EIO))
-
-    @staticmethod
-    def _error(piece: Piece, err: int, detail: str = "") -> SwapIOError:
-        req = piece.request
-        return SwapIOError(err, req.file.path, piece.offset + piece.done, piece.length - piece.done, req.op, detail)
+                    piece.request.piece_finished(piece_error(piece, e.errno or errno_mod.EIO))
 
     def _reap(self) -> None:
         lib = self._lib
@@ -130,13 +125,10 @@ class IoUringEngine(Engine):
         """The outcome of one completion: an error, None (piece done) or False (continued, not done)."""
         if self._inject is not None:
             res = self._inject(piece, res)
-        req = piece.request
         if res < 0:
-            return self._error(piece, -res)
+            return piece_error(piece, -res)
         if res == 0:
-            if req.op == "read" and piece.offset + piece.done >= req.offset + req.length:
-                return None  # EOF inside the padding past the requested length
-            return self._error(piece, errno_mod.EIO, f"short {req.op}: the file ends here (truncated swap file?)")
+            return zero_transfer(piece)
         piece.done += res
         if piece.done < piece.length:
             with self._lock:  # a short transfer: continue from where it stopped, ahead of new work

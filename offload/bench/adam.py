@@ -33,10 +33,6 @@ HYPER = AdamHyper(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MAX_NORM = 1.0
 
 
-def median_seconds(fn: Callable[[], None], repeats: int, warmup: int = 1) -> float:
-    return interleaved({"only": fn}, repeats, warmup)["only"]
-
-
 def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> dict[str, float]:
     """Median seconds of each function, run in alternating rounds: memory bandwidth here drifts
     20-30% within an hour, and rounds spread that drift over every contender alike."""

@@ -33,7 +33,7 @@ class NvmeRow:
     ratio_vs_best_other: float | None = None
 
 
-def _fio(path: Path, op: str, block: int, depth: int, size: int) -> float | None:
+def run_fio(path: Path, op: str, block: int, depth: int, size: int) -> float | None:
     if shutil.which("fio") is None:
         return None
     cmd = ["fio", "--name=offload", f"--filename={path}", f"--rw={op}", f"--bs={block}", f"--iodepth={depth}",
@@ -43,6 +43,20 @@ def _fio(path: Path, op: str, block: int, depth: int, size: int) -> float | None
         return None
     job = json.loads(proc.stdout)["jobs"][0]
     return job["read" if op == "read" else "write"]["bw_bytes"] / 1e9
+
+
+CRC = " + crc32c"
+
+
+def _baseline(name: str, results: dict[str, tuple[float, float | None]]) -> tuple[float, str] | None:
+    """What a row is compared with: io_uring with the best of the others, a checksummed
+    engine with the same engine without checksums; other rows are baselines themselves."""
+    if name.endswith(CRC):
+        return results[name.removesuffix(CRC)][0], "without checksums"
+    if name == "io_uring":
+        others = [gbs for n, (gbs, _) in results.items() if n != name and not n.endswith(CRC)]
+        return (max(others), "best other") if others else None
+    return None
 
 
 def _timed(fn: Callable[[], None]) -> tuple[float, float]:
@@ -78,14 +92,14 @@ def run(directory: Path, size: int = 1 << 30, blocks: tuple[int, ...] = (1 << 20
                     contenders = {name: (lambda op, e=eng: getattr(e, op)(f, buf.tensor, 0, size))
                                   for name, eng in engines_here.items()}
                     # The same engine with CRC-32C on every block: the cost of never reading back wrong.
-                    contenders[f"{engines[-1]} + crc32c"] = lambda op: getattr(checked, op)(buf.tensor, 0, size)
+                    contenders[engines[-1] + CRC] = lambda op: getattr(checked, op)(buf.tensor, 0, size)
                     for op in ("write", "read"):
                         times: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
                         fio: list[float] = []
                         for _ in range(rounds):
                             for name, start in contenders.items():
                                 times[name].append(_timed(lambda s=start: s(op).wait()))
-                            gbs = _fio(path.with_suffix(".fio"), op, block, depth, size)
+                            gbs = run_fio(path.with_suffix(".fio"), op, block, depth, size)
                             if gbs is not None:
                                 fio.append(gbs)
                         results = {name: (size / statistics.median(t for t, _ in ts) / 1e9,
@@ -94,17 +108,12 @@ def run(directory: Path, size: int = 1 << 30, blocks: tuple[int, ...] = (1 << 20
                         if fio:
                             results["fio (io_uring, direct=1)"] = (statistics.median(fio), None)
                         for name, (gbs, cpu) in results.items():
-                            others = [g for n, (g, _) in results.items() if n != name]
-                            if name == "io_uring":
-                                others = [g for n, (g, _) in results.items() if n not in (name, "io_uring + crc32c")]
-                            elif name.endswith("+ crc32c"):
-                                others = [results[name.split(" + ")[0]][0]]
-                            ratio = gbs / max(others) if others and (name == "io_uring" or "crc" in name) else None
+                            base = _baseline(name, results)
+                            ratio = gbs / base[0] if base else None
                             rows.append(NvmeRow(op, name, block, depth, size, gbs, cpu, ratio))
                             say(f"  {op:<5} bs {block >> 20:>2} MiB  qd {depth:>3}  {name:<26} {gbs:5.2f} GB/s"
                                 + (f"  {cpu:5.3f} CPU s/GB" if cpu is not None else "")
-                                + (f"  {ratio:4.2f}x {'without checksums' if 'crc' in name else 'best other'}"
-                                   if ratio is not None else ""))
+                                + (f"  {ratio:4.2f}x {base[1]}" if base else ""))
                     checked.close()
                     for eng in engines_here.values():
                         eng.close()

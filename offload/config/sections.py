@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from .fields import AUTO, Auto, ConfigError, Support, section, setting
+from .fields import Auto, ConfigError, Support, section, setting
 
 IGNORED = Support.IGNORED
 UNSUPPORTED = Support.UNSUPPORTED

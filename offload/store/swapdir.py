@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offload.aio.base import SwapFile, SwapIOError
+from offload.aio.buffers import round_up
 
 logger = logging.getLogger("offload.store")
 PREFIX = "offload-swap-"
@@ -99,7 +100,7 @@ class SwapDir:
         disk is an error at start-up rather than in the middle of training."""
         if name in self._files:
             raise ValueError(f"swap file {name!r} already exists in {self.path}")
-        size = (nbytes + 4095) // 4096 * 4096
+        size = round_up(nbytes)
         f = SwapFile.open(self.path / name)
         try:
             os.posix_fallocate(f.fd, 0, size)
