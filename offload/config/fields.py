@@ -287,12 +287,7 @@ def parse_section(cls: type, raw: Any, path: str, notes: list[str]) -> Any:
         written = by_field[f.name][0]  # errors name the key as the user wrote it (maybe an alias)
         here = f"{path}.{written}" if path else written
         values[f.name] = coerce(by_field[f.name][1], hint, spec, here, notes)
-    try:
-        obj = cls(**values)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:  # pragma: no cover - a schema bug
-        raise ConfigError(path, str(e)) from e
+    obj = cls(**values)
     _check_support(obj, path, notes)
     check = getattr(obj, "check", None)
     if check is not None:
@@ -300,13 +295,13 @@ def parse_section(cls: type, raw: Any, path: str, notes: list[str]) -> Any:
     return obj
 
 
-def _is_active(value: Any, default: Any) -> bool:
+def _is_active(value: Any, f: dataclasses.Field) -> bool:
     """Whether a value set for an IGNORED/UNSUPPORTED key would change anything."""
     if dataclasses.is_dataclass(value) and hasattr(value, "enabled"):
         return bool(value.enabled)
     if isinstance(value, Mapping):
         return bool(value) and value.get("enabled", True) is not False
-    return value != default
+    return value != _default_of(f)
 
 
 def _default_of(f: dataclasses.Field) -> Any:
@@ -323,7 +318,7 @@ def _check_support(obj: Any, path: str, notes: list[str]) -> None:
         if spec.support is Support.HONOURED:
             continue
         value = getattr(obj, f.name)
-        if not _is_active(value, _default_of(f)):
+        if not _is_active(value, f):
             continue
         here = f"{path}.{f.name}" if path else f.name
         extra = f" {spec.note}" if spec.note else ""
