@@ -1,0 +1,272 @@
+"""The accelerator room: the compute device, its copy streams and events, pinned allocation, memory stats.
+
+[Note: emulated streams] A GPU is lent to this project rarely, so ordering bugs must
+show up on CPU first. On a CPU-only machine a copy stream is a worker thread that
+runs what is enqueued on it in submission order, and its events complete only when
+that work has run. The engine's stream/event logic is therefore the same code on
+both kinds of machine, and a missing wait shows up in a CPU test as a wrong result.
+``OFFLOAD_EMULATED_COPY_DELAY_S`` makes every emulated operation sleep first, so tests
+can make the worker lag far behind the main thread and a missing wait certain to bite.
+
+Only the few lines under ``_Cuda*`` run on CUDA alone; everything else is shared.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from offload.aio.buffers import AlignedBuffer
+
+
+class Event(Protocol):
+    """Completes when everything enqueued on its stream before it has run."""
+
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+
+class CopyStream(Protocol):
+    """An ordered queue of copies beside the compute stream."""
+
+    name: str
+
+    def run(self, fn: Callable[[], None]) -> None:
+        """Enqueue ``fn``; it runs after everything enqueued before it (on CUDA: its kernels do)."""
+
+    def record(self) -> Event:
+        """An event that completes once everything enqueued so far has run."""
+
+    def wait_event(self, event: Event) -> None:
+        """Later work on this stream starts only after ``event`` completes."""
+
+    def synchronize(self) -> None:
+        """Block until everything enqueued has run; re-raises the first failure."""
+
+    def close(self) -> None: ...
+
+
+class StreamError(RuntimeError):
+    """Work enqueued on a stream failed; raised where its result is waited for."""
+
+
+# --------------------------------------------------------------------------- CPU: emulated
+
+
+class DoneEvent:
+    """An event that has already completed (recorded on a synchronous stream)."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class ThreadEvent:
+    """Completes when the worker reaches it; carries the worker's failure, if any."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _complete(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise StreamError(f"work before this event failed: {self._error}") from self._error
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+
+class WorkerStream:
+    """A thread that runs enqueued callables in order: an emulated copy stream, or a host queue.
+
+    After a failure the stream runs nothing more; every later event carries the error,
+    so whoever waits learns of it, and nothing downstream uses a half-done copy.
+    """
+
+    def __init__(self, name: str, delay_s: float = 0.0) -> None:
+        self.name = name
+        self._delay_s = delay_s
+        self._queue: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"offload-{name}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            kind, item = self._queue.get()
+            if kind == "stop":
+                return
+            if kind == "record":
+                item._complete(self._error)  # type: ignore[attr-defined]
+                continue
+            if self._error is not None:
+                continue
+            try:
+                if self._delay_s:
+                    time.sleep(self._delay_s)
+                if kind == "wait":
+                    item.synchronize()  # type: ignore[attr-defined]
+                else:
+                    item()  # type: ignore[operator]
+            except BaseException as e:  # noqa: BLE001 - carried to the waiter
+                self._error = e
+
+    def run(self, fn: Callable[[], None]) -> None:
+        self._queue.put(("run", fn))
+
+    def record(self) -> ThreadEvent:
+        event = ThreadEvent()
+        self._queue.put(("record", event))
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        if not isinstance(event, DoneEvent):
+            self._queue.put(("wait", event))
+
+    def synchronize(self) -> None:
+        self.record().synchronize()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(("stop", None))
+            self._thread.join()
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+class _CudaEvent:
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        return bool(self.event.query())
+
+
+class _CudaStream:
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self.stream = torch.cuda.Stream(device=device)
+
+    def run(self, fn: Callable[[], None]) -> None:
+        with torch.cuda.stream(self.stream):
+            fn()
+
+    def record(self) -> _CudaEvent:
+        return _CudaEvent(self.stream)
+
+    def wait_event(self, event: Event) -> None:
+        if isinstance(event, _CudaEvent):
+            self.stream.wait_event(event.event)
+        else:
+            event.synchronize()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        self.synchronize()
+
+
+# --------------------------------------------------------------------------- the room
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Bytes on the compute device as its allocator sees them (CPU: not tracked, zeros)."""
+
+    allocated: int
+    peak_allocated: int
+    reserved: int
+
+
+class Accelerator:
+    """The compute device and everything that orders work on it."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        if device is None:
+            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device} is not supported; offload runs on cuda or cpu")
+        self.is_cuda = self.device.type == "cuda"
+        if self.is_cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._delay_s = float(os.environ.get("OFFLOAD_EMULATED_COPY_DELAY_S", "0") or 0)
+        self._streams: list[CopyStream] = []
+
+    @property
+    def dist_backend(self) -> str:
+        return "nccl" if self.is_cuda else "gloo"
+
+    def copy_stream(self, name: str) -> CopyStream:
+        """A new copy stream (CUDA) or its emulation (CPU: see [Note: emulated streams])."""
+        stream: CopyStream = _CudaStream(name, self.device) if self.is_cuda else WorkerStream(name, self._delay_s)
+        self._streams.append(stream)
+        return stream
+
+    def host_queue(self, name: str) -> WorkerStream:
+        """An ordered host thread for CPU work that must wait on device events (e.g. gradient accumulation)."""
+        stream = WorkerStream(name, 0.0 if self.is_cuda else self._delay_s)
+        self._streams.append(stream)
+        return stream
+
+    def compute_event(self) -> Event:
+        """An event after everything enqueued on the compute stream so far."""
+        if self.is_cuda:
+            return _CudaEvent(torch.cuda.current_stream(self.device))
+        return DoneEvent()  # CPU compute is synchronous: all of it has already run
+
+    def compute_wait(self, event: Event | None) -> None:
+        """Make later compute wait for ``event`` (CPU: block the main thread until it completes)."""
+        if event is None:
+            return
+        if self.is_cuda and isinstance(event, _CudaEvent):
+            torch.cuda.current_stream(self.device).wait_event(event.event)
+        else:
+            event.synchronize()
+
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, AlignedBuffer]:
+        """Page-aligned host memory, pinned when a GPU is the compute device (async copies need it)."""
+        buf = AlignedBuffer(max(1, numel) * dtype.itemsize, pin=self.is_cuda)
+        return buf.view(dtype, numel), buf
+
+    def memory_stats(self) -> MemoryStats:
+        if self.is_cuda:
+            return MemoryStats(torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device),
+                               torch.cuda.memory_reserved(self.device))
+        return MemoryStats(0, 0, 0)
+
+    def reset_peak(self) -> None:
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def synchronize(self) -> None:
+        for stream in self._streams:
+            stream.synchronize()
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        for stream in self._streams:
+            stream.close()
+        self._streams.clear()

@@ -1,0 +1,376 @@
+"""The training engine: forward, backward and step of a ZeRO-3 model, in DeepSpeed's call shape.
+
+``engine.backward(loss)`` scales the loss (by the fp16 loss scale and 1 /
+gradient_accumulation_steps, as DeepSpeed does); the units' gradients are
+reduce-scattered and streamed into the fp32 accumulators while backward runs.
+``engine.step()`` applies the update only at an accumulation boundary: it waits for
+the gradient stream, takes the global norm (one native read per shard, one
+all-reduce), skips the step on an fp16 overflow, and otherwise runs Adam with the
+unscale and the clip folded into one gradient factor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from offload.accelerator import Accelerator
+from offload.config import Config, ConfigError
+from offload.optim.cpu_adam import CPUAdam
+from offload.optim.loss_scale import LossScaler
+from offload.optim.schedules import build_schedule
+from offload.optim.sharded import ShardedAdam
+from offload.zero.collectives import Group, all_gather, all_reduce_sum, broadcast
+from offload.zero.plan import plan_units
+from offload.zero.runtime import ZeroRuntime
+from offload.zero.unit import Unit
+
+logger = logging.getLogger("offload.engine")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class EngineError(RuntimeError):
+    """The engine was used in a way it cannot honour; the message says what to do instead."""
+
+
+class Engine:
+    """A model sharded over the data-parallel group with its optimizer; see ``offload.initialize``."""
+
+    def __init__(self, model: nn.Module, config: Config, param_groups: list[dict[str, Any]], adamw_mode: bool,
+                 bias_correction: bool, group: Group, accel: Accelerator,
+                 lr_scheduler: Any = None) -> None:
+        zero = config.zero_optimization
+        self.config = config
+        self.group = group
+        self.accel = accel
+        self.compute_dtype = torch.bfloat16 if config.bf16.enabled is True else (
+            torch.float16 if config.fp16.enabled is True else torch.float32)
+        self.gradient_accumulation_steps = int(config.gradient_accumulation_steps or 1)
+        self.gradient_clipping = float(config.gradient_clipping or 0.0)
+        self.loss_scaler = LossScaler.from_config(config.fp16)
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self._pending_micro = 0
+        self._closed = False
+        self.last_grad_norm: float | None = None
+
+        group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
+        if not group_of:
+            raise EngineError("the optimizer has no parameters: model_parameters (or the optimizer's param groups) "
+                              "must include at least one parameter that requires grad")
+        untracked = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+        if untracked:
+            logger.warning("%d parameters require grad but are in no optimizer group and will not be updated: %s",
+                           len(untracked), ", ".join(untracked[:5]) + (" ..." if len(untracked) > 5 else ""))
+
+        plans = plan_units(model, config.offload.unit_bytes, self.compute_dtype.itemsize)
+        self.optimizer = ShardedAdam(param_groups, accel, offload=zero.offload_optimizer.device == "cpu",
+                                     compute_dtype=self.compute_dtype, adamw_mode=adamw_mode,
+                                     bias_correction=bias_correction, threads=config.offload.cpu_threads)
+        self.units: list[Unit] = []
+        for plan in plans:
+            values = Unit.initial_values(plan, group.world)
+            broadcast_values = values.to(accel.device) if accel.is_cuda else values
+            broadcast(broadcast_values, group)  # every rank starts from rank 0's weights, as DeepSpeed does
+            values = broadcast_values.cpu() if accel.is_cuda else broadcast_values
+            unit = Unit(plan, group, self.compute_dtype, accel.device)
+            master = values[unit.shard_start:unit.shard_start + unit.shard_numel]
+            unit.shard.copy_(master)
+            if any(id(s.param) in group_of for s in plan.slots):
+                self.optimizer.add_unit(unit, master, group_of)
+            self.units.append(unit)
+            del values, broadcast_values
+        for name, buf in model.named_buffers():
+            moved = buf.to(accel.device)
+            broadcast(moved, group)
+            _set_buffer(model, name, moved)
+
+        pre = float(group.world if config.prescale_gradients else config.gradient_predivide_factor)
+        self._post_scale = pre / group.world  # gradients are averaged over the group, as DeepSpeed does
+        self.runtime = ZeroRuntime(model, self.units, group, accel, max_live=zero.stage3_max_live_parameters,
+                                   persistence_threshold=int(zero.stage3_param_persistence_threshold),
+                                   grad_sink=lambda unit, shard: self.optimizer.accumulate(unit, shard,
+                                                                                           self._post_scale),
+                                   grad_predivide=pre)
+        self.module = model
+        if config.scheduler is not None:
+            if lr_scheduler is not None:
+                raise EngineError("the config has a scheduler section and initialize() was given lr_scheduler; "
+                                  "keep one of them")
+            lr_scheduler = build_schedule(self.optimizer, config.scheduler)
+        elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(self.optimizer)
+        self.lr_scheduler = lr_scheduler
+
+    # ----------------------------------------------------------------- training loop
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open()
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of ``loss`` scaled by loss_scale / gradient_accumulation_steps; returns ``loss``."""
+        self._check_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise EngineError(f"backward() takes the scalar loss tensor, got "
+                              f"{type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+        if not loss.requires_grad:
+            raise EngineError("the loss does not require grad: was the forward run under torch.no_grad(), or are "
+                              "all parameters frozen?")
+        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        self._pending_micro += 1
+        self.micro_steps += 1
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self._pending_micro >= self.gradient_accumulation_steps
+
+    def step(self) -> None:
+        """Apply the update at an accumulation boundary (a no-op between micro-batches, as in DeepSpeed)."""
+        self._check_open()
+        if self._pending_micro == 0:
+            raise EngineError("step() was called without a backward() since the last step; call "
+                              "engine.backward(loss) first")
+        if not self.is_gradient_accumulation_boundary():
+            return
+        self._pending_micro = 0
+        self.optimizer.drain()
+        sum_sq, nonfinite = self.optimizer.grad_sq_norm()
+        totals = torch.tensor([sum_sq, float(nonfinite)], dtype=torch.float64, device=self.accel.device)
+        all_reduce_sum(totals, self.group)
+        sum_sq, nonfinite = float(totals[0]), int(totals[1])
+        scale = self.loss_scaler.scale
+        overflow = nonfinite > 0 and self.compute_dtype == torch.float16
+        self.global_steps += 1
+        if overflow:
+            self.skipped_steps += 1
+            self.last_grad_norm = math.inf
+            self.loss_scaler.update(overflow=True)
+            logger.info("step %d: fp16 gradients overflowed; step skipped, loss scale now %g", self.global_steps,
+                        self.loss_scaler.scale)
+            self.optimizer.clear_grads()
+            return
+        norm = math.sqrt(sum_sq) / scale if nonfinite == 0 else math.nan
+        self.last_grad_norm = norm
+        grad_scale = 1.0 / scale
+        if self.gradient_clipping > 0 and math.isfinite(norm):
+            grad_scale *= min(1.0, self.gradient_clipping / (norm + 1e-6))
+        self.runtime.reshard_all()
+        self.optimizer.apply(self.units, grad_scale)
+        self.loss_scaler.update(overflow=False)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def zero_grad(self) -> None:
+        """Discard gradients accumulated since the last step (a no-op right after one)."""
+        self.optimizer.clear_grads()
+        self._pending_micro = 0
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def peak_live_parameters(self) -> int:
+        """The most parameter elements this rank held gathered at once (the engine's own accounting)."""
+        return self.runtime.peak_live
+
+    # ----------------------------------------------------------------- whole parameters
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[nn.Module]:
+        """Every unit gathered (full compute-dtype parameters readable on the module) inside the block."""
+        self._check_open()
+        for unit in self.units:
+            unit.unshard(self.accel)
+        try:
+            yield self.module
+        finally:
+            for unit in self.units:
+                unit.reshard()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict on the CPU with fp32 master values for trained parameters (every rank
+        calls it: it all-gathers)."""
+        self._check_open()
+        self.optimizer.drain()
+        values: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            state = self.optimizer.shards.get(unit.index)
+            shard = state.master if state is not None else unit.shard.float()
+            full = torch.empty(unit.padded, dtype=torch.float32, device=self.accel.device)
+            all_gather(full, shard.to(self.accel.device), self.group)
+            full = full.cpu()
+            for s in unit.slots:
+                values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+        # keep_vars: the entries are the Parameter objects themselves (their storage may be empty now).
+        return {key: values[id(t)] if id(t) in values else t.detach().cpu().clone()
+                for key, t in self.module.state_dict(keep_vars=True).items()}
+
+    # ----------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        """Remove every hook and free every buffer; the engine cannot be used after."""
+        if self._closed:
+            return
+        self.runtime.close()
+        self.optimizer.close()
+        for unit in self.units:
+            unit.reshard()
+            unit.shard = torch.empty(0, dtype=unit.dtype, device=unit.shard.device)
+        self.accel.close()
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("this engine was closed; create a new one with offload.initialize")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    *path, leaf = name.split(".")
+    owner = model
+    for part in path:
+        owner = getattr(owner, part)
+    owner._buffers[leaf] = value
+
+
+# --------------------------------------------------------------------------- initialize
+
+
+def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
+               config: Config | dict[str, Any] | str | os.PathLike[str] | None = None,
+               optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
+               training_data: Any = None, device: torch.device | str | None = None, config_params: Any = None,
+               args: Any = None, dist_init_required: bool | None = None, collate_fn: Callable[..., Any] | None = None,
+               ) -> tuple[Engine, ShardedAdam, Any, Any]:
+    """``engine, optimizer, dataloader, lr_scheduler``, as ``deepspeed.initialize`` returns them.
+
+    Joins (or starts, under torchrun) the default process group; with no launcher it
+    runs as one rank. ``config`` (or DeepSpeed's ``config_params``) is a path, a
+    JSON string, a dict or a Config.
+    """
+    if config is None:
+        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ConfigError("", "initialize needs a config (a path, a JSON string, a dict or a Config)")
+    if not isinstance(model, nn.Module):
+        raise EngineError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    group = _join_group(dist_init_required)
+    accel = Accelerator(device if device is not None else _default_device())
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None) or getattr(model, "hidden_size", None)
+    cfg = Config.load(config).resolve(world_size=group.world, hidden_size=hidden)
+    _check_supported(cfg)
+    param_groups, adamw_mode, bias_correction = _optimizer_groups(model, model_parameters, cfg, optimizer)
+    engine = Engine(model, cfg, param_groups, adamw_mode, bias_correction, group, accel, lr_scheduler)
+    loader = None
+    if training_data is not None:
+        sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=group.world, rank=group.rank) \
+            if group.world > 1 else None
+        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
+                                             sampler=sampler, shuffle=sampler is None, collate_fn=collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _join_group(dist_init_required: bool | None) -> Group:
+    if dist.is_available() and not dist.is_initialized() and dist_init_required is not False:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 or dist_init_required:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend)
+    return Group.current()
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+def _check_supported(cfg: Config) -> None:
+    zero = cfg.zero_optimization
+    if zero.stage != 3:
+        raise ConfigError("zero_optimization.stage",
+                          f"stage {zero.stage} is not supported yet: this release runs ZeRO stage 3 (stages 0-2 "
+                          "come through the same engine in a later release); set \"stage\": 3")
+    if zero.offload_param.device != "none":
+        raise ConfigError("zero_optimization.offload_param.device",
+                          f"{zero.offload_param.device!r}: parameter offload arrives with the tiered store; use "
+                          "\"none\" for now")
+    if zero.offload_optimizer.device == "nvme":
+        raise ConfigError("zero_optimization.offload_optimizer.device",
+                          "'nvme': optimizer state on NVMe arrives with the tiered store; use \"cpu\" for now")
+
+
+def _optimizer_groups(model: nn.Module, model_parameters: Iterable[Any] | None, cfg: Config,
+                      client: torch.optim.Optimizer | None) -> tuple[list[dict[str, Any]], bool, bool]:
+    """Param groups with Adam hyperparameters, and (adamw_mode, bias_correction)."""
+    if client is not None and cfg.optimizer is not None:
+        raise EngineError("the config has an optimizer section and initialize() was given optimizer=; keep one")
+    if client is not None:
+        if callable(client) and not isinstance(client, torch.optim.Optimizer):
+            params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+            client = client(params)
+        if isinstance(client, CPUAdam):
+            adamw, bias = client.adamw_mode, client.bias_correction
+        elif isinstance(client, (torch.optim.AdamW, torch.optim.Adam)):
+            if any(g.get("amsgrad") for g in client.param_groups):
+                raise EngineError("amsgrad is not supported; use amsgrad=False")
+            adamw, bias = isinstance(client, torch.optim.AdamW), True
+        else:
+            raise EngineError(f"optimizer {type(client).__name__} is not supported: offload runs Adam/AdamW "
+                              "(pass torch.optim.Adam/AdamW, offload.optim.CPUAdam, or an optimizer section)")
+        groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
+                  for g in client.param_groups]
+        return _trainable(groups), adamw, bias
+    if cfg.optimizer is None:
+        raise ConfigError("optimizer", "no optimizer: add an optimizer section (type Adam or AdamW) to the config "
+                                       "or pass optimizer= to initialize")
+    p = cfg.optimizer.params
+    hyper = {"lr": p.lr, "betas": tuple(p.betas), "eps": p.eps, "weight_decay": p.weight_decay}
+    source = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if source and isinstance(source[0], dict):
+        groups = [{**hyper, **g, "params": list(g["params"])} for g in source]
+    else:
+        groups = [{**hyper, "params": source}]
+    adamw = cfg.optimizer.type == "AdamW" or p.adam_w_mode
+    return _trainable(groups), adamw, p.bias_correction
+
+
+def _trainable(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups]
+    if not any(g["params"] for g in out):
+        raise EngineError("the model has no trainable parameters (none of model_parameters requires grad); "
+                          "unfreeze some or pass the ones to train")
+    return out

@@ -1,0 +1,67 @@
+"""fp16 loss scaling: static, or dynamic with DeepSpeed's window and hysteresis rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from offload.config.sections import FP16Config
+
+
+@dataclass
+class LossScaler:
+    """The scale the loss is multiplied by before backward; 1.0 when fp16 is off.
+
+    Dynamic: an overflow (a non-finite gradient) skips the step; after ``hysteresis``
+    overflows the scale halves (never below ``min_scale``); after ``window``
+    overflow-free steps it doubles and the hysteresis refills.
+    """
+
+    scale: float = 1.0
+    dynamic: bool = False
+    window: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    consecutive_hysteresis: bool = False
+    good_steps: int = 0
+    hysteresis_left: int = 2
+    overflows: int = 0
+
+    @classmethod
+    def from_config(cls, fp16: FP16Config) -> LossScaler:
+        if fp16.enabled is not True:
+            return cls()
+        if fp16.loss_scale > 0:
+            return cls(scale=float(fp16.loss_scale))
+        return cls(scale=float(2 ** fp16.initial_scale_power), dynamic=True, window=fp16.loss_scale_window,
+                   hysteresis=fp16.hysteresis, min_scale=float(fp16.min_loss_scale),
+                   consecutive_hysteresis=fp16.consecutive_hysteresis, hysteresis_left=fp16.hysteresis)
+
+    def update(self, overflow: bool) -> None:
+        """Called once per optimizer step (applied or skipped)."""
+        if overflow:
+            self.overflows += 1
+            self.good_steps = 0
+            if not self.dynamic:
+                return
+            if self.hysteresis_left <= 1:
+                self.scale = max(self.scale / 2, self.min_scale)
+            else:
+                self.hysteresis_left -= 1
+            return
+        if not self.dynamic:
+            return
+        self.good_steps += 1
+        if self.consecutive_hysteresis:
+            self.hysteresis_left = self.hysteresis
+        if self.good_steps % self.window == 0:
+            self.hysteresis_left = self.hysteresis
+            self.scale *= 2
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "hysteresis_left": self.hysteresis_left,
+                "overflows": self.overflows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("scale", "good_steps", "hysteresis_left", "overflows"):
+            setattr(self, key, type(getattr(self, key))(state[key]))

@@ -1,0 +1,58 @@
+"""The collectives ZeRO-3 uses, as plain functions over one process group (testable without a model).
+
+torch 2.13 renames ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to
+``all_gather_single`` / ``reduce_scatter_single`` and warns on the old names; the
+GPU machine's 2.11 only has the old ones. We call whichever this torch has.
+With one rank and no process group every function is a local copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class Group:
+    """This rank's place in the data-parallel group; ``pg`` is None for a single process."""
+
+    rank: int
+    world: int
+    pg: dist.ProcessGroup | None
+
+    @classmethod
+    def current(cls) -> Group:
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+        return cls(0, 1, None)
+
+
+def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Group) -> None:
+    """Fill ``full`` (world x shard elements) with every rank's ``shard``, in rank order."""
+    if group.pg is None:
+        full.copy_(shard)
+    else:
+        _all_gather(full, shard, group=group.pg)
+
+
+def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Group) -> None:
+    """``shard`` = this rank's slice of the element-wise sum of every rank's ``full``."""
+    if group.pg is None:
+        shard.copy_(full)
+    else:
+        _reduce_scatter(shard, full, group=group.pg)
+
+
+def all_reduce_sum(t: torch.Tensor, group: Group) -> None:
+    if group.pg is not None:
+        dist.all_reduce(t, group=group.pg)
+
+
+def broadcast(t: torch.Tensor, group: Group, src: int = 0) -> None:
+    if group.pg is not None:
+        dist.broadcast(t, src=src, group=group.pg)

@@ -1,0 +1,123 @@
+"""Cutting a module tree into units: groups of parameters gathered and released together.
+
+A subtree whose (not yet claimed) parameters fit the byte target is one unit, anchored
+at its root module, whose forward is when the unit is gathered. A larger subtree gives
+its own direct parameters a unit anchored at itself and recurses into its children;
+consecutive small children are packed into one unit up to the target, each of them an
+anchor. A parameter shared by several modules (tied embeddings) belongs to the first
+unit that reaches it; every other module that holds it directly "borrows" that unit,
+so the unit is gathered around that module's forward too.
+
+Some modules read their children's parameters in their own forward without calling
+the children (``nn.MultiheadAttention`` reads ``out_proj.weight``; the fast path of
+``nn.TransformerEncoderLayer`` reads every child's). Such a module is *atomic*: it is
+never split, whatever its size. The defaults below cover torch's own; a Hugging Face
+model's ``_no_split_modules`` (its block classes) are atomic too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+ATOMIC_MODULES: tuple[type[nn.Module], ...] = (
+    nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.RNNBase)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its unit's flat buffer (element offsets)."""
+
+    name: str  # the first qualified name it was reached by
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class UnitPlan:
+    index: int
+    name: str
+    slots: list[ParamSlot]
+    anchors: list[str]  # module names whose forward gathers the unit
+    borrowers: list[str] = field(default_factory=list)  # modules outside the anchors that hold one of its params
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+
+def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
+               atomic: tuple[type[nn.Module] | str, ...] = ()) -> list[UnitPlan]:
+    """Units in module order; every parameter of ``model`` lands in exactly one.
+
+    ``atomic`` adds module classes (or class names) that must not be split.
+    """
+    target = max(1, unit_bytes // element_bytes)  # in elements
+    atomic_names = {a for a in atomic if isinstance(a, str)} | set(getattr(model, "_no_split_modules", None) or ())
+    atomic_types = ATOMIC_MODULES + tuple(a for a in atomic if isinstance(a, type))
+
+    def is_atomic(module: nn.Module) -> bool:
+        return isinstance(module, atomic_types) or type(module).__name__ in atomic_names
+    claimed: set[int] = set()
+    units: list[UnitPlan] = []
+
+    def unclaimed(module: nn.Module, prefix: str, recurse: bool) -> list[tuple[str, nn.Parameter]]:
+        out, seen = [], set()
+        for name, p in module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=False):
+            if id(p) not in claimed and id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+        return out
+
+    def add(anchors: list[str], params: list[tuple[str, nn.Parameter]]) -> None:
+        if not params:
+            return
+        slots, offset = [], 0
+        for name, p in params:
+            claimed.add(id(p))
+            slots.append(ParamSlot(name, p, offset, p.numel(), tuple(p.shape)))
+            offset += p.numel()
+        label = anchors[0] if len(anchors) == 1 else f"{anchors[0]}..{anchors[-1]}"
+        units.append(UnitPlan(len(units), label or "<root>", slots, list(anchors)))
+
+    def visit(module: nn.Module, name: str) -> None:
+        params = unclaimed(module, name, recurse=True)
+        if sum(p.numel() for _, p in params) <= target or is_atomic(module):
+            add([name], params)
+            return
+        add([name], unclaimed(module, name, recurse=False))
+        run: list[str] = []
+        run_params: list[tuple[str, nn.Parameter]] = []
+        for child_name, child in module.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            child_params = unclaimed(child, full, recurse=True)
+            size = sum(p.numel() for _, p in child_params)
+            if size == 0:
+                continue
+            alone = size > target or is_atomic(child) and size > target // 2
+            if alone or sum(p.numel() for _, p in run_params) + size > target:
+                add(run, run_params)
+                run, run_params = [], []
+            if alone:
+                visit(child, full)
+            else:
+                run.append(full)
+                run_params.extend(child_params)
+        add(run, run_params)
+
+    visit(model, "")
+    _find_borrowers(model, units)
+    return units
+
+
+def _find_borrowers(model: nn.Module, units: list[UnitPlan]) -> None:
+    owner = {id(s.param): u for u in units for s in u.slots}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for _, p in module.named_parameters(recurse=False):
+            unit = owner[id(p)]
+            inside = any(a == "" or mod_name == a or mod_name.startswith(a + ".") for a in unit.anchors)
+            if not inside and mod_name not in unit.borrowers:
+                unit.borrowers.append(mod_name)

@@ -1,0 +1,185 @@
+"""The module hooks that gather units around their use and reduce their gradients as backward finishes them.
+
+[Note: when a unit is gathered]
+- forward: each anchor (and borrower) module's pre-forward hook acquires the unit
+  (gathering it if it is sharded) and its post-forward hook releases it; a unit is
+  resharded when no forward inside one of its anchors is running, unless persistent.
+- backward: a hook on the module's outputs gathers the unit again when the first
+  gradient reaches that module (its "pre-backward"). A unit is resharded once every
+  trainable parameter in it has had its gradient accumulated: every autograd node
+  that reads those weights feeds their AccumulateGrad, so none can still need them.
+  A unit holding frozen parameters cannot know that, and is resharded at the end of
+  backward, as are units some of whose parameters got no gradient at all.
+
+[Note: gradient reduction order] Reduce-scatters are collectives: every rank must
+issue them in the same order. They are issued when a unit's last gradient lands,
+which is the same on every rank running the same graph, and the leftovers at the end
+of backward go in unit order. Data-dependent control flow that uses a parameter on
+one rank but not on another is therefore not supported (DeepSpeed has the same rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+from offload.accelerator import Accelerator
+from offload.zero.collectives import Group, reduce_scatter
+from offload.zero.unit import Unit, UnitState
+
+GradSink = Callable[[Unit, torch.Tensor], None]
+
+
+class LiveLimitError(RuntimeError):
+    """Gathering a unit would exceed stage3_max_live_parameters."""
+
+
+class ZeroRuntime:
+    """Owns the units of one model, the hooks on it, and the count of gathered elements."""
+
+    def __init__(self, model: nn.Module, units: list[Unit], group: Group, accel: Accelerator, *,
+                 max_live: int, persistence_threshold: int, grad_sink: GradSink, grad_predivide: float) -> None:
+        self.model = model
+        self.units = units
+        self.group = group
+        self.accel = accel
+        self.max_live = max_live
+        self.grad_sink = grad_sink
+        self.grad_predivide = grad_predivide
+        self.live = 0  # elements gathered now
+        self.peak_live = 0
+        self.gathers = 0
+        self._in_backward = False
+        self._handles: list[RemovableHandle] = []
+        for unit in units:
+            unit.persistent = unit.numel <= persistence_threshold
+        self._install(model)
+
+    # ----------------------------------------------------------------- hooks
+
+    def _install(self, model: nn.Module) -> None:
+        by_name = dict(model.named_modules(remove_duplicate=False))
+        users: dict[int, tuple[nn.Module, list[Unit]]] = {}
+        for unit in self.units:
+            for name in unit.plan.anchors + unit.plan.borrowers:
+                module = by_name[name]
+                entry = users.setdefault(id(module), (module, []))
+                if unit not in entry[1]:
+                    entry[1].append(unit)
+        for module, units in users.values():
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(units)))
+            self._handles.append(module.register_forward_hook(self._post_forward_hook(units), always_call=True))
+        for unit in self.units:
+            for slot in unit.slots:
+                if slot.param.requires_grad:
+                    self._handles.append(slot.param.register_post_accumulate_grad_hook(self._grad_hook(unit)))
+
+    def _pre_forward_hook(self, units: list[Unit]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            for unit in units:
+                self.acquire(unit)
+        return hook
+
+    def _post_forward_hook(self, units: list[Unit]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            for unit in units:
+                self.release(unit)
+            if torch.is_grad_enabled():
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda _grad: self._pre_backward(units), mode="any")
+        return hook
+
+    def _grad_hook(self, unit: Unit) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            unit.grads_seen.add(id(param))
+            if len(unit.grads_seen) == len(unit.trainable):
+                self._reduce(unit)
+                if not unit.has_frozen and not unit.persistent:
+                    self._reshard(unit)
+        return hook
+
+    # ----------------------------------------------------------------- forward
+
+    def acquire(self, unit: Unit) -> None:
+        unit.holders += 1
+        self._unshard(unit, evict=True)
+
+    def release(self, unit: Unit) -> None:
+        unit.holders -= 1
+        if unit.holders == 0 and not unit.persistent and not self._in_backward:
+            self._reshard(unit)
+
+    # ----------------------------------------------------------------- backward
+
+    def _pre_backward(self, units: list[Unit]) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        for unit in units:
+            self._unshard(unit, evict=False)
+
+    def _end_of_backward(self) -> None:
+        for unit in self.units:
+            if unit.grads_seen:
+                self._reduce(unit)
+        for unit in self.units:
+            if unit.holders == 0 and not unit.persistent:
+                self._reshard(unit)
+        self._in_backward = False
+
+    def _reduce(self, unit: Unit) -> None:
+        """Reduce-scatter the unit's gradients into this rank's shard and hand it to the sink."""
+        flat = unit.take_flat_grad()
+        if self.grad_predivide != 1.0:
+            flat.div_(self.grad_predivide)
+        shard = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
+        reduce_scatter(shard, flat, self.group)
+        unit.grads_seen.clear()
+        self.grad_sink(unit, shard)
+
+    # ----------------------------------------------------------------- accounting
+
+    def _unshard(self, unit: Unit, evict: bool) -> None:
+        if unit.state is UnitState.UNSHARDED:
+            return
+        if self.live + unit.padded > self.max_live and evict:
+            for other in self.units:  # persistent units nobody is using can be gathered again later
+                if other.state is UnitState.UNSHARDED and other.holders == 0 and other is not unit:
+                    self._reshard(other)
+        if self.live + unit.padded > self.max_live:
+            gathered = ", ".join(f"{u.name} ({u.padded})" for u in self.units if u.state is UnitState.UNSHARDED)
+            raise LiveLimitError(
+                f"rank {self.group.rank}: gathering unit {unit.name!r} ({unit.padded} elements) would hold "
+                f"{self.live + unit.padded} gathered elements, over zero_optimization.stage3_max_live_parameters="
+                f"{self.max_live}; gathered now: {gathered or 'nothing'}. Raise stage3_max_live_parameters or "
+                "lower offload.unit_bytes")
+        unit.unshard(self.accel)
+        self.gathers += 1
+        self.live += unit.padded
+        self.peak_live = max(self.peak_live, self.live)
+
+    def _reshard(self, unit: Unit) -> None:
+        if unit.reshard():
+            self.live -= unit.padded
+
+    def reshard_all(self) -> None:
+        """Drop every gathered copy (after a step, persistent units hold stale values)."""
+        for unit in self.units:
+            if unit.holders:
+                raise RuntimeError(f"rank {self.group.rank}: unit {unit.name!r} is in use by a running forward")
+            self._reshard(unit)
+
+    def parameters_of(self, units: Iterable[Unit]) -> list[nn.Parameter]:
+        return [s.param for u in units for s in u.slots]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,106 @@
+"""One unit's device state: its shard, its gathered flat buffer, and the transitions between them."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from offload.accelerator import Accelerator, Event
+from offload.zero.collectives import Group, all_gather
+from offload.zero.plan import UnitPlan
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    """Only ``shard`` (this rank's 1/W of the flat params) holds memory; ``full``'s storage is empty."""
+    UNSHARDED = "unsharded"
+    """``full`` holds every parameter's values and the module's parameters point into it."""
+
+
+class Unit:
+    """A unit's flat parameters on the compute device, sharded over the group.
+
+    The flat buffer is padded to a multiple of W so every rank's shard has the same
+    size; rank r owns elements [r*S, (r+1)*S). Each parameter's ``.data`` is a view
+    into ``full`` for the whole life of the engine: releasing the unit shrinks the
+    storage to nothing and gathering grows it back in place, so tensors that autograd
+    saved during forward see the gathered values again in backward.
+    """
+
+    def __init__(self, plan: UnitPlan, group: Group, dtype: torch.dtype, device: torch.device) -> None:
+        """Rebinds the parameters into the (empty) flat buffer: read their values first (``initial_values``)."""
+        self.plan = plan
+        self.index = plan.index
+        self.name = plan.name
+        self.slots = plan.slots
+        self.numel = plan.numel
+        self.padded = self.padded_numel(plan, group.world)
+        self.shard_numel = self.padded // group.world
+        self.shard_start = group.rank * self.shard_numel
+        self.group = group
+        self.dtype = dtype
+        self.full = torch.empty(self.padded, dtype=dtype, device=device)
+        self._full_bytes = self.full.untyped_storage().nbytes()
+        self.shard = torch.empty(self.shard_numel, dtype=dtype, device=device)
+        self.state = UnitState.SHARDED
+        self.holders = 0  # forwards currently running inside one of this unit's anchors
+        self.persistent = False
+        self.ready: Event | None = None  # the copy that last wrote ``shard``; gathers wait for it
+        self.trainable = {id(s.param) for s in self.slots if s.param.requires_grad}
+        self.has_frozen = len(self.trainable) < len(self.slots)
+        self.grads_seen: set[int] = set()
+        for s in self.slots:
+            s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
+        self.full.untyped_storage().resize_(0)
+
+    @staticmethod
+    def padded_numel(plan: UnitPlan, world: int) -> int:
+        return -(-plan.numel // world) * world
+
+    @staticmethod
+    def initial_values(plan: UnitPlan, world: int) -> torch.Tensor:
+        """The unit's parameters as one padded fp32 host buffer (the master weights' source)."""
+        flat = torch.zeros(Unit.padded_numel(plan, world), dtype=torch.float32)
+        for s in plan.slots:
+            if s.param.is_meta:
+                raise ValueError(f"parameter {s.name!r} is on the meta device; build the model inside "
+                                 "offload.zero.Init (or call to_empty and reset_parameters) before initialize")
+            flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        return flat
+
+    # ----------------------------------------------------------------- transitions
+
+    def unshard(self, accel: Accelerator) -> bool:
+        """SHARDED -> UNSHARDED (all-gather); idempotent, returns whether it gathered."""
+        if self.state is UnitState.UNSHARDED:
+            return False
+        self.full.untyped_storage().resize_(self._full_bytes)
+        accel.compute_wait(self.ready)
+        all_gather(self.full, self.shard, self.group)
+        self.state = UnitState.UNSHARDED
+        return True
+
+    def reshard(self) -> bool:
+        """UNSHARDED -> SHARDED (frees the gathered buffer); idempotent, returns whether it freed."""
+        if self.state is UnitState.SHARDED:
+            return False
+        self.full.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+        return True
+
+    # ----------------------------------------------------------------- gradients
+
+    def take_flat_grad(self) -> torch.Tensor:
+        """The parameters' gradients as one padded flat buffer; the per-parameter ``.grad`` are dropped."""
+        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.full.device)
+        for s in self.slots:
+            g = s.param.grad
+            if g is not None:
+                flat[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
+                s.param.grad = None
+        return flat
+
+    def __repr__(self) -> str:
+        return (f"Unit({self.index} {self.name!r}, {self.numel} elements in {len(self.slots)} params, "
+                f"shard {self.shard_numel}, {self.state.value})")

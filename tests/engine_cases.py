@@ -1,0 +1,99 @@
+"""Models, data and the reference loop shared by the engine tests (imported by spawned ranks too)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import offload
+from offload.models import GPT, GPTConfig
+
+VOCAB, SEQ = 96, 16
+
+
+def make_model(name: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if name == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, context=SEQ, hidden_size=32, layers=3, heads=2))
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                          tie_word_embeddings=True, attn_implementation="eager")
+        return LlamaForCausalLM(cfg)
+    raise ValueError(name)
+
+
+def loss_of(model: Any, name: str, tokens: torch.Tensor) -> torch.Tensor:
+    if name == "gpt":
+        return model(tokens[:, :-1], tokens[:, 1:])
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+def batches(steps: int, rows: int, seed: int = 1) -> list[torch.Tensor]:
+    """Counting sequences with a random start and stride: learnable within a few steps."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, VOCAB, (rows, 1), generator=gen)
+        stride = torch.randint(1, 4, (rows, 1), generator=gen)
+        out.append((start + stride * torch.arange(SEQ + 1)) % VOCAB)
+    return out
+
+
+def base_config(micro: int, accum: int, world: int, clip: float = 1.0, **zero: Any) -> dict[str, Any]:
+    return {
+        "train_batch_size": micro * accum * world, "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum, "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                              "stage3_param_persistence_threshold": 0, **zero},
+        "offload": {"unit_bytes": 8192},
+    }
+
+
+def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps: int, micro: int,
+                 accum: int) -> dict[str, Any]:
+    """Train with offload on this rank's slices of each global batch; every rank's mean loss per step."""
+    model = make_model(name)
+    engine, _, _, _ = offload.initialize(model=model, config=config)
+    losses = []
+    for tokens in batches(steps, micro * accum * world):
+        total = 0.0
+        for a in range(accum):
+            rows = tokens[(a * world + rank) * micro:(a * world + rank + 1) * micro]
+            loss = engine.backward(loss_of(engine, name, rows))
+            engine.step()
+            total += loss.item()
+        mean = torch.tensor([total / accum], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    out = {"losses": losses, "state": engine.full_state_dict(), "peak_live": engine.peak_live_parameters,
+           "units": len(engine.units), "gathers": engine.runtime.gathers, "skipped": engine.skipped_steps,
+           "scale": engine.loss_scale}
+    engine.close()
+    return out
+
+
+def train_reference(name: str, steps: int, rows: int, micro: int, clip: float = 1.0) -> dict[str, Any]:
+    """Plain single-process torch AdamW on the whole global batch of each step."""
+    model = make_model(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    losses = []
+    for tokens in batches(steps, rows):
+        chunks = tokens.split(micro)
+        total = 0.0
+        for chunk in chunks:
+            loss = loss_of(model, name, chunk)
+            (loss / len(chunks)).backward()
+            total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / len(chunks))
+    return {"losses": losses, "state": copy.deepcopy(model.state_dict())}

@@ -1,0 +1,75 @@
+"""Run a function on W real gloo ranks (spawned processes) and collect what each returns.
+
+A rank that raises sends its traceback back; a rank that hangs (a collective
+mismatch) is killed after ``timeout`` seconds and the test fails saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[str, str], out: Any,
+           kwargs: dict[str, Any]) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        if world > 1:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        # Plain pickle bytes: torch's queue reductions would share tensors through file
+        # descriptors that vanish when this process exits before the parent reads them.
+        out.put((rank, "ok", pickle.dumps(fn(rank, world, **kwargs))))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 180.0, env: dict[str, str] | None = None,
+              **kwargs: Any) -> list[Any]:
+    """``[fn(rank, world, **kwargs) for rank in range(world)]``, each in its own process."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, env or {}, out, kwargs), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world):
+            rank, status, value = out.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+    except Exception as e:  # queue.Empty: some rank hung
+        errors.append(f"ranks {sorted(set(range(world)) - set(results))} gave no result in {timeout}s ({e!r})")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]
