@@ -28,7 +28,7 @@ def make_model(name: str, seed: int = 0) -> torch.nn.Module:
 
 
 def loss_of(model: Any, name: str, tokens: torch.Tensor) -> torch.Tensor:
-    if name == "gpt":
+    if name in ("gpt", "features"):
         return model(tokens[:, :-1], tokens[:, 1:])
     return model(input_ids=tokens, labels=tokens).loss
 
@@ -44,21 +44,22 @@ def batches(steps: int, rows: int, seed: int = 1) -> list[torch.Tensor]:
     return out
 
 
-def base_config(micro: int, accum: int, world: int, clip: float = 1.0, **zero: Any) -> dict[str, Any]:
+def base_config(micro: int, accum: int, world: int, clip: float = 1.0, unit_bytes: int = 8192,
+                **zero: Any) -> dict[str, Any]:
     return {
         "train_batch_size": micro * accum * world, "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum, "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                               "stage3_param_persistence_threshold": 0, **zero},
-        "offload": {"unit_bytes": 8192},
+        "offload": {"unit_bytes": unit_bytes},
     }
 
 
 def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps: int, micro: int,
                  accum: int) -> dict[str, Any]:
     """Train with offload on this rank's slices of each global batch; every rank's mean loss per step."""
-    model = make_model(name)
+    model = make_any(name)
     engine, _, _, _ = offload.initialize(model=model, config=config)
     losses = []
     for tokens in batches(steps, micro * accum * world):
@@ -72,7 +73,12 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
         if world > 1:
             dist.all_reduce(mean)
         losses.append(float(mean) / world)
-    out = {"losses": losses, "state": engine.full_state_dict(), "peak_live": engine.peak_live_parameters,
+    eval_tokens = batches(1, 4, seed=7)[0][:, :-1]
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(eval_tokens) if name != "llama" else engine(input_ids=eval_tokens).logits
+    engine.train()
+    out = {"losses": losses, "state": engine.full_state_dict(), "eval_logits": logits, "peak_live": engine.peak_live_parameters,
            "units": len(engine.units), "gathers": engine.runtime.gathers, "skipped": engine.skipped_steps,
            "scale": engine.loss_scale}
     engine.close()
@@ -81,8 +87,8 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
 
 def train_reference(name: str, steps: int, rows: int, micro: int, clip: float = 1.0) -> dict[str, Any]:
     """Plain single-process torch AdamW on the whole global batch of each step."""
-    model = make_model(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    model = make_any(name)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     losses = []
     for tokens in batches(steps, rows):
         chunks = tokens.split(micro)
@@ -92,8 +98,44 @@ def train_reference(name: str, steps: int, rows: int, micro: int, clip: float = 
             (loss / len(chunks)).backward()
             total += loss.item()
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
         opt.step()
         opt.zero_grad()
         losses.append(total / len(chunks))
-    return {"losses": losses, "state": copy.deepcopy(model.state_dict())}
+    eval_tokens = batches(1, 4, seed=7)[0][:, :-1]
+    model.eval()
+    with torch.no_grad():
+        logits = model(eval_tokens) if name != "llama" else model(input_ids=eval_tokens).logits
+    return {"losses": losses, "state": copy.deepcopy(model.state_dict()), "eval_logits": logits}
+
+
+class Features(torch.nn.Module):
+    """Tied weights, a partly frozen module, a module called twice, a parameter-less module and a buffer."""
+
+    def __init__(self, hidden: int = 40) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, hidden)
+        self.frozen = torch.nn.Linear(hidden, hidden)
+        self.frozen.weight.requires_grad_(False)  # its bias still trains: a unit holding both kinds
+        self.shared = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.Tanh())
+        self.act = torch.nn.GELU()
+        self.register_buffer("scale", torch.tensor(0.75))
+        self.head = torch.nn.Linear(hidden, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.act(self.frozen(self.embed(tokens))) * self.scale
+        x = self.shared(self.shared(x))
+        logits = self.head(x)
+        if targets is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def _make_features(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return Features()
+
+
+def make_any(name: str) -> torch.nn.Module:
+    return _make_features() if name == "features" else make_model(name)
