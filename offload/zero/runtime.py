@@ -101,15 +101,17 @@ class ZeroRuntime:
             unit.grads_seen.add(id(param))
             if len(unit.grads_seen) == len(unit.trainable):
                 self._reduce(unit)
-                if not unit.has_frozen and not unit.persistent:
-                    self._reshard(unit)
+                if not unit.has_frozen:
+                    unit.backward_active = False
+                    if not unit.persistent:
+                        self._reshard(unit)
         return hook
 
     # ----------------------------------------------------------------- forward
 
     def acquire(self, unit: Unit) -> None:
         unit.holders += 1
-        self._unshard(unit, evict=True)
+        self._unshard(unit)
 
     def release(self, unit: Unit) -> None:
         unit.holders -= 1
@@ -123,13 +125,15 @@ class ZeroRuntime:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         for unit in units:
-            self._unshard(unit, evict=False)
+            unit.backward_active = True
+            self._unshard(unit)
 
     def _end_of_backward(self) -> None:
         for unit in self.units:
             if unit.grads_seen:
                 self._reduce(unit)
         for unit in self.units:
+            unit.backward_active = False
             if unit.holders == 0 and not unit.persistent:
                 self._reshard(unit)
         self._in_backward = False
@@ -146,12 +150,16 @@ class ZeroRuntime:
 
     # ----------------------------------------------------------------- accounting
 
-    def _unshard(self, unit: Unit, evict: bool) -> None:
+    def _unshard(self, unit: Unit) -> None:
         if unit.state is UnitState.UNSHARDED:
             return
-        if self.live + unit.padded > self.max_live and evict:
-            for other in self.units:  # persistent units nobody is using can be gathered again later
-                if other.state is UnitState.UNSHARDED and other.holders == 0 and other is not unit:
+        if self.live + unit.padded > self.max_live:
+            # Idle units (persistent ones, or ones whose backward has not begun) are gathered again when next
+            # needed: a forward's pre-hook or a backward's pre-backward hook always runs before their use.
+            for other in self.units:
+                if self.live + unit.padded <= self.max_live:
+                    break
+                if other.state is UnitState.UNSHARDED and other.holders == 0 and not other.backward_active:
                     self._reshard(other)
         if self.live + unit.padded > self.max_live:
             gathered = ", ".join(f"{u.name} ({u.padded})" for u in self.units if u.state is UnitState.UNSHARDED)

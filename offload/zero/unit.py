@@ -50,6 +50,7 @@ class Unit:
         self.trainable = {id(s.param) for s in self.slots if s.param.requires_grad}
         self.has_frozen = len(self.trainable) < len(self.slots)
         self.grads_seen: set[int] = set()
+        self.backward_active = False  # gathered for a backward that has not finished with it
         for s in self.slots:
             s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
         self.full.untyped_storage().resize_(0)
