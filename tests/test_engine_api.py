@@ -1,0 +1,103 @@
+"""The DeepSpeed-shaped surface: client optimizers and param groups, schedulers, accumulation, close()."""
+
+import math
+
+import pytest
+import torch
+
+import offload
+from engine_cases import base_config, batches, loss_of, make_model
+from ranks import run_ranks
+
+
+def _groups(model):
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def client_optimizer_run(rank, world, steps=6):
+    """A torch AdamW with two param groups and a LambdaLR, given to initialize; and the same in plain torch."""
+    config = base_config(2, 1, world)
+    del config["optimizer"]
+    model = make_model("gpt")
+    opt = torch.optim.AdamW(_groups(model), lr=2e-3, betas=(0.9, 0.95))
+    warm = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 3))  # noqa: E731
+    engine, optimizer, _, sched = offload.initialize(model=model, config=config, optimizer=opt, lr_scheduler=warm)
+    lrs = []
+    for tokens in batches(steps, 2 * world):
+        engine.backward(loss_of(engine, "gpt", tokens[rank * 2:(rank + 1) * 2]))
+        engine.step()
+        lrs.append(engine.get_lr())
+    state = engine.full_state_dict()
+    engine.close()
+    if rank:
+        return state, lrs
+    ref = make_model("gpt")
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=2e-3, betas=(0.9, 0.95))
+    ref_sched = warm(ref_opt)
+    for tokens in batches(steps, 2 * world):
+        loss_of(ref, "gpt", tokens).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+    return state, lrs, ref.state_dict(), [g["lr"] for g in ref_opt.param_groups]
+
+
+def test_client_optimizer_with_param_groups_and_scheduler_matches_torch():
+    results = run_ranks(client_optimizer_run, 2)
+    state, lrs, ref_state, ref_lrs = results[0]
+    assert lrs[-1] == pytest.approx(ref_lrs)
+    assert lrs[0] == pytest.approx([2e-3 * 2 / 3] * 2)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value)
+        torch.testing.assert_close(results[1][0][key], value)
+
+
+def test_config_scheduler_follows_deepspeed_warmup():
+    config = {**base_config(2, 1, 1), "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10, "warmup_type": "log"}}}
+    engine, _, _, sched = offload.initialize(model=make_model("gpt"), config=config)
+    assert engine.get_lr() == [0.0]  # iteration -1: the first step runs at warmup_min_lr, as DeepSpeed's does
+    seen = []
+    for tokens in batches(12, 2):
+        engine.backward(loss_of(engine, "gpt", tokens))
+        engine.step()
+        seen.append(engine.get_lr()[0])
+    expected = [1e-3 * math.log(i + 1) / math.log(10) if i < 10 else 1e-3 for i in range(12)]
+    assert seen == pytest.approx(expected)
+    assert sched.state_dict() == {"last_batch_iteration": 11}
+    engine.close()
+
+
+def test_step_applies_only_at_the_accumulation_boundary():
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 3, 1))
+    before = engine.full_state_dict()
+    for i, tokens in enumerate(batches(3, 2)):
+        engine.backward(loss_of(engine, "gpt", tokens))
+        assert engine.is_gradient_accumulation_boundary() == (i == 2)
+        engine.step()
+        changed = any(not torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
+        assert changed == (i == 2)
+        assert engine.global_steps == (1 if i == 2 else 0)
+    engine.close()
+
+
+def test_close_removes_every_hook():
+    model = make_model("gpt")
+    engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))
+    assert any(m._forward_pre_hooks for m in model.modules())
+    engine.close()
+    for module in model.modules():
+        assert not module._forward_pre_hooks and not module._forward_hooks
+    for p in model.parameters():
+        assert not getattr(p, "_post_accumulate_grad_hooks", None)
+    assert engine.runtime.live == 0
+
+
+def test_training_data_gives_a_loader_of_micro_batches():
+    data = torch.utils.data.TensorDataset(torch.arange(10))
+    engine, _, loader, _ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1), training_data=data)
+    assert [len(b[0]) for b in loader] == [2] * 5
+    engine.close()

@@ -1,0 +1,86 @@
+"""Misuse of initialize and of the engine fails at once with a message that says what to do."""
+
+import pytest
+import torch
+
+import offload
+from engine_cases import base_config, make_model
+from offload import ConfigError, EngineError
+from ranks import run_ranks
+
+
+def _config(**zero):
+    return base_config(2, 1, 1, **zero)
+
+
+def test_step_without_backward():
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=_config())
+    with pytest.raises(EngineError, match=r"step\(\) was called without a backward\(\)"):
+        engine.step()
+    engine.close()
+
+
+def test_model_with_no_trainable_parameters():
+    model = make_model("gpt").requires_grad_(False)
+    with pytest.raises(EngineError, match="no trainable parameters"):
+        offload.initialize(model=model, config=_config())
+
+
+def _bad_batch(rank, world):
+    config = {**base_config(2, 1, world), "train_batch_size": 6, "gradient_accumulation_steps": 2}
+    try:
+        offload.initialize(model=make_model("gpt"), config=config)
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_batch_config_that_does_not_divide_by_the_world_size():
+    for message in run_ranks(_bad_batch, 2):
+        assert "train_batch_size" in message and "6" in message
+
+
+@pytest.mark.parametrize("zero,match", [
+    ({"stage": 2, "offload_param": {"device": "cpu"}}, "parameter offload needs stage 3 \\(got stage 2\\)"),
+    ({"stage": 2}, "stage 2 is not supported yet.*set \"stage\": 3"),
+    ({"stage": 1, "offload_optimizer": {"device": "cpu"}}, "stage 1 is not supported yet"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "arrives with the tiered store"),
+])
+def test_unsupported_stage_and_offload(zero, match):
+    with pytest.raises(ConfigError, match=match):
+        offload.initialize(model=make_model("gpt"), config=_config(**zero))
+
+
+def test_optimizer_missing_twice_or_unsupported():
+    config = _config()
+    del config["optimizer"]
+    with pytest.raises(ConfigError, match="no optimizer: add an optimizer section"):
+        offload.initialize(model=make_model("gpt"), config=config)
+    model = make_model("gpt")
+    with pytest.raises(EngineError, match="optimizer section and initialize\\(\\) was given optimizer="):
+        offload.initialize(model=model, config=_config(), optimizer=torch.optim.AdamW(model.parameters()))
+    with pytest.raises(EngineError, match="SGD is not supported"):
+        offload.initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(EngineError, match="amsgrad"):
+        offload.initialize(model=model, config=config, optimizer=torch.optim.Adam(model.parameters(), amsgrad=True))
+
+
+def test_bad_loss_and_closed_engine():
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=_config())
+    tokens = torch.zeros(2, 9, dtype=torch.long)
+    with pytest.raises(EngineError, match="scalar loss"):
+        engine.backward(engine(tokens))
+    with torch.no_grad():
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+    with pytest.raises(EngineError, match="does not require grad"):
+        engine.backward(loss)
+    engine.close()
+    with pytest.raises(EngineError, match="closed"):
+        engine(tokens)
+
+
+def test_meta_model_outside_the_construction_context():
+    with torch.device("meta"):
+        model = make_model("gpt")
+    with pytest.raises(ValueError, match="meta device"):
+        offload.initialize(model=model, config=_config())

@@ -1,0 +1,73 @@
+"""bf16 and fp16 compute copies over fp32 master weights; fp16 dynamic loss scaling skips overflowed steps."""
+
+import math
+
+import pytest
+import torch
+
+import offload
+from engine_cases import base_config, batches, loss_of, make_model, train_engine, train_reference
+from offload.optim.loss_scale import LossScaler
+from offload.config.sections import FP16Config
+from ranks import run_ranks
+
+
+def test_bf16_trains_like_fp32():
+    config = {**base_config(2, 2, 2), "bf16": {"enabled": True}}
+    results = run_ranks(train_engine, 2, name="gpt", config=config, steps=12, micro=2, accum=2)
+    ref = train_reference("gpt", 12, 8, 2)
+    assert results[0]["losses"][-1] < results[0]["losses"][0] - 0.3
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=0.05)
+    for key, value in ref["state"].items():
+        assert results[0]["state"][key].dtype == torch.float32  # the fp32 master weights
+        torch.testing.assert_close(results[0]["state"][key], value, rtol=0, atol=0.02)
+
+
+def fp16_overflow(rank, world):
+    config = {**base_config(2, 1, world), "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1,
+                                                    "loss_scale_window": 2}}
+    engine, _, _, _ = offload.initialize(model=make_model("gpt"), config=config)
+    assert engine.units[0].shard.dtype == torch.float16
+    log = []
+    for step, tokens in enumerate(batches(5, 2 * world)):
+        rows = tokens[rank * 2:(rank + 1) * 2]
+        before = engine.full_state_dict()
+        loss = loss_of(engine, "gpt", rows)
+        if step == 2 and rank == world - 1:
+            loss = loss * math.inf  # one rank's gradients overflow: every rank must skip
+        engine.backward(loss)
+        engine.step()
+        after = engine.full_state_dict()
+        unchanged = all(torch.equal(before[k], after[k]) for k in before)
+        log.append((engine.loss_scale, engine.skipped_steps, unchanged, loss.item()))
+    engine.close()
+    return log
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank_and_halves_the_scale():
+    for log in run_ranks(fp16_overflow, 2):
+        scales, skipped, unchanged, _ = zip(*log)
+        assert scales == (256.0, 512.0, 256.0, 256.0, 512.0)  # x2 every 2 good steps; /2 on the overflow
+        assert skipped == (0, 0, 1, 1, 1)
+        assert unchanged == (False, False, True, False, False)
+
+
+@pytest.mark.parametrize("hysteresis,expected", [(1, [128.0, 64.0]), (2, [256.0, 128.0])])
+def test_hysteresis_delays_the_cut(hysteresis, expected):
+    scaler = LossScaler.from_config(FP16Config(enabled=True, initial_scale_power=8, hysteresis=hysteresis))
+    seen = []
+    for _ in range(2):
+        scaler.update(overflow=True)
+        seen.append(scaler.scale)
+    assert seen == expected
+
+
+def test_scale_never_drops_below_min_and_static_scale_never_moves():
+    scaler = LossScaler.from_config(FP16Config(enabled=True, initial_scale_power=2, hysteresis=1, min_loss_scale=2))
+    for _ in range(5):
+        scaler.update(overflow=True)
+    assert scaler.scale == 2.0
+    static = LossScaler.from_config(FP16Config(enabled=True, loss_scale=128))
+    static.update(overflow=True)
+    static.update(overflow=False)
+    assert (static.scale, static.dynamic) == (128.0, False)
