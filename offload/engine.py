@@ -29,6 +29,7 @@ from offload.optim.loss_scale import LossScaler
 from offload.optim.schedules import build_schedule
 from offload.optim.sharded import ShardedAdam
 from offload.zero.collectives import Group, all_gather, all_reduce_sum, broadcast
+from offload.zero.init import materialize_unit
 from offload.zero.plan import plan_units
 from offload.zero.runtime import ZeroRuntime
 from offload.zero.unit import Unit
@@ -79,6 +80,7 @@ class Engine:
                                      bias_correction=bias_correction, threads=config.offload.cpu_threads)
         self.units: list[Unit] = []
         for plan in plans:
+            materialize_unit(model, plan)  # meta parameters (offload.zero.Init) get memory one unit at a time
             values = Unit.initial_values(plan, group.world)
             broadcast_values = values.to(accel.device) if accel.is_cuda else values
             broadcast(broadcast_values, group)  # every rank starts from rank 0's weights, as DeepSpeed does
@@ -91,6 +93,10 @@ class Engine:
             self.units.append(unit)
             del values, broadcast_values
         for name, buf in model.named_buffers():
+            if buf.is_meta:
+                raise EngineError(f"buffer {name!r} is on the meta device, so its value is lost; build the model "
+                                  "under offload.zero.Init(min_meta_numel=N) with N above the buffer's size "
+                                  f"({buf.numel()} elements) so buffers are created for real")
             moved = buf.to(accel.device)
             broadcast(moved, group)
             _set_buffer(model, name, moved)

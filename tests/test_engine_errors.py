@@ -79,8 +79,3 @@ def test_bad_loss_and_closed_engine():
         engine(tokens)
 
 
-def test_meta_model_outside_the_construction_context():
-    with torch.device("meta"):
-        model = make_model("gpt")
-    with pytest.raises(ValueError, match="meta device"):
-        offload.initialize(model=model, config=_config())

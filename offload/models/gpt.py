@@ -78,15 +78,19 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2's initialisation; also what the sharded construction context calls per module."""
+        """GPT-2's initialisation, module by module."""
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = 0.02 / math.sqrt(2 * self.config.layers) if name.endswith(("proj", "mlp.2")) else 0.02
-                nn.init.normal_(module.weight, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
+            self.init_module(name, module)
+
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """Initialise one module's own parameters (offload.zero.Init materialises unit by unit through this)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02 / math.sqrt(2 * self.config.layers) if name.endswith(("proj", "mlp.2")) else 0.02
+            nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or the mean cross-entropy when ``targets`` is given."""

@@ -65,8 +65,8 @@ class Unit:
         flat = torch.zeros(Unit.padded_numel(plan, world), dtype=torch.float32)
         for s in plan.slots:
             if s.param.is_meta:
-                raise ValueError(f"parameter {s.name!r} is on the meta device; build the model inside "
-                                 "offload.zero.Init (or call to_empty and reset_parameters) before initialize")
+                raise ValueError(f"parameter {s.name!r} is still on the meta device; materialize_unit gives it "
+                                 "memory and initialises it first")
             flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         return flat
 
