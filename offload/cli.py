@@ -72,9 +72,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from offload.bench import adam, nvme
-    if args.what not in ("adam", "nvme", "all"):
-        print(f"offload bench {args.what}: not built yet (adam and nvme are)", file=sys.stderr)
+    from offload.bench import adam, nvme, step
+    if args.what not in ("adam", "nvme", "step", "all"):
+        print(f"offload bench {args.what}: not built yet (adam, nvme and step are)", file=sys.stderr)
         return 2
     if args.what in ("adam", "all"):
         sizes = [adam.parse_size(s) for s in args.sizes.split(",")]
@@ -82,9 +82,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         adam.run(sizes, repeats=args.repeats, threads=args.threads, out=out, stream=sys.stdout)
     if args.what in ("nvme", "all"):
         out = Path(args.out) if args.out and args.what == "nvme" else Path("bench-results") / "nvme.json"
-        nvme.run(Path(args.path), size=adam.parse_size(args.file_size), rounds=args.rounds,
+        nvme.run(Path(args.path), size=adam.parse_size(args.file_size), rounds=args.rounds or 3,
                  blocks=tuple(adam.parse_size(b) for b in args.blocks.split(",")),
                  depths=tuple(int(d) for d in args.depths.split(",")), out=out, stream=sys.stdout)
+    if args.what in ("step", "all"):
+        out = Path(args.out) if args.out and args.what == "step" else Path("bench-results") / "step.json"
+        bench = step.StepBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
+                               seq=args.seq, micro=args.micro, world=args.world, steps=args.steps,
+                               repeats=args.rounds or 2, dtype=args.dtype)
+        print("offload bench step: ZeRO-3 + CPU Adam beside plain PyTorch, alternating rounds", flush=True)
+        step.print_table(step.run(bench, out, log=sys.stdout), sys.stdout)
+        print(f"wrote {out}")
     return 0
 
 
@@ -138,9 +146,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="JSON path (default bench-results/<what>.json)")
     p.add_argument("--path", default="/tmp/offload-bench", help="nvme: directory on the drive to measure")
     p.add_argument("--file-size", default="1Gi", help="nvme: bytes per transfer (default 1Gi)")
-    p.add_argument("--rounds", type=int, default=3, help="nvme: interleaved rounds per grid point (default 3)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (nvme: per grid point, default 3; "
+                                                               "step: default 2)")
     p.add_argument("--blocks", default="1Mi,8Mi", help="nvme: block sizes (default 1Mi,8Mi)")
     p.add_argument("--depths", default="8,32", help="nvme: queue depths (default 8,32)")
+    p.add_argument("--hidden", type=int, default=256, help="step: GPT width (default 256)")
+    p.add_argument("--layers", type=int, default=4, help="step: GPT blocks (default 4)")
+    p.add_argument("--seq", type=int, default=128, help="step: tokens per sample (default 128)")
+    p.add_argument("--micro", type=int, default=4, help="step: samples per rank per step (default 4)")
+    p.add_argument("--world", type=int, default=2, help="step: ranks (gloo processes, default 2)")
+    p.add_argument("--steps", type=int, default=5, help="step: timed steps per round (default 5)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="step: compute dtype (default fp32)")
     p.set_defaults(func=_cmd_bench)
     return parser
 

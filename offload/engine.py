@@ -28,6 +28,7 @@ from offload.optim.cpu_adam import CPUAdam
 from offload.optim.loss_scale import LossScaler
 from offload.optim.schedules import build_schedule
 from offload.optim.sharded import ShardedAdam
+from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, all_gather, all_reduce_sum, broadcast
 from offload.zero.init import materialize_unit
 from offload.zero.plan import plan_units
@@ -75,9 +76,11 @@ class Engine:
                            len(untracked), ", ".join(untracked[:5]) + (" ..." if len(untracked) > 5 else ""))
 
         plans = plan_units(model, config.offload.unit_bytes, self.compute_dtype.itemsize)
+        self.telemetry = Telemetry()
         self.optimizer = ShardedAdam(param_groups, accel, offload=zero.offload_optimizer.device == "cpu",
                                      compute_dtype=self.compute_dtype, adamw_mode=adamw_mode,
-                                     bias_correction=bias_correction, threads=config.offload.cpu_threads)
+                                     bias_correction=bias_correction, threads=config.offload.cpu_threads,
+                                     telemetry=self.telemetry)
         self.units: list[Unit] = []
         for plan in plans:
             materialize_unit(model, plan)  # meta parameters (offload.zero.Init) get memory one unit at a time
@@ -107,7 +110,7 @@ class Engine:
                                    persistence_threshold=int(zero.stage3_param_persistence_threshold),
                                    grad_sink=lambda unit, shard: self.optimizer.accumulate(unit, shard,
                                                                                            self._post_scale),
-                                   grad_predivide=pre)
+                                   grad_predivide=pre, telemetry=self.telemetry)
         self.module = model
         if config.scheduler is not None:
             if lr_scheduler is not None:
@@ -154,11 +157,13 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             return
         self._pending_micro = 0
-        self.optimizer.drain()
-        sum_sq, nonfinite = self.optimizer.grad_sq_norm()
-        totals = torch.tensor([sum_sq, float(nonfinite)], dtype=torch.float64, device=self.accel.device)
-        all_reduce_sum(totals, self.group)
-        sum_sq, nonfinite = float(totals[0]), int(totals[1])
+        with self.telemetry.span("grad_wait"):
+            self.optimizer.drain()
+        with self.telemetry.span("optimizer", "norm"):
+            sum_sq, nonfinite = self.optimizer.grad_sq_norm()
+            totals = torch.tensor([sum_sq, float(nonfinite)], dtype=torch.float64, device=self.accel.device)
+            all_reduce_sum(totals, self.group)
+            sum_sq, nonfinite = float(totals[0]), int(totals[1])
         scale = self.loss_scaler.scale
         overflow = nonfinite > 0 and self.compute_dtype == torch.float16
         self.global_steps += 1
@@ -176,7 +181,8 @@ class Engine:
         if self.gradient_clipping > 0 and math.isfinite(norm):
             grad_scale *= min(1.0, self.gradient_clipping / (norm + 1e-6))
         self.runtime.reshard_all()
-        self.optimizer.apply(self.units, grad_scale)
+        with self.telemetry.span("optimizer", "adam"):
+            self.optimizer.apply(self.units, grad_scale)
         self.loss_scaler.update(overflow=False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

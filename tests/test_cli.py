@@ -91,3 +91,18 @@ def test_bench_nvme_compares_engines_interleaved(tmp_path, capsys):
     assert {r["impl"] for r in rows} >= {"threads"}
     assert all(r["gb_per_s"] > 0 and r["file_bytes"] == 8 << 20 for r in rows)
     assert not (tmp_path / "drive" / "offload-bench-nvme.bin").exists()  # the scratch file is removed
+
+
+def test_bench_step_splits_the_step_and_compares_with_torch(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "2",
+                 "--rounds", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["ratio"] == pytest.approx(report["offload_step_s"] / report["torch_step_s"])
+    assert set(report["phases_s"]) == {"gather", "reduce_scatter", "grad_wait", "optimizer", "compute"}
+    assert report["phases_s"]["gather"] > 0 and report["phases_s"]["optimizer"] > 0
+    # Each rank receives half of every unit per gather: forward and backward gather the whole model once each.
+    params = report["params"]
+    assert report["bytes_per_step"]["all_gather"] >= 2 * params * 4 / 2
+    assert report["bytes_per_step"]["d2h"] == pytest.approx(report["bytes_per_step"]["h2d"])
+    assert "x torch" in capsys.readouterr().out

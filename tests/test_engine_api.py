@@ -7,7 +7,7 @@ import torch
 
 import offload
 from engine_cases import base_config, batches, loss_of, make_model
-from ranks import run_ranks
+from offload.launch import run_ranks
 
 
 def _groups(model):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine_cases import base_config, train_engine, train_reference
-from ranks import run_ranks
+from offload.launch import RankError, run_ranks
 
 STEPS = 3
 
@@ -39,5 +39,5 @@ def test_persistent_units_are_gathered_once_per_step():
 
 
 def test_a_limit_below_one_unit_is_a_clear_error():
-    with pytest.raises(AssertionError, match="stage3_max_live_parameters=1000.*Raise stage3_max_live_parameters"):
+    with pytest.raises(RankError, match="stage3_max_live_parameters=1000.*Raise stage3_max_live_parameters"):
         _run(1, stage3_max_live_parameters=1000)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine_cases import base_config, train_engine, train_reference
-from ranks import run_ranks
+from offload.launch import run_ranks
 
 STEPS, MICRO, ACCUM = 20, 2, 2
 needs_transformers = pytest.mark.skipif(not importlib.util.find_spec("transformers"),

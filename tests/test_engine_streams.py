@@ -10,7 +10,7 @@ import torch
 
 from engine_cases import base_config, train_engine, train_reference
 from offload.accelerator import StreamError, WorkerStream
-from ranks import run_ranks
+from offload.launch import run_ranks
 
 import pytest
 

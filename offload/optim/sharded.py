@@ -30,6 +30,7 @@ from offload import native
 from offload.accelerator import Accelerator, DoneEvent, Event
 from offload.aio.buffers import AlignedBuffer
 from offload.optim.adam import AdamHyper, adam_step
+from offload.telemetry import Telemetry
 from offload.zero.unit import Unit
 
 STAGING_BUFFERS = 4
@@ -77,7 +78,8 @@ class ShardedAdam(torch.optim.Optimizer):
     any torch optimizer (LR schedulers work), but the step is ``engine.step()``."""
 
     def __init__(self, param_groups: list[dict[str, Any]], accel: Accelerator, *, offload: bool,
-                 compute_dtype: torch.dtype, adamw_mode: bool, bias_correction: bool, threads: int | None) -> None:
+                 compute_dtype: torch.dtype, adamw_mode: bool, bias_correction: bool, threads: int | None,
+                 telemetry: Telemetry | None = None) -> None:
         defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
         super().__init__(param_groups, defaults)
         self.accel = accel
@@ -86,6 +88,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.adamw_mode = adamw_mode
         self.bias_correction = bias_correction
         self.threads = threads
+        self.telemetry = telemetry or Telemetry()
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
         self._d2h = accel.copy_stream("d2h") if offload else None
@@ -146,11 +149,23 @@ class ShardedAdam(torch.optim.Optimizer):
         staging, free = self._staging[slot]
         free.synchronize()  # the host thread is done with this buffer's previous gradient
         stage = staging[:shard_grad.numel()]
+        tel = self.telemetry
+
+        def copy() -> None:
+            with tel.span("d2h", unit.name):
+                stage.copy_(shard_grad, non_blocking=True)
+
+        def add() -> None:
+            with tel.span("accumulate", unit.name):
+                _accumulate(state, stage, scale)
+            del grad_ref[:]  # the device gradient may be freed now that its copy has been waited for
+
+        grad_ref = [shard_grad]
         self._d2h.wait_event(self.accel.compute_event())
-        self._d2h.run(lambda: stage.copy_(shard_grad, non_blocking=True))
+        self._d2h.run(copy)
         self._host.wait_event(self._d2h.record())
-        # shard_grad stays referenced by this closure until the copy has been waited for.
-        self._host.run(lambda: (_accumulate(state, stage, scale), shard_grad))
+        self._host.run(add)
+        tel.add_bytes("d2h", shard_grad.numel() * shard_grad.element_size())
         self._staging[slot] = (staging, self._host.record())
 
     def drain(self) -> None:
@@ -219,9 +234,15 @@ class ShardedAdam(torch.optim.Optimizer):
             return
         # The shard may still be read by a gather on the compute stream: copy after it.
         self._h2d.wait_event(self.accel.compute_event())
-        shard = unit.shard
-        self._h2d.run(lambda: shard.copy_(source, non_blocking=True))
+        shard, tel = unit.shard, self.telemetry
+
+        def copy() -> None:
+            with tel.span("h2d", unit.name):
+                shard.copy_(source, non_blocking=True)
+
+        self._h2d.run(copy)
         unit.ready = self._h2d.record()
+        tel.add_bytes("h2d", source.numel() * source.element_size())
 
     def close(self) -> None:
         self.drain()

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from offload.accelerator import Accelerator
+from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, reduce_scatter
 from offload.zero.unit import Unit, UnitState
 
@@ -43,7 +44,8 @@ class ZeroRuntime:
     """Owns the units of one model, the hooks on it, and the count of gathered elements."""
 
     def __init__(self, model: nn.Module, units: list[Unit], group: Group, accel: Accelerator, *,
-                 max_live: int, persistence_threshold: int, grad_sink: GradSink, grad_predivide: float) -> None:
+                 max_live: int, persistence_threshold: int, grad_sink: GradSink, grad_predivide: float,
+                 telemetry: Telemetry) -> None:
         self.model = model
         self.units = units
         self.group = group
@@ -51,6 +53,7 @@ class ZeroRuntime:
         self.max_live = max_live
         self.grad_sink = grad_sink
         self.grad_predivide = grad_predivide
+        self.telemetry = telemetry
         self.live = 0  # elements gathered now
         self.peak_live = 0
         self.gathers = 0
@@ -140,11 +143,13 @@ class ZeroRuntime:
 
     def _reduce(self, unit: Unit) -> None:
         """Reduce-scatter the unit's gradients into this rank's shard and hand it to the sink."""
-        flat = unit.take_flat_grad()
-        if self.grad_predivide != 1.0:
-            flat.div_(self.grad_predivide)
-        shard = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
-        reduce_scatter(shard, flat, self.group)
+        with self.telemetry.span("reduce_scatter", unit.name):
+            flat = unit.take_flat_grad()
+            if self.grad_predivide != 1.0:
+                flat.div_(self.grad_predivide)
+            shard = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
+            reduce_scatter(shard, flat, self.group)
+        self.telemetry.add_bytes("reduce_scatter", _wire_bytes(unit, self.group.world))
         unit.grads_seen.clear()
         self.grad_sink(unit, shard)
 
@@ -168,7 +173,9 @@ class ZeroRuntime:
                 f"{self.live + unit.padded} gathered elements, over zero_optimization.stage3_max_live_parameters="
                 f"{self.max_live}; gathered now: {gathered or 'nothing'}. Raise stage3_max_live_parameters or "
                 "lower offload.unit_bytes")
-        unit.unshard(self.accel)
+        with self.telemetry.span("gather", unit.name):
+            unit.unshard(self.accel)
+        self.telemetry.add_bytes("all_gather", _wire_bytes(unit, self.group.world))
         self.gathers += 1
         self.live += unit.padded
         self.peak_live = max(self.peak_live, self.live)
@@ -191,3 +198,8 @@ class ZeroRuntime:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _wire_bytes(unit: Unit, world: int) -> int:
+    """Bytes a rank receives in a ring all-gather / reduce-scatter of the unit: (W-1)/W of it."""
+    return unit.padded * unit.dtype.itemsize * (world - 1) // world

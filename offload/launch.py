@@ -1,7 +1,8 @@
-"""Run a function on W real gloo ranks (spawned processes) and collect what each returns.
+"""Run a function on W local ranks (spawned processes joined in a gloo group) and collect what each returns.
 
-A rank that raises sends its traceback back; a rank that hangs (a collective
-mismatch) is killed after ``timeout`` seconds and the test fails saying so.
+For tests and benchmarks on one machine; real jobs launch with torchrun. A rank that
+raises sends its traceback back; a rank that hangs (a collective mismatch) is killed
+after ``timeout`` seconds, and the caller gets an error saying which ranks.
 """
 
 from __future__ import annotations
@@ -22,14 +23,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[str, str], out: Any,
+class RankError(RuntimeError):
+    """A rank failed or hung; the message carries its traceback."""
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[str, str], threads: int, out: Any,
            kwargs: dict[str, Any]) -> None:
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         if world > 1:
             dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -44,12 +49,13 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[s
 
 
 def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 180.0, env: dict[str, str] | None = None,
-              **kwargs: Any) -> list[Any]:
-    """``[fn(rank, world, **kwargs) for rank in range(world)]``, each in its own process."""
+              threads: int = 1, **kwargs: Any) -> list[Any]:
+    """``[fn(rank, world, **kwargs) for rank in range(world)]``, each in its own process with ``threads``
+    intra-op threads; ``fn`` must be importable (a module-level function)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, env or {}, out, kwargs), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, env or {}, threads, out, kwargs), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -71,5 +77,5 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 180.0, env: d
             if p.is_alive():
                 p.kill()
     if errors:
-        raise AssertionError("\n".join(errors))
+        raise RankError("\n".join(errors))
     return [results[r] for r in range(world)]
