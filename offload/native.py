@@ -7,6 +7,7 @@ instruction set; the best variant this CPU runs is chosen on first use.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -46,6 +47,7 @@ def select_variant(name: str) -> None:
         raise NativeError(str(e)) from None
 
 
+@functools.cache  # psutil reads sysfs each time (~0.1 ms), which would dominate small kernel calls
 def default_threads() -> int:
     """Physical cores: the kernels are memory-bound, and hyper-threads add no bandwidth."""
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1

@@ -12,10 +12,10 @@ from offload.demo import run_demo
 from conftest import REPO
 
 
-def test_demo_trains_and_the_native_norm_matches_torch():
+def test_demo_trains_through_the_sharded_engine():
     result = run_demo(steps=40)
     assert result.last_loss < 0.7 * result.first_loss
-    assert result.max_norm_rel_error < 1e-5
+    assert result.units >= 4 and 0 < result.peak_live < 0.5 * 150_000  # released after use
     assert result.skipped_steps == 0
 
 
