@@ -299,6 +299,8 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         raise EngineError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     group = _join_group(dist_init_required)
     accel = Accelerator(device if device is not None else _default_device())
+    if accel.is_cuda:
+        torch.cuda.set_device(accel.device)  # NCCL and the caching allocator use the current device
     hidden = getattr(getattr(model, "config", None), "hidden_size", None) or getattr(model, "hidden_size", None)
     cfg = Config.load(config).resolve(world_size=group.world, hidden_size=hidden)
     _check_supported(cfg)

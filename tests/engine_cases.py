@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -65,7 +64,7 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
     for tokens in batches(steps, micro * accum * world):
         total = 0.0
         for a in range(accum):
-            rows = tokens[(a * world + rank) * micro:(a * world + rank + 1) * micro]
+            rows = tokens[(a * world + rank) * micro:(a * world + rank + 1) * micro].to(engine.accel.device)
             loss = engine.backward(loss_of(engine, name, rows))
             engine.step()
             total += loss.item()
@@ -73,25 +72,26 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
         if world > 1:
             dist.all_reduce(mean)
         losses.append(float(mean) / world)
-    eval_tokens = batches(1, 4, seed=7)[0][:, :-1]
+    eval_tokens = batches(1, 4, seed=7)[0][:, :-1].to(engine.accel.device)
     engine.eval()
     with torch.no_grad():
         logits = engine(eval_tokens) if name != "llama" else engine(input_ids=eval_tokens).logits
     engine.train()
-    out = {"losses": losses, "state": engine.full_state_dict(), "eval_logits": logits, "peak_live": engine.peak_live_parameters,
+    out = {"losses": losses, "state": engine.full_state_dict(), "eval_logits": logits.cpu(), "peak_live": engine.peak_live_parameters,
            "units": len(engine.units), "gathers": engine.runtime.gathers, "skipped": engine.skipped_steps,
            "scale": engine.loss_scale}
     engine.close()
     return out
 
 
-def train_reference(name: str, steps: int, rows: int, micro: int, clip: float = 1.0) -> dict[str, Any]:
+def train_reference(name: str, steps: int, rows: int, micro: int, clip: float = 1.0,
+                    device: str = "cpu") -> dict[str, Any]:
     """Plain single-process torch AdamW on the whole global batch of each step."""
-    model = make_any(name)
+    model = make_any(name).to(device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     losses = []
     for tokens in batches(steps, rows):
-        chunks = tokens.split(micro)
+        chunks = tokens.to(device).split(micro)
         total = 0.0
         for chunk in chunks:
             loss = loss_of(model, name, chunk)
@@ -102,11 +102,12 @@ def train_reference(name: str, steps: int, rows: int, micro: int, clip: float = 
         opt.step()
         opt.zero_grad()
         losses.append(total / len(chunks))
-    eval_tokens = batches(1, 4, seed=7)[0][:, :-1]
+    eval_tokens = batches(1, 4, seed=7)[0][:, :-1].to(device)
     model.eval()
     with torch.no_grad():
         logits = model(eval_tokens) if name != "llama" else model(input_ids=eval_tokens).logits
-    return {"losses": losses, "state": copy.deepcopy(model.state_dict()), "eval_logits": logits}
+    return {"losses": losses, "state": {k: v.cpu() for k, v in model.state_dict().items()},
+            "eval_logits": logits.cpu()}
 
 
 class Features(torch.nn.Module):
