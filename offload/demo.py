@@ -89,6 +89,7 @@ def run_demo(config: Config | str | None = None, steps: int = 150, seed: int = 0
     say(f"loss {first:.3f} -> {last:.3f} in {steps} steps ({elapsed:.1f}s); peak gathered parameters "
         f"{engine.peak_live_parameters:,} of {sum(u.numel for u in engine.units):,}")
     say("time per step: " + ", ".join(f"{k} {v / steps * 1e3:.1f} ms" for k, v in sorted(snap.seconds.items())))
+    say(engine.memory_report())
     result = DemoResult(first, last, steps, native.active_variant(), len(engine.units), engine.peak_live_parameters,
                         engine.skipped_steps)
     engine.close()

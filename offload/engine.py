@@ -32,7 +32,7 @@ from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, all_gather, all_reduce_sum, broadcast
 from offload.zero.init import materialize_unit
 from offload.zero.plan import plan_units
-from offload.zero.runtime import ZeroRuntime
+from offload.zero.runtime import LiveLimit, ZeroRuntime
 from offload.zero.unit import Unit
 
 logger = logging.getLogger("offload.engine")
@@ -106,7 +106,7 @@ class Engine:
 
         pre = float(group.world if config.prescale_gradients else config.gradient_predivide_factor)
         self._post_scale = pre / group.world  # gradients are averaged over the group, as DeepSpeed does
-        self.runtime = ZeroRuntime(model, self.units, group, accel, max_live=zero.stage3_max_live_parameters,
+        self.runtime = ZeroRuntime(model, self.units, group, accel, limit=self._live_limit(),
                                    persistence_threshold=int(zero.stage3_param_persistence_threshold),
                                    grad_sink=lambda unit, shard: self.optimizer.accumulate(unit, shard,
                                                                                            self._post_scale),
@@ -120,6 +120,57 @@ class Engine:
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
         self.lr_scheduler = lr_scheduler
+
+    # ----------------------------------------------------------------- memory
+
+    def _live_limit(self) -> LiveLimit:
+        """stage3_max_live_parameters, or less where the device budget leaves less room after the shards."""
+        max_live = LiveLimit(self.config.zero_optimization.stage3_max_live_parameters)
+        budget = self.config.offload.budgets.device
+        if budget is None:
+            return max_live
+        resident = self.device_resident_bytes()
+        item = self.compute_dtype.itemsize
+        largest = max(u.padded for u in self.units) * item
+        if budget - resident < largest:
+            raise ConfigError("offload.budgets.device",
+                              f"{budget:,} bytes cannot hold this rank's resident state ({resident:,} bytes: "
+                              f"shards{' and optimizer state' if not self.optimizer.offload else ''}) plus the "
+                              f"largest unit gathered ({largest:,} bytes); raise it to at least {resident + largest:,}, "
+                              "offload the optimizer (offload_optimizer.device: cpu), use more ranks, or lower "
+                              "offload.unit_bytes")
+        room = (budget - resident) // item
+        if room >= max_live.elements:
+            return max_live
+        return LiveLimit(room, "offload.budgets.device (minus the resident shards, in elements)",
+                         "Raise offload.budgets.device or lower offload.unit_bytes")
+
+    def device_resident_bytes(self) -> int:
+        """Bytes this rank keeps on the compute device between uses: its shards, and the optimizer state
+        when it is not offloaded."""
+        shards = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
+        return shards + (0 if self.optimizer.offload else self.optimizer.state_bytes())
+
+    def memory_summary(self) -> dict[str, dict[str, int]]:
+        """Bytes per tier on this rank, by what holds them, from the engine's own accounting."""
+        item = self.compute_dtype.itemsize
+        device = {"shards": sum(u.shard.numel() * u.shard.element_size() for u in self.units),
+                  "gathered_now": self.runtime.live * item, "gathered_peak": self.runtime.peak_live * item}
+        host: dict[str, int] = {}
+        if self.optimizer.offload:
+            host = {"optimizer_state": self.optimizer.state_bytes(), "staging": self.optimizer.staging_bytes()}
+        else:
+            device["optimizer_state"] = self.optimizer.state_bytes()
+        budget = self.config.offload.budgets.device
+        if budget is not None:
+            device["budget"] = budget
+        return {"device": device, "host": host}
+
+    def memory_report(self) -> str:
+        lines = [f"memory on rank {self.group.rank} ({self.accel.device}):"]
+        for tier, parts in self.memory_summary().items():
+            lines.append(f"  {tier:7s}" + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in parts.items()))
+        return "\n".join(lines)
 
     # ----------------------------------------------------------------- training loop
 

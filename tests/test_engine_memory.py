@@ -41,3 +41,35 @@ def test_persistent_units_are_gathered_once_per_step():
 def test_a_limit_below_one_unit_is_a_clear_error():
     with pytest.raises(RankError, match="stage3_max_live_parameters=1000.*Raise stage3_max_live_parameters"):
         _run(1, stage3_max_live_parameters=1000)
+
+
+def _budget_run(rank, world, budget):
+    import offload
+    from engine_cases import make_model
+    config = {**base_config(2, 1, world), "offload": {"unit_bytes": 8192, "budgets": {"device": budget}}}
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    from engine_cases import batches, loss_of
+    for tokens in batches(2, 2 * world):
+        engine.backward(loss_of(engine, "gpt", tokens[rank * 2:(rank + 1) * 2]))
+        engine.step()
+    summary = engine.memory_summary()
+    engine.close()
+    return summary, engine.runtime.limit
+
+
+def test_device_budget_bounds_gathered_bytes_and_the_summary_adds_up():
+    shards_only = run_ranks(_budget_run, 2, budget=None)[0][0]["device"]["shards"]
+    budget = shards_only + 40_000  # room for 10,000 gathered fp32 elements beside the shards
+    summary, limit = run_ranks(_budget_run, 2, budget=budget)[0]
+    assert limit.elements == 10_000 and limit.source.startswith("offload.budgets.device")
+    device = summary["device"]
+    assert device["shards"] + device["gathered_peak"] <= budget
+    assert device["gathered_now"] == 0 and device["budget"] == budget
+    # fp32 master, exp_avg, exp_avg_sq and gradient accumulator: 16 bytes per shard element, on the host.
+    assert summary["host"]["optimizer_state"] == 4 * device["shards"]
+
+
+def test_a_device_budget_below_shards_plus_one_unit_fails_at_initialize():
+    with pytest.raises(RankError, match="offload.budgets.device: 50,000 bytes cannot hold this rank's resident "
+                                        "state .* raise it to at least"):
+        run_ranks(_budget_run, 1, budget=50_000)

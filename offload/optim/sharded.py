@@ -129,9 +129,14 @@ class ShardedAdam(torch.optim.Optimizer):
             self._staging = [(self.accel.host_buffer(n, self.compute_dtype)[0], DoneEvent())
                              for _ in range(STAGING_BUFFERS)]
 
-    def host_bytes(self) -> int:
-        return sum(b.capacity for s in self.shards.values() for b in s.buffers) + sum(
-            t.numel() * t.element_size() for t, _ in self._staging)
+    def state_bytes(self) -> int:
+        """Master, moments, accumulator and 16-bit copy of every shard this rank owns."""
+        tensors = [t for s in self.shards.values() for t in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.out16)
+                   if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def staging_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t, _ in self._staging)
 
     # ----------------------------------------------------------------- gradients in
 

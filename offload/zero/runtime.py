@@ -21,6 +21,7 @@ one rank but not on another is therefore not supported (DeepSpeed has the same r
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,20 +38,29 @@ GradSink = Callable[[Unit, torch.Tensor], None]
 
 
 class LiveLimitError(RuntimeError):
-    """Gathering a unit would exceed stage3_max_live_parameters."""
+    """Gathering a unit would exceed the limit on gathered elements."""
+
+
+@dataclass(frozen=True)
+class LiveLimit:
+    """The most elements gathered at once, and which setting imposes it (for the error message)."""
+
+    elements: int
+    source: str = "zero_optimization.stage3_max_live_parameters"
+    remedy: str = "Raise stage3_max_live_parameters or lower offload.unit_bytes"
 
 
 class ZeroRuntime:
     """Owns the units of one model, the hooks on it, and the count of gathered elements."""
 
     def __init__(self, model: nn.Module, units: list[Unit], group: Group, accel: Accelerator, *,
-                 max_live: int, persistence_threshold: int, grad_sink: GradSink, grad_predivide: float,
+                 limit: LiveLimit, persistence_threshold: int, grad_sink: GradSink, grad_predivide: float,
                  telemetry: Telemetry) -> None:
         self.model = model
         self.units = units
         self.group = group
         self.accel = accel
-        self.max_live = max_live
+        self.limit = limit
         self.grad_sink = grad_sink
         self.grad_predivide = grad_predivide
         self.telemetry = telemetry
@@ -158,21 +168,21 @@ class ZeroRuntime:
     def _unshard(self, unit: Unit) -> None:
         if unit.state is UnitState.UNSHARDED:
             return
-        if self.live + unit.padded > self.max_live:
+        limit = self.limit.elements
+        if self.live + unit.padded > limit:
             # Idle units (persistent ones, or ones whose backward has not begun) are gathered again when next
             # needed: a forward's pre-hook or a backward's pre-backward hook always runs before their use.
             for other in self.units:
-                if self.live + unit.padded <= self.max_live:
+                if self.live + unit.padded <= limit:
                     break
                 if other.state is UnitState.UNSHARDED and other.holders == 0 and not other.backward_active:
                     self._reshard(other)
-        if self.live + unit.padded > self.max_live:
+        if self.live + unit.padded > limit:
             gathered = ", ".join(f"{u.name} ({u.padded})" for u in self.units if u.state is UnitState.UNSHARDED)
             raise LiveLimitError(
                 f"rank {self.group.rank}: gathering unit {unit.name!r} ({unit.padded} elements) would hold "
-                f"{self.live + unit.padded} gathered elements, over zero_optimization.stage3_max_live_parameters="
-                f"{self.max_live}; gathered now: {gathered or 'nothing'}. Raise stage3_max_live_parameters or "
-                "lower offload.unit_bytes")
+                f"{self.live + unit.padded} gathered elements, over {self.limit.source}={limit}; gathered now: "
+                f"{gathered or 'nothing'}. {self.limit.remedy}")
         with self.telemetry.span("gather", unit.name):
             unit.unshard(self.accel)
         self.telemetry.add_bytes("all_gather", _wire_bytes(unit, self.group.world))
