@@ -266,8 +266,13 @@ class Engine:
 
     @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[nn.Module]:
-        """Every unit gathered (full compute-dtype parameters readable on the module) inside the block."""
+        """Every unit gathered (full compute-dtype parameters readable on the module) inside the block.
+
+        For inspection: it ignores stage3_max_live_parameters. Units start and end sharded, so the
+        runtime's count of gathered elements is untouched.
+        """
         self._check_open()
+        self.runtime.reshard_all()
         for unit in self.units:
             unit.unshard(self.accel)
         try:

@@ -101,3 +101,22 @@ def test_training_data_gives_a_loader_of_micro_batches():
     engine, _, loader, _ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1), training_data=data)
     assert [len(b[0]) for b in loader] == [2] * 5
     engine.close()
+
+
+def test_gathered_parameters_and_zero_grad():
+    model = make_model("gpt")
+    engine, *_ = offload.initialize(model=model, config=base_config(2, 2, 1))
+    tokens = batches(1, 2)[0]
+    engine.backward(loss_of(engine, "gpt", tokens))
+    engine.zero_grad()  # discards the half-accumulated gradient: the next two micro-batches make the step
+    assert not engine.is_gradient_accumulation_boundary()
+    for _ in range(2):
+        engine.backward(loss_of(engine, "gpt", tokens))
+        engine.step()
+    assert engine.global_steps == 1
+    state = engine.full_state_dict()
+    with engine.gathered_parameters() as module:
+        for name, p in module.named_parameters():
+            torch.testing.assert_close(p.detach().clone(), state[name])
+    assert engine.runtime.live == 0 and all(u.state.value == "sharded" for u in engine.units)
+    engine.close()
