@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -27,7 +28,11 @@ from offload.config import Config, ConfigError
 from offload.optim.cpu_adam import CPUAdam
 from offload.optim.loss_scale import LossScaler
 from offload.optim.schedules import build_schedule
-from offload.optim.sharded import ShardedAdam
+from offload.aio.base import Engine as AioEngine
+from offload.aio.select import engine_from_config
+from offload.optim.sharded import ShardedAdam, StatePlan
+from offload.store.budget import TierBudget
+from offload.store.swapdir import PREFIX, SwapDir
 from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, all_gather, all_reduce_sum, broadcast
 from offload.zero.init import materialize_unit
@@ -77,49 +82,76 @@ class Engine:
 
         plans = plan_units(model, config.offload.unit_bytes, self.compute_dtype.itemsize)
         self.telemetry = Telemetry()
-        self.optimizer = ShardedAdam(param_groups, accel, offload=zero.offload_optimizer.device == "cpu",
-                                     compute_dtype=self.compute_dtype, adamw_mode=adamw_mode,
-                                     bias_correction=bias_correction, threads=config.offload.cpu_threads,
-                                     telemetry=self.telemetry)
-        self.units: list[Unit] = []
-        for plan in plans:
-            materialize_unit(model, plan)  # meta parameters (offload.zero.Init) get memory one unit at a time
-            values = Unit.initial_values(plan, group.world)
-            broadcast_values = values.to(accel.device) if accel.is_cuda else values
-            broadcast(broadcast_values, group)  # every rank starts from rank 0's weights, as DeepSpeed does
-            values = broadcast_values.cpu() if accel.is_cuda else broadcast_values
-            unit = Unit(plan, group, self.compute_dtype, accel.device)
-            master = values[unit.shard_start:unit.shard_start + unit.shard_numel]
-            unit.shard.copy_(master)
-            if any(id(s.param) in group_of for s in plan.slots):
-                self.optimizer.add_unit(unit, master, group_of)
-            self.units.append(unit)
-            del values, broadcast_values
-        for name, buf in model.named_buffers():
-            if buf.is_meta:
-                raise EngineError(f"buffer {name!r} is on the meta device, so its value is lost; build the model "
-                                  "under offload.zero.Init(min_meta_numel=N) with N above the buffer's size "
-                                  f"({buf.numel()} elements) so buffers are created for real")
-            moved = buf.to(accel.device)
-            broadcast(moved, group)
-            _set_buffer(model, name, moved)
+        sizes = [(plan.index, Unit.padded_numel(plan, group.world) // group.world) for plan in plans
+                 if any(id(s.param) in group_of for s in plan.slots)]
+        self.host_budget = TierBudget("host", config.offload.budgets.host)
+        self.nvme_budget = TierBudget("nvme", config.offload.budgets.nvme)
+        self._swap: tuple[SwapDir, AioEngine] | None = None
+        with contextlib.ExitStack() as undo:  # a failed start-up releases what it took (swap dir lock, threads)
+            undo.callback(self.accel.close)
+            undo.callback(self._close_swap)
+            self._swap = self._open_swap() if zero.offload_optimizer.device == "nvme" else None
+            self.optimizer = ShardedAdam(
+                param_groups, accel, sizes, compute_dtype=self.compute_dtype, adamw_mode=adamw_mode,
+                bias_correction=bias_correction, threads=config.offload.cpu_threads, telemetry=self.telemetry,
+                plan=StatePlan(device=zero.offload_optimizer.device, sub_group_size=zero.sub_group_size,
+                               buffer_count=zero.offload_optimizer.buffer_count, host=self.host_budget,
+                               nvme=self.nvme_budget, swap=self._swap, rank=group.rank))
+            self.units: list[Unit] = []
+            for plan in plans:
+                materialize_unit(model, plan)  # meta parameters (offload.zero.Init) get memory one unit at a time
+                values = Unit.initial_values(plan, group.world)
+                broadcast_values = values.to(accel.device) if accel.is_cuda else values
+                broadcast(broadcast_values, group)  # every rank starts from rank 0's weights, as DeepSpeed does
+                values = broadcast_values.cpu() if accel.is_cuda else broadcast_values
+                unit = Unit(plan, group, self.compute_dtype, accel.device)
+                master = values[unit.shard_start:unit.shard_start + unit.shard_numel]
+                unit.shard.copy_(master)
+                if any(id(s.param) in group_of for s in plan.slots):
+                    self.optimizer.add_unit(unit, master, group_of)
+                self.units.append(unit)
+                del values, broadcast_values
+            for name, buf in model.named_buffers():
+                if buf.is_meta:
+                    raise EngineError(f"buffer {name!r} is on the meta device, so its value is lost; build the model "
+                                      "under offload.zero.Init(min_meta_numel=N) with N above the buffer's size "
+                                      f"({buf.numel()} elements) so buffers are created for real")
+                moved = buf.to(accel.device)
+                broadcast(moved, group)
+                _set_buffer(model, name, moved)
 
-        pre = float(group.world if config.prescale_gradients else config.gradient_predivide_factor)
-        self._post_scale = pre / group.world  # gradients are averaged over the group, as DeepSpeed does
-        self.runtime = ZeroRuntime(model, self.units, group, accel, limit=self._live_limit(),
-                                   persistence_threshold=int(zero.stage3_param_persistence_threshold),
-                                   grad_sink=lambda unit, shard: self.optimizer.accumulate(unit, shard,
-                                                                                           self._post_scale),
-                                   grad_predivide=pre, telemetry=self.telemetry)
-        self.module = model
-        if config.scheduler is not None:
-            if lr_scheduler is not None:
-                raise EngineError("the config has a scheduler section and initialize() was given lr_scheduler; "
-                                  "keep one of them")
-            lr_scheduler = build_schedule(self.optimizer, config.scheduler)
-        elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-            lr_scheduler = lr_scheduler(self.optimizer)
-        self.lr_scheduler = lr_scheduler
+            pre = float(group.world if config.prescale_gradients else config.gradient_predivide_factor)
+            self._post_scale = pre / group.world  # gradients are averaged over the group, as DeepSpeed does
+            self.runtime = ZeroRuntime(model, self.units, group, accel, limit=self._live_limit(),
+                                       persistence_threshold=int(zero.stage3_param_persistence_threshold),
+                                       grad_sink=lambda unit, shard: self.optimizer.accumulate(unit, shard,
+                                                                                               self._post_scale),
+                                       grad_predivide=pre, telemetry=self.telemetry)
+            undo.callback(self.runtime.close)
+            self.module = model
+            if config.scheduler is not None:
+                if lr_scheduler is not None:
+                    raise EngineError("the config has a scheduler section and initialize() was given lr_scheduler; "
+                                      "keep one of them")
+                lr_scheduler = build_schedule(self.optimizer, config.scheduler)
+            elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+                lr_scheduler = lr_scheduler(self.optimizer)
+            self.lr_scheduler = lr_scheduler
+            undo.pop_all()
+
+    def _close_swap(self) -> None:
+        if self._swap is not None:
+            swap_dir, io = self._swap
+            io.close()
+            swap_dir.close()
+            self._swap = None
+
+    def _open_swap(self) -> tuple[SwapDir, AioEngine]:
+        """This rank's locked swap directory under offload_optimizer.nvme_path, and the I/O engine."""
+        path = self.config.zero_optimization.offload_optimizer.nvme_path
+        assert path is not None  # the config check requires it for device nvme
+        swap_dir = SwapDir(path, name=f"{PREFIX}rank{self.group.rank}-{os.getpid()}-{time.time_ns()}")
+        return swap_dir, engine_from_config(self.config, directory=str(swap_dir.path))
 
     # ----------------------------------------------------------------- memory
 
@@ -156,19 +188,18 @@ class Engine:
         item = self.compute_dtype.itemsize
         device = {"shards": sum(u.shard.numel() * u.shard.element_size() for u in self.units),
                   "gathered_now": self.runtime.live * item, "gathered_peak": self.runtime.peak_live * item}
-        host: dict[str, int] = {}
-        if self.optimizer.offload:
-            host = {"optimizer_state": self.optimizer.state_bytes(), "staging": self.optimizer.staging_bytes()}
-        else:
+        if not self.optimizer.offload:
             device["optimizer_state"] = self.optimizer.state_bytes()
         budget = self.config.offload.budgets.device
         if budget is not None:
             device["budget"] = budget
-        return {"device": device, "host": host}
+        return {"device": device, "host": self.host_budget.summary(), "nvme": self.nvme_budget.summary()}
 
     def memory_report(self) -> str:
         lines = [f"memory on rank {self.group.rank} ({self.accel.device}):"]
         for tier, parts in self.memory_summary().items():
+            if not any(parts.values()):
+                continue
             lines.append(f"  {tier:7s}" + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in parts.items()))
         return "\n".join(lines)
 
@@ -232,8 +263,15 @@ class Engine:
         if self.gradient_clipping > 0 and math.isfinite(norm):
             grad_scale *= min(1.0, self.gradient_clipping / (norm + 1e-6))
         self.runtime.reshard_all()
-        with self.telemetry.span("optimizer", "adam"):
-            self.optimizer.apply(self.units, grad_scale)
+        try:
+            with self.telemetry.span("optimizer", "adam"):
+                self.optimizer.apply(self.units, grad_scale)
+        except BaseException:
+            # The state of the last completed step is intact (see the store's notes); so are the accumulated
+            # gradients, so fixing the cause (a full disk, say) and calling step() again retries this step.
+            self.global_steps -= 1
+            self._pending_micro = self.gradient_accumulation_steps
+            raise
         self.loss_scaler.update(overflow=False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -288,8 +326,7 @@ class Engine:
         self.optimizer.drain()
         values: dict[int, torch.Tensor] = {}
         for unit in self.units:
-            state = self.optimizer.shards.get(unit.index)
-            shard = state.master if state is not None else unit.shard.float()
+            shard = self.optimizer.master_of(unit) if unit.index in self.optimizer.shards else unit.shard.float()
             full = torch.empty(unit.padded, dtype=torch.float32, device=self.accel.device)
             all_gather(full, shard.to(self.accel.device), self.group)
             full = full.cpu()
@@ -307,6 +344,7 @@ class Engine:
             return
         self.runtime.close()
         self.optimizer.close()
+        self._close_swap()
         for unit in self.units:
             unit.reshard()
             unit.shard = torch.empty(0, dtype=unit.dtype, device=unit.shard.device)
@@ -398,9 +436,6 @@ def _check_supported(cfg: Config) -> None:
         raise ConfigError("zero_optimization.offload_param.device",
                           f"{zero.offload_param.device!r}: parameter offload arrives with the tiered store; use "
                           "\"none\" for now")
-    if zero.offload_optimizer.device == "nvme":
-        raise ConfigError("zero_optimization.offload_optimizer.device",
-                          "'nvme': optimizer state on NVMe arrives with the tiered store; use \"cpu\" for now")
 
 
 def _optimizer_groups(model: nn.Module, model_parameters: Iterable[Any] | None, cfg: Config,

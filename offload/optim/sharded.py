@@ -31,6 +31,10 @@ from offload.accelerator import Accelerator, DoneEvent, Event
 from offload.aio.buffers import AlignedBuffer
 from offload.optim.adam import AdamHyper, adam_step
 from offload.telemetry import Telemetry
+from offload.aio.base import Engine
+from offload.store.budget import TierBudget
+from offload.store.optimizer_state import OptimizerStateStore
+from offload.store.swapdir import SwapDir
 from offload.zero.unit import Unit
 
 STAGING_BUFFERS = 4
@@ -63,39 +67,80 @@ def shard_segments(unit: Unit, group_of: dict[int, int]) -> list[Segment]:
 
 @dataclass
 class ShardState:
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    grad: torch.Tensor
-    out16: torch.Tensor | None  # the new compute-dtype shard, written by the fused step (16-bit compute only)
+    """One unit's per-rank optimizer buffers besides master/moments (those live in the state store)."""
+
+    grad: torch.Tensor  # fp32 gradient accumulator (host when offloaded)
+    out: torch.Tensor | None  # host compute-dtype copy of the new shard, the source of the copy back (offload)
     segments: list[Segment]
     fresh: bool = True  # the accumulator holds nothing from this step yet
-    buffers: list[AlignedBuffer] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class StatePlan:
+    """Where the optimizer state goes: ``device`` is offload_optimizer.device ("none", "cpu" or "nvme")."""
+
+    device: str = "cpu"
+    sub_group_size: int = 1_000_000_000
+    buffer_count: int = 4
+    host: TierBudget = field(default_factory=lambda: TierBudget("host", None))
+    nvme: TierBudget = field(default_factory=lambda: TierBudget("nvme", None))
+    swap: tuple[SwapDir, Engine] | None = None
+    rank: int = 0
 
 
 class ShardedAdam(torch.optim.Optimizer):
     """Adam/AdamW over the shards of a ZeRO-3 model. Hyperparameters live in ``param_groups`` as in
     any torch optimizer (LR schedulers work), but the step is ``engine.step()``."""
 
-    def __init__(self, param_groups: list[dict[str, Any]], accel: Accelerator, *, offload: bool,
-                 compute_dtype: torch.dtype, adamw_mode: bool, bias_correction: bool, threads: int | None,
-                 telemetry: Telemetry | None = None) -> None:
+    def __init__(self, param_groups: list[dict[str, Any]], accel: Accelerator, sizes: list[tuple[int, int]], *,
+                 plan: StatePlan, compute_dtype: torch.dtype, adamw_mode: bool, bias_correction: bool,
+                 threads: int | None, telemetry: Telemetry | None = None) -> None:
+        """``sizes``: (unit index, shard elements) of every unit with trained parameters, in unit order."""
         defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
         super().__init__(param_groups, defaults)
         self.accel = accel
-        self.offload = offload
+        self.offload = plan.device != "none"
         self.compute_dtype = compute_dtype
         self.adamw_mode = adamw_mode
         self.bias_correction = bias_correction
         self.threads = threads
         self.telemetry = telemetry or Telemetry()
+        self.host = plan.host
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
-        self._d2h = accel.copy_stream("d2h") if offload else None
-        self._h2d = accel.copy_stream("h2d") if offload else None
-        self._host = accel.host_queue("grad-accumulate") if offload else None
+        self._d2h = accel.copy_stream("d2h") if self.offload else None
+        self._h2d = accel.copy_stream("h2d") if self.offload else None
+        self._host = accel.host_queue("grad-accumulate") if self.offload else None
+        self._buffers: list[AlignedBuffer] = []
         self._staging: list[tuple[torch.Tensor, Event]] = []
         self._next_staging = 0
+        if self.offload and sizes:
+            self._reserve_host(sizes)
+        self.store = OptimizerStateStore(sizes, plan.sub_group_size, device=plan.device, accel=accel,
+                                         host=plan.host, nvme=plan.nvme, buffer_count=plan.buffer_count,
+                                         swap=plan.swap, rank=plan.rank)
+
+    def _reserve_host(self, sizes: list[tuple[int, int]]) -> None:
+        """Account (and check at start-up) the host bytes of accumulators, copies and staging buffers."""
+        total = sum(n for _, n in sizes)
+        item = self.compute_dtype.itemsize
+        parts = {"gradient accumulators": 4 * total, "parameter copies": item * total,
+                 "gradient staging": STAGING_BUFFERS * max(n for _, n in sizes) * item}
+        if self.host.limit is not None and sum(parts.values()) > self.host.limit:
+            from offload.config import ConfigError
+            raise ConfigError("offload.budgets.host",
+                              f"{self.host.limit:,} bytes cannot hold this rank's gradient accumulators and "
+                              f"parameter copies ({', '.join(f'{k} {v:,}' for k, v in parts.items())}), before any "
+                              "optimizer state; raise the budget or use more ranks")
+        for what, nbytes in parts.items():
+            self.host.take(nbytes, what)
+        largest = max(n for _, n in sizes)
+        self._staging = [(self._host_tensor(largest, self.compute_dtype), DoneEvent()) for _ in range(STAGING_BUFFERS)]
+
+    def _host_tensor(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        t, buf = self.accel.host_buffer(n, dtype)
+        self._buffers.append(buf)
+        return t
 
     @property
     def state_device(self) -> torch.device:
@@ -108,32 +153,27 @@ class ShardedAdam(torch.optim.Optimizer):
     # ----------------------------------------------------------------- state
 
     def add_unit(self, unit: Unit, master: torch.Tensor, group_of: dict[int, int]) -> None:
-        """Own ``unit``'s optimizer state; ``master`` is its fp32 shard (host)."""
+        """Own ``unit``'s optimizer state; ``master`` is its fp32 shard (host). Units arrive in order."""
         n = unit.shard_numel
-        buffers: list[AlignedBuffer] = []
+        if self.offload:
+            grad, out = self._host_tensor(n, torch.float32), self._host_tensor(n, self.compute_dtype)
+            out.copy_(master)  # elements the step does not write (frozen, padding) keep their values
+        else:
+            grad, out = torch.zeros(n, dtype=torch.float32, device=self.accel.device), None
+        self.shards[unit.index] = ShardState(grad, out, shard_segments(unit, group_of))
+        self.store.init_member(unit.index, master)
 
-        def alloc(dtype: torch.dtype) -> torch.Tensor:
-            if not self.offload:
-                return torch.zeros(n, dtype=dtype, device=self.accel.device)
-            t, buf = self.accel.host_buffer(n, dtype)
-            buffers.append(buf)
-            t.zero_()
-            return t
-
-        state = ShardState(alloc(torch.float32), alloc(torch.float32), alloc(torch.float32), alloc(torch.float32),
-                           alloc(self.compute_dtype) if self.offload and self.compute_dtype != torch.float32 else None,
-                           shard_segments(unit, group_of), buffers=buffers)
-        state.master.copy_(master)
-        self.shards[unit.index] = state
-        if self.offload and (not self._staging or self._staging[0][0].numel() < n):
-            self._staging = [(self.accel.host_buffer(n, self.compute_dtype)[0], DoneEvent())
-                             for _ in range(STAGING_BUFFERS)]
+    def master_of(self, unit: Unit) -> torch.Tensor:
+        """A copy of the unit's fp32 master shard, wherever it lives."""
+        return self.store.read_master(unit.index)
 
     def state_bytes(self) -> int:
-        """Master, moments, accumulator and 16-bit copy of every shard this rank owns."""
-        tensors = [t for s in self.shards.values() for t in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.out16)
-                   if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Master and moments of every shard this rank owns, in memory (host or device), plus accumulators
+        and copies."""
+        memory = sum(g.nbytes for g in self.store.groups if g.tier != "nvme")
+        per_unit = sum(t.numel() * t.element_size() for s in self.shards.values() for t in (s.grad, s.out)
+                       if t is not None)
+        return memory + per_unit
 
     def staging_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t, _ in self._staging)
@@ -208,35 +248,42 @@ class ShardedAdam(torch.optim.Optimizer):
                          bias_correction=self.bias_correction)
 
     def apply(self, units: Iterable[Unit], grad_scale: float) -> None:
-        """One Adam step on every shard with gradients scaled by ``grad_scale``; new params go back to the device."""
+        """One Adam step on every shard with gradients scaled by ``grad_scale``; new params go back to the device
+        only after every sub-group's step succeeded (a failed NVMe transfer leaves the last step intact)."""
         if self._h2d is not None:
-            self._h2d.synchronize()  # last step's copies read master/out16, which this step rewrites
-        self.adam_steps += 1
+            self._h2d.synchronize()  # last step's copies read the host copies, which this step rewrites
+        by_index = {u.index: u for u in units}
         hypers = [self.hyper(i) for i in range(len(self.param_groups))]
-        for unit in units:
-            state = self.shards.get(unit.index)
-            if state is None:
-                continue
-            if state.fresh:  # no gradient reached this unit since the last step: Adam sees zeros
-                state.grad.zero_()
-            for seg in state.segments:
-                s = slice(seg.start, seg.end)
-                out16 = state.out16[s] if state.out16 is not None else None
-                if state.master.device.type == "cpu":
-                    adam_step(state.master[s], state.grad[s], state.exp_avg[s], state.exp_avg_sq[s], self.adam_steps,
-                              hypers[seg.group], grad_scale, out16=out16, threads=self.threads)
-                else:
-                    _torch_adam(state.master[s], state.grad[s], state.exp_avg[s], state.exp_avg_sq[s],
-                                self.adam_steps, hypers[seg.group], grad_scale)
-            self._write_back(unit, state)
+        step = self.adam_steps + 1
+        for group in self.store.step_pass():
+            for member in group.members:
+                state = self.shards[member.unit]
+                master, exp_avg, exp_avg_sq = group.views(member)
+                if state.fresh:  # no gradient reached this unit since the last step: Adam sees zeros
+                    state.grad.zero_()
+                out16 = state.out if state.out is not None and state.out.dtype != torch.float32 else None
+                for seg in state.segments:
+                    s = slice(seg.start, seg.end)
+                    if master.device.type == "cpu":
+                        adam_step(master[s], state.grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
+                                  grad_scale, out16=out16[s] if out16 is not None else None, threads=self.threads)
+                    else:
+                        _torch_adam(master[s], state.grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
+                                    grad_scale)
+                if state.out is None:  # state on the compute device: the shard is written straight away
+                    by_index[member.unit].shard.copy_(master)
+                elif out16 is None:
+                    for seg in state.segments:
+                        state.out[seg.start:seg.end].copy_(master[seg.start:seg.end])
+        self.adam_steps = step
+        for index, state in self.shards.items():
+            if state.out is not None:
+                self._write_back(by_index[index], state)
             state.fresh = True
 
     def _write_back(self, unit: Unit, state: ShardState) -> None:
-        source = state.out16 if state.out16 is not None else state.master
-        if self._h2d is None:
-            unit.shard.copy_(source)
-            unit.ready = None
-            return
+        source = state.out
+        assert self._h2d is not None and source is not None
         # The shard may still be read by a gather on the compute stream: copy after it.
         self._h2d.wait_event(self.accel.compute_event())
         shard, tel = unit.shard, self.telemetry
@@ -254,9 +301,10 @@ class ShardedAdam(torch.optim.Optimizer):
         for stream in (self._d2h, self._h2d):
             if stream is not None:
                 stream.synchronize()
-        for state in self.shards.values():
-            for buf in state.buffers:
-                buf.release_pin()
+        self.store.close()
+        for buf in self._buffers:
+            buf.release_pin()
+        self._buffers.clear()
         self.shards.clear()
         self._staging.clear()
 
