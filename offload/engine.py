@@ -80,7 +80,8 @@ class Engine:
             logger.warning("%d parameters require grad but are in no optimizer group and will not be updated: %s",
                            len(untracked), ", ".join(untracked[:5]) + (" ..." if len(untracked) > 5 else ""))
 
-        plans = plan_units(model, config.offload.unit_bytes, self.compute_dtype.itemsize)
+        plans = plan_units(model, config.offload.unit_bytes, self.compute_dtype.itemsize,
+                           atomic=tuple(config.offload.atomic_modules or ()))
         self.telemetry = Telemetry()
         sizes = [(plan.index, Unit.padded_numel(plan, group.world) // group.world) for plan in plans
                  if any(id(s.param) in group_of for s in plan.slots)]
@@ -111,14 +112,20 @@ class Engine:
                     self.optimizer.add_unit(unit, master, group_of)
                 self.units.append(unit)
                 del values, broadcast_values
-            for name, buf in model.named_buffers():
-                if buf.is_meta:
-                    raise EngineError(f"buffer {name!r} is on the meta device, so its value is lost; build the model "
-                                      "under offload.zero.Init(min_meta_numel=N) with N above the buffer's size "
-                                      f"({buf.numel()} elements) so buffers are created for real")
-                moved = buf.to(accel.device)
-                broadcast(moved, group)
-                _set_buffer(model, name, moved)
+            moved: dict[int, torch.Tensor] = {}  # one copy per buffer tensor, however many modules share it
+            for prefix, owner in model.named_modules(remove_duplicate=False):
+                for key, buf in list(owner._buffers.items()):
+                    if buf is None:
+                        continue
+                    if buf.is_meta:
+                        raise EngineError(f"buffer {prefix + '.' if prefix else ''}{key!r} is on the meta device, "
+                                          "so its value is lost; build the model under offload.zero.Init("
+                                          f"min_meta_numel=N) with N above its size ({buf.numel()} elements) so "
+                                          "buffers are created for real")
+                    if id(buf) not in moved:
+                        moved[id(buf)] = buf.to(accel.device)
+                        broadcast(moved[id(buf)], group)
+                    owner._buffers[key] = moved[id(buf)]
 
             pre = float(group.world if config.prescale_gradients else config.gradient_predivide_factor)
             self._post_scale = pre / group.world  # gradients are averaged over the group, as DeepSpeed does
@@ -210,7 +217,17 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except RuntimeError as e:
+            if "storage of size 0" not in str(e) and "data is not allocated" not in str(e):
+                raise
+            raise EngineError(
+                "a parameter was read while its unit was released: some module's forward reads a parameter of "
+                "another module without calling that module (e.g. F.linear(x, self.child.weight)), or code reads "
+                "parameters outside forward. Name the reading module's class in offload.atomic_modules so it is "
+                "never split from its children, or call the child module instead. Units: "
+                + ", ".join(u.name for u in self.units)) from e
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of ``loss`` scaled by loss_scale / gradient_accumulation_steps; returns ``loss``."""
@@ -222,7 +239,11 @@ class Engine:
             raise EngineError("the loss does not require grad: was the forward run under torch.no_grad(), or are "
                               "all parameters frozen?")
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        try:
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        except BaseException:
+            self.runtime.abort_backward()
+            raise
         self._pending_micro += 1
         self.micro_steps += 1
         return loss
@@ -360,14 +381,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
-    *path, leaf = name.split(".")
-    owner = model
-    for part in path:
-        owner = getattr(owner, part)
-    owner._buffers[leaf] = value
 
 
 # --------------------------------------------------------------------------- initialize

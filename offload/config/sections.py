@@ -380,5 +380,9 @@ class OffloadExtConfig:
     aio_engine: str = setting("auto", "Swap I/O engine: auto (io_uring where the kernel allows, else threads), "
                                       "io_uring or threads.", choices=("auto", "io_uring", "threads"))
     cpu_threads: int | None = setting(None, "Threads for the CPU optimizer step (null: physical cores).", ge=1)
+    atomic_modules: list[str] | None = setting(
+        None, "Module class names never split across units: modules whose forward reads a child's parameters "
+              "without calling the child (torch's MultiheadAttention and Transformer layers, and a Hugging Face "
+              "model's _no_split_modules, are always atomic).")
 
 

@@ -79,8 +79,17 @@ def materialize_unit(model: nn.Module, plan: UnitPlan) -> None:
     for s in meta:
         owner_name = s.name.rpartition(".")[0]
         owners.setdefault(owner_name, modules[owner_name])
+    mine = {id(s.param) for s in meta}
     for name, module in owners.items():
-        _initialise(model, name, module)
+        # A parameter of this module that belongs to another unit (a tied weight, already sharded) must not be
+        # touched by the initialiser: it gets a scratch stand-in while the module initialises.
+        foreign = {k: p for k, p in module._parameters.items() if p is not None and id(p) not in mine}
+        for k, p in foreign.items():
+            module._parameters[k] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+        try:
+            _initialise(model, name, module)
+        finally:
+            module._parameters.update(foreign)
 
 
 def _initialise(model: nn.Module, name: str, module: nn.Module) -> None:

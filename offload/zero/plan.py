@@ -73,10 +73,13 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
         return out
 
     def add(anchors: list[str], params: list[tuple[str, nn.Parameter]]) -> None:
-        if not params:
+        unique: dict[int, tuple[str, nn.Parameter]] = {}
+        for name, p in params:  # a weight tied between siblings of one run is listed by each of them
+            unique.setdefault(id(p), (name, p))
+        if not unique:
             return
         slots, offset = [], 0
-        for name, p in params:
+        for name, p in unique.values():
             claimed.add(id(p))
             slots.append(ParamSlot(name, p, offset, p.numel(), tuple(p.shape)))
             offset += p.numel()

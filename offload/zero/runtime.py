@@ -68,6 +68,7 @@ class ZeroRuntime:
         self.peak_live = 0
         self.gathers = 0
         self._in_backward = False
+        self._acquired: dict[int, list[list[Unit]]] = {}  # per module: the units each running forward holds
         self._handles: list[RemovableHandle] = []
         for unit in units:
             unit.persistent = unit.numel <= persistence_threshold
@@ -94,13 +95,18 @@ class ZeroRuntime:
 
     def _pre_forward_hook(self, units: list[Unit]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
+            acquired: list[Unit] = []
+            # The post-hook runs even when this one raises (always_call): it releases exactly what was acquired.
+            self._acquired.setdefault(id(module), []).append(acquired)
             for unit in units:
                 self.acquire(unit)
+                acquired.append(unit)
         return hook
 
     def _post_forward_hook(self, units: list[Unit]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            for unit in units:
+            stack = self._acquired.get(id(module))
+            for unit in stack.pop() if stack else ():
                 self.release(unit)
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -123,8 +129,8 @@ class ZeroRuntime:
     # ----------------------------------------------------------------- forward
 
     def acquire(self, unit: Unit) -> None:
-        unit.holders += 1
         self._unshard(unit)
+        unit.holders += 1
 
     def release(self, unit: Unit) -> None:
         unit.holders -= 1
@@ -140,6 +146,18 @@ class ZeroRuntime:
         for unit in units:
             unit.backward_active = True
             self._unshard(unit)
+
+    def abort_backward(self) -> None:
+        """Backward raised: autograd will not run the end-of-backward callback, so undo its state here.
+        Gradients of the failed pass are dropped; units are released; the next backward starts clean."""
+        self._in_backward = False
+        for unit in self.units:
+            unit.backward_active = False
+            unit.grads_seen.clear()
+            for slot in unit.slots:
+                slot.param.grad = None
+            if unit.holders == 0 and not unit.persistent:
+                self._reshard(unit)
 
     def _end_of_backward(self) -> None:
         for unit in self.units:

@@ -67,6 +67,10 @@ class Unit:
             if s.param.is_meta:
                 raise ValueError(f"parameter {s.name!r} is still on the meta device; materialize_unit gives it "
                                  "memory and initialises it first")
+            if s.numel and s.param.untyped_storage().nbytes() < s.numel * s.param.element_size():
+                raise ValueError(f"parameter {s.name!r} has no memory of its own: it is sharded by an offload "
+                                 "engine (open or closed). Build a fresh model and load engine.full_state_dict() "
+                                 "into it to start another engine")
             flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         return flat
 
