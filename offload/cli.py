@@ -89,7 +89,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         out = Path(args.out) if args.out and args.what == "step" else Path("bench-results") / "step.json"
         bench = step.StepBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
                                seq=args.seq, micro=args.micro, world=args.world, steps=args.steps,
-                               repeats=args.rounds or 2, dtype=args.dtype)
+                               repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload,
+                               nvme_path=args.path, sub_group_size=args.sub_group_size)
         print("offload bench step: ZeRO-3 + CPU Adam beside plain PyTorch, alternating rounds", flush=True)
         step.print_table(step.run(bench, out, log=sys.stdout), sys.stdout)
         print(f"wrote {out}")
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
     p.add_argument("--out", default=None, help="JSON path (default bench-results/<what>.json)")
-    p.add_argument("--path", default="/tmp/offload-bench", help="nvme: directory on the drive to measure")
+    p.add_argument("--path", default="/tmp/offload-bench", help="nvme, step: directory on the drive to use")
     p.add_argument("--file-size", default="1Gi", help="nvme: bytes per transfer (default 1Gi)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (nvme: per grid point, default 3; "
                                                                "step: default 2)")
@@ -157,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=2, help="step: ranks (gloo processes, default 2)")
     p.add_argument("--steps", type=int, default=5, help="step: timed steps per round (default 5)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="step: compute dtype (default fp32)")
+    p.add_argument("--offload", choices=["cpu", "nvme"], default="cpu",
+                   help="step: optimizer state on the host, or on NVMe under --path (then host, pipelined and "
+                        "serial NVMe variants are compared)")
+    p.add_argument("--sub-group-size", type=int, default=1_000_000, help="step: optimizer sub-group elements")
     p.set_defaults(func=_cmd_bench)
     return parser
 

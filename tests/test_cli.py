@@ -106,3 +106,18 @@ def test_bench_step_splits_the_step_and_compares_with_torch(tmp_path, capsys):
     assert report["bytes_per_step"]["all_gather"] >= 2 * params * 4 / 2
     assert report["bytes_per_step"]["d2h"] == pytest.approx(report["bytes_per_step"]["h2d"])
     assert "x torch" in capsys.readouterr().out
+
+
+def test_bench_step_with_nvme_compares_host_pipelined_and_serial(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--offload", "nvme", "--path", str(tmp_path / "swap"), "--hidden", "64",
+                 "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "2", "--rounds", "1",
+                 "--sub-group-size", "20000", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["variants"]) == {"nvme", "host", "nvme-serial"}
+    assert report["variants"]["host"]["nvme_bytes"] == 0
+    # Every step reads and writes every sub-group's master and moments: 12 bytes per element, both ways.
+    per_rank = report["params"] / 2
+    assert report["variants"]["nvme"]["nvme_bytes"] >= 2 * 12 * per_rank
+    assert "pipelining's gain" in capsys.readouterr().out
+    assert not any((tmp_path / "swap").iterdir())

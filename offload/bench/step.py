@@ -11,6 +11,12 @@ what remains. The copy and host threads' busy time (d2h, accumulate, h2d) runs b
 the step and is reported as background time. The ratio offload/torch is what
 sharding costs on this machine: on one host the "device" is CPU memory, so every
 gather and copy is overhead that a GPU job would spend on other buses.
+
+With ``--offload nvme`` the optimizer state lives in swap files under ``--nvme-path``
+and three offload variants alternate with torch: state on the host (the cost of the
+disk is nvme/host), on NVMe with the pipelined step (``buffer_count`` buffers: reads
+ahead, writes behind), and on NVMe with one buffer (read, compute, write in turn: the
+gain of pipelining is serial/pipelined on the optimizer phase).
 """
 
 from __future__ import annotations
@@ -42,6 +48,18 @@ class StepBench:
     warmup: int = 2
     repeats: int = 2
     dtype: str = "fp32"
+    offload: str = "cpu"  # where the optimizer state lives: cpu, or nvme (then three variants run)
+    nvme_path: str = "/tmp/offload-bench-step"
+    sub_group_size: int = 1_000_000
+    buffer_count: int = 4
+
+    def variants(self) -> dict[str, dict[str, Any]]:
+        """Offload configurations compared in this run, by name: the first one is the headline."""
+        if self.offload == "cpu":
+            return {"host": {"device": "cpu"}}
+        return {"nvme": {"device": "nvme", "buffer_count": self.buffer_count},
+                "host": {"device": "cpu"},
+                "nvme-serial": {"device": "nvme", "buffer_count": 1}}
 
     def model_config(self) -> Any:
         from offload.models import GPTConfig
@@ -60,6 +78,7 @@ class StepResult:
     background_s: dict[str, float] = field(default_factory=dict)  # per step, copy/host threads
     bytes_per_step: dict[str, float] = field(default_factory=dict)
     samples: dict[str, list[float]] = field(default_factory=dict)
+    variants: dict[str, dict[str, float]] = field(default_factory=dict)  # per variant: step, optimizer, NVMe stall
 
 
 def _batches(b: StepBench, n: int, rows: int) -> list[torch.Tensor]:
@@ -67,16 +86,19 @@ def _batches(b: StepBench, n: int, rows: int) -> list[torch.Tensor]:
     return [torch.randint(0, b.vocab, (rows, b.seq + 1), generator=gen) for _ in range(n)]
 
 
-def _engine_rank(rank: int, world: int, bench: dict[str, Any]) -> dict[str, Any]:
+def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str, Any]) -> dict[str, Any]:
     import offload
     from offload.models import GPT
     b = StepBench(**bench)
     torch.manual_seed(0)
     model = GPT(b.model_config())
+    optimizer = {"device": variant["device"]}
+    if variant["device"] == "nvme":
+        optimizer.update(nvme_path=b.nvme_path, buffer_count=variant["buffer_count"])
     config = {"train_micro_batch_size_per_gpu": b.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
               "bf16": {"enabled": b.dtype == "bf16"},
-              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+              "zero_optimization": {"stage": 3, "offload_optimizer": optimizer, "sub_group_size": b.sub_group_size},
               "offload": {"unit_bytes": 4 << 20}}
     engine, *_ = offload.initialize(model=model, config=config)
     times = []
@@ -115,28 +137,39 @@ def _torch_steps(b: StepBench) -> list[float]:
 
 def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -> StepResult:
     cores = os.cpu_count() or 1
+    variants = b.variants()
     torch_times: list[float] = []
-    offload_times: list[float] = []
-    phase_runs: list[dict[str, Any]] = []
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     for r in range(b.repeats):
         torch_times += _torch_steps(b)
-        ranks = run_ranks(_engine_rank, b.world, timeout=1800, threads=max(1, cores // b.world), bench=asdict(b))
-        offload_times += [max(ts) for ts in zip(*(rank["times"] for rank in ranks))]  # a step ends on the last rank
-        phase_runs.append(ranks[0])
+        for name, variant in variants.items():
+            ranks = run_ranks(_engine_rank, b.world, timeout=1800, threads=max(1, cores // b.world),
+                              bench=asdict(b), variant=variant)
+            times[name] += [max(ts) for ts in zip(*(rank["times"] for rank in ranks))]  # a step ends on the last rank
+            runs[name].append(ranks[0])
         if log:
-            print(f"  round {r + 1}/{b.repeats}: torch {statistics.median(torch_times):.3f} s/step, "
-                  f"offload {statistics.median(offload_times):.3f} s/step", file=log, flush=True)
+            print(f"  round {r + 1}/{b.repeats}: torch {statistics.median(torch_times):.3f} s/step, " + ", ".join(
+                f"offload {n} {statistics.median(t):.3f}" for n, t in times.items()), file=log, flush=True)
     steps = b.steps * b.repeats
-    seconds = {k: sum(run["seconds"].get(k, 0.0) for run in phase_runs) / steps for k in FOREGROUND + BACKGROUND}
-    t_off, t_torch = statistics.median(offload_times), statistics.median(torch_times)
-    phases = {k: seconds[k] for k in FOREGROUND}
+
+    def per_step(name: str, key: str, what: str = "seconds") -> float:
+        return sum(run[what].get(key, 0.0) for run in runs[name]) / steps
+
+    head = next(iter(variants))
+    t_off, t_torch = statistics.median(times[head]), statistics.median(torch_times)
+    phases = {k: per_step(head, k) for k in FOREGROUND}
     phases["compute"] = max(0.0, t_off - sum(phases.values()))
     result = StepResult(
         bench=asdict(b), params=b.model_config().num_parameters, torch_step_s=t_torch, offload_step_s=t_off,
-        ratio=t_off / t_torch, phases_s=phases, background_s={k: seconds[k] for k in BACKGROUND},
-        bytes_per_step={k: sum(run["bytes"].get(k, 0) for run in phase_runs) / steps
-                        for k in ("all_gather", "reduce_scatter", "d2h", "h2d")},
-        samples={"torch": torch_times, "offload": offload_times})
+        ratio=t_off / t_torch, phases_s=phases, background_s={k: per_step(head, k) for k in BACKGROUND},
+        bytes_per_step={k: per_step(head, k, "bytes") for k in ("all_gather", "reduce_scatter", "d2h", "h2d",
+                                                                  "nvme_read", "nvme_write")},
+        samples={"torch": torch_times, **times},
+        variants={name: {"step_s": statistics.median(times[name]), "optimizer_s": per_step(name, "optimizer"),
+                         "nvme_wait_s": per_step(name, "nvme_wait"),
+                         "nvme_bytes": per_step(name, "nvme_read", "bytes") + per_step(name, "nvme_write", "bytes")}
+                  for name in variants})
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(asdict(result), indent=2))
@@ -155,4 +188,15 @@ def print_table(result: StepResult, out: TextIO) -> None:
     print("  beside it (copy/host threads): " + ", ".join(
         f"{k} {v * 1e3:.1f} ms" for k, v in result.background_s.items()), file=out)
     print("  bytes per step per rank: " + ", ".join(
-        f"{k} {v / 2**20:.1f} MiB" for k, v in result.bytes_per_step.items()), file=out)
+        f"{k} {v / 2**20:.1f} MiB" for k, v in result.bytes_per_step.items() if v), file=out)
+    if len(result.variants) > 1:
+        v = result.variants
+        print("  optimizer state placement (step / optimizer phase / of which NVMe stall, per step):", file=out)
+        for name, row in v.items():
+            gbps = row["nvme_bytes"] / row["optimizer_s"] / 1e9 if row["nvme_bytes"] and row["optimizer_s"] else 0
+            print(f"    {name:12s} {row['step_s'] * 1e3:8.1f} ms  {row['optimizer_s'] * 1e3:8.1f} ms  "
+                  f"{row['nvme_wait_s'] * 1e3:8.1f} ms" + (f"  ({gbps:.2f} GB/s through the optimizer phase)"
+                                                            if gbps else ""), file=out)
+        print(f"  the disk's cost: nvme/host step {v['nvme']['step_s'] / v['host']['step_s']:.2f}x; pipelining's gain: "
+              f"serial/pipelined optimizer phase {v['nvme-serial']['optimizer_s'] / v['nvme']['optimizer_s']:.2f}x",
+              file=out)

@@ -118,7 +118,7 @@ class ShardedAdam(torch.optim.Optimizer):
             self._reserve_host(sizes)
         self.store = OptimizerStateStore(sizes, plan.sub_group_size, device=plan.device, accel=accel,
                                          host=plan.host, nvme=plan.nvme, buffer_count=plan.buffer_count,
-                                         swap=plan.swap, rank=plan.rank)
+                                         swap=plan.swap, rank=plan.rank, telemetry=self.telemetry)
 
     def _reserve_host(self, sizes: list[tuple[int, int]]) -> None:
         """Account (and check at start-up) the host bytes of accumulators, copies and staging buffers."""

@@ -38,6 +38,7 @@ from offload.aio.buffers import AlignedBuffer, BufferPool, round_up
 from offload.aio.checksum import ChecksummedFile
 from offload.store.budget import TierBudget
 from offload.store.swapdir import SwapDir
+from offload.telemetry import Telemetry
 
 logger = logging.getLogger("offload.store")
 
@@ -100,9 +101,11 @@ class OptimizerStateStore:
 
     def __init__(self, sizes: list[tuple[int, int]], sub_group_size: int, *, device: str, accel: Accelerator,
                  host: TierBudget, nvme: TierBudget, buffer_count: int = 4,
-                 swap: tuple[SwapDir, Engine] | None = None, rank: int = 0) -> None:
+                 swap: tuple[SwapDir, Engine] | None = None, rank: int = 0,
+                 telemetry: Telemetry | None = None) -> None:
         """``device``: "none" (the compute device), "cpu" or "nvme"; ``swap`` is needed for "nvme"."""
         self.accel = accel
+        self.telemetry = telemetry or Telemetry()
         self.groups = plan_sub_groups(sizes, sub_group_size)
         self.by_unit = {m.unit: (g, m) for g in self.groups for m in g.members}
         self.host, self.nvme = host, nvme
@@ -230,7 +233,7 @@ class OptimizerStateStore:
 
     def _nvme_pass(self, groups: list[SubGroup]) -> Iterator[SubGroup]:
         assert self._file is not None
-        file = self._file
+        file, tel = self._file, self.telemetry
         free: deque[tuple[AlignedBuffer, RequestGroup | None]] = deque((b, None) for b in self._buffers)
         inflight: deque[tuple[SubGroup, AlignedBuffer, object]] = deque()
         upcoming = deque(groups)
@@ -239,18 +242,23 @@ class OptimizerStateStore:
                 while upcoming and free:
                     buf, write = free.popleft()
                     if write is not None:
-                        write.wait()
+                        with tel.span("nvme_wait", "write"):
+                            write.wait()
                     g = upcoming.popleft()
                     inflight.append((g, buf, file.read(buf.tensor, g.slots[g.current], g.nbytes)))
+                    tel.add_bytes("nvme_read", g.nbytes)
                 g, buf, read = inflight.popleft()
-                read.wait()  # type: ignore[attr-defined]
+                with tel.span("nvme_wait", "read"):
+                    read.wait()  # type: ignore[attr-defined]
                 g.resident = buf.view(torch.float32, KINDS * g.numel).view(KINDS, g.numel)
                 yield g
                 g.resident = None
                 free.append((buf, file.write(buf.tensor, g.slots[1 - g.current], g.nbytes)))
-            for _, write in free:
-                if write is not None:
-                    write.wait()
+                tel.add_bytes("nvme_write", g.nbytes)
+            with tel.span("nvme_wait", "write"):
+                for _, write in free:
+                    if write is not None:
+                        write.wait()
         finally:
             for g, _, read in inflight:  # a failed step: let every transfer finish before buffers are reused
                 g.resident = None
