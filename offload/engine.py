@@ -29,6 +29,7 @@ from offload.optim.cpu_adam import CPUAdam
 from offload.optim.loss_scale import LossScaler
 from offload.optim.schedules import build_schedule
 from offload.aio.base import Engine as AioEngine
+from offload.aio.buffers import AlignedBuffer
 from offload.aio.select import engine_from_config
 from offload.optim.sharded import ShardedAdam, StatePlan
 from offload.store.budget import TierBudget
@@ -88,6 +89,7 @@ class Engine:
         self.host_budget = TierBudget("host", config.offload.budgets.host)
         self.nvme_budget = TierBudget("nvme", config.offload.budgets.nvme)
         self._swap: tuple[SwapDir, AioEngine] | None = None
+        self._host_buffers: list[AlignedBuffer] = []
         with contextlib.ExitStack() as undo:  # a failed start-up releases what it took (swap dir lock, threads)
             undo.callback(self.accel.close)
             undo.callback(self._close_swap)
@@ -97,7 +99,8 @@ class Engine:
                 bias_correction=bias_correction, threads=config.offload.cpu_threads, telemetry=self.telemetry,
                 plan=StatePlan(device=zero.offload_optimizer.device, sub_group_size=zero.sub_group_size,
                                buffer_count=zero.offload_optimizer.buffer_count, host=self.host_budget,
-                               nvme=self.nvme_budget, swap=self._swap, rank=group.rank))
+                               nvme=self.nvme_budget, swap=self._swap, rank=group.rank,
+                               params_on_host=zero.offload_param.device == "cpu"))
             self.units: list[Unit] = []
             for plan in plans:
                 materialize_unit(model, plan)  # meta parameters (offload.zero.Init) get memory one unit at a time
@@ -110,6 +113,8 @@ class Engine:
                 unit.shard.copy_(master)
                 if any(id(s.param) in group_of for s in plan.slots):
                     self.optimizer.add_unit(unit, master, group_of)
+                if zero.offload_param.device == "cpu":
+                    unit.offload_shard(self._param_home(unit))
                 self.units.append(unit)
                 del values, broadcast_values
             moved: dict[int, torch.Tensor] = {}  # one copy per buffer tensor, however many modules share it
@@ -145,6 +150,17 @@ class Engine:
                 lr_scheduler = lr_scheduler(self.optimizer)
             self.lr_scheduler = lr_scheduler
             undo.pop_all()
+
+    def _param_home(self, unit: Unit) -> torch.Tensor:
+        """Host memory for a unit's compute-dtype shard: the optimizer's copy of the new shard when the unit
+        trains (the step writes it in place), else a buffer of its own, accounted in the host budget."""
+        state = self.optimizer.shards.get(unit.index)
+        if state is not None and state.out is not None:
+            return state.out
+        home, buf = self.accel.host_buffer(unit.shard_numel, self.compute_dtype)
+        self.host_budget.take(buf.capacity, "frozen parameter shards")
+        self._host_buffers.append(buf)
+        return home
 
     def _close_swap(self) -> None:
         if self._swap is not None:
@@ -333,7 +349,7 @@ class Engine:
         self._check_open()
         self.runtime.reshard_all()
         for unit in self.units:
-            unit.unshard(self.accel)
+            unit.unshard(self.accel, self.runtime.h2d)
         try:
             yield self.module
         finally:
@@ -347,7 +363,8 @@ class Engine:
         self.optimizer.drain()
         values: dict[int, torch.Tensor] = {}
         for unit in self.units:
-            shard = self.optimizer.master_of(unit) if unit.index in self.optimizer.shards else unit.shard.float()
+            shard = (self.optimizer.master_of(unit) if unit.index in self.optimizer.shards
+                     else unit.authoritative_shard.float())
             full = torch.empty(unit.padded, dtype=torch.float32, device=self.accel.device)
             all_gather(full, shard.to(self.accel.device), self.group)
             full = full.cpu()
@@ -365,10 +382,14 @@ class Engine:
             return
         self.runtime.close()
         self.optimizer.close()
+        for buf in self._host_buffers:
+            buf.release_pin()
+        self._host_buffers.clear()
         self._close_swap()
         for unit in self.units:
             unit.reshard()
             unit.shard = torch.empty(0, dtype=unit.dtype, device=unit.shard.device)
+            unit.home = None
         self.accel.close()
         self._closed = True
 
@@ -445,10 +466,14 @@ def _check_supported(cfg: Config) -> None:
         raise ConfigError("zero_optimization.stage",
                           f"stage {zero.stage} is not supported yet: this release runs ZeRO stage 3 (stages 0-2 "
                           "come through the same engine in a later release); set \"stage\": 3")
-    if zero.offload_param.device != "none":
+    if zero.offload_param.device == "nvme":
         raise ConfigError("zero_optimization.offload_param.device",
-                          f"{zero.offload_param.device!r}: parameter offload arrives with the tiered store; use "
-                          "\"none\" for now")
+                          "'nvme': parameters on NVMe arrive with the prefetch scheduler; use \"cpu\" (host memory) "
+                          "for now, with the optimizer state on NVMe if the host is short")
+    if zero.offload_param.device != "none" and zero.offload_optimizer.device == "none":
+        raise ConfigError("zero_optimization.offload_param.device",
+                          f"{zero.offload_param.device!r} needs the optimizer offloaded too: the step writes the new "
+                          "parameter shards into their host home; set offload_optimizer.device to cpu or nvme")
 
 
 def _optimizer_groups(model: nn.Module, model_parameters: Iterable[Any] | None, cfg: Config,

@@ -86,6 +86,7 @@ class StatePlan:
     nvme: TierBudget = field(default_factory=lambda: TierBudget("nvme", None))
     swap: tuple[SwapDir, Engine] | None = None
     rank: int = 0
+    params_on_host: bool = False  # offload_param: cpu: the host copy is the shard's home; nothing to copy back
 
 
 class ShardedAdam(torch.optim.Optimizer):
@@ -106,6 +107,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.threads = threads
         self.telemetry = telemetry or Telemetry()
         self.host = plan.host
+        self.params_on_host = plan.params_on_host
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
         self._d2h = accel.copy_stream("d2h") if self.offload else None
@@ -277,7 +279,7 @@ class ShardedAdam(torch.optim.Optimizer):
                         state.out[seg.start:seg.end].copy_(master[seg.start:seg.end])
         self.adam_steps = step
         for index, state in self.shards.items():
-            if state.out is not None:
+            if state.out is not None and not self.params_on_host:
                 self._write_back(by_index[index], state)
             state.fresh = True
 

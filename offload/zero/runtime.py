@@ -64,6 +64,9 @@ class ZeroRuntime:
         self.grad_sink = grad_sink
         self.grad_predivide = grad_predivide
         self.telemetry = telemetry
+        # Brings host-homed shards (offload_param: cpu) to the device before their gather; on a GPU its own
+        # stream so the copies can later be issued ahead of use.
+        self.h2d = accel.copy_stream("param-h2d") if any(u.home is not None for u in units) else None
         self.live = 0  # elements gathered now
         self.peak_live = 0
         self.gathers = 0
@@ -202,7 +205,9 @@ class ZeroRuntime:
                 f"{self.live + unit.padded} gathered elements, over {self.limit.source}={limit}; gathered now: "
                 f"{gathered or 'nothing'}. {self.limit.remedy}")
         with self.telemetry.span("gather", unit.name):
-            unit.unshard(self.accel)
+            unit.unshard(self.accel, self.h2d)
+        if unit.home is not None:
+            self.telemetry.add_bytes("h2d", unit.home.numel() * unit.home.element_size())
         self.telemetry.add_bytes("all_gather", _wire_bytes(unit, self.group.world))
         self.gathers += 1
         self.live += unit.padded

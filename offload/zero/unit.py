@@ -6,7 +6,7 @@ import enum
 
 import torch
 
-from offload.accelerator import Accelerator, Event
+from offload.accelerator import Accelerator, CopyStream, Event
 from offload.zero.collectives import Group, all_gather
 from offload.zero.plan import UnitPlan
 
@@ -47,6 +47,7 @@ class Unit:
         self.holders = 0  # forwards currently running inside one of this unit's anchors
         self.persistent = False
         self.ready: Event | None = None  # the copy that last wrote ``shard``; gathers wait for it
+        self.home: torch.Tensor | None = None  # host home of the shard (offload_param: cpu); then ``shard`` is empty
         self.trainable = {id(s.param) for s in self.slots if s.param.requires_grad}
         self.has_frozen = len(self.trainable) < len(self.slots)
         self.grads_seen: set[int] = set()
@@ -76,13 +77,36 @@ class Unit:
 
     # ----------------------------------------------------------------- transitions
 
-    def unshard(self, accel: Accelerator) -> bool:
-        """SHARDED -> UNSHARDED (all-gather); idempotent, returns whether it gathered."""
+    def offload_shard(self, home: torch.Tensor) -> None:
+        """Make host memory the shard's home (offload_param: cpu): the device keeps no shard between uses."""
+        home.copy_(self.shard)
+        self.home = home
+        self.shard = torch.empty(0, dtype=self.dtype, device=self.shard.device)
+
+    @property
+    def authoritative_shard(self) -> torch.Tensor:
+        """The current compute-dtype values of this rank's shard, wherever they live."""
+        return self.home if self.home is not None else self.shard
+
+    def unshard(self, accel: Accelerator, h2d: CopyStream | None = None) -> bool:
+        """SHARDED -> UNSHARDED (all-gather); idempotent, returns whether it gathered.
+
+        With a host home the shard is first copied to the device on ``h2d`` (a transient buffer, freed once
+        gathered); otherwise the gather waits for the copy that last wrote the device shard (``ready``).
+        """
         if self.state is UnitState.UNSHARDED:
             return False
         self.full.untyped_storage().resize_(self._full_bytes)
-        accel.compute_wait(self.ready)
-        all_gather(self.full, self.shard, self.group)
+        if self.home is not None:
+            assert h2d is not None, "a unit with a host home needs a copy stream to bring its shard over"
+            shard, home = torch.empty(self.shard_numel, dtype=self.dtype, device=self.full.device), self.home
+            h2d.wait_event(accel.compute_event())  # the transient buffer may reuse memory compute just freed
+            h2d.run(lambda: shard.copy_(home, non_blocking=True))
+            accel.compute_wait(h2d.record())
+            all_gather(self.full, shard, self.group)
+        else:
+            accel.compute_wait(self.ready)
+            all_gather(self.full, self.shard, self.group)
         self.state = UnitState.UNSHARDED
         return True
 
