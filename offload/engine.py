@@ -138,7 +138,8 @@ class Engine:
                                        persistence_threshold=int(zero.stage3_param_persistence_threshold),
                                        grad_sink=lambda unit, shard: self.optimizer.accumulate(unit, shard,
                                                                                                self._post_scale),
-                                       grad_predivide=pre, telemetry=self.telemetry)
+                                       grad_predivide=pre, telemetry=self.telemetry,
+                                       prefetch_elements=int(zero.stage3_prefetch_bucket_size))
             undo.callback(self.runtime.close)
             self.module = model
             if config.scheduler is not None:
@@ -233,6 +234,7 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()
+        self.runtime.begin_iteration()
         try:
             return self.module(*args, **kwargs)
         except RuntimeError as e:

@@ -78,7 +78,8 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
         logits = engine(eval_tokens) if name != "llama" else engine(input_ids=eval_tokens).logits
     engine.train()
     out = {"losses": losses, "state": engine.full_state_dict(), "eval_logits": logits.cpu(), "peak_live": engine.peak_live_parameters,
-           "units": len(engine.units), "gathers": engine.runtime.gathers, "skipped": engine.skipped_steps,
+           "units": len(engine.units), "gathers": engine.runtime.gathers,
+           "prefetched": engine.runtime.prefetched_gathers, "mismatches": engine.runtime.prefetch.mismatches, "skipped": engine.skipped_steps,
            "scale": engine.loss_scale}
     engine.close()
     return out

@@ -10,6 +10,7 @@ STEPS = 3
 
 
 def _run(world, **zero):
+    zero.setdefault("stage3_prefetch_bucket_size", 0)  # on-demand gathers only, unless a test asks
     return run_ranks(train_engine, world, name="gpt", config=base_config(2, 1, world, **zero), steps=STEPS, micro=2,
                      accum=1)
 
@@ -19,6 +20,17 @@ def test_units_are_released_after_use():
     total = sum(v.numel() for k, v in train_reference("gpt", 1, 4, 2)["state"].items() if k != "head.weight")
     assert unlimited["peak_live"] < total / 2, "ZeRO-3 should never hold most of the model gathered"
     assert unlimited["gathers"] > 2 * unlimited["units"] * STEPS, "each unit is gathered for forward and backward"
+
+
+def test_prefetch_gathers_ahead_within_its_bucket():
+    on_demand = _run(2)[0]
+    ahead = _run(2, stage3_prefetch_bucket_size=5000)[0]
+    assert on_demand["prefetched"] == 0 and ahead["prefetched"] > ahead["units"]
+    # The same gathers, many issued earlier; the final evaluation's forward (no backward follows) may waste
+    # the prefetches of the first backward units.
+    assert on_demand["gathers"] <= ahead["gathers"] <= on_demand["gathers"] + 4
+    largest_unit = 4224 + 4224 % 2
+    assert on_demand["peak_live"] < ahead["peak_live"] <= on_demand["peak_live"] + 5000 + largest_unit
 
 
 def test_high_water_mark_stays_under_max_live_and_training_is_unchanged():

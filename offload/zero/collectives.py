@@ -32,12 +32,13 @@ class Group:
         return cls(0, 1, None)
 
 
-def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Group) -> None:
-    """Fill ``full`` (world x shard elements) with every rank's ``shard``, in rank order."""
+def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False) -> dist.Work | None:
+    """Fill ``full`` (world x shard elements) with every rank's ``shard``, in rank order; with ``async_op``
+    the returned work must be waited for before ``full`` is read (None: already done)."""
     if group.pg is None:
         full.copy_(shard)
-    else:
-        _all_gather(full, shard, group=group.pg)
+        return None
+    return _all_gather(full, shard, group=group.pg, async_op=async_op)
 
 
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Group) -> None:

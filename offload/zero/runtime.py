@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from offload.accelerator import Accelerator
+from offload.prefetch import PrefetchTrace
 from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, reduce_scatter
 from offload.zero.unit import Unit, UnitState
@@ -55,7 +56,7 @@ class ZeroRuntime:
 
     def __init__(self, model: nn.Module, units: list[Unit], group: Group, accel: Accelerator, *,
                  limit: LiveLimit, persistence_threshold: int, grad_sink: GradSink, grad_predivide: float,
-                 telemetry: Telemetry) -> None:
+                 telemetry: Telemetry, prefetch_elements: int = 0) -> None:
         self.model = model
         self.units = units
         self.group = group
@@ -67,7 +68,9 @@ class ZeroRuntime:
         # Brings host-homed shards (offload_param: cpu) to the device before their gather; on a GPU its own
         # stream so the copies can later be issued ahead of use.
         self.h2d = accel.copy_stream("param-h2d") if any(u.home is not None for u in units) else None
-        self.live = 0  # elements gathered now
+        self.prefetch = PrefetchTrace(prefetch_elements)
+        self.prefetched_gathers = 0  # gathers issued ahead of use
+        self.live = 0  # elements gathered now (or being gathered)
         self.peak_live = 0
         self.gathers = 0
         self._in_backward = False
@@ -186,26 +189,47 @@ class ZeroRuntime:
 
     # ----------------------------------------------------------------- accounting
 
+    def begin_iteration(self) -> None:
+        """A forward begins: the prefetcher follows (or records) a new iteration."""
+        self.prefetch.begin_iteration()
+
     def _unshard(self, unit: Unit) -> None:
-        if unit.state is UnitState.UNSHARDED:
-            return
-        limit = self.limit.elements
-        if self.live + unit.padded > limit:
-            # Idle units (persistent ones, or ones whose backward has not begun) are gathered again when next
-            # needed: a forward's pre-hook or a backward's pre-backward hook always runs before their use.
-            for other in self.units:
-                if self.live + unit.padded <= limit:
-                    break
-                if other.state is UnitState.UNSHARDED and other.holders == 0 and not other.backward_active:
-                    self._reshard(other)
-        if self.live + unit.padded > limit:
-            gathered = ", ".join(f"{u.name} ({u.padded})" for u in self.units if u.state is UnitState.UNSHARDED)
-            raise LiveLimitError(
-                f"rank {self.group.rank}: gathering unit {unit.name!r} ({unit.padded} elements) would hold "
-                f"{self.live + unit.padded} gathered elements, over {self.limit.source}={limit}; gathered now: "
-                f"{gathered or 'nothing'}. {self.limit.remedy}")
-        with self.telemetry.span("gather", unit.name):
-            unit.unshard(self.accel, self.h2d)
+        """Make ``unit`` gathered for use now, then fetch ahead what the trace says comes next."""
+        if unit.state is not UnitState.UNSHARDED or unit.prefetched:
+            upcoming = self.prefetch.needed(unit.index)
+        else:
+            upcoming = []  # already gathered for an earlier use (a persistent unit, or still held)
+        unit.prefetched = False
+        if unit.state is UnitState.GATHERING:
+            with self.telemetry.span("gather_wait", unit.name):
+                unit.finish_unshard()
+        elif unit.state is UnitState.SHARDED:
+            self._make_room(unit)
+            with self.telemetry.span("gather", unit.name):
+                unit.unshard(self.accel, self.h2d)
+            self._count_gather(unit)
+        if upcoming:
+            self._prefetch(unit, upcoming)
+
+    def _prefetch(self, current: Unit, upcoming: list[int]) -> None:
+        ahead = 0
+        for index in upcoming:
+            unit = self.units[index]
+            if unit is current:
+                continue
+            if unit.state is not UnitState.SHARDED:
+                ahead += unit.padded if unit.prefetched else 0
+                continue
+            if ahead + unit.padded > self.prefetch.lookahead or self.live + unit.padded > self.limit.elements:
+                break
+            with self.telemetry.span("prefetch", unit.name):
+                unit.start_unshard(self.accel, self.h2d)
+            unit.prefetched = True
+            ahead += unit.padded
+            self.prefetched_gathers += 1
+            self._count_gather(unit)
+
+    def _count_gather(self, unit: Unit) -> None:
         if unit.home is not None:
             self.telemetry.add_bytes("h2d", unit.home.numel() * unit.home.element_size())
         self.telemetry.add_bytes("all_gather", _wire_bytes(unit, self.group.world))
@@ -213,7 +237,25 @@ class ZeroRuntime:
         self.live += unit.padded
         self.peak_live = max(self.peak_live, self.live)
 
+    def _make_room(self, unit: Unit) -> None:
+        limit = self.limit.elements
+        if self.live + unit.padded > limit:
+            # Idle units (persistent or prefetched ones, or ones whose backward has not begun) are gathered again
+            # when next needed: a forward's pre-hook or a backward's pre-backward hook always runs before their use.
+            for other in self.units:
+                if self.live + unit.padded <= limit:
+                    break
+                if other.state is not UnitState.SHARDED and other.holders == 0 and not other.backward_active:
+                    self._reshard(other)
+        if self.live + unit.padded > limit:
+            gathered = ", ".join(f"{u.name} ({u.padded})" for u in self.units if u.state is not UnitState.SHARDED)
+            raise LiveLimitError(
+                f"rank {self.group.rank}: gathering unit {unit.name!r} ({unit.padded} elements) would hold "
+                f"{self.live + unit.padded} gathered elements, over {self.limit.source}={limit}; gathered now: "
+                f"{gathered or 'nothing'}. {self.limit.remedy}")
+
     def _reshard(self, unit: Unit) -> None:
+        unit.prefetched = False
         if unit.reshard():
             self.live -= unit.padded
 

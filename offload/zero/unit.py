@@ -14,6 +14,8 @@ from offload.zero.plan import UnitPlan
 class UnitState(enum.Enum):
     SHARDED = "sharded"
     """Only ``shard`` (this rank's 1/W of the flat params) holds memory; ``full``'s storage is empty."""
+    GATHERING = "gathering"
+    """``full`` has its memory and an all-gather into it is in flight (a prefetch); wait before reading it."""
     UNSHARDED = "unsharded"
     """``full`` holds every parameter's values and the module's parameters point into it."""
 
@@ -48,6 +50,9 @@ class Unit:
         self.persistent = False
         self.ready: Event | None = None  # the copy that last wrote ``shard``; gathers wait for it
         self.home: torch.Tensor | None = None  # host home of the shard (offload_param: cpu); then ``shard`` is empty
+        self.prefetched = False  # gathered ahead of use by the prefetcher and not used since
+        self._work: object | None = None  # the in-flight all-gather while GATHERING
+        self._transient: torch.Tensor | None = None  # the device shard it reads (host-homed units)
         self.trainable = {id(s.param) for s in self.slots if s.param.requires_grad}
         self.has_frozen = len(self.trainable) < len(self.slots)
         self.grads_seen: set[int] = set()
@@ -88,14 +93,13 @@ class Unit:
         """The current compute-dtype values of this rank's shard, wherever they live."""
         return self.home if self.home is not None else self.shard
 
-    def unshard(self, accel: Accelerator, h2d: CopyStream | None = None) -> bool:
-        """SHARDED -> UNSHARDED (all-gather); idempotent, returns whether it gathered.
+    def start_unshard(self, accel: Accelerator, h2d: CopyStream | None = None) -> None:
+        """SHARDED -> GATHERING: issue the all-gather without waiting for it.
 
-        With a host home the shard is first copied to the device on ``h2d`` (a transient buffer, freed once
-        gathered); otherwise the gather waits for the copy that last wrote the device shard (``ready``).
+        With a host home the shard is first copied to the device on ``h2d`` (a transient buffer, kept until
+        the gather is done); otherwise the gather waits for the copy that last wrote the device shard.
         """
-        if self.state is UnitState.UNSHARDED:
-            return False
+        assert self.state is UnitState.SHARDED, f"unit {self.name!r} is {self.state.value}, not sharded"
         self.full.untyped_storage().resize_(self._full_bytes)
         if self.home is not None:
             assert h2d is not None, "a unit with a host home needs a copy stream to bring its shard over"
@@ -103,17 +107,37 @@ class Unit:
             h2d.wait_event(accel.compute_event())  # the transient buffer may reuse memory compute just freed
             h2d.run(lambda: shard.copy_(home, non_blocking=True))
             accel.compute_wait(h2d.record())
-            all_gather(self.full, shard, self.group)
         else:
+            shard = self.shard
             accel.compute_wait(self.ready)
-            all_gather(self.full, self.shard, self.group)
+        self._transient = shard
+        self._work = all_gather(self.full, shard, self.group, async_op=True)
+        self.state = UnitState.GATHERING
+
+    def finish_unshard(self) -> None:
+        """GATHERING -> UNSHARDED: wait for the all-gather."""
+        assert self.state is UnitState.GATHERING, f"unit {self.name!r} is {self.state.value}, not gathering"
+        work, self._work, self._transient = self._work, None, None
+        if work is not None:
+            work.wait()
         self.state = UnitState.UNSHARDED
+
+    def unshard(self, accel: Accelerator, h2d: CopyStream | None = None) -> bool:
+        """-> UNSHARDED from any state; idempotent, returns whether it had to gather or wait."""
+        if self.state is UnitState.UNSHARDED:
+            return False
+        if self.state is UnitState.SHARDED:
+            self.start_unshard(accel, h2d)
+        self.finish_unshard()
         return True
 
     def reshard(self) -> bool:
-        """UNSHARDED -> SHARDED (frees the gathered buffer); idempotent, returns whether it freed."""
+        """UNSHARDED (or GATHERING, after waiting) -> SHARDED (frees the gathered buffer); idempotent,
+        returns whether it freed."""
         if self.state is UnitState.SHARDED:
             return False
+        if self.state is UnitState.GATHERING:
+            self.finish_unshard()  # the collective must complete on every rank before its buffer goes
         self.full.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
         return True
