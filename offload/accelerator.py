@@ -71,6 +71,19 @@ class DoneEvent:
         return True
 
 
+class WorkEvent:
+    """A collective's completion (torch.distributed Work) as an event a stream can wait for."""
+
+    def __init__(self, work: object) -> None:
+        self.work = work
+
+    def synchronize(self) -> None:
+        self.work.wait()  # type: ignore[attr-defined]
+
+    def query(self) -> bool:
+        return bool(self.work.is_completed())  # type: ignore[attr-defined]
+
+
 class ThreadEvent:
     """Completes when the worker reaches it; carries the worker's failure, if any."""
 
@@ -177,6 +190,9 @@ class _CudaStream:
     def wait_event(self, event: Event) -> None:
         if isinstance(event, _CudaEvent):
             self.stream.wait_event(event.event)
+        elif isinstance(event, WorkEvent):
+            with torch.cuda.stream(self.stream):
+                event.work.wait()  # type: ignore[attr-defined]  # NCCL: this stream waits, the host does not
         else:
             event.synchronize()
 
@@ -243,7 +259,7 @@ class Accelerator:
         if self.is_cuda and isinstance(event, _CudaEvent):
             torch.cuda.current_stream(self.device).wait_event(event.event)
         else:
-            event.synchronize()
+            event.synchronize()  # a WorkEvent on CUDA: Work.wait makes the current stream wait
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, AlignedBuffer]:
         """Page-aligned host memory, pinned when a GPU is the compute device (async copies need it)."""

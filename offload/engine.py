@@ -136,8 +136,8 @@ class Engine:
             self._post_scale = pre / group.world  # gradients are averaged over the group, as DeepSpeed does
             self.runtime = ZeroRuntime(model, self.units, group, accel, limit=self._live_limit(),
                                        persistence_threshold=int(zero.stage3_param_persistence_threshold),
-                                       grad_sink=lambda unit, shard: self.optimizer.accumulate(unit, shard,
-                                                                                               self._post_scale),
+                                       grad_sink=lambda unit, shard, ready, keep: self.optimizer.accumulate(
+                                           unit, shard, self._post_scale, ready, keep),
                                        grad_predivide=pre, telemetry=self.telemetry,
                                        prefetch_elements=int(zero.stage3_prefetch_bucket_size))
             undo.callback(self.runtime.close)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-FOREGROUND = ("gather", "reduce_scatter", "grad_wait", "optimizer")
+FOREGROUND = ("gather", "gather_wait", "prefetch", "reduce_scatter", "grad_wait", "optimizer")
 INSIDE_OPTIMIZER = ("nvme_wait",)  # stalls on NVMe inside the optimizer phase
 BACKGROUND = ("d2h", "accumulate", "h2d")
 

@@ -56,7 +56,7 @@ class StepBench:
     def variants(self) -> dict[str, dict[str, Any]]:
         """Offload configurations compared in this run, by name: the first one is the headline."""
         if self.offload == "cpu":
-            return {"host": {"device": "cpu"}}
+            return {"host": {"device": "cpu"}, "host-no-prefetch": {"device": "cpu", "prefetch": 0}}
         return {"nvme": {"device": "nvme", "buffer_count": self.buffer_count},
                 "host": {"device": "cpu"},
                 "nvme-serial": {"device": "nvme", "buffer_count": 1}}
@@ -98,7 +98,8 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
     config = {"train_micro_batch_size_per_gpu": b.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
               "bf16": {"enabled": b.dtype == "bf16"},
-              "zero_optimization": {"stage": 3, "offload_optimizer": optimizer, "sub_group_size": b.sub_group_size},
+              "zero_optimization": {"stage": 3, "offload_optimizer": optimizer, "sub_group_size": b.sub_group_size,
+                                    "stage3_prefetch_bucket_size": variant.get("prefetch", 50_000_000)},
               "offload": {"unit_bytes": 4 << 20}}
     engine, *_ = offload.initialize(model=model, config=config)
     times = []
@@ -167,6 +168,7 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
                                                                   "nvme_read", "nvme_write")},
         samples={"torch": torch_times, **times},
         variants={name: {"step_s": statistics.median(times[name]), "optimizer_s": per_step(name, "optimizer"),
+                         "gather_s": per_step(name, "gather") + per_step(name, "gather_wait"),
                          "nvme_wait_s": per_step(name, "nvme_wait"),
                          "nvme_bytes": per_step(name, "nvme_read", "bytes") + per_step(name, "nvme_write", "bytes")}
                   for name in variants})
@@ -189,8 +191,11 @@ def print_table(result: StepResult, out: TextIO) -> None:
         f"{k} {v * 1e3:.1f} ms" for k, v in result.background_s.items()), file=out)
     print("  bytes per step per rank: " + ", ".join(
         f"{k} {v / 2**20:.1f} MiB" for k, v in result.bytes_per_step.items() if v), file=out)
-    if len(result.variants) > 1:
-        v = result.variants
+    v = result.variants
+    if "host-no-prefetch" in v:
+        print(f"  without prefetch: {v['host-no-prefetch']['step_s'] * 1e3:.1f} ms/step; prefetch's gain "
+              f"{v['host-no-prefetch']['step_s'] / v['host']['step_s']:.2f}x", file=out)
+    if "nvme" in v:
         print("  optimizer state placement (step / optimizer phase / of which NVMe stall, per step):", file=out)
         for name, row in v.items():
             gbps = row["nvme_bytes"] / row["optimizer_s"] / 1e9 if row["nvme_bytes"] and row["optimizer_s"] else 0

@@ -182,12 +182,17 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- gradients in
 
-    def accumulate(self, unit: Unit, shard_grad: torch.Tensor, scale: float) -> None:
-        """Add ``scale`` x the reduce-scattered gradient shard into the unit's fp32 accumulator."""
+    def accumulate(self, unit: Unit, shard_grad: torch.Tensor, scale: float, ready: Event | None = None,
+                   keep: torch.Tensor | None = None) -> None:
+        """Add ``scale`` x the reduce-scattered gradient shard into the unit's fp32 accumulator, once ``ready``
+        (the reduce-scatter) completes; ``keep`` (its input) stays referenced until then."""
+        ready = ready if ready is not None else self.accel.compute_event()
         state = self.shards.get(unit.index)
         if state is None:
+            ready.synchronize()
             return
         if not self.offload:
+            self.accel.compute_wait(ready)
             _accumulate(state, shard_grad, scale)
             return
         assert self._d2h is not None and self._host is not None
@@ -207,8 +212,8 @@ class ShardedAdam(torch.optim.Optimizer):
                 _accumulate(state, stage, scale)
             del grad_ref[:]  # the device gradient may be freed now that its copy has been waited for
 
-        grad_ref = [shard_grad]
-        self._d2h.wait_event(self.accel.compute_event())
+        grad_ref = [shard_grad, keep]
+        self._d2h.wait_event(ready)
         self._d2h.run(copy)
         self._host.wait_event(self._d2h.record())
         self._host.run(add)

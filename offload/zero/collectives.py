@@ -41,12 +41,14 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Group, async_op: 
     return _all_gather(full, shard, group=group.pg, async_op=async_op)
 
 
-def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Group) -> None:
-    """``shard`` = this rank's slice of the element-wise sum of every rank's ``full``."""
+def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Group, async_op: bool = False
+                   ) -> dist.Work | None:
+    """``shard`` = this rank's slice of the element-wise sum of every rank's ``full``; with ``async_op`` the
+    returned work must be waited for before ``shard`` is read (None: already done)."""
     if group.pg is None:
         shard.copy_(full)
-    else:
-        _reduce_scatter(shard, full, group=group.pg)
+        return None
+    return _reduce_scatter(shard, full, group=group.pg, async_op=async_op)
 
 
 def all_reduce_sum(t: torch.Tensor, group: Group) -> None:

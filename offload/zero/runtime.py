@@ -29,13 +29,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from offload.accelerator import Accelerator
+from offload.accelerator import Accelerator, DoneEvent, Event, WorkEvent
 from offload.prefetch import PrefetchTrace
 from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, reduce_scatter
 from offload.zero.unit import Unit, UnitState
 
-GradSink = Callable[[Unit, torch.Tensor], None]
+GradSink = Callable[[Unit, torch.Tensor, Event, torch.Tensor], None]  # unit, shard, ready, buffer to keep alive
 
 
 class LiveLimitError(RuntimeError):
@@ -176,16 +176,19 @@ class ZeroRuntime:
         self._in_backward = False
 
     def _reduce(self, unit: Unit) -> None:
-        """Reduce-scatter the unit's gradients into this rank's shard and hand it to the sink."""
+        """Start the reduce-scatter of the unit's gradients into this rank's shard and hand it to the sink, which
+        copies it to the host once the collective is done (backward goes on meanwhile)."""
         with self.telemetry.span("reduce_scatter", unit.name):
             flat = unit.take_flat_grad()
             if self.grad_predivide != 1.0:
                 flat.div_(self.grad_predivide)
             shard = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
-            reduce_scatter(shard, flat, self.group)
+            work = reduce_scatter(shard, flat, self.group, async_op=True)
         self.telemetry.add_bytes("reduce_scatter", _wire_bytes(unit, self.group.world))
         unit.grads_seen.clear()
-        self.grad_sink(unit, shard)
+        ready: Event = WorkEvent(work) if work is not None else (self.accel.compute_event() if self.accel.is_cuda
+                                                                  else DoneEvent())
+        self.grad_sink(unit, shard, ready, flat)
 
     # ----------------------------------------------------------------- accounting
 
