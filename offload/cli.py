@@ -62,7 +62,7 @@ def _cmd_config_docs(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from offload.demo import run_demo
     try:
-        result = run_demo(args.config, steps=args.steps, out=sys.stdout)
+        result = run_demo(args.config, steps=args.steps, out=sys.stdout, trace=args.trace)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -90,7 +90,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         bench = step.StepBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
                                seq=args.seq, micro=args.micro, world=args.world, steps=args.steps,
                                repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload,
-                               nvme_path=args.path, sub_group_size=args.sub_group_size)
+                               nvme_path=args.path, sub_group_size=args.sub_group_size, trace_dir=str(out.parent))
         print("offload bench step: ZeRO-3 + CPU Adam beside plain PyTorch, alternating rounds", flush=True)
         step.print_table(step.run(bench, out, log=sys.stdout), sys.stdout)
         print(f"wrote {out}")
@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="train a small model on the embedded default config (the README's first command)")
     p.add_argument("--config", default=None, help="a JSON config instead of the embedded default")
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--trace", default=None, help="write a Chrome-trace timeline of the run to this path")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("tune-nvme", help="sweep the NVMe swap path; write the best aio settings as a config fragment")

@@ -47,8 +47,8 @@ class DemoResult:
     skipped_steps: int
 
 
-def run_demo(config: Config | str | None = None, steps: int = 150, seed: int = 0, out: TextIO | None = None
-             ) -> DemoResult:
+def run_demo(config: Config | str | None = None, steps: int = 150, seed: int = 0, out: TextIO | None = None,
+             trace: str | None = None) -> DemoResult:
     def say(msg: str) -> None:
         if out is not None and engine.group.rank == 0:
             print(msg, file=out, flush=True)
@@ -70,6 +70,8 @@ def run_demo(config: Config | str | None = None, steps: int = 150, seed: int = 0
     micro, accum = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
     context = model.config.context
     first = last = math.nan
+    if trace is not None:
+        engine.telemetry.start_trace()
     start = time.perf_counter()
     for step in range(1, steps + 1):
         loss_sum = 0.0
@@ -89,6 +91,12 @@ def run_demo(config: Config | str | None = None, steps: int = 150, seed: int = 0
     say(f"loss {first:.3f} -> {last:.3f} in {steps} steps ({elapsed:.1f}s); peak gathered parameters "
         f"{engine.peak_live_parameters:,} of {sum(u.numel for u in engine.units):,}")
     say("time per step: " + ", ".join(f"{k} {v / steps * 1e3:.1f} ms" for k, v in sorted(snap.seconds.items())))
+    if trace is not None:
+        path = engine.telemetry.export_chrome_trace(trace, engine.group.rank)
+        share = engine.telemetry.overlap_share()
+        say(f"timeline: {path} (open in https://ui.perfetto.dev); "
+            f"{'no background copies' if share is None else f'{share:.0%} of the background copies'} ran during "
+            "forward/backward")
     say(engine.memory_report())
     result = DemoResult(first, last, steps, native.active_variant(), len(engine.units), engine.peak_live_parameters,
                         engine.skipped_steps)

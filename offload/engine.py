@@ -236,7 +236,8 @@ class Engine:
         self._check_open()
         self.runtime.begin_iteration()
         try:
-            return self.module(*args, **kwargs)
+            with self.telemetry.span("forward"):
+                return self.module(*args, **kwargs)
         except RuntimeError as e:
             if "storage of size 0" not in str(e) and "data is not allocated" not in str(e):
                 raise
@@ -258,7 +259,8 @@ class Engine:
                               "all parameters frozen?")
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         try:
-            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            with self.telemetry.span("backward"):
+                (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         except BaseException:
             self.runtime.abort_backward()
             raise

@@ -7,22 +7,40 @@ is also a ``torch.profiler.record_function`` range labelled ``offload::<phase> (
 so a torch profiler trace shows them on the right thread.
 
 On CUDA a span measures the host's time to issue the work, not the GPU's time to run it.
+
+With ``start_trace()`` every span is also kept as an event (phase, unit, thread, start,
+end), up to a bound; ``export_chrome_trace(path)`` writes them as Chrome-trace JSON
+(open it in Perfetto or chrome://tracing: one row per thread), and ``overlap_share()``
+says how much of the background copies ran while the training thread was computing.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 FOREGROUND = ("gather", "gather_wait", "prefetch", "reduce_scatter", "grad_wait", "optimizer")
 INSIDE_OPTIMIZER = ("nvme_wait",)  # stalls on NVMe inside the optimizer phase
 BACKGROUND = ("d2h", "accumulate", "h2d")
+COMPUTE = ("forward", "backward")  # spans of the training thread that contain the model's compute
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    phase: str
+    label: str | None
+    thread: str
+    start: float  # perf_counter seconds
+    end: float
 
 
 @dataclass(frozen=True)
@@ -42,6 +60,18 @@ class Telemetry:
             self._seconds: dict[str, float] = defaultdict(float)
             self._counts: dict[str, int] = defaultdict(int)
             self._bytes: dict[str, int] = defaultdict(int)
+            self._events: list[TraceEvent] = []
+            self._max_events = getattr(self, "_max_events", 0)
+
+    def start_trace(self, max_events: int = 200_000) -> None:
+        """Keep every span as an event from now on (the oldest beyond ``max_events`` are dropped)."""
+        with self._lock:
+            self._events = []
+            self._max_events = max_events
+
+    def stop_trace(self) -> None:
+        with self._lock:
+            self._max_events = 0
 
     @contextmanager
     def span(self, phase: str, label: str | None = None) -> Iterator[None]:
@@ -50,10 +80,14 @@ class Telemetry:
             try:
                 yield
             finally:
-                elapsed = time.perf_counter() - start
+                end = time.perf_counter()
                 with self._lock:
-                    self._seconds[phase] += elapsed
+                    self._seconds[phase] += end - start
                     self._counts[phase] += 1
+                    if self._max_events:
+                        self._events.append(TraceEvent(phase, label, threading.current_thread().name, start, end))
+                        if len(self._events) > self._max_events:
+                            del self._events[:len(self._events) - self._max_events]
 
     def add_bytes(self, link: str, n: int) -> None:
         with self._lock:
@@ -62,3 +96,43 @@ class Telemetry:
     def snapshot(self) -> Snapshot:
         with self._lock:
             return Snapshot(dict(self._seconds), dict(self._counts), dict(self._bytes))
+
+    def events(self) -> list[TraceEvent]:
+        with self._lock:
+            return list(self._events)
+
+    def export_chrome_trace(self, path: str | os.PathLike[str], rank: int = 0) -> Path:
+        """Write the kept events as Chrome-trace JSON: one process per rank, one row per thread."""
+        events = self.events()
+        origin = min((e.start for e in events), default=0.0)
+        threads = {name: i for i, name in enumerate(dict.fromkeys(e.thread for e in events))}
+        out = [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+               for name, tid in threads.items()]
+        out.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"offload rank {rank}"}})
+        for e in events:
+            out.append({"name": e.phase if e.label is None else f"{e.phase} ({e.label})", "cat": e.phase, "ph": "X",
+                        "pid": rank, "tid": threads[e.thread], "ts": (e.start - origin) * 1e6,
+                        "dur": (e.end - e.start) * 1e6})
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
+        return target
+
+    def overlap_share(self, phases: tuple[str, ...] = BACKGROUND) -> float | None:
+        """Of the time spent in ``phases`` (background copies), the share that ran while the training thread
+        was inside forward or backward; None when nothing was traced."""
+        events = self.events()
+        compute = sorted((e.start, e.end) for e in events if e.phase in COMPUTE)
+        busy = [(e.start, e.end) for e in events if e.phase in phases]
+        total = sum(end - start for start, end in busy)
+        if not compute or total <= 0:
+            return None
+        merged: list[list[float]] = []
+        for start, end in compute:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        hidden = sum(max(0.0, min(end, c_end) - max(start, c_start))
+                     for start, end in busy for c_start, c_end in merged)
+        return hidden / total

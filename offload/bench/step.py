@@ -52,6 +52,7 @@ class StepBench:
     nvme_path: str = "/tmp/offload-bench-step"
     sub_group_size: int = 1_000_000
     buffer_count: int = 4
+    trace_dir: str = ""  # where rank 0 of each variant writes a Chrome trace of its timed steps ("": none)
 
     def variants(self) -> dict[str, dict[str, Any]]:
         """Offload configurations compared in this run, by name: the first one is the headline."""
@@ -107,14 +108,18 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
         rows = tokens[rank * b.micro:(rank + 1) * b.micro]
         if i == b.warmup:
             engine.telemetry.reset()
+            engine.telemetry.start_trace()
         t0 = time.perf_counter()
         engine.backward(engine(rows[:, :-1], rows[:, 1:]))
         engine.step()
         if i >= b.warmup:
             times.append(time.perf_counter() - t0)
     snap = engine.telemetry.snapshot()
+    if b.trace_dir and rank == 0:
+        engine.telemetry.export_chrome_trace(Path(b.trace_dir) / f"step-trace-{variant['name']}.json", rank)
+    overlap = engine.telemetry.overlap_share()
     engine.close()
-    return {"times": times, "seconds": snap.seconds, "bytes": snap.bytes}
+    return {"times": times, "seconds": snap.seconds, "bytes": snap.bytes, "overlap": overlap}
 
 
 def _torch_steps(b: StepBench) -> list[float]:
@@ -146,7 +151,7 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
         torch_times += _torch_steps(b)
         for name, variant in variants.items():
             ranks = run_ranks(_engine_rank, b.world, timeout=1800, threads=max(1, cores // b.world),
-                              bench=asdict(b), variant=variant)
+                              bench=asdict(b), variant={**variant, "name": name})
             times[name] += [max(ts) for ts in zip(*(rank["times"] for rank in ranks))]  # a step ends on the last rank
             runs[name].append(ranks[0])
         if log:
@@ -159,7 +164,7 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
 
     head = next(iter(variants))
     t_off, t_torch = statistics.median(times[head]), statistics.median(torch_times)
-    phases = {k: per_step(head, k) for k in FOREGROUND}
+    phases = {k: per_step(head, k) for k in FOREGROUND}  # nested inside forward/backward or after them
     phases["compute"] = max(0.0, t_off - sum(phases.values()))
     result = StepResult(
         bench=asdict(b), params=b.model_config().num_parameters, torch_step_s=t_torch, offload_step_s=t_off,
@@ -169,6 +174,8 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
         samples={"torch": torch_times, **times},
         variants={name: {"step_s": statistics.median(times[name]), "optimizer_s": per_step(name, "optimizer"),
                          "gather_s": per_step(name, "gather") + per_step(name, "gather_wait"),
+                         "copies_hidden": statistics.mean(run["overlap"] for run in runs[name])
+                         if all(run["overlap"] is not None for run in runs[name]) else -1.0,
                          "nvme_wait_s": per_step(name, "nvme_wait"),
                          "nvme_bytes": per_step(name, "nvme_read", "bytes") + per_step(name, "nvme_write", "bytes")}
                   for name in variants})
@@ -187,8 +194,10 @@ def print_table(result: StepResult, out: TextIO) -> None:
           f"= {result.ratio:.2f}x torch", file=out)
     for name, s in result.phases_s.items():
         print(f"    {name:15s} {s * 1e3:8.1f} ms  {s / result.offload_step_s:6.1%}", file=out)
+    hidden = next(iter(result.variants.values()))["copies_hidden"]
     print("  beside it (copy/host threads): " + ", ".join(
-        f"{k} {v * 1e3:.1f} ms" for k, v in result.background_s.items()), file=out)
+        f"{k} {v * 1e3:.1f} ms" for k, v in result.background_s.items())
+        + (f"; {hidden:.0%} of that ran during forward/backward" if hidden >= 0 else ""), file=out)
     print("  bytes per step per rank: " + ", ".join(
         f"{k} {v / 2**20:.1f} MiB" for k, v in result.bytes_per_step.items() if v), file=out)
     v = result.variants

@@ -1,0 +1,60 @@
+"""Telemetry: seconds per phase, the Chrome-trace timeline, and the share of background copies hidden."""
+
+import json
+import threading
+import time
+
+import offload
+from engine_cases import base_config, batches, loss_of, make_model
+from offload.telemetry import Telemetry, TraceEvent
+
+
+def test_overlap_share_counts_only_time_inside_compute():
+    tel = Telemetry()
+    tel.start_trace()
+    tel._events = [TraceEvent("forward", None, "main", 0.0, 1.0), TraceEvent("backward", None, "main", 2.0, 3.0),
+                   TraceEvent("d2h", "u", "copy", 0.5, 2.5),  # 0.5 s inside forward, 0.5 s inside backward
+                   TraceEvent("h2d", "u", "copy", 3.5, 4.5)]  # after compute: not hidden
+    assert tel.overlap_share() == 1.0 / 3.0
+    assert Telemetry().overlap_share() is None
+
+
+def test_spans_from_threads_add_up_and_the_trace_is_bounded():
+    tel = Telemetry()
+    tel.start_trace(max_events=5)
+
+    def work():
+        for _ in range(4):
+            with tel.span("d2h", "unit"):
+                time.sleep(0.001)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    snap = tel.snapshot()
+    assert snap.counts["d2h"] == 8 and snap.seconds["d2h"] >= 0.008
+    assert len(tel.events()) == 5
+
+
+def test_engine_timeline_has_every_thread_and_opens_as_chrome_trace(tmp_path):
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
+    engine.telemetry.start_trace()
+    for tokens in batches(2, 2):
+        engine.backward(loss_of(engine, "gpt", tokens))
+        engine.step()
+    path = engine.telemetry.export_chrome_trace(tmp_path / "trace.json")
+    share = engine.telemetry.overlap_share()
+    engine.close()
+    events = json.loads(path.read_text())["traceEvents"]
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    by_phase = {}
+    for e in spans:
+        by_phase.setdefault(e["cat"], set()).add(threads[e["tid"]])
+        assert e["dur"] >= 0 and e["ts"] >= 0
+    assert by_phase["forward"] == by_phase["backward"] == by_phase["optimizer"] == {"MainThread"}
+    assert by_phase["d2h"] == {"offload-d2h"} and by_phase["accumulate"] == {"offload-grad-accumulate"}
+    assert any(e["name"].startswith("gather (") for e in spans)  # labelled with the unit
+    assert share is not None and 0.0 <= share <= 1.0
