@@ -120,3 +120,19 @@ def test_gathered_parameters_and_zero_grad():
             torch.testing.assert_close(p.detach().clone(), state[name])
     assert engine.runtime.live == 0 and all(u.state.value == "sharded" for u in engine.units)
     engine.close()
+
+
+@pytest.mark.parametrize("name", ["zero3_bf16", "zero3_cpu_offload", "zero3_fp16", "zero3_nvme_offload"])
+def test_shipped_configs_train(name, repo):
+    model = make_model("gpt")
+    path = repo / "configs" / f"{name}.json"
+    if name == "zero3_nvme_offload":  # parameters on NVMe are the next slice of the tiered store
+        with pytest.raises(offload.ConfigError, match="offload_param.device: 'nvme'"):
+            offload.initialize(model=model, config=path)
+        return
+    engine, *_ = offload.initialize(model=model, config=path)
+    for _ in range(engine.gradient_accumulation_steps):
+        engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
+        engine.step()
+    assert engine.global_steps == 1
+    engine.close()
