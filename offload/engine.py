@@ -141,6 +141,8 @@ class Engine:
                                        grad_predivide=pre, telemetry=self.telemetry,
                                        prefetch_elements=int(zero.stage3_prefetch_bucket_size))
             undo.callback(self.runtime.close)
+            self.step_mode, self._overlap = self._choose_step_mode()
+            logger.info("optimizer step: %s", self.step_mode)
             self.module = model
             if config.scheduler is not None:
                 if lr_scheduler is not None:
@@ -151,6 +153,23 @@ class Engine:
                 lr_scheduler = lr_scheduler(self.optimizer)
             self.lr_scheduler = lr_scheduler
             undo.pop_all()
+
+    def _choose_step_mode(self) -> tuple[str, bool]:
+        """Overlap the step with backward where that is exact; otherwise say why not."""
+        reasons = []
+        if self.gradient_clipping > 0:
+            reasons.append("gradient clipping needs the global norm first")
+        if self.compute_dtype == torch.float16:
+            reasons.append("fp16 needs the overflow check first")
+        if not self.optimizer.offload:
+            reasons.append("the optimizer state is on the compute device")
+        elif not self.optimizer.overlap_ready_units():
+            reasons.append("no optimizer state is in host memory (NVMe sub-groups step after backward)")
+        if self.config.offload.overlap_step == "off":
+            reasons.append("offload.overlap_step is off")
+        if reasons:
+            return "after backward (" + "; ".join(reasons) + ")", False
+        return "overlapped with the last micro-batch's backward", True
 
     def _param_home(self, unit: Unit) -> torch.Tensor:
         """Host memory for a unit's compute-dtype shard: the optimizer's copy of the new shard when the unit
@@ -258,11 +277,18 @@ class Engine:
             raise EngineError("the loss does not require grad: was the forward run under torch.no_grad(), or are "
                               "all parameters frozen?")
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        overlapped = self._overlap and self._pending_micro + 1 == self.gradient_accumulation_steps
+        if overlapped:
+            self.optimizer.begin_overlap(self.units)
         try:
             with self.telemetry.span("backward"):
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-        except BaseException:
+        except BaseException as e:
             self.runtime.abort_backward()
+            if overlapped and self.optimizer.abandon_overlap():
+                raise EngineError("backward failed while the optimizer step ran overlapped with it, and some shards "
+                                  "were already updated, so this step is half applied; set offload.overlap_step to "
+                                  "\"off\" to keep every step all-or-nothing") from e
             raise
         self._pending_micro += 1
         self.micro_steps += 1

@@ -30,7 +30,7 @@ import torch
 
 FOREGROUND = ("gather", "gather_wait", "prefetch", "reduce_scatter", "grad_wait", "optimizer")
 INSIDE_OPTIMIZER = ("nvme_wait",)  # stalls on NVMe inside the optimizer phase
-BACKGROUND = ("d2h", "accumulate", "h2d")
+BACKGROUND = ("d2h", "accumulate", "h2d", "optimizer_overlapped")
 COMPUTE = ("forward", "backward")  # spans of the training thread that contain the model's compute
 
 

@@ -79,7 +79,8 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
     engine.train()
     out = {"losses": losses, "state": engine.full_state_dict(), "eval_logits": logits.cpu(), "peak_live": engine.peak_live_parameters,
            "units": len(engine.units), "gathers": engine.runtime.gathers,
-           "prefetched": engine.runtime.prefetched_gathers, "mismatches": engine.runtime.prefetch.mismatches, "skipped": engine.skipped_steps,
+           "prefetched": engine.runtime.prefetched_gathers,
+           "overlapped": engine.telemetry.snapshot().counts.get("optimizer_overlapped", 0), "mismatches": engine.runtime.prefetch.mismatches, "skipped": engine.skipped_steps,
            "scale": engine.loss_scale}
     engine.close()
     return out

@@ -57,7 +57,10 @@ class StepBench:
     def variants(self) -> dict[str, dict[str, Any]]:
         """Offload configurations compared in this run, by name: the first one is the headline."""
         if self.offload == "cpu":
-            return {"host": {"device": "cpu"}, "host-no-prefetch": {"device": "cpu", "prefetch": 0}}
+            return {"host": {"device": "cpu"}, "host-no-prefetch": {"device": "cpu", "prefetch": 0},
+                    # Without clipping the step can overlap backward; the same config with overlap off is its pair.
+                    "noclip-overlap": {"device": "cpu", "clip": 0.0, "overlap": "auto"},
+                    "noclip-after": {"device": "cpu", "clip": 0.0, "overlap": "off"}}
         return {"nvme": {"device": "nvme", "buffer_count": self.buffer_count},
                 "host": {"device": "cpu"},
                 "nvme-serial": {"device": "nvme", "buffer_count": 1}}
@@ -96,12 +99,13 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
     optimizer = {"device": variant["device"]}
     if variant["device"] == "nvme":
         optimizer.update(nvme_path=b.nvme_path, buffer_count=variant["buffer_count"])
-    config = {"train_micro_batch_size_per_gpu": b.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+    config = {"train_micro_batch_size_per_gpu": b.micro, "gradient_accumulation_steps": 1,
+              "gradient_clipping": variant.get("clip", 1.0),
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
               "bf16": {"enabled": b.dtype == "bf16"},
               "zero_optimization": {"stage": 3, "offload_optimizer": optimizer, "sub_group_size": b.sub_group_size,
                                     "stage3_prefetch_bucket_size": variant.get("prefetch", 50_000_000)},
-              "offload": {"unit_bytes": 4 << 20}}
+              "offload": {"unit_bytes": 4 << 20, "overlap_step": variant.get("overlap", "auto")}}
     engine, *_ = offload.initialize(model=model, config=config)
     times = []
     for i, tokens in enumerate(_batches(b, b.warmup + b.steps, b.micro * world)):
@@ -204,6 +208,10 @@ def print_table(result: StepResult, out: TextIO) -> None:
     if "host-no-prefetch" in v:
         print(f"  without prefetch: {v['host-no-prefetch']['step_s'] * 1e3:.1f} ms/step; prefetch's gain "
               f"{v['host-no-prefetch']['step_s'] / v['host']['step_s']:.2f}x", file=out)
+    if "noclip-overlap" in v:
+        print(f"  without clipping: step after backward {v['noclip-after']['step_s'] * 1e3:.1f} ms, overlapped with "
+              f"backward {v['noclip-overlap']['step_s'] * 1e3:.1f} ms; overlap's gain "
+              f"{v['noclip-after']['step_s'] / v['noclip-overlap']['step_s']:.2f}x", file=out)
     if "nvme" in v:
         print("  optimizer state placement (step / optimizer phase / of which NVMe stall, per step):", file=out)
         for name, row in v.items():

@@ -12,6 +12,14 @@ host thread has finished with it, so a slow host applies back-pressure instead o
 overwriting a buffer in flight. ``drain`` waits for all of it before the step reads
 the accumulators.
 
+[Note: overlapped step] When nothing global gates the update (no clipping, no fp16
+overflow check) the last micro-batch's backward runs each host-resident shard's Adam on
+the host thread right after its gradient lands, while backward goes on with earlier
+units; its new shard is copied back at once and the unit's ``ready`` event (which its
+next gather waits for) covers that copy. engine.step() then only steps what is left
+(NVMe sub-groups, units without a gradient). The arithmetic is the same kernel on the
+same values, so the result is bitwise the same as stepping after backward.
+
 [Note: parameter return] After the step each unit's new compute-dtype shard is copied
 back on the H2D copy stream; the copy's event is the unit's ``ready`` event, which
 the next gather of that unit waits for (``Unit.unshard``).
@@ -73,6 +81,7 @@ class ShardState:
     out: torch.Tensor | None  # host compute-dtype copy of the new shard, the source of the copy back (offload)
     segments: list[Segment]
     fresh: bool = True  # the accumulator holds nothing from this step yet
+    stepped: bool = False  # this step's Adam already ran (overlapped with backward)
 
 
 @dataclass(kw_only=True)
@@ -116,6 +125,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._buffers: list[AlignedBuffer] = []
         self._staging: list[tuple[torch.Tensor, Event]] = []
         self._next_staging = 0
+        self._overlap: tuple[dict[int, Unit], list[AdamHyper], int] | None = None
         if self.offload and sizes:
             self._reserve_host(sizes)
         self.store = OptimizerStateStore(sizes, plan.sub_group_size, device=plan.device, accel=accel,
@@ -211,6 +221,7 @@ class ShardedAdam(torch.optim.Optimizer):
             with tel.span("accumulate", unit.name):
                 _accumulate(state, stage, scale)
             del grad_ref[:]  # the device gradient may be freed now that its copy has been waited for
+            self._step_during_backward(unit)
 
         grad_ref = [shard_grad, keep]
         self._d2h.wait_event(ready)
@@ -256,7 +267,8 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def apply(self, units: Iterable[Unit], grad_scale: float) -> None:
         """One Adam step on every shard with gradients scaled by ``grad_scale``; new params go back to the device
-        only after every sub-group's step succeeded (a failed NVMe transfer leaves the last step intact)."""
+        only after every sub-group's step succeeded (a failed NVMe transfer leaves the last step intact).
+        Shards already stepped during backward (see ``begin_overlap``) are skipped."""
         if self._h2d is not None:
             self._h2d.synchronize()  # last step's copies read the host copies, which this step rewrites
         by_index = {u.index: u for u in units}
@@ -264,35 +276,81 @@ class ShardedAdam(torch.optim.Optimizer):
         step = self.adam_steps + 1
         for group in self.store.step_pass():
             for member in group.members:
-                state = self.shards[member.unit]
-                master, exp_avg, exp_avg_sq = group.views(member)
-                if state.fresh:  # no gradient reached this unit since the last step: Adam sees zeros
-                    state.grad.zero_()
-                out16 = state.out if state.out is not None and state.out.dtype != torch.float32 else None
-                for seg in state.segments:
-                    s = slice(seg.start, seg.end)
-                    if master.device.type == "cpu":
-                        adam_step(master[s], state.grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
-                                  grad_scale, out16=out16[s] if out16 is not None else None, threads=self.threads)
-                    else:
-                        _torch_adam(master[s], state.grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
-                                    grad_scale)
-                if state.out is None:  # state on the compute device: the shard is written straight away
-                    by_index[member.unit].shard.copy_(master)
-                elif out16 is None:
-                    for seg in state.segments:
-                        state.out[seg.start:seg.end].copy_(master[seg.start:seg.end])
+                if not self.shards[member.unit].stepped:
+                    self._step_shard(by_index[member.unit], group.views(member), step, hypers, grad_scale)
         self.adam_steps = step
+        self._overlap = None
         for index, state in self.shards.items():
-            if state.out is not None and not self.params_on_host:
+            if state.out is not None and not self.params_on_host and not state.stepped:
                 self._write_back(by_index[index], state)
-            state.fresh = True
+            state.fresh, state.stepped = True, False
 
-    def _write_back(self, unit: Unit, state: ShardState) -> None:
+    def _step_shard(self, unit: Unit, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
+                    hypers: list[AdamHyper], grad_scale: float) -> None:
+        state = self.shards[unit.index]
+        master, exp_avg, exp_avg_sq = views
+        if state.fresh:  # no gradient reached this unit since the last step: Adam sees zeros
+            state.grad.zero_()
+        out16 = state.out if state.out is not None and state.out.dtype != torch.float32 else None
+        for seg in state.segments:
+            s = slice(seg.start, seg.end)
+            if master.device.type == "cpu":
+                adam_step(master[s], state.grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
+                          grad_scale, out16=out16[s] if out16 is not None else None, threads=self.threads)
+            else:
+                _torch_adam(master[s], state.grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
+                            grad_scale)
+        if state.out is None:  # state on the compute device: the shard is written straight away
+            unit.shard.copy_(master)
+        elif out16 is None:
+            for seg in state.segments:
+                state.out[seg.start:seg.end].copy_(master[seg.start:seg.end])
+
+    # ----------------------------------------------------------------- the step overlapped with backward
+
+    def overlap_ready_units(self) -> set[int]:
+        """Units whose step can run inside backward: their state is in host memory (not on NVMe)."""
+        if not self.offload:
+            return set()
+        return {m.unit for g in self.store.groups if g.tier == "host" for m in g.members}
+
+    def begin_overlap(self, units: Iterable[Unit]) -> None:
+        """The coming backward is the last of the accumulation and nothing global gates the update: each shard's
+        Adam runs on the host thread as soon as its gradient is accumulated (see [Note: overlapped step])."""
+        ready = self.overlap_ready_units()
+        hypers = [self.hyper(i) for i in range(len(self.param_groups))]
+        self._overlap = ({u.index: u for u in units if u.index in ready}, hypers, self.adam_steps + 1)
+
+    def abandon_overlap(self) -> int:
+        """The overlapped backward failed: stop stepping shards; returns how many were already stepped."""
+        self.drain_quietly()
+        self._overlap = None
+        return sum(state.stepped for state in self.shards.values())
+
+    def drain_quietly(self) -> None:
+        try:
+            self.drain()
+        except Exception:  # noqa: BLE001 - the caller is already raising the first failure
+            pass
+
+    def _step_during_backward(self, unit: Unit) -> None:
+        """On the host thread, right after the unit's gradient was accumulated."""
+        if self._overlap is None or unit.index not in self._overlap[0]:
+            return
+        _, hypers, step = self._overlap
+        group, member = self.store.by_unit[unit.index]
+        with self.telemetry.span("optimizer_overlapped", unit.name):
+            self._step_shard(unit, group.views(member), step, hypers, 1.0)
+        state = self.shards[unit.index]
+        state.stepped = True
+        if state.out is not None and not self.params_on_host:
+            self._write_back(unit, state, after_compute=False)
+
+    def _write_back(self, unit: Unit, state: ShardState, after_compute: bool = True) -> None:
         source = state.out
         assert self._h2d is not None and source is not None
-        # The shard may still be read by a gather on the compute stream: copy after it.
-        self._h2d.wait_event(self.accel.compute_event())
+        if after_compute:  # the shard may still be read by a gather on the compute stream: copy after it
+            self._h2d.wait_event(self.accel.compute_event())
         shard, tel = unit.shard, self.telemetry
 
         def copy() -> None:

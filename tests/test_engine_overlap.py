@@ -1,0 +1,62 @@
+"""The optimizer step overlapped with backward: exact (bitwise the same as stepping after backward), used only
+when nothing global gates the update, and the engine says which mode it runs and why."""
+
+import pytest
+import torch
+
+import offload
+from engine_cases import base_config, make_model, train_engine, train_reference
+from offload.launch import run_ranks
+
+
+def overlap_config(world, overlap, clip=0.0, optimizer="cpu", path=None, host=None):
+    config = base_config(2, 2, world, clip=clip)
+    config["offload"]["overlap_step"] = overlap
+    if optimizer == "split":
+        config["zero_optimization"]["sub_group_size"] = 3000
+        config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(path)}
+        config["offload"]["budgets"] = {"host": host}
+    return config
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_overlapped_step_is_bitwise_the_step_after_backward_and_matches_torch(world):
+    runs = {mode: run_ranks(train_engine, world, name="gpt", config=overlap_config(world, mode), steps=6, micro=2,
+                            accum=2) for mode in ("auto", "off")}
+    ref = train_reference("gpt", 6, 4 * world, 2, clip=0.0)
+    for overlapped, after in zip(runs["auto"], runs["off"]):
+        assert overlapped["overlapped"] >= 6 * len(overlapped["state"]) // 4 and after["overlapped"] == 0
+        assert overlapped["losses"] == after["losses"]
+        for key, value in after["state"].items():
+            assert torch.equal(overlapped["state"][key], value), key
+            torch.testing.assert_close(value, ref["state"][key])
+
+
+def _modes(rank, world, config):
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    mode, tiers = engine.step_mode, dict(engine.optimizer.store.placement.tiers)
+    engine.close()
+    return mode, tiers
+
+
+def test_split_state_overlaps_the_host_part_and_steps_nvme_after(tmp_path):
+    config = overlap_config(1, "auto", optimizer="split", path=tmp_path, host=900_000)
+    mode, tiers = run_ranks(_modes, 1, config=config)[0]
+    assert mode.startswith("overlapped") and tiers["host"] > 0 and tiers["nvme"] > 0
+    runs = {mode: run_ranks(train_engine, 1, name="gpt", config={**config, "offload": {**config["offload"],
+                                                                                       "overlap_step": mode}},
+                            steps=4, micro=2, accum=2) for mode in ("auto", "off")}
+    assert runs["auto"][0]["overlapped"] > 0
+    for key, value in runs["off"][0]["state"].items():
+        assert torch.equal(runs["auto"][0]["state"][key], value), key
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"gradient_clipping": 1.0}, "gradient clipping needs the global norm"),
+    ({"fp16": {"enabled": True}}, "fp16 needs the overflow check"),
+    ({"offload": {"unit_bytes": 8192, "overlap_step": "off"}}, "offload.overlap_step is off"),
+])
+def test_the_engine_says_why_it_does_not_overlap(change, reason):
+    config = {**overlap_config(1, "auto"), **change}
+    mode, _ = run_ranks(_modes, 1, config=config)[0]
+    assert mode.startswith("after backward") and reason in mode
