@@ -5,12 +5,20 @@ instructions at import and die with SIGILL on CPUs without it; the kernel (or a
 seccomp profile such as Docker's default) may also refuse io_uring_setup. A SIGILL
 cannot be caught, so the first use runs a tiny ring in a child process and only a
 child that exits cleanly lets this process import liburing.
+
+[Note: importing liburing] The liburing package rewrites a cache file under its
+site-packages folder each time it is imported (through `dynamic_import`), so processes
+importing it at the same moment (the ranks of one job, their probes) can fail with
+FileNotFoundError. Every import, in the probe and in the engine, holds an exclusive
+file lock while it runs.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -20,8 +28,13 @@ from offload.aio.base import Engine
 
 logger = logging.getLogger("offload.aio")
 
+IMPORT_LOCK = os.path.join(tempfile.gettempdir(), "offload-liburing-import.lock")
+
 _PROBE = r"""
-import os, sys, tempfile, liburing
+import fcntl, os, sys, tempfile
+with open(sys.argv[2], "a") as lock:  # see [Note: importing liburing]
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    import liburing
 ring = liburing.io_uring()
 rc = liburing.io_uring_queue_init(4, ring, 0)
 if rc < 0:
@@ -57,7 +70,8 @@ def probe_io_uring(directory: str | None = None) -> Probe:
     """Whether io_uring works here (CPU, kernel, seccomp, liburing build), decided in a child process."""
     directory = directory or tempfile.gettempdir()
     try:
-        proc = subprocess.run([sys.executable, "-c", _PROBE, directory], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([sys.executable, "-c", _PROBE, directory, IMPORT_LOCK], capture_output=True, text=True,
+                              timeout=60)
     except subprocess.TimeoutExpired:
         return Probe(False, "the io_uring probe hung for 60 s")
     if proc.returncode < 0:
@@ -70,6 +84,14 @@ def probe_io_uring(directory: str | None = None) -> Probe:
         lines = (proc.stdout + proc.stderr).strip().splitlines()
         return Probe(False, f"the io_uring probe failed: {lines[-1] if lines else 'exit ' + str(proc.returncode)}")
     return Probe(True, "io_uring works here")
+
+
+def import_liburing():  # noqa: ANN201 - the liburing module
+    """``import liburing`` under the cross-process lock (see [Note: importing liburing])."""
+    with open(IMPORT_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        import liburing
+    return liburing
 
 
 def make_engine(kind: str = "auto", block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 1,

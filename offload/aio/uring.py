@@ -27,8 +27,9 @@ class IoUringEngine(Engine):
     name = "io_uring"
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8) -> None:
-        import liburing  # imported only after select.probe_io_uring() said it is safe here
+        from offload.aio.select import import_liburing
 
+        liburing = import_liburing()  # only after select.probe_io_uring() said it is safe here
         self._lib = liburing
         self.block_size = check_block_size(block_size)
         self.queue_depth = queue_depth
