@@ -229,6 +229,7 @@ class Accelerator:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._delay_s = float(os.environ.get("OFFLOAD_EMULATED_COPY_DELAY_S", "0") or 0)
         self._streams: list[CopyStream] = []
+        self._host_buffers: list[AlignedBuffer] = []  # unpinned at close()
 
     @property
     def dist_backend(self) -> str:
@@ -262,8 +263,10 @@ class Accelerator:
             event.synchronize()  # a WorkEvent on CUDA: Work.wait makes the current stream wait
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, AlignedBuffer]:
-        """Page-aligned host memory, pinned when a GPU is the compute device (async copies need it)."""
+        """Page-aligned host memory, pinned when a GPU is the compute device (async copies need it); it lives
+        until close(). The buffer comes back too, for its capacity (what budgets account)."""
         buf = AlignedBuffer(max(1, numel) * dtype.itemsize, pin=self.is_cuda)
+        self._host_buffers.append(buf)
         return buf.view(dtype, numel), buf
 
     def memory_stats(self) -> MemoryStats:
@@ -286,3 +289,6 @@ class Accelerator:
         for stream in self._streams:
             stream.close()
         self._streams.clear()
+        for buf in self._host_buffers:
+            buf.release_pin()
+        self._host_buffers.clear()

@@ -29,7 +29,6 @@ from offload.optim.cpu_adam import CPUAdam
 from offload.optim.loss_scale import LossScaler
 from offload.optim.schedules import build_schedule
 from offload.aio.base import Engine as AioEngine
-from offload.aio.buffers import AlignedBuffer
 from offload.aio.select import engine_from_config
 from offload.optim.sharded import ShardedAdam, StatePlan
 from offload.store.budget import TierBudget
@@ -42,9 +41,6 @@ from offload.zero.runtime import LiveLimit, ZeroRuntime
 from offload.zero.unit import Unit
 
 logger = logging.getLogger("offload.engine")
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class EngineError(RuntimeError):
     """The engine was used in a way it cannot honour; the message says what to do instead."""
@@ -84,12 +80,12 @@ class Engine:
         plans = plan_units(model, config.offload.unit_bytes, self.compute_dtype.itemsize,
                            atomic=tuple(config.offload.atomic_modules or ()))
         self.telemetry = Telemetry()
+        trained = {plan.index for plan in plans if any(id(s.param) in group_of for s in plan.slots)}
         sizes = [(plan.index, Unit.padded_numel(plan, group.world) // group.world) for plan in plans
-                 if any(id(s.param) in group_of for s in plan.slots)]
+                 if plan.index in trained]
         self.host_budget = TierBudget("host", config.offload.budgets.host)
         self.nvme_budget = TierBudget("nvme", config.offload.budgets.nvme)
         self._swap: tuple[SwapDir, AioEngine] | None = None
-        self._host_buffers: list[AlignedBuffer] = []
         with contextlib.ExitStack() as undo:  # a failed start-up releases what it took (swap dir lock, threads)
             undo.callback(self.accel.close)
             undo.callback(self._close_swap)
@@ -111,7 +107,7 @@ class Engine:
                 unit = Unit(plan, group, self.compute_dtype, accel.device)
                 master = values[unit.shard_start:unit.shard_start + unit.shard_numel]
                 unit.shard.copy_(master)
-                if any(id(s.param) in group_of for s in plan.slots):
+                if plan.index in trained:
                     self.optimizer.add_unit(unit, master, group_of)
                 if zero.offload_param.device == "cpu":
                     unit.offload_shard(self._param_home(unit))
@@ -179,7 +175,6 @@ class Engine:
             return state.out
         home, buf = self.accel.host_buffer(unit.shard_numel, self.compute_dtype)
         self.host_budget.take(buf.capacity, "frozen parameter shards")
-        self._host_buffers.append(buf)
         return home
 
     def _close_swap(self) -> None:
@@ -194,7 +189,7 @@ class Engine:
         path = self.config.zero_optimization.offload_optimizer.nvme_path
         assert path is not None  # the config check requires it for device nvme
         swap_dir = SwapDir(path, name=f"{PREFIX}rank{self.group.rank}-{os.getpid()}-{time.time_ns()}")
-        return swap_dir, engine_from_config(self.config, directory=str(swap_dir.path))
+        return swap_dir, engine_from_config(self.config, directory=str(path))  # one io_uring probe per path
 
     # ----------------------------------------------------------------- memory
 
@@ -223,13 +218,15 @@ class Engine:
     def device_resident_bytes(self) -> int:
         """Bytes this rank keeps on the compute device between uses: its shards, and the optimizer state
         when it is not offloaded."""
-        shards = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
-        return shards + (0 if self.optimizer.offload else self.optimizer.state_bytes())
+        return self._shard_bytes() + (0 if self.optimizer.offload else self.optimizer.state_bytes())
+
+    def _shard_bytes(self) -> int:
+        return sum(u.shard.numel() * u.shard.element_size() for u in self.units)
 
     def memory_summary(self) -> dict[str, dict[str, int]]:
         """Bytes per tier on this rank, by what holds them, from the engine's own accounting."""
         item = self.compute_dtype.itemsize
-        device = {"shards": sum(u.shard.numel() * u.shard.element_size() for u in self.units),
+        device = {"shards": self._shard_bytes(),
                   "gathered_now": self.runtime.live * item, "gathered_peak": self.runtime.peak_live * item}
         if not self.optimizer.offload:
             device["optimizer_state"] = self.optimizer.state_bytes()
@@ -412,9 +409,6 @@ class Engine:
             return
         self.runtime.close()
         self.optimizer.close()
-        for buf in self._host_buffers:
-            buf.release_pin()
-        self._host_buffers.clear()
         self._close_swap()
         for unit in self.units:
             unit.reshard()

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 FOREGROUND = ("gather", "gather_wait", "prefetch", "reduce_scatter", "grad_wait", "optimizer")
-INSIDE_OPTIMIZER = ("nvme_wait",)  # stalls on NVMe inside the optimizer phase
 BACKGROUND = ("d2h", "accumulate", "h2d", "optimizer_overlapped")
 COMPUTE = ("forward", "backward")  # spans of the training thread that contain the model's compute
 
@@ -53,6 +52,7 @@ class Snapshot:
 class Telemetry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._max_events = 0  # 0: not tracing; reset() keeps whether it traces
         self.reset()
 
     def reset(self) -> None:
@@ -61,7 +61,6 @@ class Telemetry:
             self._counts: dict[str, int] = defaultdict(int)
             self._bytes: dict[str, int] = defaultdict(int)
             self._events: list[TraceEvent] = []
-            self._max_events = getattr(self, "_max_events", 0)
 
     def start_trace(self, max_events: int = 200_000) -> None:
         """Keep every span as an event from now on (the oldest beyond ``max_events`` are dropped)."""

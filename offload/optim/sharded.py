@@ -36,7 +36,6 @@ import torch
 
 from offload import native
 from offload.accelerator import Accelerator, DoneEvent, Event
-from offload.aio.buffers import AlignedBuffer
 from offload.optim.adam import AdamHyper, adam_step
 from offload.telemetry import Telemetry
 from offload.aio.base import Engine
@@ -122,7 +121,6 @@ class ShardedAdam(torch.optim.Optimizer):
         self._d2h = accel.copy_stream("d2h") if self.offload else None
         self._h2d = accel.copy_stream("h2d") if self.offload else None
         self._host = accel.host_queue("grad-accumulate") if self.offload else None
-        self._buffers: list[AlignedBuffer] = []
         self._staging: list[tuple[torch.Tensor, Event]] = []
         self._next_staging = 0
         self._overlap: tuple[dict[int, Unit], list[AdamHyper], int] | None = None
@@ -150,13 +148,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._staging = [(self._host_tensor(largest, self.compute_dtype), DoneEvent()) for _ in range(STAGING_BUFFERS)]
 
     def _host_tensor(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        t, buf = self.accel.host_buffer(n, dtype)
-        self._buffers.append(buf)
-        return t
-
-    @property
-    def state_device(self) -> torch.device:
-        return torch.device("cpu") if self.offload else self.accel.device
+        return self.accel.host_buffer(n, dtype)[0]
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         raise RuntimeError("the sharded optimizer steps through engine.step(), which also reduces, clips and "
@@ -367,9 +359,6 @@ class ShardedAdam(torch.optim.Optimizer):
             if stream is not None:
                 stream.synchronize()
         self.store.close()
-        for buf in self._buffers:
-            buf.release_pin()
-        self._buffers.clear()
         self.shards.clear()
         self._staging.clear()
 

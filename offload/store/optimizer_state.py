@@ -89,11 +89,9 @@ def plan_sub_groups(sizes: list[tuple[int, int]], sub_group_size: int) -> list[S
 
 @dataclass
 class StatePlacement:
-    """What the start-up plan decided, for logs and the memory summary."""
+    """What the start-up plan decided: elements of optimizer state per tier."""
 
-    tiers: dict[str, int] = field(default_factory=dict)  # elements per tier
-    nvme_buffers: int = 0
-    nvme_buffer_bytes: int = 0
+    tiers: dict[str, int] = field(default_factory=dict)
 
 
 class OptimizerStateStore:
@@ -113,7 +111,6 @@ class OptimizerStateStore:
         self._file: ChecksummedFile | None = None
         self._pool: BufferPool | None = None
         self._buffers: list[AlignedBuffer] = []
-        self._host_buffers: list[AlignedBuffer] = []
         self._fill: AlignedBuffer | None = None
         self._place(device, buffer_count)
         for g in self.groups:
@@ -122,7 +119,6 @@ class OptimizerStateStore:
                 g.resident = torch.zeros(KINDS, g.numel, dtype=torch.float32, device=accel.device)
             elif g.tier == "host":
                 t, buf = accel.host_buffer(KINDS * g.numel, torch.float32)
-                self._host_buffers.append(buf)
                 host.take(buf.capacity, "optimizer state")
                 g.resident = t.view(KINDS, g.numel)
                 g.resident.zero_()
@@ -148,7 +144,6 @@ class OptimizerStateStore:
             self._pool = BufferPool(count * size, pin=accel.is_cuda, name="optimizer NVMe buffers")
             self._buffers = [self._pool.acquire(size) for _ in range(count)]
             host.take(count * size, "optimizer NVMe buffers")
-            self.placement.nvme_buffers, self.placement.nvme_buffer_bytes = count, size
         logger.info("optimizer state: %s", ", ".join(f"{t} {n:,} elements" for t, n in self.placement.tiers.items()))
 
     def _place(self, device: str, buffer_count: int) -> None:
@@ -270,9 +265,6 @@ class OptimizerStateStore:
 
     # ----------------------------------------------------------------- lifetime
 
-    def summary(self) -> dict[str, int]:
-        return {f"optimizer_state_{tier}_elements": n for tier, n in self.placement.tiers.items()}
-
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -281,9 +273,6 @@ class OptimizerStateStore:
             if self._pool is not None:
                 self._pool.release(buf)
         self._buffers.clear()
-        for buf in self._host_buffers:
-            buf.release_pin()
-        self._host_buffers.clear()
         for g in self.groups:
             g.resident = None
 

@@ -20,7 +20,7 @@ one rank but not on another is therefore not supported (DeepSpeed has the same r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,9 +268,6 @@ class ZeroRuntime:
             if unit.holders:
                 raise RuntimeError(f"rank {self.group.rank}: unit {unit.name!r} is in use by a running forward")
             self._reshard(unit)
-
-    def parameters_of(self, units: Iterable[Unit]) -> list[nn.Parameter]:
-        return [s.param for u in units for s in u.slots]
 
     def close(self) -> None:
         for handle in self._handles:
