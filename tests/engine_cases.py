@@ -142,3 +142,21 @@ def _make_features(seed: int = 0) -> torch.nn.Module:
 
 def make_any(name: str) -> torch.nn.Module:
     return _make_features() if name == "features" else make_model(name)
+
+
+def check_parity(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
+    """Every rank's losses, parameters, buffers and evaluation logits equal the torch reference (fp32)."""
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
+    for rank in results:
+        assert rank["state"].keys() == ref["state"].keys()
+        for key, value in ref["state"].items():
+            torch.testing.assert_close(rank["state"][key], value, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(rank["eval_logits"], ref["eval_logits"])
+
+
+def describe_engine(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
+    """What initialize decided for the test GPT: step mode, optimizer state per tier, memory per tier."""
+    engine, optimizer, _, _ = offload.initialize(model=make_model("gpt"), config=config)
+    out = {"mode": engine.step_mode, "tiers": dict(optimizer.store.placement.tiers), "memory": engine.memory_summary()}
+    engine.close()
+    return out

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offload
-from engine_cases import base_config, batches, loss_of, make_model, train_engine, train_reference
+from engine_cases import base_config, batches, check_parity, loss_of, make_model, train_engine, train_reference
 from offload.aio.base import SwapIOError
 from offload.aio.checksum import ChecksumError
 from offload.launch import run_ranks
@@ -28,10 +28,7 @@ def test_nvme_optimizer_matches_torch(tmp_path, world, engine, buffers):
     config = nvme_config(tmp_path, world, accum=2, engine=engine, buffers=buffers)
     results = run_ranks(train_engine, world, name="gpt", config=config, steps=8, micro=2, accum=2)
     ref = train_reference("gpt", 8, 4 * world, 2)
-    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
-    for rank in results:
-        for key, value in ref["state"].items():
-            torch.testing.assert_close(rank["state"][key], value, msg=lambda m, k=key: f"{k}: {m}")
+    check_parity(results, ref)
     assert list(tmp_path.iterdir()) == [], "close() removes the swap directories"
 
 

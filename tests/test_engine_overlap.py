@@ -4,8 +4,7 @@ when nothing global gates the update, and the engine says which mode it runs and
 import pytest
 import torch
 
-import offload
-from engine_cases import base_config, make_model, train_engine, train_reference
+from engine_cases import base_config, describe_engine, train_engine, train_reference
 from offload.launch import run_ranks
 
 
@@ -32,17 +31,10 @@ def test_overlapped_step_is_bitwise_the_step_after_backward_and_matches_torch(wo
             torch.testing.assert_close(value, ref["state"][key])
 
 
-def _modes(rank, world, config):
-    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
-    mode, tiers = engine.step_mode, dict(engine.optimizer.store.placement.tiers)
-    engine.close()
-    return mode, tiers
-
-
 def test_split_state_overlaps_the_host_part_and_steps_nvme_after(tmp_path):
     config = overlap_config(1, "auto", optimizer="split", path=tmp_path, host=900_000)
-    mode, tiers = run_ranks(_modes, 1, config=config)[0]
-    assert mode.startswith("overlapped") and tiers["host"] > 0 and tiers["nvme"] > 0
+    plan = run_ranks(describe_engine, 1, config=config)[0]
+    assert plan["mode"].startswith("overlapped") and plan["tiers"]["host"] > 0 and plan["tiers"]["nvme"] > 0
     runs = {mode: run_ranks(train_engine, 1, name="gpt", config={**config, "offload": {**config["offload"],
                                                                                        "overlap_step": mode}},
                             steps=4, micro=2, accum=2) for mode in ("auto", "off")}
@@ -58,5 +50,5 @@ def test_split_state_overlaps_the_host_part_and_steps_nvme_after(tmp_path):
 ])
 def test_the_engine_says_why_it_does_not_overlap(change, reason):
     config = {**overlap_config(1, "auto"), **change}
-    mode, _ = run_ranks(_modes, 1, config=config)[0]
+    mode = run_ranks(describe_engine, 1, config=config)[0]["mode"]
     assert mode.startswith("after backward") and reason in mode

@@ -8,9 +8,8 @@ evaluation forward under torch.no_grad().
 import importlib.util
 
 import pytest
-import torch
 
-from engine_cases import base_config, train_engine, train_reference
+from engine_cases import base_config, check_parity, train_engine, train_reference
 from offload.launch import run_ranks
 
 STEPS, MICRO, ACCUM = 20, 2, 2
@@ -20,15 +19,6 @@ CASES = [("gpt", 1), ("gpt", 2), ("gpt", 4),
          pytest.param("llama", 1, marks=needs_transformers), pytest.param("llama", 2, marks=needs_transformers),
          pytest.param("llama", 4, marks=needs_transformers),
          ("features", 1), ("features", 2)]
-
-
-def check_parity(results, ref):
-    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
-    for rank in results:
-        assert rank["state"].keys() == ref["state"].keys()
-        for key, value in ref["state"].items():
-            torch.testing.assert_close(rank["state"][key], value, msg=lambda m, k=key: f"{k}: {m}")
-        torch.testing.assert_close(rank["eval_logits"], ref["eval_logits"])
 
 
 @pytest.mark.parametrize("name,world", CASES)

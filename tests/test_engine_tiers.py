@@ -2,9 +2,8 @@
 optimizer on {cpu, nvme, split between host and NVMe by the host budget}, W = 1 and 2."""
 
 import pytest
-import torch
 
-from engine_cases import base_config, train_engine, train_reference
+from engine_cases import base_config, check_parity, describe_engine, train_engine, train_reference
 from offload.launch import run_ranks
 
 def tier_config(tmp_path, world, params, optimizer, host_budget=None):
@@ -18,25 +17,18 @@ def tier_config(tmp_path, world, params, optimizer, host_budget=None):
     return config
 
 
-def _placement(rank, world, config):
-    import offload
-    from engine_cases import make_model
-    engine, optimizer, _, _ = offload.initialize(model=make_model("gpt"), config=config)
-    out = dict(optimizer.store.placement.tiers), engine.memory_summary()
-    engine.close()
-    return out
-
-
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("params", ["none", "cpu"])
 @pytest.mark.parametrize("optimizer", ["cpu", "nvme", "split"])
 def test_every_placement_matches_torch(tmp_path, world, params, optimizer):
     budget = None
     if optimizer == "split":  # what an all-NVMe rank needs on the host, plus room for half its optimizer state
-        tiers, memory = run_ranks(_placement, world, config=tier_config(tmp_path, world, params, "nvme"))[0]
+        plan = run_ranks(describe_engine, world, config=tier_config(tmp_path, world, params, "nvme"))[0]
+        tiers, memory = plan["tiers"], plan["memory"]
         budget = memory["host"]["total"] + 12 * tiers["nvme"] // 2
     config = tier_config(tmp_path, world, params, optimizer, budget)
-    tiers, memory = run_ranks(_placement, world, config=config)[0]
+    plan = run_ranks(describe_engine, world, config=config)[0]
+    tiers, memory = plan["tiers"], plan["memory"]
     expected = {"cpu": {"host"}, "nvme": {"nvme"}, "split": {"host", "nvme"}}[optimizer]
     assert set(tiers) == expected
     assert (memory["device"]["shards"] == 0) == (params == "cpu")
@@ -44,8 +36,4 @@ def test_every_placement_matches_torch(tmp_path, world, params, optimizer):
         assert memory["host"]["peak"] <= budget
     results = run_ranks(train_engine, world, name="gpt", config=config, steps=6, micro=2, accum=2)
     ref = train_reference("gpt", 6, 4 * world, 2)
-    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
-    for rank in results:
-        for key, value in ref["state"].items():
-            torch.testing.assert_close(rank["state"][key], value, msg=lambda m, k=key: f"{k}: {m}")
-        torch.testing.assert_close(rank["eval_logits"], ref["eval_logits"])
+    check_parity(results, ref)
