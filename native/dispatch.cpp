@@ -2,6 +2,8 @@
 #include "pool.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 #include <stdexcept>
 
 namespace offload {

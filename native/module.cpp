@@ -6,6 +6,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <exception>
+#include <optional>
 #include <stdexcept>
 #include <string>
 

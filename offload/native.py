@@ -15,7 +15,12 @@ import numpy as np
 import psutil
 import torch
 
-from offload import _native
+try:
+    from offload import _native
+except ImportError as e:  # a source checkout imported without its build
+    raise ImportError("offload's native extension (offload._native) is not built: install the package with "
+                      "`pip install -e .` (or `./dev.sh test`), which compiles native/ with the C++ compiler; "
+                      f"the import said: {e}") from e
 
 ISA_ENV = "OFFLOAD_ISA"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
