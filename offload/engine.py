@@ -249,8 +249,11 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward; tensors in the inputs (also inside lists, tuples and dicts) that sit on
+        another device are moved to the compute device first, as FSDP does, so a CPU batch just works."""
         self._check_open()
         self.runtime.begin_iteration()
+        args, kwargs = _to_device((args, kwargs), self.accel.device)
         try:
             with self.telemetry.span("forward"):
                 return self.module(*args, **kwargs)
@@ -467,6 +470,18 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return type(value)((k, _to_device(v, device)) for k, v in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_to_device(v, device) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
 def _join_group(dist_init_required: bool | None) -> Group:
     if dist.is_available() and not dist.is_initialized() and dist_init_required is not False:
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -479,9 +494,13 @@ def _join_group(dist_init_required: bool | None) -> Group:
 
 
 def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return torch.device("cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+    if index >= torch.cuda.device_count():
+        raise EngineError(f"LOCAL_RANK={index} but this machine shows {torch.cuda.device_count()} GPU(s): launch one "
+                          "process per GPU (torchrun --nproc-per-node), or pass device= to initialize")
+    return torch.device("cuda", index)
 
 
 def _check_supported(cfg: Config) -> None:

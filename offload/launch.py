@@ -51,11 +51,18 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[s
 def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 180.0, env: dict[str, str] | None = None,
               threads: int = 1, **kwargs: Any) -> list[Any]:
     """``[fn(rank, world, **kwargs) for rank in range(world)]``, each in its own process with ``threads``
-    intra-op threads; ``fn`` must be importable (a module-level function)."""
+    intra-op threads; ``fn`` must be importable (a module-level function).
+
+    Several ranks join a gloo group, whose collectives are CPU-only, so they run on the
+    CPU with GPUs hidden from them; one rank alone keeps the machine's GPU.
+    """
+    env = dict(env or {})
+    if world > 1:
+        env.setdefault("CUDA_VISIBLE_DEVICES", "")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, env or {}, threads, out, kwargs), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, env, threads, out, kwargs), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -30,6 +30,7 @@ import torch
 
 FOREGROUND = ("gather", "gather_wait", "prefetch", "reduce_scatter", "grad_wait", "optimizer")
 BACKGROUND = ("d2h", "accumulate", "h2d", "optimizer_overlapped")
+AUTOGRAD_THREAD = "autograd"
 COMPUTE = ("forward", "backward")  # spans of the training thread that contain the model's compute
 
 
@@ -84,7 +85,7 @@ class Telemetry:
                     self._seconds[phase] += end - start
                     self._counts[phase] += 1
                     if self._max_events:
-                        self._events.append(TraceEvent(phase, label, threading.current_thread().name, start, end))
+                        self._events.append(TraceEvent(phase, label, _thread_name(), start, end))
                         if len(self._events) > self._max_events:
                             del self._events[:len(self._events) - self._max_events]
 
@@ -135,3 +136,10 @@ class Telemetry:
         hidden = sum(max(0.0, min(end, c_end) - max(start, c_start))
                      for start, end in busy for c_start, c_end in merged)
         return hidden / total
+
+
+def _thread_name() -> str:
+    """The trace row's name: threads Python did not start are autograd's device threads (on a GPU the
+    gradient hooks, and so the D2H copies they issue, run there), which Python calls "Dummy-N"."""
+    thread = threading.current_thread()
+    return AUTOGRAD_THREAD if isinstance(thread, threading._DummyThread) else thread.name

@@ -86,9 +86,16 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
     return out
 
 
-def train_reference(name: str, steps: int, rows: int, micro: int, clip: float = 1.0,
-                    device: str = "cpu") -> dict[str, Any]:
-    """Plain single-process torch AdamW on the whole global batch of each step."""
+def engine_device(world: int) -> str:
+    """Where the engine trains: one rank takes the GPU if there is one; run_ranks puts several on the CPU."""
+    return "cuda" if world == 1 and torch.cuda.is_available() else "cpu"
+
+
+def train_reference(name: str, steps: int, rows: int, micro: int, clip: float = 1.0, *, world: int,
+                    device: str | None = None) -> dict[str, Any]:
+    """Plain single-process torch AdamW on the whole global batch of each step, on the device the
+    engine's ``world`` ranks train on (so both sides share kernels and rounding)."""
+    device = device or engine_device(world)
     model = make_any(name).to(device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     losses = []

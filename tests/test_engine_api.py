@@ -117,7 +117,7 @@ def test_gathered_parameters_and_zero_grad():
     state = engine.full_state_dict()
     with engine.gathered_parameters() as module:
         for name, p in module.named_parameters():
-            torch.testing.assert_close(p.detach().clone(), state[name])
+            torch.testing.assert_close(p.detach().cpu(), state[name])  # the state dict is on the host
     assert engine.runtime.live == 0 and all(u.state.value == "sharded" for u in engine.units)
     engine.close()
 
@@ -136,3 +136,17 @@ def test_shipped_configs_train(name, repo):
         engine.step()
     assert engine.global_steps == 1
     engine.close()
+
+
+def test_inputs_on_another_device_are_moved_keeping_their_structure():
+    from collections import namedtuple
+
+    from offload.engine import _to_device
+    Pair = namedtuple("Pair", "a b")
+    batch = {"ids": torch.ones(2, dtype=torch.long), "more": [Pair(torch.zeros(1), 3), (torch.ones(1), "x")]}
+    moved = _to_device(batch, torch.device("meta"))
+    assert moved["ids"].device.type == "meta" and moved["ids"].dtype == torch.long
+    assert isinstance(moved["more"][0], Pair) and moved["more"][0].a.is_meta and moved["more"][0].b == 3
+    assert isinstance(moved["more"][1], tuple) and moved["more"][1][0].is_meta and moved["more"][1][1] == "x"
+    here = torch.ones(1)
+    assert _to_device(here, here.device) is here  # already there: not copied

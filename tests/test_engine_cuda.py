@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 def test_cuda_engine_matches_torch_on_the_gpu():
     config = base_config(2, 2, 1)
     ours = train_engine(0, 1, name="gpt", config=config, steps=10, micro=2, accum=2)
-    ref = train_reference("gpt", 10, 4, 2, device="cuda")
+    ref = train_reference("gpt", 10, 4, 2, world=1)
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-4)
     for key, value in ref["state"].items():
         torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=1e-5)
@@ -22,6 +22,8 @@ def test_cuda_engine_matches_torch_on_the_gpu():
 def test_master_state_lives_in_pinned_host_memory():
     engine, optimizer, _, _ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
     assert engine.accel.is_cuda and engine.units[0].shard.is_cuda
+    group = optimizer.store.groups[0]
+    assert group.tier == "host" and group.resident.device.type == "cpu" and group.resident.is_pinned()
     state = next(iter(optimizer.shards.values()))
-    assert state.master.device.type == "cpu" and state.master.is_pinned()
+    assert state.grad.is_pinned() and state.out is not None and state.out.is_pinned()
     engine.close()

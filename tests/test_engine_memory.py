@@ -17,7 +17,7 @@ def _run(world, **zero):
 
 def test_units_are_released_after_use():
     unlimited = _run(2)[0]
-    total = sum(v.numel() for k, v in train_reference("gpt", 1, 4, 2)["state"].items() if k != "head.weight")
+    total = sum(v.numel() for k, v in train_reference("gpt", 1, 4, 2, world=2)["state"].items() if k != "head.weight")
     assert unlimited["peak_live"] < total / 2, "ZeRO-3 should never hold most of the model gathered"
     assert unlimited["gathers"] > 2 * unlimited["units"] * STEPS, "each unit is gathered for forward and backward"
 
@@ -37,7 +37,7 @@ def test_high_water_mark_stays_under_max_live_and_training_is_unchanged():
     peak = _run(2)[0]["peak_live"]
     # Every unit persistent, so the engine must evict idle ones to stay under the limit.
     limited = _run(2, stage3_max_live_parameters=peak, stage3_param_persistence_threshold=10**9)
-    ref = train_reference("gpt", STEPS, 4, 2)
+    ref = train_reference("gpt", STEPS, 4, 2, world=2)
     for rank in limited:
         assert rank["peak_live"] <= peak
         for key, value in ref["state"].items():

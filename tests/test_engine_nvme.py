@@ -27,7 +27,7 @@ def nvme_config(path, world=1, accum=1, engine="auto", host=None, nvme=None, buf
 def test_nvme_optimizer_matches_torch(tmp_path, world, engine, buffers):
     config = nvme_config(tmp_path, world, accum=2, engine=engine, buffers=buffers)
     results = run_ranks(train_engine, world, name="gpt", config=config, steps=8, micro=2, accum=2)
-    ref = train_reference("gpt", 8, 4 * world, 2)
+    ref = train_reference("gpt", 8, 4 * world, 2, world=world)
     check_parity(results, ref)
     assert list(tmp_path.iterdir()) == [], "close() removes the swap directories"
 
@@ -53,7 +53,7 @@ def test_host_budget_keeps_what_fits_on_the_host_and_the_rest_on_nvme(tmp_path):
     assert tiers["host"] > 0 and tiers["nvme"] > 0
     assert summary["host"]["peak"] <= host_part + 60_000
     assert summary["nvme"]["total"] < all_nvme[2]["nvme"]["total"]
-    ref = train_reference("gpt", 3, 2, 2)
+    ref = train_reference("gpt", 3, 2, 2, world=1)
     for key, value in ref["state"].items():
         torch.testing.assert_close(state[key], value)
         torch.testing.assert_close(all_nvme[3][key], value)

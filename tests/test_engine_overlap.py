@@ -22,7 +22,7 @@ def overlap_config(world, overlap, clip=0.0, optimizer="cpu", path=None, host=No
 def test_overlapped_step_is_bitwise_the_step_after_backward_and_matches_torch(world):
     runs = {mode: run_ranks(train_engine, world, name="gpt", config=overlap_config(world, mode), steps=6, micro=2,
                             accum=2) for mode in ("auto", "off")}
-    ref = train_reference("gpt", 6, 4 * world, 2, clip=0.0)
+    ref = train_reference("gpt", 6, 4 * world, 2, clip=0.0, world=world)
     for overlapped, after in zip(runs["auto"], runs["off"]):
         assert overlapped["overlapped"] >= 6 * len(overlapped["state"]) // 4 and after["overlapped"] == 0
         assert overlapped["losses"] == after["losses"]

@@ -25,7 +25,7 @@ CASES = [("gpt", 1), ("gpt", 2), ("gpt", 4),
 def test_matches_torch_adamw(name, world):
     config = base_config(MICRO, ACCUM, world, unit_bytes=4096 if name == "features" else 8192)
     results = run_ranks(train_engine, world, name=name, config=config, steps=STEPS, micro=MICRO, accum=ACCUM)
-    ref = train_reference(name, STEPS, MICRO * ACCUM * world, MICRO)
+    ref = train_reference(name, STEPS, MICRO * ACCUM * world, MICRO, world=world)
     assert results[0]["units"] >= 3, "the test model should be cut into several units"
     assert ref["losses"][-1] < ref["losses"][0] - 0.1, "the reference run should learn something"
     check_parity(results, ref)

@@ -15,7 +15,7 @@ from offload.launch import run_ranks
 def test_bf16_trains_like_fp32():
     config = {**base_config(2, 2, 2), "bf16": {"enabled": True}}
     results = run_ranks(train_engine, 2, name="gpt", config=config, steps=12, micro=2, accum=2)
-    ref = train_reference("gpt", 12, 8, 2)
+    ref = train_reference("gpt", 12, 8, 2, world=2)
     assert results[0]["losses"][-1] < results[0]["losses"][0] - 0.3
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=0.05)
     for key, value in ref["state"].items():

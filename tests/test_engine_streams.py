@@ -17,7 +17,7 @@ def test_lagging_copy_streams_give_the_same_training():
     config = base_config(2, 2, 2)
     results = run_ranks(train_engine, 2, env={"OFFLOAD_EMULATED_COPY_DELAY_S": "0.004"}, name="gpt", config=config,
                         steps=4, micro=2, accum=2)
-    ref = train_reference("gpt", 4, 8, 2)
+    ref = train_reference("gpt", 4, 8, 2, world=2)
     check_parity(results, ref)
 
 

@@ -35,5 +35,5 @@ def test_every_placement_matches_torch(tmp_path, world, params, optimizer):
     if budget is not None:
         assert memory["host"]["peak"] <= budget
     results = run_ranks(train_engine, world, name="gpt", config=config, steps=6, micro=2, accum=2)
-    ref = train_reference("gpt", 6, 4 * world, 2)
+    ref = train_reference("gpt", 6, 4 * world, 2, world=world)
     check_parity(results, ref)

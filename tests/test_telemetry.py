@@ -6,7 +6,7 @@ import time
 
 import offload
 from engine_cases import base_config, batches, loss_of, make_model
-from offload.telemetry import Telemetry, TraceEvent
+from offload.telemetry import AUTOGRAD_THREAD, Telemetry, TraceEvent
 
 
 def test_overlap_share_counts_only_time_inside_compute():
@@ -55,6 +55,28 @@ def test_engine_timeline_has_every_thread_and_opens_as_chrome_trace(tmp_path):
         by_phase.setdefault(e["cat"], set()).add(threads[e["tid"]])
         assert e["dur"] >= 0 and e["ts"] >= 0
     assert by_phase["forward"] == by_phase["backward"] == by_phase["optimizer"] == {"MainThread"}
-    assert by_phase["d2h"] == {"offload-d2h"} and by_phase["accumulate"] == {"offload-grad-accumulate"}
+    # A CPU run's D2H copies run on the emulated copy stream's thread; a GPU run's are issued (onto a CUDA
+    # stream) by the gradient hooks, which run on autograd's device thread.
+    assert by_phase["d2h"] == ({AUTOGRAD_THREAD} if engine.accel.is_cuda else {"offload-d2h"})
+    assert by_phase["accumulate"] == {"offload-grad-accumulate"}
     assert any(e["name"].startswith("gather (") for e in spans)  # labelled with the unit
     assert share is not None and 0.0 <= share <= 1.0
+
+
+def test_spans_from_a_thread_python_did_not_start_are_on_the_autograd_row():
+    import _thread
+    telemetry = Telemetry()
+    telemetry.start_trace()
+    done = threading.Event()
+
+    def hook():  # what autograd's device thread does when it runs a gradient hook
+        with telemetry.span("d2h"):
+            pass
+        done.set()
+
+    _thread.start_new_thread(hook, ())
+    assert done.wait(10)
+    with telemetry.span("forward"):
+        pass
+    rows = {e.phase: e.thread for e in telemetry.events()}
+    assert rows == {"d2h": AUTOGRAD_THREAD, "forward": threading.current_thread().name}
