@@ -72,10 +72,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from offload.bench import adam, nvme, step
-    if args.what not in ("adam", "nvme", "step", "all"):
-        print(f"offload bench {args.what}: not built yet (adam, nvme and step are)", file=sys.stderr)
+    import torch
+
+    from offload.bench import adam, nvme, pcie, step
+    if args.what == "pcie" and not torch.cuda.is_available():
+        print("offload bench pcie: needs a GPU (torch.cuda.is_available() is False on this machine)", file=sys.stderr)
         return 2
+    if args.what in ("pcie", "all") and torch.cuda.is_available():
+        out = Path(args.out) if args.out and args.what == "pcie" else Path("bench-results") / "pcie.json"
+        print("offload bench pcie: pinned vs pageable host<->GPU copies", flush=True)
+        pcie.run(size=adam.parse_size(args.pcie_size), repeats=args.repeats, out=out, stream=sys.stdout)
+        print(f"wrote {out}")
     if args.what in ("adam", "all"):
         sizes = [adam.parse_size(s) for s in args.sizes.split(",")]
         out = Path(args.out) if args.out and args.what == "adam" else Path("bench-results") / "adam.json"
@@ -90,7 +97,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         bench = step.StepBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
                                seq=args.seq, micro=args.micro, world=args.world, steps=args.steps,
                                repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload,
-                               nvme_path=args.path, sub_group_size=args.sub_group_size, trace_dir=str(out.parent))
+                               nvme_path=args.path, sub_group_size=args.sub_group_size, trace_dir=str(out.parent),
+                               device=args.device)
         print("offload bench step: ZeRO-3 + CPU Adam beside plain PyTorch, alternating rounds", flush=True)
         step.print_table(step.run(bench, out, log=sys.stdout), sys.stdout)
         print(f"wrote {out}")
@@ -163,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step: optimizer state on the host, or on NVMe under --path (then host, pipelined and "
                         "serial NVMe variants are compared)")
     p.add_argument("--sub-group-size", type=int, default=1_000_000, help="step: optimizer sub-group elements")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="step: where both sides compute (cuda: torch on the GPU beside offload with W=1)")
+    p.add_argument("--pcie-size", default="256Mi", help="pcie: bytes per copy (default 256Mi)")
     p.set_defaults(func=_cmd_bench)
     return parser
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from offload.cli import main
 from offload.demo import run_demo
@@ -77,9 +78,34 @@ def test_bench_adam_writes_json_with_every_comparison(tmp_path, capsys):
     assert "x vs torch" in capsys.readouterr().out
 
 
-def test_bench_of_a_benchmark_not_built_yet_says_so(capsys):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_bench_pcie_without_a_gpu_says_it_needs_one(capsys):
     assert main(["bench", "pcie"]) == 2
-    assert "not built yet" in capsys.readouterr().err
+    assert "needs a GPU" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no usable GPU"):
+        main(["bench", "step", "--device", "cuda"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_bench_pcie_compares_pinned_and_pageable(tmp_path, capsys):
+    out = tmp_path / "pcie.json"
+    assert main(["bench", "pcie", "--pcie-size", "32Mi", "--repeats", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["gbps"]) == {"pinned h2d", "pinned d2h", "pageable h2d", "pageable d2h"}
+    assert all(v > 0 for v in report["gbps"].values()) and report["duplex_gbps"] > 0
+    assert "pinned" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_bench_step_on_the_gpu_reports_both_high_waters(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--device", "cuda", "--world", "1", "--hidden", "64", "--layers", "2", "--seq",
+                 "16", "--micro", "2", "--steps", "2", "--rounds", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["bench"]["device"] == "cuda"
+    assert set(report["peak_device_bytes"]) == {"torch", "host", "host-no-prefetch", "noclip-overlap", "noclip-after"}
+    assert all(v > 0 for v in report["peak_device_bytes"].values())
+    assert "GPU memory high water" in capsys.readouterr().out
 
 
 def test_bench_nvme_compares_engines_interleaved(tmp_path, capsys):

@@ -53,6 +53,15 @@ class StepBench:
     sub_group_size: int = 1_000_000
     buffer_count: int = 4
     trace_dir: str = ""  # where rank 0 of each variant writes a Chrome trace of its timed steps ("": none)
+    device: str = "cpu"  # cpu, or cuda: both sides compute on the GPU (then world must be 1)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device cuda: this machine has no usable GPU (torch.cuda.is_available() is False)")
+        if self.device == "cuda" and self.world != 1:
+            raise ValueError(f"device cuda runs one rank on the one GPU; got world {self.world}: pass --world 1")
 
     def variants(self) -> dict[str, dict[str, Any]]:
         """Offload configurations compared in this run, by name: the first one is the headline."""
@@ -83,6 +92,12 @@ class StepResult:
     bytes_per_step: dict[str, float] = field(default_factory=dict)
     samples: dict[str, list[float]] = field(default_factory=dict)
     variants: dict[str, dict[str, float]] = field(default_factory=dict)  # per variant: step, optimizer, NVMe stall
+    peak_device_bytes: dict[str, int] = field(default_factory=dict)  # on a GPU: torch's and each variant's high water
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _batches(b: StepBench, n: int, rows: int) -> list[torch.Tensor]:
@@ -109,40 +124,53 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
     engine, *_ = offload.initialize(model=model, config=config)
     times = []
     for i, tokens in enumerate(_batches(b, b.warmup + b.steps, b.micro * world)):
-        rows = tokens[rank * b.micro:(rank + 1) * b.micro]
+        rows = tokens[rank * b.micro:(rank + 1) * b.micro].to(engine.accel.device)
         if i == b.warmup:
             engine.telemetry.reset()
             engine.telemetry.start_trace()
+        _sync(b.device)
         t0 = time.perf_counter()
         engine.backward(engine(rows[:, :-1], rows[:, 1:]))
         engine.step()
+        _sync(b.device)
         if i >= b.warmup:
             times.append(time.perf_counter() - t0)
+    peak = engine.accel.memory_stats().peak_allocated if b.device == "cuda" else 0
     snap = engine.telemetry.snapshot()
     if b.trace_dir and rank == 0:
         engine.telemetry.export_chrome_trace(Path(b.trace_dir) / f"step-trace-{variant['name']}.json", rank)
     overlap = engine.telemetry.overlap_share()
     engine.close()
-    return {"times": times, "seconds": snap.seconds, "bytes": snap.bytes, "overlap": overlap}
+    return {"times": times, "seconds": snap.seconds, "bytes": snap.bytes, "overlap": overlap, "peak": peak}
 
 
-def _torch_steps(b: StepBench) -> list[float]:
+def _torch_steps(b: StepBench) -> tuple[list[float], int]:
+    """Step times of plain PyTorch (model and AdamW on ``b.device``) and, on a GPU, its memory high water."""
     from offload.models import GPT
     torch.manual_seed(0)
-    model = GPT(b.model_config())
+    model = GPT(b.model_config()).to(b.device)
     if b.dtype == "bf16":
         model = model.to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    if b.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for i, tokens in enumerate(_batches(b, b.warmup + b.steps, b.micro * b.world)):
+        tokens = tokens.to(b.device)
+        _sync(b.device)
         t0 = time.perf_counter()
         model(tokens[:, :-1], tokens[:, 1:]).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _sync(b.device)
         if i >= b.warmup:
             times.append(time.perf_counter() - t0)
-    return times
+    peak = torch.cuda.max_memory_allocated() if b.device == "cuda" else 0
+    del model, opt
+    if b.device == "cuda":
+        torch.cuda.empty_cache()
+    return times, peak
 
 
 def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -> StepResult:
@@ -151,11 +179,16 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
     torch_times: list[float] = []
     times: dict[str, list[float]] = {name: [] for name in variants}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    peaks: dict[str, int] = {}
+    # A CPU comparison keeps a GPU out of it: the one-rank child would otherwise pick it up.
+    env = {"CUDA_VISIBLE_DEVICES": ""} if b.device == "cpu" else {}
     for r in range(b.repeats):
-        torch_times += _torch_steps(b)
+        torch_run, peaks["torch"] = _torch_steps(b)
+        torch_times += torch_run
         for name, variant in variants.items():
             ranks = run_ranks(_engine_rank, b.world, timeout=1800, threads=max(1, cores // b.world),
-                              bench=asdict(b), variant={**variant, "name": name})
+                              env=env, bench=asdict(b), variant={**variant, "name": name})
+            peaks[name] = ranks[0]["peak"]
             times[name] += [max(ts) for ts in zip(*(rank["times"] for rank in ranks))]  # a step ends on the last rank
             runs[name].append(ranks[0])
         if log:
@@ -182,7 +215,8 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
                          if all(run["overlap"] is not None for run in runs[name]) else -1.0,
                          "nvme_wait_s": per_step(name, "nvme_wait"),
                          "nvme_bytes": per_step(name, "nvme_read", "bytes") + per_step(name, "nvme_write", "bytes")}
-                  for name in variants})
+                  for name in variants},
+        peak_device_bytes=peaks if b.device == "cuda" else {})
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(asdict(result), indent=2))
@@ -193,9 +227,13 @@ def print_table(result: StepResult, out: TextIO) -> None:
     b = result.bench
     print(f"GPT {result.params / 1e6:.1f}M params, {b['layers']} layers x {b['hidden']}, seq {b['seq']}, "
           f"global batch {b['micro'] * b['world']} ({b['dtype']})", file=out)
-    print(f"  plain torch, 1 process:       {result.torch_step_s * 1e3:8.1f} ms/step", file=out)
-    print(f"  offload ZeRO-3, W={b['world']} (gloo): {result.offload_step_s * 1e3:8.1f} ms/step  "
+    where = "on the GPU" if b.get("device") == "cuda" else "1 process"
+    print(f"  plain torch, {where}:       {result.torch_step_s * 1e3:8.1f} ms/step", file=out)
+    print(f"  offload ZeRO-3, W={b['world']}: {result.offload_step_s * 1e3:8.1f} ms/step  "
           f"= {result.ratio:.2f}x torch", file=out)
+    if result.peak_device_bytes:
+        print("  GPU memory high water: " + ", ".join(
+            f"{k} {v / 2**20:.0f} MiB" for k, v in result.peak_device_bytes.items()), file=out)
     for name, s in result.phases_s.items():
         print(f"    {name:15s} {s * 1e3:8.1f} ms  {s / result.offload_step_s:6.1%}", file=out)
     hidden = next(iter(result.variants.values()))["copies_hidden"]
