@@ -21,9 +21,9 @@ def overlap_config(world, overlap, clip=0.0, optimizer="cpu", path=None, host=No
 @pytest.mark.parametrize("world", [1, 2])
 def test_overlapped_step_is_bitwise_the_step_after_backward_and_matches_torch(world):
     runs = {mode: run_ranks(train_engine, world, name="gpt", config=overlap_config(world, mode), steps=6, micro=2,
-                            accum=2) for mode in ("auto", "off")}
+                            accum=2) for mode in ("on", "off")}
     ref = train_reference("gpt", 6, 4 * world, 2, clip=0.0, world=world)
-    for overlapped, after in zip(runs["auto"], runs["off"]):
+    for overlapped, after in zip(runs["on"], runs["off"]):
         assert overlapped["overlapped"] >= 6 * len(overlapped["state"]) // 4 and after["overlapped"] == 0
         assert overlapped["losses"] == after["losses"]
         for key, value in after["state"].items():
@@ -32,15 +32,15 @@ def test_overlapped_step_is_bitwise_the_step_after_backward_and_matches_torch(wo
 
 
 def test_split_state_overlaps_the_host_part_and_steps_nvme_after(tmp_path):
-    config = overlap_config(1, "auto", optimizer="split", path=tmp_path, host=900_000)
+    config = overlap_config(1, "on", optimizer="split", path=tmp_path, host=900_000)
     plan = run_ranks(describe_engine, 1, config=config)[0]
     assert plan["mode"].startswith("overlapped") and plan["tiers"]["host"] > 0 and plan["tiers"]["nvme"] > 0
     runs = {mode: run_ranks(train_engine, 1, name="gpt", config={**config, "offload": {**config["offload"],
                                                                                        "overlap_step": mode}},
-                            steps=4, micro=2, accum=2) for mode in ("auto", "off")}
-    assert runs["auto"][0]["overlapped"] > 0
+                            steps=4, micro=2, accum=2) for mode in ("on", "off")}
+    assert runs["on"][0]["overlapped"] > 0
     for key, value in runs["off"][0]["state"].items():
-        assert torch.equal(runs["auto"][0]["state"][key], value), key
+        assert torch.equal(runs["on"][0]["state"][key], value), key
 
 
 @pytest.mark.parametrize("change,reason", [
@@ -49,6 +49,14 @@ def test_split_state_overlaps_the_host_part_and_steps_nvme_after(tmp_path):
     ({"offload": {"unit_bytes": 8192, "overlap_step": "off"}}, "offload.overlap_step is off"),
 ])
 def test_the_engine_says_why_it_does_not_overlap(change, reason):
-    config = {**overlap_config(1, "auto"), **change}
+    config = {**overlap_config(1, "on"), **change}
     mode = run_ranks(describe_engine, 1, config=config)[0]["mode"]
     assert mode.startswith("after backward") and reason in mode
+
+
+def test_auto_overlaps_on_the_cpu_and_steps_after_backward_on_a_gpu():
+    mode = run_ranks(describe_engine, 1, config=overlap_config(1, "auto"))[0]["mode"]
+    if torch.cuda.is_available():
+        assert mode.startswith("after backward") and "on a GPU 'auto' steps after backward" in mode
+    else:
+        assert mode.startswith("overlapped")

@@ -68,7 +68,7 @@ class StepBench:
         if self.offload == "cpu":
             return {"host": {"device": "cpu"}, "host-no-prefetch": {"device": "cpu", "prefetch": 0},
                     # Without clipping the step can overlap backward; the same config with overlap off is its pair.
-                    "noclip-overlap": {"device": "cpu", "clip": 0.0, "overlap": "auto"},
+                    "noclip-overlap": {"device": "cpu", "clip": 0.0, "overlap": "on"},
                     "noclip-after": {"device": "cpu", "clip": 0.0, "overlap": "off"}}
         return {"nvme": {"device": "nvme", "buffer_count": self.buffer_count},
                 "host": {"device": "cpu"},
