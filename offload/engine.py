@@ -27,6 +27,7 @@ from offload.accelerator import Accelerator
 from offload.config import Config, ConfigError
 from offload.optim.cpu_adam import CPUAdam
 from offload.optim.loss_scale import LossScaler
+from offload import checkpoint
 from offload.optim.schedules import build_schedule
 from offload.aio.base import Engine as AioEngine
 from offload.aio.select import engine_from_config
@@ -409,6 +410,48 @@ class Engine:
         # keep_vars: the entries are the Parameter objects themselves (their storage may be empty now).
         return {key: values[id(t)] if id(t) in values else t.detach().cpu().clone()
                 for key, t in self.module.state_dict(keep_vars=True).items()}
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True) -> str:
+        """Write a checkpoint every rank's state can resume from (every rank calls it); returns its path.
+
+        All or nothing: see offload/checkpoint.py. ``tag`` defaults to ``global_step<N>``.
+        """
+        self._check_open()
+        if self._pending_micro:
+            raise EngineError(f"save_checkpoint() between micro-batches ({self._pending_micro} of "
+                              f"{self.gradient_accumulation_steps} accumulated) would lose their gradients; call it "
+                              "after engine.step() at an accumulation boundary")
+        self.optimizer.drain()
+        with self.telemetry.span("checkpoint", "save"):
+            return str(checkpoint.save(self, save_dir, tag, client_state, save_latest))
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+        """Resume from ``load_dir``'s ``latest`` (or ``tag``): returns ``(path, client_state)``, as DeepSpeed's.
+
+        Every file's checksum is verified on every rank before any state changes.
+        """
+        self._check_open()
+        with self.telemetry.span("checkpoint", "load"):
+            path, client_state = checkpoint.load(self, load_dir, tag, load_optimizer_states,
+                                                 load_lr_scheduler_states, load_module_only)
+        return str(path), client_state
+
+    def set_unit_values(self, unit: Unit, values: torch.Tensor) -> None:
+        """Make ``values`` (this rank's shard, any float dtype) the unit's compute-dtype parameters."""
+        state = self.optimizer.shards.get(unit.index)
+        if state is not None and state.out is not None:
+            state.out.copy_(values)
+        if unit.home is not None:
+            if unit.home is not (state.out if state is not None else None):
+                unit.home.copy_(values)
+        else:
+            unit.shard.copy_(values.to(unit.shard.device), non_blocking=False)
+            unit.ready = None
 
     # ----------------------------------------------------------------- lifetime
 

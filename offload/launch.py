@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -68,16 +70,25 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 180.0, env: d
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, status, value = out.get(timeout=timeout)
+        while len(results) < world and not errors:
+            try:
+                rank, status, value = out.get(timeout=0.5)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                if dead and out.empty():
+                    time.sleep(0.5)  # a result put just before exiting may still be in the pipe
+                    if out.empty():
+                        errors.append("; ".join(f"rank {r} died without a result (exit code {code})"
+                                                for r, code in dead))
+                elif time.monotonic() > deadline:
+                    errors.append(f"ranks {sorted(set(range(world)) - set(results))} gave no result in {timeout}s")
+                continue
             if status == "ok":
                 results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
-                break
-    except Exception as e:  # queue.Empty: some rank hung
-        errors.append(f"ranks {sorted(set(range(world)) - set(results))} gave no result in {timeout}s ({e!r})")
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)

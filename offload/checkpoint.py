@@ -1,0 +1,384 @@
+"""Checkpoints on disk: all or nothing, checksummed, streamed shard by shard.
+
+Layout of ``save_dir``::
+
+    latest                  the newest complete tag (replaced atomically, last)
+    <tag>/meta.json         version, world size, unit layout, counters, config, file checksums
+    <tag>/rank<r>.bin       rank r's shards, unit by unit: fp32 master, exp_avg, exp_avg_sq of
+                            trained units, the compute-dtype shard of frozen ones
+    <tag>/rank<r>.json      where each unit's arrays sit in rank<r>.bin
+    <tag>/rank<r>.pt        rank r's small state: RNG states, scheduler, loss scaler, client state
+
+A save writes everything under ``.tmp-<tag>``, fsyncs each file, then rank 0 writes
+``meta.json`` (with every file's sha256), renames the directory into place and
+replaces ``latest``. A process killed at any moment leaves the previous checkpoint
+loadable (``latest`` still names it) and the new one either complete or absent.
+A load verifies every checksum before it changes any state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+FORMAT = 1
+LATEST = "latest"
+CHUNK = 8 << 20  # bytes hashed per read while verifying
+
+# A test sets this in a child process to kill it at a named point of a save (crash injection).
+phase_hook: Callable[[str], None] | None = None
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, damaged, or does not fit this engine; the message names the file."""
+
+
+def _phase(name: str) -> None:
+    if phase_hook is not None:
+        phase_hook(name)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One array in a rank file: ``unit``'s ``kind`` (master, exp_avg, exp_avg_sq or shard)."""
+
+    unit: int
+    kind: str
+    dtype: str
+    numel: int
+    offset: int
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` or its old content, never a mix (a crash in between leaves a .tmp file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
+class RankWriter:
+    """Streams one rank's arrays into ``rank<r>.bin`` while hashing them."""
+
+    def __init__(self, directory: Path, rank: int) -> None:
+        self.path = directory / f"rank{rank}.bin"
+        self.index_path = directory / f"rank{rank}.json"
+        self._f: BinaryIO = open(self.path, "wb")
+        self._hash = hashlib.sha256()
+        self._offset = 0
+        self.entries: list[Entry] = []
+
+    def add(self, unit: int, kind: str, t: torch.Tensor) -> None:
+        data = _raw_bytes(t)
+        self._f.write(data)
+        self._hash.update(data)
+        self.entries.append(Entry(unit, kind, str(t.dtype).removeprefix("torch."), t.numel(), self._offset))
+        self._offset += len(data)
+
+    def close(self) -> dict[str, str]:
+        """Flush and fsync both files; returns their sha256 by file name."""
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        index = json.dumps([e.__dict__ for e in self.entries]).encode()
+        with open(self.index_path, "wb") as f:
+            f.write(index)
+            f.flush()
+            os.fsync(f.fileno())
+        return {self.path.name: self._hash.hexdigest(), self.index_path.name: hashlib.sha256(index).hexdigest()}
+
+
+def save_small(path: Path, obj: Any) -> str:
+    """torch.save ``obj`` to ``path`` (fsynced); returns its sha256."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return file_sha256(path)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tmp_dir(save_dir: Path, tag: str) -> Path:
+    return save_dir / f".tmp-{tag}"
+
+
+def publish(save_dir: Path, tag: str, meta: dict[str, Any]) -> Path:
+    """Rank 0, after every rank's files are written: meta.json, then the directory, then ``latest``."""
+    tmp = tmp_dir(save_dir, tag)
+    write_atomic(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+    _phase("meta-written")
+    final = save_dir / tag
+    old = save_dir / f".old-{tag}"
+    if final.exists():  # saving a tag again: the old one moves aside and goes only once the new one is in
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(save_dir)
+    _phase("renamed")
+    write_atomic(save_dir / LATEST, tag.encode())
+    _phase("latest-written")
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def resolve(load_dir: Path, tag: str | None) -> Path:
+    """The checkpoint directory for ``tag`` (``latest``'s when None), checked to be complete."""
+    if tag is None:
+        pointer = load_dir / LATEST
+        if not pointer.is_file():
+            raise CheckpointError(f"{pointer} does not exist: {load_dir} holds no complete checkpoint (pass tag= "
+                                  "to load a specific one)")
+        tag = pointer.read_text().strip()
+    path = load_dir / tag
+    if not (path / "meta.json").is_file():
+        raise CheckpointError(f"{path / 'meta.json'} does not exist: no complete checkpoint with tag {tag!r} in "
+                              f"{load_dir} (tags there: {', '.join(tags(load_dir)) or 'none'})")
+    return path
+
+
+def tags(load_dir: Path) -> list[str]:
+    return sorted(p.name for p in load_dir.iterdir() if (p / "meta.json").is_file()) if load_dir.is_dir() else []
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path / 'meta.json'} cannot be read as a checkpoint's metadata: {e}") from e
+
+
+def verify(path: Path, meta: dict[str, Any], rank: int) -> None:
+    """Every file this rank will read matches the checksum meta.json recorded for it."""
+    for name, digest in meta["files"].items():
+        if not (name.startswith(f"rank{rank}.") or name == "rank0.pt"):
+            continue
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing from the checkpoint")
+        if file_sha256(file) != digest:
+            raise CheckpointError(f"{file} is damaged: its sha256 differs from the one recorded when it was saved "
+                                  "(a flipped or truncated file); load another tag")
+
+
+def read_arrays(path: Path, rank: int) -> Iterator[tuple[Entry, torch.Tensor]]:
+    """Rank ``rank``'s arrays in file order, one at a time."""
+    entries = [Entry(**e) for e in json.loads((path / f"rank{rank}.json").read_text())]
+    with open(path / f"rank{rank}.bin", "rb") as f:
+        for e in entries:
+            dtype = getattr(torch, e.dtype)
+            raw = torch.empty(e.numel, dtype=torch.int16 if dtype.itemsize == 2 else dtype)
+            view = memoryview(raw.numpy()).cast("B")
+            f.seek(e.offset)
+            if f.readinto(view) != len(view):
+                raise CheckpointError(f"{path / f'rank{rank}.bin'} ends before unit {e.unit}'s {e.kind} "
+                                      "(a truncated file)")
+            yield e, raw.view(dtype)
+
+
+# --------------------------------------------------------------------------- the engine's state
+
+
+def _rng_state(cuda: bool) -> dict[str, Any]:
+    import random
+
+    import numpy as np
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": np.random.get_state()}
+    if cuda:
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _layout(engine: Any) -> list[dict[str, Any]]:
+    return [{"name": u.name, "numel": u.numel, "padded": u.padded, "trained": u.index in engine.optimizer.shards}
+            for u in engine.units]
+
+
+def _barrier(group: Any) -> None:
+    if group.pg is not None:
+        torch.distributed.barrier(group=group.pg)
+
+
+def _gather_objects(obj: Any, group: Any) -> list[Any]:
+    if group.pg is None:
+        return [obj]
+    out: list[Any] = [None] * group.world
+    torch.distributed.all_gather_object(out, obj, group=group.pg)
+    return out
+
+
+def _all_ok(ok: bool, engine: Any) -> bool:
+    """Whether every rank says ok (so no rank is left waiting in a collective when one of them fails)."""
+    from offload.zero.collectives import all_reduce_sum
+    flag = torch.tensor([0.0 if ok else 1.0], device=engine.accel.device)
+    all_reduce_sum(flag, engine.group)
+    return float(flag) == 0.0
+
+
+def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_state: dict[str, Any] | None,
+         save_latest: bool = True) -> Path:
+    """Every rank calls it; see the module docstring for what lands where."""
+    import offload
+    group, rank = engine.group, engine.group.rank
+    tag = tag or f"global_step{engine.global_steps}"
+    if "/" in tag or tag.startswith(".") or tag == LATEST:
+        raise CheckpointError(f"tag {tag!r} cannot name a checkpoint directory (no '/', no leading '.', not "
+                              f"{LATEST!r})")
+    root = Path(save_dir)
+    tmp = tmp_dir(root, tag)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left behind
+        tmp.mkdir()
+    _barrier(group)
+    writer = RankWriter(tmp, rank)
+    try:
+        for g in engine.optimizer.store.groups_in_memory():
+            for m in g.members:
+                for kind, values in zip(("master", "exp_avg", "exp_avg_sq"), g.views(m)):
+                    writer.add(m.unit, kind, values)
+        for unit in engine.units:
+            if unit.index not in engine.optimizer.shards:
+                writer.add(unit.index, "shard", unit.authoritative_shard)
+    finally:
+        files = writer.close()
+    small: dict[str, Any] = {"rng": _rng_state(engine.accel.is_cuda)}
+    if rank == 0:
+        scheduler = engine.lr_scheduler
+        small.update(client_state=client_state or {}, loss_scaler=dict(engine.loss_scaler.__dict__),
+                     lr_scheduler=scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
+                     param_groups=[{k: v for k, v in g.items() if k != "params"}
+                                   for g in engine.optimizer.param_groups])
+    files[f"rank{rank}.pt"] = save_small(tmp / f"rank{rank}.pt", small)
+    _phase("rank-files-written")
+    every = _gather_objects(files, group)
+    if rank == 0:
+        meta = {"format": FORMAT, "version": offload.__version__, "tag": tag, "world_size": group.world,
+                "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+                "micro_steps": engine.micro_steps, "adam_steps": engine.optimizer.adam_steps,
+                "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
+                "config": engine.config.to_dict(), "files": {k: v for f in every for k, v in f.items()}}
+        if save_latest:
+            publish(root, tag, meta)
+        else:
+            write_atomic(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+            os.replace(tmp, root / tag)
+            fsync_dir(root)
+    _barrier(group)
+    return root / tag
+
+
+def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool = True,
+         load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[Path, dict[str, Any]]:
+    """Every rank calls it. Checks first (layout, world size, checksums on every rank), then changes state."""
+    group, rank = engine.group, engine.group.rank
+    path = resolve(Path(load_dir), tag)
+    meta = read_meta(path)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path / 'meta.json'} has format {meta.get('format')!r}; this offload reads {FORMAT}")
+    if meta["world_size"] != group.world:
+        raise CheckpointError(f"{path} was written by {meta['world_size']} ranks and this job has {group.world}: "
+                              "loading into a different world size is not supported yet; run with "
+                              f"{meta['world_size']} ranks")
+    ours = _layout(engine)
+    if meta["units"] != ours:
+        diff = next((f"{a} in the checkpoint, {b} here" for a, b in zip(meta["units"], ours) if a != b),
+                    f"{len(meta['units'])} units in the checkpoint, {len(ours)} here")
+        raise CheckpointError(f"{path} does not fit this model and config: the units differ ({diff}); build the "
+                              "same model with the same offload.unit_bytes and compute dtype")
+    error = None
+    try:
+        verify(path, meta, rank)
+    except CheckpointError as e:
+        error = e
+    if not _all_ok(error is None, engine):
+        raise error or CheckpointError(f"{path}: another rank found a damaged or missing file (see its error)")
+    engine.optimizer.drain()
+    engine.runtime.reshard_all()
+    arrays = read_arrays(path, rank)
+
+    def take(unit: int, kind: str) -> torch.Tensor:
+        entry, values = next(arrays)
+        if (entry.unit, entry.kind) != (unit, kind):
+            raise CheckpointError(f"{path / f'rank{rank}.json'} lists unit {entry.unit}'s {entry.kind} where unit "
+                                  f"{unit}'s {kind} belongs")
+        return values
+
+    units = {u.index: u for u in engine.units}
+    try:
+        for g in engine.optimizer.store.replace_groups():
+            for m in g.members:
+                master, exp_avg, exp_avg_sq = g.views(m)
+                master.copy_(take(m.unit, "master"))
+                for dst, kind in ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
+                    values = take(m.unit, kind)
+                    dst.copy_(values) if load_optimizer_states and not load_module_only else dst.zero_()
+                engine.set_unit_values(units[m.unit], master)
+        for unit in engine.units:
+            if unit.index not in engine.optimizer.shards:
+                engine.set_unit_values(unit, take(unit.index, "shard"))
+    except BaseException as e:
+        engine.close()
+        raise CheckpointError(f"loading {path} failed part-way ({e}); the engine's state is half replaced, so it "
+                              "was closed: create a new engine and load again") from e
+    small = torch.load(path / f"rank{rank}.pt", weights_only=False)
+    _set_rng_state(small["rng"])
+    main = small if rank == 0 else torch.load(path / "rank0.pt", weights_only=False)
+    engine.optimizer.clear_grads()
+    engine._pending_micro = 0
+    if not load_module_only:
+        engine.global_steps, engine.skipped_steps = meta["global_steps"], meta["skipped_steps"]
+        engine.micro_steps = meta["micro_steps"]
+        if load_optimizer_states:
+            engine.optimizer.adam_steps = meta["adam_steps"]
+            for g, saved in zip(engine.optimizer.param_groups, main["param_groups"]):
+                g.update(saved)
+        engine.loss_scaler.__dict__.update(main["loss_scaler"])
+        scheduler = engine.lr_scheduler
+        if load_lr_scheduler_states and main["lr_scheduler"] is not None and hasattr(scheduler, "load_state_dict"):
+            scheduler.load_state_dict(main["lr_scheduler"])
+    return path, main["client_state"]

@@ -1,0 +1,164 @@
+"""Checkpoints: a resumed run equals the run that never stopped, a save killed at any point leaves the
+previous checkpoint loadable, and damaged or mismatched checkpoints are clear errors that change nothing."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+import offload
+from engine_cases import base_config, batches, loss_of, make_model
+from offload.checkpoint import CheckpointError
+from offload.launch import RankError, run_ranks
+
+STEPS = 6
+
+
+def ckpt_config(world, optimizer="cpu", path=None):
+    config = base_config(2, 2, world)
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
+                                                         "warmup_num_steps": 5}}
+    if optimizer == "split":  # part of the state on the host, the rest on NVMe
+        config["zero_optimization"]["sub_group_size"] = 3000
+        config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(path / "swap")}
+        config["offload"]["budgets"] = {"host": 900_000}
+    return config
+
+
+def train(rank, world, config, save_dir, start=0, stop=STEPS, save_at=None, resume=False, kill_at=None):
+    """Steps [start, stop) of one fixed run; optionally resume first, save after step ``save_at``, or die
+    (SIGKILL) at a named point of that save."""
+    if kill_at is not None:
+        from offload import checkpoint
+        checkpoint.phase_hook = lambda phase: os.kill(os.getpid(), signal.SIGKILL) if phase == kill_at else None
+    torch.manual_seed(0)
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    client = {}
+    if resume:
+        _, client = engine.load_checkpoint(save_dir)
+    data = batches(stop, 8 * world, seed=3)
+    losses = []
+    for step in range(start, stop):
+        rows = data[step][rank * 8:(rank + 1) * 8]
+        total = 0.0
+        for micro in rows.split(2)[:2]:
+            loss = loss_of(engine, "gpt", micro)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / 2)
+        if step == save_at:
+            engine.save_checkpoint(save_dir, client_state={"next_step": step + 1, "rank": rank})
+    out = {"losses": losses, "state": engine.full_state_dict(), "lr": engine.get_lr(), "client": client,
+           "steps": engine.global_steps, "random": torch.rand(3)}
+    engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight_w1(tmp_path_factory):
+    return run_ranks(train, 1, config=ckpt_config(1), save_dir=tmp_path_factory.mktemp("unused"))[0]
+
+
+@pytest.mark.parametrize("world,optimizer", [(2, "cpu"), (1, "split")])
+def test_a_resumed_run_equals_the_run_that_never_stopped(tmp_path, world, optimizer):
+    config = ckpt_config(world, optimizer, tmp_path)
+    straight = run_ranks(train, world, config=config, save_dir=tmp_path / "a")
+    run_ranks(train, world, config=config, save_dir=tmp_path / "ckpt", stop=4, save_at=3)
+    resumed = run_ranks(train, world, config=config, save_dir=tmp_path / "ckpt", start=4, resume=True)
+    for full, half in zip(straight, resumed):
+        assert half["client"] == {"next_step": 4, "rank": 0}  # rank 0's client state, on every rank
+        assert half["losses"] == full["losses"][4:]  # bitwise: fp32 on the CPU
+        assert half["steps"] == full["steps"] and half["lr"] == full["lr"]
+        assert torch.equal(half["random"], full["random"])  # the RNG continues where it was
+        for key, value in full["state"].items():
+            assert torch.equal(half["state"][key], value), key
+
+
+@pytest.mark.parametrize("phase,latest", [("rank-files-written", "global_step2"), ("meta-written", "global_step2"),
+                                          ("renamed", "global_step2"), ("latest-written", "global_step4")])
+def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path, straight_w1, phase, latest):
+    config = ckpt_config(1)
+    run_ranks(train, 1, config=config, save_dir=tmp_path, stop=3, save_at=1)  # tag global_step2
+    with pytest.raises(RankError, match="died without a result"):  # would have saved global_step4
+        run_ranks(train, 1, config=config, save_dir=tmp_path, stop=5, save_at=3, kill_at=phase)
+    assert (tmp_path / "latest").read_text() == latest
+    start = int(latest.removeprefix("global_step"))
+    resumed = run_ranks(train, 1, config=config, save_dir=tmp_path, start=start, resume=True)[0]
+    assert resumed["losses"] == straight_w1["losses"][start:]
+    for key, value in straight_w1["state"].items():
+        assert torch.equal(resumed["state"][key], value), key
+    # The next save clears what the killed one left behind.
+    run_ranks(train, 1, config=config, save_dir=tmp_path, stop=5, save_at=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step2", "global_step4", "latest"]
+
+
+def _engine(unit_bytes=8192):
+    torch.manual_seed(0)
+    config = base_config(2, 1, 1, unit_bytes=unit_bytes)
+    return offload.initialize(model=make_model("gpt"), config=config)[0]
+
+
+def _steps(engine, n, seed=5):
+    for tokens in batches(n, 2, seed=seed):
+        engine.backward(loss_of(engine, "gpt", tokens))
+        engine.step()
+
+
+@pytest.fixture
+def saved(tmp_path):
+    engine = _engine()
+    _steps(engine, 2)
+    engine.save_checkpoint(tmp_path)
+    engine.close()
+    return tmp_path / "global_step2"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_checkpoint_is_an_error_naming_the_file_and_changes_nothing(saved, damage):
+    data = bytearray((saved / "rank0.bin").read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        del data[-100:]
+    (saved / "rank0.bin").write_bytes(bytes(data))
+    engine = _engine()
+    _steps(engine, 1, seed=9)
+    before = engine.full_state_dict()
+    with pytest.raises(CheckpointError, match=r"rank0\.bin is damaged"):
+        engine.load_checkpoint(saved.parent)
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    _steps(engine, 1)  # still usable
+    engine.close()
+
+
+def test_missing_or_mismatched_checkpoints_are_clear_errors(saved, tmp_path):
+    engine = _engine()
+    with pytest.raises(CheckpointError, match="no complete checkpoint with tag 'nope'.*global_step2"):
+        engine.load_checkpoint(tmp_path, tag="nope")
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        engine.load_checkpoint(tmp_path / "empty")
+    engine.close()
+    other = _engine(unit_bytes=1 << 20)  # the whole model in one unit
+    with pytest.raises(CheckpointError, match="units differ"):
+        other.load_checkpoint(tmp_path)
+    other.backward(loss_of(other, "gpt", batches(1, 2)[0]))
+    with pytest.raises(offload.EngineError, match="between micro-batches"):
+        other.save_checkpoint(tmp_path / "mid")
+    other.close()
+
+
+def _save_two_ranks(rank, world, save_dir):
+    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, world))[0]
+    engine.save_checkpoint(save_dir)
+    engine.close()
+
+
+def test_a_different_world_size_is_a_clear_error(tmp_path):
+    run_ranks(_save_two_ranks, 2, save_dir=tmp_path)
+    engine = _engine()
+    with pytest.raises(CheckpointError, match="written by 2 ranks and this job has 1"):
+        engine.load_checkpoint(tmp_path)
+    engine.close()
