@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+
+logger = logging.getLogger("offload.checkpoint")
 
 FORMAT = 1
 LATEST = "latest"
@@ -180,32 +183,68 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path / 'meta.json'} cannot be read as a checkpoint's metadata: {e}") from e
 
 
-def verify(path: Path, meta: dict[str, Any], rank: int) -> None:
-    """Every file this rank will read matches the checksum meta.json recorded for it."""
-    for name, digest in meta["files"].items():
-        if not (name.startswith(f"rank{rank}.") or name == "rank0.pt"):
-            continue
+def verify(path: Path, meta: dict[str, Any], names: list[str]) -> None:
+    """The named files match the checksums meta.json recorded for them."""
+    for name in names:
         file = path / name
-        if not file.is_file():
+        if name not in meta["files"] or not file.is_file():
             raise CheckpointError(f"{file} is missing from the checkpoint")
-        if file_sha256(file) != digest:
+        if file_sha256(file) != meta["files"][name]:
             raise CheckpointError(f"{file} is damaged: its sha256 differs from the one recorded when it was saved "
                                   "(a flipped or truncated file); load another tag")
 
 
-def read_arrays(path: Path, rank: int) -> Iterator[tuple[Entry, torch.Tensor]]:
-    """Rank ``rank``'s arrays in file order, one at a time."""
-    entries = [Entry(**e) for e in json.loads((path / f"rank{rank}.json").read_text())]
-    with open(path / f"rank{rank}.bin", "rb") as f:
-        for e in entries:
-            dtype = getattr(torch, e.dtype)
-            raw = torch.empty(e.numel, dtype=torch.int16 if dtype.itemsize == 2 else dtype)
-            view = memoryview(raw.numpy()).cast("B")
-            f.seek(e.offset)
+class ShardReader:
+    """Ranges of a unit's flat arrays out of the rank files of a checkpoint written by any number of ranks.
+
+    A unit's flat buffer was cut into ``padded / W`` elements per rank; element i sits in rank
+    i // shard's file. Reading a range touches only the files that hold it, one slice each, so a
+    reader holds no more than the range asked for (padding reads as zeros).
+    """
+
+    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+        self.path = path
+        self.world = meta["world_size"]
+        self.units = meta["units"]
+        self.dtype = getattr(torch, meta["compute_dtype"])  # of frozen units' shards; the rest is fp32
+        self._index: dict[int, dict[tuple[int, str], Entry]] = {}
+        self._files: dict[int, BinaryIO] = {}
+
+    def _entry(self, rank: int, unit: int, kind: str) -> Entry:
+        if rank not in self._index:
+            entries = json.loads((self.path / f"rank{rank}.json").read_text())
+            self._index[rank] = {(e["unit"], e["kind"]): Entry(**e) for e in entries}
+            self._files[rank] = open(self.path / f"rank{rank}.bin", "rb")
+        try:
+            return self._index[rank][(unit, kind)]
+        except KeyError:
+            raise CheckpointError(f"{self.path / f'rank{rank}.json'} has no {kind} for unit {unit}") from None
+
+    def read(self, unit: int, kind: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the unit's ``kind`` array (beyond its parameters: zeros)."""
+        numel = self.units[unit]["numel"]
+        shard = self.units[unit]["padded"] // self.world
+        dtype = self.dtype if kind == "shard" else torch.float32
+        out = torch.zeros(stop - start, dtype=dtype)
+        raw = out.view(torch.int16) if dtype.itemsize == 2 else out
+        i = start
+        while i < min(stop, numel):
+            rank, offset = divmod(i, shard)
+            n = min(stop, (rank + 1) * shard, numel) - i
+            entry = self._entry(rank, unit, kind)
+            f = self._files[rank]
+            f.seek(entry.offset + offset * dtype.itemsize)
+            view = memoryview(raw[i - start:i - start + n].numpy()).cast("B")
             if f.readinto(view) != len(view):
-                raise CheckpointError(f"{path / f'rank{rank}.bin'} ends before unit {e.unit}'s {e.kind} "
-                                      "(a truncated file)")
-            yield e, raw.view(dtype)
+                raise CheckpointError(f"{self.path / f'rank{rank}.bin'} ends before unit {unit}'s {kind} (a "
+                                      "truncated file)")
+            i += n
+        return out
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
 
 # --------------------------------------------------------------------------- the engine's state
@@ -236,6 +275,23 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def _layout(engine: Any) -> list[dict[str, Any]]:
     return [{"name": u.name, "numel": u.numel, "padded": u.padded, "trained": u.index in engine.optimizer.shards}
             for u in engine.units]
+
+
+def _same_model(layout: list[dict[str, Any]]) -> list[tuple[str, int, bool]]:
+    """What must match between a checkpoint and an engine (the padding depends on the world size)."""
+    return [(u["name"], u["numel"], u["trained"]) for u in layout]
+
+
+def _state_dict_map(engine: Any) -> tuple[list[list[Any]], dict[str, torch.Tensor]]:
+    """Where each state_dict key's values are: [key, unit, offset, shape] of parameters, and the buffers."""
+    where = {id(s.param): (u.index, s.offset, list(s.shape)) for u in engine.units for s in u.slots}
+    params, buffers = [], {}
+    for key, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) in where:
+            params.append([key, *where[id(t)]])
+        else:
+            buffers[key] = t.detach().cpu().clone()
+    return params, buffers
 
 
 def _barrier(group: Any) -> None:
@@ -289,7 +345,8 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_
     small: dict[str, Any] = {"rng": _rng_state(engine.accel.is_cuda)}
     if rank == 0:
         scheduler = engine.lr_scheduler
-        small.update(client_state=client_state or {}, loss_scaler=dict(engine.loss_scaler.__dict__),
+        params, buffers = _state_dict_map(engine)
+        small.update(client_state=client_state or {}, loss_scaler=dict(engine.loss_scaler.__dict__), buffers=buffers,
                      lr_scheduler=scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
                      param_groups=[{k: v for k, v in g.items() if k != "params"}
                                    for g in engine.optimizer.param_groups])
@@ -301,6 +358,7 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_
                 "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
                 "micro_steps": engine.micro_steps, "adam_steps": engine.optimizer.adam_steps,
                 "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
+                "params": params,
                 "config": engine.config.to_dict(), "files": {k: v for f in every for k, v in f.items()}}
         if save_latest:
             publish(root, tag, meta)
@@ -320,54 +378,61 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
     meta = read_meta(path)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path / 'meta.json'} has format {meta.get('format')!r}; this offload reads {FORMAT}")
-    if meta["world_size"] != group.world:
-        raise CheckpointError(f"{path} was written by {meta['world_size']} ranks and this job has {group.world}: "
-                              "loading into a different world size is not supported yet; run with "
-                              f"{meta['world_size']} ranks")
+    old_world = meta["world_size"]
     ours = _layout(engine)
-    if meta["units"] != ours:
-        diff = next((f"{a} in the checkpoint, {b} here" for a, b in zip(meta["units"], ours) if a != b),
+    if _same_model(meta["units"]) != _same_model(ours):
+        diff = next((f"{a} in the checkpoint, {b} here" for a, b in zip(_same_model(meta["units"]),
+                                                                          _same_model(ours)) if a != b),
                     f"{len(meta['units'])} units in the checkpoint, {len(ours)} here")
         raise CheckpointError(f"{path} does not fit this model and config: the units differ ({diff}); build the "
                               "same model with the same offload.unit_bytes and compute dtype")
+    # Same world: this rank's own files. Another world: a rank's range may lie in any old rank's file.
+    sources = [rank] if old_world == group.world else list(range(old_world))
+    small_from = rank % old_world
+    names = [f"rank{r}.{ext}" for r in sources for ext in ("bin", "json")]
+    names += sorted({f"rank{small_from}.pt", "rank0.pt"})
     error = None
     try:
-        verify(path, meta, rank)
+        verify(path, meta, names)
     except CheckpointError as e:
         error = e
     if not _all_ok(error is None, engine):
         raise error or CheckpointError(f"{path}: another rank found a damaged or missing file (see its error)")
+    if old_world != group.world:
+        logger.info("loading %s written by %d ranks into %d: each rank reads its ranges from the old shards", path,
+                    old_world, group.world)
     engine.optimizer.drain()
     engine.runtime.reshard_all()
-    arrays = read_arrays(path, rank)
+    reader = ShardReader(path, meta)
 
-    def take(unit: int, kind: str) -> torch.Tensor:
-        entry, values = next(arrays)
-        if (entry.unit, entry.kind) != (unit, kind):
-            raise CheckpointError(f"{path / f'rank{rank}.json'} lists unit {entry.unit}'s {entry.kind} where unit "
-                                  f"{unit}'s {kind} belongs")
-        return values
+    def take(unit: Any, kind: str) -> torch.Tensor:
+        return reader.read(unit.index, kind, unit.shard_start, unit.shard_start + unit.shard_numel)
 
     units = {u.index: u for u in engine.units}
     try:
         for g in engine.optimizer.store.replace_groups():
             for m in g.members:
+                unit = units[m.unit]
                 master, exp_avg, exp_avg_sq = g.views(m)
-                master.copy_(take(m.unit, "master"))
+                master.copy_(take(unit, "master"))
                 for dst, kind in ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
-                    values = take(m.unit, kind)
-                    dst.copy_(values) if load_optimizer_states and not load_module_only else dst.zero_()
-                engine.set_unit_values(units[m.unit], master)
+                    if load_optimizer_states and not load_module_only:
+                        dst.copy_(take(unit, kind))
+                    else:
+                        dst.zero_()
+                engine.set_unit_values(unit, master)
         for unit in engine.units:
             if unit.index not in engine.optimizer.shards:
-                engine.set_unit_values(unit, take(unit.index, "shard"))
+                engine.set_unit_values(unit, take(unit, "shard"))
     except BaseException as e:
         engine.close()
         raise CheckpointError(f"loading {path} failed part-way ({e}); the engine's state is half replaced, so it "
                               "was closed: create a new engine and load again") from e
-    small = torch.load(path / f"rank{rank}.pt", weights_only=False)
+    finally:
+        reader.close()
+    small = torch.load(path / f"rank{small_from}.pt", weights_only=False)
     _set_rng_state(small["rng"])
-    main = small if rank == 0 else torch.load(path / "rank0.pt", weights_only=False)
+    main = small if small_from == 0 else torch.load(path / "rank0.pt", weights_only=False)
     engine.optimizer.clear_grads()
     engine._pending_micro = 0
     if not load_module_only:

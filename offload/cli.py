@@ -116,6 +116,32 @@ def _cmd_tune_nvme(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from offload.checkpoint import CheckpointError
+    from offload.export import describe
+    try:
+        print(describe(args.checkpoint, args.tag))
+    except CheckpointError as e:
+        print(f"offload inspect: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_export_weights(args: argparse.Namespace) -> int:
+    from offload.bench.adam import parse_size
+    from offload.checkpoint import CheckpointError
+    from offload.export import export_weights
+    try:
+        result = export_weights(args.checkpoint, args.out, dtype=args.dtype,
+                                max_shard_bytes=parse_size(args.max_shard_size), tag=args.tag)
+    except CheckpointError as e:
+        print(f"offload export-weights: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {result.tensors} tensors, {result.total_bytes / 2**20:,.1f} MiB, to {args.out}: "
+          + ", ".join(result.files))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload", description=offload.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -147,6 +173,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fio", action="store_true", help="skip fio even if it is installed")
     p.add_argument("--out", default=None, help="output directory (default ./offload-tune-nvme)")
     p.set_defaults(func=_cmd_tune_nvme)
+
+    p = sub.add_parser("inspect", help="what a checkpoint holds: step, world size, sizes per state, config")
+    p.add_argument("checkpoint", help="a checkpoint directory, or the save_dir holding `latest`")
+    p.add_argument("--tag", default=None, help="a tag inside save_dir instead of `latest`")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("export-weights", help="a checkpoint's model weights as safetensors (sharded like Hugging "
+                                              "Face's), streamed unit by unit")
+    p.add_argument("checkpoint", help="a checkpoint directory, or the save_dir holding `latest`")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights' dtype (default fp32)")
+    p.add_argument("--max-shard-size", default="5Gi", help="bytes per file at most (default 5Gi)")
+    p.add_argument("--tag", default=None, help="a tag inside save_dir instead of `latest`")
+    p.set_defaults(func=_cmd_export_weights)
 
     p = sub.add_parser("bench", help="benchmarks beside their baselines, in one run; writes JSON")
     p.add_argument("what", choices=["adam", "all", "pcie", "nvme", "step"], help="which benchmark")

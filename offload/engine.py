@@ -17,6 +17,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -440,6 +441,52 @@ class Engine:
             path, client_state = checkpoint.load(self, load_dir, tag, load_optimizer_states,
                                                  load_lr_scheduler_states, load_module_only)
         return str(path), client_state
+
+    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the gathered compute-dtype weights (a torch.save'd state_dict, or safetensors when the
+        name ends in .safetensors); every rank calls it. As in DeepSpeed, only when the config's
+        stage3_gather_16bit_weights_on_model_save is true (returns whether it saved)."""
+        self._check_open()
+        if not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            logger.warning("save_16bit_model saved nothing: zero_optimization.stage3_gather_16bit_weights_on_model_"
+                           "save is false (as DeepSpeed does); set it to true, or save_checkpoint and then "
+                           "`offload export-weights`, which never gathers the whole model")
+            return False
+        self.optimizer.drain()
+        keys: dict[int, list[str]] = {}
+        state: dict[str, torch.Tensor] = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            keys.setdefault(id(t), []).append(key)
+        rank0 = self.group.rank == 0
+        for unit in self.units:  # one unit gathered at a time; rank 0 keeps the host copy
+            full = torch.empty(unit.padded, dtype=self.compute_dtype, device=self.accel.device)
+            all_gather(full, unit.authoritative_shard.to(self.accel.device), self.group)
+            if rank0:
+                full = full.cpu()
+                for s in unit.slots:
+                    if exclude_frozen_parameters and not s.param.requires_grad:
+                        continue
+                    for key in keys.pop(id(s.param), []):
+                        state[key] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+            del full
+        if rank0:
+            params = {id(p) for u in self.units for p in (s.param for s in u.slots)}
+            for key, t in self.module.state_dict(keep_vars=True).items():
+                if id(t) not in params:
+                    state[key] = t.detach().cpu().clone()
+            path = Path(save_dir) / save_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            if save_filename.endswith(".safetensors"):
+                from safetensors.torch import save_file
+                save_file(state, str(tmp), metadata={"format": "pt"})
+            else:
+                torch.save(state, tmp)
+            os.replace(tmp, path)
+        if self.group.pg is not None:
+            dist.barrier(group=self.group.pg)
+        return True
 
     def set_unit_values(self, unit: Unit, values: torch.Tensor) -> None:
         """Make ``values`` (this rank's shard, any float dtype) the unit's compute-dtype parameters."""

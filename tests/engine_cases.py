@@ -56,8 +56,9 @@ def base_config(micro: int, accum: int, world: int, clip: float = 1.0, unit_byte
 
 
 def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps: int, micro: int,
-                 accum: int) -> dict[str, Any]:
-    """Train with offload on this rank's slices of each global batch; every rank's mean loss per step."""
+                 accum: int, save_dir: str | None = None) -> dict[str, Any]:
+    """Train with offload on this rank's slices of each global batch; every rank's mean loss per step
+    (and a checkpoint in ``save_dir`` at the end)."""
     model = make_any(name)
     engine, _, _, _ = offload.initialize(model=model, config=config)
     losses = []
@@ -77,6 +78,8 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
     with torch.no_grad():
         logits = engine(eval_tokens) if name != "llama" else engine(input_ids=eval_tokens).logits
     engine.train()
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
     out = {"losses": losses, "state": engine.full_state_dict(), "eval_logits": logits.cpu(), "peak_live": engine.peak_live_parameters,
            "units": len(engine.units), "gathers": engine.runtime.gathers,
            "prefetched": engine.runtime.prefetched_gathers,

@@ -1,0 +1,112 @@
+"""Plain weights out of checkpoints: equal to torch trained the same way, loadable by load_state_dict,
+sharded like Hugging Face's files, and exported within a memory budget smaller than the model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine_cases import base_config, make_model, train_engine, train_reference
+from offload.cli import main
+from offload.export import export_weights, load_exported
+from offload.launch import run_ranks
+
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A W=2 run's checkpoint and the torch reference trained on the same global batches."""
+    root = tmp_path_factory.mktemp("trained")
+    run_ranks(train_engine, 2, name="gpt", config=base_config(2, 2, 2), steps=4, micro=2, accum=2,
+              save_dir=str(root / "ckpt"))
+    return root / "ckpt", train_reference("gpt", 4, 8, 2, world=2)
+
+
+def test_export_equals_torch_trained_the_same_way_and_loads_into_the_model(trained, tmp_path):
+    ckpt, ref = trained
+    result = export_weights(ckpt, tmp_path / "out", max_shard_bytes=40_000)
+    assert len(result.files) > 2 and result.files[-1] == "model.safetensors.index.json"
+    index = json.loads((tmp_path / "out" / result.files[-1]).read_text())
+    assert set(index["weight_map"].values()) == set(result.files[:-1])
+    state = load_exported(tmp_path / "out")
+    assert state.keys() == ref["state"].keys()
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+    model = make_model("gpt")
+    model.load_state_dict(state)  # strict: every key, every shape
+
+
+def test_export_in_bf16_through_the_command_line_and_inspect(trained, tmp_path, capsys):
+    ckpt, ref = trained
+    assert main(["export-weights", str(ckpt), str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    state = load_exported(tmp_path / "bf16")
+    assert (tmp_path / "bf16" / "model.safetensors").is_file()  # small enough for one file
+    for key, value in ref["state"].items():
+        if value.is_floating_point():
+            assert state[key].dtype == torch.bfloat16
+            torch.testing.assert_close(state[key].float(), value, rtol=1e-2, atol=1e-2)
+    assert main(["inspect", str(ckpt)]) == 0
+    table = capsys.readouterr().out
+    assert "world size     2" in table and "global_step4" in table and "fp32 master" in table
+    assert main(["inspect", str(tmp_path / "nothing-here")]) == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+
+
+EXPORT_UNDER_A_BUDGET = """
+import resource, sys, torch
+from offload.export import export_weights
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+export_weights(sys.argv[1], sys.argv[2], max_shard_bytes=8 << 20)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) * 1024)
+"""
+
+SAVE_A_LARGER_MODEL = """
+import sys, torch, offload
+from offload.models import GPT, GPTConfig
+model = GPT(GPTConfig(vocab_size=1024, context=64, hidden_size=512, layers=8, heads=8))
+config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "offload": {"unit_bytes": 2 << 20}}
+engine = offload.initialize(model=model, config=config)[0]
+engine.save_checkpoint(sys.argv[1])
+print(sum(p.numel() for p in model.parameters()) * 4)
+engine.close()
+"""
+
+
+def test_exporting_a_model_several_times_the_memory_budget_stays_within_it(tmp_path):
+    budget = 32 << 20
+    run = lambda code, *args: subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=REPO, check=True,
+                                             capture_output=True, text=True).stdout.split()[-1]
+    model_bytes = int(run(SAVE_A_LARGER_MODEL, tmp_path / "ckpt"))
+    assert model_bytes > 2.5 * budget
+    grew = int(run(EXPORT_UNDER_A_BUDGET, tmp_path / "ckpt", tmp_path / "out"))
+    assert grew < budget, f"exporting {model_bytes / 2**20:.0f} MiB of weights grew the RSS by {grew / 2**20:.0f} MiB"
+    assert sum(f.stat().st_size for f in (tmp_path / "out").glob("*.safetensors")) >= model_bytes
+
+
+def _save_16bit(rank, world, save_dir, gather):
+    import offload
+    config = base_config(2, 1, world)
+    config["bf16"] = {"enabled": True}
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    saved = [engine.save_16bit_model(save_dir, name) for name in ("pytorch_model.bin", "model.safetensors")]
+    state = engine.full_state_dict()
+    engine.close()
+    return saved, state
+
+
+def test_save_16bit_model_writes_the_gathered_compute_weights_only_when_the_config_asks(tmp_path):
+    from safetensors.torch import load_file
+    saved, full = run_ranks(_save_16bit, 2, save_dir=str(tmp_path), gather=True)[0]
+    assert saved == [True, True]
+    for state in (torch.load(tmp_path / "pytorch_model.bin"), load_file(str(tmp_path / "model.safetensors"))):
+        assert state.keys() == full.keys()
+        for key, value in full.items():
+            assert state[key].dtype == torch.bfloat16 and torch.equal(state[key], value.to(torch.bfloat16)), key
+    saved, _ = run_ranks(_save_16bit, 1, save_dir=str(tmp_path / "off"), gather=False)[0]
+    assert saved == [False, False] and not (tmp_path / "off").exists()
