@@ -337,6 +337,7 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_
             for m in g.members:
                 for kind, values in zip(("master", "exp_avg", "exp_avg_sq"), g.views(m)):
                     writer.add(m.unit, kind, values)
+                    _phase("writing")
         for unit in engine.units:
             if unit.index not in engine.optimizer.shards:
                 writer.add(unit.index, "shard", unit.authoritative_shard)

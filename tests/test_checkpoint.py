@@ -12,7 +12,8 @@ from engine_cases import base_config, batches, loss_of, make_model
 from offload.checkpoint import CheckpointError
 from offload.launch import RankError, run_ranks
 
-STEPS = 6
+STEPS = 10
+CRASH_STOP = 6  # the crash tests train this far
 
 
 def ckpt_config(world, optimizer="cpu", path=None):
@@ -23,6 +24,8 @@ def ckpt_config(world, optimizer="cpu", path=None):
         config["zero_optimization"]["sub_group_size"] = 3000
         config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(path / "swap")}
         config["offload"]["budgets"] = {"host": 900_000}
+    if optimizer == "params-on-host":  # offload_param cpu: the shards' home is host memory
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     return config
 
 
@@ -58,25 +61,25 @@ def train(rank, world, config, save_dir, start=0, stop=STEPS, save_at=None, resu
 
 @pytest.fixture(scope="module")
 def straight_w1(tmp_path_factory):
-    return run_ranks(train, 1, config=ckpt_config(1), save_dir=tmp_path_factory.mktemp("unused"))[0]
+    return run_ranks(train, 1, config=ckpt_config(1), save_dir=tmp_path_factory.mktemp("unused"), stop=CRASH_STOP)[0]
 
 
-@pytest.mark.parametrize("world,optimizer", [(2, "cpu"), (1, "split")])
+@pytest.mark.parametrize("world,optimizer", [(2, "cpu"), (1, "split"), (1, "params-on-host")])
 def test_a_resumed_run_equals_the_run_that_never_stopped(tmp_path, world, optimizer):
     config = ckpt_config(world, optimizer, tmp_path)
     straight = run_ranks(train, world, config=config, save_dir=tmp_path / "a")
-    run_ranks(train, world, config=config, save_dir=tmp_path / "ckpt", stop=4, save_at=3)
-    resumed = run_ranks(train, world, config=config, save_dir=tmp_path / "ckpt", start=4, resume=True)
+    run_ranks(train, world, config=config, save_dir=tmp_path / "ckpt", stop=5, save_at=4)
+    resumed = run_ranks(train, world, config=config, save_dir=tmp_path / "ckpt", start=5, resume=True)
     for full, half in zip(straight, resumed):
-        assert half["client"] == {"next_step": 4, "rank": 0}  # rank 0's client state, on every rank
-        assert half["losses"] == full["losses"][4:]  # bitwise: fp32 on the CPU
+        assert half["client"] == {"next_step": 5, "rank": 0}  # rank 0's client state, on every rank
+        assert half["losses"] == full["losses"][5:]  # bitwise: fp32 on the CPU
         assert half["steps"] == full["steps"] and half["lr"] == full["lr"]
         assert torch.equal(half["random"], full["random"])  # the RNG continues where it was
         for key, value in full["state"].items():
             assert torch.equal(half["state"][key], value), key
 
 
-@pytest.mark.parametrize("phase,latest", [("rank-files-written", "global_step2"), ("meta-written", "global_step2"),
+@pytest.mark.parametrize("phase,latest", [("writing", "global_step2"), ("rank-files-written", "global_step2"), ("meta-written", "global_step2"),
                                           ("renamed", "global_step2"), ("latest-written", "global_step4")])
 def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path, straight_w1, phase, latest):
     config = ckpt_config(1)
@@ -85,7 +88,7 @@ def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path, strai
         run_ranks(train, 1, config=config, save_dir=tmp_path, stop=5, save_at=3, kill_at=phase)
     assert (tmp_path / "latest").read_text() == latest
     start = int(latest.removeprefix("global_step"))
-    resumed = run_ranks(train, 1, config=config, save_dir=tmp_path, start=start, resume=True)[0]
+    resumed = run_ranks(train, 1, config=config, save_dir=tmp_path, start=start, stop=CRASH_STOP, resume=True)[0]
     assert resumed["losses"] == straight_w1["losses"][start:]
     for key, value in straight_w1["state"].items():
         assert torch.equal(resumed["state"][key], value), key
