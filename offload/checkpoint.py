@@ -333,7 +333,7 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_
     _barrier(group)
     writer = RankWriter(tmp, rank)
     try:
-        for g in engine.optimizer.store.groups_in_memory():
+        for g in engine.optimizer.store.one_at_a_time(read=True, write=False):
             for m in g.members:
                 for kind, values in zip(("master", "exp_avg", "exp_avg_sq"), g.views(m)):
                     writer.add(m.unit, kind, values)
@@ -411,7 +411,7 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
 
     units = {u.index: u for u in engine.units}
     try:
-        for g in engine.optimizer.store.replace_groups():
+        for g in engine.optimizer.store.one_at_a_time(read=False, write=True):
             for m in g.members:
                 unit = units[m.unit]
                 master, exp_avg, exp_avg_sq = g.views(m)

@@ -215,37 +215,25 @@ class OptimizerStateStore:
         self._file.read(buf.tensor, g.slots[g.current], g.nbytes).wait()
         return buf.view(torch.float32, KINDS * g.numel)[m.offset:m.offset + m.numel].clone()
 
-    def groups_in_memory(self) -> Iterator[SubGroup]:
-        """Every sub-group resident in turn, NVMe ones read into one buffer at a time (and not written back):
-        a reader that never holds more than one sub-group, for checkpoints."""
+    def one_at_a_time(self, *, read: bool, write: bool) -> Iterator[SubGroup]:
+        """Every sub-group resident in turn, an NVMe one through one buffer: read from its current slot first
+        (``read``) and written back to that slot after the caller is done with it (``write``: the caller
+        replaced the whole sub-group). Never more than one sub-group in memory; for checkpoints."""
         for g in self.groups:
             if g.tier != "nvme":
                 yield g
                 continue
             assert self._file is not None
             buf = self._buffers[0]
-            self._file.read(buf.tensor, g.slots[g.current], g.nbytes).wait()
-            self.telemetry.add_bytes("nvme_read", g.nbytes)
+            if read:
+                self._file.read(buf.tensor, g.slots[g.current], g.nbytes).wait()
+                self.telemetry.add_bytes("nvme_read", g.nbytes)
             g.resident = buf.view(torch.float32, KINDS * g.numel).view(KINDS, g.numel)
             try:
                 yield g
-            finally:
-                g.resident = None
-
-    def replace_groups(self) -> Iterator[SubGroup]:
-        """Every sub-group in turn for the caller to overwrite whole (master and both moments of every member);
-        an NVMe one is written to its current slot after the caller is done with it. For loading checkpoints."""
-        for g in self.groups:
-            if g.tier != "nvme":
-                yield g
-                continue
-            assert self._file is not None
-            buf = self._buffers[0]
-            g.resident = buf.view(torch.float32, KINDS * g.numel).view(KINDS, g.numel)
-            try:
-                yield g
-                self._file.write(buf.tensor, g.slots[g.current], g.nbytes).wait()
-                self.telemetry.add_bytes("nvme_write", g.nbytes)
+                if write:
+                    self._file.write(buf.tensor, g.slots[g.current], g.nbytes).wait()
+                    self.telemetry.add_bytes("nvme_write", g.nbytes)
             finally:
                 g.resident = None
 
