@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for the README's two commands (and CI):
-#   ./dev.sh demo [args]   set up .venv, then run the main job on its embedded default
+#   ./dev.sh train [args]  set up .venv, then run the main job (offload train) on its embedded default
+#   ./dev.sh demo [args]   the smaller walk-through of the engine (offload demo)
 #   ./dev.sh test [args]   set up .venv, then run the whole test suite (args go to pytest)
 # Needs only Python >= 3.10 with pip and venv, and a C++ compiler; everything else comes from PyPI.
 set -euo pipefail
@@ -35,6 +36,8 @@ fi
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
+  train)
+    exec "$VENV/bin/offload" train "$@" ;;
   demo)
     exec "$VENV/bin/offload" demo "$@" ;;
   test)
@@ -44,5 +47,5 @@ case "$cmd" in
     if [ $rc -eq 5 ]; then echo "pytest collected no tests: that is a failure" >&2; exit 1; fi
     exit $rc ;;
   *)
-    echo "usage: ./dev.sh demo|test [args]" >&2; exit 64 ;;
+    echo "usage: ./dev.sh train|demo|test [args]" >&2; exit 64 ;;
 esac

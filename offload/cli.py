@@ -116,6 +116,16 @@ def _cmd_tune_nvme(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from offload.train import TrainError, main_args, run
+    try:
+        record = run(main_args(args))
+    except TrainError as e:
+        print(f"offload train: {e}", file=sys.stderr)
+        return 2
+    return 0 if len(record.losses) < 2 or record.losses[-1] < record.losses[0] else 1
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from offload.checkpoint import CheckpointError
     from offload.export import describe
@@ -173,6 +183,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fio", action="store_true", help="skip fio even if it is installed")
     p.add_argument("--out", default=None, help="output directory (default ./offload-tune-nvme)")
     p.set_defaults(func=_cmd_tune_nvme)
+
+    from offload.train import MODELS, TrainArgs
+    d = TrainArgs()
+    p = sub.add_parser("train", help="train a causal LM through the runtime (the main job; embedded defaults)")
+    p.add_argument("--model", default=d.model, help=f"{', '.join(MODELS)} (default {d.model})")
+    p.add_argument("--layers", type=int, default=None, help="override the model's depth")
+    p.add_argument("--hidden", type=int, default=None, help="override the model's width")
+    p.add_argument("--heads", type=int, default=None, help="override the model's attention heads")
+    p.add_argument("--seq", type=int, default=d.seq, help=f"tokens per sample (default {d.seq})")
+    p.add_argument("--data", default=None, help="text file (bytes are tokens), or tokens as .npy / uint16 .bin "
+                                                "(default: embedded text)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary of pre-tokenized data (default max id + 1)")
+    p.add_argument("--config", default=None, help="a DeepSpeed-style JSON config (default: the embedded one)")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--micro-batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
+    p.add_argument("--lr", type=float, default=None, help="override the optimizer's lr")
+    p.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default=None,
+                   help="override zero_optimization.offload_optimizer.device")
+    p.add_argument("--nvme-path", default=d.nvme_path, help=f"swap directory for nvme (default ./{d.nvme_path})")
+    p.add_argument("--init-empty", action="store_true", help="build the model under offload.zero.Init")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default=d.out, help=f"record.json, trace.json and loss.png go here (default ./{d.out})")
+    p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps")
+    p.add_argument("--save-dir", default=None, help="checkpoint directory (default <out>/checkpoints)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    p.add_argument("--print-every", type=int, default=None, help="steps between progress lines")
+    p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("inspect", help="what a checkpoint holds: step, world size, sizes per state, config")
     p.add_argument("checkpoint", help="a checkpoint directory, or the save_dir holding `latest`")

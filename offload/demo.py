@@ -1,4 +1,4 @@
-"""The README's first command until `offload train` exists: the real engine on a small model.
+"""`offload demo`: the small walk-through of the engine (the main job is `offload train`) on a small model.
 
 It loads the embedded default config (or yours), and trains a small byte-level GPT
 on embedded text through ``offload.initialize``: ZeRO-3 units gathered around each

@@ -1,0 +1,326 @@
+"""`offload train`: a causal language model trained through the runtime, with sensible defaults.
+
+The model is a Hugging Face family built from its config (never downloaded weights) or
+the built-in GPT; the data a text file (bytes are tokens), pre-tokenized ``.npy`` /
+``.bin`` (uint16) tokens, or the embedded default text. Everything that can be wrong
+(the data file, the model name, the config, the budgets) is checked before the first
+step. While it runs one line per print interval shows loss, tokens/s and memory per
+tier against its budget; at the end it prints a summary and writes the JSON record,
+the Chrome trace and the loss curve into ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+from torch import nn
+
+from offload.config import Config, ConfigError
+
+# name -> (family, layers, hidden, heads): sizes by name; --layers/--hidden/--heads override.
+MODELS: dict[str, tuple[str, int, int, int]] = {
+    "gpt-tiny": ("builtin", 2, 64, 4),
+    "gpt-small": ("builtin", 6, 256, 8),
+    "gpt2": ("gpt2", 12, 768, 12),
+    "gpt2-medium": ("gpt2", 24, 1024, 16),
+    "gpt2-tiny": ("gpt2", 2, 64, 4),
+    "llama-tiny": ("llama", 2, 64, 4),
+    "llama-1b": ("llama", 16, 2048, 32),
+}
+
+
+class TrainError(ValueError):
+    """A bad argument found before any work started; the message says what would be right."""
+
+
+@dataclass(kw_only=True)
+class TrainArgs:
+    model: str = "gpt-tiny"
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    seq: int = 64
+    data: str | None = None  # None: the embedded default text
+    vocab: int | None = None  # pre-tokenized data: default max token + 1
+    config: str | None = None  # None: the embedded default config
+    steps: int = 150
+    micro_batch: int | None = None
+    lr: float | None = None
+    offload_optimizer: str | None = None  # none, cpu or nvme: overrides the config
+    nvme_path: str = "offload-swap"  # under the working directory unless absolute
+    init_empty: bool = False
+    seed: int = 0
+    out: str = "offload-train-out"
+    save_every: int = 0
+    save_dir: str | None = None  # default: <out>/checkpoints
+    resume: bool = False
+    print_every: int | None = None  # None: the config's steps_per_print
+
+
+@dataclass
+class TrainRecord:
+    args: dict[str, Any]
+    params: int
+    world: int
+    device: str
+    step_mode: str
+    first_step: int
+    losses: list[float] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    seconds_per_step: dict[str, float] = field(default_factory=dict)
+    bytes_per_step: dict[str, float] = field(default_factory=dict)
+    overlap_share: float | None = None
+    peak_rss_bytes: int = 0
+    peak_device_bytes: int = 0
+    memory: dict[str, dict[str, int]] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- checks, before any work
+
+
+def load_tokens(args: TrainArgs) -> tuple[torch.Tensor, int]:
+    """The token stream and its vocabulary size."""
+    if args.data is None:
+        from offload.demo import TEXT
+        return torch.tensor(list(TEXT.encode()), dtype=torch.long), 256
+    path = Path(args.data)
+    if not path.is_file():
+        raise TrainError(f"--data {path}: no such file (give a text file, or tokens as .npy or uint16 .bin)")
+    if path.suffix == ".npy":
+        tokens = torch.from_numpy(np.load(path).astype(np.int64).reshape(-1))
+    elif path.suffix == ".bin":
+        tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
+    else:
+        return torch.tensor(list(path.read_bytes()), dtype=torch.long), 256
+    if tokens.numel() == 0 or int(tokens.min()) < 0:
+        raise TrainError(f"--data {path}: {tokens.numel()} tokens, min {int(tokens.min()) if tokens.numel() else '-'}"
+                         ": pre-tokenized data must be non-empty non-negative token ids")
+    vocab = args.vocab or int(tokens.max()) + 1
+    if int(tokens.max()) >= vocab:
+        raise TrainError(f"--data {path} has token id {int(tokens.max())}, not below --vocab {vocab}")
+    return tokens, vocab
+
+
+def build_model(args: TrainArgs, vocab: int) -> nn.Module:
+    if args.model not in MODELS:
+        raise TrainError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)} (and --layers/--hidden/"
+                         "--heads for other sizes)")
+    family, layers, hidden, heads = MODELS[args.model]
+    layers, hidden, heads = args.layers or layers, args.hidden or hidden, args.heads or heads
+    if hidden % heads:
+        raise TrainError(f"--hidden {hidden} must be a multiple of --heads {heads}")
+    if family == "builtin":
+        from offload.models import GPT, GPTConfig
+        return GPT(GPTConfig(vocab_size=vocab, context=args.seq, hidden_size=hidden, layers=layers, heads=heads))
+    try:
+        import transformers
+    except ImportError:
+        raise TrainError(f"model {args.model!r} needs the transformers package (pip install transformers), or use "
+                         "a built-in model (gpt-tiny, gpt-small)") from None
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=vocab, n_positions=args.seq, n_embd=hidden, n_layer=layers,
+                                         n_head=heads)
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      max_position_embeddings=args.seq)
+    return transformers.LlamaForCausalLM(config)
+
+
+def build_config(args: TrainArgs) -> dict[str, Any]:
+    from offload.demo import default_config_text
+    if args.config is None:
+        raw = json.loads(default_config_text())
+    else:
+        path = Path(args.config)
+        if not path.is_file():
+            raise TrainError(f"--config {path}: no such file (see configs/ for examples)")
+        raw = Config.load(path).to_dict()
+    zero = raw.setdefault("zero_optimization", {})
+    if args.micro_batch is not None:
+        raw["train_micro_batch_size_per_gpu"] = args.micro_batch
+        raw.pop("train_batch_size", None)
+    if args.lr is not None:
+        raw.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})["lr"] = args.lr
+    if args.offload_optimizer is not None:
+        zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": args.offload_optimizer}
+    for section in ("offload_optimizer", "offload_param"):
+        if zero.get(section, {}).get("device") == "nvme":
+            path = zero[section].get("nvme_path") or args.nvme_path
+            zero[section]["nvme_path"] = str(Path(path).absolute())
+    Config.load(raw)  # a bad key or value is an error now, with its key path
+    return raw
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _windows(tokens: torch.Tensor, seq: int, rows: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, tokens.numel() - seq - 1, (rows,), generator=gen)
+    return torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])
+
+
+def _loss(engine: Any, batch: torch.Tensor) -> torch.Tensor:
+    from offload.models import GPT
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    if isinstance(engine.module, GPT):
+        return engine(inputs, targets)
+    logits = engine(input_ids=inputs).logits  # a Hugging Face causal LM
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def _tier_line(memory: dict[str, dict[str, int]]) -> str:
+    parts = []
+    for tier in ("device", "host", "nvme"):
+        m = memory.get(tier, {})
+        used = m.get("total", m.get("shards", 0) + m.get("gathered_now", 0))
+        if used or m.get("budget"):
+            parts.append(f"{tier} {_mib(used)}" + (f"/{_mib(m['budget'])}" if m.get("budget") else "") + " MiB")
+    return " ".join(parts)
+
+
+def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> TrainRecord:
+    """Train as ``args`` say; progress and summary go to ``out`` (default stdout) unless ``quiet``."""
+    import offload
+    from offload.zero import Init
+
+    tokens, vocab = load_tokens(args)
+    if tokens.numel() < args.seq + 2:
+        raise TrainError(f"the data has {tokens.numel()} tokens; --seq {args.seq} needs at least {args.seq + 2}")
+    config = build_config(args)
+    torch.manual_seed(args.seed)
+    if args.init_empty:
+        with Init():
+            model = build_model(args, vocab)
+    else:
+        model = build_model(args, vocab)
+    out_dir = Path(args.out)
+    save_dir = Path(args.save_dir) if args.save_dir else out_dir / "checkpoints"
+    if args.resume and not (save_dir / "latest").is_file():
+        raise TrainError(f"--resume: {save_dir} holds no checkpoint (no 'latest'); train with --save-every first")
+    try:
+        engine, *_ = offload.initialize(model=model, config=config)
+    except ConfigError as e:
+        raise TrainError(f"the config cannot run here: {e}") from e
+    rank0 = engine.group.rank == 0
+
+    def say(msg: str) -> None:
+        if not quiet and rank0:
+            print(msg, file=out or sys.stdout, flush=True)
+
+    first_step = 0
+    if args.resume:
+        path, client = engine.load_checkpoint(save_dir)
+        first_step = int(client.get("step", engine.global_steps))
+        say(f"resumed from {path} at step {first_step}")
+    params = sum(u.numel for u in engine.units)
+    cfg = engine.config
+    micro, accum = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    say(f"model {args.model}: {params:,} parameters in {len(engine.units)} units on {engine.accel.device}, "
+        f"world {engine.group.world}; optimizer on {cfg.zero_optimization.offload_optimizer.device}, parameters on "
+        f"{cfg.zero_optimization.offload_param.device}; step {engine.step_mode}")
+    record = TrainRecord(args=asdict(args), params=params, world=engine.group.world, device=str(engine.accel.device),
+                         step_mode=engine.step_mode, first_step=first_step)
+    gen = torch.Generator()
+    every = args.print_every or cfg.steps_per_print or 10
+    tokens_per_step = micro * accum * args.seq * engine.group.world
+    engine.telemetry.start_trace()
+    engine.accel.reset_peak()
+    start = time.perf_counter()
+    try:
+        for step in range(first_step, args.steps):
+            total = 0.0
+            # Each step's batches depend only on (seed, rank, step), so a resumed run sees what the
+            # uninterrupted one would have.
+            gen.manual_seed((args.seed * 1_000_003 + engine.group.rank) * 1_000_003 + step)
+            for _ in range(accum):
+                loss = _loss(engine, _windows(tokens, args.seq, micro, gen))
+                engine.backward(loss)
+                engine.step()
+                total += loss.item() / accum
+            if not math.isfinite(total):
+                raise TrainError(f"step {step + 1}: the loss is {total}; lower --lr or enable gradient clipping")
+            record.losses.append(total)
+            done = step + 1
+            if done == first_step + 1 or done % every == 0 or done == args.steps:
+                elapsed = time.perf_counter() - start
+                rate = (done - first_step) * tokens_per_step / elapsed
+                say(f"step {done:5d}/{args.steps}  loss {total:7.4f}  {rate:9,.0f} tok/s  "
+                    f"{_tier_line(engine.memory_summary())}")
+            if args.save_every and done % args.save_every == 0:
+                engine.save_checkpoint(save_dir, client_state={"step": done})
+    finally:
+        elapsed = time.perf_counter() - start
+        steps_run = max(1, len(record.losses))
+        snap = engine.telemetry.snapshot()
+        record.tokens_per_s = len(record.losses) * tokens_per_step / elapsed if record.losses else 0.0
+        record.seconds_per_step = {k: v / steps_run for k, v in sorted(snap.seconds.items())}
+        record.bytes_per_step = {k: v / steps_run for k, v in sorted(snap.bytes.items())}
+        record.overlap_share = engine.telemetry.overlap_share()
+        record.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        record.peak_device_bytes = engine.accel.memory_stats().peak_allocated
+        record.memory = engine.memory_summary()
+        if rank0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            record.files = {"trace": str(engine.telemetry.export_chrome_trace(out_dir / "trace.json", 0)),
+                            "record": str(out_dir / "record.json")}
+            if record.losses:
+                record.files["loss_plot"] = str(_plot(record, out_dir / "loss.png"))
+            (out_dir / "record.json").write_text(json.dumps(asdict(record), indent=1))
+        engine.close()
+    _summary(record, say)
+    return record
+
+
+def _plot(record: TrainRecord, path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = range(record.first_step + 1, record.first_step + len(record.losses) + 1)
+    ax.plot(list(steps), record.losses)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{record.args['model']}: {record.params:,} parameters, W={record.world}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _summary(record: TrainRecord, say: Any) -> None:
+    if record.losses:
+        say(f"loss {record.losses[0]:.3f} -> {record.losses[-1]:.3f} over {len(record.losses)} steps, "
+            f"{record.tokens_per_s:,.0f} tokens/s")
+    say("per step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in record.seconds_per_step.items()))
+    moved = {k: v for k, v in record.bytes_per_step.items() if v}
+    if moved:
+        say("bytes per step: " + ", ".join(f"{k} {_mib(v)} MiB" for k, v in moved.items()))
+    if record.overlap_share is not None:
+        say(f"{record.overlap_share:.0%} of the background copies ran during forward/backward")
+    say(f"peak RSS {_mib(record.peak_rss_bytes)} MiB" + (f", peak GPU memory {_mib(record.peak_device_bytes)} MiB"
+                                                         if record.peak_device_bytes else ""))
+    say("memory: " + _tier_line(record.memory))
+    if record.files:
+        say("wrote " + ", ".join(record.files.values()))
+
+
+def main_args(ns: Any) -> TrainArgs:
+    """TrainArgs from the command line's namespace (only the fields it has)."""
+    fields = TrainArgs.__dataclass_fields__
+    return TrainArgs(**{k: v for k, v in vars(ns).items() if k in fields})

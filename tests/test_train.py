@@ -1,0 +1,74 @@
+"""`offload train`, the main job: runs end to end with and without NVMe, writes what it says, resumes
+exactly from its checkpoints, and refuses bad arguments before any work starts."""
+
+import json
+
+import numpy as np
+import pytest
+
+from offload.cli import main
+
+
+def _train(tmp_path, *extra, out="out"):
+    return main(["train", "--out", str(tmp_path / out), "--nvme-path", str(tmp_path / "swap"), "--print-every", "5",
+                 *extra])
+
+
+def _record(tmp_path, out="out"):
+    return json.loads((tmp_path / out / "record.json").read_text())
+
+
+def test_train_on_the_embedded_default_learns_and_writes_record_trace_and_plot(tmp_path, capsys):
+    assert _train(tmp_path, "--steps", "20") == 0  # 0: the loss fell
+    record = _record(tmp_path)
+    assert len(record["losses"]) == 20 and record["losses"][-1] < record["losses"][0] - 0.5
+    assert record["tokens_per_s"] > 0 and record["peak_rss_bytes"] > 0 and record["seconds_per_step"]["optimizer"] > 0
+    assert json.loads((tmp_path / "out" / "trace.json").read_text())["traceEvents"]
+    assert (tmp_path / "out" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "tok/s" in text and "host" in text and "peak RSS" in text
+
+
+def test_train_with_the_optimizer_on_nvme_and_a_hugging_face_model(tmp_path):
+    assert _train(tmp_path, "--model", "llama-tiny", "--steps", "6", "--offload-optimizer", "nvme") in (0, 1)
+    record = _record(tmp_path)
+    assert record["memory"]["nvme"]["total"] > 0 and record["bytes_per_step"]["nvme_read"] > 0
+    assert all(np.isfinite(record["losses"]))
+    assert not any((tmp_path / "swap").iterdir())  # the swap directory is cleaned on exit
+
+
+def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path):
+    _train(tmp_path, "--steps", "8", out="straight")
+    _train(tmp_path, "--steps", "4", "--save-every", "2", out="half")
+    _train(tmp_path, "--steps", "8", "--resume", out="half")
+    straight, resumed = _record(tmp_path, "straight"), _record(tmp_path, "half")
+    assert resumed["first_step"] == 4 and resumed["losses"] == straight["losses"][4:]
+
+
+def test_pre_tokenized_data(tmp_path):
+    np.save(tmp_path / "tokens.npy", (np.arange(4000) * 7 % 50).astype(np.uint16))
+    assert _train(tmp_path, "--data", str(tmp_path / "tokens.npy"), "--steps", "10") == 0
+    assert _record(tmp_path)["params"] < 120_000  # a 50-token vocabulary, not 256
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--model", "gpt5"], "unknown model 'gpt5'; choose one of"),
+    (["--data", "/no/such/file.txt"], "no such file"),
+    (["--config", "/no/such.json"], "no such file"),
+    (["--resume"], "holds no checkpoint"),
+    (["--hidden", "66"], "must be a multiple of --heads"),
+])
+def test_bad_arguments_are_clear_errors_before_any_work(tmp_path, capsys, extra, message):
+    assert _train(tmp_path, *extra) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_that_cannot_fit_its_budgets_is_a_clear_error(tmp_path, capsys):
+    config = tmp_path / "tight.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "offload": {"budgets": {"host": "64KiB"}}}))
+    assert _train(tmp_path, "--config", str(config)) == 2
+    err = capsys.readouterr().err
+    assert "the config cannot run here" in err and "offload.budgets.host" in err
