@@ -138,7 +138,7 @@ def tmp_dir(save_dir: Path, tag: str) -> Path:
     return save_dir / f".tmp-{tag}"
 
 
-def publish(save_dir: Path, tag: str, meta: dict[str, Any]) -> Path:
+def publish(save_dir: Path, tag: str, meta: dict[str, Any], update_latest: bool = True) -> Path:
     """Rank 0, after every rank's files are written: meta.json, then the directory, then ``latest``."""
     tmp = tmp_dir(save_dir, tag)
     write_atomic(tmp / "meta.json", json.dumps(meta, indent=1).encode())
@@ -151,8 +151,9 @@ def publish(save_dir: Path, tag: str, meta: dict[str, Any]) -> Path:
     os.replace(tmp, final)
     fsync_dir(save_dir)
     _phase("renamed")
-    write_atomic(save_dir / LATEST, tag.encode())
-    _phase("latest-written")
+    if update_latest:
+        write_atomic(save_dir / LATEST, tag.encode())
+        _phase("latest-written")
     shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -282,13 +283,14 @@ def _same_model(layout: list[dict[str, Any]]) -> list[tuple[str, int, bool]]:
     return [(u["name"], u["numel"], u["trained"]) for u in layout]
 
 
-def _state_dict_map(engine: Any) -> tuple[list[list[Any]], dict[str, torch.Tensor]]:
-    """Where each state_dict key's values are: [key, unit, offset, shape] of parameters, and the buffers."""
-    where = {id(s.param): (u.index, s.offset, list(s.shape)) for u in engine.units for s in u.slots}
+def state_dict_layout(engine: Any) -> tuple[list[tuple[str, int, Any]], dict[str, torch.Tensor]]:
+    """Each state_dict key that is a parameter as (key, unit index, its ParamSlot), and the buffers (on the
+    host); tied parameters appear under every key they have."""
+    where = {id(s.param): (u.index, s) for u in engine.units for s in u.slots}
     params, buffers = [], {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) in where:
-            params.append([key, *where[id(t)]])
+            params.append((key, *where[id(t)]))
         else:
             buffers[key] = t.detach().cpu().clone()
     return params, buffers
@@ -346,7 +348,8 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_
     small: dict[str, Any] = {"rng": _rng_state(engine.accel.is_cuda)}
     if rank == 0:
         scheduler = engine.lr_scheduler
-        params, buffers = _state_dict_map(engine)
+        layout, buffers = state_dict_layout(engine)
+        params = [[key, unit, slot.offset, list(slot.shape)] for key, unit, slot in layout]
         small.update(client_state=client_state or {}, loss_scaler=dict(engine.loss_scaler.__dict__), buffers=buffers,
                      lr_scheduler=scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
                      param_groups=[{k: v for k, v in g.items() if k != "params"}
@@ -361,12 +364,7 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_
                 "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
                 "params": params,
                 "config": engine.config.to_dict(), "files": {k: v for f in every for k, v in f.items()}}
-        if save_latest:
-            publish(root, tag, meta)
-        else:
-            write_atomic(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-            os.replace(tmp, root / tag)
-            fsync_dir(root)
+        publish(root, tag, meta, update_latest=save_latest)
     _barrier(group)
     return root / tag
 

@@ -454,27 +454,23 @@ class Engine:
                            "`offload export-weights`, which never gathers the whole model")
             return False
         self.optimizer.drain()
-        keys: dict[int, list[str]] = {}
-        state: dict[str, torch.Tensor] = {}
-        for key, t in self.module.state_dict(keep_vars=True).items():
-            keys.setdefault(id(t), []).append(key)
+        layout, buffers = checkpoint.state_dict_layout(self)
+        by_unit: dict[int, list[tuple[str, Any]]] = {}
+        for key, index, slot in layout:
+            if not (exclude_frozen_parameters and not slot.param.requires_grad):
+                by_unit.setdefault(index, []).append((key, slot))
         rank0 = self.group.rank == 0
+        state: dict[str, torch.Tensor] = {}
         for unit in self.units:  # one unit gathered at a time; rank 0 keeps the host copy
             full = torch.empty(unit.padded, dtype=self.compute_dtype, device=self.accel.device)
             all_gather(full, unit.authoritative_shard.to(self.accel.device), self.group)
             if rank0:
                 full = full.cpu()
-                for s in unit.slots:
-                    if exclude_frozen_parameters and not s.param.requires_grad:
-                        continue
-                    for key in keys.pop(id(s.param), []):
-                        state[key] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+                for key, s in by_unit.get(unit.index, ()):
+                    state[key] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
             del full
         if rank0:
-            params = {id(p) for u in self.units for p in (s.param for s in u.slots)}
-            for key, t in self.module.state_dict(keep_vars=True).items():
-                if id(t) not in params:
-                    state[key] = t.detach().cpu().clone()
+            state.update(buffers)
             path = Path(save_dir) / save_filename
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.name + ".tmp")
@@ -491,10 +487,11 @@ class Engine:
     def set_unit_values(self, unit: Unit, values: torch.Tensor) -> None:
         """Make ``values`` (this rank's shard, any float dtype) the unit's compute-dtype parameters."""
         state = self.optimizer.shards.get(unit.index)
-        if state is not None and state.out is not None:
-            state.out.copy_(values)
+        out = state.out if state is not None else None  # the step's host copy (for trained units, the home too)
+        if out is not None:
+            out.copy_(values)
         if unit.home is not None:
-            if unit.home is not (state.out if state is not None else None):
+            if unit.home is not out:
                 unit.home.copy_(values)
         else:
             unit.shard.copy_(values.to(unit.shard.device), non_blocking=False)
