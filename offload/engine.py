@@ -34,6 +34,7 @@ from offload.aio.base import Engine as AioEngine
 from offload.aio.select import engine_from_config
 from offload.optim.sharded import ShardedAdam, StatePlan
 from offload.store.budget import TierBudget
+from offload.store.param_swap import ParamSwap, ParamSwapError
 from offload.store.swapdir import PREFIX, SwapDir
 from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, all_gather, all_reduce_sum, broadcast
@@ -87,18 +88,26 @@ class Engine:
                  if plan.index in trained]
         self.host_budget = TierBudget("host", config.offload.budgets.host)
         self.nvme_budget = TierBudget("nvme", config.offload.budgets.nvme)
-        self._swap: tuple[SwapDir, AioEngine] | None = None
+        self._swaps: dict[str, tuple[SwapDir, AioEngine]] = {}
+        self.param_swap: ParamSwap | None = None
         with contextlib.ExitStack() as undo:  # a failed start-up releases what it took (swap dir lock, threads)
             undo.callback(self.accel.close)
             undo.callback(self._close_swap)
-            self._swap = self._open_swap() if zero.offload_optimizer.device == "nvme" else None
+            nvme_params = self._place_params(plans)
+            if nvme_params:
+                self.param_swap = ParamSwap(
+                    nvme_params, self.compute_dtype, swap=self._open_swap(zero.offload_param.nvme_path),
+                    rank=group.rank, host=self.host_budget, nvme=self.nvme_budget,
+                    buffer_count=zero.offload_param.buffer_count, pin=accel.is_cuda, telemetry=self.telemetry)
             self.optimizer = ShardedAdam(
                 param_groups, accel, sizes, compute_dtype=self.compute_dtype, adamw_mode=adamw_mode,
                 bias_correction=bias_correction, threads=config.offload.cpu_threads, telemetry=self.telemetry,
                 plan=StatePlan(device=zero.offload_optimizer.device, sub_group_size=zero.sub_group_size,
                                buffer_count=zero.offload_optimizer.buffer_count, host=self.host_budget,
-                               nvme=self.nvme_budget, swap=self._swap, rank=group.rank,
-                               params_on_host=zero.offload_param.device == "cpu"))
+                               nvme=self.nvme_budget, rank=group.rank,
+                               swap=(self._open_swap(zero.offload_optimizer.nvme_path)
+                                     if zero.offload_optimizer.device == "nvme" else None),
+                               params_on_host=zero.offload_param.device != "none", param_swap=self.param_swap))
             self.units: list[Unit] = []
             for plan in plans:
                 materialize_unit(model, plan)  # meta parameters (offload.zero.Init) get memory one unit at a time
@@ -111,7 +120,9 @@ class Engine:
                 unit.shard.copy_(master)
                 if plan.index in trained:
                     self.optimizer.add_unit(unit, master, group_of)
-                if zero.offload_param.device == "cpu":
+                if self.param_swap is not None and unit.index in self.param_swap.homes:
+                    unit.offload_shard_to_nvme(self.param_swap)
+                elif zero.offload_param.device != "none":
                     unit.offload_shard(self._param_home(unit))
                 self.units.append(unit)
                 del values, broadcast_values
@@ -185,19 +196,45 @@ class Engine:
         self.host_budget.take(buf.capacity, "frozen parameter shards")
         return home
 
+    def _place_params(self, plans: list[Any]) -> list[tuple[int, int]]:
+        """(unit, shard elements) of the units whose parameter shards live on NVMe: with offload_param nvme the
+        host keeps the first units up to max_in_cpu elements (they are needed right after a step, before
+        read-ahead has compute to hide behind) and NVMe the rest."""
+        param = self.config.zero_optimization.offload_param
+        if param.device != "nvme":
+            return []
+        on_nvme, on_host = [], 0
+        for plan in plans:
+            n = Unit.padded_numel(plan, self.group.world) // self.group.world
+            if on_host + n <= param.max_in_cpu:
+                on_host += n
+            else:
+                on_nvme.append((plan.index, n))
+        largest = max((n for _, n in on_nvme), default=0)
+        if largest > param.buffer_size:
+            raise ConfigError("zero_optimization.offload_param.buffer_size",
+                              f"{param.buffer_size:,} elements cannot hold the largest unit's shard ({largest:,} "
+                              "elements); raise buffer_size or lower offload.unit_bytes")
+        return on_nvme
+
     def _close_swap(self) -> None:
-        if self._swap is not None:
-            swap_dir, io = self._swap
+        if self.param_swap is not None:
+            self.param_swap.close()
+            self.param_swap = None
+        for swap_dir, io in self._swaps.values():
             io.close()
             swap_dir.close()
-            self._swap = None
+        self._swaps.clear()
 
-    def _open_swap(self) -> tuple[SwapDir, AioEngine]:
-        """This rank's locked swap directory under offload_optimizer.nvme_path, and the I/O engine."""
-        path = self.config.zero_optimization.offload_optimizer.nvme_path
+    def _open_swap(self, path: str | None) -> tuple[SwapDir, AioEngine]:
+        """This rank's locked swap directory under ``path`` (one per path, shared by params and optimizer),
+        and the I/O engine."""
         assert path is not None  # the config check requires it for device nvme
-        swap_dir = SwapDir(path, name=f"{PREFIX}rank{self.group.rank}-{os.getpid()}-{time.time_ns()}")
-        return swap_dir, engine_from_config(self.config, directory=str(path))  # one io_uring probe per path
+        key = os.path.realpath(os.path.expanduser(path))
+        if key not in self._swaps:
+            swap_dir = SwapDir(path, name=f"{PREFIX}rank{self.group.rank}-{os.getpid()}-{time.time_ns()}")
+            self._swaps[key] = swap_dir, engine_from_config(self.config, directory=str(path))  # one probe per path
+        return self._swaps[key]
 
     # ----------------------------------------------------------------- memory
 
@@ -260,6 +297,7 @@ class Engine:
         """The module's forward; tensors in the inputs (also inside lists, tuples and dicts) that sit on
         another device are moved to the compute device first, as FSDP does, so a CPU batch just works."""
         self._check_open()
+        self._repair_params()
         self.runtime.begin_iteration()
         args, kwargs = _to_device((args, kwargs), self.accel.device)
         try:
@@ -341,6 +379,16 @@ class Engine:
         try:
             with self.telemetry.span("optimizer", "adam"):
                 self.optimizer.apply(self.units, grad_scale)
+        except ParamSwapError as e:
+            # The optimizer state moved on; only some 16-bit copies on NVMe are behind (stale), and they are
+            # rewritten from the master weights before anything reads them.
+            self.loss_scaler.update(overflow=False)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            raise EngineError(f"step {self.global_steps} was applied, but writing new parameter shards to NVMe "
+                              f"failed: {e}. The master weights hold the step; the units left behind are rewritten "
+                              "from them before the next forward, so fix the disk and go on (do not repeat this "
+                              "step)") from e
         except BaseException:
             # The state of the last completed step is intact (see the store's notes); so are the accumulated
             # gradients, so fixing the cause (a full disk, say) and calling step() again retries this step.
@@ -350,6 +398,19 @@ class Engine:
         self.loss_scaler.update(overflow=False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        self.runtime.read_ahead_first()
+
+    def _repair_params(self) -> None:
+        """Rewrite NVMe parameter shards a failed write left behind their master weights (see
+        [Note: parameter slots] in offload/store/param_swap.py)."""
+        swap = self.param_swap
+        if swap is None or not swap.stats.stale:
+            return
+        for unit in self.units:
+            if unit.index in swap.stats.stale:
+                master = self.optimizer.master_of(unit)
+                swap.overwrite(unit.index, master.to(unit.dtype))
+                logger.info("rewrote unit %s's parameter shard on NVMe from its master weights", unit.name)
 
     def zero_grad(self) -> None:
         """Discard gradients accumulated since the last step (a no-op right after one)."""
@@ -385,6 +446,7 @@ class Engine:
         runtime's count of gathered elements is untouched.
         """
         self._check_open()
+        self._repair_params()
         self.runtime.reshard_all()
         for unit in self.units:
             unit.unshard(self.accel, self.runtime.h2d)
@@ -426,6 +488,7 @@ class Engine:
                               f"{self.gradient_accumulation_steps} accumulated) would lose their gradients; call it "
                               "after engine.step() at an accumulation boundary")
         self.optimizer.drain()
+        self._repair_params()
         with self.telemetry.span("checkpoint", "save"):
             return str(checkpoint.save(self, save_dir, tag, client_state, save_latest))
 
@@ -454,6 +517,7 @@ class Engine:
                            "`offload export-weights`, which never gathers the whole model")
             return False
         self.optimizer.drain()
+        self._repair_params()
         layout, buffers = checkpoint.state_dict_layout(self)
         by_unit: dict[int, list[tuple[str, Any]]] = {}
         for key, index, slot in layout:
@@ -490,7 +554,9 @@ class Engine:
         out = state.out if state is not None else None  # the step's host copy (for trained units, the home too)
         if out is not None:
             out.copy_(values)
-        if unit.home is not None:
+        if unit.swap is not None:
+            unit.swap.overwrite(unit.index, values.to(unit.dtype))
+        elif unit.home is not None:
             if unit.home is not out:
                 unit.home.copy_(values)
         else:
@@ -509,7 +575,7 @@ class Engine:
         for unit in self.units:
             unit.reshard()
             unit.shard = torch.empty(0, dtype=unit.dtype, device=unit.shard.device)
-            unit.home = None
+            unit.home = unit.swap = None
         self.accel.close()
         self._closed = True
 
@@ -602,10 +668,6 @@ def _check_supported(cfg: Config) -> None:
         raise ConfigError("zero_optimization.stage",
                           f"stage {zero.stage} is not supported yet: this release runs ZeRO stage 3 (stages 0-2 "
                           "come through the same engine in a later release); set \"stage\": 3")
-    if zero.offload_param.device == "nvme":
-        raise ConfigError("zero_optimization.offload_param.device",
-                          "'nvme': parameters on NVMe arrive with the prefetch scheduler; use \"cpu\" (host memory) "
-                          "for now, with the optimizer state on NVMe if the host is short")
     if zero.offload_param.device != "none" and zero.offload_optimizer.device == "none":
         raise ConfigError("zero_optimization.offload_param.device",
                           f"{zero.offload_param.device!r} needs the optimizer offloaded too: the step writes the new "

@@ -30,6 +30,7 @@ import torch
 
 FOREGROUND = ("gather", "gather_wait", "prefetch", "reduce_scatter", "grad_wait", "optimizer")
 BACKGROUND = ("d2h", "accumulate", "h2d", "optimizer_overlapped")
+NVME_PARAMS = ("param_read",)  # parameter shards read from NVMe, submit to completion, on the "nvme" row
 AUTOGRAD_THREAD = "autograd"
 COMPUTE = ("forward", "backward")  # spans of the training thread that contain the model's compute
 
@@ -80,14 +81,17 @@ class Telemetry:
             try:
                 yield
             finally:
-                end = time.perf_counter()
-                with self._lock:
-                    self._seconds[phase] += end - start
-                    self._counts[phase] += 1
-                    if self._max_events:
-                        self._events.append(TraceEvent(phase, label, _thread_name(), start, end))
-                        if len(self._events) > self._max_events:
-                            del self._events[:len(self._events) - self._max_events]
+                self.interval(phase, label, start, time.perf_counter(), _thread_name())
+
+    def interval(self, phase: str, label: str | None, start: float, end: float, thread: str) -> None:
+        """Record work that ran outside Python (an NVMe transfer in the kernel) on its own trace row."""
+        with self._lock:
+            self._seconds[phase] += end - start
+            self._counts[phase] += 1
+            if self._max_events:
+                self._events.append(TraceEvent(phase, label, thread, start, end))
+                if len(self._events) > self._max_events:
+                    del self._events[:len(self._events) - self._max_events]
 
     def add_bytes(self, link: str, n: int) -> None:
         with self._lock:

@@ -44,7 +44,6 @@ def test_batch_config_that_does_not_divide_by_the_world_size():
     ({"stage": 2, "offload_param": {"device": "cpu"}}, "parameter offload needs stage 3 \\(got stage 2\\)"),
     ({"stage": 2}, "stage 2 is not supported yet.*set \"stage\": 3"),
     ({"stage": 1, "offload_optimizer": {"device": "cpu"}}, "stage 1 is not supported yet"),
-    ({"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, "arrive with the prefetch scheduler"),
     ({"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "none"}}, "needs the optimizer offloaded"),
 ])
 def test_unsupported_stage_and_offload(zero, match):

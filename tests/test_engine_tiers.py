@@ -1,4 +1,4 @@
-"""Every placement of parameters and optimizer state trains exactly like torch: params on {device, cpu} x
+"""Every placement of parameters and optimizer state trains exactly like torch: params on {device, cpu, nvme} x
 optimizer on {cpu, nvme, split between host and NVMe by the host budget}, W = 1 and 2."""
 
 import pytest
@@ -10,6 +10,8 @@ def tier_config(tmp_path, world, params, optimizer, host_budget=None):
     config = base_config(2, 2, world, sub_group_size=3000)
     zero = config["zero_optimization"]
     zero["offload_param"] = {"device": params}
+    if params == "nvme":  # every unit on NVMe (max_in_cpu 0), fewer read buffers than units
+        zero["offload_param"].update(nvme_path=str(tmp_path / "params"), max_in_cpu=0, buffer_count=3)
     zero["offload_optimizer"] = {"device": "cpu" if optimizer == "cpu" else "nvme", "nvme_path": str(tmp_path),
                                  "buffer_count": 2}
     if optimizer == "split":
@@ -18,7 +20,7 @@ def tier_config(tmp_path, world, params, optimizer, host_budget=None):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("params", ["none", "cpu"])
+@pytest.mark.parametrize("params", ["none", "cpu", "nvme"])
 @pytest.mark.parametrize("optimizer", ["cpu", "nvme", "split"])
 def test_every_placement_matches_torch(tmp_path, world, params, optimizer):
     budget = None
@@ -31,7 +33,8 @@ def test_every_placement_matches_torch(tmp_path, world, params, optimizer):
     tiers, memory = plan["tiers"], plan["memory"]
     expected = {"cpu": {"host"}, "nvme": {"nvme"}, "split": {"host", "nvme"}}[optimizer]
     assert set(tiers) == expected
-    assert (memory["device"]["shards"] == 0) == (params == "cpu")
+    assert (memory["device"]["shards"] == 0) == (params != "none")
+    assert ("parameter shards (two slots per unit)" in memory["nvme"]) == (params == "nvme")
     if budget is not None:
         assert memory["host"]["peak"] <= budget
     results = run_ranks(train_engine, world, name="gpt", config=config, steps=6, micro=2, accum=2)

@@ -13,6 +13,7 @@ import ctypes
 import errno as errno_mod
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -94,6 +95,8 @@ class Request:
     verify: Callable[[Piece], SwapIOError | None] | None = None
     _event: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    submitted_at: float = field(default_factory=time.perf_counter)
+    finished_at: float | None = None  # perf_counter time the last piece finished (telemetry draws the interval)
 
     def finish_piece(self, piece: Piece, error: SwapIOError | None) -> None:
         if error is None and self.verify is not None:
@@ -108,6 +111,7 @@ class Request:
                 self._error = error
             self._pending -= 1
             if self._pending == 0:
+                self.finished_at = time.perf_counter()
                 self._event.set()
 
     def done(self) -> bool:

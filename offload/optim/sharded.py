@@ -41,6 +41,7 @@ from offload.telemetry import Telemetry
 from offload.aio.base import Engine
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import OptimizerStateStore
+from offload.store.param_swap import ParamSwap
 from offload.store.swapdir import SwapDir
 from offload.zero.unit import Unit
 
@@ -79,6 +80,8 @@ class ShardState:
     grad: torch.Tensor  # fp32 gradient accumulator (host when offloaded)
     out: torch.Tensor | None  # host compute-dtype copy of the new shard, the source of the copy back (offload)
     segments: list[Segment]
+    nvme: bool = False  # the shard's home is NVMe: the step writes the new shard through the parameter swap
+    gaps: list[tuple[int, int]] = field(default_factory=list)  # elements no segment covers (frozen, padding)
     fresh: bool = True  # the accumulator holds nothing from this step yet
     stepped: bool = False  # this step's Adam already ran (overlapped with backward)
 
@@ -94,7 +97,8 @@ class StatePlan:
     nvme: TierBudget = field(default_factory=lambda: TierBudget("nvme", None))
     swap: tuple[SwapDir, Engine] | None = None
     rank: int = 0
-    params_on_host: bool = False  # offload_param: cpu: the host copy is the shard's home; nothing to copy back
+    params_on_host: bool = False  # offload_param cpu/nvme: the shard's home is off the device; nothing to copy back
+    param_swap: ParamSwap | None = None  # the units homed on NVMe (offload_param: nvme)
 
 
 class ShardedAdam(torch.optim.Optimizer):
@@ -116,6 +120,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self.telemetry = telemetry or Telemetry()
         self.host = plan.host
         self.params_on_host = plan.params_on_host
+        self.param_swap = plan.param_swap
+        self._nvme_units = set(plan.param_swap.homes) if plan.param_swap is not None else set()
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
         self._d2h = accel.copy_stream("d2h") if self.offload else None
@@ -133,8 +139,9 @@ class ShardedAdam(torch.optim.Optimizer):
     def _reserve_host(self, sizes: list[tuple[int, int]]) -> None:
         """Account (and check at start-up) the host bytes of accumulators, copies and staging buffers."""
         total = sum(n for _, n in sizes)
+        copies = sum(n for i, n in sizes if i not in self._nvme_units)
         item = self.compute_dtype.itemsize
-        parts = {"gradient accumulators": 4 * total, "parameter copies": item * total,
+        parts = {"gradient accumulators": 4 * total, "parameter copies": item * copies,
                  "gradient staging": STAGING_BUFFERS * max(n for _, n in sizes) * item}
         if self.host.limit is not None and sum(parts.values()) > self.host.limit:
             from offload.config import ConfigError
@@ -159,12 +166,16 @@ class ShardedAdam(torch.optim.Optimizer):
     def add_unit(self, unit: Unit, master: torch.Tensor, group_of: dict[int, int]) -> None:
         """Own ``unit``'s optimizer state; ``master`` is its fp32 shard (host). Units arrive in order."""
         n = unit.shard_numel
+        nvme = unit.index in self._nvme_units
         if self.offload:
-            grad, out = self._host_tensor(n, torch.float32), self._host_tensor(n, self.compute_dtype)
-            out.copy_(master)  # elements the step does not write (frozen, padding) keep their values
+            grad = self._host_tensor(n, torch.float32)
+            out = None if nvme else self._host_tensor(n, self.compute_dtype)
+            if out is not None:
+                out.copy_(master)  # elements the step does not write (frozen, padding) keep their values
         else:
             grad, out = torch.zeros(n, dtype=torch.float32, device=self.accel.device), None
-        self.shards[unit.index] = ShardState(grad, out, shard_segments(unit, group_of))
+        segments = shard_segments(unit, group_of)
+        self.shards[unit.index] = ShardState(grad, out, segments, nvme, _gaps(segments, n))
         self.store.init_member(unit.index, master)
 
     def master_of(self, unit: Unit) -> torch.Tensor:
@@ -266,16 +277,23 @@ class ShardedAdam(torch.optim.Optimizer):
         by_index = {u.index: u for u in units}
         hypers = [self.hyper(i) for i in range(len(self.param_groups))]
         step = self.adam_steps + 1
-        for group in self.store.step_pass():
-            for member in group.members:
-                if not self.shards[member.unit].stepped:
-                    self._step_shard(by_index[member.unit], group.views(member), step, hypers, grad_scale)
+        try:
+            for group in self.store.step_pass():
+                for member in group.members:
+                    if not self.shards[member.unit].stepped:
+                        self._step_shard(by_index[member.unit], group.views(member), step, hypers, grad_scale)
+        except BaseException:
+            if self.param_swap is not None:
+                self.param_swap.abort()
+            raise
         self.adam_steps = step
         self._overlap = None
         for index, state in self.shards.items():
             if state.out is not None and not self.params_on_host and not state.stepped:
                 self._write_back(by_index[index], state)
             state.fresh, state.stepped = True, False
+        if self.param_swap is not None:
+            self.param_swap.commit()  # a failure here leaves units stale, never the step half applied
 
     def _step_shard(self, unit: Unit, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
                     hypers: list[AdamHyper], grad_scale: float) -> None:
@@ -283,7 +301,13 @@ class ShardedAdam(torch.optim.Optimizer):
         master, exp_avg, exp_avg_sq = views
         if state.fresh:  # no gradient reached this unit since the last step: Adam sees zeros
             state.grad.zero_()
-        out16 = state.out if state.out is not None and state.out.dtype != torch.float32 else None
+        out = state.out
+        if state.nvme:
+            assert self.param_swap is not None
+            out = self.param_swap.stage(unit.index)
+            for start, end in state.gaps:  # what the step does not write keeps its value (master holds it)
+                out[start:end].copy_(master[start:end])
+        out16 = out if out is not None and out.dtype != torch.float32 else None
         for seg in state.segments:
             s = slice(seg.start, seg.end)
             if master.device.type == "cpu":
@@ -292,11 +316,14 @@ class ShardedAdam(torch.optim.Optimizer):
             else:
                 _torch_adam(master[s], state.grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
                             grad_scale)
-        if state.out is None:  # state on the compute device: the shard is written straight away
+        if out is None:  # state on the compute device: the shard is written straight away
             unit.shard.copy_(master)
         elif out16 is None:
             for seg in state.segments:
-                state.out[seg.start:seg.end].copy_(master[seg.start:seg.end])
+                out[seg.start:seg.end].copy_(master[seg.start:seg.end])
+        if state.nvme:
+            assert self.param_swap is not None
+            self.param_swap.write(unit.index)
 
     # ----------------------------------------------------------------- the step overlapped with backward
 
@@ -317,6 +344,11 @@ class ShardedAdam(torch.optim.Optimizer):
         """The overlapped backward failed: stop stepping shards; returns how many were already stepped."""
         self.drain_quietly()
         self._overlap = None
+        if self.param_swap is not None:  # stepped shards' masters moved on: their new 16-bit copies go with them
+            try:
+                self.param_swap.commit()
+            except Exception:  # noqa: BLE001 - they are stale now and rewritten before the next forward
+                pass
         return sum(state.stepped for state in self.shards.values())
 
     def drain_quietly(self) -> None:
@@ -361,6 +393,17 @@ class ShardedAdam(torch.optim.Optimizer):
         self.store.close()
         self.shards.clear()
         self._staging.clear()
+
+
+def _gaps(segments: list[Segment], n: int) -> list[tuple[int, int]]:
+    gaps, at = [], 0
+    for seg in segments:
+        if seg.start > at:
+            gaps.append((at, seg.start))
+        at = seg.end
+    if at < n:
+        gaps.append((at, n))
+    return gaps
 
 
 def _accumulate(state: ShardState, grad: torch.Tensor, scale: float) -> None:

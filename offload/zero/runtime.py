@@ -65,9 +65,10 @@ class ZeroRuntime:
         self.grad_sink = grad_sink
         self.grad_predivide = grad_predivide
         self.telemetry = telemetry
-        # Brings host-homed shards (offload_param: cpu) to the device before their gather; on a GPU its own
-        # stream so the copies can later be issued ahead of use.
-        self.h2d = accel.copy_stream("param-h2d") if any(u.home is not None for u in units) else None
+        # Brings host- and NVMe-homed shards (offload_param: cpu, nvme) to the device before their gather; on a
+        # GPU its own stream so the copies can be issued ahead of use.
+        self.h2d = accel.copy_stream("param-h2d") if any(u.off_device for u in units) else None
+        self.swap = next((u.swap for u in units if u.swap is not None), None)
         self.prefetch = PrefetchTrace(prefetch_elements)
         self.prefetched_gathers = 0  # gathers issued ahead of use
         self.live = 0  # elements gathered now (or being gathered)
@@ -203,6 +204,9 @@ class ZeroRuntime:
         else:
             upcoming = []  # already gathered for an earlier use (a persistent unit, or still held)
         unit.prefetched = False
+        if self.swap is not None and (upcoming or unit.state is UnitState.SHARDED):
+            # NVMe reads run further ahead than gathers: this unit's first, then the trace's next ones.
+            self.swap.read_ahead([i for i in [unit.index, *upcoming] if self.units[i].state is UnitState.SHARDED])
         if unit.state is UnitState.GATHERING:
             with self.telemetry.span("gather_wait", unit.name):
                 unit.finish_unshard()
@@ -232,9 +236,15 @@ class ZeroRuntime:
             self.prefetched_gathers += 1
             self._count_gather(unit)
 
+    def read_ahead_first(self) -> None:
+        """After a step: start reading the units the next iteration needs first (rank-local, no collective)."""
+        order = self.prefetch.recording or self.prefetch.trace  # the iteration that just ended comes again
+        if self.swap is not None and order:
+            self.swap.read_ahead(list(dict.fromkeys(order)))
+
     def _count_gather(self, unit: Unit) -> None:
-        if unit.home is not None:
-            self.telemetry.add_bytes("h2d", unit.home.numel() * unit.home.element_size())
+        if unit.off_device:
+            self.telemetry.add_bytes("h2d", unit.shard_numel * unit.dtype.itemsize)
         self.telemetry.add_bytes("all_gather", _wire_bytes(unit, self.group.world))
         self.gathers += 1
         self.live += unit.padded

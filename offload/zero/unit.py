@@ -7,6 +7,7 @@ import enum
 import torch
 
 from offload.accelerator import Accelerator, CopyStream, Event
+from offload.store.param_swap import ParamSwap
 from offload.zero.collectives import Group, all_gather
 from offload.zero.plan import UnitPlan
 
@@ -50,6 +51,7 @@ class Unit:
         self.persistent = False
         self.ready: Event | None = None  # the copy that last wrote ``shard``; gathers wait for it
         self.home: torch.Tensor | None = None  # host home of the shard (offload_param: cpu); then ``shard`` is empty
+        self.swap: ParamSwap | None = None  # NVMe home of the shard (offload_param: nvme); then ``shard`` is empty
         self.prefetched = False  # gathered ahead of use by the prefetcher and not used since
         self._work: object | None = None  # the in-flight all-gather while GATHERING
         self._transient: torch.Tensor | None = None  # the device shard it reads (host-homed units)
@@ -88,26 +90,47 @@ class Unit:
         self.home = home
         self.shard = torch.empty(0, dtype=self.dtype, device=self.shard.device)
 
+    def offload_shard_to_nvme(self, swap: ParamSwap) -> None:
+        """Make NVMe the shard's home (offload_param: nvme): each gather reads it back through ``swap``."""
+        swap.overwrite(self.index, self.shard.cpu())
+        self.swap = swap
+        self.shard = torch.empty(0, dtype=self.dtype, device=self.shard.device)
+
+    @property
+    def off_device(self) -> bool:
+        """The shard's home is host memory or NVMe: a gather first copies it to the device."""
+        return self.home is not None or self.swap is not None
+
     @property
     def authoritative_shard(self) -> torch.Tensor:
-        """The current compute-dtype values of this rank's shard, wherever they live."""
+        """The current compute-dtype values of this rank's shard, wherever they live (a copy, from NVMe)."""
+        if self.swap is not None:
+            return self.swap.read_copy(self.index)
         return self.home if self.home is not None else self.shard
 
     def start_unshard(self, accel: Accelerator, h2d: CopyStream | None = None) -> None:
         """SHARDED -> GATHERING: issue the all-gather without waiting for it.
 
-        With a host home the shard is first copied to the device on ``h2d`` (a transient buffer, kept until
-        the gather is done); otherwise the gather waits for the copy that last wrote the device shard.
+        With a host or NVMe home the shard is first copied to the device on ``h2d`` (a transient buffer, kept
+        until the gather is done; from NVMe it waits for the read, which read-ahead has usually finished);
+        otherwise the gather waits for the copy that last wrote the device shard.
         """
         assert self.state is UnitState.SHARDED, f"unit {self.name!r} is {self.state.value}, not sharded"
-        self.full.untyped_storage().resize_(self._full_bytes)
-        if self.home is not None:
-            assert h2d is not None, "a unit with a host home needs a copy stream to bring its shard over"
-            shard, home = torch.empty(self.shard_numel, dtype=self.dtype, device=self.full.device), self.home
+        if self.off_device:
+            assert h2d is not None, "a unit with a host or NVMe home needs a copy stream to bring its shard over"
+            read = self.swap.fetch(self.index) if self.swap is not None else None  # may raise: before any change
+            self.full.untyped_storage().resize_(self._full_bytes)
+            home = self.swap.view(read) if self.swap is not None and read is not None else self.home
+            assert home is not None
+            shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.full.device)
             h2d.wait_event(accel.compute_event())  # the transient buffer may reuse memory compute just freed
             h2d.run(lambda: shard.copy_(home, non_blocking=True))
-            accel.compute_wait(h2d.record())
+            copied = h2d.record()
+            if self.swap is not None and read is not None:
+                self.swap.copied(read, copied)
+            accel.compute_wait(copied)
         else:
+            self.full.untyped_storage().resize_(self._full_bytes)
             shard = self.shard
             accel.compute_wait(self.ready)
         self._transient = shard

@@ -1,0 +1,351 @@
+"""Parameter shards whose home is NVMe (offload_param: nvme): two slots per unit, a bounded set of host
+buffers that reads land in, and read-ahead in the order the prefetch trace predicts.
+
+[Note: parameter slots] Each unit's compute-dtype shard has two slots in the rank's
+parameter swap file. Gathers read the current slot; the step writes each new shard to
+the other slot, and ``commit`` makes them current once every write of the step has
+completed. A step that fails before its optimizer state is committed discards what it
+wrote (``abort``), so the last completed step stays readable. A parameter write that
+fails after the optimizer state was committed leaves that unit *stale*: its master
+weights are ahead of its 16-bit copy, and the engine rewrites it from them
+(``overwrite``) before any forward can gather it, so stale values are never used.
+
+[Note: read buffers] A read lands in one of ``buffer_count`` host buffers (pinned with
+a GPU, so the copy to the device is asynchronous). A buffer is FREE, READING (a read in
+flight), READY (holds a unit's current values, not used yet) or COPYING (the
+host-to-device copy that reads it may still run; free again once its event has).
+Read-ahead takes only buffers that are free now and never waits. A fetch for use now
+takes the unit's own buffer if read-ahead started one, else a free one, else waits
+for the oldest copy, else drops the read-ahead the trace guessed furthest out (a wasted
+read, never a wrong value). Which units are read ahead is rank-local: the gathers
+(collectives) stay in the same order on every rank whatever the disk does.
+
+The step's new shards go through write buffers of their own, so a step overlapped with
+backward (on the host thread) never waits for a buffer that the training thread holds.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.accelerator import Event
+from offload.aio.base import Engine, Request, RequestGroup, SwapIOError
+from offload.aio.buffers import AlignedBuffer, BufferPool, round_up
+from offload.aio.checksum import ChecksummedFile
+from offload.store.budget import TierBudget
+from offload.store.swapdir import SwapDir
+from offload.telemetry import Telemetry
+
+WRITE_BUFFERS = 2  # one being filled by Adam while the other is written
+
+
+class BufferState(enum.Enum):
+    FREE = "free"
+    READING = "reading"
+    READY = "ready"
+    COPYING = "copying"
+
+
+@dataclass(eq=False)
+class ReadBuffer:
+    memory: AlignedBuffer
+    state: BufferState = BufferState.FREE
+    unit: int | None = None
+    request: Request | None = None
+    copied: Event | None = None  # the host-to-device copy reading it (COPYING)
+    order: int = 0  # when it was last taken: the oldest copy is waited for first, the newest read-ahead dropped
+
+
+@dataclass
+class ParamHome:
+    unit: int
+    numel: int
+    nbytes: int  # on the wire: rounded up to 4 KiB
+    slots: tuple[int, int]
+    current: int = 0
+
+
+@dataclass
+class ParamSwapStats:
+    reads_ahead: int = 0  # reads issued by read-ahead
+    reads_on_demand: int = 0  # reads a gather had to start itself
+    wasted_reads: int = 0  # reads dropped unused (a wrong guess, or values a step replaced)
+    waits: int = 0  # fetches that found their read still in flight
+    stale: set[int] = field(default_factory=set)
+
+
+class ParamSwapError(SwapIOError):
+    """New parameter shards could not be written after the optimizer state was committed."""
+
+
+class ParamSwap:
+    """Owns the parameter swap file of one rank, its read and write buffers, and every unit's two slots."""
+
+    def __init__(self, sizes: list[tuple[int, int]], dtype: torch.dtype, *, swap: tuple[SwapDir, Engine],
+                 rank: int, host: TierBudget, nvme: TierBudget, buffer_count: int, pin: bool,
+                 telemetry: Telemetry | None = None) -> None:
+        """``sizes``: (unit index, shard elements) of the units homed on NVMe."""
+        from offload.config import ConfigError
+        self.dtype = dtype
+        self.telemetry = telemetry or Telemetry()
+        self.homes: dict[int, ParamHome] = {}
+        offset = 0
+        for unit, numel in sizes:
+            nbytes = round_up(numel * dtype.itemsize)
+            self.homes[unit] = ParamHome(unit, numel, nbytes, (offset, offset + nbytes))
+            offset += 2 * nbytes
+        largest = max(h.nbytes for h in self.homes.values())
+        if nvme.limit is not None and nvme.used + offset > nvme.limit:
+            raise ConfigError("offload.budgets.nvme",
+                              f"{nvme.limit:,} bytes cannot hold the parameter shards on NVMe: {offset:,} bytes "
+                              f"(two slots per unit) beside {nvme.used:,} already planned; raise the budget, keep "
+                              "more parameters on the host (offload_param.max_in_cpu), or use more ranks")
+        buffers = (buffer_count + WRITE_BUFFERS) * largest
+        if host.limit is not None and host.used + buffers > host.limit:
+            raise ConfigError("offload.budgets.host",
+                              f"{host.limit:,} bytes cannot hold the {buffer_count} + {WRITE_BUFFERS} parameter "
+                              f"NVMe buffers of {largest:,} bytes (one unit's shard) beside {host.used:,} already "
+                              "planned; raise the budget, lower offload_param.buffer_count or offload.unit_bytes")
+        swap_dir, engine = swap
+        self._file = ChecksummedFile(engine, swap_dir.reserve(f"params-rank{rank}.swap", offset))
+        nvme.take(offset, "parameter shards (two slots per unit)")
+        host.take(buffers, "parameter NVMe buffers")
+        self._pool = BufferPool(buffers, pin=pin, name="parameter NVMe buffers")
+        self._reads = [ReadBuffer(self._pool.acquire(largest)) for _ in range(buffer_count)]
+        self._writes: list[tuple[AlignedBuffer, int | None, RequestGroup | None]] = [
+            (self._pool.acquire(largest), None, None) for _ in range(WRITE_BUFFERS)]
+        self._next_write = 0
+        self._staged: dict[int, int] = {}  # unit -> write buffer holding its new shard
+        self._written: list[int] = []  # units whose new shard went to the other slot this step
+        self._failed: dict[int, SwapIOError] = {}
+        self._lock = threading.Lock()  # the host thread writes while the training thread reads
+        self._taken = 0
+        self.stats = ParamSwapStats()
+
+    # ----------------------------------------------------------------- reads
+
+    def _holding(self, unit: int) -> ReadBuffer | None:
+        for b in self._reads:
+            if b.unit == unit and b.state in (BufferState.READING, BufferState.READY):
+                return b
+        return None
+
+    def _take(self, wait: bool) -> ReadBuffer | None:
+        """A buffer to read into; ``wait``: waits for a copy or drops a read-ahead if none is free now."""
+        for b in self._reads:
+            if b.state is BufferState.FREE or (b.state is BufferState.COPYING and b.copied is not None
+                                               and b.copied.query()):
+                return self._claim(b)
+        if not wait:
+            return None
+        copying = [b for b in self._reads if b.state is BufferState.COPYING]
+        if copying:
+            b = min(copying, key=lambda b: b.order)
+            assert b.copied is not None
+            b.copied.synchronize()
+            return self._claim(b)
+        b = max(self._reads, key=lambda b: b.order)  # the read-ahead guessed furthest out
+        self._drop(b)
+        return self._claim(b)
+
+    def _claim(self, b: ReadBuffer) -> ReadBuffer:
+        self._taken += 1
+        b.state, b.unit, b.request, b.copied, b.order = BufferState.FREE, None, None, None, self._taken
+        return b
+
+    def _drop(self, b: ReadBuffer) -> None:
+        if b.state is BufferState.READING and b.request is not None:
+            _quiet_wait(b.request)
+        if b.state in (BufferState.READING, BufferState.READY):
+            self.stats.wasted_reads += 1
+        b.state, b.unit, b.request = BufferState.FREE, None, None
+
+    def _start_read(self, b: ReadBuffer, unit: int) -> None:
+        home = self.homes[unit]
+        b.unit, b.state = unit, BufferState.READING
+        b.request = self._file.read(b.memory.tensor, home.slots[home.current], home.nbytes)
+        self.telemetry.add_bytes("nvme_read", home.nbytes)
+
+    def read_ahead(self, units: list[int]) -> int:
+        """Start reads for ``units`` (in order, those homed here and not already read) while buffers are free
+        now; never waits. Returns how many it started."""
+        started = 0
+        for unit in units:
+            if unit not in self.homes or unit in self.stats.stale or self._holding(unit) is not None:
+                continue
+            b = self._take(wait=False)
+            if b is None:
+                break
+            self._start_read(b, unit)
+            started += 1
+        self.stats.reads_ahead += started
+        return started
+
+    def fetch(self, unit: int) -> ReadBuffer:
+        """The unit's current values in a host buffer (waits for its read); give it back with ``copied``."""
+        if unit in self.stats.stale:
+            raise RuntimeError(f"unit {unit}'s parameter shard on NVMe is stale (its last write failed); the engine "
+                               "rewrites it from the master weights before the next forward")
+        b = self._holding(unit)
+        if b is None:
+            b = self._take(wait=True)
+            assert b is not None
+            self._start_read(b, unit)
+            self.stats.reads_on_demand += 1
+        if b.state is BufferState.READING:
+            assert b.request is not None
+            if not b.request.done():
+                self.stats.waits += 1
+            try:
+                with self.telemetry.span("param_wait", str(unit)):
+                    b.request.wait()
+            except BaseException:
+                b.state, b.unit, b.request = BufferState.FREE, None, None
+                raise
+            request = b.request
+            if request.finished_at is not None:
+                self.telemetry.interval("param_read", str(unit), request.submitted_at, request.finished_at, "nvme")
+            b.state = BufferState.READY
+        return b
+
+    def view(self, b: ReadBuffer) -> torch.Tensor:
+        assert b.unit is not None
+        return b.memory.view(self.dtype, self.homes[b.unit].numel)
+
+    def copied(self, b: ReadBuffer, event: Event) -> None:
+        """The copy that reads ``b`` has been issued; the buffer is reused once ``event`` completes."""
+        b.state, b.copied, b.unit, b.request = BufferState.COPYING, event, None, None
+
+    def ready(self, unit: int) -> bool:
+        b = self._holding(unit)
+        return b is not None and (b.state is BufferState.READY or (b.request is not None and b.request.done()))
+
+    def read_copy(self, unit: int) -> torch.Tensor:
+        """A fresh host tensor with the unit's current values (checkpoints, exports)."""
+        b = self.fetch(unit)
+        out = self.view(b).clone()
+        b.state, b.unit, b.request = BufferState.FREE, None, None
+        return out
+
+    # ----------------------------------------------------------------- writes
+
+    def stage(self, unit: int) -> torch.Tensor:
+        """A host buffer for the unit's new shard (waits until that buffer's previous write is done)."""
+        with self._lock:
+            i = self._next_write
+            self._next_write = (i + 1) % len(self._writes)
+            memory, previous, pending = self._writes[i]
+            self._writes[i] = (memory, None, None)
+            self._staged[unit] = i
+        if pending is not None:
+            self._settle(previous, pending)
+        return memory.view(self.dtype, self.homes[unit].numel)
+
+    def write(self, unit: int) -> None:
+        """Write the staged new shard to the unit's other slot (see [Note: parameter slots])."""
+        home = self.homes[unit]
+        with self._lock:
+            i = self._staged.pop(unit)
+            memory = self._writes[i][0]
+        request = self._file.write(memory.tensor, home.slots[1 - home.current], home.nbytes)
+        with self._lock:
+            self._writes[i] = (memory, unit, request)
+            self._written.append(unit)
+        self.telemetry.add_bytes("nvme_write", home.nbytes)
+
+    def _settle(self, unit: int | None, pending: RequestGroup) -> None:
+        with self.telemetry.span("nvme_wait", "param-write"):
+            try:
+                pending.wait()
+            except SwapIOError as e:
+                if unit is not None:
+                    with self._lock:
+                        self._failed[unit] = e
+
+    def _settle_all(self) -> None:
+        for i, (memory, unit, pending) in enumerate(list(self._writes)):
+            if pending is not None:
+                self._settle(unit, pending)
+                self._writes[i] = (memory, None, None)
+
+    def commit(self) -> None:
+        """Every write of the step is done: make the new shards current. Units whose write failed become
+        stale (their master weights are ahead) and the first failure is raised as ParamSwapError."""
+        self._settle_all()
+        with self._lock:
+            written, failed = self._written, self._failed
+            self._written, self._failed = [], {}
+        for unit in written:
+            if unit not in failed:
+                home = self.homes[unit]
+                home.current = 1 - home.current
+                self.stats.stale.discard(unit)
+        self._invalidate(set(written))
+        if failed:
+            self.stats.stale.update(failed)
+            first = next(iter(failed.values()))
+            raise ParamSwapError(first.errno or 0, first.path, first.offset, first.length, "write",
+                                 f"{len(failed)} new parameter shard(s) could not be written; the first: "
+                                 f"{first.strerror}")
+
+    def abort(self) -> None:
+        """The step failed before its optimizer state was committed: forget what it wrote."""
+        self._settle_all()
+        with self._lock:
+            self._written, self._failed = [], {}
+            self._staged.clear()
+
+    def overwrite(self, unit: int, values: torch.Tensor) -> None:
+        """Make ``values`` the unit's shard now (a checkpoint load, or rewriting a stale unit)."""
+        self.stage(unit).copy_(values)
+        self.write(unit)
+        self._settle_all()
+        with self._lock:
+            self._written.remove(unit)
+            error = self._failed.pop(unit, None)
+        if error is not None:
+            raise error
+        home = self.homes[unit]
+        home.current = 1 - home.current
+        self.stats.stale.discard(unit)
+        self._invalidate({unit})
+
+    def _invalidate(self, units: set[int]) -> None:
+        """Reads of ``units`` hold values a write replaced."""
+        for b in self._reads:
+            if b.unit in units and b.state in (BufferState.READING, BufferState.READY):
+                self._drop(b)
+
+    def buffer_bytes(self) -> int:
+        return self._pool.capacity
+
+    def close(self) -> None:
+        for b in self._reads:
+            if b.state is BufferState.READING and b.request is not None:
+                _quiet_wait(b.request)
+            if b.copied is not None:
+                try:
+                    b.copied.synchronize()
+                except Exception:  # noqa: BLE001 - closing after a failure
+                    pass
+        for _, _, pending in self._writes:
+            if pending is not None:
+                _quiet_wait(pending)
+        self._file.close()
+        for b in self._reads:
+            self._pool.release(b.memory)
+        for memory, _, _ in self._writes:
+            self._pool.release(memory)
+        self._reads.clear()
+        self._writes.clear()
+
+
+def _quiet_wait(request: Request | RequestGroup) -> None:
+    try:
+        request.wait()
+    except Exception:  # noqa: BLE001 - the first failure is already propagating, or the data is dropped
+        pass
