@@ -386,7 +386,7 @@ class Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             raise EngineError(f"step {self.global_steps} was applied, but writing new parameter shards to NVMe "
-                              f"failed: {e}. The master weights hold the step; the units left behind are rewritten "
+                              f"failed: {e.strerror}. The master weights hold the step; the units left behind are rewritten "
                               "from them before the next forward, so fix the disk and go on (do not repeat this "
                               "step)") from e
         except BaseException:

@@ -13,7 +13,9 @@ weights are ahead of its 16-bit copy, and the engine rewrites it from them
 [Note: read buffers] A read lands in one of ``buffer_count`` host buffers (pinned with
 a GPU, so the copy to the device is asynchronous). A buffer is FREE, READING (a read in
 flight), READY (holds a unit's current values, not used yet) or COPYING (the
-host-to-device copy that reads it may still run; free again once its event has).
+host-to-device copy that reads it may still run; free again once its event has). A
+COPYING buffer still holds its unit's values, so a unit used again soon (the last
+blocks of forward are the first of backward) is copied again without a second read.
 Read-ahead takes only buffers that are free now and never waits. A fetch for use now
 takes the unit's own buffer if read-ahead started one, else a free one, else waits
 for the oldest copy, else drops the read-ahead the trace guessed furthest out (a wasted
@@ -27,6 +29,8 @@ backward (on the host thread) never waits for a buffer that the training thread 
 from __future__ import annotations
 
 import enum
+import math
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -75,6 +79,7 @@ class ParamSwapStats:
     reads_on_demand: int = 0  # reads a gather had to start itself
     wasted_reads: int = 0  # reads dropped unused (a wrong guess, or values a step replaced)
     waits: int = 0  # fetches that found their read still in flight
+    reuses: int = 0  # fetches served by a buffer still holding the unit from its last use
     stale: set[int] = field(default_factory=set)
 
 
@@ -124,27 +129,36 @@ class ParamSwap:
         self._failed: dict[int, SwapIOError] = {}
         self._lock = threading.Lock()  # the host thread writes while the training thread reads
         self._taken = 0
+        self._next_use: dict[int, int] = {}  # unit -> position in the upcoming order last given to read_ahead
         self.stats = ParamSwapStats()
 
     # ----------------------------------------------------------------- reads
 
     def _holding(self, unit: int) -> ReadBuffer | None:
+        """The buffer that holds (or is reading) the unit's current values, if any."""
         for b in self._reads:
-            if b.unit == unit and b.state in (BufferState.READING, BufferState.READY):
+            if b.unit == unit and b.state is not BufferState.FREE:
                 return b
         return None
 
-    def _take(self, wait: bool) -> ReadBuffer | None:
-        """A buffer to read into; ``wait``: waits for a copy or drops a read-ahead if none is free now."""
-        for b in self._reads:
-            if b.state is BufferState.FREE or (b.state is BufferState.COPYING and b.copied is not None
-                                               and b.copied.query()):
+    def _distance(self, b: ReadBuffer) -> float:
+        """How far ahead the unit a buffer still holds is needed again (Belady: evict the furthest)."""
+        return math.inf if b.unit is None else self._next_use.get(b.unit, math.inf)
+
+    def _take(self, wait: bool, before: float = math.inf) -> ReadBuffer | None:
+        """A buffer to read into. Without ``wait`` only one free now whose values are not needed before position
+        ``before`` of the upcoming order; with it, waits for a copy or drops a read-ahead if it must."""
+        usable = [b for b in self._reads if b.state is BufferState.FREE or (
+            b.state is BufferState.COPYING and b.copied is not None and b.copied.query())]
+        if usable:
+            b = max(usable, key=self._distance)
+            if wait or self._distance(b) > before:
                 return self._claim(b)
         if not wait:
             return None
         copying = [b for b in self._reads if b.state is BufferState.COPYING]
         if copying:
-            b = min(copying, key=lambda b: b.order)
+            b = max(copying, key=lambda b: (self._distance(b), -b.order))
             assert b.copied is not None
             b.copied.synchronize()
             return self._claim(b)
@@ -170,14 +184,17 @@ class ParamSwap:
         b.request = self._file.read(b.memory.tensor, home.slots[home.current], home.nbytes)
         self.telemetry.add_bytes("nvme_read", home.nbytes)
 
-    def read_ahead(self, units: list[int]) -> int:
-        """Start reads for ``units`` (in order, those homed here and not already read) while buffers are free
-        now; never waits. Returns how many it started."""
+    def read_ahead(self, units: list[int], skip: set[int] | frozenset[int] = frozenset()) -> int:
+        """Start reads for ``units`` (the upcoming order; those homed here, not in ``skip`` and not already held)
+        while buffers are free now, never evicting values needed sooner; never waits. Returns how many."""
+        self._next_use = {}
+        for position, unit in enumerate(units):
+            self._next_use.setdefault(unit, position)
         started = 0
-        for unit in units:
-            if unit not in self.homes or unit in self.stats.stale or self._holding(unit) is not None:
+        for position, unit in enumerate(units):
+            if unit not in self.homes or unit in skip or unit in self.stats.stale or self._holding(unit) is not None:
                 continue
-            b = self._take(wait=False)
+            b = self._take(wait=False, before=position)
             if b is None:
                 break
             self._start_read(b, unit)
@@ -185,8 +202,8 @@ class ParamSwap:
         self.stats.reads_ahead += started
         return started
 
-    def fetch(self, unit: int) -> ReadBuffer:
-        """The unit's current values in a host buffer (waits for its read); give it back with ``copied``."""
+    def start(self, unit: int) -> ReadBuffer:
+        """Make sure the unit's read is in flight (it is needed now: waits for a buffer if it must)."""
         if unit in self.stats.stale:
             raise RuntimeError(f"unit {unit}'s parameter shard on NVMe is stale (its last write failed); the engine "
                                "rewrites it from the master weights before the next forward")
@@ -196,13 +213,26 @@ class ParamSwap:
             assert b is not None
             self._start_read(b, unit)
             self.stats.reads_on_demand += 1
+        return b
+
+    def fetch(self, unit: int) -> ReadBuffer:
+        """The unit's current values in a host buffer (waits for its read); give it back with ``copied``."""
+        b = self.start(unit)
+        if b.state is BufferState.COPYING:  # its values are still there from the last use
+            self.stats.reuses += 1
+            b.state = BufferState.READY
         if b.state is BufferState.READING:
             assert b.request is not None
             if not b.request.done():
                 self.stats.waits += 1
             try:
                 with self.telemetry.span("param_wait", str(unit)):
-                    b.request.wait()
+                    try:
+                        b.request.wait()
+                    except SwapIOError:  # a read-ahead failed: read once more now, and report it if that fails too
+                        self._start_read(b, unit)
+                        self.stats.reads_on_demand += 1
+                        b.request.wait()
             except BaseException:
                 b.state, b.unit, b.request = BufferState.FREE, None, None
                 raise
@@ -212,13 +242,18 @@ class ParamSwap:
             b.state = BufferState.READY
         return b
 
+    @property
+    def gather_ahead(self) -> int:
+        """How many NVMe-homed units a gather may run ahead of use: half the read buffers (at least one)."""
+        return max(1, len(self._reads) // 2)
+
     def view(self, b: ReadBuffer) -> torch.Tensor:
         assert b.unit is not None
         return b.memory.view(self.dtype, self.homes[b.unit].numel)
 
     def copied(self, b: ReadBuffer, event: Event) -> None:
         """The copy that reads ``b`` has been issued; the buffer is reused once ``event`` completes."""
-        b.state, b.copied, b.unit, b.request = BufferState.COPYING, event, None, None
+        b.state, b.copied, b.request = BufferState.COPYING, event, None
 
     def ready(self, unit: int) -> bool:
         b = self._holding(unit)
@@ -228,7 +263,10 @@ class ParamSwap:
         """A fresh host tensor with the unit's current values (checkpoints, exports)."""
         b = self.fetch(unit)
         out = self.view(b).clone()
-        b.state, b.unit, b.request = BufferState.FREE, None, None
+        if b.copied is not None:  # a copy issued earlier may still read it
+            b.state = BufferState.COPYING
+        else:
+            b.state, b.unit, b.request = BufferState.FREE, None, None
         return out
 
     # ----------------------------------------------------------------- writes
@@ -289,8 +327,7 @@ class ParamSwap:
             self.stats.stale.update(failed)
             first = next(iter(failed.values()))
             raise ParamSwapError(first.errno or 0, first.path, first.offset, first.length, "write",
-                                 f"{len(failed)} new parameter shard(s) could not be written; the first: "
-                                 f"{first.strerror}")
+                                 f"{os.strerror(first.errno or 0)} ({len(failed)} unit shard(s) not written)")
 
     def abort(self) -> None:
         """The step failed before its optimizer state was committed: forget what it wrote."""
@@ -319,6 +356,8 @@ class ParamSwap:
         for b in self._reads:
             if b.unit in units and b.state in (BufferState.READING, BufferState.READY):
                 self._drop(b)
+            elif b.unit in units:
+                b.unit = None  # COPYING: reusable once the copy is done, but no longer the unit's values
 
     def buffer_bytes(self) -> int:
         return self._pool.capacity

@@ -204,9 +204,12 @@ class ZeroRuntime:
         else:
             upcoming = []  # already gathered for an earlier use (a persistent unit, or still held)
         unit.prefetched = False
-        if self.swap is not None and (upcoming or unit.state is UnitState.SHARDED):
+        if self.swap is not None:
             # NVMe reads run further ahead than gathers: this unit's first, then the trace's next ones.
-            self.swap.read_ahead([i for i in [unit.index, *upcoming] if self.units[i].state is UnitState.SHARDED])
+            if unit.swap is not None and unit.state is UnitState.SHARDED:
+                self.swap.start(unit.index)
+            if upcoming:
+                self.swap.read_ahead(upcoming, skip={i for i in upcoming if self.units[i].state is not UnitState.SHARDED})
         if unit.state is UnitState.GATHERING:
             with self.telemetry.span("gather_wait", unit.name):
                 unit.finish_unshard()
@@ -220,15 +223,23 @@ class ZeroRuntime:
 
     def _prefetch(self, current: Unit, upcoming: list[int]) -> None:
         ahead = 0
+        # A gather of an NVMe-homed unit waits for its read: gathers stay within half the read buffers ahead,
+        # so the reads run further ahead than they do. The same count on every rank keeps the collectives in step.
+        from_nvme, nvme_limit = 0, self.swap.gather_ahead if self.swap is not None else 0
         for index in upcoming:
             unit = self.units[index]
             if unit is current:
                 continue
             if unit.state is not UnitState.SHARDED:
                 ahead += unit.padded if unit.prefetched else 0
+                from_nvme += unit.prefetched and unit.swap is not None
                 continue
             if ahead + unit.padded > self.prefetch.lookahead or self.live + unit.padded > self.limit.elements:
                 break
+            if unit.swap is not None:
+                if from_nvme >= nvme_limit:
+                    break
+                from_nvme += 1
             with self.telemetry.span("prefetch", unit.name):
                 unit.start_unshard(self.accel, self.h2d)
             unit.prefetched = True

@@ -1,0 +1,197 @@
+"""Parameter shards on NVMe (offload_param: nvme): read ahead of use in the traced order, trained exactly like
+torch (also with the step overlapped with backward, and split with the host by max_in_cpu), and failed or
+corrupted transfers that are clear errors and lose nothing."""
+
+import errno
+import os
+import time
+
+import pytest
+import torch
+
+import offload
+from engine_cases import base_config, batches, loss_of, make_model, train_engine, train_reference
+from offload.aio.base import SwapIOError
+from offload.aio.checksum import ChecksumError
+from offload.engine import EngineError
+from offload.launch import run_ranks
+from offload.telemetry import NVME_PARAMS
+
+
+def param_config(path, world=1, optimizer="cpu", max_in_cpu=0, buffers=3, clip=1.0, overlap="auto"):
+    config = base_config(2, 1, world, clip=clip, sub_group_size=3000)
+    zero = config["zero_optimization"]
+    zero["offload_param"] = {"device": "nvme", "nvme_path": str(path / "params"), "max_in_cpu": max_in_cpu,
+                             "buffer_count": buffers}
+    if optimizer == "nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(path / "optimizer"), "buffer_count": 2}
+    config["offload"].update(aio_engine="threads", overlap_step=overlap)
+    return config
+
+
+def _on(file_name, real):
+    """Wraps a syscall so it acts only on the named swap file."""
+    def target(fd):
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}").endswith(file_name)
+        except OSError:
+            return False
+    return target
+
+
+def _steps(engine, start, stop, rows=2):
+    losses = []
+    for tokens in batches(stop, rows)[start:]:
+        loss = engine.backward(loss_of(engine, "gpt", tokens))
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _clean(path, steps, **kw):
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=param_config(path, **kw))
+    losses = _steps(engine, 0, steps)
+    state = engine.full_state_dict()
+    engine.close()
+    return losses, state
+
+
+def test_reads_run_ahead_of_use_and_overlap_compute(tmp_path, monkeypatch):
+    import offload.aio.base as base
+    real = os.preadv
+    params = _on("params-rank0.swap", real)
+
+    def slow(fd, bufs, off):  # a disk slower than a unit's compute: read-ahead is what hides it
+        if params(fd):
+            time.sleep(0.01)
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(base.os, "preadv", slow)
+    config = param_config(tmp_path, buffers=4)
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = 50_000
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    swap = engine.param_swap
+    assert len(swap.homes) == len(engine.units)  # max_in_cpu 0: every shard lives on NVMe
+    engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))  # the first iteration records the order:
+    first = swap.stats.reads_on_demand  # every read on demand
+    assert first >= len(engine.units) and swap.stats.reads_ahead == 0
+    engine.step()
+    assert 0 < swap.stats.reads_ahead <= 4, "after the step: the units the next forward needs first"
+    engine.telemetry.start_trace()
+    _steps(engine, 1, 4)
+    later = swap.stats.reads_on_demand - first
+    assert swap.stats.reads_ahead > 2 * len(engine.units)
+    assert later <= first // 2, "after the first iteration reads start ahead of their gather (3 iterations here " \
+                                "need fewer reads on demand than half of the first one)"
+    share = engine.telemetry.overlap_share(NVME_PARAMS)
+    assert share is not None and share > 0.2, share
+    rows = {e.thread for e in engine.telemetry.events() if e.phase == "param_read"}
+    assert rows == {"nvme"}
+    engine.close()
+
+
+def test_overlapped_step_and_a_host_nvme_split_train_like_torch(tmp_path):
+    probe, *_ = offload.initialize(model=make_model("gpt"), config=param_config(tmp_path / "probe"))
+    units = len(probe.units)
+    probe.close()
+    for name, config in {
+        "overlapped": param_config(tmp_path / "a", clip=0.0, overlap="on"),
+        "split": param_config(tmp_path / "b", clip=0.0, max_in_cpu=6000),
+    }.items():
+        results = run_ranks(train_engine, 1, name="gpt", config=config, steps=5, micro=2, accum=1)
+        ref = train_reference("gpt", 5, 2, 2, clip=0.0, world=1)
+        for key, value in ref["state"].items():
+            torch.testing.assert_close(results[0]["state"][key], value, msg=lambda m, k=key: f"{name} {k}: {m}")
+        torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]))
+        if name == "overlapped":
+            assert results[0]["overlapped"] >= 5 * units // 2
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=param_config(tmp_path / "c", max_in_cpu=6000))
+    on_host = [u for u in engine.units if u.home is not None]
+    on_nvme = [u for u in engine.units if u.swap is not None]
+    assert on_host and on_nvme and on_host[0].index == 0, "the host keeps the first units"
+    assert sum(u.shard_numel for u in on_host) <= 6000
+    engine.close()
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_a_failed_parameter_write_keeps_the_step_and_rewrites_the_shards_before_the_next_forward(
+        tmp_path, monkeypatch, optimizer):
+    import offload.aio.base as base
+    clean_losses, _ = _clean(tmp_path / "clean", 4, optimizer=optimizer)
+    _, clean3 = _clean(tmp_path / "clean3", 3, optimizer=optimizer)
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=param_config(tmp_path / "run", optimizer=optimizer))
+    losses = _steps(engine, 0, 2)
+    real = os.pwritev
+    params = _on("params-rank0.swap", real)
+
+    def failing(fd, bufs, off):
+        if params(fd):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(base.os, "pwritev", failing)
+    tokens = batches(3, 2)[2]
+    loss = engine.backward(loss_of(engine, "gpt", tokens))
+    losses.append(loss.item())
+    with pytest.raises(EngineError, match=r"step 3 was applied, but writing new parameter shards to NVMe failed: "
+                                          r"write of .*/params-rank0\.swap failed: No space left on device.*errno 28"):
+        engine.step()
+    assert engine.param_swap.stats.stale, "the units whose write failed are marked stale"
+    state = engine.full_state_dict()
+    for key, value in clean3.items():  # the state of the last completed step (3) is readable and right
+        assert torch.equal(state[key], value), key
+    monkeypatch.undo()
+    losses += _steps(engine, 3, 4)  # the next forward rewrites the stale shards first
+    assert not engine.param_swap.stats.stale
+    engine.close()
+    assert losses == clean_losses
+
+
+def test_a_failed_parameter_read_is_an_error_naming_the_file_and_training_goes_on(tmp_path, monkeypatch):
+    import offload.aio.base as base
+    clean_losses, clean_state = _clean(tmp_path / "clean", 3)
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=param_config(tmp_path / "run"))
+    losses = _steps(engine, 0, 1)
+    real = os.preadv
+    params = _on("params-rank0.swap", real)
+
+    def failing(fd, bufs, off):
+        if params(fd):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(base.os, "preadv", failing)
+    with pytest.raises(SwapIOError, match=r"read of .*/params-rank0\.swap failed: Input/output error.*errno 5"):
+        loss_of(engine, "gpt", batches(2, 2)[1])
+    monkeypatch.undo()
+    losses += _steps(engine, 1, 3)
+    state = engine.full_state_dict()
+    engine.close()
+    assert losses == clean_losses
+    for key, value in clean_state.items():
+        assert torch.equal(state[key], value), key
+
+
+def test_a_corrupted_parameter_swap_file_is_a_checksum_error_naming_it(tmp_path):
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=param_config(tmp_path))
+    _steps(engine, 0, 1)
+    swap = next(tmp_path.rglob("params-rank0.swap"))
+    with open(swap, "r+b") as f:
+        f.write(b"\xff" * (1 << 20))  # both slots of the first units
+    with pytest.raises(ChecksumError, match=r"params-rank0\.swap.*checksum mismatch"):
+        _steps(engine, 1, 2)
+    engine.close()
+
+
+def test_budgets_and_buffers_that_cannot_work_fail_at_initialize(tmp_path):
+    config = param_config(tmp_path)
+    config["offload"]["budgets"] = {"nvme": 20_000}
+    with pytest.raises(offload.ConfigError, match=r"offload.budgets.nvme: 20,000 bytes cannot hold the parameter "
+                                                  r"shards on NVMe: [\d,]+ bytes \(two slots per unit\)"):
+        offload.initialize(model=make_model("gpt"), config=config)
+    config = param_config(tmp_path)
+    config["zero_optimization"]["offload_param"]["buffer_size"] = 100
+    with pytest.raises(offload.ConfigError, match=r"offload_param.buffer_size: 100 elements cannot hold the largest "
+                                                  r"unit's shard \([\d,]+ elements\)"):
+        offload.initialize(model=make_model("gpt"), config=config)
+    assert not list((tmp_path / "params").glob("offload-swap-*")), "a failed start-up leaves no swap directory"
