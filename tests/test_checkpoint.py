@@ -26,6 +26,9 @@ def ckpt_config(world, optimizer="cpu", path=None):
         config["offload"]["budgets"] = {"host": 900_000}
     if optimizer == "params-on-host":  # offload_param cpu: the shards' home is host memory
         config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    if optimizer == "params-on-nvme":  # offload_param nvme, every shard: a resume reads them back from NVMe
+        config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(path / "params"),
+                                                        "max_in_cpu": 0}
     return config
 
 
@@ -64,7 +67,7 @@ def straight_w1(tmp_path_factory):
     return run_ranks(train, 1, config=ckpt_config(1), save_dir=tmp_path_factory.mktemp("unused"), stop=CRASH_STOP)[0]
 
 
-@pytest.mark.parametrize("world,optimizer", [(2, "cpu"), (1, "split"), (1, "params-on-host")])
+@pytest.mark.parametrize("world,optimizer", [(2, "cpu"), (1, "split"), (1, "params-on-host"), (1, "params-on-nvme")])
 def test_a_resumed_run_equals_the_run_that_never_stopped(tmp_path, world, optimizer):
     config = ckpt_config(world, optimizer, tmp_path)
     straight = run_ranks(train, world, config=config, save_dir=tmp_path / "a")

@@ -123,14 +123,14 @@ def test_gathered_parameters_and_zero_grad():
 
 
 @pytest.mark.parametrize("name", ["zero3_bf16", "zero3_cpu_offload", "zero3_fp16", "zero3_nvme_offload"])
-def test_shipped_configs_train(name, repo):
+def test_shipped_configs_train(name, repo, tmp_path):
+    import json
     model = make_model("gpt")
-    path = repo / "configs" / f"{name}.json"
-    if name == "zero3_nvme_offload":  # parameters on NVMe are the next slice of the tiered store
-        with pytest.raises(offload.ConfigError, match="offload_param.device: 'nvme'"):
-            offload.initialize(model=model, config=path)
-        return
-    engine, *_ = offload.initialize(model=model, config=path)
+    config = json.loads((repo / "configs" / f"{name}.json").read_text())
+    for section in config["zero_optimization"].values():
+        if isinstance(section, dict) and "nvme_path" in section:
+            section["nvme_path"] = str(tmp_path)  # as shipped, but on the test's own directory
+    engine, *_ = offload.initialize(model=model, config=config)
     for _ in range(engine.gradient_accumulation_steps):
         engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
         engine.step()
