@@ -126,6 +126,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0 if len(record.losses) < 2 or record.losses[-1] < record.losses[0] else 1
 
 
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from offload.estimate import run_cli
+    return run_cli(args)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from offload.checkpoint import CheckpointError
     from offload.export import describe
@@ -201,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help="override the optimizer's lr")
     p.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default=None,
                    help="override zero_optimization.offload_optimizer.device")
+    p.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default=None,
+                   help="override zero_optimization.offload_param.device (needs the optimizer offloaded)")
+    p.add_argument("--max-in-cpu", type=int, default=None,
+                   help="with --offload-param nvme: parameter elements kept on the host (DeepSpeed's max_in_cpu, "
+                        "default 1e9; 0 puts every shard on NVMe)")
     p.add_argument("--nvme-path", default=d.nvme_path, help=f"swap directory for nvme (default ./{d.nvme_path})")
     p.add_argument("--init-empty", action="store_true", help="build the model under offload.zero.Init")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -210,6 +220,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     p.add_argument("--print-every", type=int, default=None, help="steps between progress lines")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("estimate", help="bytes per tier per rank for a model under a config, and the largest model "
+                                        "each offload choice trains on this machine")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--model", default=None, help="a model name as in `offload train` (default gpt2), built on "
+                                                   "the meta device")
+    size.add_argument("--params", default=None, help="a parameter count instead (e.g. 2e9)")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=None, help="default: 50304 (gpt2), 32000 (llama), 256 (built-in)")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--world", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--config", default=None, help="a DeepSpeed-style config (default: bf16, optimizer on the host)")
+    p.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default=None)
+    p.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default=None)
+    p.add_argument("--nvme-path", default="offload-swap", help="where NVMe swap would go (its free space counts)")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.set_defaults(func=_cmd_estimate)
 
     p = sub.add_parser("inspect", help="what a checkpoint holds: step, world size, sizes per state, config")
     p.add_argument("checkpoint", help="a checkpoint directory, or the save_dir holding `latest`")

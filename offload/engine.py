@@ -34,7 +34,7 @@ from offload.aio.base import Engine as AioEngine
 from offload.aio.select import engine_from_config
 from offload.optim.sharded import ShardedAdam, StatePlan
 from offload.store.budget import TierBudget
-from offload.store.param_swap import ParamSwap, ParamSwapError
+from offload.store.param_swap import ParamSwap, ParamSwapError, place_params
 from offload.store.swapdir import PREFIX, SwapDir
 from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, all_gather, all_reduce_sum, broadcast
@@ -93,7 +93,8 @@ class Engine:
         with contextlib.ExitStack() as undo:  # a failed start-up releases what it took (swap dir lock, threads)
             undo.callback(self.accel.close)
             undo.callback(self._close_swap)
-            nvme_params = self._place_params(plans)
+            nvme_params = place_params([(p.index, Unit.padded_numel(p, group.world) // group.world) for p in plans],
+                                       zero.offload_param) if zero.offload_param.device == "nvme" else []
             if nvme_params:
                 self.param_swap = ParamSwap(
                     nvme_params, self.compute_dtype, swap=self._open_swap(zero.offload_param.nvme_path),
@@ -195,27 +196,6 @@ class Engine:
         home, buf = self.accel.host_buffer(unit.shard_numel, self.compute_dtype)
         self.host_budget.take(buf.capacity, "frozen parameter shards")
         return home
-
-    def _place_params(self, plans: list[Any]) -> list[tuple[int, int]]:
-        """(unit, shard elements) of the units whose parameter shards live on NVMe: with offload_param nvme the
-        host keeps the first units up to max_in_cpu elements (they are needed right after a step, before
-        read-ahead has compute to hide behind) and NVMe the rest."""
-        param = self.config.zero_optimization.offload_param
-        if param.device != "nvme":
-            return []
-        on_nvme, on_host = [], 0
-        for plan in plans:
-            n = Unit.padded_numel(plan, self.group.world) // self.group.world
-            if on_host + n <= param.max_in_cpu:
-                on_host += n
-            else:
-                on_nvme.append((plan.index, n))
-        largest = max((n for _, n in on_nvme), default=0)
-        if largest > param.buffer_size:
-            raise ConfigError("zero_optimization.offload_param.buffer_size",
-                              f"{param.buffer_size:,} elements cannot hold the largest unit's shard ({largest:,} "
-                              "elements); raise buffer_size or lower offload.unit_bytes")
-        return on_nvme
 
     def _close_swap(self) -> None:
         if self.param_swap is not None:

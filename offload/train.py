@@ -56,6 +56,8 @@ class TrainArgs:
     micro_batch: int | None = None
     lr: float | None = None
     offload_optimizer: str | None = None  # none, cpu or nvme: overrides the config
+    offload_param: str | None = None  # none, cpu or nvme: overrides the config
+    max_in_cpu: int | None = None  # offload_param.max_in_cpu: parameter elements kept on the host with nvme
     nvme_path: str = "offload-swap"  # under the working directory unless absolute
     init_empty: bool = False
     seed: int = 0
@@ -154,6 +156,10 @@ def build_config(args: TrainArgs) -> dict[str, Any]:
         raw.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})["lr"] = args.lr
     if args.offload_optimizer is not None:
         zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": args.offload_optimizer}
+    if args.offload_param is not None:
+        zero["offload_param"] = {**zero.get("offload_param", {}), "device": args.offload_param}
+    if args.max_in_cpu is not None:
+        zero["offload_param"] = {**zero.get("offload_param", {}), "max_in_cpu": args.max_in_cpu}
     for section in ("offload_optimizer", "offload_param"):
         if zero.get(section, {}).get("device") == "nvme":
             path = zero[section].get("nvme_path") or args.nvme_path

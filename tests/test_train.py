@@ -29,10 +29,12 @@ def test_train_on_the_embedded_default_learns_and_writes_record_trace_and_plot(t
     assert "tok/s" in text and "host" in text and "peak RSS" in text
 
 
-def test_train_with_the_optimizer_on_nvme_and_a_hugging_face_model(tmp_path):
-    assert _train(tmp_path, "--model", "llama-tiny", "--steps", "6", "--offload-optimizer", "nvme") in (0, 1)
+def test_train_with_params_and_optimizer_on_nvme_and_a_hugging_face_model(tmp_path):
+    assert _train(tmp_path, "--model", "llama-tiny", "--steps", "6", "--offload-optimizer", "nvme",
+                  "--offload-param", "nvme", "--max-in-cpu", "0") in (0, 1)
     record = _record(tmp_path)
     assert record["memory"]["nvme"]["total"] > 0 and record["bytes_per_step"]["nvme_read"] > 0
+    assert record["memory"]["nvme"]["parameter shards (two slots per unit)"] > 0
     assert all(np.isfinite(record["losses"]))
     assert not any((tmp_path / "swap").iterdir())  # the swap directory is cleaned on exit
 

@@ -12,11 +12,14 @@ the step and is reported as background time. The ratio offload/torch is what
 sharding costs on this machine: on one host the "device" is CPU memory, so every
 gather and copy is overhead that a GPU job would spend on other buses.
 
-With ``--offload nvme`` the optimizer state lives in swap files under ``--nvme-path``
-and three offload variants alternate with torch: state on the host (the cost of the
-disk is nvme/host), on NVMe with the pipelined step (``buffer_count`` buffers: reads
-ahead, writes behind), and on NVMe with one buffer (read, compute, write in turn: the
-gain of pipelining is serial/pipelined on the optimizer phase).
+With ``--offload nvme`` the swap files live under ``--nvme-path`` and these variants
+alternate with torch: parameters and optimizer state both on NVMe (the headline),
+both on the host (the cost of the disk is nvme/host), only the optimizer state on
+NVMe, parameters on NVMe without read-ahead (prefetch off: every read on demand, the
+gain of read-ahead), and the optimizer state on NVMe with one buffer (read, compute,
+write in turn: the gain of pipelining is serial/pipelined on the optimizer phase).
+For parameter reads the share hidden is 1 - (time the training thread waited for a
+read) / (time reads were in flight).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class StepBench:
     nvme_path: str = "/tmp/offload-bench-step"
     sub_group_size: int = 1_000_000
     buffer_count: int = 4
+    param_buffers: int = 8  # offload_param.buffer_count for the variants with parameters on NVMe
     trace_dir: str = ""  # where rank 0 of each variant writes a Chrome trace of its timed steps ("": none)
     device: str = "cpu"  # cpu, or cuda: both sides compute on the GPU (then world must be 1)
 
@@ -70,9 +74,12 @@ class StepBench:
                     # Without clipping the step can overlap backward; the same config with overlap off is its pair.
                     "noclip-overlap": {"device": "cpu", "clip": 0.0, "overlap": "on"},
                     "noclip-after": {"device": "cpu", "clip": 0.0, "overlap": "off"}}
-        return {"nvme": {"device": "nvme", "buffer_count": self.buffer_count},
-                "host": {"device": "cpu"},
-                "nvme-serial": {"device": "nvme", "buffer_count": 1}}
+        return {"nvme": {"device": "nvme", "buffer_count": self.buffer_count, "params": "nvme"},
+                "host": {"device": "cpu", "params": "cpu"},
+                "nvme-optimizer": {"device": "nvme", "buffer_count": self.buffer_count, "params": "cpu"},
+                "nvme-no-readahead": {"device": "nvme", "buffer_count": self.buffer_count, "params": "nvme",
+                                      "prefetch": 0},
+                "nvme-serial": {"device": "nvme", "buffer_count": 1, "params": "cpu"}}
 
     def model_config(self) -> Any:
         from offload.models import GPTConfig
@@ -114,11 +121,15 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
     optimizer = {"device": variant["device"]}
     if variant["device"] == "nvme":
         optimizer.update(nvme_path=b.nvme_path, buffer_count=variant["buffer_count"])
+    param = {"device": variant.get("params", "none")}
+    if param["device"] == "nvme":  # every shard on NVMe: what the disk costs, not what max_in_cpu hides
+        param.update(nvme_path=b.nvme_path, max_in_cpu=0, buffer_count=b.param_buffers)
     config = {"train_micro_batch_size_per_gpu": b.micro, "gradient_accumulation_steps": 1,
               "gradient_clipping": variant.get("clip", 1.0),
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
               "bf16": {"enabled": b.dtype == "bf16"},
-              "zero_optimization": {"stage": 3, "offload_optimizer": optimizer, "sub_group_size": b.sub_group_size,
+              "zero_optimization": {"stage": 3, "offload_optimizer": optimizer, "offload_param": param,
+                                    "sub_group_size": b.sub_group_size,
                                     "stage3_prefetch_bucket_size": variant.get("prefetch", 50_000_000)},
               "offload": {"unit_bytes": 4 << 20, "overlap_step": variant.get("overlap", "auto")}}
     engine, *_ = offload.initialize(model=model, config=config)
@@ -214,6 +225,8 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
                          "copies_hidden": statistics.mean(run["overlap"] for run in runs[name])
                          if all(run["overlap"] is not None for run in runs[name]) else -1.0,
                          "nvme_wait_s": per_step(name, "nvme_wait"),
+                         "param_wait_s": per_step(name, "param_wait"),
+                         "param_read_s": per_step(name, "param_read"),
                          "nvme_bytes": per_step(name, "nvme_read", "bytes") + per_step(name, "nvme_write", "bytes")}
                   for name in variants},
         peak_device_bytes=peaks if b.device == "cuda" else {})
@@ -258,5 +271,11 @@ def print_table(result: StepResult, out: TextIO) -> None:
                   f"{row['nvme_wait_s'] * 1e3:8.1f} ms" + (f"  ({gbps:.2f} GB/s through the optimizer phase)"
                                                             if gbps else ""), file=out)
         print(f"  the disk's cost: nvme/host step {v['nvme']['step_s'] / v['host']['step_s']:.2f}x; pipelining's gain: "
-              f"serial/pipelined optimizer phase {v['nvme-serial']['optimizer_s'] / v['nvme']['optimizer_s']:.2f}x",
+              f"serial/pipelined optimizer phase {v['nvme-serial']['optimizer_s'] / v['nvme-optimizer']['optimizer_s']:.2f}x",
               file=out)
+        for name in ("nvme", "nvme-no-readahead"):
+            row = v[name]
+            hidden = 1 - row["param_wait_s"] / row["param_read_s"] if row["param_read_s"] else 0.0
+            print(f"  parameter reads ({name}): {row['param_read_s'] * 1e3:.1f} ms in flight, the training thread "
+                  f"waited {row['param_wait_s'] * 1e3:.1f} ms: {max(0.0, hidden):.0%} hidden", file=out)
+        print(f"  read-ahead's gain: {v['nvme-no-readahead']['step_s'] / v['nvme']['step_s']:.2f}x", file=out)

@@ -57,6 +57,14 @@ class Segment:
     group: int
 
 
+def host_parts(sizes: list[tuple[int, int]], nvme_units: set[int], item: int) -> dict[str, int]:
+    """Host bytes an offloaded optimizer reserves besides its state, by part: fp32 gradient accumulators,
+    compute-dtype copies of the new shards (not for shards homed on NVMe), and gradient staging buffers."""
+    return {"gradient accumulators": 4 * sum(n for _, n in sizes),
+            "parameter copies": item * sum(n for i, n in sizes if i not in nvme_units),
+            "gradient staging": STAGING_BUFFERS * max(n for _, n in sizes) * item}
+
+
 def shard_segments(unit: Unit, group_of: dict[int, int]) -> list[Segment]:
     """The optimizer segments of this rank's shard; padding and params in no group are left out."""
     lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
@@ -138,11 +146,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _reserve_host(self, sizes: list[tuple[int, int]]) -> None:
         """Account (and check at start-up) the host bytes of accumulators, copies and staging buffers."""
-        total = sum(n for _, n in sizes)
-        copies = sum(n for i, n in sizes if i not in self._nvme_units)
-        item = self.compute_dtype.itemsize
-        parts = {"gradient accumulators": 4 * total, "parameter copies": item * copies,
-                 "gradient staging": STAGING_BUFFERS * max(n for _, n in sizes) * item}
+        parts = host_parts(sizes, self._nvme_units, self.compute_dtype.itemsize)
         if self.host.limit is not None and sum(parts.values()) > self.host.limit:
             from offload.config import ConfigError
             raise ConfigError("offload.budgets.host",

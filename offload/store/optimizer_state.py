@@ -87,6 +87,47 @@ def plan_sub_groups(sizes: list[tuple[int, int]], sub_group_size: int) -> list[S
     return groups
 
 
+def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buffer_count: int) -> None:
+    """Choose each sub-group's home tier within the host budget (what ``host.used`` holds is already planned):
+    ``device`` is offload_optimizer.device. With nvme the host keeps the first sub-groups that fit beside the
+    NVMe buffers, and NVMe the rest. A plan that cannot fit is a ConfigError naming the budget."""
+    from offload.config import ConfigError
+    if device == "none":
+        for g in groups:
+            g.tier = "device"
+        return
+    if device == "cpu":
+        need = sum(g.nbytes for g in groups)
+        left = None if host.limit is None else host.limit - host.used
+        if left is not None and need > left:
+            raise ConfigError("offload.budgets.host",
+                              f"{host.limit:,} bytes cannot hold the optimizer state on the host: it needs "
+                              f"{need:,} bytes beside {host.used:,} for gradients and copies; raise the "
+                              "budget, use more ranks, or put the optimizer on NVMe (offload_optimizer.device: "
+                              "nvme keeps what fits on the host and the rest on NVMe)")
+        for g in groups:
+            g.tier = "host"
+        return
+    largest = max((g.nbytes for g in groups), default=0)
+    if host.limit is None:
+        for g in groups:
+            g.tier = "nvme"
+        return
+    buffers = min(buffer_count, len(groups)) * largest
+    left = host.limit - host.used - buffers
+    if left < 0:
+        raise ConfigError("offload.budgets.host",
+                          f"{host.limit:,} bytes cannot hold the {min(buffer_count, len(groups))} "
+                          f"pinned NVMe buffers of {largest:,} bytes (one sub-group's state) beside "
+                          f"{host.used:,} for gradients and copies; raise the budget or lower "
+                          "zero_optimization.sub_group_size or offload_optimizer.buffer_count")
+    for g in groups:
+        if g.nbytes <= left:
+            g.tier, left = "host", left - g.nbytes
+        else:
+            g.tier = "nvme"
+
+
 @dataclass
 class StatePlacement:
     """What the start-up plan decided: elements of optimizer state per tier."""
@@ -112,7 +153,7 @@ class OptimizerStateStore:
         self._pool: BufferPool | None = None
         self._buffers: list[AlignedBuffer] = []
         self._fill: AlignedBuffer | None = None
-        self._place(device, buffer_count)
+        place_sub_groups(self.groups, device, host, buffer_count)
         for g in self.groups:
             self.placement.tiers[g.tier] = self.placement.tiers.get(g.tier, 0) + g.numel
             if g.tier == "device":
@@ -145,46 +186,6 @@ class OptimizerStateStore:
             self._buffers = [self._pool.acquire(size) for _ in range(count)]
             host.take(count * size, "optimizer NVMe buffers")
         logger.info("optimizer state: %s", ", ".join(f"{t} {n:,} elements" for t, n in self.placement.tiers.items()))
-
-    def _place(self, device: str, buffer_count: int) -> None:
-        """Choose each sub-group's home tier within the host budget (the rest of the host plan is already taken)."""
-        if device == "none":
-            for g in self.groups:
-                g.tier = "device"
-            return
-        if device == "cpu":
-            need = sum(g.nbytes for g in self.groups)
-            left = None if self.host.limit is None else self.host.limit - self.host.used
-            if left is not None and need > left:
-                from offload.config import ConfigError
-                raise ConfigError("offload.budgets.host",
-                                  f"{self.host.limit:,} bytes cannot hold the optimizer state on the host: it needs "
-                                  f"{need:,} bytes beside {self.host.used:,} for gradients and copies; raise the "
-                                  "budget, use more ranks, or put the optimizer on NVMe (offload_optimizer.device: "
-                                  "nvme keeps what fits on the host and the rest on NVMe)")
-            for g in self.groups:
-                g.tier = "host"
-            return
-        # nvme: the host keeps what fits in its budget after the NVMe buffers; the rest goes to NVMe.
-        largest = max((g.nbytes for g in self.groups), default=0)
-        if self.host.limit is None:
-            for g in self.groups:
-                g.tier = "nvme"
-            return
-        buffers = min(buffer_count, len(self.groups)) * largest
-        left = self.host.limit - self.host.used - buffers
-        if left < 0:
-            from offload.config import ConfigError
-            raise ConfigError("offload.budgets.host",
-                              f"{self.host.limit:,} bytes cannot hold the {min(buffer_count, len(self.groups))} "
-                              f"pinned NVMe buffers of {largest:,} bytes (one sub-group's state) beside "
-                              f"{self.host.used:,} for gradients and copies; raise the budget or lower "
-                              "zero_optimization.sub_group_size or offload_optimizer.buffer_count")
-        for g in self.groups:
-            if g.nbytes <= left:
-                g.tier, left = "host", left - g.nbytes
-            else:
-                g.tier = "nvme"
 
     # ----------------------------------------------------------------- filling and reading
 

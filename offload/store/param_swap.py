@@ -33,6 +33,7 @@ import math
 import os
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -83,6 +84,30 @@ class ParamSwapStats:
     stale: set[int] = field(default_factory=set)
 
 
+def place_params(sizes: list[tuple[int, int]], param: Any) -> list[tuple[int, int]]:
+    """Of (unit, shard elements) in unit order, those homed on NVMe under offload_param ``param`` (device nvme):
+    the host keeps the first units up to max_in_cpu elements (they are needed right after a step, before
+    read-ahead has compute to hide behind) and NVMe the rest."""
+    from offload.config import ConfigError
+    on_nvme, on_host = [], 0
+    for unit, n in sizes:
+        if on_host + n <= param.max_in_cpu:
+            on_host += n
+        else:
+            on_nvme.append((unit, n))
+    largest = max((n for _, n in on_nvme), default=0)
+    if largest > param.buffer_size:
+        raise ConfigError("zero_optimization.offload_param.buffer_size",
+                          f"{param.buffer_size:,} elements cannot hold the largest unit's shard ({largest:,} "
+                          "elements); raise buffer_size or lower offload.unit_bytes")
+    return on_nvme
+
+
+def param_buffer_bytes(numels: list[int], item: int, buffer_count: int) -> int:
+    """Host bytes of the read and write buffers for NVMe-homed shards of ``numels`` elements."""
+    return (buffer_count + WRITE_BUFFERS) * max(round_up(n * item) for n in numels)
+
+
 class ParamSwapError(SwapIOError):
     """New parameter shards could not be written after the optimizer state was committed."""
 
@@ -104,12 +129,12 @@ class ParamSwap:
             self.homes[unit] = ParamHome(unit, numel, nbytes, (offset, offset + nbytes))
             offset += 2 * nbytes
         largest = max(h.nbytes for h in self.homes.values())
+        buffers = param_buffer_bytes([h.numel for h in self.homes.values()], dtype.itemsize, buffer_count)
         if nvme.limit is not None and nvme.used + offset > nvme.limit:
             raise ConfigError("offload.budgets.nvme",
                               f"{nvme.limit:,} bytes cannot hold the parameter shards on NVMe: {offset:,} bytes "
                               f"(two slots per unit) beside {nvme.used:,} already planned; raise the budget, keep "
                               "more parameters on the host (offload_param.max_in_cpu), or use more ranks")
-        buffers = (buffer_count + WRITE_BUFFERS) * largest
         if host.limit is not None and host.used + buffers > host.limit:
             raise ConfigError("offload.budgets.host",
                               f"{host.limit:,} bytes cannot hold the {buffer_count} + {WRITE_BUFFERS} parameter "

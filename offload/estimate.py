@@ -1,0 +1,292 @@
+"""`offload estimate`: the bytes each tier of a rank will hold under a config, and the largest model each offload
+choice can train on this machine.
+
+The figures come from the engine's own planning: the model is built on the meta device
+(no memory) and cut into units by ``plan_units``, and the tiers are added up by the
+same functions the engine's start-up accounting uses (sub-group planning and host/NVMe
+split, parameter placement by max_in_cpu, host reservations, swap and staging buffers),
+so ``engine.memory_summary()`` after ``initialize`` matches them (tested within 10%).
+Unlike DeepSpeed's estimator it counts the pinned pools, swap buffers and staging
+buffers. It does not count activations, the CUDA context or allocator slack; the
+device tier's gathered units are an upper bound from the prefetch and live limits.
+
+"The largest model each choice trains here" solves bytes(N) = fixed + per_param x N
+per tier (two plans of synthetic models give both terms) against what the machine has:
+GPU memory (torch), available RAM (psutil) and free disk under nvme_path. On a machine
+without a GPU the "device" is host memory, so both tiers share the RAM.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload.aio.buffers import round_up
+from offload.config import Config, ConfigError
+from offload.optim.sharded import host_parts
+from offload.store.budget import TierBudget
+from offload.store.optimizer_state import place_sub_groups, plan_sub_groups
+from offload.store.param_swap import param_buffer_bytes, place_params
+
+TIERS = ("device", "host", "nvme")
+
+
+@dataclass
+class Estimate:
+    params: int
+    world: int
+    units: int
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> part -> bytes, per rank
+    notes: list[str] = field(default_factory=list)
+
+    def total(self, tier: str) -> int:
+        return sum(self.tiers.get(tier, {}).values())
+
+
+def compute_bytes(config: Config) -> int:
+    return 2 if config.bf16.enabled is True or config.fp16.enabled is True else 4
+
+
+def estimate(unit_numels: list[int], config: Config, world: int) -> Estimate:
+    """Bytes per tier of one rank for a model whose units hold ``unit_numels`` elements (all trained)."""
+    zero = config.zero_optimization
+    item = compute_bytes(config)
+    sizes = [(i, -(-n // world)) for i, n in enumerate(unit_numels)]  # shard elements: padded to W, over W
+    est = Estimate(sum(unit_numels), world, len(unit_numels), {t: {} for t in TIERS})
+    device, host, nvme = est.tiers["device"], est.tiers["host"], est.tiers["nvme"]
+    param_dev, opt_dev = zero.offload_param.device, zero.offload_optimizer.device
+    total = sum(n for _, n in sizes)
+    if param_dev == "none":
+        device["shards"] = item * total
+    largest_unit = max((n * world for _, n in sizes), default=0)
+    device["gathered (at most)"] = item * min(int(zero.stage3_max_live_parameters),
+                                              largest_unit + int(zero.stage3_prefetch_bucket_size), world * total)
+    budget = TierBudget("host", config.offload.budgets.host)
+    nvme_params = place_params(sizes, zero.offload_param) if param_dev == "nvme" else []
+    if nvme_params:
+        _take(budget, host, "parameter NVMe buffers",
+              param_buffer_bytes([n for _, n in nvme_params], item, zero.offload_param.buffer_count))
+        nvme["parameter shards (two slots per unit)"] = 2 * sum(round_up(n * item) for _, n in nvme_params)
+    groups = plan_sub_groups(sizes, int(zero.sub_group_size))
+    if opt_dev == "none":
+        device["optimizer state"] = sum(g.nbytes for g in groups) + 4 * total
+        return est
+    for what, nbytes in host_parts(sizes, {i for i, _ in nvme_params}, item).items():
+        _take(budget, host, what, nbytes)
+    try:
+        place_sub_groups(groups, opt_dev, budget, zero.offload_optimizer.buffer_count)
+    except ConfigError as e:
+        est.notes.append(f"initialize would refuse this plan: {e}")
+        return est
+    on_host = [g for g in groups if g.tier == "host"]
+    on_nvme = [g for g in groups if g.tier == "nvme"]
+    if on_host:
+        host["optimizer state"] = sum(g.nbytes for g in on_host)
+    if on_nvme:
+        count = min(zero.offload_optimizer.buffer_count, len(on_nvme))
+        host["optimizer NVMe buffers"] = count * max(g.nbytes for g in on_nvme)
+        nvme["optimizer state (two slots per sub-group)"] = 2 * sum(g.nbytes for g in on_nvme)
+    if budget.limit is not None and est.total("host") > budget.limit:
+        est.notes.append(f"over offload.budgets.host ({budget.limit:,} bytes): initialize would refuse this plan")
+    est.notes.append("not counted: activations, the CUDA context and allocator slack")
+    return est
+
+
+def _take(budget: TierBudget, parts: dict[str, int], what: str, nbytes: int) -> None:
+    parts[what] = parts.get(what, 0) + nbytes
+    budget.used += nbytes  # over the limit, the estimate still reports the plan (and says it would not start)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def model_units(model: torch.nn.Module, config: Config) -> list[int]:
+    """The engine's units of ``model`` (built on the meta device: no memory needed)."""
+    from offload.zero.plan import plan_units
+    plans = plan_units(model, config.offload.unit_bytes, compute_bytes(config),
+                       atomic=tuple(config.offload.atomic_modules or ()))
+    return [p.numel for p in plans]
+
+
+def synthetic_units(params: int, config: Config) -> list[int]:
+    """Units of a model known only by its size: equal units of offload.unit_bytes."""
+    per_unit = max(1, config.offload.unit_bytes // compute_bytes(config))
+    count = max(1, math.ceil(params / per_unit))
+    base, extra = divmod(params, count)
+    return [base + (i < extra) for i in range(count)]
+
+
+# ----------------------------------------------------------------------------- this machine
+
+
+@dataclass
+class Machine:
+    device_bytes: int | None  # GPU memory; None: no GPU (the compute device is host memory)
+    host_bytes: int  # RAM available now
+    nvme_bytes: int  # free disk under nvme_path
+    nvme_path: str
+
+    @staticmethod
+    def here(nvme_path: str | None) -> Machine:
+        import psutil
+        device = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
+        path = Path(nvme_path or ".").expanduser()
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        return Machine(device, psutil.virtual_memory().available, shutil.disk_usage(path).free, str(path))
+
+
+CHOICES: dict[str, dict[str, str]] = {
+    "no offload": {"offload_param": "none", "offload_optimizer": "none"},
+    "optimizer on cpu": {"offload_param": "none", "offload_optimizer": "cpu"},
+    "params + optimizer on cpu": {"offload_param": "cpu", "offload_optimizer": "cpu"},
+    "params on cpu, optimizer on nvme": {"offload_param": "cpu", "offload_optimizer": "nvme"},
+    "params + optimizer on nvme": {"offload_param": "nvme", "offload_optimizer": "nvme"},
+}
+
+
+NVME_SUB_GROUP = 100_000_000
+
+
+def choice_config(base: dict[str, Any], choice: dict[str, str], nvme_path: str) -> dict[str, Any]:
+    raw = {**base, "zero_optimization": {**base.get("zero_optimization", {}), "stage": 3}}
+    zero = raw["zero_optimization"]
+    for section, device in choice.items():
+        zero[section] = {**zero.get(section, {}), "device": device}
+        if device == "nvme":
+            zero[section]["nvme_path"] = nvme_path
+    if choice["offload_param"] == "nvme":
+        zero["offload_param"]["max_in_cpu"] = 0
+    if choice["offload_optimizer"] == "nvme":
+        # The step's NVMe buffers each hold one sub-group: DeepSpeed's default of 1e9 elements would need 12 GB
+        # per buffer; 1e8 keeps them at 1.2 GB and the pipeline as fast.
+        zero.setdefault("sub_group_size", NVME_SUB_GROUP)
+    return raw
+
+
+def largest_trainable(base: dict[str, Any], machine: Machine, world: int = 1) -> dict[str, tuple[int, str]]:
+    """Per offload choice: the most parameters it trains on ``machine`` and the tier that limits it."""
+    out: dict[str, tuple[int, str]] = {}
+    for name, choice in CHOICES.items():
+        raw = choice_config(base, choice, machine.nvme_path)
+        config = Config.load(raw).resolve(world_size=world)
+        small, large = 10**9, 4 * 10**9  # both past the point where the NVMe buffers stop growing
+        a, b = (estimate(synthetic_units(n, config), config, world) for n in (small, large))
+        caps = {"host": machine.host_bytes, "nvme": machine.nvme_bytes}
+        if machine.device_bytes is not None:
+            caps["device"] = machine.device_bytes
+        best, limit = math.inf, ""
+        for tier, cap in caps.items():
+            tiers = ("device", "host") if tier == "host" and machine.device_bytes is None else (tier,)
+            lo = sum(a.total(t) for t in tiers)
+            hi = sum(b.total(t) for t in tiers)
+            per = (hi - lo) / (large - small)
+            fixed = lo - per * small
+            if per > 0:
+                n = (cap - fixed) / per
+                if n < best:
+                    best, limit = n, tier
+        out[name] = (max(0, int(best)) if math.isfinite(best) else 0, limit)
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def format_estimate(est: Estimate, config: Config) -> str:
+    zero = config.zero_optimization
+    lines = [f"{est.params / 1e6:,.1f}M parameters in {est.units} units, W={est.world}: params on "
+             f"{zero.offload_param.device}, optimizer on {zero.offload_optimizer.device} (bytes per rank)"]
+    for tier in TIERS:
+        parts = est.tiers[tier]
+        if not parts:
+            continue
+        lines.append(f"  {tier:6s} {_gib(est.total(tier)):>10s}")
+        for what, nbytes in parts.items():
+            lines.append(f"      {what:42s} {_gib(nbytes):>10s}")
+    lines += [f"  ({note})" for note in est.notes]
+    return "\n".join(lines)
+
+
+def format_largest(largest: dict[str, tuple[int, str]], machine: Machine, world: int) -> str:
+    gpu = f"GPU {_gib(machine.device_bytes)}" if machine.device_bytes is not None else "no GPU"
+    lines = [f"this machine: {gpu}, RAM available {_gib(machine.host_bytes)}, free under {machine.nvme_path} "
+             f"{_gib(machine.nvme_bytes)}; the largest model per choice (W={world}, limited by):"]
+    for name, (n, tier) in largest.items():
+        zero = CHOICES[name]
+        extra = f", sub_group_size {NVME_SUB_GROUP:.0e}" if zero["offload_optimizer"] == "nvme" else ""
+        extra += ", max_in_cpu 0" if zero["offload_param"] == "nvme" else ""
+        lines.append(f"  {name:33s} {n / 1e9:7.2f}B params  ({tier:6s})  offload_param {zero['offload_param']}, "
+                     f"offload_optimizer {zero['offload_optimizer']}{extra}")
+    return "\n".join(lines)
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------- command line
+
+DEFAULT_VOCAB = {"builtin": 256, "gpt2": 50304, "llama": 32000}
+
+
+def build_config(path: str | None, overrides: dict[str, Any], nvme_path: str) -> dict[str, Any]:
+    """The config to estimate: a file (or bf16 with the optimizer on the host), with the command line's devices."""
+    raw = Config.load(path).to_dict() if path else {"bf16": {"enabled": True},
+                                                    "zero_optimization": {"stage": 3,
+                                                                          "offload_optimizer": {"device": "cpu"}}}
+    zero = raw.setdefault("zero_optimization", {})
+    for section, device in overrides.items():
+        if device is not None:
+            zero[section] = {**zero.get(section, {}), "device": device}
+        if zero.get(section, {}).get("device") == "nvme" and not zero[section].get("nvme_path"):
+            zero[section]["nvme_path"] = nvme_path
+    return raw
+
+
+def run_cli(args: Any) -> int:
+    import sys
+    from offload.train import MODELS, TrainArgs, TrainError, build_model
+    try:
+        raw = build_config(args.config, {"offload_optimizer": args.offload_optimizer,
+                                         "offload_param": args.offload_param}, args.nvme_path)
+        if args.params is not None:
+            params = int(float(args.params))
+            if params <= 0:
+                raise TrainError(f"--params {args.params}: give a positive number of parameters (e.g. 1.3e9)")
+            config = Config.load(raw).resolve(world_size=args.world)
+            units = synthetic_units(params, config)
+        else:
+            name = args.model or "gpt2"
+            if name not in MODELS:
+                raise TrainError(f"unknown model {name!r}; choose one of {', '.join(MODELS)} or give --params N")
+            family, _, hidden, _ = MODELS[name]
+            with torch.device("meta"):  # sizes only: no memory, no initialisation
+                model = build_model(TrainArgs(model=name, seq=args.seq, layers=args.layers, hidden=args.hidden),
+                                    args.vocab or DEFAULT_VOCAB[family])
+            config = Config.load(raw).resolve(world_size=args.world, hidden_size=args.hidden or hidden)
+            units = model_units(model, config)
+    except (TrainError, ConfigError) as e:
+        print(f"offload estimate: {e}", file=sys.stderr)
+        return 2
+    est = estimate(units, config, args.world)
+    print(format_estimate(est, config))
+    machine = Machine.here(args.nvme_path)
+    largest = largest_trainable({k: v for k, v in raw.items() if k != "zero_optimization"} |
+                                {"zero_optimization": {k: v for k, v in raw["zero_optimization"].items()
+                                                       if k not in ("offload_param", "offload_optimizer")}},
+                                machine, args.world)
+    print(format_largest(largest, machine, args.world))
+    if args.json:
+        from dataclasses import asdict
+        import json
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"estimate": asdict(est), "machine": asdict(machine),
+                                               "largest": {k: {"params": n, "limited_by": t}
+                                                           for k, (n, t) in largest.items()}}, indent=2))
+    return 0

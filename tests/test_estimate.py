@@ -1,0 +1,78 @@
+"""`offload estimate` agrees with the engine's own accounting (within 10% per tier), and says what fits here."""
+
+import json
+
+import pytest
+
+from engine_cases import base_config, describe_engine, make_model
+from offload.cli import main
+from offload.config import Config
+from offload.estimate import Machine, estimate, largest_trainable, model_units
+from offload.launch import run_ranks
+
+
+def placement(tmp_path, params, optimizer, host=None, world=1):
+    config = base_config(2, 1, world, sub_group_size=3000)
+    zero = config["zero_optimization"]
+    zero["offload_optimizer"] = {"device": optimizer, "nvme_path": str(tmp_path / "opt"), "buffer_count": 2}
+    zero["offload_param"] = {"device": params}
+    if params == "nvme":
+        zero["offload_param"].update(nvme_path=str(tmp_path / "par"), max_in_cpu=3000, buffer_count=3)
+    if host is not None:
+        config["offload"]["budgets"] = {"host": host}
+    return config
+
+
+def _tier_total(summary: dict[str, int]) -> int:
+    return summary.get("total", sum(v for k, v in summary.items() if k not in ("peak", "budget")))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("params,optimizer,host", [
+    ("none", "none", None), ("none", "cpu", None), ("cpu", "cpu", None), ("none", "nvme", None),
+    ("none", "nvme", 60_000), ("nvme", "nvme", None), ("nvme", "cpu", None)])
+def test_the_estimate_matches_the_engines_accounting(tmp_path, world, params, optimizer, host):
+    raw = placement(tmp_path, params, optimizer, host, world)
+    if host is not None:  # a budget that splits the optimizer state: what the rest needs, plus some state
+        plan = run_ranks(describe_engine, world, config=placement(tmp_path, params, optimizer, None, world))[0]
+        raw["offload"]["budgets"]["host"] = plan["memory"]["host"]["total"] - plan["memory"]["host"].get(
+            "optimizer state", 0) + host
+    measured = run_ranks(describe_engine, world, config=raw)[0]["memory"]
+    config = Config.load(raw).resolve(world_size=world)
+    est = estimate(model_units(make_model("gpt"), config), config, world)
+    for tier in ("host", "nvme"):
+        want = _tier_total(measured[tier]) if measured[tier] else 0
+        got = est.total(tier)
+        assert got == pytest.approx(want, rel=0.10, abs=4096), f"{tier}: estimate {est.tiers[tier]} vs {measured[tier]}"
+    assert est.tiers["device"].get("shards", 0) == measured["device"]["shards"]
+    if optimizer == "none":
+        assert est.tiers["device"]["optimizer state"] == pytest.approx(measured["device"]["optimizer_state"], rel=0.1)
+    if host is not None:
+        assert "optimizer state" in est.tiers["host"] and est.tiers["nvme"], "the budget splits host and NVMe"
+
+
+def test_larger_offload_choices_train_larger_models_and_the_limit_is_named(tmp_path):
+    machine = Machine(device_bytes=16 << 30, host_bytes=64 << 30, nvme_bytes=2 << 40, nvme_path=str(tmp_path))
+    largest = largest_trainable({"bf16": {"enabled": True}}, machine)
+    sizes = [n for n, _ in largest.values()]
+    assert sizes == sorted(sizes), largest  # each choice moves more off the scarcer tiers
+    assert largest["no offload"][1] == "device"
+    assert largest["params + optimizer on cpu"][1] == "host"
+    # 64 GiB of RAM at ~16 bytes per parameter (fp32 master, moments and gradients; bf16 copies): about 4B
+    assert 3.0e9 < largest["params + optimizer on cpu"][0] < 4.6e9
+    assert largest["params + optimizer on nvme"][0] > largest["params + optimizer on cpu"][0]
+
+
+def test_cli_prints_tiers_and_the_largest_models_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "estimate.json"
+    assert main(["estimate", "--model", "gpt2-tiny", "--world", "2", "--nvme-path", str(tmp_path),
+                 "--offload-optimizer", "nvme", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "optimizer state (two slots per sub-group)" in text and "largest model per choice" in text
+    report = json.loads(out.read_text())
+    assert report["estimate"]["world"] == 2 and report["estimate"]["tiers"]["nvme"]
+    assert set(report["largest"]) >= {"no offload", "params + optimizer on nvme"}
+    assert main(["estimate", "--params", "2e9", "--offload-optimizer", "cpu"]) == 0
+    assert "2,000.0M parameters" in capsys.readouterr().out
+    assert main(["estimate", "--model", "nope"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
