@@ -1,4 +1,5 @@
-"""`offload estimate` agrees with the engine's own accounting (within 10% per tier), and says what fits here."""
+"""`offload estimate` agrees with the engine's own accounting (part for part; the bar is 10%), and says what fits
+here."""
 
 import json
 
@@ -23,27 +24,29 @@ def placement(tmp_path, params, optimizer, host=None, world=1):
     return config
 
 
-def _tier_total(summary: dict[str, int]) -> int:
-    return summary.get("total", sum(v for k, v in summary.items() if k not in ("peak", "budget")))
+def _describe(world, config):
+    if world == 1:  # in this process: cheaper than spawning a rank
+        return describe_engine(0, 1, config)
+    return run_ranks(describe_engine, world, config=config)[0]
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("params,optimizer,host", [
-    ("none", "none", None), ("none", "cpu", None), ("cpu", "cpu", None), ("none", "nvme", None),
-    ("none", "nvme", 60_000), ("nvme", "nvme", None), ("nvme", "cpu", None)])
+@pytest.mark.parametrize("params,optimizer,host,world", [
+    ("none", "none", None, 1), ("none", "cpu", None, 1), ("cpu", "cpu", None, 1), ("none", "nvme", None, 1),
+    ("none", "nvme", 60_000, 1), ("nvme", "nvme", None, 1), ("nvme", "cpu", None, 1),
+    ("none", "nvme", 30_000, 2), ("nvme", "nvme", None, 2), ("none", "cpu", None, 4)])
 def test_the_estimate_matches_the_engines_accounting(tmp_path, world, params, optimizer, host):
     raw = placement(tmp_path, params, optimizer, host, world)
     if host is not None:  # a budget that splits the optimizer state: what the rest needs, plus some state
-        plan = run_ranks(describe_engine, world, config=placement(tmp_path, params, optimizer, None, world))[0]
+        plan = _describe(world, placement(tmp_path, params, optimizer, None, world))
         raw["offload"]["budgets"]["host"] = plan["memory"]["host"]["total"] - plan["memory"]["host"].get(
             "optimizer state", 0) + host
-    measured = run_ranks(describe_engine, world, config=raw)[0]["memory"]
+    measured = _describe(world, raw)["memory"]
     config = Config.load(raw).resolve(world_size=world)
     est = estimate(model_units(make_model("gpt"), config), config, world)
-    for tier in ("host", "nvme"):
-        want = _tier_total(measured[tier]) if measured[tier] else 0
-        got = est.total(tier)
-        assert got == pytest.approx(want, rel=0.10, abs=4096), f"{tier}: estimate {est.tiers[tier]} vs {measured[tier]}"
+    for tier in ("host", "nvme"):  # the same planning functions: part for part, byte for byte (10% is the bar)
+        parts = {k: v for k, v in measured[tier].items() if k not in ("total", "peak", "budget")}
+        assert est.tiers[tier] == parts, f"{tier}: estimate {est.tiers[tier]} vs engine {measured[tier]}"
+        assert est.total(tier) == measured[tier]["total"]
     assert est.tiers["device"].get("shards", 0) == measured["device"]["shards"]
     if optimizer == "none":
         assert est.tiers["device"]["optimizer state"] == pytest.approx(measured["device"]["optimizer_state"], rel=0.1)
