@@ -2,8 +2,9 @@
 
 Both train the same GPT on the same global batch: offload on W ranks over gloo (each
 rank a process with cores/W threads, so both sides use the whole machine), torch in
-one process with torch.optim.AdamW. Runs alternate (torch, offload, torch, ...) so
-drift of the shared machine falls on both alike; each figure is a median.
+one process with torch.optim.AdamW(fused=True) (with bf16: fp32 parameters under bf16
+autocast). Runs alternate (torch, offload, torch, ...) so drift of the shared machine
+falls on both alike; each figure is a median.
 
 The offload step is split by the engine's telemetry into gather, reduce-scatter,
 waiting for gradients to reach the host, and the optimizer (norm + Adam); compute is
@@ -156,13 +157,14 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
 
 
 def _torch_steps(b: StepBench) -> tuple[list[float], int]:
-    """Step times of plain PyTorch (model and AdamW on ``b.device``) and, on a GPU, its memory high water."""
+    """Step times of plain PyTorch (model and AdamW on ``b.device``) and, on a GPU, its memory high water.
+
+    With bf16 the baseline is what a PyTorch user runs: fp32 parameters, bf16 autocast, and the fused AdamW."""
     from offload.models import GPT
     torch.manual_seed(0)
     model = GPT(b.model_config()).to(b.device)
-    if b.dtype == "bf16":
-        model = model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    autocast = torch.autocast(b.device, dtype=torch.bfloat16, enabled=b.dtype == "bf16")
     if b.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -170,7 +172,9 @@ def _torch_steps(b: StepBench) -> tuple[list[float], int]:
         tokens = tokens.to(b.device)
         _sync(b.device)
         t0 = time.perf_counter()
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        with autocast:
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
