@@ -75,25 +75,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from offload.bench import adam, nvme, pcie, step
+    if args.what == "all":
+        from offload.bench.suite import run_all
+        print("offload bench all: every benchmark this machine supports, each beside its baseline", flush=True)
+        run_all(Path(args.path), Path(args.out) if args.out else Path("bench-results"), args.quick, sys.stdout)
+        return 0
     if args.what == "pcie" and not torch.cuda.is_available():
         print("offload bench pcie: needs a GPU (torch.cuda.is_available() is False on this machine)", file=sys.stderr)
         return 2
-    if args.what in ("pcie", "all") and torch.cuda.is_available():
-        out = Path(args.out) if args.out and args.what == "pcie" else Path("bench-results") / "pcie.json"
+    if args.what == "pcie":
+        out = Path(args.out) if args.out else Path("bench-results") / "pcie.json"
         print("offload bench pcie: pinned vs pageable host<->GPU copies", flush=True)
         pcie.run(size=adam.parse_size(args.pcie_size), repeats=args.repeats, out=out, stream=sys.stdout)
         print(f"wrote {out}")
-    if args.what in ("adam", "all"):
+    if args.what == "adam":
         sizes = [adam.parse_size(s) for s in args.sizes.split(",")]
-        out = Path(args.out) if args.out and args.what == "adam" else Path("bench-results") / "adam.json"
+        out = Path(args.out) if args.out else Path("bench-results") / "adam.json"
         adam.run(sizes, repeats=args.repeats, threads=args.threads, out=out, stream=sys.stdout)
-    if args.what in ("nvme", "all"):
-        out = Path(args.out) if args.out and args.what == "nvme" else Path("bench-results") / "nvme.json"
+    if args.what == "nvme":
+        out = Path(args.out) if args.out else Path("bench-results") / "nvme.json"
         nvme.run(Path(args.path), size=adam.parse_size(args.file_size), rounds=args.rounds or 3,
                  blocks=tuple(adam.parse_size(b) for b in args.blocks.split(",")),
                  depths=tuple(int(d) for d in args.depths.split(",")), out=out, stream=sys.stdout)
-    if args.what in ("step", "all"):
-        out = Path(args.out) if args.out and args.what == "step" else Path("bench-results") / "step.json"
+    if args.what == "step":
+        out = Path(args.out) if args.out else Path("bench-results") / "step.json"
         bench = step.StepBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
                                seq=args.seq, micro=args.micro, world=args.world, steps=args.steps,
                                repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload,
@@ -258,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default="10M,100M", help="parameter counts, comma-separated (default 10M,100M)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
-    p.add_argument("--out", default=None, help="JSON path (default bench-results/<what>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default bench-results/<what>.json; all: a directory, "
+                                               "default bench-results/)")
+    p.add_argument("--quick", action="store_true", help="all: small sizes, one round each (a minute or two)")
     p.add_argument("--path", default="/tmp/offload-bench", help="nvme, step: directory on the drive to use")
     p.add_argument("--file-size", default="1Gi", help="nvme: bytes per transfer (default 1Gi)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (nvme: per grid point, default 3; "

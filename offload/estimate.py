@@ -91,6 +91,11 @@ def estimate(unit_numels: list[int], config: Config, world: int) -> Estimate:
         count = min(zero.offload_optimizer.buffer_count, len(on_nvme))
         host["optimizer NVMe buffers"] = count * max(g.nbytes for g in on_nvme)
         nvme["optimizer state (two slots per sub-group)"] = 2 * sum(g.nbytes for g in on_nvme)
+    buffers = host.get("optimizer NVMe buffers", 0)
+    if buffers > est.total("host") // 4:
+        est.notes.append(f"each optimizer NVMe buffer holds a whole sub-group (sub_group_size "
+                         f"{int(zero.sub_group_size):,} elements): {buffers / 2**30:.2f} GiB of buffers; a smaller "
+                         "sub_group_size (e.g. 1e8) shrinks them")
     if budget.limit is not None and est.total("host") > budget.limit:
         est.notes.append(f"over offload.budgets.host ({budget.limit:,} bytes): initialize would refuse this plan")
     est.notes.append("not counted: activations, the CUDA context and allocator slack")
@@ -183,8 +188,9 @@ def largest_trainable(base: dict[str, Any], machine: Machine, world: int = 1) ->
         best, limit = math.inf, ""
         for tier, cap in caps.items():
             tiers = ("device", "host") if tier == "host" and machine.device_bytes is None else (tier,)
-            lo = sum(a.total(t) for t in tiers)
-            hi = sum(b.total(t) for t in tiers)
+            ranks = 1 if tier == "device" else world  # every rank runs here: each has a GPU, they share RAM and disk
+            lo = ranks * sum(a.total(t) for t in tiers)
+            hi = ranks * sum(b.total(t) for t in tiers)
             per = (hi - lo) / (large - small)
             fixed = lo - per * small
             if per > 0:
@@ -216,7 +222,8 @@ def format_estimate(est: Estimate, config: Config) -> str:
 def format_largest(largest: dict[str, tuple[int, str]], machine: Machine, world: int) -> str:
     gpu = f"GPU {_gib(machine.device_bytes)}" if machine.device_bytes is not None else "no GPU"
     lines = [f"this machine: {gpu}, RAM available {_gib(machine.host_bytes)}, free under {machine.nvme_path} "
-             f"{_gib(machine.nvme_bytes)}; the largest model per choice (W={world}, limited by):"]
+             f"{_gib(machine.nvme_bytes)}; the largest model per choice (W={world} ranks here, sharing RAM and "
+             "disk; limited by):"]
     for name, (n, tier) in largest.items():
         zero = CHOICES[name]
         extra = f", sub_group_size {NVME_SUB_GROUP:.0e}" if zero["offload_optimizer"] == "nvme" else ""

@@ -84,7 +84,8 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
            "units": len(engine.units), "gathers": engine.runtime.gathers,
            "prefetched": engine.runtime.prefetched_gathers,
            "overlapped": engine.telemetry.snapshot().counts.get("optimizer_overlapped", 0), "mismatches": engine.runtime.prefetch.mismatches, "skipped": engine.skipped_steps,
-           "scale": engine.loss_scale}
+           "scale": engine.loss_scale, "memory": engine.memory_summary(), "mode": engine.step_mode,
+           "tiers": dict(engine.optimizer.store.placement.tiers)}
     engine.close()
     return out
 

@@ -3,7 +3,9 @@ optimizer on {cpu, nvme, split between host and NVMe by the host budget}, W = 1 
 
 import pytest
 
-from engine_cases import base_config, check_parity, describe_engine, train_engine, train_reference
+from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
+from offload.config import Config
+from offload.estimate import estimate, model_units
 from offload.launch import run_ranks
 
 def tier_config(tmp_path, world, params, optimizer, host_budget=None):
@@ -25,18 +27,17 @@ def tier_config(tmp_path, world, params, optimizer, host_budget=None):
 def test_every_placement_matches_torch(tmp_path, world, params, optimizer):
     budget = None
     if optimizer == "split":  # what an all-NVMe rank needs on the host, plus room for half its optimizer state
-        plan = run_ranks(describe_engine, world, config=tier_config(tmp_path, world, params, "nvme"))[0]
-        tiers, memory = plan["tiers"], plan["memory"]
-        budget = memory["host"]["total"] + 12 * tiers["nvme"] // 2
+        all_nvme = Config.load(tier_config(tmp_path, world, params, "nvme")).resolve(world_size=world)
+        plan = estimate(model_units(make_model("gpt"), all_nvme), all_nvme, world)  # equal to the engine's plan
+        budget = plan.total("host") + plan.tiers["nvme"]["optimizer state (two slots per sub-group)"] // 4
     config = tier_config(tmp_path, world, params, optimizer, budget)
-    plan = run_ranks(describe_engine, world, config=config)[0]
-    tiers, memory = plan["tiers"], plan["memory"]
+    results = run_ranks(train_engine, world, name="gpt", config=config, steps=6, micro=2, accum=2)
+    tiers, memory = results[0]["tiers"], results[0]["memory"]
     expected = {"cpu": {"host"}, "nvme": {"nvme"}, "split": {"host", "nvme"}}[optimizer]
     assert set(tiers) == expected
     assert (memory["device"]["shards"] == 0) == (params != "none")
     assert ("parameter shards (two slots per unit)" in memory["nvme"]) == (params == "nvme")
     if budget is not None:
         assert memory["host"]["peak"] <= budget
-    results = run_ranks(train_engine, world, name="gpt", config=config, steps=6, micro=2, accum=2)
     ref = train_reference("gpt", 6, 4 * world, 2, world=world)
     check_parity(results, ref)

@@ -56,7 +56,7 @@ class StepBench:
     nvme_path: str = "/tmp/offload-bench-step"
     sub_group_size: int = 1_000_000
     buffer_count: int = 4
-    param_buffers: int = 8  # offload_param.buffer_count for the variants with parameters on NVMe
+    param_buffers: int = 4  # offload_param.buffer_count for the variants with parameters on NVMe (fewer than units)
     trace_dir: str = ""  # where rank 0 of each variant writes a Chrome trace of its timed steps ("": none)
     device: str = "cpu"  # cpu, or cuda: both sides compute on the GPU (then world must be 1)
 
