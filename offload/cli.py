@@ -100,7 +100,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "step":
         out = Path(args.out) if args.out else Path("bench-results") / "step.json"
         bench = step.StepBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
-                               seq=args.seq, micro=args.micro, world=args.world, steps=args.steps,
+                               vocab=args.vocab, seq=args.seq, micro=args.micro, world=args.world, steps=args.steps,
                                repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload,
                                nvme_path=args.path, sub_group_size=args.sub_group_size, trace_dir=str(out.parent),
                                device=args.device)
@@ -275,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=256, help="step: GPT width (default 256)")
     p.add_argument("--layers", type=int, default=4, help="step: GPT blocks (default 4)")
     p.add_argument("--seq", type=int, default=128, help="step: tokens per sample (default 128)")
+    p.add_argument("--vocab", type=int, default=4096, help="step: vocabulary (default 4096; GPT-2: 50304)")
     p.add_argument("--micro", type=int, default=4, help="step: samples per rank per step (default 4)")
     p.add_argument("--world", type=int, default=2, help="step: ranks (gloo processes, default 2)")
     p.add_argument("--steps", type=int, default=5, help="step: timed steps per round (default 5)")

@@ -228,6 +228,7 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
         if not quiet and rank0:
             print(msg, file=out or sys.stdout, flush=True)
 
+    bar = ProgressBar(args.steps, (out or sys.stdout) if rank0 and not quiet else None)
     first_step = 0
     if args.resume:
         path, client = engine.load_checkpoint(save_dir)
@@ -262,11 +263,11 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
                 raise TrainError(f"step {step + 1}: the loss is {total}; lower --lr or enable gradient clipping")
             record.losses.append(total)
             done = step + 1
-            if done == first_step + 1 or done % every == 0 or done == args.steps:
-                elapsed = time.perf_counter() - start
-                rate = (done - first_step) * tokens_per_step / elapsed
-                say(f"step {done:5d}/{args.steps}  loss {total:7.4f}  {rate:9,.0f} tok/s  "
-                    f"{_tier_line(engine.memory_summary())}")
+            elapsed = time.perf_counter() - start
+            rate = (done - first_step) * tokens_per_step / elapsed
+            line = f"step {done:5d}/{args.steps}  loss {total:7.4f}  {rate:9,.0f} tok/s  " \
+                   f"{_tier_line(engine.memory_summary())}"
+            bar.update(done, line, keep=done == first_step + 1 or done % every == 0 or done == args.steps)
             if args.save_every and done % args.save_every == 0:
                 engine.save_checkpoint(save_dir, client_state={"step": done})
     finally:
@@ -290,6 +291,31 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
         engine.close()
     _summary(record, say)
     return record
+
+
+class ProgressBar:
+    """On a terminal, one line redrawn in place every step (a bar, then the step's figures); lines that are
+    kept (every steps_per_print) stay on screen above it. Anywhere else (a log file) only the kept lines."""
+
+    WIDTH = 24
+
+    def __init__(self, total: int, stream: TextIO | None) -> None:
+        self.total = total
+        self.stream = stream
+        self.tty = stream is not None and stream.isatty()
+        self._drawn = 0
+
+    def update(self, done: int, line: str, keep: bool) -> None:
+        if self.stream is None:
+            return
+        if self.tty:
+            filled = self.WIDTH * done // max(1, self.total)
+            text = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {line}"
+            self.stream.write("\r" + text + " " * max(0, self._drawn - len(text)) + ("\n" if keep else ""))
+            self._drawn = 0 if keep else len(text)
+        elif keep:
+            self.stream.write(line + "\n")
+        self.stream.flush()
 
 
 def _plot(record: TrainRecord, path: Path) -> Path:

@@ -153,3 +153,16 @@ def test_bench_step_with_nvme_compares_host_pipelined_and_serial(tmp_path, capsy
     printed = capsys.readouterr().out
     assert "pipelining's gain" in printed and "read-ahead's gain" in printed and "% hidden" in printed
     assert not any((tmp_path / "swap").iterdir())
+
+
+def test_bench_all_quick_runs_every_benchmark_and_writes_one_json_and_a_plot(tmp_path, capsys):
+    out = tmp_path / "results"
+    assert main(["bench", "all", "--quick", "--path", str(tmp_path / "swap"), "--out", str(out)]) == 0
+    report = json.loads((out / "all.json").read_text())
+    assert report["quick"] and set(report["results"]) >= {"adam", "nvme", "step_cpu", "step_nvme"}
+    benches = {h["bench"] for h in report["headlines"]}
+    assert benches >= {"adam", "nvme", "step"} and all(h["ratio"] > 0 for h in report["headlines"])
+    assert set(report["results"]["step_nvme"]["variants"]) == {"nvme", "host"}
+    assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "summary (ratio against each benchmark's baseline)" in printed and "vs plain PyTorch" in printed

@@ -122,7 +122,8 @@ def test_gathered_parameters_and_zero_grad():
     engine.close()
 
 
-@pytest.mark.parametrize("name", ["zero3_bf16", "zero3_cpu_offload", "zero3_fp16", "zero3_nvme_offload"])
+@pytest.mark.parametrize("name", ["zero3_bf16", "zero3_cpu_offload", "zero3_fp16", "zero3_nvme_offload",
+                                  "zero3_nvme_larger_than_ram"])
 def test_shipped_configs_train(name, repo, tmp_path):
     import json
     model = make_model("gpt")

@@ -74,3 +74,23 @@ def test_a_config_that_cannot_fit_its_budgets_is_a_clear_error(tmp_path, capsys)
     assert _train(tmp_path, "--config", str(config)) == 2
     err = capsys.readouterr().err
     assert "the config cannot run here" in err and "offload.budgets.host" in err
+
+
+def test_the_progress_bar_redraws_in_place_on_a_terminal_and_keeps_lines_in_a_log():
+    import io
+
+    from offload.train import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term, log = Terminal(), io.StringIO()
+    for stream in (term, log):
+        bar = ProgressBar(4, stream)
+        for done in range(1, 5):
+            bar.update(done, f"step {done}/4 loss {5 - done}", keep=done in (1, 4))
+    assert log.getvalue() == "step 1/4 loss 4\nstep 4/4 loss 1\n"
+    shown = term.getvalue()
+    assert shown.count("\r") == 4 and shown.count("\n") == 2  # every step drawn, two lines kept
+    assert "[############............] step 2/4" in shown and shown.endswith("step 4/4 loss 1\n")
