@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,25 +14,26 @@ from engine_cases import base_config, batches, loss_of
 from offload.models import GPT, GPTConfig
 
 MEASURE = textwrap.dedent("""
-    import json, resource, sys, psutil, torch, offload
+    import json, sys, torch, offload
+    sys.path.insert(0, %r)
+    from memwatch import AnonPeak, rss_anon
     from offload.models import GPT, GPTConfig
-    rss = lambda: psutil.Process().memory_info().rss
     with offload.zero.Init():  # pay the one-time cost of the meta kernels' first use
         GPT(GPTConfig(vocab_size=64, context=8, hidden_size=64, layers=1, heads=2))
     cfg = GPTConfig(vocab_size=4096, context=128, hidden_size=384, layers=12, heads=6)
-    before = rss()
+    before = rss_anon()
     with offload.zero.Init():
         model = GPT(cfg)
-    built = rss()
+    built = rss_anon()
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
               "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
               "offload": {"unit_bytes": 8 << 20}}
-    engine, *_ = offload.initialize(model=model, config=config)
-    after = rss()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"model_bytes": cfg.num_parameters * 4, "build": built - before, "transient": peak - after,
+    with AnonPeak() as watch:
+        engine, *_ = offload.initialize(model=model, config=config)
+    after = rss_anon()
+    print(json.dumps({"model_bytes": cfg.num_parameters * 4, "build": built - before, "transient": watch.peak - after,
                       "unit_bytes": max(u.numel for u in engine.units) * 4, "units": len(engine.units)}))
-""")
+""" % str(Path(__file__).parent))
 
 
 def test_building_under_init_needs_about_one_unit_of_memory():

@@ -181,10 +181,8 @@ def test_budgets_and_buffers_that_cannot_work_fail_at_initialize(tmp_path):
 
 def _rss_of_training(rank, world, path):
     import ctypes
-    import resource
 
-    import psutil
-
+    from memwatch import AnonPeak, rss_anon
     from offload.config import Config
     from offload.estimate import estimate, model_units
     from offload.models import GPT, GPTConfig
@@ -203,15 +201,15 @@ def _rss_of_training(rank, world, path):
         model = GPT(GPTConfig(vocab_size=512, context=32, hidden_size=512, layers=12, heads=8))
     plan = estimate(model_units(model, Config.load(config).resolve(world_size=1)), Config.load(config), 1)
     config["offload"]["budgets"] = {"host": plan.total("host")}  # what the plan needs: no optimizer state fits
-    before = psutil.Process().memory_info().rss
-    engine, *_ = offload.initialize(model=model, config=config)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        tokens = torch.randint(0, 512, (2, 33), generator=gen)
-        engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
-        engine.step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out = {"growth": peak - before, "params": sum(u.numel for u in engine.units), "budget": plan.total("host"),
+    before = rss_anon()  # memory the process allocated: file-backed pages come and go with the page cache
+    with AnonPeak() as watch:
+        engine, *_ = offload.initialize(model=model, config=config)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            tokens = torch.randint(0, 512, (2, 33), generator=gen)
+            engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+            engine.step()
+    out = {"growth": watch.peak - before, "params": sum(u.numel for u in engine.units), "budget": plan.total("host"),
            "memory": engine.memory_summary()}
     engine.close()
     return out
