@@ -60,3 +60,15 @@ def test_auto_overlaps_on_the_cpu_and_steps_after_backward_on_a_gpu():
         assert mode.startswith("after backward") and "on a GPU 'auto' steps after backward" in mode
     else:
         assert mode.startswith("overlapped")
+
+
+def test_a_host_thread_still_adding_the_previous_micro_batch_does_not_step_early():
+    # A slow host thread (emulated by delaying each of its tasks) is still adding the first micro-batch's
+    # gradients when the last micro-batch's backward begins; those must not trigger the overlapped step.
+    slow = {"OFFLOAD_EMULATED_COPY_DELAY_S": "0.02"}
+    runs = {mode: run_ranks(train_engine, 1, env=slow, name="gpt", config=overlap_config(1, mode), steps=3,
+                            micro=2, accum=2) for mode in ("on", "off")}
+    assert runs["on"][0]["overlapped"] > 0
+    assert runs["on"][0]["losses"] == runs["off"][0]["losses"]
+    for key, value in runs["off"][0]["state"].items():
+        assert torch.equal(runs["on"][0]["state"][key], value), key

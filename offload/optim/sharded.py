@@ -228,9 +228,13 @@ class ShardedAdam(torch.optim.Optimizer):
             with tel.span("accumulate", unit.name):
                 _accumulate(state, stage, scale)
             del grad_ref[:]  # the device gradient may be freed now that its copy has been waited for
-            self._step_during_backward(unit)
+            self._step_during_backward(unit, overlap)
 
         grad_ref = [shard_grad, keep]
+        # Whether this gradient belongs to the overlapped (last) micro-batch is decided now, on the training
+        # thread: the host thread may still be adding an earlier micro-batch's gradients when the last one's
+        # backward begins, and those must not step the shard.
+        overlap = self._overlap
         self._d2h.wait_event(ready)
         self._d2h.run(copy)
         self._host.wait_event(self._d2h.record())
@@ -361,11 +365,13 @@ class ShardedAdam(torch.optim.Optimizer):
         except Exception:  # noqa: BLE001 - the caller is already raising the first failure
             pass
 
-    def _step_during_backward(self, unit: Unit) -> None:
-        """On the host thread, right after the unit's gradient was accumulated."""
-        if self._overlap is None or unit.index not in self._overlap[0]:
+    def _step_during_backward(self, unit: Unit, overlap: tuple[dict[int, Unit], list[AdamHyper], int] | None
+                              ) -> None:
+        """On the host thread, right after the unit's gradient was accumulated (``overlap``: the overlapped
+        micro-batch's plan when the gradient came from it)."""
+        if overlap is None or unit.index not in overlap[0]:
             return
-        _, hypers, step = self._overlap
+        _, hypers, step = overlap
         group, member = self.store.by_unit[unit.index]
         with self.telemetry.span("optimizer_overlapped", unit.name):
             self._step_shard(unit, group.views(member), step, hypers, 1.0)
