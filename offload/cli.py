@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
     p.add_argument("--out", default=None, help="JSON path (default bench-results/<what>.json; all: a directory, "
                                                "default bench-results/)")
-    p.add_argument("--quick", action="store_true", help="all: small sizes, one round each (a minute or two)")
+    p.add_argument("--quick", action="store_true", help="all: small sizes, one round, headline variants only (under a minute here)")
     p.add_argument("--path", default="/tmp/offload-bench", help="nvme, step: directory on the drive to use")
     p.add_argument("--file-size", default="1Gi", help="nvme: bytes per transfer (default 1Gi)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (nvme: per grid point, default 3; "

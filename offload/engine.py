@@ -356,19 +356,14 @@ class Engine:
         if self.gradient_clipping > 0 and math.isfinite(norm):
             grad_scale *= min(1.0, self.gradient_clipping / (norm + 1e-6))
         self.runtime.reshard_all()
+        behind: ParamSwapError | None = None
         try:
             with self.telemetry.span("optimizer", "adam"):
                 self.optimizer.apply(self.units, grad_scale)
         except ParamSwapError as e:
             # The optimizer state moved on; only some 16-bit copies on NVMe are behind (stale), and they are
-            # rewritten from the master weights before anything reads them.
-            self.loss_scaler.update(overflow=False)
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            raise EngineError(f"step {self.global_steps} was applied, but writing new parameter shards to NVMe "
-                              f"failed: {e.strerror}. The master weights hold the step; the units left behind are rewritten "
-                              "from them before the next forward, so fix the disk and go on (do not repeat this "
-                              "step)") from e
+            # rewritten from the master weights before anything reads them: the step counts.
+            behind = e
         except BaseException:
             # The state of the last completed step is intact (see the store's notes); so are the accumulated
             # gradients, so fixing the cause (a full disk, say) and calling step() again retries this step.
@@ -378,6 +373,11 @@ class Engine:
         self.loss_scaler.update(overflow=False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        if behind is not None:
+            raise EngineError(f"step {self.global_steps} was applied, but writing new parameter shards to NVMe "
+                              f"failed: {behind.strerror}. The master weights hold the step; the units left behind "
+                              "are rewritten from them before the next forward, so fix the disk and go on (do not "
+                              "repeat this step)") from behind
         self.runtime.read_ahead_first()
 
     def _repair_params(self) -> None:

@@ -128,6 +128,12 @@ def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buff
             g.tier = "nvme"
 
 
+def nvme_buffers(nvme_groups: list[SubGroup], buffer_count: int) -> tuple[int, int]:
+    """(count, bytes each) of the host buffers the step pipelines NVMe sub-groups through: each holds the
+    largest sub-group's state."""
+    return min(buffer_count, len(nvme_groups)), max(g.nbytes for g in nvme_groups)
+
+
 @dataclass
 class StatePlacement:
     """What the start-up plan decided: elements of optimizer state per tier."""
@@ -180,8 +186,7 @@ class OptimizerStateStore:
                                   "budget (offload.budgets.host), or use more ranks")
             nvme.take(offset, "optimizer state (two slots per sub-group)")
             self._file = ChecksummedFile(engine, swap_dir.reserve(f"optimizer-rank{rank}.swap", offset))
-            count = min(buffer_count, len(nvme_groups))
-            size = max(g.nbytes for g in nvme_groups)
+            count, size = nvme_buffers(nvme_groups, buffer_count)
             self._pool = BufferPool(count * size, pin=accel.is_cuda, name="optimizer NVMe buffers")
             self._buffers = [self._pool.acquire(size) for _ in range(count)]
             host.take(count * size, "optimizer NVMe buffers")

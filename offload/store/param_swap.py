@@ -103,6 +103,16 @@ def place_params(sizes: list[tuple[int, int]], param: Any) -> list[tuple[int, in
     return on_nvme
 
 
+def plan_homes(sizes: list[tuple[int, int]], item: int) -> tuple[dict[int, ParamHome], int]:
+    """Each NVMe-homed unit's two slots in the swap file, and the file's size."""
+    homes, offset = {}, 0
+    for unit, numel in sizes:
+        nbytes = round_up(numel * item)
+        homes[unit] = ParamHome(unit, numel, nbytes, (offset, offset + nbytes))
+        offset += 2 * nbytes
+    return homes, offset
+
+
 def param_buffer_bytes(numels: list[int], item: int, buffer_count: int) -> int:
     """Host bytes of the read and write buffers for NVMe-homed shards of ``numels`` elements."""
     return (buffer_count + WRITE_BUFFERS) * max(round_up(n * item) for n in numels)
@@ -122,12 +132,7 @@ class ParamSwap:
         from offload.config import ConfigError
         self.dtype = dtype
         self.telemetry = telemetry or Telemetry()
-        self.homes: dict[int, ParamHome] = {}
-        offset = 0
-        for unit, numel in sizes:
-            nbytes = round_up(numel * dtype.itemsize)
-            self.homes[unit] = ParamHome(unit, numel, nbytes, (offset, offset + nbytes))
-            offset += 2 * nbytes
+        self.homes, offset = plan_homes(sizes, dtype.itemsize)
         largest = max(h.nbytes for h in self.homes.values())
         buffers = param_buffer_bytes([h.numel for h in self.homes.values()], dtype.itemsize, buffer_count)
         if nvme.limit is not None and nvme.used + offset > nvme.limit:
@@ -280,10 +285,6 @@ class ParamSwap:
         """The copy that reads ``b`` has been issued; the buffer is reused once ``event`` completes."""
         b.state, b.copied, b.request = BufferState.COPYING, event, None
 
-    def ready(self, unit: int) -> bool:
-        b = self._holding(unit)
-        return b is not None and (b.state is BufferState.READY or (b.request is not None and b.request.done()))
-
     def read_copy(self, unit: int) -> torch.Tensor:
         """A fresh host tensor with the unit's current values (checkpoints, exports)."""
         b = self.fetch(unit)
@@ -383,9 +384,6 @@ class ParamSwap:
                 self._drop(b)
             elif b.unit in units:
                 b.unit = None  # COPYING: reusable once the copy is done, but no longer the unit's values
-
-    def buffer_bytes(self) -> int:
-        return self._pool.capacity
 
     def close(self) -> None:
         for b in self._reads:
