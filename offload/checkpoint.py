@@ -4,8 +4,9 @@ Layout of ``save_dir``::
 
     latest                  the newest complete tag (replaced atomically, last)
     <tag>/meta.json         version, world size, unit layout, counters, config, file checksums
-    <tag>/rank<r>.bin       rank r's shards, unit by unit: fp32 master, exp_avg, exp_avg_sq of
-                            trained units, the compute-dtype shard of frozen ones
+    <tag>/rank<r>.bin       partition r's arrays, unit by unit: fp32 master, exp_avg, exp_avg_sq of
+                            trained units, the compute-dtype shard of frozen ones (ZeRO stage 0
+                            replicates the state: only rank 0 writes it, as partition 0)
     <tag>/rank<r>.json      where each unit's arrays sit in rank<r>.bin
     <tag>/rank<r>.pt        rank r's small state: RNG states, scheduler, loss scaler, client state
 
@@ -205,7 +206,7 @@ class ShardReader:
 
     def __init__(self, path: Path, meta: dict[str, Any]) -> None:
         self.path = path
-        self.world = meta["world_size"]
+        self.world = partitions(meta)
         self.units = meta["units"]
         self.dtype = getattr(torch, meta["compute_dtype"])  # of frozen units' shards; the rest is fp32
         self._index: dict[int, dict[tuple[int, str], Entry]] = {}
@@ -278,6 +279,11 @@ def _layout(engine: Any) -> list[dict[str, Any]]:
             for u in engine.units]
 
 
+def partitions(meta: dict[str, Any]) -> int:
+    """How many rank files a checkpoint's unit buffers are cut into (its world size, or 1 for stage 0)."""
+    return meta.get("partitions", meta["world_size"])
+
+
 def _same_model(layout: list[dict[str, Any]]) -> list[tuple[str, int, bool]]:
     """What must match between a checkpoint and an engine (the padding depends on the world size)."""
     return [(u["name"], u["numel"], u["trained"]) for u in layout]
@@ -333,18 +339,20 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left behind
         tmp.mkdir()
     _barrier(group)
-    writer = RankWriter(tmp, rank)
-    try:
-        for g in engine.optimizer.store.one_at_a_time(read=True, write=False):
-            for m in g.members:
-                for kind, values in zip(("master", "exp_avg", "exp_avg_sq"), g.views(m)):
-                    writer.add(m.unit, kind, values)
-                    _phase("writing")
-        for unit in engine.units:
-            if unit.index not in engine.optimizer.shards:
-                writer.add(unit.index, "shard", unit.authoritative_shard)
-    finally:
-        files = writer.close()
+    files: dict[str, str] = {}
+    if rank < engine.partition.world:  # stage 0: every rank holds the same state; rank 0 writes it
+        writer = RankWriter(tmp, rank)
+        try:
+            for g in engine.optimizer.store.one_at_a_time(read=True, write=False):
+                for m in g.members:
+                    for kind, values in zip(("master", "exp_avg", "exp_avg_sq"), g.views(m)):
+                        writer.add(m.unit, kind, values)
+                        _phase("writing")
+            for unit in engine.units:
+                if unit.index not in engine.optimizer.shards:
+                    writer.add(unit.index, "shard", unit.authoritative_shard)
+        finally:
+            files = writer.close()
     small: dict[str, Any] = {"rng": _rng_state(engine.accel.is_cuda)}
     if rank == 0:
         scheduler = engine.lr_scheduler
@@ -359,6 +367,7 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_
     every = _gather_objects(files, group)
     if rank == 0:
         meta = {"format": FORMAT, "version": offload.__version__, "tag": tag, "world_size": group.world,
+                "partitions": engine.partition.world,
                 "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
                 "micro_steps": engine.micro_steps, "adam_steps": engine.optimizer.adam_steps,
                 "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
@@ -377,7 +386,7 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
     meta = read_meta(path)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path / 'meta.json'} has format {meta.get('format')!r}; this offload reads {FORMAT}")
-    old_world = meta["world_size"]
+    old_world, old_parts, parts = meta["world_size"], partitions(meta), engine.partition
     ours = _layout(engine)
     if _same_model(meta["units"]) != _same_model(ours):
         diff = next((f"{a} in the checkpoint, {b} here" for a, b in zip(_same_model(meta["units"]),
@@ -385,8 +394,8 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
                     f"{len(meta['units'])} units in the checkpoint, {len(ours)} here")
         raise CheckpointError(f"{path} does not fit this model and config: the units differ ({diff}); build the "
                               "same model with the same offload.unit_bytes and compute dtype")
-    # Same world: this rank's own files. Another world: a rank's range may lie in any old rank's file.
-    sources = [rank] if old_world == group.world else list(range(old_world))
+    # Same partitioning: this rank's own files. Another: a rank's range may lie in any old partition's file.
+    sources = [parts.rank] if old_parts == parts.world else list(range(old_parts))
     small_from = rank % old_world
     names = [f"rank{r}.{ext}" for r in sources for ext in ("bin", "json")]
     names += sorted({f"rank{small_from}.pt", "rank0.pt"})
@@ -397,9 +406,9 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
         error = e
     if not _all_ok(error is None, engine):
         raise error or CheckpointError(f"{path}: another rank found a damaged or missing file (see its error)")
-    if old_world != group.world:
-        logger.info("loading %s written by %d ranks into %d: each rank reads its ranges from the old shards", path,
-                    old_world, group.world)
+    if old_parts != parts.world:
+        logger.info("loading %s cut into %d partitions into %d: each rank reads its ranges from the old ones", path,
+                    old_parts, parts.world)
     engine.optimizer.drain()
     engine.runtime.reshard_all()
     reader = ShardReader(path, meta)
@@ -423,6 +432,8 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
         for unit in engine.units:
             if unit.index not in engine.optimizer.shards:
                 engine.set_unit_values(unit, take(unit, "shard"))
+        if engine.stage.resident_params:
+            engine.runtime.spread_partitions()
     except BaseException as e:
         engine.close()
         raise CheckpointError(f"loading {path} failed part-way ({e}); the engine's state is half replaced, so it "

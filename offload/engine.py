@@ -1,4 +1,4 @@
-"""The training engine: forward, backward and step of a ZeRO-3 model, in DeepSpeed's call shape.
+"""The training engine: forward, backward and step of a ZeRO model (stages 0-3), in DeepSpeed's call shape.
 
 ``engine.backward(loss)`` scales the loss (by the fp16 loss scale and 1 /
 gradient_accumulation_steps, as DeepSpeed does); the units' gradients are
@@ -6,7 +6,9 @@ reduce-scattered and streamed into the fp32 accumulators while backward runs.
 ``engine.step()`` applies the update only at an accumulation boundary: it waits for
 the gradient stream, takes the global norm (one native read per shard, one
 all-reduce), skips the step on an fp16 overflow, and otherwise runs Adam with the
-unscale and the clip folded into one gradient factor.
+unscale and the clip folded into one gradient factor. What the stage changes (what is
+partitioned, when gradients are reduced, whether parameters stay gathered) is in
+offload/zero/stage.py.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from offload.zero.collectives import Group, all_gather, all_reduce_sum, broadcas
 from offload.zero.init import materialize_unit
 from offload.zero.plan import plan_units
 from offload.zero.runtime import LiveLimit, ZeroRuntime
+from offload.zero.stage import Stage
 from offload.zero.unit import Unit
 
 logger = logging.getLogger("offload.engine")
@@ -58,6 +61,8 @@ class Engine:
         zero = config.zero_optimization
         self.config = config
         self.group = group
+        self.stage = Stage(zero.stage)
+        self.partition = self.stage.partition(group)  # what a unit's flat buffer is split over
         self.accel = accel
         self.compute_dtype = torch.bfloat16 if config.bf16.enabled is True else (
             torch.float16 if config.fp16.enabled is True else torch.float32)
@@ -84,8 +89,8 @@ class Engine:
                            atomic=tuple(config.offload.atomic_modules or ()))
         self.telemetry = Telemetry()
         trained = {plan.index for plan in plans if any(id(s.param) in group_of for s in plan.slots)}
-        sizes = [(plan.index, Unit.padded_numel(plan, group.world) // group.world) for plan in plans
-                 if plan.index in trained]
+        parts = self.partition.world
+        sizes = [(plan.index, Unit.padded_numel(plan, parts) // parts) for plan in plans if plan.index in trained]
         self.host_budget = TierBudget("host", config.offload.budgets.host)
         self.nvme_budget = TierBudget("nvme", config.offload.budgets.nvme)
         self._swaps: dict[str, tuple[SwapDir, AioEngine]] = {}
@@ -93,7 +98,7 @@ class Engine:
         with contextlib.ExitStack() as undo:  # a failed start-up releases what it took (swap dir lock, threads)
             undo.callback(self.accel.close)
             undo.callback(self._close_swap)
-            nvme_params = place_params([(p.index, Unit.padded_numel(p, group.world) // group.world) for p in plans],
+            nvme_params = place_params([(p.index, Unit.padded_numel(p, parts) // parts) for p in plans],
                                        zero.offload_param) if zero.offload_param.device == "nvme" else []
             if nvme_params:
                 self.param_swap = ParamSwap(
@@ -112,13 +117,14 @@ class Engine:
             self.units: list[Unit] = []
             for plan in plans:
                 materialize_unit(model, plan)  # meta parameters (offload.zero.Init) get memory one unit at a time
-                values = Unit.initial_values(plan, group.world)
+                values = Unit.initial_values(plan, parts)
                 broadcast_values = values.to(accel.device) if accel.is_cuda else values
                 broadcast(broadcast_values, group)  # every rank starts from rank 0's weights, as DeepSpeed does
                 values = broadcast_values.cpu() if accel.is_cuda else broadcast_values
-                unit = Unit(plan, group, self.compute_dtype, accel.device)
+                unit = Unit(plan, self.partition, self.compute_dtype, accel.device,
+                            resident=self.stage.resident_params)
                 master = values[unit.shard_start:unit.shard_start + unit.shard_numel]
-                unit.shard.copy_(master)
+                unit.load_initial(values)
                 if plan.index in trained:
                     self.optimizer.add_unit(unit, master, group_of)
                 if self.param_swap is not None and unit.index in self.param_swap.homes:
@@ -149,10 +155,10 @@ class Engine:
                                        grad_sink=lambda unit, shard, ready, keep: self.optimizer.accumulate(
                                            unit, shard, self._post_scale, ready, keep),
                                        grad_predivide=pre, telemetry=self.telemetry,
-                                       prefetch_elements=int(zero.stage3_prefetch_bucket_size))
+                                       prefetch_elements=int(zero.stage3_prefetch_bucket_size), stage=self.stage)
             undo.callback(self.runtime.close)
             self.step_mode, self._overlap = self._choose_step_mode()
-            logger.info("optimizer step: %s", self.step_mode)
+            logger.info("ZeRO %s; optimizer step: %s", self.stage.describe(), self.step_mode)
             self.module = model
             if config.scheduler is not None:
                 if lr_scheduler is not None:
@@ -225,6 +231,14 @@ class Engine:
         if budget is None:
             return max_live
         resident = self.device_resident_bytes()
+        if self.stage.resident_params:
+            if resident > budget:
+                raise ConfigError("offload.budgets.device",
+                                  f"{budget:,} bytes cannot hold this rank's resident state ({resident:,} bytes: "
+                                  f"every parameter{' and the optimizer state' if not self.optimizer.offload else ''}"
+                                  f", which ZeRO stage {self.stage.number} keeps on the device); raise it, offload "
+                                  "the optimizer (stages 1-2), or use stage 3, which partitions the parameters")
+            return max_live
         item = self.compute_dtype.itemsize
         largest = max(u.padded for u in self.units) * item
         if budget - resident < largest:
@@ -241,18 +255,23 @@ class Engine:
                          "Raise offload.budgets.device or lower offload.unit_bytes")
 
     def device_resident_bytes(self) -> int:
-        """Bytes this rank keeps on the compute device between uses: its shards, and the optimizer state
-        when it is not offloaded."""
+        """Bytes this rank keeps on the compute device between uses: its shards (stages 0-2: every
+        parameter), and the optimizer state when it is not offloaded."""
         return self._shard_bytes() + (0 if self.optimizer.offload else self.optimizer.state_bytes())
 
     def _shard_bytes(self) -> int:
-        return sum(u.shard.numel() * u.shard.element_size() for u in self.units)
+        """Compute-dtype parameter bytes on the device between uses (a resident unit's shard is part of it)."""
+        return sum(u.full.numel() * u.full.element_size() if u.resident else u.shard.numel() * u.shard.element_size()
+                   for u in self.units)
 
     def memory_summary(self) -> dict[str, dict[str, int]]:
         """Bytes per tier on this rank, by what holds them, from the engine's own accounting."""
         item = self.compute_dtype.itemsize
-        device = {"shards": self._shard_bytes(),
-                  "gathered_now": self.runtime.live * item, "gathered_peak": self.runtime.peak_live * item}
+        if self.stage.resident_params:
+            device = {"parameters": self._shard_bytes()}
+        else:
+            device = {"shards": self._shard_bytes(),
+                      "gathered_now": self.runtime.live * item, "gathered_peak": self.runtime.peak_live * item}
         if not self.optimizer.offload:
             device["optimizer_state"] = self.optimizer.state_bytes()
         budget = self.config.offload.budgets.device
@@ -303,7 +322,9 @@ class Engine:
             raise EngineError("the loss does not require grad: was the forward run under torch.no_grad(), or are "
                               "all parameters frozen?")
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
-        overlapped = self._overlap and self._pending_micro + 1 == self.gradient_accumulation_steps
+        last_micro = self._pending_micro + 1 == self.gradient_accumulation_steps
+        overlapped = self._overlap and last_micro
+        self.runtime.reduce_grads = last_micro or self.stage.reduce_every_micro_batch
         if overlapped:
             self.optimizer.begin_overlap(self.units)
         try:
@@ -311,6 +332,12 @@ class Engine:
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         except BaseException as e:
             self.runtime.abort_backward()
+            if not self.stage.reduce_every_micro_batch and self._pending_micro:
+                # Stages 0-1 keep the earlier micro-batches' gradients in .grad, which the failed pass mixed with
+                # its own: the whole accumulation is dropped, and the next backward starts a new one.
+                logger.warning("backward failed: the %d earlier micro-batch(es) of this step are dropped too (ZeRO "
+                               "stage %d accumulates them in .grad)", self._pending_micro, self.stage.number)
+                self.zero_grad()
             if overlapped and self.optimizer.abandon_overlap():
                 raise EngineError("backward failed while the optimizer step ran overlapped with it, and some shards "
                                   "were already updated, so this step is half applied; set offload.overlap_step to "
@@ -337,7 +364,7 @@ class Engine:
         with self.telemetry.span("optimizer", "norm"):
             sum_sq, nonfinite = self.optimizer.grad_sq_norm()
             totals = torch.tensor([sum_sq, float(nonfinite)], dtype=torch.float64, device=self.accel.device)
-            all_reduce_sum(totals, self.group)
+            all_reduce_sum(totals, self.partition)  # stage 0: every rank holds the whole gradient already
             sum_sq, nonfinite = float(totals[0]), int(totals[1])
         scale = self.loss_scaler.scale
         overflow = nonfinite > 0 and self.compute_dtype == torch.float16
@@ -370,6 +397,8 @@ class Engine:
             self.global_steps -= 1
             self._pending_micro = self.gradient_accumulation_steps
             raise
+        if self.stage.resident_params:
+            self.runtime.spread_partitions()
         self.loss_scaler.update(overflow=False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -395,6 +424,7 @@ class Engine:
     def zero_grad(self) -> None:
         """Discard gradients accumulated since the last step (a no-op right after one)."""
         self.optimizer.clear_grads()
+        self.runtime.clear_param_grads()
         self._pending_micro = 0
 
     def train(self, mode: bool = True) -> Engine:
@@ -446,7 +476,7 @@ class Engine:
             shard = (self.optimizer.master_of(unit) if unit.index in self.optimizer.shards
                      else unit.authoritative_shard.float())
             full = torch.empty(unit.padded, dtype=torch.float32, device=self.accel.device)
-            all_gather(full, shard.to(self.accel.device), self.group)
+            all_gather(full, shard.to(self.accel.device), unit.group)
             full = full.cpu()
             for s in unit.slots:
                 values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
@@ -507,7 +537,7 @@ class Engine:
         state: dict[str, torch.Tensor] = {}
         for unit in self.units:  # one unit gathered at a time; rank 0 keeps the host copy
             full = torch.empty(unit.padded, dtype=self.compute_dtype, device=self.accel.device)
-            all_gather(full, unit.authoritative_shard.to(self.accel.device), self.group)
+            all_gather(full, unit.authoritative_shard.to(self.accel.device), unit.group)
             if rank0:
                 full = full.cpu()
                 for key, s in by_unit.get(unit.index, ()):
@@ -644,10 +674,6 @@ def _default_device() -> torch.device:
 
 def _check_supported(cfg: Config) -> None:
     zero = cfg.zero_optimization
-    if zero.stage != 3:
-        raise ConfigError("zero_optimization.stage",
-                          f"stage {zero.stage} is not supported yet: this release runs ZeRO stage 3 (stages 0-2 "
-                          "come through the same engine in a later release); set \"stage\": 3")
     if zero.offload_param.device != "none" and zero.offload_optimizer.device == "none":
         raise ConfigError("zero_optimization.offload_param.device",
                           f"{zero.offload_param.device!r} needs the optimizer offloaded too: the step writes the new "

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from offload.checkpoint import CheckpointError, ShardReader, read_meta, resolve, verify
+from offload.checkpoint import CheckpointError, ShardReader, partitions, read_meta, resolve, verify
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,7 +51,7 @@ def export_weights(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLik
     meta = read_meta(path)
     if "params" not in meta:
         raise CheckpointError(f"{path} predates exportable checkpoints (no parameter map in meta.json)")
-    verify(path, meta, [f"rank{r}.{ext}" for r in range(meta["world_size"]) for ext in ("bin", "json")]
+    verify(path, meta, [f"rank{r}.{ext}" for r in range(partitions(meta)) for ext in ("bin", "json")]
            + ["rank0.pt"])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,7 +144,7 @@ def describe(checkpoint: str | os.PathLike[str], tag: str | None = None) -> str:
         ("checkpoint", str(path)),
         ("tag", meta["tag"]),
         ("written by", f"offload {meta['version']} (format {meta['format']})"),
-        ("world size", str(meta["world_size"])),
+        ("world size", f"{meta['world_size']} (state in {partitions(meta)} rank file(s))"),
         ("steps", f"{meta['global_steps']} ({meta['skipped_steps']} skipped), {meta['micro_steps']} micro-batches, "
                   f"{meta['adam_steps']} Adam steps"),
         ("parameters", f"{trained + frozen:,} in {len(units)} units ({trained:,} trained, {frozen:,} frozen)"),

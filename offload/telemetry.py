@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-FOREGROUND = ("gather", "gather_wait", "prefetch", "reduce_scatter", "grad_wait", "optimizer")
+FOREGROUND = ("gather", "gather_wait", "prefetch", "reduce_scatter", "all_reduce", "all_gather", "grad_wait",
+              "optimizer")
 BACKGROUND = ("d2h", "accumulate", "h2d", "optimizer_overlapped")
 NVME_PARAMS = ("param_read",)  # parameter shards read from NVMe, submit to completion, on the "nvme" row
 AUTOGRAD_THREAD = "autograd"

@@ -83,6 +83,7 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
     out = {"losses": losses, "state": engine.full_state_dict(), "eval_logits": logits.cpu(), "peak_live": engine.peak_live_parameters,
            "units": len(engine.units), "gathers": engine.runtime.gathers,
            "prefetched": engine.runtime.prefetched_gathers,
+           "counts": engine.telemetry.snapshot().counts,
            "overlapped": engine.telemetry.snapshot().counts.get("optimizer_overlapped", 0), "mismatches": engine.runtime.prefetch.mismatches, "skipped": engine.skipped_steps,
            "scale": engine.loss_scale, "memory": engine.memory_summary(), "mode": engine.step_mode,
            "tiers": dict(engine.optimizer.store.placement.tiers)}

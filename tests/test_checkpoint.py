@@ -156,11 +156,15 @@ def test_missing_or_mismatched_checkpoints_are_clear_errors(saved, tmp_path):
     other.close()
 
 
-def train_global(rank, world, save_dir, start=0, stop=STEPS, save_at=None, resume=False):
-    """The same global batch per step (4 micro-batches of 2 rows) on any world size: rank r takes its share."""
+def train_global(rank, world, save_dir, start=0, stop=STEPS, save_at=None, resume=False, stage=3):
+    """The same global batch per step (4 micro-batches of 2 rows) on any world size and ZeRO stage: rank r takes
+    its share."""
     share = 4 // world
     torch.manual_seed(0)
-    engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, share, world))
+    config = base_config(2, share, world, stage=stage)
+    if stage == 0:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "none"}
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
     if resume:
         engine.load_checkpoint(save_dir)
     data = batches(stop, 8, seed=4)
@@ -179,11 +183,14 @@ def train_global(rank, world, save_dir, start=0, stop=STEPS, save_at=None, resum
     return out
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("before,after", [((2, 3), (1, 3)), ((1, 3), (2, 3)), ((2, 0), (1, 2)), ((1, 3), (2, 1))],
+                         ids=["W2-W1", "W1-W2", "stage0-W2-stage2-W1", "stage3-W1-stage1-W2"])
 def test_a_checkpoint_loads_into_another_world_size_and_trains_on_alike(tmp_path, before, after):
-    straight = run_ranks(train_global, before, save_dir=tmp_path / "unused")[0]
-    run_ranks(train_global, before, save_dir=tmp_path, stop=3, save_at=2)
-    resumed = run_ranks(train_global, after, save_dir=tmp_path, start=3, resume=True)
+    """Also across ZeRO stages: stage 0 writes one replicated partition, the others one per rank."""
+    (before, stage_before), (after, stage_after) = before, after
+    straight = run_ranks(train_global, before, save_dir=tmp_path / "unused", stage=stage_before)[0]
+    run_ranks(train_global, before, save_dir=tmp_path, stop=3, save_at=2, stage=stage_before)
+    resumed = run_ranks(train_global, after, save_dir=tmp_path, start=3, resume=True, stage=stage_after)
     for rank in resumed:
         assert rank["steps"] == straight["steps"]
         for key, value in straight["state"].items():  # not bitwise: the gradient sums run in another order

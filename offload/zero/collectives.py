@@ -51,9 +51,12 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Group, async_
     return _reduce_scatter(shard, full, group=group.pg, async_op=async_op)
 
 
-def all_reduce_sum(t: torch.Tensor, group: Group) -> None:
-    if group.pg is not None:
-        dist.all_reduce(t, group=group.pg)
+def all_reduce_sum(t: torch.Tensor, group: Group, async_op: bool = False) -> dist.Work | None:
+    """``t`` = the element-wise sum of every rank's ``t``; with ``async_op`` the returned work must be waited
+    for before ``t`` is read (None: already done)."""
+    if group.pg is None:
+        return None
+    return dist.all_reduce(t, group=group.pg, async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, group: Group, src: int = 0) -> None:

@@ -11,6 +11,12 @@
   A unit holding frozen parameters cannot know that, and is resharded at the end of
   backward, as are units some of whose parameters got no gradient at all.
 
+[Note: stages] Under ZeRO stages 0-2 every unit is resident (gathered for good; see
+offload/zero/stage.py): the hooks still run but never gather or release. Stages 0-1
+leave gradients in ``.grad`` (autograd accumulates the micro-batches there) and reduce
+them during the last micro-batch's backward only (``reduce_grads``); stage 0 all-reduces
+the whole flat gradient, the others reduce-scatter it.
+
 [Note: gradient reduction order] Reduce-scatters are collectives: every rank must
 issue them in the same order. They are issued when a unit's last gradient lands,
 which is the same on every rank running the same graph, and the leftovers at the end
@@ -32,7 +38,8 @@ from torch.utils.hooks import RemovableHandle
 from offload.accelerator import Accelerator, DoneEvent, Event, WorkEvent
 from offload.prefetch import PrefetchTrace
 from offload.telemetry import Telemetry
-from offload.zero.collectives import Group, reduce_scatter
+from offload.zero.collectives import Group, all_reduce_sum, reduce_scatter
+from offload.zero.stage import Stage
 from offload.zero.unit import Unit, UnitState
 
 GradSink = Callable[[Unit, torch.Tensor, Event, torch.Tensor], None]  # unit, shard, ready, buffer to keep alive
@@ -56,8 +63,9 @@ class ZeroRuntime:
 
     def __init__(self, model: nn.Module, units: list[Unit], group: Group, accel: Accelerator, *,
                  limit: LiveLimit, persistence_threshold: int, grad_sink: GradSink, grad_predivide: float,
-                 telemetry: Telemetry, prefetch_elements: int = 0) -> None:
+                 telemetry: Telemetry, prefetch_elements: int = 0, stage: Stage = Stage(3)) -> None:
         self.model = model
+        self.stage = stage
         self.units = units
         self.group = group
         self.accel = accel
@@ -71,14 +79,15 @@ class ZeroRuntime:
         self.swap = next((u.swap for u in units if u.swap is not None), None)
         self.prefetch = PrefetchTrace(prefetch_elements)
         self.prefetched_gathers = 0  # gathers issued ahead of use
-        self.live = 0  # elements gathered now (or being gathered)
-        self.peak_live = 0
+        self.live = sum(u.padded for u in units if u.resident)  # elements gathered now (or being gathered)
+        self.peak_live = self.live
+        self.reduce_grads = True  # this backward reduces the gradients it produces (see [Note: stages])
         self.gathers = 0
         self._in_backward = False
         self._acquired: dict[int, list[list[Unit]]] = {}  # per module: the units each running forward holds
         self._handles: list[RemovableHandle] = []
         for unit in units:
-            unit.persistent = unit.numel <= persistence_threshold
+            unit.persistent = unit.resident or unit.numel <= persistence_threshold
         self._install(model)
 
     # ----------------------------------------------------------------- hooks
@@ -126,7 +135,7 @@ class ZeroRuntime:
         def hook(param: torch.Tensor) -> None:
             unit.grads_seen.add(id(param))
             if len(unit.grads_seen) == len(unit.trainable):
-                self._reduce(unit)
+                self._reduce_or_keep(unit)
                 if not unit.has_frozen:
                     unit.backward_active = False
                     if not unit.persistent:
@@ -168,24 +177,39 @@ class ZeroRuntime:
 
     def _end_of_backward(self) -> None:
         for unit in self.units:
-            if unit.grads_seen:
-                self._reduce(unit)
+            # Stages 0-1: a unit that got no gradient now may hold some from an earlier micro-batch.
+            if unit.grads_seen or (self.reduce_grads and not self.stage.reduce_every_micro_batch
+                                   and any(s.param.grad is not None for s in unit.slots)):
+                self._reduce_or_keep(unit)
         for unit in self.units:
             unit.backward_active = False
             if unit.holders == 0 and not unit.persistent:
                 self._reshard(unit)
         self._in_backward = False
 
+    def _reduce_or_keep(self, unit: Unit) -> None:
+        if self.reduce_grads:
+            self._reduce(unit)
+        else:  # stages 0-1 before the last micro-batch: the gradients stay in .grad, where autograd adds to them
+            unit.grads_seen.clear()
+
     def _reduce(self, unit: Unit) -> None:
-        """Start the reduce-scatter of the unit's gradients into this rank's shard and hand it to the sink, which
-        copies it to the host once the collective is done (backward goes on meanwhile)."""
-        with self.telemetry.span("reduce_scatter", unit.name):
+        """Start the reduction of the unit's gradients into this rank's partition (reduce-scatter; stage 0:
+        all-reduce of the whole) and hand it to the sink, which copies it to the host once the collective is done
+        (backward goes on meanwhile)."""
+        kind = "all_reduce" if self.stage.all_reduce else "reduce_scatter"
+        with self.telemetry.span(kind, unit.name):
             flat = unit.take_flat_grad()
             if self.grad_predivide != 1.0:
                 flat.div_(self.grad_predivide)
-            shard = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
-            work = reduce_scatter(shard, flat, self.group, async_op=True)
-        self.telemetry.add_bytes("reduce_scatter", _wire_bytes(unit, self.group.world))
+            if self.stage.all_reduce:
+                shard, work = flat, all_reduce_sum(flat, self.group, async_op=True)
+            else:
+                shard = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
+                work = reduce_scatter(shard, flat, self.group, async_op=True)
+        # A ring all-reduce moves twice what a reduce-scatter does.
+        self.telemetry.add_bytes(kind, _wire_bytes(unit.padded * unit.dtype.itemsize, self.group.world)
+                                 * (2 if self.stage.all_reduce else 1))
         unit.grads_seen.clear()
         ready: Event = WorkEvent(work) if work is not None else (self.accel.compute_event() if self.accel.is_cuda
                                                                   else DoneEvent())
@@ -256,7 +280,7 @@ class ZeroRuntime:
     def _count_gather(self, unit: Unit) -> None:
         if unit.off_device:
             self.telemetry.add_bytes("h2d", unit.shard_numel * unit.dtype.itemsize)
-        self.telemetry.add_bytes("all_gather", _wire_bytes(unit, self.group.world))
+        self.telemetry.add_bytes("all_gather", _wire_bytes(unit.padded * unit.dtype.itemsize, self.group.world))
         self.gathers += 1
         self.live += unit.padded
         self.peak_live = max(self.peak_live, self.live)
@@ -283,6 +307,22 @@ class ZeroRuntime:
         if unit.reshard():
             self.live -= unit.padded
 
+    def spread_partitions(self) -> None:
+        """Stages 0-2, after a step: every resident unit's new partitions all-gathered, in unit order."""
+        for unit in self.units:
+            if unit.resident:
+                with self.telemetry.span("all_gather", unit.name):
+                    unit.spread_partition(self.accel)
+                self.telemetry.add_bytes("all_gather", _wire_bytes(unit.padded * unit.dtype.itemsize,
+                                                                   unit.group.world))
+
+    def clear_param_grads(self) -> None:
+        """Drop gradients kept in ``.grad`` between micro-batches (stages 0-1)."""
+        for unit in self.units:
+            unit.grads_seen.clear()
+            for slot in unit.slots:
+                slot.param.grad = None
+
     def reshard_all(self) -> None:
         """Drop every gathered copy (after a step, persistent units hold stale values)."""
         for unit in self.units:
@@ -296,6 +336,6 @@ class ZeroRuntime:
         self._handles.clear()
 
 
-def _wire_bytes(unit: Unit, world: int) -> int:
-    """Bytes a rank receives in a ring all-gather / reduce-scatter of the unit: (W-1)/W of it."""
-    return unit.padded * unit.dtype.itemsize * (world - 1) // world
+def _wire_bytes(nbytes: int, world: int) -> int:
+    """Bytes a rank receives in a ring all-gather / reduce-scatter of ``nbytes``: (W-1)/W of them."""
+    return nbytes * (world - 1) // world

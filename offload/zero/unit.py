@@ -31,8 +31,12 @@ class Unit:
     saved during forward see the gathered values again in backward.
     """
 
-    def __init__(self, plan: UnitPlan, group: Group, dtype: torch.dtype, device: torch.device) -> None:
-        """Rebinds the parameters into the (empty) flat buffer: read their values first (``initial_values``)."""
+    def __init__(self, plan: UnitPlan, group: Group, dtype: torch.dtype, device: torch.device,
+                 resident: bool = False) -> None:
+        """Rebinds the parameters into the (empty) flat buffer: read their values first (``initial_values``).
+
+        ``resident`` (ZeRO stages 0-2): ``full`` keeps its memory for good and ``shard`` is a view into it, so
+        the unit is never released and the optimizer writes this rank's partition in place."""
         self.plan = plan
         self.index = plan.index
         self.name = plan.name
@@ -43,10 +47,12 @@ class Unit:
         self.shard_start = group.rank * self.shard_numel
         self.group = group
         self.dtype = dtype
+        self.resident = resident
         self.full = torch.empty(self.padded, dtype=dtype, device=device)
         self._full_bytes = self.full.untyped_storage().nbytes()
-        self.shard = torch.empty(self.shard_numel, dtype=dtype, device=device)
-        self.state = UnitState.SHARDED
+        self.shard = (self.full[self.shard_start:self.shard_start + self.shard_numel] if resident
+                      else torch.empty(self.shard_numel, dtype=dtype, device=device))
+        self.state = UnitState.UNSHARDED if resident else UnitState.SHARDED
         self.holders = 0  # forwards currently running inside one of this unit's anchors
         self.persistent = False
         self.ready: Event | None = None  # the copy that last wrote ``shard``; gathers wait for it
@@ -61,7 +67,8 @@ class Unit:
         self.backward_active = False  # gathered for a backward that has not finished with it
         for s in self.slots:
             s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
-        self.full.untyped_storage().resize_(0)
+        if not resident:
+            self.full.untyped_storage().resize_(0)
 
     @staticmethod
     def padded_numel(plan: UnitPlan, world: int) -> int:
@@ -81,6 +88,23 @@ class Unit:
                                  "into it to start another engine")
             flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         return flat
+
+    def load_initial(self, values: torch.Tensor) -> None:
+        """Take the unit's starting values (``initial_values``, the same on every rank): the whole buffer when
+        resident, else this rank's shard."""
+        if self.resident:
+            self.full.copy_(values)
+        else:
+            self.shard.copy_(values[self.shard_start:self.shard_start + self.shard_numel])
+
+    def spread_partition(self, accel: Accelerator) -> None:
+        """Resident units, after the step wrote this rank's partition of ``full`` in place: all-gather every
+        rank's partition (a collective: every rank calls it for the same units in the same order)."""
+        assert self.resident, f"unit {self.name!r} is not resident"
+        accel.compute_wait(self.ready)  # the copy of the new partition into ``full``
+        self.ready = None
+        if self.group.world > 1:
+            all_gather(self.full, self.shard.clone(), self.group)  # an input apart from the output: gloo needs it
 
     # ----------------------------------------------------------------- transitions
 
@@ -156,8 +180,8 @@ class Unit:
 
     def reshard(self) -> bool:
         """UNSHARDED (or GATHERING, after waiting) -> SHARDED (frees the gathered buffer); idempotent,
-        returns whether it freed."""
-        if self.state is UnitState.SHARDED:
+        returns whether it freed. A resident unit is never released."""
+        if self.state is UnitState.SHARDED or self.resident:
             return False
         if self.state is UnitState.GATHERING:
             self.finish_unshard()  # the collective must complete on every rank before its buffer goes
