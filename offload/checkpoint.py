@@ -381,7 +381,7 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_
 def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[Path, dict[str, Any]]:
     """Every rank calls it. Checks first (layout, world size, checksums on every rank), then changes state."""
-    group, rank = engine.group, engine.group.rank
+    rank = engine.group.rank
     path = resolve(Path(load_dir), tag)
     meta = read_meta(path)
     if meta.get("format") != FORMAT:

@@ -240,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="a DeepSpeed-style config (default: bf16, optimizer on the host)")
     p.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default=None)
     p.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default=None)
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None, help="ZeRO stage (default: the config's, "
+                                                                                "or 3); a table compares all four")
     p.add_argument("--nvme-path", default="offload-swap", help="where NVMe swap would go (its free space counts)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=_cmd_estimate)

@@ -255,25 +255,33 @@ class Engine:
                          "Raise offload.budgets.device or lower offload.unit_bytes")
 
     def device_resident_bytes(self) -> int:
-        """Bytes this rank keeps on the compute device between uses: its shards (stages 0-2: every
-        parameter), and the optimizer state when it is not offloaded."""
-        return self._shard_bytes() + (0 if self.optimizer.offload else self.optimizer.state_bytes())
+        """Bytes this rank keeps on the compute device between uses (see ``_device_parts``)."""
+        return sum(self._device_parts().values())
 
     def _shard_bytes(self) -> int:
         """Compute-dtype parameter bytes on the device between uses (a resident unit's shard is part of it)."""
         return sum(u.full.numel() * u.full.element_size() if u.resident else u.shard.numel() * u.shard.element_size()
                    for u in self.units)
 
+    def _device_parts(self) -> dict[str, int]:
+        """What stays on the device between uses: parameters (stage 3: this rank's shards), the whole gradients
+        stages 0-1 keep in .grad until the last micro-batch, and the optimizer state and fp32 gradient
+        accumulators when the optimizer is not offloaded. ``offload estimate`` names the same parts."""
+        parts = {"parameters" if self.stage.resident_params else "shards": self._shard_bytes()}
+        if not self.stage.reduce_every_micro_batch:
+            parts["gradients (whole, in .grad)"] = self.compute_dtype.itemsize * sum(
+                s.numel for u in self.units for s in u.slots if s.param.requires_grad)
+        if not self.optimizer.offload:
+            parts["optimizer state"] = sum(g.nbytes for g in self.optimizer.store.groups)
+            parts["gradient accumulators"] = sum(st.grad.numel() * 4 for st in self.optimizer.shards.values())
+        return parts
+
     def memory_summary(self) -> dict[str, dict[str, int]]:
         """Bytes per tier on this rank, by what holds them, from the engine's own accounting."""
         item = self.compute_dtype.itemsize
-        if self.stage.resident_params:
-            device = {"parameters": self._shard_bytes()}
-        else:
-            device = {"shards": self._shard_bytes(),
-                      "gathered_now": self.runtime.live * item, "gathered_peak": self.runtime.peak_live * item}
-        if not self.optimizer.offload:
-            device["optimizer_state"] = self.optimizer.state_bytes()
+        device = self._device_parts()
+        if not self.stage.resident_params:
+            device.update(gathered_now=self.runtime.live * item, gathered_peak=self.runtime.peak_live * item)
         budget = self.config.offload.budgets.device
         if budget is not None:
             device["budget"] = budget

@@ -31,6 +31,7 @@ from offload.optim.sharded import host_parts
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import nvme_buffers, place_sub_groups, plan_sub_groups
 from offload.store.param_swap import param_buffer_bytes, place_params, plan_homes
+from offload.zero.stage import Stage
 
 TIERS = ("device", "host", "nvme")
 
@@ -42,29 +43,54 @@ class Estimate:
     units: int
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> part -> bytes, per rank
     notes: list[str] = field(default_factory=list)
+    stage: int = 3
 
     def total(self, tier: str) -> int:
         return sum(self.tiers.get(tier, {}).values())
+
+    @property
+    def model_states(self) -> int:
+        """Parameters, gradients and optimizer state on every tier: what the ZeRO formula counts (ours keeps fp32
+        gradient accumulators, and 16-bit gradients only whole in stages 0-1, where the formula has 16-bit
+        gradients throughout), without buffers, pools or gathered units."""
+        one = ("parameters", "shards", "gradients (whole, in .grad)", "optimizer state", "gradient accumulators")
+        two = ("parameter shards (two slots per unit)", "optimizer state (two slots per sub-group)")
+        return sum(n if part in one else n // 2 for tier in self.tiers.values() for part, n in tier.items()
+                   if part in one + two)
 
 
 def compute_bytes(config: Config) -> int:
     return 2 if config.bf16.enabled is True or config.fp16.enabled is True else 4
 
 
+def model_state_formula(stage: int, params: int, world: int) -> int:
+    """The ZeRO paper's model-state bytes per rank for mixed-precision Adam: 16-bit parameters and gradients,
+    fp32 master and moments (2 + 2 + 12 bytes per parameter), partitioned as the stage says."""
+    n, w = params, world
+    return {0: 16 * n, 1: 4 * n + 12 * n // w, 2: 2 * n + 14 * n // w, 3: 16 * n // w}[stage]
+
+
 def estimate(unit_numels: list[int], config: Config, world: int) -> Estimate:
     """Bytes per tier of one rank for a model whose units hold ``unit_numels`` elements (all trained)."""
     zero = config.zero_optimization
+    stage = Stage(zero.stage)
     item = compute_bytes(config)
-    sizes = [(i, -(-n // world)) for i, n in enumerate(unit_numels)]  # shard elements: padded to W, over W
-    est = Estimate(sum(unit_numels), world, len(unit_numels), {t: {} for t in TIERS})
+    parts = stage.partition_count(world)
+    sizes = [(i, -(-n // parts)) for i, n in enumerate(unit_numels)]  # partition elements: padded, over P
+    est = Estimate(sum(unit_numels), world, len(unit_numels), {t: {} for t in TIERS}, stage=stage.number)
     device, host, nvme = est.tiers["device"], est.tiers["host"], est.tiers["nvme"]
     param_dev, opt_dev = zero.offload_param.device, zero.offload_optimizer.device
     total = sum(n for _, n in sizes)
-    if param_dev == "none":
-        device["shards"] = item * total
-    largest_unit = max((n * world for _, n in sizes), default=0)
-    device["gathered (at most)"] = item * min(int(zero.stage3_max_live_parameters),
-                                              largest_unit + int(zero.stage3_prefetch_bucket_size), world * total)
+    if stage.resident_params:
+        device["parameters"] = item * parts * total
+    else:
+        if param_dev == "none":
+            device["shards"] = item * total
+        largest_unit = max((n * world for _, n in sizes), default=0)
+        device["gathered (at most)"] = item * min(int(zero.stage3_max_live_parameters),
+                                                  largest_unit + int(zero.stage3_prefetch_bucket_size), world * total)
+    if not stage.reduce_every_micro_batch:
+        device["gradients (whole, in .grad)"] = item * est.params
     budget = TierBudget("host", config.offload.budgets.host)
     nvme_params = place_params(sizes, zero.offload_param) if param_dev == "nvme" else []
     if nvme_params:
@@ -73,7 +99,8 @@ def estimate(unit_numels: list[int], config: Config, world: int) -> Estimate:
         nvme["parameter shards (two slots per unit)"] = plan_homes(nvme_params, item)[1]
     groups = plan_sub_groups(sizes, int(zero.sub_group_size))
     if opt_dev == "none":
-        device["optimizer state"] = sum(g.nbytes for g in groups) + 4 * total
+        device["optimizer state"] = sum(g.nbytes for g in groups)
+        device["gradient accumulators"] = 4 * total
         return est
     for what, nbytes in host_parts(sizes, {i for i, _ in nvme_params}, item).items():
         _take(budget, host, what, nbytes)
@@ -205,7 +232,7 @@ def largest_trainable(base: dict[str, Any], machine: Machine, world: int = 1) ->
 
 def format_estimate(est: Estimate, config: Config) -> str:
     zero = config.zero_optimization
-    lines = [f"{est.params / 1e6:,.1f}M parameters in {est.units} units, W={est.world}: params on "
+    lines = [f"{est.params / 1e6:,.1f}M parameters in {est.units} units, W={est.world}, ZeRO stage {est.stage}: params on "
              f"{zero.offload_param.device}, optimizer on {zero.offload_optimizer.device} (bytes per rank)"]
     for tier in TIERS:
         parts = est.tiers[tier]
@@ -218,11 +245,49 @@ def format_estimate(est: Estimate, config: Config) -> str:
     return "\n".join(lines)
 
 
+def stage_config(raw: dict[str, Any], stage: int) -> dict[str, Any]:
+    """``raw`` under another ZeRO stage, keeping its offload choices where that stage allows them (parameter
+    offload needs stage 3; optimizer offload stage 1 or more)."""
+    zero = {**raw.get("zero_optimization", {}), "stage": stage}
+    if stage < 3:
+        zero["offload_param"] = {**zero.get("offload_param", {}), "device": "none"}
+    if stage < 1:
+        zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": "none"}
+    return {**raw, "zero_optimization": zero}
+
+
+def compare_stages(unit_numels: list[int], raw: dict[str, Any], world: int,
+                   hidden_size: int | None = None) -> dict[int, Estimate]:
+    """The same model and world size under each ZeRO stage."""
+    out = {}
+    for stage in range(4):
+        config = Config.load(stage_config(raw, stage)).resolve(world_size=world, hidden_size=hidden_size)
+        out[stage] = estimate(unit_numels, config, world)
+    return out
+
+
+def format_stages(stages: dict[int, Estimate], raw: dict[str, Any]) -> str:
+    first = next(iter(stages.values()))
+    n, w = first.params, first.world
+    lines = [f"per rank by ZeRO stage ({n / 1e6:,.1f}M parameters, W={w}); the ZeRO formula counts 16-bit "
+             "gradients where offload keeps fp32 accumulators:",
+             f"  {'stage':5s} {'device':>10s} {'host':>10s} {'nvme':>10s} {'model states':>13s} {'ZeRO formula':>13s}"
+             "  offload"]
+    for stage, est in stages.items():
+        zero = stage_config(raw, stage)["zero_optimization"]
+        where = (f"params {zero.get('offload_param', {}).get('device', 'none')}, optimizer "
+                 f"{zero.get('offload_optimizer', {}).get('device', 'none')}")
+        lines.append(f"  {stage:5d} {_gib(est.total('device')):>10s} {_gib(est.total('host')):>10s} "
+                     f"{_gib(est.total('nvme')):>10s} {_gib(est.model_states):>13s} "
+                     f"{_gib(model_state_formula(stage, n, w)):>13s}  {where}")
+    return "\n".join(lines)
+
+
 def format_largest(largest: dict[str, tuple[int, str]], machine: Machine, world: int) -> str:
     gpu = f"GPU {_gib(machine.device_bytes)}" if machine.device_bytes is not None else "no GPU"
     lines = [f"this machine: {gpu}, RAM available {_gib(machine.host_bytes)}, free under {machine.nvme_path} "
-             f"{_gib(machine.nvme_bytes)}; the largest model per choice (W={world} ranks here, sharing RAM and "
-             "disk; limited by):"]
+             f"{_gib(machine.nvme_bytes)}; the largest model per choice (ZeRO stage 3, W={world} ranks here, "
+             "sharing RAM and disk; limited by):"]
     for name, (n, tier) in largest.items():
         zero = CHOICES[name]
         extra = f", sub_group_size {NVME_SUB_GROUP:.0e}" if zero["offload_optimizer"] == "nvme" else ""
@@ -241,12 +306,15 @@ def _gib(n: int | None) -> str:
 DEFAULT_VOCAB = {"builtin": 256, "gpt2": 50304, "llama": 32000}
 
 
-def build_config(path: str | None, overrides: dict[str, Any], nvme_path: str) -> dict[str, Any]:
+def build_config(path: str | None, overrides: dict[str, Any], nvme_path: str, stage: int | None = None
+                 ) -> dict[str, Any]:
     """The config to estimate: a file (or bf16 with the optimizer on the host), with the command line's devices."""
     raw = Config.load(path).to_dict() if path else {"bf16": {"enabled": True},
                                                     "zero_optimization": {"stage": 3,
                                                                           "offload_optimizer": {"device": "cpu"}}}
     zero = raw.setdefault("zero_optimization", {})
+    if stage is not None:
+        zero["stage"] = stage
     for section, device in overrides.items():
         if device is not None:
             zero[section] = {**zero.get(section, {}), "device": device}
@@ -260,13 +328,14 @@ def run_cli(args: Any) -> int:
     from offload.train import MODELS, TrainArgs, TrainError, build_model
     try:
         raw = build_config(args.config, {"offload_optimizer": args.offload_optimizer,
-                                         "offload_param": args.offload_param}, args.nvme_path)
+                                         "offload_param": args.offload_param}, args.nvme_path, args.stage)
         if args.params is not None:
             params = int(float(args.params))
             if params <= 0:
                 raise TrainError(f"--params {args.params}: give a positive number of parameters (e.g. 1.3e9)")
             config = Config.load(raw).resolve(world_size=args.world)
             units = synthetic_units(params, config)
+            hidden_size = None
         else:
             name = args.model or "gpt2"
             if name not in MODELS:
@@ -275,13 +344,16 @@ def run_cli(args: Any) -> int:
             with torch.device("meta"):  # sizes only: no memory, no initialisation
                 model = build_model(TrainArgs(model=name, seq=args.seq, layers=args.layers, hidden=args.hidden),
                                     args.vocab or DEFAULT_VOCAB[family])
-            config = Config.load(raw).resolve(world_size=args.world, hidden_size=args.hidden or hidden)
+            hidden_size = args.hidden or hidden
+            config = Config.load(raw).resolve(world_size=args.world, hidden_size=hidden_size)
             units = model_units(model, config)
     except (TrainError, ConfigError) as e:
         print(f"offload estimate: {e}", file=sys.stderr)
         return 2
     est = estimate(units, config, args.world)
     print(format_estimate(est, config))
+    stages = compare_stages(units, raw, args.world, hidden_size)
+    print(format_stages(stages, raw))
     machine = Machine.here(args.nvme_path)
     largest = largest_trainable({k: v for k, v in raw.items() if k != "zero_optimization"} |
                                 {"zero_optimization": {k: v for k, v in raw["zero_optimization"].items()
@@ -293,6 +365,10 @@ def run_cli(args: Any) -> int:
         import json
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"estimate": asdict(est), "machine": asdict(machine),
+                                               "stages": {s: {"tiers": e.tiers, "model_states": e.model_states,
+                                                              "zero_formula": model_state_formula(s, e.params,
+                                                                                                  e.world)}
+                                                          for s, e in stages.items()},
                                                "largest": {k: {"params": n, "limited_by": t}
                                                            for k, (n, t) in largest.items()}}, indent=2))
     return 0

@@ -8,7 +8,7 @@ import pytest
 from engine_cases import base_config, describe_engine, make_model
 from offload.cli import main
 from offload.config import Config
-from offload.estimate import Machine, estimate, largest_trainable, model_units
+from offload.estimate import Machine, estimate, largest_trainable, model_state_formula, model_units
 from offload.launch import run_ranks
 
 
@@ -49,9 +49,28 @@ def test_the_estimate_matches_the_engines_accounting(tmp_path, world, params, op
         assert est.total(tier) == measured[tier]["total"]
     assert est.tiers["device"].get("shards", 0) == measured["device"]["shards"]
     if optimizer == "none":
-        assert est.tiers["device"]["optimizer state"] == pytest.approx(measured["device"]["optimizer_state"], rel=0.1)
+        assert est.tiers["device"]["optimizer state"] == measured["device"]["optimizer state"]
     if host is not None:
         assert "optimizer state" in est.tiers["host"] and est.tiers["nvme"], "the budget splits host and NVMe"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_stage_holds_what_the_zero_formula_says(stage, world):
+    """Model states per rank: 16N, 4N + 12N/W, 2N + 14N/W, 16N/W (bf16 Adam), plus what offload keeps in another
+    form: fp32 gradient accumulators where the formula counts 16-bit gradients. The estimate names the same parts
+    with the same bytes."""
+    raw = {**base_config(2, 2, world, stage=stage, offload_optimizer={"device": "none"}), "bf16": {"enabled": True}}
+    measured = run_ranks(describe_engine, world, config=raw)[0]["memory"]["device"]
+    config = Config.load(raw).resolve(world_size=world)
+    est = estimate(model_units(make_model("gpt"), config), config, world)
+    n, parts = est.params, world if stage else 1
+    extra = 4 * n // parts if stage < 2 else 2 * n // world  # fp32 accumulators (stages 0-1 keep .grad too)
+    ours = {k: v for k, v in measured.items() if not k.startswith("gathered")}
+    padding = 4096 + 20 * world * est.units  # sub-groups round to 4 KiB; units pad to a multiple of W
+    assert 0 <= sum(ours.values()) - model_state_formula(stage, n, world) - extra < padding, ours
+    assert sum(ours.values()) == est.model_states
+    assert {k: v for k, v in est.tiers["device"].items() if not k.startswith("gathered")} == ours
 
 
 def test_larger_offload_choices_train_larger_models_and_the_limit_is_named(tmp_path):
@@ -75,6 +94,9 @@ def test_cli_prints_tiers_and_the_largest_models_and_writes_json(tmp_path, capsy
     report = json.loads(out.read_text())
     assert report["estimate"]["world"] == 2 and report["estimate"]["tiers"]["nvme"]
     assert set(report["largest"]) >= {"no offload", "params + optimizer on nvme"}
+    assert "per rank by ZeRO stage" in text and set(report["stages"]) == {"0", "1", "2", "3"}
+    stage0, stage3 = report["stages"]["0"], report["stages"]["3"]
+    assert stage0["model_states"] > stage3["model_states"] and stage0["zero_formula"] == 2 * stage3["zero_formula"]  # W=2
     assert main(["estimate", "--params", "2e9", "--offload-optimizer", "cpu"]) == 0
     assert "2,000.0M parameters" in capsys.readouterr().out
     assert main(["estimate", "--model", "nope"]) == 2

@@ -56,6 +56,9 @@ class Stage:
         """The group a unit's flat buffer is split over: the data-parallel group, or this rank alone (stage 0)."""
         return group if self.number >= 1 else Group(0, 1, None)
 
+    def partition_count(self, world: int) -> int:
+        return world if self.number >= 1 else 1
+
     def describe(self) -> str:
         return {0: "stage 0: data parallel (gradients all-reduced, everything replicated)",
                 1: "stage 1: optimizer state partitioned",
