@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -99,15 +101,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                  depths=tuple(int(d) for d in args.depths.split(",")), out=out, stream=sys.stdout)
     if args.what == "step":
         out = Path(args.out) if args.out else Path("bench-results") / "step.json"
-        bench = step.StepBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
-                               vocab=args.vocab, seq=args.seq, micro=args.micro, world=args.world, steps=args.steps,
-                               repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload,
-                               nvme_path=args.path, sub_group_size=args.sub_group_size, trace_dir=str(out.parent),
-                               device=args.device)
-        print("offload bench step: ZeRO-3 + CPU Adam beside plain PyTorch, alternating rounds", flush=True)
+        try:
+            bench = _step_bench(args, step, out)
+        except ValueError as e:
+            print(f"offload bench step: {e}", file=sys.stderr)
+            return 2
+        print(f"offload bench step: ZeRO stage {args.stage} beside plain PyTorch, alternating rounds", flush=True)
         step.print_table(step.run(bench, out, log=sys.stdout), sys.stdout)
         print(f"wrote {out}")
     return 0
+
+
+def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
+    """The step benchmark the command line asks for (ValueError: what is wrong with it)."""
+    return step.StepBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64), vocab=args.vocab,
+                          seq=args.seq, micro=args.micro, world=args.world, steps=args.steps,
+                          repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload, nvme_path=args.path,
+                          sub_group_size=args.sub_group_size, trace_dir=str(out.parent), device=args.device,
+                          stages=_stages(args.stage))
 
 
 def _cmd_tune_nvme(args: argparse.Namespace) -> int:
@@ -129,6 +140,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"offload train: {e}", file=sys.stderr)
         return 2
     return 0 if len(record.losses) < 2 or record.losses[-1] < record.losses[0] else 1
+
+
+def _stages(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise ValueError(f"--stage {text!r}: give ZeRO stages 0-3, comma-separated (e.g. 0,1,2,3)") from None
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
@@ -282,9 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=2, help="step: ranks (gloo processes, default 2)")
     p.add_argument("--steps", type=int, default=5, help="step: timed steps per round (default 5)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="step: compute dtype (default fp32)")
-    p.add_argument("--offload", choices=["cpu", "nvme"], default="cpu",
+    p.add_argument("--offload", choices=["none", "cpu", "nvme"], default="cpu",
                    help="step: optimizer state on the host, or on NVMe under --path (then host, pipelined and "
-                        "serial NVMe variants are compared)")
+                        "serial NVMe variants are compared); none: on the device (with --stage)")
+    p.add_argument("--stage", default="3", help="step: ZeRO stage(s), e.g. 0,1,2,3 to compare them side by side "
+                                                "(default 3: the offload variants)")
     p.add_argument("--sub-group-size", type=int, default=1_000_000, help="step: optimizer sub-group elements")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="step: where both sides compute (cuda: torch on the GPU beside offload with W=1)")

@@ -21,6 +21,11 @@ gain of read-ahead), and the optimizer state on NVMe with one buffer (read, comp
 write in turn: the gain of pipelining is serial/pipelined on the optimizer phase).
 For parameter reads the share hidden is 1 - (time the training thread waited for a
 read) / (time reads were in flight).
+
+With ``--stage 0,1,2,3`` the variants are the ZeRO stages instead, each with the
+optimizer state where ``--offload`` says (stage 0 cannot offload it: on the compute
+device), side by side with torch: step time, and each rank's bytes per tier from the
+engine's own accounting, in one table and one plot (``stages.png``).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class StepBench:
     trace_dir: str = ""  # where rank 0 of each variant writes a Chrome trace of its timed steps ("": none)
     device: str = "cpu"  # cpu, or cuda: both sides compute on the GPU (then world must be 1)
     headline_only: bool = False  # only the headline variant (and, for nvme, the host one beside it): a smoke run
+    stages: tuple[int, ...] = (3,)  # ZeRO stages; more than stage 3 alone: one variant per stage (see the docstring)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -68,9 +74,26 @@ class StepBench:
             raise ValueError("device cuda: this machine has no usable GPU (torch.cuda.is_available() is False)")
         if self.device == "cuda" and self.world != 1:
             raise ValueError(f"device cuda runs one rank on the one GPU; got world {self.world}: pass --world 1")
+        if not self.stages or any(s not in (0, 1, 2, 3) for s in self.stages):
+            raise ValueError(f"stages must be ZeRO stages 0-3, got {self.stages}")
+        if self.offload == "none" and self.stages == (3,):
+            raise ValueError("offload none compares stages only: pass stages (e.g. --stage 0,1,2,3)")
+
+    @property
+    def compares_stages(self) -> bool:
+        return tuple(self.stages) != (3,)
 
     def variants(self) -> dict[str, dict[str, Any]]:
         """Offload configurations compared in this run, by name: the first one is the headline."""
+        if self.compares_stages:
+            out = {}
+            for stage in self.stages:
+                device = self.offload if stage > 0 else "none"
+                variant: dict[str, Any] = {"device": device, "stage": stage}
+                if device == "nvme":
+                    variant["buffer_count"] = self.buffer_count
+                out[f"stage{stage}"] = variant
+            return out
         if self.headline_only:
             every = StepBench(offload=self.offload).variants()
             return {k: v for k, v in every.items() if k in ("host", "nvme")}
@@ -105,6 +128,7 @@ class StepResult:
     samples: dict[str, list[float]] = field(default_factory=dict)
     variants: dict[str, dict[str, float]] = field(default_factory=dict)  # per variant: step, optimizer, NVMe stall
     peak_device_bytes: dict[str, int] = field(default_factory=dict)  # on a GPU: torch's and each variant's high water
+    memory: dict[str, dict[str, int]] = field(default_factory=dict)  # per variant: rank 0's bytes per tier (accounting)
 
 
 def _sync(device: str) -> None:
@@ -133,7 +157,8 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
               "gradient_clipping": variant.get("clip", 1.0),
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
               "bf16": {"enabled": b.dtype == "bf16"},
-              "zero_optimization": {"stage": 3, "offload_optimizer": optimizer, "offload_param": param,
+              "zero_optimization": {"stage": variant.get("stage", 3), "offload_optimizer": optimizer,
+                                    "offload_param": param,
                                     "sub_group_size": b.sub_group_size,
                                     "stage3_prefetch_bucket_size": variant.get("prefetch", 50_000_000)},
               "offload": {"unit_bytes": 4 << 20, "overlap_step": variant.get("overlap", "auto")}}
@@ -156,8 +181,11 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
     if b.trace_dir and rank == 0:
         engine.telemetry.export_chrome_trace(Path(b.trace_dir) / f"step-trace-{variant['name']}.json", rank)
     overlap = engine.telemetry.overlap_share()
+    memory = {tier: sum(v for k, v in parts.items() if k not in ("total", "peak", "budget", "gathered_now"))
+              for tier, parts in engine.memory_summary().items()}
     engine.close()
-    return {"times": times, "seconds": snap.seconds, "bytes": snap.bytes, "overlap": overlap, "peak": peak}
+    return {"times": times, "seconds": snap.seconds, "bytes": snap.bytes, "overlap": overlap, "peak": peak,
+            "memory": memory}
 
 
 def _torch_steps(b: StepBench) -> tuple[list[float], int]:
@@ -225,8 +253,8 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
     result = StepResult(
         bench=asdict(b), params=b.model_config().num_parameters, torch_step_s=t_torch, offload_step_s=t_off,
         ratio=t_off / t_torch, phases_s=phases, background_s={k: per_step(head, k) for k in BACKGROUND},
-        bytes_per_step={k: per_step(head, k, "bytes") for k in ("all_gather", "reduce_scatter", "d2h", "h2d",
-                                                                  "nvme_read", "nvme_write")},
+        bytes_per_step={k: per_step(head, k, "bytes") for k in ("all_gather", "reduce_scatter", "all_reduce", "d2h",
+                                                                  "h2d", "nvme_read", "nvme_write")},
         samples={"torch": torch_times, **times},
         variants={name: {"step_s": statistics.median(times[name]), "optimizer_s": per_step(name, "optimizer"),
                          "gather_s": per_step(name, "gather") + per_step(name, "gather_wait"),
@@ -235,13 +263,46 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
                          "nvme_wait_s": per_step(name, "nvme_wait"),
                          "param_wait_s": per_step(name, "param_wait"),
                          "param_read_s": per_step(name, "param_read"),
-                         "nvme_bytes": per_step(name, "nvme_read", "bytes") + per_step(name, "nvme_write", "bytes")}
+                         "nvme_bytes": per_step(name, "nvme_read", "bytes") + per_step(name, "nvme_write", "bytes"),
+                         "collective_bytes": sum(per_step(name, k, "bytes")
+                                                 for k in ("all_gather", "reduce_scatter", "all_reduce"))}
                   for name in variants},
-        peak_device_bytes=peaks if b.device == "cuda" else {})
+        peak_device_bytes=peaks if b.device == "cuda" else {},
+        memory={name: runs[name][-1]["memory"] for name in variants})
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(asdict(result), indent=2))
+        if b.compares_stages:
+            plot_stages(result, out_path.with_name("stages.png"))
     return result
+
+
+def plot_stages(result: StepResult, path: Path) -> None:
+    """Step time beside torch's, and rank 0's bytes per tier, for each stage."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(result.variants)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(names, [result.variants[n]["step_s"] * 1e3 for n in names], color="tab:blue")
+    left.axhline(result.torch_step_s * 1e3, color="tab:red", linestyle="--", label="plain torch")
+    left.set_ylabel("ms per step")
+    left.set_title("step time")
+    left.legend()
+    bottom = [0.0] * len(names)
+    for tier, color in (("device", "tab:green"), ("host", "tab:orange"), ("nvme", "tab:gray")):
+        values = [result.memory[n].get(tier, 0) / 2**20 for n in names]
+        right.bar(names, values, bottom=bottom, color=color, label=tier)
+        bottom = [a + v for a, v in zip(bottom, values)]
+    right.set_ylabel("MiB per rank")
+    right.set_title("memory per rank (engine accounting)")
+    right.legend()
+    b = result.bench
+    fig.suptitle(f"ZeRO stages: GPT {result.params / 1e6:.1f}M, W={b['world']}, optimizer {b['offload']} "
+                 "(stage 0: on the device)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def print_table(result: StepResult, out: TextIO) -> None:
@@ -250,6 +311,15 @@ def print_table(result: StepResult, out: TextIO) -> None:
           f"global batch {b['micro'] * b['world']} ({b['dtype']})", file=out)
     where = "on the GPU" if b.get("device") == "cuda" else "1 process"
     print(f"  plain torch, {where}:       {result.torch_step_s * 1e3:8.1f} ms/step", file=out)
+    if b.get("stages", [3]) != [3] and tuple(b.get("stages", (3,))) != (3,):
+        print(f"  ZeRO stages, W={b['world']} (per rank: device / host / nvme bytes from the engine's accounting; "
+              "collective bytes received per step):", file=out)
+        for name, row in result.variants.items():
+            mem = result.memory.get(name, {})
+            print(f"    {name:7s} {row['step_s'] * 1e3:8.1f} ms/step = {row['step_s'] / result.torch_step_s:5.2f}x "
+                  f"torch   " + " / ".join(f"{mem.get(t, 0) / 2**20:7.1f}" for t in ("device", "host", "nvme"))
+                  + f" MiB   {row['collective_bytes'] / 2**20:7.1f} MiB", file=out)
+        return
     print(f"  offload ZeRO-3, W={b['world']}: {result.offload_step_s * 1e3:8.1f} ms/step  "
           f"= {result.ratio:.2f}x torch", file=out)
     if result.peak_device_bytes:
