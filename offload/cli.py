@@ -260,6 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default=None)
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None, help="ZeRO stage (default: the config's, "
                                                                                 "or 3); a table compares all four")
+    p.add_argument("--micro", type=int, default=None, help="--model: samples per rank per micro-batch, for the "
+                                                          "activations (default: the config's, or 1)")
+    p.add_argument("--checkpointing", choices=["none", "device", "cpu"], default=None,
+                   help="--model: activation checkpointing of every block, inputs kept on the device or in host "
+                        "memory (default: the config's)")
     p.add_argument("--nvme-path", default="offload-swap", help="where NVMe swap would go (its free space counts)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=_cmd_estimate)

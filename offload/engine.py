@@ -30,7 +30,7 @@ from offload.accelerator import Accelerator
 from offload.config import Config, ConfigError
 from offload.optim.cpu_adam import CPUAdam
 from offload.optim.loss_scale import LossScaler
-from offload import checkpoint
+from offload import checkpoint, checkpointing
 from offload.optim.schedules import build_schedule
 from offload.aio.base import Engine as AioEngine
 from offload.aio.select import engine_from_config
@@ -155,8 +155,11 @@ class Engine:
                                        grad_sink=lambda unit, shard, ready, keep: self.optimizer.accumulate(
                                            unit, shard, self._post_scale, ready, keep),
                                        grad_predivide=pre, telemetry=self.telemetry,
-                                       prefetch_elements=int(zero.stage3_prefetch_bucket_size), stage=self.stage)
+                                       prefetch_elements=int(zero.stage3_prefetch_bucket_size), stage=self.stage,
+                                       overlap_comm=zero.overlap_comm_effective)
             undo.callback(self.runtime.close)
+            self.activations = self._activation_store(model)
+            undo.callback(checkpointing.reset)
             self.step_mode, self._overlap = self._choose_step_mode()
             logger.info("ZeRO %s; optimizer step: %s", self.stage.describe(), self.step_mode)
             self.module = model
@@ -192,6 +195,26 @@ class Engine:
         if reasons:
             return "after backward (" + "; ".join(reasons) + ")", False
         return "overlapped with the last micro-batch's backward", True
+
+    def _activation_store(self, model: nn.Module) -> checkpointing.ActivationStore:
+        """Where checkpointed block inputs live (the activation_checkpointing section); wraps the model's blocks
+        when offload.checkpoint_blocks is on."""
+        ac = self.config.activation_checkpointing
+        settings = checkpointing.CheckpointSettings(
+            cpu_checkpointing=ac.cpu_checkpointing, partition_activations=ac.partition_activations,
+            synchronize_checkpoint_boundary=ac.synchronize_checkpoint_boundary, profile=ac.profile)
+        store = checkpointing.ActivationStore(self.accel, settings, host_budget=self.host_budget,
+                                              telemetry=self.telemetry)
+        checkpointing.configure(store=store)
+        if ac.partition_activations and store.group is None:
+            logger.warning("activation_checkpointing.partition_activations: no model-parallel group to partition "
+                           "over (data-parallel ranks hold different activations), so each rank keeps its inputs "
+                           "whole; offload.checkpointing.configure(mpu_) names one")
+        if self.config.offload.checkpoint_blocks:
+            count = checkpointing.wrap_blocks(model)
+            logger.info("activation checkpointing: %d blocks%s", count,
+                        ", saved inputs in host memory" if ac.cpu_checkpointing else "")
+        return store
 
     def _param_home(self, unit: Unit) -> torch.Tensor:
         """Host memory for a unit's compute-dtype shard: the optimizer's copy of the new shard when the unit
@@ -282,6 +305,9 @@ class Engine:
         device = self._device_parts()
         if not self.stage.resident_params:
             device.update(gathered_now=self.runtime.live * item, gathered_peak=self.runtime.peak_live * item)
+        if self.activations.saves:
+            device.update(activations_now=self.activations.device_bytes,
+                          activations_peak=self.activations.peak_device_bytes)
         budget = self.config.offload.budgets.device
         if budget is not None:
             device["budget"] = budget
@@ -340,6 +366,7 @@ class Engine:
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         except BaseException as e:
             self.runtime.abort_backward()
+            self.activations.discard()
             if not self.stage.reduce_every_micro_batch and self._pending_micro:
                 # Stages 0-1 keep the earlier micro-batches' gradients in .grad, which the failed pass mixed with
                 # its own: the whole accumulation is dropped, and the next backward starts a new one.
@@ -367,6 +394,7 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             return
         self._pending_micro = 0
+        self.activations.discard()  # inputs saved by a forward whose backward never ran
         with self.telemetry.span("grad_wait"):
             self.optimizer.drain()
         with self.telemetry.span("optimizer", "norm"):
@@ -588,6 +616,8 @@ class Engine:
         if self._closed:
             return
         self.runtime.close()
+        self.activations.close()
+        checkpointing.reset()
         self.optimizer.close()
         self._close_swap()
         for unit in self.units:

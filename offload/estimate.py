@@ -70,8 +70,55 @@ def model_state_formula(stage: int, params: int, world: int) -> int:
     return {0: 16 * n, 1: 4 * n + 12 * n // w, 2: 2 * n + 14 * n // w, 3: 16 * n // w}[stage]
 
 
-def estimate(unit_numels: list[int], config: Config, world: int) -> Estimate:
-    """Bytes per tier of one rank for a model whose units hold ``unit_numels`` elements (all trained)."""
+@dataclass(frozen=True)
+class ActivationShape:
+    """What activation memory depends on: a transformer's shape and one rank's micro-batch."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    micro: int
+    vocab: int
+
+    def per_layer(self, item: int) -> int:
+        """Bytes one block keeps for backward: s*b*h*(34 + 5*a*s/h) in 16-bit (Korthikanti et al., 2022, without
+        sequence or tensor parallelism), scaled to the compute dtype."""
+        s, b, h, a = self.seq, self.micro, self.hidden, self.heads
+        return int(s * b * h * (34 + 5 * a * s / h) * item / 2)
+
+    def block_input(self, item: int) -> int:
+        return self.seq * self.micro * self.hidden * item
+
+    def logits(self, item: int) -> int:
+        """The head's logits and the fp32 copy the loss takes of them."""
+        return self.seq * self.micro * self.vocab * (item + 4)
+
+
+def add_activations(est: Estimate, shape: ActivationShape, config: Config) -> None:
+    """Activation bytes: every block's (no checkpointing), or with offload.checkpoint_blocks each block's input
+    (on the host with cpu_checkpointing, two inputs in flight on the device) plus one block recomputing."""
+    item = compute_bytes(config)
+    device = est.tiers["device"]
+    if not config.offload.checkpoint_blocks:
+        device["activations"] = shape.layers * shape.per_layer(item) + shape.logits(item)
+        est.notes.append("activations: every block's, by Korthikanti et al.'s per-layer formula (no checkpointing)")
+        return
+    inputs = shape.layers * shape.block_input(item)
+    if config.activation_checkpointing.cpu_checkpointing:
+        est.tiers["host"]["activation checkpoints"] = inputs
+        device["activations"] = 2 * shape.block_input(item) + shape.per_layer(item) + shape.logits(item)
+        where = "block inputs in host memory"
+    else:
+        device["activations"] = inputs + shape.per_layer(item) + shape.logits(item)
+        where = "block inputs on the device"
+    est.notes.append(f"activations: checkpointed blocks ({where}) plus one block recomputing")
+
+
+def estimate(unit_numels: list[int], config: Config, world: int,
+             activations: ActivationShape | None = None) -> Estimate:
+    """Bytes per tier of one rank for a model whose units hold ``unit_numels`` elements (all trained);
+    activations too when their shape is given."""
     zero = config.zero_optimization
     stage = Stage(zero.stage)
     item = compute_bytes(config)
@@ -97,6 +144,8 @@ def estimate(unit_numels: list[int], config: Config, world: int) -> Estimate:
         _take(budget, host, "parameter NVMe buffers",
               param_buffer_bytes([n for _, n in nvme_params], item, zero.offload_param.buffer_count))
         nvme["parameter shards (two slots per unit)"] = plan_homes(nvme_params, item)[1]
+    if activations is not None:
+        add_activations(est, activations, config)
     groups = plan_sub_groups(sizes, int(zero.sub_group_size))
     if opt_dev == "none":
         device["optimizer state"] = sum(g.nbytes for g in groups)
@@ -124,7 +173,8 @@ def estimate(unit_numels: list[int], config: Config, world: int) -> Estimate:
                          "sub_group_size (e.g. 1e8) shrinks them")
     if budget.limit is not None and est.total("host") > budget.limit:
         est.notes.append(f"over offload.budgets.host ({budget.limit:,} bytes): initialize would refuse this plan")
-    est.notes.append("not counted: activations, the CUDA context and allocator slack")
+    est.notes.append(("not counted: " if activations is not None else "not counted: activations, ")
+                     + "the CUDA context and allocator slack")
     return est
 
 
@@ -256,13 +306,13 @@ def stage_config(raw: dict[str, Any], stage: int) -> dict[str, Any]:
     return {**raw, "zero_optimization": zero}
 
 
-def compare_stages(unit_numels: list[int], raw: dict[str, Any], world: int,
-                   hidden_size: int | None = None) -> dict[int, Estimate]:
+def compare_stages(unit_numels: list[int], raw: dict[str, Any], world: int, hidden_size: int | None = None,
+                   activations: ActivationShape | None = None) -> dict[int, Estimate]:
     """The same model and world size under each ZeRO stage."""
     out = {}
     for stage in range(4):
         config = Config.load(stage_config(raw, stage)).resolve(world_size=world, hidden_size=hidden_size)
-        out[stage] = estimate(unit_numels, config, world)
+        out[stage] = estimate(unit_numels, config, world, activations)
     return out
 
 
@@ -306,8 +356,8 @@ def _gib(n: int | None) -> str:
 DEFAULT_VOCAB = {"builtin": 256, "gpt2": 50304, "llama": 32000}
 
 
-def build_config(path: str | None, overrides: dict[str, Any], nvme_path: str, stage: int | None = None
-                 ) -> dict[str, Any]:
+def build_config(path: str | None, overrides: dict[str, Any], nvme_path: str, stage: int | None = None,
+                 checkpointing: str | None = None) -> dict[str, Any]:
     """The config to estimate: a file (or bf16 with the optimizer on the host), with the command line's devices."""
     raw = Config.load(path).to_dict() if path else {"bf16": {"enabled": True},
                                                     "zero_optimization": {"stage": 3,
@@ -315,6 +365,9 @@ def build_config(path: str | None, overrides: dict[str, Any], nvme_path: str, st
     zero = raw.setdefault("zero_optimization", {})
     if stage is not None:
         zero["stage"] = stage
+    if checkpointing is not None:
+        raw.setdefault("offload", {})["checkpoint_blocks"] = checkpointing != "none"
+        raw.setdefault("activation_checkpointing", {})["cpu_checkpointing"] = checkpointing == "cpu"
     for section, device in overrides.items():
         if device is not None:
             zero[section] = {**zero.get(section, {}), "device": device}
@@ -328,31 +381,36 @@ def run_cli(args: Any) -> int:
     from offload.train import MODELS, TrainArgs, TrainError, build_model
     try:
         raw = build_config(args.config, {"offload_optimizer": args.offload_optimizer,
-                                         "offload_param": args.offload_param}, args.nvme_path, args.stage)
+                                         "offload_param": args.offload_param}, args.nvme_path, args.stage,
+                           args.checkpointing)
         if args.params is not None:
             params = int(float(args.params))
             if params <= 0:
                 raise TrainError(f"--params {args.params}: give a positive number of parameters (e.g. 1.3e9)")
             config = Config.load(raw).resolve(world_size=args.world)
             units = synthetic_units(params, config)
-            hidden_size = None
+            hidden_size, shape = None, None
         else:
             name = args.model or "gpt2"
             if name not in MODELS:
                 raise TrainError(f"unknown model {name!r}; choose one of {', '.join(MODELS)} or give --params N")
-            family, _, hidden, _ = MODELS[name]
+            family, layers, hidden, heads = MODELS[name]
+            vocab = args.vocab or DEFAULT_VOCAB[family]
             with torch.device("meta"):  # sizes only: no memory, no initialisation
                 model = build_model(TrainArgs(model=name, seq=args.seq, layers=args.layers, hidden=args.hidden),
-                                    args.vocab or DEFAULT_VOCAB[family])
+                                    vocab)
             hidden_size = args.hidden or hidden
             config = Config.load(raw).resolve(world_size=args.world, hidden_size=hidden_size)
             units = model_units(model, config)
+            micro = args.micro or int(config.train_micro_batch_size_per_gpu or 1)
+            shape = ActivationShape(args.layers or layers, hidden_size, heads * hidden_size // hidden, args.seq,
+                                    micro, vocab)
     except (TrainError, ConfigError) as e:
         print(f"offload estimate: {e}", file=sys.stderr)
         return 2
-    est = estimate(units, config, args.world)
+    est = estimate(units, config, args.world, shape)
     print(format_estimate(est, config))
-    stages = compare_stages(units, raw, args.world, hidden_size)
+    stages = compare_stages(units, raw, args.world, hidden_size, shape)
     print(format_stages(stages, raw))
     machine = Machine.here(args.nvme_path)
     largest = largest_trainable({k: v for k, v in raw.items() if k != "zero_optimization"} |

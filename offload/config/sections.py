@@ -294,20 +294,22 @@ class AioConfig:
 
 # --------------------------------------------------------------------------- other DeepSpeed sections
 
-_LATER = "It arrives with activation checkpointing support."
+_POOLED = "Saved inputs held in host memory already go to buffers reused step after step."
 
 
 @dataclass(kw_only=True, slots=True)
 class ActivationCheckpointingConfig:
-    partition_activations: bool = setting(False, "Shard saved activations across ranks.", support=IGNORED, note=_LATER)
+    partition_activations: bool = setting(False, "Each rank of the model-parallel group (offload.checkpointing."
+                                                 "configure) keeps 1/W of every saved input; all-gathered before "
+                                                 "the recompute.")
     contiguous_memory_optimization: bool = setting(False, "Copy saved activations into one buffer.",
-                                                   support=IGNORED, note=_LATER)
-    cpu_checkpointing: bool = setting(False, "Keep saved activations in host memory.", support=IGNORED, note=_LATER)
+                                                   support=IGNORED, note=_POOLED)
+    cpu_checkpointing: bool = setting(False, "Keep saved block inputs in host memory (within offload.budgets.host), "
+                                             "copied back ahead of each recompute.")
     number_checkpoints: int | None = setting(None, "Checkpoints per contiguous buffer.", ge=1, support=IGNORED,
-                                             note=_LATER)
-    synchronize_checkpoint_boundary: bool = setting(False, "Synchronise at checkpoint boundaries.", support=IGNORED,
-                                                    note=_LATER)
-    profile: bool = setting(False, "Time checkpoint forward/recompute.", support=IGNORED, note=_LATER)
+                                             note=_POOLED)
+    synchronize_checkpoint_boundary: bool = setting(False, "Synchronise the device at each checkpoint boundary.")
+    profile: bool = setting(False, "Log the time of each step's checkpointed forwards and recomputes.")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -386,6 +388,10 @@ class OffloadExtConfig:
                                         "auto: on when the compute device is the CPU, off on a GPU (where the "
                                         "overlapped step measured slower).",
                                 choices=("auto", "on", "off"))
+    checkpoint_blocks: bool = setting(False, "Checkpoint every transformer block (its _no_split_modules, or the "
+                                             "repeated modules of its longest ModuleList): forward keeps only each "
+                                             "block's input, backward recomputes the block (activation_checkpointing "
+                                             "says where the inputs live).")
     atomic_modules: list[str] | None = setting(
         None, "Module class names never split across units: modules whose forward reads a child's parameters "
               "without calling the child (torch's MultiheadAttention and Transformer layers, and a Hugging Face "

@@ -63,9 +63,11 @@ class ZeroRuntime:
 
     def __init__(self, model: nn.Module, units: list[Unit], group: Group, accel: Accelerator, *,
                  limit: LiveLimit, persistence_threshold: int, grad_sink: GradSink, grad_predivide: float,
-                 telemetry: Telemetry, prefetch_elements: int = 0, stage: Stage = Stage(3)) -> None:
+                 telemetry: Telemetry, prefetch_elements: int = 0, stage: Stage = Stage(3),
+                 overlap_comm: bool = True) -> None:
         self.model = model
         self.stage = stage
+        self.overlap_comm = overlap_comm  # false: each reduction completes before backward goes on (DeepSpeed's)
         self.units = units
         self.group = group
         self.accel = accel
@@ -207,6 +209,9 @@ class ZeroRuntime:
             else:
                 shard = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
                 work = reduce_scatter(shard, flat, self.group, async_op=True)
+            if work is not None and not self.overlap_comm:
+                work.wait()
+                work = None
         # A ring all-reduce moves twice what a reduce-scatter does.
         self.telemetry.add_bytes(kind, _wire_bytes(unit.padded * unit.dtype.itemsize, self.group.world)
                                  * (2 if self.stage.all_reduce else 1))

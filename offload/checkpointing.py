@@ -1,0 +1,413 @@
+"""Activation checkpointing: forward keeps only each checkpointed block's inputs; backward recomputes the block.
+
+``checkpoint(function, *args)`` has the call shape of ``deepspeed.checkpointing.checkpoint``
+and of ``torch.utils.checkpoint.checkpoint``; ``wrap_blocks(model)`` (the config switch
+``offload.checkpoint_blocks``) checkpoints every transformer block of a model. Where the
+saved inputs live is the ActivationStore's business, set from the config's
+``activation_checkpointing`` section by ``offload.initialize``:
+
+- on the compute device (the default);
+- ``cpu_checkpointing``: in host memory, copied out on a copy stream as forward goes on,
+  from buffers that are reused step after step and taken from the engine's host budget
+  (running out is an error naming the budget, never an OOM). In backward, the input of
+  the block recomputed next is copied back while the current one recomputes, so the
+  copy hides under compute;
+- ``partition_activations`` with a model-parallel group of W > 1 ranks (``configure``,
+  as DeepSpeed's ``mpu_``): each rank keeps 1/W of every saved input and they are
+  all-gathered before the recompute. Data-parallel ranks hold different activations,
+  so there is nothing to partition over without such a group (it is then a logged no-op).
+
+[Note: recompute and ZeRO] The recompute runs inside backward: modules called through
+``__call__`` gather their units as in forward; the checkpointed block's own unit was
+gathered already by the pre-backward hook on the block's outputs. Random state (CPU and
+CUDA) and autocast are those of the original forward, so dropout masks match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload.accelerator import Accelerator, CopyStream, Event
+from offload.store.budget import BudgetExceeded, TierBudget
+from offload.telemetry import Telemetry
+from offload.zero.collectives import Group, all_gather
+
+logger = logging.getLogger("offload.checkpointing")
+
+HOST_PART = "activation checkpoints"
+
+
+class CheckpointingError(RuntimeError):
+    """Activation checkpointing cannot do what was asked; the message says what would work."""
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """The config's activation_checkpointing section, as the store uses it."""
+
+    cpu_checkpointing: bool = False
+    partition_activations: bool = False
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass
+class Saved:
+    """One saved input: on the device (``tensor``), in host memory (``host``), or this rank's partition of it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+    tensor: torch.Tensor | None = None  # held on the device
+    host: torch.Tensor | None = None  # host copy (flat; a partition when partitioned)
+    copied: Event | None = None  # the copy into ``host`` (or back onto the device) is done
+    source: torch.Tensor | None = None  # the device tensor a copy out still reads
+    partitioned: bool = False  # ``tensor``/``host`` hold this rank's 1/W of the flat, padded input
+    fetched: torch.Tensor | None = None  # brought back ahead of its recompute (device, flat)
+    nbytes: int = 0  # bytes this rank keeps for it (device or host)
+
+
+@dataclass
+class ActivationStore:
+    """Where the checkpointed inputs of the running forward live, and the bytes per tier (now and peak)."""
+
+    accel: Accelerator
+    settings: CheckpointSettings = field(default_factory=CheckpointSettings)
+    host_budget: TierBudget = field(default_factory=lambda: TierBudget("host", None))
+    telemetry: Telemetry = field(default_factory=Telemetry)
+    group: Group | None = None  # model-parallel group for partition_activations
+    device_bytes: int = 0
+    peak_device_bytes: int = 0
+    host_bytes: int = 0
+    peak_host_bytes: int = 0
+    saves: int = 0
+    prefetched: int = 0  # inputs copied back ahead of their recompute
+    _free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = field(default_factory=dict)
+    _live: list[Saved] = field(default_factory=list)  # in save (forward) order
+    _copy: CopyStream | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def partitions(self) -> int:
+        return self.group.world if self.settings.partition_activations and self.group is not None else 1
+
+    # ----------------------------------------------------------------- forward
+
+    def save(self, t: torch.Tensor) -> Saved:
+        saved = Saved(t.shape, t.dtype, t.device, t.requires_grad)
+        self.saves += 1
+        data = t.detach()
+        if self.partitions > 1:
+            data = self._partition(data)
+            saved.partitioned = True
+        if self.settings.cpu_checkpointing:
+            self._reap()  # at most one copy out in flight: the device keeps at most one input beyond the running one
+            host = self._host_tensor(data.numel(), data.dtype)
+            stream = self._stream()
+            stream.wait_event(self.accel.compute_event())
+            src = data.reshape(-1)
+            stream.run(lambda: host.copy_(src, non_blocking=True))
+            saved.host, saved.copied, saved.source = host, stream.record(), src
+            saved.nbytes = host.numel() * host.element_size()
+            self._count_device(data.numel() * data.element_size())  # until the copy out is done
+            self.host_bytes += saved.nbytes
+            self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        else:
+            saved.tensor, saved.nbytes = data, data.numel() * data.element_size()
+            self._count_device(saved.nbytes)
+        self._live.append(saved)
+        return saved
+
+    def _partition(self, data: torch.Tensor) -> torch.Tensor:
+        assert self.group is not None
+        world = self.group.world
+        flat = data.reshape(-1)
+        size = -(-flat.numel() // world)
+        part = torch.zeros(size, dtype=data.dtype, device=data.device)
+        lo = min(self.group.rank * size, flat.numel())
+        hi = min(lo + size, flat.numel())
+        part[:hi - lo].copy_(flat[lo:hi])
+        return part
+
+    def _host_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer from the free list, or a new one taken from the host budget."""
+        free = self._free.get((numel, dtype))
+        if free:
+            return free.pop()
+        nbytes = numel * dtype.itemsize
+        try:
+            self.host_budget.take(nbytes, HOST_PART)
+        except BudgetExceeded as e:
+            raise CheckpointingError(
+                f"cpu_checkpointing needs {nbytes:,} more bytes of host memory for a saved block input, over "
+                f"offload.budgets.host ({self.host_budget.limit:,} bytes, {self.host_budget.used:,} in use): raise "
+                "the budget by the saved inputs of one forward (offload estimate --checkpointing shows them), lower "
+                "the micro-batch, or turn cpu_checkpointing off") from e
+        return self.accel.host_buffer(numel, dtype)[0]
+
+    def _reap(self) -> None:
+        """Wait for the copies out still in flight and drop their device tensors (the memory goes back to the
+        allocator). A copy issued a whole block's compute ago is normally done: the wait is the bound on how far
+        copies may fall behind."""
+        for saved in self._live:
+            if saved.source is not None and saved.copied is not None:
+                saved.copied.synchronize()
+                self._count_device(-saved.source.numel() * saved.source.element_size())
+                saved.source = None
+
+    def _stream(self) -> CopyStream:
+        if self._copy is None:
+            self._copy = self.accel.copy_stream("activations")
+        return self._copy
+
+    def _count_device(self, nbytes: int) -> None:
+        with self._lock:
+            self.device_bytes += nbytes
+            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+
+    # ----------------------------------------------------------------- backward
+
+    def restore(self, saved: Saved) -> torch.Tensor:
+        """The saved input on the device (a new tensor, detached); starts bringing back the one before it."""
+        index = next((i for i in range(len(self._live) - 1, -1, -1) if self._live[i] is saved), None)
+        if index is None:
+            raise CheckpointingError("a checkpointed block's saved input is gone: backward ran twice through the "
+                                     "same checkpoint (retain_graph is not supported with activation checkpointing)")
+        self._reap()
+        flat = self._fetch(saved)
+        if index > 0:
+            self._prefetch(self._live[index - 1])  # backward recomputes the blocks in reverse order
+        if saved.partitioned:
+            assert self.group is not None
+            full = torch.empty(flat.numel() * self.group.world, dtype=saved.dtype, device=saved.device)
+            all_gather(full, flat, self.group)
+            flat = full[:saved.shape.numel()]
+        out = flat.reshape(saved.shape).detach()
+        self._release(index)
+        return out.requires_grad_(saved.requires_grad)
+
+    def _prefetch(self, saved: Saved) -> None:
+        """Start copying a host-held input back ahead of its recompute."""
+        if saved.host is not None and saved.fetched is None:
+            self._bring_back(saved)
+            self.prefetched += 1
+
+    def _bring_back(self, saved: Saved) -> None:
+        assert saved.host is not None
+        stream = self._stream()
+        device = torch.empty(saved.host.numel(), dtype=saved.dtype, device=saved.device)
+        stream.wait_event(self.accel.compute_event())  # the buffer may reuse memory compute just freed
+        host = saved.host
+        stream.run(lambda: device.copy_(host, non_blocking=True))
+        saved.fetched, saved.copied = device, stream.record()
+        self._count_device(device.numel() * device.element_size())
+
+    def _fetch(self, saved: Saved) -> torch.Tensor:
+        if saved.tensor is not None:
+            return saved.tensor.reshape(-1)
+        with self.telemetry.span("activation_wait"):
+            if saved.fetched is None:
+                self._bring_back(saved)  # on demand: nothing brought it back ahead
+            assert saved.fetched is not None and saved.copied is not None
+            self.accel.compute_wait(saved.copied)
+        return saved.fetched
+
+    def _release(self, index: int) -> None:
+        saved = self._live.pop(index)
+        if saved.tensor is not None:
+            self._count_device(-saved.nbytes)
+        if saved.fetched is not None:
+            self._count_device(-saved.fetched.numel() * saved.fetched.element_size())
+        if saved.source is not None:
+            self._count_device(-saved.source.numel() * saved.source.element_size())
+        if saved.host is not None:
+            self.host_bytes -= saved.nbytes
+            self._free.setdefault((saved.host.numel(), saved.host.dtype), []).append(saved.host)
+        saved.tensor = saved.host = saved.fetched = saved.source = None
+
+    def discard(self) -> None:
+        """Forget the inputs of a forward whose backward will not run (eval, a failed backward)."""
+        if self._copy is not None:
+            self._copy.synchronize()
+        while self._live:
+            self._release(len(self._live) - 1)
+
+    def reset_peaks(self) -> None:
+        self.peak_device_bytes, self.peak_host_bytes = self.device_bytes, self.host_bytes
+
+    def summary(self) -> dict[str, int]:
+        return {"device_now": self.device_bytes, "device_peak": self.peak_device_bytes,
+                "host_now": self.host_bytes, "host_peak": self.peak_host_bytes}
+
+    def close(self) -> None:
+        self.discard()
+        self._free.clear()
+
+
+# --------------------------------------------------------------------------- the autograd function
+
+_store: ActivationStore | None = None  # set by offload.initialize (configure), like DeepSpeed's module state
+_mp_group: Group | None = None
+
+
+def configure(mpu_: Any = None, *, store: ActivationStore | None = None, group: Any = None) -> None:
+    """Set what ``checkpoint`` uses: the engine's store, and (for partition_activations) the model-parallel group,
+    as an ``mpu_`` with get_model_parallel_group/rank/world_size (Megatron's) or a torch ProcessGroup."""
+    global _store, _mp_group
+    if store is not None:
+        _store = store
+    if mpu_ is not None or group is not None:
+        import torch.distributed as dist
+        pg = mpu_.get_model_parallel_group() if mpu_ is not None else group
+        _mp_group = Group(dist.get_rank(pg), dist.get_world_size(pg), pg)
+    if _store is not None and _mp_group is not None:
+        _store.group = _mp_group
+
+
+def current_store(device: torch.device) -> ActivationStore:
+    global _store
+    if _store is None or _store.accel.device != device:
+        _store = ActivationStore(Accelerator(device), group=_mp_group)
+    return _store
+
+
+def reset() -> None:
+    """Forget the configured store and group (an engine closing)."""
+    global _store, _mp_group
+    _store, _mp_group = None, None
+
+
+class _Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, run: Callable[..., Any], store: ActivationStore, preserve_rng: bool, *args: Any) -> Any:
+        ctx.run, ctx.store = run, store
+        ctx.layout = [isinstance(a, torch.Tensor) for a in args]
+        ctx.constants = [None if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.rng = _rng_state(args) if preserve_rng else None
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), store.accel.device)
+        ctx.autocast = (device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+        if store.settings.synchronize_checkpoint_boundary:
+            store.accel.synchronize()
+        with store.telemetry.span("checkpoint_forward"):
+            ctx.saved = [store.save(a) for a in args if isinstance(a, torch.Tensor)]
+            with torch.no_grad():
+                out = run(*args)
+        if not isinstance(out, (torch.Tensor, tuple)):
+            store.discard()
+            raise CheckpointingError(f"a checkpointed function must return a tensor or a tuple, got "
+                                     f"{type(out).__name__}; return the tensors (e.g. output.to_tuple())")
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        store: ActivationStore = ctx.store
+        if store.settings.synchronize_checkpoint_boundary:
+            store.accel.synchronize()
+        with store.telemetry.span("recompute"):
+            tensors = iter([store.restore(s) for s in ctx.saved])
+            args = [next(tensors) if is_tensor else const for is_tensor, const in zip(ctx.layout, ctx.constants)]
+            device_type, autocast, dtype = ctx.autocast
+            with contextlib.ExitStack() as stack:
+                if ctx.rng is not None:
+                    stack.enter_context(torch.random.fork_rng(devices=ctx.rng[2], device_type=ctx.rng[3]))
+                    _set_rng_state(ctx.rng)
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=autocast))
+                out = ctx.run(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        it = iter(inputs)
+        return (None, None, None) + tuple(next(it).grad if t else None for t in ctx.layout)
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True, use_reentrant: Any = None,
+               **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` without keeping its intermediate activations: they are recomputed in backward.
+
+    Tensors in ``args`` are saved (where the store says); ``kwargs`` are kept as they are (keep tensors that need a
+    gradient in ``args``). Outside grad mode it just calls ``function``."""
+    if kwargs:
+        tensors_needing_grad = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        if tensors_needing_grad:
+            raise CheckpointingError(f"keyword arguments {tensors_needing_grad} need gradients: pass them "
+                                     "positionally so the checkpoint saves them and returns their gradients")
+        function = functools.partial(function, **kwargs)
+    if not torch.is_grad_enabled():
+        return function(*args)
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if device is None:
+        raise CheckpointingError("checkpoint needs at least one tensor argument (the block's input)")
+    return _Checkpoint.apply(function, current_store(device), preserve_rng_state, *args)
+
+
+def _rng_state(args: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[int], str]:
+    cuda = [a.device.index for a in args if isinstance(a, torch.Tensor) and a.is_cuda]
+    devices = sorted({d for d in cuda if d is not None})
+    state = torch.cuda.get_rng_state(devices[0]) if devices else None
+    return torch.get_rng_state(), state, devices, "cuda"
+
+
+def _set_rng_state(rng: tuple[torch.Tensor, torch.Tensor | None, list[int], str]) -> None:
+    torch.set_rng_state(rng[0])
+    if rng[1] is not None:
+        torch.cuda.set_rng_state(rng[1], rng[2][0])
+
+
+# --------------------------------------------------------------------------- whole blocks
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: its ``_no_split_modules`` classes (Hugging Face), else the children of the
+    longest ModuleList whose children share one class and hold parameters."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        found = [m for m in model.modules() if type(m).__name__ in names]
+        if found:
+            return found
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best) and len({type(c) for c in module}) == 1 \
+                and any(True for _ in module.parameters()):
+            best = list(module)
+    return best
+
+
+def wrap_blocks(model: nn.Module) -> int:
+    """Checkpoint every transformer block of ``model`` (its forward goes through ``checkpoint``); returns how many."""
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise CheckpointingError(f"found no transformer blocks in {type(model).__name__} (no _no_split_modules and "
+                                 "no ModuleList of same-class modules): call offload.checkpointing.checkpoint(block, "
+                                 "x) in the model's forward instead")
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # a KV cache would be appended to again by the recompute
+        logger.info("activation checkpointing: set the model's config.use_cache to False")
+    for block in blocks:
+        if getattr(block, "_offload_checkpointed", False):
+            continue
+        block.forward = _checkpointed(block.forward)
+        block._offload_checkpointed = True
+    return len(blocks)
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, **kwargs)
+    return run
+
