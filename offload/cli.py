@@ -234,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-in-cpu", type=int, default=None,
                    help="with --offload-param nvme: parameter elements kept on the host (DeepSpeed's max_in_cpu, "
                         "default 1e9; 0 puts every shard on NVMe)")
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="override zero_optimization.stage (stage 0 keeps the optimizer on the device)")
+    p.add_argument("--checkpointing", choices=["none", "device", "cpu"], default=None,
+                   help="activation checkpointing of every block: saved inputs on the device, or in host memory")
     p.add_argument("--nvme-path", default=d.nvme_path, help=f"swap directory for nvme (default ./{d.nvme_path})")
     p.add_argument("--init-empty", action="store_true", help="build the model under offload.zero.Init")
     p.add_argument("--seed", type=int, default=d.seed)

@@ -58,6 +58,8 @@ class TrainArgs:
     offload_optimizer: str | None = None  # none, cpu or nvme: overrides the config
     offload_param: str | None = None  # none, cpu or nvme: overrides the config
     max_in_cpu: int | None = None  # offload_param.max_in_cpu: parameter elements kept on the host with nvme
+    stage: int | None = None  # ZeRO stage: overrides the config
+    checkpointing: str | None = None  # none, device or cpu: activation checkpointing of every block
     nvme_path: str = "offload-swap"  # under the working directory unless absolute
     init_empty: bool = False
     seed: int = 0
@@ -160,6 +162,15 @@ def build_config(args: TrainArgs) -> dict[str, Any]:
         zero["offload_param"] = {**zero.get("offload_param", {}), "device": args.offload_param}
     if args.max_in_cpu is not None:
         zero["offload_param"] = {**zero.get("offload_param", {}), "max_in_cpu": args.max_in_cpu}
+    if args.stage is not None:
+        zero["stage"] = args.stage
+        if args.stage == 0 and args.offload_optimizer is None:
+            zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": "none"}  # stage 0 cannot
+        if args.stage < 3 and args.offload_param is None:
+            zero["offload_param"] = {**zero.get("offload_param", {}), "device": "none"}  # stages 0-2 cannot
+    if args.checkpointing is not None:
+        raw.setdefault("offload", {})["checkpoint_blocks"] = args.checkpointing != "none"
+        raw.setdefault("activation_checkpointing", {})["cpu_checkpointing"] = args.checkpointing == "cpu"
     for section in ("offload_optimizer", "offload_param"):
         if zero.get(section, {}).get("device") == "nvme":
             path = zero[section].get("nvme_path") or args.nvme_path
@@ -238,7 +249,8 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
     cfg = engine.config
     micro, accum = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
     say(f"model {args.model}: {params:,} parameters in {len(engine.units)} units on {engine.accel.device}, "
-        f"world {engine.group.world}; optimizer on {cfg.zero_optimization.offload_optimizer.device}, parameters on "
+        f"world {engine.group.world}; ZeRO stage {cfg.zero_optimization.stage}, optimizer on "
+        f"{cfg.zero_optimization.offload_optimizer.device}, parameters on "
         f"{cfg.zero_optimization.offload_param.device}; step {engine.step_mode}")
     record = TrainRecord(args=asdict(args), params=params, world=engine.group.world, device=str(engine.accel.device),
                          step_mode=engine.step_mode, first_step=first_step)

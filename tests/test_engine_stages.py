@@ -13,8 +13,9 @@ import torch
 
 import offload
 from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
-from offload.config import ConfigError
+from offload.config import Config, ConfigError
 from offload.launch import run_ranks
+from conftest import REPO
 
 STEPS, MICRO, ACCUM = 20, 2, 2
 needs_transformers = pytest.mark.skipif(not importlib.util.find_spec("transformers"),
@@ -24,11 +25,10 @@ CASES = [  # (model, world, stage, optimizer device)
     ("gpt", 2, 0, "none"), ("gpt", 2, 1, "none"), ("gpt", 2, 1, "cpu"), ("gpt", 2, 1, "nvme"),
     ("gpt", 2, 2, "none"), ("gpt", 2, 2, "cpu"), ("gpt", 2, 2, "nvme"),
     ("gpt", 1, 0, "none"), ("gpt", 1, 1, "nvme"), ("gpt", 1, 2, "cpu"),
-    ("gpt", 4, 0, "none"), ("gpt", 4, 1, "cpu"), ("gpt", 4, 2, "nvme"),
+    ("gpt", 4, 0, "none"), ("gpt", 4, 1, "cpu"), ("gpt", 4, 2, "cpu"),
     pytest.param("llama", 2, 1, "cpu", marks=needs_transformers),
     pytest.param("llama", 2, 2, "nvme", marks=needs_transformers),
-    pytest.param("llama", 4, 0, "none", marks=needs_transformers),
-    ("features", 2, 0, "none"), ("features", 2, 2, "cpu"),
+    ("features", 2, 2, "cpu"),
 ]
 
 
@@ -66,29 +66,6 @@ def test_the_step_overlaps_backward_without_clipping(tmp_path, stage):
     check_parity(results, train_reference("gpt", 6, MICRO * ACCUM * 2, MICRO, clip=0.0, world=2))
 
 
-def _partition_bytes(rank, world, stage, optimizer):
-    config = base_config(MICRO, 1, world, stage=stage, offload_optimizer={"device": optimizer})
-    engine, optimizer_, *_ = offload.initialize(model=make_model("gpt"), config=config)
-    out = {"state": sum(g.nbytes for g in optimizer_.store.groups), "params": sum(u.full.numel() for u in engine.units),
-           "partition": sum(u.shard_numel for u in engine.units), "units": len(engine.units),
-           "memory": engine.memory_summary()}
-    engine.close()
-    return out
-
-
-@pytest.mark.parametrize("stage,optimizer", [(0, "none"), (1, "cpu"), (2, "cpu")])
-def test_what_each_rank_holds(stage, optimizer):
-    """Parameters whole on every rank; optimizer state whole (stage 0) or 1/W of it."""
-    one, two = (run_ranks(_partition_bytes, w, stage=stage, optimizer=optimizer) for w in (1, 2))
-    numel = one[0]["params"]
-    for rank in two:
-        assert rank["params"] - numel < rank["units"]  # every parameter (units padded to an even length)
-        assert rank["memory"]["device"]["parameters"] == 4 * rank["params"]  # fp32 compute in this config
-        assert rank["partition"] == (numel if stage == 0 else rank["params"] // 2)
-        # fp32 master, exp_avg, exp_avg_sq; each sub-group rounded up to 4 KiB
-        assert 0 <= rank["state"] - 12 * rank["partition"] < 4096 * rank["units"]
-
-
 def test_a_device_budget_that_cannot_hold_the_parameters_is_a_clear_error():
     config = base_config(MICRO, 1, 1, stage=2)
     config["offload"]["budgets"] = {"device": 10_000}
@@ -107,3 +84,19 @@ def test_a_closed_stage_2_engine_leaves_the_trained_values_in_the_model():
     engine.close()
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, state[key])
+
+
+def test_the_shipped_zero_offload_config_trains():
+    """configs/zero2_cpu_offload.json: stage 2, optimizer on the host, every block checkpointed."""
+    config = Config.load(REPO / "configs/zero2_cpu_offload.json").to_dict()
+    config["train_micro_batch_size_per_gpu"] = MICRO
+    del config["scheduler"]  # its warmup starts at lr 0
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    assert engine.stage.number == 2 and engine.optimizer.offload and engine.activations is not None
+    tokens = torch.randint(0, 96, (MICRO, 17), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(3):
+        losses.append(engine.backward(engine(tokens[:, :-1], tokens[:, 1:])).item())
+        engine.step()
+    assert engine.activations.saves == 3 * 3 and losses[-1] < losses[0]
+    engine.close()
