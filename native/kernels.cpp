@@ -224,6 +224,12 @@ using Vec = Scalar;  // the portable build: the "vector" pass is the scalar one,
 // differ only where torch's CPU sqrt is not correctly rounded (ours is). Scalars arrive
 // pre-rounded to float as torch rounds its Python-float arguments.
 //
+// [Note: one divide] torch divides sqrt(v) by sqrt(1 - beta2**t); we multiply by its
+// float reciprocal instead. Divides and square roots share one unit whose throughput
+// bounds the kernel when the state sits in cache (here: 10M parameters in a 480 MiB L3),
+// so this buys about a third. It can move that term by an ulp, so params match torch's
+// within 1e-6 relative rather than to the bit; the moments are still bit-identical.
+//
 // [Note: hoisting] Everything the loop reads from AdamArgs is copied to locals and the
 // pointers marked __restrict: stores through float* could otherwise alias the struct's
 // float fields, and the compiler then reloads pointers and re-tests the flags on every
@@ -239,7 +245,9 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
   const bool native_bf16 = a.native_bf16;
   const F scale = V::set1(a.grad_scale), decay = V::set1(a.decay), l2 = V::set1(a.l2);
   const F b1c = V::set1(a.one_minus_beta1), b2 = V::set1(a.beta2), b2c = V::set1(a.one_minus_beta2);
-  const F bc2 = V::set1(a.bc2_sqrt), eps = V::set1(a.eps), step = V::set1(a.step_size);
+  // One divide less per element (see [Note: one divide]).
+  const F inv_bc2 = V::set1(1.0f / a.bc2_sqrt), eps = V::set1(a.eps), step = V::set1(a.step_size);
+  const bool use_bc2 = a.bc2_sqrt != 1.0f;
   const bool use_scale = a.grad_scale != 1.0f, use_decay = a.decay != 1.0f, use_l2 = a.l2 != 0.0f;
   for (; i + V::W <= end; i += V::W) {
     F g = V::load_any(grad, G, i);
@@ -251,7 +259,8 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
     m = V::fmadd(b1c, V::sub(g, m), m);           // exp_avg.lerp_(grad, 1 - beta1)
     F v = V::load(exp_avg_sq + i);
     v = V::fmadd(V::mul(b2c, g), g, V::mul(v, b2));  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
-    const F denom = V::add(V::div(V::sqrt(v), bc2), eps);
+    const F root = V::sqrt(v);
+    const F denom = V::add(use_bc2 ? V::mul(root, inv_bc2) : root, eps);
     p = V::sub(p, V::div(V::mul(step, m), denom));  // param.addcdiv_(m, denom, -step_size)
     V::store(param + i, p);
     V::store(exp_avg + i, m);

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "dispatch.h"
+#include "pool.h"
 
 namespace nb = nanobind;
 using namespace offload;
@@ -152,6 +153,9 @@ NB_MODULE(_native, m) {
         nb::arg("one_minus_beta2"), nb::arg("bc2_sqrt"), nb::arg("eps"), nb::arg("step_size"), nb::arg("threads"),
         "One fused Adam/AdamW step over flat CPU buffers (scalars precomputed by offload.native.adam_step).");
   m.def("cpu_has_bf16", &cpu_has_bf16);
+  m.def("use_openmp", [](const std::string& path) { return use_openmp(path.c_str()); }, nb::arg("path"),
+        "Run multi-threaded kernels called from this thread on the OpenMP team of the runtime at path.");
+  m.def("threads_backend", [] { return std::string(threads_backend()); });
   m.def("crc32c_blocks", &py_crc32c_blocks, nb::arg("data").noconvert(), nb::arg("block"), nb::arg("out").noconvert(),
         nb::arg("threads"), "CRC-32C of each block of a dense CPU buffer into out (uint32).");
   m.def("touch3", &py_touch3, nb::arg("p").noconvert(), nb::arg("m").noconvert(), nb::arg("v").noconvert(),

@@ -1,6 +1,9 @@
 #include "pool.h"
 
+#include <dlfcn.h>
 #include <pthread.h>
+
+#include <atomic>
 
 #include <condition_variable>
 #include <mutex>
@@ -89,6 +92,37 @@ Pool& pool() {
   return *g_pool;
 }
 
+// The OpenMP entry points GCC emits calls to (libgomp's ABI; Intel's libiomp5 exports them too).
+using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+using OmpInt = int (*)();
+
+struct OpenMP {
+  GompParallel parallel = nullptr;
+  OmpInt thread_num = nullptr;
+  OmpInt num_threads = nullptr;
+  pthread_t owner{};
+};
+std::atomic<const OpenMP*> g_openmp{nullptr};
+
+struct TeamJob {
+  const std::function<void(size_t)>* fn;
+  size_t workers;
+  const OpenMP* omp;
+};
+
+// Each team thread runs the indices congruent to its number: correct whatever team size the
+// runtime grants (it may give fewer threads than asked for).
+void team_body(void* data) {
+  const TeamJob* job = static_cast<const TeamJob*>(data);
+  const size_t team = size_t(job->omp->num_threads());
+  for (size_t i = size_t(job->omp->thread_num()); i < job->workers; i += team) (*job->fn)(i);
+}
+
+const OpenMP* openmp_here() {
+  const OpenMP* omp = g_openmp.load(std::memory_order_acquire);
+  return omp != nullptr && pthread_equal(omp->owner, pthread_self()) ? omp : nullptr;
+}
+
 }  // namespace
 
 void run_on_workers(size_t workers, const std::function<void(size_t)>& fn) {
@@ -96,7 +130,39 @@ void run_on_workers(size_t workers, const std::function<void(size_t)>& fn) {
     fn(0);
     return;
   }
+  if (const OpenMP* omp = openmp_here()) {
+    TeamJob job{&fn, workers, omp};
+    omp->parallel(&team_body, &job, unsigned(workers), 0);
+    return;
+  }
   pool().run(workers, fn);
 }
+
+bool use_openmp(const char* path) {
+  if (path == nullptr || *path == 0) {
+    g_openmp.store(nullptr, std::memory_order_release);  // the old table is leaked: a caller may hold it
+    return false;
+  }
+  void* lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);  // only a runtime already in the process: torch's
+  if (lib == nullptr) return false;
+  auto* omp = new OpenMP();
+  omp->parallel = reinterpret_cast<GompParallel>(dlsym(lib, "GOMP_parallel"));
+  omp->thread_num = reinterpret_cast<OmpInt>(dlsym(lib, "omp_get_thread_num"));
+  omp->num_threads = reinterpret_cast<OmpInt>(dlsym(lib, "omp_get_num_threads"));
+  omp->owner = pthread_self();
+  if (omp->parallel == nullptr || omp->thread_num == nullptr || omp->num_threads == nullptr) {
+    delete omp;
+    return false;
+  }
+  // A forked child cannot use the parent's OpenMP team (libgomp hangs there): it falls back to a pool.
+  static std::once_flag once;
+  std::call_once(once, [] {
+    pthread_atfork(nullptr, nullptr, [] { g_openmp.store(nullptr, std::memory_order_relaxed); });
+  });
+  g_openmp.store(omp, std::memory_order_release);
+  return true;
+}
+
+const char* threads_backend() { return openmp_here() != nullptr ? "openmp" : "pool"; }
 
 }  // namespace offload

@@ -23,6 +23,7 @@ except ImportError as e:  # a source checkout imported without its build
                       f"the import said: {e}") from e
 
 ISA_ENV = "OFFLOAD_ISA"
+THREADS_ENV = "OFFLOAD_THREADS"  # openmp (default where torch's runtime is found) or pool
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -149,6 +150,33 @@ def crc32c_blocks(data: torch.Tensor, block: int, threads: int | None = None) ->
     return out[: -(-nbytes // block)]
 
 
+def openmp_runtime() -> str | None:
+    """The OpenMP runtime torch loaded into this process (libgomp or libiomp5), from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/lib" in line}
+    except OSError:
+        return None
+    found = sorted(p for p in paths if os.path.basename(p).startswith(("libgomp", "libiomp5")))
+    in_torch = [p for p in found if os.sep + "torch" + os.sep in p]
+    return (in_torch or found or [None])[0]
+
+
+def use_threads(backend: str) -> str:
+    """Where multi-threaded kernels called from this thread run: "openmp" (torch's own team, see [Note: torch's
+    OpenMP team] in native/pool.h) or "pool" (offload's); returns what is in use (openmp falls back to pool when
+    no runtime is found)."""
+    if backend not in ("openmp", "pool"):
+        raise NativeError(f"threads backend must be openmp or pool, got {backend!r}")
+    path = openmp_runtime() if backend == "openmp" else None
+    _native.use_openmp(path or "")
+    return threads_backend()
+
+
+def threads_backend() -> str:
+    return _native.threads_backend()
+
+
 def _apply_env() -> None:
     forced = os.environ.get(ISA_ENV, "").strip()
     if forced:
@@ -156,6 +184,7 @@ def _apply_env() -> None:
             select_variant(forced)
         except NativeError as e:
             raise NativeError(f"{ISA_ENV}={forced}: {e}") from None
+    use_threads(os.environ.get(THREADS_ENV, "").strip() or "openmp")
 
 
 _apply_env()

@@ -121,6 +121,36 @@ def test_identical_for_any_thread_count(variant):
             assert torch.equal(a, b)
 
 
+def test_identical_on_torchs_openmp_team_and_on_the_pool():
+    """The main thread runs kernels on torch's OpenMP team (see native/pool.h); other threads, and the main thread
+    with OFFLOAD_THREADS=pool, on offload's pool. Same split, same results."""
+    import threading
+
+    from offload import native
+    p0, grads = make(3 * 2**18 + 11, steps=3)
+    assert native.threads_backend() == ("openmp" if native.openmp_runtime() else "pool")
+    on_team = run_ours(p0, grads, HYPERS["adamw"], threads=7)  # more than torch's threads: the team may grow
+    elsewhere: dict[str, object] = {}
+
+    def other_thread() -> None:
+        elsewhere["backend"] = native.threads_backend()
+        elsewhere["result"] = run_ours(p0, grads, HYPERS["adamw"], threads=2)
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    assert elsewhere["backend"] == "pool"
+    try:
+        assert native.use_threads("pool") == "pool"
+        on_pool = run_ours(p0, grads, HYPERS["adamw"], threads=2)
+    finally:
+        native.use_threads("openmp")
+    for a, b, c in zip(on_team, elsewhere["result"], on_pool):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    with pytest.raises(native.NativeError, match="openmp or pool"):
+        native.use_threads("tbb")
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100_003])
 def test_fused_16bit_copy_equals_to_dtype_exactly(variant, out_dtype, n):

@@ -3,6 +3,12 @@
 The ceiling is the faster of two in-place probes run just before, with the same threads:
 an axpy (read 2, write 1) and Adam's own traffic without its arithmetic (read 4, write 3).
 
+Every timed call starts with a cold cache: a sweep over twice the last-level cache runs
+before it, outside the timing. In a training step the optimizer state arrives from DRAM
+(forward and backward have evicted it), and without the sweep the contenders would find
+each other's leftovers in a large L3 (480 MiB here holds a 10M-parameter Adam's state
+almost whole), favouring whichever runs after a contender that shares its tensors.
+
 Two comparisons at each size, medians of repeated runs on the same machine:
 1. Adam alone (fp32 grads): ours vs torch.optim.AdamW(fused=True) and (foreach=True), beside
    the in-place read-modify-write bandwidth measured now (the ceiling for an in-place update).
@@ -33,9 +39,34 @@ HYPER = AdamHyper(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MAX_NORM = 1.0
 
 
-def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> dict[str, float]:
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (Linux), or 256 MiB when it cannot be read."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return max(sizes, default=256 << 20)
+
+
+class CacheFlush:
+    """Sweeps (reads and writes) twice the last-level cache, so the next call finds its data in DRAM."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.zeros(2 * last_level_cache_bytes() // 4)
+
+    def __call__(self) -> None:
+        self.buffer.add_(1.0)
+
+
+def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 1,
+                before: Callable[[], None] | None = None) -> dict[str, float]:
     """Median seconds of each function, run in alternating rounds: memory bandwidth here drifts
-    20-30% within an hour, and rounds spread that drift over every contender alike."""
+    20-30% within an hour, and rounds spread that drift over every contender alike. ``before`` runs
+    ahead of every timed call, outside the timing."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -43,6 +74,8 @@ def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 
     names = list(fns)
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - t0)
@@ -76,13 +109,14 @@ def _machine(threads: int) -> dict:
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
-def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None]) -> list[Row]:
+def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
+               flush: Callable[[], None] | None = None) -> list[Row]:
     rows: list[Row] = []
     gen = torch.Generator().manual_seed(0)
     # The ceiling: the faster of two in-place probes measured now, on the same threads and tiles.
     a, b, c, d = (torch.randn(n, generator=gen) for _ in range(4))
     t = interleaved({"axpy": lambda: native.axpy_(a, b, 1e-6, threads=threads),
-                     "touch3": lambda: native.touch3_(a, c, d, b, threads=threads)}, repeats)
+                     "touch3": lambda: native.touch3_(a, c, d, b, threads=threads)}, repeats, before=flush)
     axpy, touch = t["axpy"], t["touch3"]
     probes = {"in-place axpy a += s*b (read 2, write 1)": (axpy, AXPY_BYTES),
               "Adam-shaped traffic p,m,v += g (read 4, write 3)": (touch, ADAM_BYTES)}
@@ -120,7 +154,7 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None]) -
     foreach = torch.optim.AdamW([tp], foreach=True, **kw)
     ours_name = f"offload adam_step ({native.active_variant()})"
     t = interleaved({"torch AdamW fused=True": fused.step, "torch AdamW foreach=True": foreach.step,
-                     ours_name: ours}, repeats)
+                     ours_name: ours}, repeats, before=flush)
     base = t["torch AdamW fused=True"]
     for impl, seconds in t.items():
         row("adam", impl, seconds, ADAM_BYTES, base if impl == ours_name else None)
@@ -147,7 +181,7 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None]) -
 
     torch_name = "torch float()+clip+fused AdamW+to(bf16)"
     ours_name = f"offload norm + fused step ({native.active_variant()})"
-    t = interleaved({torch_name: torch_side, ours_name: ours_fused}, repeats)
+    t = interleaved({torch_name: torch_side, ours_name: ours_fused}, repeats, before=flush)
     row("cpu-side", torch_name, t[torch_name], FUSED_BYTES, None)
     row("cpu-side", ours_name, t[ours_name], FUSED_BYTES, t[torch_name])
     return rows
@@ -163,10 +197,12 @@ def run(sizes: list[int], repeats: int = 5, threads: int | None = None, out: Pat
             print(msg, file=stream, flush=True)
 
     report = Report(machine=_machine(threads))
+    flush = CacheFlush()
+    report.machine["cache_flush_bytes"] = flush.buffer.numel() * 4
     say(f"offload bench adam: {threads} threads, kernel {native.active_variant()}, torch {torch.__version__}, "
-        f"median of {repeats}")
+        f"median of {repeats}, each call from a cold cache ({flush.buffer.numel() * 4 / 2**20:.0f} MiB swept before it)")
     for n in sizes:
-        report.rows.extend(bench_size(n, repeats, threads, say))
+        report.rows.extend(bench_size(n, repeats, threads, say, flush))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"machine": report.machine, "rows": [asdict(r) for r in report.rows]}, indent=2))
