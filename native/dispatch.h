@@ -29,6 +29,9 @@ void adam(AdamArgs args, size_t n, int threads);
 // a += s * b with the same tiles and threads as adam (the bandwidth ceiling's probe).
 void axpy(float* a, const float* b, float s, size_t n, int threads);
 
+// acc = s * grad (overwrite) or acc += s * grad, grad fp32 or 16-bit: gradient accumulation.
+void accumulate(float* acc, const void* grad, DType dtype, float s, bool overwrite, size_t n, int threads);
+
 // Adam's memory traffic without its arithmetic (the ceiling probe for the Adam benchmark).
 void touch3(float* p, float* m, float* v, const float* g, size_t n, int threads);
 

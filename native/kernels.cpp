@@ -302,6 +302,22 @@ void axpy(float* a, const float* b, float s, size_t begin, size_t end) {
 }
 
 template <class V>
+size_t accumulate_span(float* a, const void* b, DType dtype, float s, bool overwrite, size_t i, size_t end) {
+  const typename V::F k = V::set1(s);
+  if (overwrite) {
+    for (; i + V::W <= end; i += V::W) V::store(a + i, V::mul(k, V::load_any(b, dtype, i)));
+  } else {
+    for (; i + V::W <= end; i += V::W) V::store(a + i, V::fmadd(k, V::load_any(b, dtype, i), V::load(a + i)));
+  }
+  return i;
+}
+
+void accumulate(float* a, const void* b, DType dtype, float s, bool overwrite, size_t begin, size_t end) {
+  accumulate_span<Scalar>(a, b, dtype, s, overwrite, accumulate_span<Vec>(a, b, dtype, s, overwrite, begin, end),
+                          end);
+}
+
+template <class V>
 size_t touch3_span(float* p, float* m, float* v, const float* g, size_t i, size_t end) {
   for (; i + V::W <= end; i += V::W) {
     const typename V::F x = V::load(g + i);
@@ -353,6 +369,7 @@ extern const KernelTable OFFLOAD_CAT(kernels_, OFFLOAD_ISA_NAME) = {
     &axpy,
     &touch3,
     &crc32c,
+    &accumulate,
 };
 
 }  // namespace offload

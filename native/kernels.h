@@ -58,6 +58,9 @@ struct KernelTable {
   void (*touch3)(float* p, float* m, float* v, const float* g, size_t begin, size_t end);
   // CRC-32C (Castagnoli) of n bytes, continuing from crc (0 to start); the swap checksums.
   uint32_t (*crc32c)(const void* data, size_t n, uint32_t crc);
+  // a[i] = s * b[i] (overwrite) or a[i] += s * b[i] over [begin, end), b read as dtype: a gradient
+  // shard (fp32 or 16-bit) added into its fp32 accumulator.
+  void (*accumulate)(float* a, const void* b, DType dtype, float s, bool overwrite, size_t begin, size_t end);
 };
 
 extern const KernelTable kernels_portable;

@@ -113,6 +113,15 @@ void py_axpy(const RwArray& a, const RwArray& b, float s, int threads) {
   axpy(pa, pb, s, a.size(), threads);
 }
 
+void py_accumulate(const RwArray& acc, const AnyArray& grad, float s, bool overwrite, int threads) {
+  float* pa = fp32_buffer(acc, "acc", acc.size());
+  require_dense_cpu(grad, "grad");
+  require_size(grad, "grad", acc.size());
+  const DType dt = dtype_of(grad, "grad");
+  nb::gil_scoped_release unlocked;
+  accumulate(pa, grad.data(), dt, s, overwrite, acc.size(), threads);
+}
+
 void py_touch3(const RwArray& p, const RwArray& m, const RwArray& v, const RwArray& g, int threads) {
   const size_t n = p.size();
   float* pp = fp32_buffer(p, "p", n);
@@ -153,6 +162,8 @@ NB_MODULE(_native, m) {
         nb::arg("one_minus_beta2"), nb::arg("bc2_sqrt"), nb::arg("eps"), nb::arg("step_size"), nb::arg("threads"),
         "One fused Adam/AdamW step over flat CPU buffers (scalars precomputed by offload.native.adam_step).");
   m.def("cpu_has_bf16", &cpu_has_bf16);
+  m.def("accumulate", &py_accumulate, nb::arg("acc").noconvert(), nb::arg("grad").noconvert(), nb::arg("s"),
+        nb::arg("overwrite"), nb::arg("threads"), "acc = s * grad (overwrite) or acc += s * grad.");
   m.def("use_openmp", [](const std::string& path) { return use_openmp(path.c_str()); }, nb::arg("path"),
         "Run multi-threaded kernels called from this thread on the OpenMP team of the runtime at path.");
   m.def("threads_backend", [] { return std::string(threads_backend()); });

@@ -129,6 +129,20 @@ def axpy_(a: torch.Tensor, b: torch.Tensor, s: float, threads: int | None = None
     return a
 
 
+def accumulate_(acc: torch.Tensor, grad: torch.Tensor, scale: float, overwrite: bool,
+                threads: int | None = None) -> torch.Tensor:
+    """acc = scale * grad (``overwrite``) or acc += scale * grad, in place: a float32 accumulator and a gradient
+    in float32, bfloat16 or float16 (converted in the kernel). On offload's threads, never torch's: see
+    accumulate in offload/optim/sharded.py."""
+    acc_, grad_ = _check_buffer(acc, "acc"), _check_buffer(grad, "grad")
+    if acc_.dtype != torch.float32:
+        raise NativeError(f"acc must be float32, got {acc_.dtype}")
+    if acc_.numel() != grad_.numel():
+        raise NativeError(f"acc has {acc_.numel()} elements but grad has {grad_.numel()}")
+    _native.accumulate(acc_, grad_, float(scale), bool(overwrite), default_threads() if threads is None else int(threads))
+    return acc
+
+
 def touch3_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, threads: int | None = None) -> None:
     """p += g, m += g, v += g in one pass: an Adam step's memory traffic with none of its arithmetic."""
     bufs = {name: _check_buffer(t, name) for name, t in (("p", p), ("m", m), ("v", v), ("g", g))}

@@ -120,3 +120,17 @@ def test_bandwidth_probes_compute_what_they_say(variant):
         assert torch.equal(got, want)
     with pytest.raises(native.NativeError, match="one length"):
         native.touch3_(p, m, v, torch.randn(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_accumulate_adds_or_overwrites_any_gradient_dtype(variant, dtype):
+    acc, grad = torch.randn(100_003), torch.randn(100_003).to(dtype)
+    want = acc + 0.25 * grad.float()
+    native.accumulate_(acc, grad, 0.25, overwrite=False, threads=2)
+    torch.testing.assert_close(acc, want, rtol=1e-6, atol=1e-6)
+    native.accumulate_(acc, grad, 0.5, overwrite=True, threads=3)
+    assert torch.equal(acc, grad.float() * 0.5)  # one rounding, as torch's copy_ then mul_
+    with pytest.raises(native.NativeError, match="acc must be float32"):
+        native.accumulate_(acc.bfloat16(), grad, 1.0, overwrite=True)
+    with pytest.raises(native.NativeError, match="elements"):
+        native.accumulate_(acc[:5], grad, 1.0, overwrite=True)

@@ -210,7 +210,7 @@ class ShardedAdam(torch.optim.Optimizer):
             return
         if not self.offload:
             self.accel.compute_wait(ready)
-            _accumulate(state, shard_grad, scale)
+            _accumulate(state, shard_grad, scale, self.threads)
             return
         assert self._d2h is not None and self._host is not None
         slot = self._next_staging
@@ -226,7 +226,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
         def add() -> None:
             with tel.span("accumulate", unit.name):
-                _accumulate(state, stage, scale)
+                _accumulate(state, stage, scale, self.threads)
             del grad_ref[:]  # the device gradient may be freed now that its copy has been waited for
             self._step_during_backward(unit, overlap)
 
@@ -416,14 +416,19 @@ def _gaps(segments: list[Segment], n: int) -> list[tuple[int, int]]:
     return gaps
 
 
-def _accumulate(state: ShardState, grad: torch.Tensor, scale: float) -> None:
-    if state.fresh:
+def _accumulate(state: ShardState, grad: torch.Tensor, scale: float, threads: int | None) -> None:
+    """Add ``scale`` x grad into the fp32 accumulator (the first gradient of a step overwrites it). Host buffers
+    go through the native kernel on offload's threads: a torch op here, on the host queue's thread, would start an
+    OpenMP team of its own whose threads spin after each op, beside backward's."""
+    if state.grad.device.type == "cpu" and grad.device.type == "cpu" and grad.is_contiguous():
+        native.accumulate_(state.grad, grad, scale, overwrite=state.fresh, threads=threads)
+    elif state.fresh:
         state.grad.copy_(grad)
         if scale != 1.0:
             state.grad.mul_(scale)
-        state.fresh = False
     else:
         state.grad.add_(grad, alpha=scale)
+    state.fresh = False
 
 
 def _torch_adam(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, h: AdamHyper,
