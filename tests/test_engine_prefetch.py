@@ -1,5 +1,6 @@
 """The prefetcher follows the recorded order of gathers, and a step whose order changes still trains right."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -23,13 +24,16 @@ class Swapping(nn.Module):
         return self.head(torch.tanh(second(torch.tanh(first(x))))).pow(2).mean()
 
 
-def _train(rank, world, steps, flip_every):
+def _train(rank, world, steps, flip_every, nvme_path=None):
     torch.manual_seed(0)
     model = Swapping()
     ref = Swapping()
     ref.load_state_dict(model.state_dict())
     config = base_config(2, 1, world, stage3_prefetch_bucket_size=10_000)
     config["offload"]["unit_bytes"] = 8192
+    if nvme_path is not None:  # every shard on NVMe, fewer read buffers than units: read-ahead follows the trace
+        config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0,
+                                                        "buffer_count": 2}
     engine, *_ = offload.initialize(model=model, config=config)
     opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
@@ -42,17 +46,22 @@ def _train(rank, world, steps, flip_every):
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
+    reads = engine.param_swap.stats.reads_ahead if engine.param_swap is not None else None
     out = (engine.full_state_dict(), ref.state_dict(), engine.runtime.prefetch.mismatches,
-           engine.runtime.prefetched_gathers, len(engine.units))
+           engine.runtime.prefetched_gathers, len(engine.units), reads)
     engine.close()
     return out
 
 
-def test_a_changing_order_is_detected_and_training_stays_exact():
-    for state, ref, mismatches, prefetched, units in run_ranks(_train, 2, steps=8, flip_every=2):
+@pytest.mark.parametrize("params", ["device", "nvme"])
+def test_a_changing_order_is_detected_and_training_stays_exact(tmp_path, params):
+    nvme = str(tmp_path) if params == "nvme" else None
+    for state, ref, mismatches, prefetched, units, reads in run_ranks(_train, 2, steps=8, flip_every=2,
+                                                                       nvme_path=nvme):
         assert units == 3
         assert mismatches >= 3  # every change of order leaves the trace once
         assert prefetched > 0  # and between changes it fetches ahead
+        assert (reads is None) == (params == "device") and (reads is None or reads > 0)  # NVMe reads ran ahead
         for key, value in ref.items():
             torch.testing.assert_close(state[key], value)
 
