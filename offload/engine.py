@@ -359,6 +359,8 @@ class Engine:
         last_micro = self._pending_micro + 1 == self.gradient_accumulation_steps
         overlapped = self._overlap and last_micro
         self.runtime.reduce_grads = last_micro or self.stage.reduce_every_micro_batch
+        if last_micro:
+            self.optimizer.read_state_ahead()
         if overlapped:
             self.optimizer.begin_overlap(self.units)
         try:

@@ -335,6 +335,11 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- the step overlapped with backward
 
+    def read_state_ahead(self) -> None:
+        """The last micro-batch's backward begins: start the step's first NVMe reads (see the store's
+        [Note: reads ahead of the step])."""
+        self.store.read_ahead()
+
     def overlap_ready_units(self) -> set[int]:
         """Units whose step can run inside backward: their state is in host memory (not on NVMe)."""
         if not self.offload:

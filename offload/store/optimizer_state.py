@@ -15,6 +15,14 @@ write-back starts as soon as Adam is done with it; a buffer is read into again o
 after its write has completed. Host sub-groups are processed after every NVMe write
 has completed.
 
+[Note: reads ahead of the step] The step's first reads do not depend on the gradients,
+so ``read_ahead`` issues them (one per buffer, in the pass's order) when the last
+micro-batch's backward begins, and the pass takes them over: with up to buffer_count
+NVMe sub-groups (DeepSpeed's defaults, sub_group_size 1e9 and 4 buffers, cover 4B
+parameters per rank) every read of the step hides under backward. Anything else that
+uses the buffers (a master read, a checkpoint, building) first waits for them and drops
+them; nothing writes a current slot while they are in flight.
+
 [Note: a failed step loses nothing] Each NVMe sub-group has two slots in the swap
 file; a step reads the slot holding the last completed step and writes the other, and
 flips which slot is current only when every write of the step has completed. Host
@@ -159,6 +167,8 @@ class OptimizerStateStore:
         self._pool: BufferPool | None = None
         self._buffers: list[AlignedBuffer] = []
         self._fill: AlignedBuffer | None = None
+        self._ahead: list[tuple[SubGroup, AlignedBuffer, object]] = []  # reads issued ahead of the step pass
+        self.reads_ahead = 0
         place_sub_groups(self.groups, device, host, buffer_count)
         for g in self.groups:
             self.placement.tiers[g.tier] = self.placement.tiers.get(g.tier, 0) + g.numel
@@ -201,6 +211,7 @@ class OptimizerStateStore:
         if g.tier != "nvme":
             g.views(m)[0].copy_(master)
             return
+        self.drop_read_ahead()
         if m.offset == 0:
             self._fill = self._buffers[0]
             g.resident = self._fill.view(torch.float32, KINDS * g.numel).view(KINDS, g.numel)
@@ -217,6 +228,7 @@ class OptimizerStateStore:
         if g.tier != "nvme":
             return g.views(m)[0].detach().clone()
         assert self._file is not None
+        self.drop_read_ahead()
         buf = self._buffers[0]
         self._file.read(buf.tensor, g.slots[g.current], g.nbytes).wait()
         return buf.view(torch.float32, KINDS * g.numel)[m.offset:m.offset + m.numel].clone()
@@ -225,6 +237,7 @@ class OptimizerStateStore:
         """Every sub-group resident in turn, an NVMe one through one buffer: read from its current slot first
         (``read``) and written back to that slot after the caller is done with it (``write``: the caller
         replaced the whole sub-group). Never more than one sub-group in memory; for checkpoints."""
+        self.drop_read_ahead()
         for g in self.groups:
             if g.tier != "nvme":
                 yield g
@@ -254,12 +267,33 @@ class OptimizerStateStore:
             if g.tier != "nvme":
                 yield g
 
+    def read_ahead(self) -> int:
+        """Start the step pass's first NVMe reads now (see [Note: reads ahead of the step]); returns how many."""
+        if self._file is None or self._ahead:
+            return 0
+        nvme = [g for g in self.groups if g.tier == "nvme"]
+        for g, buf in zip(nvme, self._buffers):
+            self._ahead.append((g, buf, self._file.read(buf.tensor, g.slots[g.current], g.nbytes)))
+            self.telemetry.add_bytes("nvme_read", g.nbytes)
+        self.reads_ahead += len(self._ahead)
+        return len(self._ahead)
+
+    def drop_read_ahead(self) -> None:
+        """Wait for reads issued ahead and forget them (their buffers are about to be used otherwise)."""
+        ahead, self._ahead = self._ahead, []
+        for _, _, read in ahead:
+            _quiet_wait(read)
+
     def _nvme_pass(self, groups: list[SubGroup]) -> Iterator[SubGroup]:
         assert self._file is not None
         file, tel = self._file, self.telemetry
-        free: deque[tuple[AlignedBuffer, RequestGroup | None]] = deque((b, None) for b in self._buffers)
-        inflight: deque[tuple[SubGroup, AlignedBuffer, object]] = deque()
-        upcoming = deque(groups)
+        ahead, self._ahead = self._ahead, []
+        taken = {id(buf) for _, buf, _ in ahead}
+        free: deque[tuple[AlignedBuffer, RequestGroup | None]] = deque(
+            (b, None) for b in self._buffers if id(b) not in taken)
+        inflight: deque[tuple[SubGroup, AlignedBuffer, object]] = deque(ahead)  # in the pass's order
+        upcoming = deque(groups[len(ahead):])
+        assert [g for g, _, _ in ahead] == groups[:len(ahead)], "reads ahead must be the pass's first sub-groups"
         try:
             while upcoming or inflight:
                 while upcoming and free:
@@ -294,6 +328,7 @@ class OptimizerStateStore:
     # ----------------------------------------------------------------- lifetime
 
     def close(self) -> None:
+        self.drop_read_ahead()
         if self._file is not None:
             self._file.close()
             self._file = None
