@@ -338,8 +338,13 @@ def checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: boo
                **kwargs: Any) -> Any:
     """``function(*args, **kwargs)`` without keeping its intermediate activations: they are recomputed in backward.
 
-    Tensors in ``args`` are saved (where the store says); ``kwargs`` are kept as they are (keep tensors that need a
-    gradient in ``args``). Outside grad mode it just calls ``function``."""
+    Tensors in ``args`` are saved (where the configured store says); ``kwargs`` are kept as they are (keep tensors
+    that need a gradient in ``args``). Outside grad mode it just calls ``function``."""
+    return _checkpoint(None, function, args, kwargs, preserve_rng_state)
+
+
+def _checkpoint(store: ActivationStore | None, function: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any], preserve_rng_state: bool = True) -> Any:
     if kwargs:
         tensors_needing_grad = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
         if tensors_needing_grad:
@@ -351,7 +356,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: boo
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
     if device is None:
         raise CheckpointingError("checkpoint needs at least one tensor argument (the block's input)")
-    return _Checkpoint.apply(function, current_store(device), preserve_rng_state, *args)
+    return _Checkpoint.apply(function, store or current_store(device), preserve_rng_state, *args)
 
 
 def _rng_state(args: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[int], str]:
@@ -386,8 +391,9 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def wrap_blocks(model: nn.Module) -> int:
-    """Checkpoint every transformer block of ``model`` (its forward goes through ``checkpoint``); returns how many."""
+def wrap_blocks(model: nn.Module, store: ActivationStore | None = None) -> int:
+    """Checkpoint every transformer block of ``model`` (its forward goes through ``checkpoint``, saving into
+    ``store``: the engine's, so two engines in one process keep their own); returns how many."""
     blocks = transformer_blocks(model)
     if not blocks:
         raise CheckpointingError(f"found no transformer blocks in {type(model).__name__} (no _no_split_modules and "
@@ -400,14 +406,14 @@ def wrap_blocks(model: nn.Module) -> int:
     for block in blocks:
         if getattr(block, "_offload_checkpointed", False):
             continue
-        block.forward = _checkpointed(block.forward)
+        block.forward = _checkpointed(block.forward, store)
         block._offload_checkpointed = True
     return len(blocks)
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+def _checkpointed(forward: Callable[..., Any], store: ActivationStore | None) -> Callable[..., Any]:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, **kwargs)
+        return _checkpoint(store, forward, args, kwargs)
     return run
 

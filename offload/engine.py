@@ -211,7 +211,7 @@ class Engine:
                            "over (data-parallel ranks hold different activations), so each rank keeps its inputs "
                            "whole; offload.checkpointing.configure(mpu_) names one")
         if self.config.offload.checkpoint_blocks:
-            count = checkpointing.wrap_blocks(model)
+            count = checkpointing.wrap_blocks(model, store)
             logger.info("activation checkpointing: %d blocks%s", count,
                         ", saved inputs in host memory" if ac.cpu_checkpointing else "")
         return store
