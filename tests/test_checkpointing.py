@@ -139,3 +139,18 @@ def test_misuse_is_a_clear_error():
     checkpointing.reset()
     with pytest.raises(CheckpointingError, match="found no transformer blocks"):
         checkpointing.wrap_blocks(torch.nn.Linear(2, 2))
+
+
+def test_two_engines_keep_their_saved_inputs_apart():
+    first, *_ = offload.initialize(model=_gpt(2), config=ac_config(1, 3, False))
+    second, *_ = offload.initialize(model=_gpt(3), config=ac_config(1, 3, True))
+    tokens = batches(1, MICRO)[0]
+    losses = [loss_of(engine, "gpt", tokens) for engine in (first, second)]  # both forwards before any backward
+    assert (first.activations.saves, second.activations.saves) == (2, 3)
+    assert first.activations.host_bytes == 0 < second.activations.host_bytes
+    for engine, loss in zip((first, second), losses):
+        engine.backward(loss)
+        engine.step()
+    assert first.activations.device_bytes == second.activations.host_bytes == 0
+    first.close()
+    second.close()
