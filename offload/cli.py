@@ -118,7 +118,7 @@ def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
                           seq=args.seq, micro=args.micro, world=args.world, steps=args.steps,
                           repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload, nvme_path=args.path,
                           sub_group_size=args.sub_group_size, trace_dir=str(out.parent), device=args.device,
-                          stages=_stages(args.stage))
+                          stages=_stages(args.stage), checkpointing=args.checkpointing)
 
 
 def _cmd_tune_nvme(args: argparse.Namespace) -> int:
@@ -314,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "serial NVMe variants are compared); none: on the device (with --stage)")
     p.add_argument("--stage", default="3", help="step: ZeRO stage(s), e.g. 0,1,2,3 to compare them side by side "
                                                 "(default 3: the offload variants)")
+    p.add_argument("--checkpointing", choices=["none", "device", "cpu"], default="none",
+                   help="step: checkpoint every block in the offload variants (the cost of the recompute against "
+                        "torch without it)")
     p.add_argument("--sub-group-size", type=int, default=1_000_000, help="step: optimizer sub-group elements")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="step: where both sides compute (cuda: torch on the GPU beside offload with W=1)")

@@ -139,14 +139,17 @@ def test_bench_step_splits_the_step_and_compares_with_torch(tmp_path, capsys):
 def test_bench_step_compares_zero_stages_in_one_table_and_plot(tmp_path, capsys):
     out = tmp_path / "step.json"
     assert main(["bench", "step", "--stage", "0,2,3", "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2",
-                 "--steps", "1", "--rounds", "1", "--out", str(out)]) == 0
+                 "--steps", "1", "--rounds", "1", "--checkpointing", "cpu", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["variants"]) == {"stage0", "stage2", "stage3"}
     memory = report["memory"]  # stage 0 holds everything on the device; stages 2-3 put the optimizer on the host
     assert memory["stage0"]["device"] > memory["stage2"]["device"] > memory["stage3"]["device"] - 4 * report["params"]
-    assert memory["stage0"]["host"] == 0 < memory["stage2"]["host"]
+    assert memory["stage2"]["host"] > memory["stage0"]["host"]
     assert (tmp_path / "stages.png").stat().st_size > 0
-    assert "stage2" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "stage2" in text and "every block checkpointed (inputs on the host" in text
+    saved_inputs = 2 * 2 * 16 * 64 * 4  # two blocks' inputs: micro 2 x seq 16 x hidden 64, fp32
+    assert memory["stage0"]["host"] == saved_inputs
     assert main(["bench", "step", "--stage", "1,x"]) != 0
 
 

@@ -66,6 +66,7 @@ class StepBench:
     device: str = "cpu"  # cpu, or cuda: both sides compute on the GPU (then world must be 1)
     headline_only: bool = False  # only the headline variant (and, for nvme, the host one beside it): a smoke run
     stages: tuple[int, ...] = (3,)  # ZeRO stages; more than stage 3 alone: one variant per stage (see the docstring)
+    checkpointing: str = "none"  # activation checkpointing of every block in every variant: none, device or cpu
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -74,6 +75,8 @@ class StepBench:
             raise ValueError("device cuda: this machine has no usable GPU (torch.cuda.is_available() is False)")
         if self.device == "cuda" and self.world != 1:
             raise ValueError(f"device cuda runs one rank on the one GPU; got world {self.world}: pass --world 1")
+        if self.checkpointing not in ("none", "device", "cpu"):
+            raise ValueError(f"checkpointing must be none, device or cpu, got {self.checkpointing!r}")
         if not self.stages or any(s not in (0, 1, 2, 3) for s in self.stages):
             raise ValueError(f"stages must be ZeRO stages 0-3, got {self.stages}")
         if self.offload == "none" and self.stages == (3,):
@@ -161,7 +164,9 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
                                     "offload_param": param,
                                     "sub_group_size": b.sub_group_size,
                                     "stage3_prefetch_bucket_size": variant.get("prefetch", 50_000_000)},
-              "offload": {"unit_bytes": 4 << 20, "overlap_step": variant.get("overlap", "auto")}}
+              "offload": {"unit_bytes": 4 << 20, "overlap_step": variant.get("overlap", "auto"),
+                          "checkpoint_blocks": b.checkpointing != "none"},
+              "activation_checkpointing": {"cpu_checkpointing": b.checkpointing == "cpu"}}
     engine, *_ = offload.initialize(model=model, config=config)
     times = []
     for i, tokens in enumerate(_batches(b, b.warmup + b.steps, b.micro * world)):
@@ -181,7 +186,8 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
     if b.trace_dir and rank == 0:
         engine.telemetry.export_chrome_trace(Path(b.trace_dir) / f"step-trace-{variant['name']}.json", rank)
     overlap = engine.telemetry.overlap_share()
-    memory = {tier: sum(v for k, v in parts.items() if k not in ("total", "peak", "budget", "gathered_now"))
+    memory = {tier: sum(v for k, v in parts.items()
+                        if k not in ("total", "peak", "budget", "gathered_now", "activations_now"))
               for tier, parts in engine.memory_summary().items()}
     engine.close()
     return {"times": times, "seconds": snap.seconds, "bytes": snap.bytes, "overlap": overlap, "peak": peak,
@@ -307,8 +313,12 @@ def plot_stages(result: StepResult, path: Path) -> None:
 
 def print_table(result: StepResult, out: TextIO) -> None:
     b = result.bench
+    checkpointing = b.get("checkpointing", "none")
     print(f"GPT {result.params / 1e6:.1f}M params, {b['layers']} layers x {b['hidden']}, seq {b['seq']}, "
-          f"global batch {b['micro'] * b['world']} ({b['dtype']})", file=out)
+          f"global batch {b['micro'] * b['world']} ({b['dtype']})"
+          + ("" if checkpointing == "none" else f", offload with every block checkpointed (inputs on the "
+                                                 f"{'host' if checkpointing == 'cpu' else 'device'}; torch without)"),
+          file=out)
     where = "on the GPU" if b.get("device") == "cuda" else "1 process"
     print(f"  plain torch, {where}:       {result.torch_step_s * 1e3:8.1f} ms/step", file=out)
     if b.get("stages", [3]) != [3] and tuple(b.get("stages", (3,))) != (3,):
