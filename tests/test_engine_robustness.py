@@ -204,3 +204,34 @@ def test_a_buffer_shared_by_two_modules_stays_one_tensor():
     engine, *_ = offload.initialize(model=model, config=_config())
     assert model[0].mask is model[1].mask
     engine.close()
+
+
+def _train_stage1(fail_second_micro: bool):
+    """ZeRO stage 1 with accumulation 2: the micro-batches add up in .grad, so a backward failing in the second
+    one drops the first one too, and the next backward starts a new accumulation."""
+    torch.manual_seed(0)
+    engine, *_ = offload.initialize(model=WithUnused(), config=base_config(4, 2, 1, stage=1))
+    x = torch.randn(4, 32)
+    if fail_second_micro:
+        engine.backward(engine(x))
+        Boom.fail = True
+        try:
+            with pytest.raises(RuntimeError, match="boom in backward"):
+                engine.backward(engine(x))
+        finally:
+            Boom.fail = False
+        with pytest.raises(offload.EngineError, match="without a backward"):
+            engine.step()  # nothing is pending: the accumulation was dropped
+    for _ in range(2):
+        for _ in range(2):
+            engine.backward(engine(x))
+            engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+def test_a_failed_backward_in_stage_1_drops_the_whole_accumulation_and_training_goes_on_exactly():
+    clean, after_failure = _train_stage1(False), _train_stage1(True)
+    for key, value in clean.items():
+        assert torch.equal(after_failure[key], value), key
