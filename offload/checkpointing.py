@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,7 +94,6 @@ class ActivationStore:
     _free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = field(default_factory=dict)
     _live: list[Saved] = field(default_factory=list)  # in save (forward) order
     _copy: CopyStream | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def partitions(self) -> int:
@@ -171,9 +169,9 @@ class ActivationStore:
         return self._copy
 
     def _count_device(self, nbytes: int) -> None:
-        with self._lock:
-            self.device_bytes += nbytes
-            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+        """Only the training thread counts (saves, reaps, restores): the copy stream never touches the counters."""
+        self.device_bytes += nbytes
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
 
     # ----------------------------------------------------------------- backward
 
@@ -237,17 +235,12 @@ class ActivationStore:
 
     def discard(self) -> None:
         """Forget the inputs of a forward whose backward will not run (eval, a failed backward)."""
+        if not self._live:
+            return
         if self._copy is not None:
             self._copy.synchronize()
         while self._live:
             self._release(len(self._live) - 1)
-
-    def reset_peaks(self) -> None:
-        self.peak_device_bytes, self.peak_host_bytes = self.device_bytes, self.host_bytes
-
-    def summary(self) -> dict[str, int]:
-        return {"device_now": self.device_bytes, "device_peak": self.peak_device_bytes,
-                "host_now": self.host_bytes, "host_peak": self.peak_host_bytes}
 
     def close(self) -> None:
         self.discard()

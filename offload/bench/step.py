@@ -321,7 +321,7 @@ def print_table(result: StepResult, out: TextIO) -> None:
           file=out)
     where = "on the GPU" if b.get("device") == "cuda" else "1 process"
     print(f"  plain torch, {where}:       {result.torch_step_s * 1e3:8.1f} ms/step", file=out)
-    if b.get("stages", [3]) != [3] and tuple(b.get("stages", (3,))) != (3,):
+    if tuple(b.get("stages", (3,))) != (3,):  # a list once read back from JSON
         print(f"  ZeRO stages, W={b['world']} (per rank: device / host / nvme bytes from the engine's accounting; "
               "collective bytes received per step):", file=out)
         for name, row in result.variants.items():
