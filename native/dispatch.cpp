@@ -152,11 +152,6 @@ void adam(AdamArgs args, size_t n, int threads) {
   for_each_tile(n, threads, size_t(1) << 14, [&](size_t begin, size_t end) { k.adam(args, begin, end); });
 }
 
-void axpy(float* a, const float* b, float s, size_t n, int threads) {
-  const KernelTable& k = active_kernels();
-  for_each_tile(n, threads, size_t(1) << 14, [&](size_t begin, size_t end) { k.axpy(a, b, s, begin, end); });
-}
-
 void accumulate(float* acc, const void* grad, DType dtype, float s, bool overwrite, size_t n, int threads) {
   const KernelTable& k = active_kernels();
   for_each_tile(n, threads, size_t(1) << 14,

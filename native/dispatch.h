@@ -26,9 +26,6 @@ SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads);
 // Element-wise, so the result does not depend on the thread count.
 void adam(AdamArgs args, size_t n, int threads);
 
-// a += s * b with the same tiles and threads as adam (the bandwidth ceiling's probe).
-void axpy(float* a, const float* b, float s, size_t n, int threads);
-
 // acc = s * grad (overwrite) or acc += s * grad, grad fp32 or 16-bit: gradient accumulation.
 void accumulate(float* acc, const void* grad, DType dtype, float s, bool overwrite, size_t n, int threads);
 

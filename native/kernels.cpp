@@ -291,17 +291,6 @@ void adam(const AdamArgs& a, size_t begin, size_t end) {
 }
 
 template <class V>
-size_t axpy_span(float* a, const float* b, float s, size_t i, size_t end) {
-  const typename V::F k = V::set1(s);
-  for (; i + V::W <= end; i += V::W) V::store(a + i, V::fmadd(k, V::load(b + i), V::load(a + i)));
-  return i;
-}
-
-void axpy(float* a, const float* b, float s, size_t begin, size_t end) {
-  axpy_span<Scalar>(a, b, s, axpy_span<Vec>(a, b, s, begin, end), end);
-}
-
-template <class V>
 size_t accumulate_span(float* a, const void* b, DType dtype, float s, bool overwrite, size_t i, size_t end) {
   const typename V::F k = V::set1(s);
   if (overwrite) {
@@ -366,7 +355,6 @@ extern const KernelTable OFFLOAD_CAT(kernels_, OFFLOAD_ISA_NAME) = {
     OFFLOAD_STR(OFFLOAD_ISA_NAME),
     &sq_norm,
     &adam,
-    &axpy,
     &touch3,
     &crc32c,
     &accumulate,

@@ -50,16 +50,14 @@ struct KernelTable {
   SqNorm (*sq_norm)(const void* data, DType dtype, size_t n);
   // Elements [begin, end) of one Adam step.
   void (*adam)(const AdamArgs& a, size_t begin, size_t end);
-  // a[i] += s * b[i] over [begin, end): the in-place read-2-write-1 pattern of an optimizer
-  // update, measured by the benchmarks as the practical DRAM ceiling.
-  void (*axpy)(float* a, const float* b, float s, size_t begin, size_t end);
   // p += g, m += g, v += g over [begin, end): Adam's memory traffic (read 4 streams, write 3)
   // with no arithmetic to speak of, the ceiling an Adam step can approach.
   void (*touch3)(float* p, float* m, float* v, const float* g, size_t begin, size_t end);
   // CRC-32C (Castagnoli) of n bytes, continuing from crc (0 to start); the swap checksums.
   uint32_t (*crc32c)(const void* data, size_t n, uint32_t crc);
   // a[i] = s * b[i] (overwrite) or a[i] += s * b[i] over [begin, end), b read as dtype: a gradient
-  // shard (fp32 or 16-bit) added into its fp32 accumulator.
+  // shard (fp32 or 16-bit) added into its fp32 accumulator. With fp32 b it is also the in-place
+  // read-2-write-1 probe (axpy) the benchmarks measure as the practical DRAM ceiling.
   void (*accumulate)(float* a, const void* b, DType dtype, float s, bool overwrite, size_t begin, size_t end);
 };
 

@@ -106,13 +106,6 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
   adam(a, n, threads);
 }
 
-void py_axpy(const RwArray& a, const RwArray& b, float s, int threads) {
-  float* pa = fp32_buffer(a, "a", a.size());
-  const float* pb = fp32_buffer(b, "b", a.size());
-  nb::gil_scoped_release unlocked;
-  axpy(pa, pb, s, a.size(), threads);
-}
-
 void py_accumulate(const RwArray& acc, const AnyArray& grad, float s, bool overwrite, int threads) {
   float* pa = fp32_buffer(acc, "acc", acc.size());
   require_dense_cpu(grad, "grad");
@@ -171,8 +164,6 @@ NB_MODULE(_native, m) {
         nb::arg("threads"), "CRC-32C of each block of a dense CPU buffer into out (uint32).");
   m.def("touch3", &py_touch3, nb::arg("p").noconvert(), nb::arg("m").noconvert(), nb::arg("v").noconvert(),
         nb::arg("g").noconvert(), nb::arg("threads"), "p += g, m += g, v += g: Adam's memory traffic alone.");
-  m.def("axpy", &py_axpy, nb::arg("a").noconvert(), nb::arg("b").noconvert(), nb::arg("s"), nb::arg("threads"),
-        "a += s * b in place (float32), the benchmarks' DRAM-ceiling probe.");
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);

@@ -125,7 +125,7 @@ def axpy_(a: torch.Tensor, b: torch.Tensor, s: float, threads: int | None = None
         raise NativeError("axpy_ takes float32 tensors")
     if a_.numel() != b_.numel():
         raise NativeError(f"a has {a_.numel()} elements but b has {b_.numel()}")
-    _native.axpy(a_, b_, float(s), default_threads() if threads is None else int(threads))
+    _native.accumulate(a_, b_, float(s), False, default_threads() if threads is None else int(threads))
     return a
 
 
