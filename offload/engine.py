@@ -182,8 +182,6 @@ class Engine:
             reasons.append("fp16 needs the overflow check first")
         if not self.optimizer.offload:
             reasons.append("the optimizer state is on the compute device")
-        elif not self.optimizer.overlap_ready_units():
-            reasons.append("no optimizer state is in host memory (NVMe sub-groups step after backward)")
         mode = self.config.offload.overlap_step
         if mode == "off":
             reasons.append("offload.overlap_step is off")

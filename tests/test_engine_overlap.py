@@ -72,3 +72,85 @@ def test_a_host_thread_still_adding_the_previous_micro_batch_does_not_step_early
     assert runs["on"][0]["losses"] == runs["off"][0]["losses"]
     for key, value in runs["off"][0]["state"].items():
         assert torch.equal(runs["on"][0]["state"][key], value), key
+
+
+def nvme_config(path, world, overlap, buffers=2, engine="auto"):
+    config = overlap_config(world, overlap)
+    config["zero_optimization"]["sub_group_size"] = 3000
+    config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(path),
+                                                        "buffer_count": buffers}
+    config["offload"]["aio_engine"] = engine
+    return config
+
+
+@pytest.mark.parametrize("world,buffers", [(1, 1), (2, 3)])
+def test_nvme_sub_groups_step_during_backward_bitwise_as_after_it(tmp_path, world, buffers):
+    runs = {mode: run_ranks(train_engine, world, name="gpt", config=nvme_config(tmp_path / mode, world, mode, buffers),
+                            steps=5, micro=2, accum=2) for mode in ("on", "off")}
+    ref = train_reference("gpt", 5, 4 * world, 2, clip=0.0, world=world)
+    for overlapped, after in zip(runs["on"], runs["off"]):
+        assert set(overlapped["tiers"]) == {"nvme"} and overlapped["mode"].startswith("overlapped")
+        # every unit's gradient lands during backward, so every NVMe sub-group steps there
+        assert overlapped["overlapped"] == 5 * overlapped["units"] and after["overlapped"] == 0
+        assert overlapped["losses"] == after["losses"]
+        for key, value in after["state"].items():
+            assert torch.equal(overlapped["state"][key], value), key
+            torch.testing.assert_close(value, ref["state"][key])
+
+
+def _steps(engine, batches_, loss_of):
+    for tokens in batches_:
+        for half in tokens.split(2):
+            engine.backward(loss_of(engine, "gpt", half))
+            engine.step()
+
+
+@pytest.mark.parametrize("fail_at", [2, 5])
+def test_a_write_failing_under_backward_fails_the_step_which_can_be_retried(tmp_path, monkeypatch, fail_at):
+    """fail_at 2: a write waited for on the host thread during backward; 5: one waited for by step()."""
+    import errno
+    import os
+
+    import offload
+    import offload.aio.base as base
+    from engine_cases import batches, loss_of, make_model
+    from offload.aio.base import SwapIOError
+
+    def build(path):
+        engine, *_ = offload.initialize(model=make_model("gpt"), config=nvme_config(path, 1, "on", engine="threads"))
+        return engine
+
+    data = batches(3, 4)
+    engine = build(tmp_path / "a")
+    groups = sum(g.tier == "nvme" for g in engine.optimizer.store.groups)
+    assert groups >= 5
+    _steps(engine, data[:2], loss_of)
+    before = engine.full_state_dict()
+    real, calls = os.pwritev, {"n": 0}
+
+    def failing(fd, bufs, off):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(base.os, "pwritev", failing)
+    first, last = data[2].split(2)
+    engine.backward(loss_of(engine, "gpt", first))
+    engine.step()
+    engine.backward(loss_of(engine, "gpt", last))  # the overlapped one: NVMe sub-groups step and write here
+    with pytest.raises(SwapIOError, match=r"write of .* in .*optimizer-rank0\.swap failed: .*errno 28"):
+        engine.step()
+    monkeypatch.undo()
+    masters = engine.full_state_dict()
+    for key, value in before.items():
+        assert torch.equal(masters[key], value), f"{key}: the failed step changed the master weights"
+    engine.step()  # the same step again, now that the disk works
+    retried = engine.full_state_dict()
+    engine.close()
+    clean = build(tmp_path / "b")
+    _steps(clean, data, loss_of)
+    expected = clean.full_state_dict()
+    clean.close()
+    for key, value in expected.items():
+        assert torch.equal(retried[key], value), key

@@ -40,7 +40,7 @@ from offload.optim.adam import AdamHyper, adam_step
 from offload.telemetry import Telemetry
 from offload.aio.base import Engine
 from offload.store.budget import TierBudget
-from offload.store.optimizer_state import OptimizerStateStore
+from offload.store.optimizer_state import OptimizerStateStore, SubGroup
 from offload.store.param_swap import ParamSwap
 from offload.store.swapdir import SwapDir
 from offload.zero.unit import Unit
@@ -138,6 +138,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._staging: list[tuple[torch.Tensor, Event]] = []
         self._next_staging = 0
         self._overlap: tuple[dict[int, Unit], list[AdamHyper], int] | None = None
+        self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         if self.offload and sizes:
             self._reserve_host(sizes)
         self.store = OptimizerStateStore(sizes, plan.sub_group_size, device=plan.device, accel=accel,
@@ -184,7 +185,20 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def master_of(self, unit: Unit) -> torch.Tensor:
         """A copy of the unit's fp32 master shard, wherever it lives."""
+        self._settle()
         return self.store.read_master(unit.index)
+
+    def _settle(self) -> None:
+        """Before the NVMe buffers are used for anything but the step: what this step's pass already stepped
+        keeps its new state (like a host shard stepped during backward); a sub-group whose write failed is
+        stepped again by the next step."""
+        self.drain_quietly()
+        self._unstep(self.store.drop_read_ahead())
+
+    def _unstep(self, groups: list[SubGroup]) -> None:
+        for g in groups:
+            for m in g.members:
+                self.shards[m.unit].stepped = False
 
     def state_bytes(self) -> int:
         """Master and moments of every shard this rank owns, in memory (host or device), plus accumulators
@@ -249,6 +263,8 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def clear_grads(self) -> None:
         self.drain()
+        self._settle()
+        self._nvme_error = None
         for state in self.shards.values():
             state.fresh = True
 
@@ -286,11 +302,15 @@ class ShardedAdam(torch.optim.Optimizer):
         hypers = [self.hyper(i) for i in range(len(self.param_groups))]
         step = self.adam_steps + 1
         try:
+            if self._nvme_error is not None:  # an NVMe transfer failed during backward
+                error, self._nvme_error = self._nvme_error, None
+                raise error
             for group in self.store.step_pass():
                 for member in group.members:
                     if not self.shards[member.unit].stepped:
                         self._step_shard(by_index[member.unit], group.views(member), step, hypers, grad_scale)
         except BaseException:
+            self._unstep(self.store.abort_pass())  # NVMe sub-groups stepped during backward are stepped again
             if self.param_swap is not None:
                 self.param_swap.abort()
             raise
@@ -341,10 +361,11 @@ class ShardedAdam(torch.optim.Optimizer):
         self.store.read_ahead()
 
     def overlap_ready_units(self) -> set[int]:
-        """Units whose step can run inside backward: their state is in host memory (not on NVMe)."""
+        """Units whose step can run inside backward: their state is offloaded (on the host, or on NVMe and
+        stepped a whole sub-group at a time)."""
         if not self.offload:
             return set()
-        return {m.unit for g in self.store.groups if g.tier == "host" for m in g.members}
+        return set(self.store.by_unit)
 
     def begin_overlap(self, units: Iterable[Unit]) -> None:
         """The coming backward is the last of the accumulation and nothing global gates the update: each shard's
@@ -355,8 +376,8 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def abandon_overlap(self) -> int:
         """The overlapped backward failed: stop stepping shards; returns how many were already stepped."""
-        self.drain_quietly()
-        self._overlap = None
+        self._settle()
+        self._overlap = self._nvme_error = None
         if self.param_swap is not None:  # stepped shards' masters moved on: their new 16-bit copies go with them
             try:
                 self.param_swap.commit()
@@ -373,13 +394,28 @@ class ShardedAdam(torch.optim.Optimizer):
     def _step_during_backward(self, unit: Unit, overlap: tuple[dict[int, Unit], list[AdamHyper], int] | None
                               ) -> None:
         """On the host thread, right after the unit's gradient was accumulated (``overlap``: the overlapped
-        micro-batch's plan when the gradient came from it)."""
+        micro-batch's plan when the gradient came from it). A host shard steps at once; an NVMe sub-group once
+        all of its units' gradients are in, in the store's pass order."""
         if overlap is None or unit.index not in overlap[0]:
             return
-        _, hypers, step = overlap
+        units, hypers, step = overlap
         group, member = self.store.by_unit[unit.index]
+        if group.tier != "nvme":
+            self._step_overlapped(unit, group.views(member), hypers, step)
+            return
+        if self._nvme_error is not None:
+            return
+        try:
+            for group in self.store.arrive(unit.index):
+                for member in group.members:
+                    self._step_overlapped(units[member.unit], group.views(member), hypers, step)
+        except Exception as e:  # noqa: BLE001 - a failed transfer: engine.step() raises it, and can be retried
+            self._nvme_error = e
+
+    def _step_overlapped(self, unit: Unit, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                         hypers: list[AdamHyper], step: int) -> None:
         with self.telemetry.span("optimizer_overlapped", unit.name):
-            self._step_shard(unit, group.views(member), step, hypers, 1.0)
+            self._step_shard(unit, views, step, hypers, 1.0)
         state = self.shards[unit.index]
         state.stepped = True
         if state.out is not None and not self.params_on_host:

@@ -9,11 +9,12 @@ buffer [3, n] whose home is a tier:
 With ``offload_optimizer.device: nvme`` and a host budget, the host keeps the first
 sub-groups that fit in what the budget leaves and the rest go to NVMe.
 
-[Note: the step pipeline] NVMe sub-groups are processed first: the read of sub-group
-i+1 (and further, up to the free buffers) is in flight while Adam runs on i, and i's
-write-back starts as soon as Adam is done with it; a buffer is read into again only
-after its write has completed. Host sub-groups are processed after every NVMe write
-has completed.
+[Note: the step pipeline] NVMe sub-groups are processed first, in backward's order
+(the last units' sub-group first): the read of the next sub-group (and further, up to
+the free buffers) is in flight while Adam runs on one, and its write-back starts as
+soon as Adam is done with it; a buffer is read into again only after its write has
+completed. Host sub-groups are processed after every NVMe write has completed.
+``NvmePass`` holds one step's pass and its states.
 
 [Note: reads ahead of the step] The step's first reads do not depend on the gradients,
 so ``read_ahead`` issues them (one per buffer, in the pass's order) when the last
@@ -22,6 +23,18 @@ NVMe sub-groups (DeepSpeed's defaults, sub_group_size 1e9 and 4 buffers, cover 4
 parameters per rank) every read of the step hides under backward. Anything else that
 uses the buffers (a master read, a checkpoint, building) first waits for them and drops
 them; nothing writes a current slot while they are in flight.
+
+[Note: NVMe sub-groups stepped during backward] In an overlapped backward (see
+offload/optim/sharded.py) the host thread reports each unit whose last gradient has
+landed (``arrive``); once every unit of the pass's next sub-group has, that sub-group is
+taken (its read began when backward did), stepped and written back right there, and
+the pass goes on with the next. Backward produces gradients from the last unit to the
+first, the pass's order, so with sub_group_size well below a rank's state most NVMe
+reads, steps and writes happen under backward; what has not completed by its end
+(the first units' sub-groups, or any whose unit got no gradient) continues in
+engine.step(). The new slots still become current only when the whole pass has
+written, so a step that fails afterwards is retried from the last completed state (the
+sub-groups stepped during backward are stepped again, to the same values).
 
 [Note: a failed step loses nothing] Each NVMe sub-group has two slots in the swap
 file; a step reads the slot holding the last completed step and writes the other, and
@@ -167,7 +180,7 @@ class OptimizerStateStore:
         self._pool: BufferPool | None = None
         self._buffers: list[AlignedBuffer] = []
         self._fill: AlignedBuffer | None = None
-        self._ahead: list[tuple[SubGroup, AlignedBuffer, object]] = []  # reads issued ahead of the step pass
+        self._pass: NvmePass | None = None  # this step's NVMe pass, begun ahead of the step
         self.reads_ahead = 0
         place_sub_groups(self.groups, device, host, buffer_count)
         for g in self.groups:
@@ -259,71 +272,61 @@ class OptimizerStateStore:
     # ----------------------------------------------------------------- the step
 
     def step_pass(self) -> Iterator[SubGroup]:
-        """Yield every sub-group resident in memory, NVMe ones pipelined (see [Note: the step pipeline])."""
-        nvme = [g for g in self.groups if g.tier == "nvme"]
-        if nvme:
-            yield from self._nvme_pass(nvme)
+        """Yield every sub-group this step's pass has not handed out yet, resident in memory: NVMe ones
+        pipelined (see [Note: the step pipeline]), and every NVMe sub-group's new slot becomes current once all
+        writes completed; then the host/device ones. After a failure, ``abort_pass``."""
+        if self._file is not None:
+            run = self._pass = self._pass or self._new_pass()
+            while run.remaining():
+                g = run.take()
+                yield g
+                run.release(g)
+            run.finish()
+            self._pass = None
         for g in self.groups:
             if g.tier != "nvme":
                 yield g
 
     def read_ahead(self) -> int:
-        """Start the step pass's first NVMe reads now (see [Note: reads ahead of the step]); returns how many."""
-        if self._file is None or self._ahead:
+        """Start this step's NVMe pass now, its first reads in flight (see [Note: reads ahead of the step]);
+        returns how many reads it issued."""
+        if self._file is None or self._pass is not None:
             return 0
-        nvme = [g for g in self.groups if g.tier == "nvme"]
-        for g, buf in zip(nvme, self._buffers):
-            self._ahead.append((g, buf, self._file.read(buf.tensor, g.slots[g.current], g.nbytes)))
-            self.telemetry.add_bytes("nvme_read", g.nbytes)
-        self.reads_ahead += len(self._ahead)
-        return len(self._ahead)
+        self._pass = self._new_pass()
+        self.reads_ahead += self._pass.reads
+        return self._pass.reads
 
-    def drop_read_ahead(self) -> None:
-        """Wait for reads issued ahead and forget them (their buffers are about to be used otherwise)."""
-        ahead, self._ahead = self._ahead, []
-        for _, _, read in ahead:
-            _quiet_wait(read)
+    def arrive(self, unit: int) -> Iterator[SubGroup]:
+        """On the host thread in an overlapped backward, once ``unit``'s last gradient is accumulated: yield each
+        NVMe sub-group that can now be stepped, resident, in the pass's order (see [Note: NVMe sub-groups stepped
+        during backward]); the caller steps it before asking for the next."""
+        run = self._pass
+        g, _ = self.by_unit[unit]
+        if run is None or g.tier != "nvme":
+            return
+        run.arrived(g, unit)
+        while run.next_complete():
+            g = run.take()
+            yield g
+            run.release(g)
 
-    def _nvme_pass(self, groups: list[SubGroup]) -> Iterator[SubGroup]:
+    def abort_pass(self) -> list[SubGroup]:
+        """Forget this step's pass after a failure: every transfer finishes, no slot flips. Returns the
+        sub-groups it had already handed out (their new state is discarded; a retry steps them again)."""
+        run, self._pass = self._pass, None
+        return run.abort() if run is not None else []
+
+    def drop_read_ahead(self) -> list[SubGroup]:
+        """Something else needs the buffers: settle this step's pass (its reads are waited for and dropped; the
+        sub-groups it already stepped keep their new state). Returns the sub-groups whose new state could not be
+        kept (a failed write): they must be stepped again."""
+        run, self._pass = self._pass, None
+        return run.settle() if run is not None else []
+
+    def _new_pass(self) -> NvmePass:
         assert self._file is not None
-        file, tel = self._file, self.telemetry
-        ahead, self._ahead = self._ahead, []
-        taken = {id(buf) for _, buf, _ in ahead}
-        free: deque[tuple[AlignedBuffer, RequestGroup | None]] = deque(
-            (b, None) for b in self._buffers if id(b) not in taken)
-        inflight: deque[tuple[SubGroup, AlignedBuffer, object]] = deque(ahead)  # in the pass's order
-        upcoming = deque(groups[len(ahead):])
-        assert [g for g, _, _ in ahead] == groups[:len(ahead)], "reads ahead must be the pass's first sub-groups"
-        try:
-            while upcoming or inflight:
-                while upcoming and free:
-                    buf, write = free.popleft()
-                    if write is not None:
-                        with tel.span("nvme_wait", "write"):
-                            write.wait()
-                    g = upcoming.popleft()
-                    inflight.append((g, buf, file.read(buf.tensor, g.slots[g.current], g.nbytes)))
-                    tel.add_bytes("nvme_read", g.nbytes)
-                g, buf, read = inflight.popleft()
-                with tel.span("nvme_wait", "read"):
-                    read.wait()  # type: ignore[attr-defined]
-                g.resident = buf.view(torch.float32, KINDS * g.numel).view(KINDS, g.numel)
-                yield g
-                g.resident = None
-                free.append((buf, file.write(buf.tensor, g.slots[1 - g.current], g.nbytes)))
-                tel.add_bytes("nvme_write", g.nbytes)
-            with tel.span("nvme_wait", "write"):
-                for _, write in free:
-                    if write is not None:
-                        write.wait()
-        finally:
-            for g, _, read in inflight:  # a failed step: let every transfer finish before buffers are reused
-                g.resident = None
-                _quiet_wait(read)
-            for _, write in free:
-                _quiet_wait(write)
-        for g in groups:  # every write completed: the new slots are the current state
-            g.current = 1 - g.current
+        nvme = [g for g in reversed(self.groups) if g.tier == "nvme"]  # backward's order: last units first
+        return NvmePass(self._file, nvme, self._buffers, self.telemetry)
 
     # ----------------------------------------------------------------- lifetime
 
@@ -340,10 +343,137 @@ class OptimizerStateStore:
             g.resident = None
 
 
-def _quiet_wait(request: object) -> None:
+class NvmePass:
+    """One step's pass over the NVMe sub-groups, in a fixed order. A sub-group goes upcoming -> reading (a
+    buffer's read in flight) -> resident (taken: the caller steps it) -> writing (released: its new state
+    goes to the other slot) -> committed (``finish``: every write completed, the new slots become current).
+    A buffer is read into again only after its write has completed."""
+
+    def __init__(self, file: ChecksummedFile, groups: list[SubGroup], buffers: list[AlignedBuffer],
+                 telemetry: Telemetry) -> None:
+        self.file, self.tel = file, telemetry
+        self.groups = groups
+        self.upcoming: deque[SubGroup] = deque(groups)
+        self.reading: deque[tuple[SubGroup, AlignedBuffer, object]] = deque()
+        self.free: deque[tuple[AlignedBuffer, RequestGroup | None]] = deque((b, None) for b in buffers)
+        self.taken: dict[int, tuple[SubGroup, AlignedBuffer]] = {}  # resident, not released yet
+        self.released: list[SubGroup] = []
+        self.writes: dict[int, object] = {}
+        self._transfers: list[object] = []  # every read and write, for the time the pass had I/O in flight
+        self._arrived: dict[int, set[int]] = {}
+        self._fill()
+        self.reads = len(self.reading)
+
+    def remaining(self) -> bool:
+        return bool(self.upcoming or self.reading)
+
+    def arrived(self, g: SubGroup, unit: int) -> None:
+        self._arrived.setdefault(g.index, set()).add(unit)
+
+    def next_complete(self) -> bool:
+        """Whether the pass's next sub-group has every member's gradient (an overlapped backward)."""
+        nxt = self.reading[0][0] if self.reading else self.upcoming[0] if self.upcoming else None
+        return nxt is not None and len(self._arrived.get(nxt.index, ())) == len(nxt.members)
+
+    def take(self) -> SubGroup:
+        """The next sub-group, resident once its read has completed."""
+        self._fill()
+        g, buf, read = self.reading.popleft()
+        self.taken[g.index] = (g, buf)
+        with self.tel.span("nvme_wait", "read"):
+            read.wait()  # type: ignore[attr-defined]
+        g.resident = buf.view(torch.float32, KINDS * g.numel).view(KINDS, g.numel)
+        return g
+
+    def release(self, g: SubGroup) -> None:
+        """The caller is done with ``g``: write its state to the slot that is not current."""
+        _, buf = self.taken.pop(g.index)
+        g.resident = None
+        write = self.file.write(buf.tensor, g.slots[1 - g.current], g.nbytes)
+        self._transfers.append(write)
+        self.free.append((buf, write))
+        self.writes[g.index] = write
+        self.released.append(g)
+        self.tel.add_bytes("nvme_write", g.nbytes)
+
+    def finish(self) -> None:
+        """Wait for every write; the written slots become current."""
+        with self.tel.span("nvme_wait", "write"):
+            for write in self.writes.values():
+                write.wait()  # type: ignore[attr-defined]
+        for g in self.released:
+            g.current = 1 - g.current
+        self.released = []
+        for start, end in _union(_span(t) for t in self._transfers):
+            self.tel.interval("optimizer_io", None, start, end, "nvme")
+
+    def abort(self) -> list[SubGroup]:
+        """Let every transfer finish (buffers are reused after) and flip nothing; returns the sub-groups it
+        handed out (their new state is discarded)."""
+        for _, _, read in self.reading:
+            _quiet_wait(read)
+        for write in self.writes.values():
+            _quiet_wait(write)
+        return self.released + self._drop_taken()
+
+    def settle(self) -> list[SubGroup]:
+        """Stop early: reads are dropped, released sub-groups whose write completed are committed (their step
+        is kept); returns those whose new state is lost (a failed write, or never released)."""
+        for _, _, read in self.reading:
+            _quiet_wait(read)
+        lost = []
+        for g in self.released:
+            if _quiet_wait(self.writes[g.index]):
+                g.current = 1 - g.current
+            else:
+                lost.append(g)
+        self.released = []
+        return lost + self._drop_taken()
+
+    def _drop_taken(self) -> list[SubGroup]:
+        taken = [g for g, _ in self.taken.values()]
+        for g in taken:
+            g.resident = None
+        self.taken.clear()
+        return taken
+
+    def _fill(self) -> None:
+        """Reads into every free buffer, in the pass's order (a buffer's write completes first)."""
+        while self.upcoming and self.free:
+            buf, write = self.free.popleft()
+            if write is not None:
+                with self.tel.span("nvme_wait", "write"):
+                    write.wait()
+            g = self.upcoming.popleft()
+            read = self.file.read(buf.tensor, g.slots[g.current], g.nbytes)
+            self._transfers.append(read)
+            self.reading.append((g, buf, read))
+            self.tel.add_bytes("nvme_read", g.nbytes)
+
+
+def _span(request: object) -> tuple[float, float]:
+    """(submitted, finished) of a completed request or group of requests."""
+    parts = getattr(request, "requests", [request])
+    return min(r.submitted_at for r in parts), max(r.finished_at for r in parts)
+
+
+def _union(spans: Iterator[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping intervals merged: the time at least one transfer was in flight."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _quiet_wait(request: object) -> bool:
+    """Wait without raising (the first failure is already propagating); whether it succeeded."""
     if request is None:
-        return
+        return True
     try:
         request.wait()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - the first failure is already propagating
-        pass
+    except Exception:  # noqa: BLE001
+        return False
+    return True
