@@ -159,16 +159,21 @@ def test_bench_step_with_nvme_compares_host_pipelined_and_serial(tmp_path, capsy
                  "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "2", "--rounds", "1",
                  "--sub-group-size", "20000", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report["variants"]) == {"nvme", "host", "nvme-optimizer", "nvme-no-readahead", "nvme-serial"}
+    assert set(report["variants"]) == {"nvme", "host", "nvme-optimizer", "nvme-no-readahead", "nvme-serial",
+                                       "nvme-optimizer-overlap", "host-overlap"}
     assert report["variants"]["host"]["nvme_bytes"] == 0
     # Every step reads and writes every sub-group's master and moments: 12 bytes per element, both ways; with
     # the parameters there too, it also writes each new 16-bit (here fp32) shard and reads it back to gather.
     per_rank = report["params"] / 2
-    assert report["variants"]["nvme-optimizer"]["nvme_bytes"] >= 2 * 12 * per_rank
+    for name in ("nvme-optimizer", "nvme-optimizer-overlap"):
+        assert report["variants"][name]["nvme_bytes"] >= 2 * 12 * per_rank
+        assert report["variants"][name]["optimizer_io_s"] > 0
+    assert report["variants"]["host-overlap"]["optimizer_io_s"] == 0
     assert report["variants"]["nvme"]["nvme_bytes"] >= 2 * 12 * per_rank + 2 * 4 * per_rank
     assert report["variants"]["nvme"]["param_read_s"] > 0 and report["variants"]["host"]["param_read_s"] == 0
     printed = capsys.readouterr().out
     assert "pipelining's gain" in printed and "read-ahead's gain" in printed and "% hidden" in printed
+    assert "optimizer state transfers (nvme-optimizer-overlap)" in printed
     assert not any((tmp_path / "swap").iterdir())
 
 

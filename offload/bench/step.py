@@ -18,9 +18,12 @@ alternate with torch: parameters and optimizer state both on NVMe (the headline)
 both on the host (the cost of the disk is nvme/host), only the optimizer state on
 NVMe, parameters on NVMe without read-ahead (prefetch off: every read on demand, the
 gain of read-ahead), and the optimizer state on NVMe with one buffer (read, compute,
-write in turn: the gain of pipelining is serial/pipelined on the optimizer phase).
-For parameter reads the share hidden is 1 - (time the training thread waited for a
-read) / (time reads were in flight).
+write in turn: the gain of pipelining is serial/pipelined on the optimizer phase),
+and without clipping the optimizer state on NVMe with its sub-groups stepped during
+backward beside the same all-host config. For parameter reads the share hidden is
+1 - (time the training thread waited for a read) / (time reads were in flight); for
+the optimizer state, 1 - (what the disk added to the step beside its all-host pair) /
+(time its transfers were in flight).
 
 With ``--stage 0,1,2,3`` the variants are the ZeRO stages instead, each with the
 optimizer state where ``--offload`` says (stage 0 cannot offload it: on the compute
