@@ -31,14 +31,14 @@ def test_overlapped_step_is_bitwise_the_step_after_backward_and_matches_torch(wo
             torch.testing.assert_close(value, ref["state"][key])
 
 
-def test_split_state_overlaps_the_host_part_and_steps_nvme_after(tmp_path):
+def test_split_state_steps_its_host_and_nvme_parts_during_backward(tmp_path):
     config = overlap_config(1, "on", optimizer="split", path=tmp_path, host=900_000)
     plan = run_ranks(describe_engine, 1, config=config)[0]
     assert plan["mode"].startswith("overlapped") and plan["tiers"]["host"] > 0 and plan["tiers"]["nvme"] > 0
     runs = {mode: run_ranks(train_engine, 1, name="gpt", config={**config, "offload": {**config["offload"],
                                                                                        "overlap_step": mode}},
                             steps=4, micro=2, accum=2) for mode in ("on", "off")}
-    assert runs["on"][0]["overlapped"] > 0
+    assert runs["on"][0]["overlapped"] == 4 * runs["on"][0]["units"]
     for key, value in runs["off"][0]["state"].items():
         assert torch.equal(runs["on"][0]["state"][key], value), key
 

@@ -16,8 +16,10 @@ the accumulators.
 overflow check) the last micro-batch's backward runs each host-resident shard's Adam on
 the host thread right after its gradient lands, while backward goes on with earlier
 units; its new shard is copied back at once and the unit's ``ready`` event (which its
-next gather waits for) covers that copy. engine.step() then only steps what is left
-(NVMe sub-groups, units without a gradient). The arithmetic is the same kernel on the
+next gather waits for) covers that copy. An NVMe sub-group steps there too, once all of
+its units' gradients are in (see the store's [Note: NVMe sub-groups stepped during
+backward]); engine.step() then only steps what is left (units without a gradient) and
+makes the new NVMe slots current. The arithmetic is the same kernel on the
 same values, so the result is bitwise the same as stepping after backward.
 
 [Note: parameter return] After the step each unit's new compute-dtype shard is copied
