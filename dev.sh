@@ -3,7 +3,8 @@
 #   ./dev.sh train [args]  set up .venv, then run the main job (offload train) on its embedded default
 #   ./dev.sh demo [args]   the smaller walk-through of the engine (offload demo)
 #   ./dev.sh test [args]   set up .venv, then run the whole test suite (args go to pytest)
-# Needs only Python >= 3.10 with pip and venv, and a C++ compiler; everything else comes from PyPI.
+# Needs only Python >= 3.10 with pip and venv, and a C++ compiler; everything else comes from PyPI
+# (and, for the NEON kernels' test, an aarch64 cross compiler and qemu-user from apt-get where it runs).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -41,6 +42,16 @@ case "$cmd" in
   demo)
     exec "$VENV/bin/offload" demo "$@" ;;
   test)
+    # The NEON kernels are checked on x86 too: cross-compiled and run under qemu-user
+    # (tests/test_native_cross.py). Where apt-get can bring the tools, bring them; else that test skips.
+    if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
+      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "== installing g++-aarch64-linux-gnu and qemu-user (the NEON kernels' test)"
+        { apt-get install -y -q g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1 ||
+          { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1; }; } ||
+          echo "   could not install them: the NEON test will be skipped"
+      fi
+    fi
     set +e
     "$PY" -m pytest "$@"
     rc=$?

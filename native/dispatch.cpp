@@ -3,6 +3,9 @@
 
 #include <atomic>
 #include <cstdlib>
+#if defined(__aarch64__)
+#include <sys/auxv.h>
+#endif
 #include <string>
 #include <stdexcept>
 
@@ -23,6 +26,9 @@ const std::vector<Variant>& variants() {
 #if defined(OFFLOAD_HAVE_AVX512)
       {"avx512", &kernels_avx512},
 #endif
+#if defined(OFFLOAD_HAVE_NEON)
+      {"neon", &kernels_neon},
+#endif
   };
   return v;
 }
@@ -38,6 +44,9 @@ std::vector<std::string> required_features(const std::string& name) {
 #if defined(__x86_64__) || defined(__i386__)
   if (name == "avx2") return {"avx2", "fma", "f16c", "sse4.2"};
   if (name == "avx512") return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "sse4.2"};
+#endif
+#if defined(__aarch64__)
+  if (name == "neon") return {"asimd", "crc32"};
 #endif
   return {};
 }
@@ -55,6 +64,12 @@ bool has_feature(const std::string& f) {
   if (f == "avx512vl") return __builtin_cpu_supports("avx512vl");
   if (f == "avx512dq") return __builtin_cpu_supports("avx512dq");
   if (f == "avx512bf16") return __builtin_cpu_supports("avx512bf16");
+#endif
+#if defined(__aarch64__)
+  // The kernel's hardware capability bits (asm/hwcap.h): HWCAP_ASIMD = 1 << 1, HWCAP_CRC32 = 1 << 7.
+  const unsigned long hwcap = getauxval(AT_HWCAP);
+  if (f == "asimd") return (hwcap & (1ul << 1)) != 0;
+  if (f == "crc32") return (hwcap & (1ul << 7)) != 0;
 #endif
   (void)f;
   return false;

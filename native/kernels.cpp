@@ -12,6 +12,12 @@
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__SSE4_2__)
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+#if defined(__aarch64__) && defined(__ARM_FEATURE_CRC32)
+#include <arm_acle.h>
+#endif
 
 #define OFFLOAD_CAT2(a, b) a##b
 #define OFFLOAD_CAT(a, b) OFFLOAD_CAT2(a, b)
@@ -189,6 +195,64 @@ struct Vec {
   }
 };
 
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+
+inline float32x4_t load4(const void* data, DType dtype, size_t i) {
+  switch (dtype) {
+    case DType::BF16:
+      return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(static_cast<const uint16_t*>(data) + i), 16));
+    case DType::F16:
+      return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(static_cast<const uint16_t*>(data) + i)));
+    default: return vld1q_f32(static_cast<const float*>(data) + i);
+  }
+}
+
+SqNorm sq_norm(const void* data, DType dtype, size_t n) {
+  const uint32x4_t exp_mask = vdupq_n_u32(0x7f800000u);
+  float64x2_t acc0 = vdupq_n_f64(0.0), acc1 = vdupq_n_f64(0.0);
+  uint32x4_t bad = vdupq_n_u32(0);
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float32x4_t x = load4(data, dtype, i);
+    const uint32x4_t e = vandq_u32(vreinterpretq_u32_f32(x), exp_mask);
+    bad = vsubq_u32(bad, vceqq_u32(e, exp_mask));  // a true lane is all ones: -1
+    const float64x2_t lo = vcvt_f64_f32(vget_low_f32(x)), hi = vcvt_high_f64_f32(x);
+    acc0 = vfmaq_f64(acc0, lo, lo);
+    acc1 = vfmaq_f64(acc1, hi, hi);
+  }
+  SqNorm r = sq_norm_tail(data, dtype, i, n);
+  r.sum_sq += vaddvq_f64(vaddq_f64(acc0, acc1));
+  r.nonfinite += vaddvq_u32(bad);
+  return r;
+}
+
+inline uint16x4_t bf16_4(float32x4_t x) {  // round to nearest even, NaN to the quiet 0x7fc0, as torch
+  const uint32x4_t b = vreinterpretq_u32_f32(x);
+  const uint32x4_t lsb = vandq_u32(vshrq_n_u32(b, 16), vdupq_n_u32(1));
+  uint32x4_t r = vshrq_n_u32(vaddq_u32(vaddq_u32(b, vdupq_n_u32(0x7fff)), lsb), 16);
+  r = vbslq_u32(vceqq_f32(x, x), r, vdupq_n_u32(0x7fc0));
+  return vmovn_u32(r);
+}
+
+struct Vec {
+  using F = float32x4_t;
+  static constexpr size_t W = 4;
+  static F set1(float x) { return vdupq_n_f32(x); }
+  static F load(const float* p) { return vld1q_f32(p); }
+  static void store(float* p, F x) { vst1q_f32(p, x); }
+  static F load_any(const void* data, DType dtype, size_t i) { return load4(data, dtype, i); }
+  static F add(F a, F b) { return vaddq_f32(a, b); }
+  static F sub(F a, F b) { return vsubq_f32(a, b); }
+  static F mul(F a, F b) { return vmulq_f32(a, b); }
+  static F div(F a, F b) { return vdivq_f32(a, b); }
+  static F sqrt(F a) { return vsqrtq_f32(a); }
+  static F fmadd(F a, F b, F c) { return vfmaq_f32(c, a, b); }
+  static void store16(void* out, DType dtype, bool, size_t i, F x) {
+    const uint16x4_t h = dtype == DType::F16 ? vreinterpret_u16_f16(vcvt_f16_f32(x)) : bf16_4(x);
+    vst1_u16(static_cast<uint16_t*>(out) + i, h);
+  }
+};
+
 #else
 
 SqNorm sq_norm(const void* data, DType dtype, size_t n) { return sq_norm_tail(data, dtype, 0, n); }
@@ -321,8 +385,15 @@ void touch3(float* p, float* m, float* v, const float* g, size_t begin, size_t e
   touch3_span<Scalar>(p, m, v, g, touch3_span<Vec>(p, m, v, g, begin, end), end);
 }
 
+#if defined(__SSE4_2__) || (defined(__aarch64__) && defined(__ARM_FEATURE_CRC32))
 #if defined(__SSE4_2__)
-// [Note: three CRC lanes] The CRC32 instruction takes 8 bytes but has a latency of 3
+inline uint64_t crc_u64(uint64_t c, uint64_t word) { return _mm_crc32_u64(c, word); }
+inline uint32_t crc_u8(uint32_t c, unsigned char byte) { return _mm_crc32_u8(c, byte); }
+#else
+inline uint64_t crc_u64(uint64_t c, uint64_t word) { return __crc32cd(uint32_t(c), word); }
+inline uint32_t crc_u8(uint32_t c, unsigned char byte) { return __crc32cb(c, byte); }
+#endif
+// [Note: three CRC lanes] The CRC32 instruction (CRC32CX on Arm) takes 8 bytes but has a latency of 3
 // cycles, so one dependency chain runs at a third of its throughput (~8 GB/s a core).
 // A long buffer is cut into three equal lanes checksummed in one loop (three chains in
 // flight) and the lanes' raw CRCs are joined by linearity: the raw CRC of A||B from
@@ -352,7 +423,7 @@ uint64_t crc_chain(uint64_t c, const unsigned char* p, size_t n) {  // raw state
   for (; n >= 8; n -= 8, p += 8) {
     uint64_t word;
     __builtin_memcpy(&word, p, 8);
-    c = _mm_crc32_u64(c, word);
+    c = crc_u64(c, word);
   }
   return c;
 }
@@ -369,9 +440,9 @@ uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
       __builtin_memcpy(&wa, pa + i, 8);
       __builtin_memcpy(&wb, pb + i, 8);
       __builtin_memcpy(&wd, pd + i, 8);
-      a = _mm_crc32_u64(a, wa);
-      b = _mm_crc32_u64(b, wb);
-      d = _mm_crc32_u64(d, wd);
+      a = crc_u64(a, wa);
+      b = crc_u64(b, wb);
+      d = crc_u64(d, wd);
     }
     c = gf_mul(uint32_t(a), x_pow_8n(2 * lane)) ^ gf_mul(uint32_t(b), x_pow_8n(lane)) ^ uint32_t(d);
     p += 3 * lane;
@@ -380,7 +451,7 @@ uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
   c = crc_chain(c, p, n & ~size_t(7));
   p += n & ~size_t(7);
   uint32_t c32 = uint32_t(c);
-  for (n &= 7; n > 0; --n, ++p) c32 = _mm_crc32_u8(c32, *p);
+  for (n &= 7; n > 0; --n, ++p) c32 = crc_u8(c32, *p);
   return ~c32;
 }
 #else

@@ -1,7 +1,7 @@
 // Kernel interface shared by every instruction-set variant.
 //
 // kernels.cpp is compiled once per variant (CMakeLists.txt: portable, avx2,
-// avx512) with that variant's target flags; each compilation defines one
+// avx512 on x86-64; portable, neon on aarch64) with that variant's target flags; each compilation defines one
 // KernelTable. dispatch.cpp picks a table at run time from the CPU's features,
 // so no translation unit is ever built with -march=native.
 #pragma once
@@ -67,6 +67,9 @@ extern const KernelTable kernels_avx2;
 #endif
 #if defined(OFFLOAD_HAVE_AVX512)
 extern const KernelTable kernels_avx512;
+#endif
+#if defined(OFFLOAD_HAVE_NEON)
+extern const KernelTable kernels_neon;
 #endif
 
 }  // namespace offload

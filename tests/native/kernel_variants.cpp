@@ -1,0 +1,175 @@
+// Every compiled kernel variant against the portable one, in C++ with no Python: for a
+// variant that cannot run on the test machine itself (NEON, built by a cross compiler and
+// run under qemu-user by tests/test_native_cross.py).
+//
+// The Adam step, accumulation and the probes must agree bit for bit (every variant
+// rounds where the portable one does, FMA where it uses an FMA, correctly rounded sqrt
+// and divide); the squared norm only to double rounding (lanes sum in another order),
+// with the same count of non-finite values; CRC-32C exactly.
+#include "kernels.h"
+#include "scalar.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+using namespace offload;
+
+namespace {
+
+int failures = 0;
+
+void fail(const char* variant, const char* what, size_t n, const char* detail) {
+  std::printf("FAIL %s %s n=%zu: %s\n", variant, what, n, detail);
+  ++failures;
+}
+
+bool same_bits(const void* a, const void* b, size_t bytes) { return std::memcmp(a, b, bytes) == 0; }
+
+std::vector<float> random_floats(std::mt19937& rng, size_t n, float scale, bool positive) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) x[i] = positive ? std::fabs(d(rng)) : d(rng);
+  if (n > 3) {
+    x[0] = 0.0f;
+    x[1] = positive ? 1e-40f : -1e-40f;  // subnormal
+    x[2] = positive ? 3e4f : -3e4f;
+  }
+  return x;
+}
+
+// A gradient buffer of the given dtype holding the values of x (rounded as torch rounds).
+std::vector<uint8_t> as_dtype(const std::vector<float>& x, DType dtype) {
+  const size_t item = dtype == DType::F32 ? 4 : 2;
+  std::vector<uint8_t> out(x.size() * item + 64);
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (dtype == DType::F32) std::memcpy(out.data() + 4 * i, &x[i], 4);
+    else scalar::store16(out.data(), int(dtype), i, x[i]);
+  }
+  return out;
+}
+
+struct Hyper {
+  const char* name;
+  float grad_scale, decay, l2, bc2_sqrt, step_size;
+};
+
+void check_adam(const KernelTable& k, std::mt19937& rng, size_t n) {
+  const Hyper hypers[] = {
+      {"adamw", 1.0f, 1.0f - 1e-3f * 0.1f, 0.0f, std::sqrt(1.0f - std::pow(0.999f, 3.0f)), 1e-3f / (1 - 0.729f)},
+      {"adam-l2-scaled", 0.5f, 1.0f, 0.01f, std::sqrt(1.0f - std::pow(0.999f, 7.0f)), 3e-2f},
+      {"no-bias-correction", 1.0f, 1.0f, 0.0f, 1.0f, 1e-4f},
+  };
+  const DType dtypes[] = {DType::F32, DType::BF16, DType::F16};
+  for (const Hyper& h : hypers) {
+    for (DType g : dtypes) {
+      for (int out = 0; out < 3; ++out) {
+        const std::vector<float> p = random_floats(rng, n, 1.0f, false);
+        const std::vector<float> m = random_floats(rng, n, 1e-2f, false);
+        const std::vector<float> v = random_floats(rng, n, 1e-4f, true);
+        const std::vector<uint8_t> grad = as_dtype(random_floats(rng, n, 1e-1f, false), g);
+        std::vector<float> p1 = p, m1 = m, v1 = v, p2 = p, m2 = m, v2 = v;
+        std::vector<uint16_t> o1(n + 8), o2(n + 8);
+        AdamArgs a;
+        a.grad = grad.data();
+        a.grad_dtype = g;
+        a.out_dtype = out == 2 ? DType::F16 : DType::BF16;
+        a.grad_scale = h.grad_scale;
+        a.decay = h.decay;
+        a.l2 = h.l2;
+        a.one_minus_beta1 = 0.1f;
+        a.beta2 = 0.999f;
+        a.one_minus_beta2 = 1.0f - 0.999f;
+        a.bc2_sqrt = h.bc2_sqrt;
+        a.eps = 1e-8f;
+        a.step_size = h.step_size;
+        AdamArgs b = a;
+        a.param = p1.data(), a.exp_avg = m1.data(), a.exp_avg_sq = v1.data(), a.out16 = out ? o1.data() : nullptr;
+        b.param = p2.data(), b.exp_avg = m2.data(), b.exp_avg_sq = v2.data(), b.out16 = out ? o2.data() : nullptr;
+        kernels_portable.adam(a, 0, n);
+        k.adam(b, 0, n);
+        char what[96];
+        std::snprintf(what, sizeof what, "%s grad=%d out=%d", h.name, int(g), out);
+        if (!same_bits(p1.data(), p2.data(), 4 * n)) fail(k.name, "adam params", n, what);
+        if (!same_bits(m1.data(), m2.data(), 4 * n)) fail(k.name, "adam exp_avg", n, what);
+        if (!same_bits(v1.data(), v2.data(), 4 * n)) fail(k.name, "adam exp_avg_sq", n, what);
+        if (out && !same_bits(o1.data(), o2.data(), 2 * n)) fail(k.name, "adam 16-bit copy", n, what);
+      }
+    }
+  }
+}
+
+void check_norm_and_accumulate(const KernelTable& k, std::mt19937& rng, size_t n) {
+  const DType dtypes[] = {DType::F32, DType::BF16, DType::F16};
+  for (DType g : dtypes) {
+    std::vector<float> x = random_floats(rng, n, 3.0f, false);
+    if (n > 5) x[n / 2] = INFINITY, x[n - 1] = NAN;
+    const std::vector<uint8_t> data = as_dtype(x, g);
+    const SqNorm a = kernels_portable.sq_norm(data.data(), g, n), b = k.sq_norm(data.data(), g, n);
+    if (a.nonfinite != b.nonfinite) fail(k.name, "sq_norm non-finite count", n, "");
+    const bool both_nan = std::isnan(a.sum_sq) && std::isnan(b.sum_sq);
+    if (!both_nan && std::fabs(a.sum_sq - b.sum_sq) > 1e-12 * std::fabs(a.sum_sq)) fail(k.name, "sq_norm", n, "");
+
+    std::vector<float> finite = random_floats(rng, n, 1.0f, false);
+    const std::vector<uint8_t> shard = as_dtype(finite, g);
+    for (int overwrite = 0; overwrite < 2; ++overwrite) {
+      std::vector<float> acc1 = random_floats(rng, n, 1.0f, false), acc2 = acc1;
+      kernels_portable.accumulate(acc1.data(), shard.data(), g, 0.25f, overwrite, 0, n);
+      k.accumulate(acc2.data(), shard.data(), g, 0.25f, overwrite, 0, n);
+      if (!same_bits(acc1.data(), acc2.data(), 4 * n)) fail(k.name, overwrite ? "accumulate (overwrite)" : "accumulate", n, "");
+    }
+  }
+  std::vector<float> p = random_floats(rng, n, 1.0f, false), m = p, v = p, g = random_floats(rng, n, 1.0f, false);
+  std::vector<float> p2 = p, m2 = m, v2 = v;
+  kernels_portable.touch3(p.data(), m.data(), v.data(), g.data(), 0, n);
+  k.touch3(p2.data(), m2.data(), v2.data(), g.data(), 0, n);
+  if (!same_bits(p.data(), p2.data(), 4 * n) || !same_bits(v.data(), v2.data(), 4 * n)) fail(k.name, "touch3", n, "");
+}
+
+void check_crc(const KernelTable& k, std::mt19937& rng, size_t n) {
+  std::vector<uint8_t> bytes(n + 1);
+  for (auto& b : bytes) b = uint8_t(rng());
+  // Also from an odd address: the lanes' 8-byte loads are unaligned there.
+  for (size_t start = 0; start < 2; ++start) {
+    if (kernels_portable.crc32c(bytes.data() + start, n - start * (n > 0), 0) !=
+        k.crc32c(bytes.data() + start, n - start * (n > 0), 0))
+      fail(k.name, "crc32c", n, start ? "odd start" : "");
+  }
+}
+
+}  // namespace
+
+int main() {
+  const unsigned char check[] = "123456789";
+  if (kernels_portable.crc32c(check, 9, 0) != 0xE3069283u) fail("portable", "crc32c check value", 9, "");
+  const KernelTable* tables[] = {
+#if defined(OFFLOAD_HAVE_NEON)
+      &kernels_neon,
+#endif
+#if defined(OFFLOAD_HAVE_AVX2)
+      &kernels_avx2,
+#endif
+#if defined(OFFLOAD_HAVE_AVX512)
+      &kernels_avx512,
+#endif
+  };
+  std::mt19937 rng(1234);
+  int variants = 0;
+  for (const KernelTable* k : tables) {
+    ++variants;
+    for (size_t n : {1, 3, 4, 7, 8, 17, 1023, 4101, 100003}) {
+      check_adam(*k, rng, n);
+      check_norm_and_accumulate(*k, rng, n);
+    }
+    for (size_t n : {0, 1, 7, 8, 9, 24, 4095, 12287, 12288, 12289, 100003}) check_crc(*k, rng, n);
+  }
+  if (failures) {
+    std::printf("%d failure(s)\n", failures);
+    return 1;
+  }
+  std::printf("ok: %d variant(s) equal the portable kernels\n", variants);
+  return 0;
+}

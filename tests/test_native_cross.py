@@ -1,0 +1,40 @@
+"""The NEON kernels, on an x86 machine: cross-compiled with the flags CMakeLists.txt gives the neon variant and run
+under qemu-user against the portable kernels (tests/native/kernel_variants.cpp). Python's own kernel tests cover
+every variant the machine itself runs; this covers the one it cannot."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CXX, QEMU = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
+
+
+def variant_flags(name: str) -> list[str]:
+    """The compile options CMakeLists.txt passes for one kernel variant, besides the common ones."""
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    match = re.search(rf"offload_kernel_variant\({name}\b([^)]*)\)", cmake)
+    assert match, f"CMakeLists.txt builds no {name} variant"
+    return match.group(1).split()
+
+
+@pytest.mark.skipif(CXX is None or QEMU is None, reason="needs g++-aarch64-linux-gnu and qemu-user (./dev.sh test "
+                                                         "installs them where apt-get can)")
+def test_neon_kernels_equal_the_portable_ones_under_qemu(tmp_path):
+    common = [CXX, "-std=c++17", "-O3", "-ffp-contract=off", f"-I{ROOT / 'native'}"]
+    objects = []
+    for name in ("portable", "neon"):
+        obj = tmp_path / f"{name}.o"
+        flags = variant_flags(name) if name != "portable" else []
+        subprocess.run([*common, *flags, f"-DOFFLOAD_ISA_NAME={name}", "-c", str(ROOT / "native" / "kernels.cpp"), "-o", str(obj)], check=True)
+        objects.append(str(obj))
+    exe = tmp_path / "kernel_variants"
+    subprocess.run([*common, "-DOFFLOAD_HAVE_NEON=1", str(ROOT / "tests" / "native" / "kernel_variants.cpp"),
+                    *objects, "-static", "-o", str(exe)], check=True)
+    run = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "ok: 1 variant(s) equal the portable kernels" in run.stdout
+
