@@ -32,7 +32,6 @@ FOREGROUND = ("gather", "gather_wait", "prefetch", "reduce_scatter", "all_reduce
               "optimizer")
 BACKGROUND = ("d2h", "accumulate", "h2d", "optimizer_overlapped")
 NVME_PARAMS = ("param_read",)  # parameter shards read from NVMe, submit to completion, on the "nvme" row
-NVME_OPTIMIZER = ("optimizer_io",)  # a step's optimizer-state transfers in flight (their union), on the "nvme" row
 AUTOGRAD_THREAD = "autograd"
 COMPUTE = ("forward", "backward")  # spans of the training thread that contain the model's compute
 

@@ -1,10 +1,16 @@
 """The optimizer step overlapped with backward: exact (bitwise the same as stepping after backward), used only
 when nothing global gates the update, and the engine says which mode it runs and why."""
 
+import errno
+import os
+
 import pytest
 import torch
 
-from engine_cases import base_config, describe_engine, train_engine, train_reference
+import offload
+import offload.aio.base as aio_base
+from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
+from offload.aio.base import SwapIOError
 from offload.launch import run_ranks
 
 
@@ -98,8 +104,8 @@ def test_nvme_sub_groups_step_during_backward_bitwise_as_after_it(tmp_path, worl
             torch.testing.assert_close(value, ref["state"][key])
 
 
-def _steps(engine, batches_, loss_of):
-    for tokens in batches_:
+def _steps(engine, data):
+    for tokens in data:
         for half in tokens.split(2):
             engine.backward(loss_of(engine, "gpt", half))
             engine.step()
@@ -108,14 +114,6 @@ def _steps(engine, batches_, loss_of):
 @pytest.mark.parametrize("fail_at", [2, 5])
 def test_a_write_failing_under_backward_fails_the_step_which_can_be_retried(tmp_path, monkeypatch, fail_at):
     """fail_at 2: a write waited for on the host thread during backward; 5: one waited for by step()."""
-    import errno
-    import os
-
-    import offload
-    import offload.aio.base as base
-    from engine_cases import batches, loss_of, make_model
-    from offload.aio.base import SwapIOError
-
     def build(path):
         engine, *_ = offload.initialize(model=make_model("gpt"), config=nvme_config(path, 1, "on", engine="threads"))
         return engine
@@ -124,7 +122,7 @@ def test_a_write_failing_under_backward_fails_the_step_which_can_be_retried(tmp_
     engine = build(tmp_path / "a")
     groups = sum(g.tier == "nvme" for g in engine.optimizer.store.groups)
     assert groups >= 5
-    _steps(engine, data[:2], loss_of)
+    _steps(engine, data[:2])
     before = engine.full_state_dict()
     real, calls = os.pwritev, {"n": 0}
 
@@ -134,7 +132,7 @@ def test_a_write_failing_under_backward_fails_the_step_which_can_be_retried(tmp_
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, bufs, off)
 
-    monkeypatch.setattr(base.os, "pwritev", failing)
+    monkeypatch.setattr(aio_base.os, "pwritev", failing)
     first, last = data[2].split(2)
     engine.backward(loss_of(engine, "gpt", first))
     engine.step()
@@ -149,7 +147,7 @@ def test_a_write_failing_under_backward_fails_the_step_which_can_be_retried(tmp_
     retried = engine.full_state_dict()
     engine.close()
     clean = build(tmp_path / "b")
-    _steps(clean, data, loss_of)
+    _steps(clean, data)
     expected = clean.full_state_dict()
     clean.close()
     for key, value in expected.items():

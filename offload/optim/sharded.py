@@ -408,9 +408,9 @@ class ShardedAdam(torch.optim.Optimizer):
         if self._nvme_error is not None:
             return
         try:
-            for group in self.store.arrive(unit.index):
-                for member in group.members:
-                    self._step_overlapped(units[member.unit], group.views(member), hypers, step)
+            for ready in self.store.arrive(unit.index):
+                for m in ready.members:
+                    self._step_overlapped(units[m.unit], ready.views(m), hypers, step)
         except Exception as e:  # noqa: BLE001 - a failed transfer: engine.step() raises it, and can be retried
             self._nvme_error = e
 

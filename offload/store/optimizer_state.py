@@ -352,13 +352,11 @@ class NvmePass:
     def __init__(self, file: ChecksummedFile, groups: list[SubGroup], buffers: list[AlignedBuffer],
                  telemetry: Telemetry) -> None:
         self.file, self.tel = file, telemetry
-        self.groups = groups
         self.upcoming: deque[SubGroup] = deque(groups)
         self.reading: deque[tuple[SubGroup, AlignedBuffer, object]] = deque()
         self.free: deque[tuple[AlignedBuffer, RequestGroup | None]] = deque((b, None) for b in buffers)
         self.taken: dict[int, tuple[SubGroup, AlignedBuffer]] = {}  # resident, not released yet
-        self.released: list[SubGroup] = []
-        self.writes: dict[int, object] = {}
+        self.released: dict[int, tuple[SubGroup, object]] = {}  # written (or being written), not committed
         self._transfers: list[object] = []  # every read and write, for the time the pass had I/O in flight
         self._arrived: dict[int, set[int]] = {}
         self._fill()
@@ -392,18 +390,17 @@ class NvmePass:
         write = self.file.write(buf.tensor, g.slots[1 - g.current], g.nbytes)
         self._transfers.append(write)
         self.free.append((buf, write))
-        self.writes[g.index] = write
-        self.released.append(g)
+        self.released[g.index] = (g, write)
         self.tel.add_bytes("nvme_write", g.nbytes)
 
     def finish(self) -> None:
         """Wait for every write; the written slots become current."""
         with self.tel.span("nvme_wait", "write"):
-            for write in self.writes.values():
+            for _, write in self.released.values():
                 write.wait()  # type: ignore[attr-defined]
-        for g in self.released:
+        for g, _ in self.released.values():
             g.current = 1 - g.current
-        self.released = []
+        self.released.clear()
         for start, end in _union(_span(t) for t in self._transfers):
             self.tel.interval("optimizer_io", None, start, end, "nvme")
 
@@ -412,9 +409,11 @@ class NvmePass:
         handed out (their new state is discarded)."""
         for _, _, read in self.reading:
             _quiet_wait(read)
-        for write in self.writes.values():
+        for _, write in self.released.values():
             _quiet_wait(write)
-        return self.released + self._drop_taken()
+        released = [g for g, _ in self.released.values()]
+        self.released.clear()
+        return released + self._drop_taken()
 
     def settle(self) -> list[SubGroup]:
         """Stop early: reads are dropped, released sub-groups whose write completed are committed (their step
@@ -422,12 +421,12 @@ class NvmePass:
         for _, _, read in self.reading:
             _quiet_wait(read)
         lost = []
-        for g in self.released:
-            if _quiet_wait(self.writes[g.index]):
+        for g, write in self.released.values():
+            if _quiet_wait(write):
                 g.current = 1 - g.current
             else:
                 lost.append(g)
-        self.released = []
+        self.released.clear()
         return lost + self._drop_taken()
 
     def _drop_taken(self) -> list[SubGroup]:
