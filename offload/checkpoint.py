@@ -15,16 +15,26 @@ A save writes everything under ``.tmp-<tag>``, fsyncs each file, then rank 0 wri
 replaces ``latest``. A process killed at any moment leaves the previous checkpoint
 loadable (``latest`` still names it) and the new one either complete or absent.
 A load verifies every checksum before it changes any state.
+
+[Note: stale writes] Rank 0 holds ``save_dir/.lock`` (flock) for the whole of a save.
+What a killed save leaves behind (``.tmp-<tag>``, or ``.old-<tag>`` when it was
+replacing a tag) belongs to no live writer exactly when that lock can be taken, so the
+next save (which holds it) or load (which takes it briefly, and sweeps nothing while a
+save runs) removes the ``.tmp-*`` directories, puts an ``.old-<tag>`` back where its
+tag is missing (the save died between moving the old copy aside and renaming the new
+one in), and logs what it did.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -137,6 +147,50 @@ def file_sha256(path: Path) -> str:
 
 def tmp_dir(save_dir: Path, tag: str) -> Path:
     return save_dir / f".tmp-{tag}"
+
+
+LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def writer_lock(save_dir: Path, wait: bool = True) -> Iterator[bool]:
+    """Hold ``save_dir``'s writer lock inside the block (see [Note: stale writes]); yields False, holding
+    nothing, when ``wait`` is false and another process holds it."""
+    fd = os.open(save_dir / LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def sweep_stale(save_dir: Path) -> list[str]:
+    """Undo what killed saves left in ``save_dir``; the caller holds the writer lock. Returns what it did."""
+    done: list[str] = []
+    for entry in sorted(save_dir.iterdir()):
+        if entry.name.startswith(".tmp-") and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+            done.append(f"removed {entry.name} (an unfinished save)")
+        elif entry.name.startswith(".old-") and entry.is_dir():
+            tag = entry.name.removeprefix(".old-")
+            if (save_dir / tag / "meta.json").is_file():
+                shutil.rmtree(entry, ignore_errors=True)
+                done.append(f"removed {entry.name} (replaced by a complete {tag})")
+            else:
+                shutil.rmtree(save_dir / tag, ignore_errors=True)
+                os.replace(entry, save_dir / tag)
+                done.append(f"restored {tag} from {entry.name} (a save replacing it died half-way)")
+    if done:
+        fsync_dir(save_dir)
+        logger.warning("checkpoint directory %s: %s", save_dir, "; ".join(done))
+    return done
 
 
 def publish(save_dir: Path, tag: str, meta: dict[str, Any], update_latest: bool = True) -> Path:
@@ -274,6 +328,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _seed_new_rank(saved: dict[str, Any], rank: int) -> None:
+    """A rank the checkpoint did not have: generators of its own (no two ranks draw the same numbers),
+    derived deterministically from the saved rank's torch state and this rank's number."""
+    import random
+
+    import numpy as np
+    digest = hashlib.sha256(saved["torch"].numpy().tobytes() + rank.to_bytes(8, "little")).digest()
+    seed = int.from_bytes(digest[:8], "little")
+    torch.manual_seed(seed)  # the CPU generator and every CUDA device's
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def _layout(engine: Any) -> list[dict[str, Any]]:
     return [{"name": u.name, "numel": u.numel, "padded": u.padded, "trained": u.index in engine.optimizer.shards}
             for u in engine.units]
@@ -326,19 +393,46 @@ def _all_ok(ok: bool, engine: Any) -> bool:
 def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_state: dict[str, Any] | None,
          save_latest: bool = True) -> Path:
     """Every rank calls it; see the module docstring for what lands where."""
-    import offload
-    group, rank = engine.group, engine.group.rank
+    rank = engine.group.rank
     tag = tag or f"global_step{engine.global_steps}"
     if "/" in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"tag {tag!r} cannot name a checkpoint directory (no '/', no leading '.', not "
                               f"{LATEST!r})")
+    tag = _agreed_tag(tag, engine)
     root = Path(save_dir)
+    with contextlib.ExitStack() as held:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            held.enter_context(writer_lock(root))
+            sweep_stale(root)
+            tmp_dir(root, tag).mkdir()
+        _barrier(engine.group)
+        return _save_locked(engine, root, tag, client_state, save_latest)
+
+
+def _agreed_tag(tag: str, engine: Any) -> str:
+    """checkpoint.tag_validation: every rank must save under the same tag. Fail raises on every rank before
+    anything is written; Warn logs it and every rank saves under rank 0's tag (one checkpoint, not a torn one)."""
+    mode = engine.config.checkpoint.tag_validation
+    if mode == "Ignore" or engine.group.world == 1:
+        return tag
+    tags = _gather_objects(tag, engine.group)
+    if len(set(tags)) == 1:
+        return tag
+    message = (f"ranks save under different tags ({', '.join(f'rank {r}: {t!r}' for r, t in enumerate(tags))}); "
+               f"pass the same tag on every rank (checkpoint.tag_validation is {mode})")
+    if mode == "Fail":
+        raise CheckpointError(message)
+    if engine.group.rank == 0:
+        logger.warning("%s; saving under rank 0's tag %r", message, tags[0])
+    return tags[0]
+
+
+def _save_locked(engine: Any, root: Path, tag: str, client_state: dict[str, Any] | None,
+                 save_latest: bool) -> Path:
+    import offload
+    group, rank = engine.group, engine.group.rank
     tmp = tmp_dir(root, tag)
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left behind
-        tmp.mkdir()
-    _barrier(group)
     files: dict[str, str] = {}
     if rank < engine.partition.world:  # stage 0: every rank holds the same state; rank 0 writes it
         writer = RankWriter(tmp, rank)
@@ -380,8 +474,17 @@ def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_
 
 def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[Path, dict[str, Any]]:
-    """Every rank calls it. Checks first (layout, world size, checksums on every rank), then changes state."""
+    """Every rank calls it. Checks first (layout, world size, checksums on every rank), then changes state.
+
+    As DeepSpeed documents them: ``load_module_only`` restores the weights alone (optimizer state, counters, loss
+    scale, schedule and RNG stay as the engine has them); ``load_optimizer_states=False`` keeps the engine's own
+    Adam moments, step count and hyperparameters; ``load_lr_scheduler_states=False`` keeps its schedule.
+    """
     rank = engine.group.rank
+    if rank == 0 and Path(load_dir).is_dir():
+        with writer_lock(Path(load_dir), wait=False) as free:
+            if free:  # else a save is running there, and what looks stale is its work
+                sweep_stale(Path(load_dir))
     path = resolve(Path(load_dir), tag)
     meta = read_meta(path)
     if meta.get("format") != FORMAT:
@@ -417,17 +520,20 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
         return reader.read(unit.index, kind, unit.shard_start, unit.shard_start + unit.shard_numel)
 
     units = {u.index: u for u in engine.units}
+    moments = load_optimizer_states and not load_module_only
+    # zero_optimization.load_from_fp32_weights false: the master weights are rebuilt from the checkpoint's
+    # compute-dtype weights (rounded), as DeepSpeed does from its 16-bit ones.
+    rounded = None if engine.config.zero_optimization.load_from_fp32_weights else getattr(torch, meta["compute_dtype"])
     try:
-        for g in engine.optimizer.store.one_at_a_time(read=False, write=True):
+        for g in engine.optimizer.store.one_at_a_time(read=not moments, write=True):
             for m in g.members:
                 unit = units[m.unit]
                 master, exp_avg, exp_avg_sq = g.views(m)
-                master.copy_(take(unit, "master"))
-                for dst, kind in ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
-                    if load_optimizer_states and not load_module_only:
-                        dst.copy_(take(unit, kind))
-                    else:
-                        dst.zero_()
+                saved = take(unit, "master")
+                master.copy_(saved if rounded is None else saved.to(rounded).float())
+                if moments:
+                    exp_avg.copy_(take(unit, "exp_avg"))
+                    exp_avg_sq.copy_(take(unit, "exp_avg_sq"))
                 engine.set_unit_values(unit, master)
         for unit in engine.units:
             if unit.index not in engine.optimizer.shards:
@@ -441,11 +547,14 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
     finally:
         reader.close()
     small = torch.load(path / f"rank{small_from}.pt", weights_only=False)
-    _set_rng_state(small["rng"])
     main = small if small_from == 0 else torch.load(path / "rank0.pt", weights_only=False)
     engine.optimizer.clear_grads()
     engine._pending_micro = 0
     if not load_module_only:
+        if rank < old_world:
+            _set_rng_state(small["rng"])
+        else:
+            _seed_new_rank(small["rng"], rank)
         engine.global_steps, engine.skipped_steps = meta["global_steps"], meta["skipped_steps"]
         engine.micro_steps = meta["micro_steps"]
         if load_optimizer_states:

@@ -36,9 +36,11 @@ from offload.aio.base import Engine as AioEngine
 from offload.aio.select import engine_from_config
 from offload.optim.sharded import ShardedAdam, StatePlan
 from offload.store.budget import TierBudget
-from offload.store.param_swap import ParamSwap, ParamSwapError, place_params
+from offload.store.param_swap import ParamSwap, ParamSwapError, describe_placement, place_params
 from offload.store.swapdir import PREFIX, SwapDir
-from offload.telemetry import Telemetry
+from offload.host_malloc import set_mmap_threshold
+from offload.telemetry import PhaseReport, Telemetry
+from offload.weights_file import TensorSpec, stream_for
 from offload.zero.collectives import Group, all_gather, all_reduce_sum, broadcast
 from offload.zero.init import materialize_unit
 from offload.zero.plan import plan_units
@@ -80,6 +82,7 @@ class Engine:
         if not group_of:
             raise EngineError("the optimizer has no parameters: model_parameters (or the optimizer's param groups) "
                               "must include at least one parameter that requires grad")
+        self._trained_names = {id(p): n for n, p in model.named_parameters() if id(p) in group_of}
         untracked = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
         if untracked:
             logger.warning("%d parameters require grad but are in no optimizer group and will not be updated: %s",
@@ -98,8 +101,12 @@ class Engine:
         with contextlib.ExitStack() as undo:  # a failed start-up releases what it took (swap dir lock, threads)
             undo.callback(self.accel.close)
             undo.callback(self._close_swap)
-            nvme_params = place_params([(p.index, Unit.padded_numel(p, parts) // parts) for p in plans],
-                                       zero.offload_param) if zero.offload_param.device == "nvme" else []
+            nvme_params = []
+            if zero.offload_param.device == "nvme":
+                shard_sizes = [(p.index, Unit.padded_numel(p, parts) // parts) for p in plans]
+                nvme_params = place_params(shard_sizes, zero.offload_param)
+                logger.info("rank %d: %s", group.rank, describe_placement(shard_sizes, nvme_params,
+                                                                           zero.offload_param))
             if nvme_params:
                 self.param_swap = ParamSwap(
                     nvme_params, self.compute_dtype, swap=self._open_swap(zero.offload_param.nvme_path),
@@ -163,6 +170,7 @@ class Engine:
             self.step_mode, self._overlap = self._choose_step_mode()
             logger.info("ZeRO %s; optimizer step: %s", self.stage.describe(), self.step_mode)
             self.module = model
+            self._phases = PhaseReport(self.telemetry) if config.wall_clock_breakdown else None
             if config.scheduler is not None:
                 if lr_scheduler is not None:
                     raise EngineError("the config has a scheduler section and initialize() was given lr_scheduler; "
@@ -172,6 +180,9 @@ class Engine:
                 lr_scheduler = lr_scheduler(self.optimizer)
             self.lr_scheduler = lr_scheduler
             undo.pop_all()
+        if config.dump_state:
+            logger.info("engine state at start (dump_state), rank %d:\n%s\nstep mode: %s\nconfig: %s", group.rank,
+                        self.memory_report(), self.step_mode, config.to_json(indent=None))
 
     def _choose_step_mode(self) -> tuple[str, bool]:
         """Overlap the step with backward where that is exact; otherwise say why not."""
@@ -182,6 +193,8 @@ class Engine:
             reasons.append("fp16 needs the overflow check first")
         if not self.optimizer.offload:
             reasons.append("the optimizer state is on the compute device")
+        if not self.config.zero_optimization.ignore_unused_parameters:
+            reasons.append("ignore_unused_parameters false checks every gradient first")
         mode = self.config.offload.overlap_step
         if mode == "off":
             reasons.append("offload.overlap_step is off")
@@ -330,7 +343,8 @@ class Engine:
         self._check_open()
         self._repair_params()
         self.runtime.begin_iteration()
-        args, kwargs = _to_device((args, kwargs), self.accel.device)
+        cast = torch.float16 if self.compute_dtype == torch.float16 and self.config.fp16.auto_cast else None
+        args, kwargs = _to_device((args, kwargs), self.accel.device, cast)
         try:
             with self.telemetry.span("forward"):
                 return self.module(*args, **kwargs)
@@ -393,6 +407,9 @@ class Engine:
                               "engine.backward(loss) first")
         if not self.is_gradient_accumulation_boundary():
             return
+        if not self.config.zero_optimization.ignore_unused_parameters:
+            self._check_every_parameter_got_a_gradient()
+        self.runtime.got_grad.clear()
         self._pending_micro = 0
         self.activations.discard()  # inputs saved by a forward whose backward never ran
         with self.telemetry.span("grad_wait"):
@@ -412,6 +429,7 @@ class Engine:
             logger.info("step %d: fp16 gradients overflowed; step skipped, loss scale now %g", self.global_steps,
                         self.loss_scaler.scale)
             self.optimizer.clear_grads()
+            self._report_every_steps_per_print()
             return
         norm = math.sqrt(sum_sq) / scale if nonfinite == 0 else math.nan
         self.last_grad_norm = norm
@@ -438,12 +456,35 @@ class Engine:
         self.loss_scaler.update(overflow=False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        self._report_every_steps_per_print()
         if behind is not None:
             raise EngineError(f"step {self.global_steps} was applied, but writing new parameter shards to NVMe "
                               f"failed: {behind.strerror}. The master weights hold the step; the units left behind "
                               "are rewritten from them before the next forward, so fix the disk and go on (do not "
                               "repeat this step)") from behind
         self.runtime.read_ahead_first()
+
+    def _check_every_parameter_got_a_gradient(self) -> None:
+        """zero_optimization.ignore_unused_parameters false: a trainable parameter without a gradient this step is
+        an error (before anything is applied), as in DeepSpeed."""
+        unused = [name for key, name in self._trained_names.items() if key not in self.runtime.got_grad]
+        if unused:
+            self.zero_grad()
+            raise EngineError(f"rank {self.group.rank}: {len(unused)} trainable parameter(s) received no gradient "
+                              f"this step ({', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}), and "
+                              "zero_optimization.ignore_unused_parameters is false; the step's gradients were "
+                              "dropped. Set it to true (they then keep their values), freeze them "
+                              "(requires_grad=False), or use them in the forward")
+
+    def _report_every_steps_per_print(self) -> None:
+        """wall_clock_breakdown and memory_breakdown: one log line each every steps_per_print steps."""
+        every = self.config.steps_per_print
+        if self.global_steps % every:
+            return
+        if self._phases is not None:
+            logger.info("step %d, rank %d: %s", self.global_steps, self.group.rank, self._phases.line(every))
+        if self.config.memory_breakdown:
+            logger.info("step %d: %s", self.global_steps, self.memory_report())
 
     def _repair_params(self) -> None:
         """Rewrite NVMe parameter shards a failed write left behind their master weights (see
@@ -461,6 +502,7 @@ class Engine:
         """Discard gradients accumulated since the last step (a no-op right after one)."""
         self.optimizer.clear_grads()
         self.runtime.clear_param_grads()
+        self.runtime.got_grad.clear()
         self._pending_micro = 0
 
     def train(self, mode: bool = True) -> Engine:
@@ -569,27 +611,27 @@ class Engine:
         for key, index, slot in layout:
             if not (exclude_frozen_parameters and not slot.param.requires_grad):
                 by_unit.setdefault(index, []).append((key, slot))
-        rank0 = self.group.rank == 0
-        state: dict[str, torch.Tensor] = {}
-        for unit in self.units:  # one unit gathered at a time; rank 0 keeps the host copy
-            full = torch.empty(unit.padded, dtype=self.compute_dtype, device=self.accel.device)
-            all_gather(full, unit.authoritative_shard.to(self.accel.device), unit.group)
-            if rank0:
-                full = full.cpu()
-                for key, s in by_unit.get(unit.index, ()):
-                    state[key] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
-            del full
-        if rank0:
-            state.update(buffers)
-            path = Path(save_dir) / save_filename
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            if save_filename.endswith(".safetensors"):
-                from safetensors.torch import save_file
-                save_file(state, str(tmp), metadata={"format": "pt"})
-            else:
-                torch.save(state, tmp)
-            os.replace(tmp, path)
+        stream = None
+        if self.group.rank == 0:  # streams unit by unit: rank 0 never holds the whole state dict
+            specs = [TensorSpec(key, self.compute_dtype, tuple(slot.shape)) for unit in self.units
+                     for key, slot in by_unit.get(unit.index, ())]
+            specs += [TensorSpec(key, t.dtype, tuple(t.shape)) for key, t in buffers.items()]
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
+            written = {s.key for s in specs}
+            order = [key for key in self.module.state_dict(keep_vars=True) if key in written]
+            stream = stream_for(Path(save_dir) / save_filename, specs, metadata={"format": "pt"}, key_order=order)
+        with stream if stream is not None else contextlib.nullcontext():
+            for unit in self.units:  # one unit gathered at a time
+                full = torch.empty(unit.padded, dtype=self.compute_dtype, device=self.accel.device)
+                all_gather(full, unit.authoritative_shard.to(self.accel.device), unit.group)
+                if stream is not None:
+                    full = full.cpu()
+                    for key, s in by_unit.get(unit.index, ()):
+                        stream.write(key, full[s.offset:s.offset + s.numel].view(s.shape))
+                del full
+            if stream is not None:
+                for key, t in buffers.items():
+                    stream.write(key, t)
         if self.group.pg is not None:
             dist.barrier(group=self.group.pg)
         return True
@@ -659,13 +701,19 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         raise ConfigError("", "initialize needs a config (a path, a JSON string, a dict or a Config)")
     if not isinstance(model, nn.Module):
         raise EngineError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    loaded = Config.load(config)
+    if loaded.offload.host_malloc.mmap_threshold is not None:
+        set_mmap_threshold(loaded.offload.host_malloc.mmap_threshold)  # before the engine allocates
     group = _join_group(dist_init_required)
     accel = Accelerator(device if device is not None else _default_device())
     if accel.is_cuda:
         torch.cuda.set_device(accel.device)  # NCCL and the caching allocator use the current device
     hidden = getattr(getattr(model, "config", None), "hidden_size", None) or getattr(model, "hidden_size", None)
-    cfg = Config.load(config).resolve(world_size=group.world, hidden_size=hidden)
+    cfg = loaded.resolve(world_size=group.world, hidden_size=hidden)
     _check_supported(cfg)
+    if cfg.no_effect and group.rank == 0:
+        logger.warning("config: %d key(s) set here have no effect in offload: %s", len(cfg.no_effect),
+                       "; ".join(cfg.no_effect))
     param_groups, adamw_mode, bias_correction = _optimizer_groups(model, model_parameters, cfg, optimizer)
     engine = Engine(model, cfg, param_groups, adamw_mode, bias_correction, group, accel, lr_scheduler)
     loader = None
@@ -677,15 +725,18 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
-def _to_device(value: Any, device: torch.device) -> Any:
+def _to_device(value: Any, device: torch.device, cast: torch.dtype | None = None) -> Any:
+    """``value`` with its tensors on ``device``; with ``cast`` (fp16.auto_cast) floating ones also in that dtype."""
     if isinstance(value, torch.Tensor):
-        return value if value.device == device else value.to(device, non_blocking=True)
+        dtype = cast if cast is not None and value.is_floating_point() else value.dtype
+        return value if value.device == device and value.dtype == dtype else \
+            value.to(device, dtype, non_blocking=True)
     if isinstance(value, dict):
-        return type(value)((k, _to_device(v, device)) for k, v in value.items())
+        return type(value)((k, _to_device(v, device, cast)) for k, v in value.items())
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_to_device(v, device) for v in value))
+        return type(value)(*(_to_device(v, device, cast) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
+        return type(value)(_to_device(v, device, cast) for v in value)
     return value
 
 

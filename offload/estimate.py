@@ -30,7 +30,7 @@ from offload.config import Config, ConfigError
 from offload.optim.sharded import host_parts
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import nvme_buffers, place_sub_groups, plan_sub_groups
-from offload.store.param_swap import param_buffer_bytes, place_params, plan_homes
+from offload.store.param_swap import describe_placement, param_buffer_bytes, place_params, plan_homes
 from offload.zero.stage import Stage
 
 TIERS = ("device", "host", "nvme")
@@ -140,6 +140,8 @@ def estimate(unit_numels: list[int], config: Config, world: int,
         device["gradients (whole, in .grad)"] = item * est.params
     budget = TierBudget("host", config.offload.budgets.host)
     nvme_params = place_params(sizes, zero.offload_param) if param_dev == "nvme" else []
+    if param_dev == "nvme":
+        est.notes.append(describe_placement(sizes, nvme_params, zero.offload_param))
     if nvme_params:
         _take(budget, host, "parameter NVMe buffers",
               param_buffer_bytes([n for _, n in nvme_params], item, zero.offload_param.buffer_count))
@@ -171,8 +173,11 @@ def estimate(unit_numels: list[int], config: Config, world: int,
         est.notes.append(f"each optimizer NVMe buffer holds a whole sub-group (sub_group_size "
                          f"{int(zero.sub_group_size):,} elements): {buffers / 2**30:.2f} GiB of buffers; a smaller "
                          "sub_group_size (e.g. 1e8) shrinks them")
-    if budget.limit is not None and est.total("host") > budget.limit:
-        est.notes.append(f"over offload.budgets.host ({budget.limit:,} bytes): initialize would refuse this plan")
+    for tier in ("host", "nvme"):  # the limits initialize holds every tier to
+        limit = getattr(config.offload.budgets, tier)
+        if limit is not None and est.total(tier) > limit:
+            est.notes.append(f"over offload.budgets.{tier} ({limit:,} bytes; the plan needs {est.total(tier):,}): "
+                             "initialize would refuse this plan")
     est.notes.append(("not counted: " if activations is not None else "not counted: activations, ")
                      + "the CUDA context and allocator slack")
     return est

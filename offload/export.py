@@ -2,10 +2,11 @@
 
 The files follow Hugging Face's sharded layout (``model.safetensors``, or
 ``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json``), so
-``model.load_state_dict`` and ``from_pretrained`` read them. Memory stays near one
-output file plus one unit, whatever the model's size: each unit's values are read from
-the rank files (ShardReader), cut into parameters, and a file is written as soon as the
-next tensor would push it past ``max_shard_bytes``.
+``model.load_state_dict`` and ``from_pretrained`` read them. Memory stays near one unit,
+whatever the model's size: the files and their headers are planned from the layout
+(a file ends where the next tensor would push it past ``max_shard_bytes``), then each
+unit's values are read from the rank files (ShardReader), cut into parameters and
+streamed into their file (offload/weights_file.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from offload.checkpoint import CheckpointError, ShardReader, partitions, read_meta, resolve, verify
+from offload.weights_file import SafetensorsStream, TensorSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,7 +45,6 @@ class ExportResult:
 def export_weights(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype: str = "fp32",
                    max_shard_bytes: int = 5 << 30, tag: str | None = None) -> ExportResult:
     """Write the checkpoint's model weights (fp32 masters cast to ``dtype``; buffers as they are)."""
-    from safetensors.torch import save_file
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if max_shard_bytes <= 0:
@@ -60,62 +62,56 @@ def export_weights(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLik
         by_unit[unit].append([key, offset, shape])
     buffers = torch.load(path / "rank0.pt", weights_only=False)["buffers"]
     target = DTYPES[dtype]
-    written: list[tuple[Path, list[str]]] = []
-    pending: dict[str, torch.Tensor] = {}
-    pending_bytes = total = count = 0
+    specs = [TensorSpec(key, target, tuple(shape)) for index in range(len(meta["units"]))
+             for key, _, shape in by_unit.get(index, ())]
+    specs += [TensorSpec(key, t.dtype, tuple(t.shape)) for key, t in buffers.items()]
+    files = split_files(specs, max_shard_bytes)
 
-    def flush() -> None:
-        nonlocal pending, pending_bytes
-        if pending:
-            file = out / f".part-{len(written) + 1:05d}.safetensors"
-            save_file(pending, str(file), metadata={"format": "pt"})
-            written.append((file, list(pending)))
-            pending, pending_bytes = {}, 0
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        """In ``specs``' order, one unit's values in memory at a time."""
+        reader = ShardReader(path, meta)
+        try:
+            for index, unit in enumerate(meta["units"]):
+                if index not in by_unit:
+                    continue
+                flat = reader.read(index, "master" if unit["trained"] else "shard", 0, unit["numel"])
+                for key, offset, shape in by_unit[index]:
+                    n = int(torch.Size(shape).numel())
+                    yield key, flat[offset:offset + n].view(shape).to(target)
+                del flat
+        finally:
+            reader.close()
+        yield from buffers.items()
 
-    def add(key: str, t: torch.Tensor) -> None:
-        nonlocal pending_bytes, total, count
-        nbytes = t.numel() * t.element_size()
-        if pending and pending_bytes + nbytes > max_shard_bytes:
-            flush()
-        pending[key] = t
-        pending_bytes += nbytes
-        total += nbytes
-        count += 1
-
-    reader = ShardReader(path, meta)
-    try:
-        for index, unit in enumerate(meta["units"]):
-            if index not in by_unit:
-                continue
-            flat = reader.read(index, "master" if unit["trained"] else "shard", 0, unit["numel"])
-            for key, offset, shape in by_unit[index]:
-                n = int(torch.Size(shape).numel())
-                add(key, flat[offset:offset + n].view(shape).to(target).clone())
-            del flat
-    finally:
-        reader.close()
-    for key, t in buffers.items():
-        add(key, t.contiguous())
-    flush()
-    return _name_files(out, written, total, count)
-
-
-def _name_files(out: Path, written: list[tuple[Path, list[str]]], total: int, count: int) -> ExportResult:
-    """Give the parts their final names (the count is known only now) and write the index."""
+    source = tensors()
+    for name, part in files:
+        with SafetensorsStream(out / name, part, metadata={"format": "pt"}) as f:
+            for _ in part:
+                f.write(*next(source))
     index_path = out / "model.safetensors.index.json"
-    if len(written) == 1:
-        final = out / "model.safetensors"
-        os.replace(written[0][0], final)
+    total = sum(s.nbytes for s in specs)
+    if len(files) == 1:
         index_path.unlink(missing_ok=True)
-        return ExportResult([final.name], count, total)
-    names, weight_map = [], {}
-    for i, (file, keys) in enumerate(written, 1):
-        name = f"model-{i:05d}-of-{len(written):05d}.safetensors"
-        os.replace(file, out / name)
-        names.append(name)
-        weight_map.update({k: name for k in keys})
+        return ExportResult([files[0][0]], len(specs), total)
+    weight_map = {s.key: name for name, part in files for s in part}
     index_path.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    return ExportResult(names + [index_path.name], count, total)
+    return ExportResult([name for name, _ in files] + [index_path.name], len(specs), total)
+
+
+def split_files(specs: list[TensorSpec], max_bytes: int) -> list[tuple[str, list[TensorSpec]]]:
+    """Hugging Face's sharded names for ``specs`` cut into files of at most ``max_bytes`` (a larger tensor
+    alone in its file): ``model.safetensors``, or ``model-0000i-of-0000N.safetensors``."""
+    parts: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if parts[-1] and size + spec.nbytes > max_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(spec)
+        size += spec.nbytes
+    if len(parts) == 1:
+        return [("model.safetensors", parts[0])]
+    return [(f"model-{i:05d}-of-{len(parts):05d}.safetensors", part) for i, part in enumerate(parts, 1)]
 
 
 def load_exported(out_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

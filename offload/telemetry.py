@@ -143,6 +143,28 @@ class Telemetry:
         return hidden / total
 
 
+class PhaseReport:
+    """DeepSpeed's ``wall_clock_breakdown``: the mean time per step of each phase since the last report."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self._telemetry = telemetry
+        self._since = telemetry.snapshot()
+        self._start = time.perf_counter()
+
+    def line(self, steps: int) -> str:
+        """One log line for the ``steps`` optimizer steps since the last call, and start the next interval."""
+        now, snap = time.perf_counter(), self._telemetry.snapshot()
+        steps = max(1, steps)
+        spent = {k: (v - self._since.seconds.get(k, 0.0)) * 1e3 / steps for k, v in snap.seconds.items()}
+        wall = (now - self._start) * 1e3 / steps
+        self._since, self._start = snap, now
+
+        def listed(phases: tuple[str, ...]) -> str:
+            return ", ".join(f"{p} {spent[p]:.1f}" for p in phases if spent.get(p, 0.0) > 0.0) or "none"
+        return (f"time per step, ms (mean of {steps}): wall {wall:.1f} | {listed(COMPUTE)} | "
+                f"{listed(FOREGROUND)} | beside it: {listed(BACKGROUND + NVME_PARAMS)}")
+
+
 def _thread_name() -> str:
     """The trace row's name: threads Python did not start are autograd's device threads (on a GPU the
     gradient hooks, and so the D2H copies they issue, run there), which Python calls "Dummy-N"."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from offload.config import Config, ConfigError
+from offload.host_malloc import DEFAULT_THRESHOLD
 
 # name -> (family, layers, hidden, heads): sizes by name; --layers/--hidden/--heads override.
 MODELS: dict[str, tuple[str, int, int, int]] = {
@@ -175,6 +177,9 @@ def build_config(args: TrainArgs) -> dict[str, Any]:
         if zero.get(section, {}).get("device") == "nvme":
             path = zero[section].get("nvme_path") or args.nvme_path
             zero[section]["nvme_path"] = str(Path(path).absolute())
+    malloc = raw.setdefault("offload", {}).setdefault("host_malloc", {})
+    if malloc.get("mmap_threshold") is None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        malloc["mmap_threshold"] = DEFAULT_THRESHOLD  # an application may fix it: RSS then tracks the budgets
     Config.load(raw)  # a bad key or value is an error now, with its key path
     return raw
 

@@ -1,14 +1,18 @@
 """Checkpoints: a resumed run equals the run that never stopped, a save killed at any point leaves the
 previous checkpoint loadable, and damaged or mismatched checkpoints are clear errors that change nothing."""
 
+import logging
 import os
+import random
 import signal
 
+import numpy as np
 import pytest
 import torch
 
 import offload
 from engine_cases import base_config, batches, loss_of, make_model
+from offload import checkpoint
 from offload.checkpoint import CheckpointError
 from offload.launch import RankError, run_ranks
 
@@ -97,7 +101,7 @@ def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path, strai
         assert torch.equal(resumed["state"][key], value), key
     # The next save clears what the killed one left behind.
     run_ranks(train, 1, config=config, save_dir=tmp_path, stop=5, save_at=3)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step2", "global_step4", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "global_step2", "global_step4", "latest"]
 
 
 def _engine(unit_bytes=8192):
@@ -165,8 +169,11 @@ def train_global(rank, world, save_dir, start=0, stop=STEPS, save_at=None, resum
     if stage == 0:
         config["zero_optimization"]["offload_optimizer"] = {"device": "none"}
     engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    draws = []
     if resume:
-        engine.load_checkpoint(save_dir)
+        for _ in range(2):  # twice: a load sets the generators the same way every time
+            engine.load_checkpoint(save_dir)
+            draws.append((torch.rand(2).tolist(), random.random(), float(np.random.rand())))
     data = batches(stop, 8, seed=4)
     losses = []
     for step in range(start, stop):
@@ -178,7 +185,7 @@ def train_global(rank, world, save_dir, start=0, stop=STEPS, save_at=None, resum
         losses.append(loss.item())
         if step == save_at:
             engine.save_checkpoint(save_dir)
-    out = {"state": engine.full_state_dict(), "steps": engine.global_steps}
+    out = {"state": engine.full_state_dict(), "steps": engine.global_steps, "draws": draws}
     engine.close()
     return out
 
@@ -191,7 +198,120 @@ def test_a_checkpoint_loads_into_another_world_size_and_trains_on_alike(tmp_path
     straight = run_ranks(train_global, before, save_dir=tmp_path / "unused", stage=stage_before)[0]
     run_ranks(train_global, before, save_dir=tmp_path, stop=3, save_at=2, stage=stage_before)
     resumed = run_ranks(train_global, after, save_dir=tmp_path, start=3, resume=True, stage=stage_after)
+    first, *others = [rank["draws"] for rank in resumed]
+    assert all(d[0] == d[1] for d in [first, *others])  # deterministic from the saved states
+    assert all(d[0] != first[0] for d in others)  # ranks the checkpoint did not have draw their own numbers
     for rank in resumed:
         assert rank["steps"] == straight["steps"]
         for key, value in straight["state"].items():  # not bitwise: the gradient sums run in another order
             torch.testing.assert_close(rank["state"][key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_load_removes_what_a_killed_save_left_and_says_so(tmp_path, caplog):
+    config = ckpt_config(1)
+    run_ranks(train, 1, config=config, save_dir=tmp_path, stop=3, save_at=1)
+    with pytest.raises(RankError, match="died without a result"):
+        run_ranks(train, 1, config=config, save_dir=tmp_path, stop=5, save_at=3, kill_at="writing")
+    assert (tmp_path / ".tmp-global_step4").is_dir()
+    engine = _engine()
+    with checkpoint.writer_lock(tmp_path):  # a save running elsewhere: its files are not stale
+        engine.load_checkpoint(tmp_path)
+    assert (tmp_path / ".tmp-global_step4").is_dir()
+    with caplog.at_level(logging.WARNING, logger="offload.checkpoint"):
+        engine.load_checkpoint(tmp_path)
+    engine.close()
+    assert not (tmp_path / ".tmp-global_step4").exists()
+    assert any("removed .tmp-global_step4 (an unfinished save)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_save_killed_while_replacing_a_tag_gets_the_old_copy_back(saved, caplog):
+    """Saving a tag again moves the old copy aside first; a crash before the new one is renamed in leaves only
+    the aside copy, which the next load puts back."""
+    root = saved.parent
+    expected = (saved / "rank0.bin").read_bytes()
+    os.replace(saved, root / ".old-global_step2")
+    (root / ".tmp-global_step2").mkdir()
+    engine = _engine()
+    with caplog.at_level(logging.WARNING, logger="offload.checkpoint"):
+        engine.load_checkpoint(root)
+    engine.close()
+    assert (saved / "rank0.bin").read_bytes() == expected
+    assert sorted(p.name for p in root.iterdir()) == [".lock", "global_step2", "latest"]
+    assert any("restored global_step2 from .old-global_step2" in r.getMessage() for r in caplog.records)
+
+
+def _moments(engine):
+    out = []
+    for g in engine.optimizer.store.one_at_a_time(read=True, write=False):
+        for m in g.members:
+            _, exp_avg, exp_avg_sq = g.views(m)
+            out.append(torch.cat([exp_avg, exp_avg_sq]).clone())
+    return torch.cat(out)
+
+
+def _scheduled_engine():
+    torch.manual_seed(0)
+    config = base_config(2, 1, 1)
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 10,
+                                                         "warmup_type": "linear"}}
+    return offload.initialize(model=make_model("gpt"), config=config)[0]
+
+
+@pytest.mark.parametrize("flags", ["all", "no-optimizer", "no-scheduler", "module-only"])
+def test_load_flags_behave_as_deepspeed_documents(tmp_path, flags):
+    source = _scheduled_engine()
+    _steps(source, 4)
+    source.save_checkpoint(tmp_path)
+    saved = {"weights": source.full_state_dict(), "moments": _moments(source), "lr": source.get_lr(),
+             "adam": source.optimizer.adam_steps, "schedule": source.lr_scheduler.last_batch_iteration}
+    source.close()
+    engine = _scheduled_engine()  # trained differently: its own moments, counters and schedule
+    _steps(engine, 1, seed=11)
+    own = {"moments": _moments(engine), "lr": engine.get_lr(), "adam": engine.optimizer.adam_steps,
+           "schedule": engine.lr_scheduler.last_batch_iteration}
+    assert own["schedule"] != saved["schedule"] and own["lr"] != saved["lr"]
+    kwargs = {"all": {}, "no-optimizer": {"load_optimizer_states": False},
+              "no-scheduler": {"load_lr_scheduler_states": False}, "module-only": {"load_module_only": True}}[flags]
+    engine.load_checkpoint(tmp_path, **kwargs)
+    weights = engine.full_state_dict()
+    assert all(torch.equal(weights[k], v) for k, v in saved["weights"].items())  # weights load in every case
+    keeps_optimizer = flags in ("no-optimizer", "module-only")
+    assert torch.equal(_moments(engine), own["moments"] if keeps_optimizer else saved["moments"])
+    assert engine.optimizer.adam_steps == (own["adam"] if keeps_optimizer else saved["adam"])
+    assert engine.global_steps == (1 if flags == "module-only" else 4)
+    keeps_schedule = flags in ("no-scheduler", "module-only")
+    assert engine.lr_scheduler.last_batch_iteration == (own if keeps_schedule else saved)["schedule"]
+    # The groups' lr comes from the saved optimizer state or from the saved schedule, whichever is loaded.
+    assert engine.get_lr() == (own if flags == "module-only" else saved)["lr"]
+    _steps(engine, 1)  # trains on from there
+    engine.close()
+
+
+def _save_under_own_tags(rank, world, save_dir):
+    """Each rank names its own tag: under tag_validation Fail, then Warn."""
+    torch.manual_seed(0)
+    results = []
+    for mode in ("Fail", "Warn"):
+        config = base_config(2, 1, world)
+        config["checkpoint"] = {"tag_validation": mode}
+        engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+        try:
+            engine.save_checkpoint(save_dir, tag=f"rank{rank}-tag")
+            results.append("saved")
+        except CheckpointError as e:
+            results.append(str(e))
+        finally:
+            engine.close()
+    return results
+
+
+def test_ranks_saving_under_different_tags(tmp_path):
+    results = run_ranks(_save_under_own_tags, 2, save_dir=str(tmp_path))
+    for fail, warn in results:
+        # Fail: every rank raises before anything is written; Warn: one checkpoint, under rank 0's tag.
+        assert "ranks save under different tags (rank 0: 'rank0-tag', rank 1: 'rank1-tag')" in fail
+        assert warn == "saved"
+    assert (tmp_path / "latest").read_text() == "rank0-tag"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "rank0-tag"]
+    assert sorted(p.name for p in (tmp_path / "rank0-tag").iterdir()) == [
+        "meta.json", "rank0.bin", "rank0.json", "rank0.pt", "rank1.bin", "rank1.json", "rank1.pt"]

@@ -105,3 +105,29 @@ def test_cli_prints_tiers_and_the_largest_models_and_writes_json(tmp_path, capsy
     assert main(["estimate", "--model", "gpt2-tiny", "--micro", "2", "--checkpointing", "cpu"]) == 0
     text = capsys.readouterr().out
     assert "activation checkpoints" in text and "checkpointed blocks (block inputs in host memory)" in text
+
+
+def test_nvme_placement_is_said_and_the_nvme_budget_checked(tmp_path, caplog):
+    """max_in_cpu holding every parameter shard in host memory is said with the numbers, by the estimate and by
+    initialize; a plan over offload.budgets.nvme is named, as initialize refuses it."""
+    import logging
+
+    import offload
+    raw = placement(tmp_path, "nvme", "nvme")
+    raw["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**9
+    config = Config.load(raw).resolve(world_size=1)
+    units = model_units(make_model("gpt"), config)
+    est = estimate(units, config, 1)
+    assert any("max_in_cpu (1,000,000,000 elements) holds every parameter shard" in n for n in est.notes)
+    with caplog.at_level(logging.INFO, logger="offload.engine"):
+        offload.initialize(model=make_model("gpt"), config=raw)[0].close()
+    assert any("nothing goes to NVMe" in r.getMessage() for r in caplog.records)
+
+    raw = placement(tmp_path, "nvme", "nvme")  # max_in_cpu 3000: the rest on NVMe
+    est = estimate(units, Config.load(raw).resolve(world_size=1), 1)
+    assert any("elements) on NVMe" in n for n in est.notes)
+    raw["offload"]["budgets"] = {"nvme": est.total("nvme") - 1}
+    est = estimate(units, Config.load(raw).resolve(world_size=1), 1)
+    assert any(n.startswith("over offload.budgets.nvme") for n in est.notes)
+    with pytest.raises(offload.ConfigError, match="offload.budgets.nvme: .* bytes cannot hold"):
+        offload.initialize(model=make_model("gpt"), config=raw)

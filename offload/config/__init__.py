@@ -1,6 +1,6 @@
 """DeepSpeed-format configs as typed dataclasses; every bad key is a ConfigError naming its path."""
 
-from .fields import AUTO, Auto, ConfigError, FieldInfo, Support
+from .fields import AUTO, Auto, ConfigError, FieldInfo, NoEffect, Support
 from .load import Config, config_fields
 from .sections import (ActivationCheckpointingConfig, AdamParams, AioConfig, BF16Config, BudgetsConfig,
                        CheckpointConfig, FP16Config, OffloadExtConfig, OffloadOptimizerConfig, OffloadParamConfig,
@@ -15,7 +15,7 @@ def load_config(source) -> Config:
 
 __all__ = [
     "AUTO", "ActivationCheckpointingConfig", "AdamParams", "AioConfig", "Auto", "BF16Config", "BudgetsConfig",
-    "CheckpointConfig", "Config", "ConfigError", "FP16Config", "FieldInfo", "OffloadExtConfig",
+    "CheckpointConfig", "Config", "ConfigError", "FP16Config", "FieldInfo", "NoEffect", "OffloadExtConfig",
     "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "Support",
     "WarmupCosineLRParams", "WarmupDecayLRParams", "WarmupLRParams", "ZeroConfig", "config_fields", "load_config",
 ]

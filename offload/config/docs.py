@@ -18,8 +18,13 @@ offload reads DeepSpeed's JSON config format. This page is generated from the sc
   sizes such as `"24GiB"`.
 - Keys marked **auto** may be written `"auto"`, as Hugging Face's integration writes them;
   `Config.resolve(world_size, hidden_size, values)` fills them in at initialize.
-- **ignored**: parsed, and a log line says it has no effect when you set it.
-  **unsupported**: setting it is an error, because ignoring it would change training.
+- **status**: every key has exactly one. *honoured*: offload acts on it. **no effect**:
+  accepted, and when a config sets it (to anything but its default) `offload config
+  check` prints it and `initialize` lists it in one log line, with the reason given here.
+  **refused**: setting it is an error, because ignoring it would change training or
+  memory; the message says what to do instead. Some honoured keys have no effect in
+  context (fp16's settings while fp16 is off, NVMe settings of a tier that is not on
+  NVMe); they are reported the same way.
 - Older DeepSpeed names are accepted with a log line: `aio.thread_count`,
   `zero_optimization.cpu_offload`, `cpu_offload_params`, `cpu_offload_use_pin_memory`,
   `stage3_gather_fp16_weights_on_model_save`, the `stage3_` keys without their prefix,
@@ -56,8 +61,8 @@ def render_markdown() -> str:
         spec = info.spec
         if typing.get_origin(info.hint) is None and hasattr(info.hint, "__dataclass_fields__"):
             continue  # section headers come from their leaves
-        rows = sections.setdefault(section, ["", f"## {section}", "", "| key | type | default | meaning |",
-                                             "|---|---|---|---|"])
+        rows = sections.setdefault(section, ["", f"## {section}", "", "| key | type | default | status | meaning |",
+                                             "|---|---|---|---|---|"])
         rules = []
         if spec.choices:
             rules.append("one of " + ", ".join(f"`{c}`" for c in spec.choices))
@@ -68,10 +73,13 @@ def render_markdown() -> str:
             rules.append("**auto**")
         if spec.aliases:
             rules.append("also " + ", ".join(f"`{a}`" for a in spec.aliases))
-        if spec.support is not Support.HONOURED:
-            rules.append(f"**{spec.support.value}**")
-        text = spec.doc + (f" {spec.note}" if spec.note else "") + (f" ({'; '.join(rules)})" if rules else "")
+        status = spec.support.value if spec.support is Support.HONOURED else f"**{spec.support.value}**"
+        note = ""
+        if spec.note:
+            note = f" *{'No effect' if spec.support is Support.NO_EFFECT else 'Refused'}:* {spec.note}"
+        text = spec.doc + note + (f" ({'; '.join(rules)})" if rules else "")
         key = info.path.rsplit(".", 1)[-1]
-        rows.append(f"| `{key}` | {_type_name(info.hint)} | {_default(info.default)} | {text.replace('|', '/')} |")
+        rows.append(f"| `{key}` | {_type_name(info.hint)} | {_default(info.default)} | {status} | "
+                    f"{text.replace('|', '/')} |")
     lines = [_HEADER] + [row for rows in sections.values() for row in rows]
     return "\n".join(lines) + "\n"

@@ -53,11 +53,22 @@ AUTO = Auto()
 
 
 class Support(enum.Enum):
-    """How far the runtime honours a key."""
+    """How far the runtime honours a key: each key has exactly one status, declared with the key."""
 
-    HONOURED = "honoured"
-    IGNORED = "ignored"  # parsed; setting it (to anything but its default) logs that it has no effect
-    UNSUPPORTED = "unsupported"  # parsed; setting it is an error, since ignoring it would change training
+    HONOURED = "honoured"  # code outside offload/config reads it (a test finds the reader)
+    NO_EFFECT = "no effect"  # accepted; setting it (to anything but its default) is reported with the note's reason
+    REFUSED = "refused"  # setting it is an error naming what to do instead: ignoring it would change training
+
+
+class NoEffect(str):
+    """A note saying that a key the config set does nothing here (and why); ``path`` is the key."""
+
+    path: str
+
+    def __new__(cls, path: str, reason: str) -> NoEffect:
+        note = super().__new__(cls, f"{path} has no effect in offload: {reason}")
+        note.path = path
+        return note
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +82,7 @@ class Spec:
     auto: bool = False
     aliases: tuple[str, ...] = ()
     support: Support = Support.HONOURED
-    note: str = ""  # for IGNORED / UNSUPPORTED: what to do instead
+    note: str = ""  # NO_EFFECT: why it does nothing; REFUSED: what to do instead
     size: bool = False  # accepts byte sizes such as "8GiB"
     hint_from: Callable[[Mapping[str, Any]], Any] | None = None  # type chosen by sibling values
 
@@ -296,7 +307,7 @@ def parse_section(cls: type, raw: Any, path: str, notes: list[str]) -> Any:
 
 
 def _is_active(value: Any, f: dataclasses.Field) -> bool:
-    """Whether a value set for an IGNORED/UNSUPPORTED key would change anything."""
+    """Whether a value set for a NO_EFFECT/REFUSED key would change anything."""
     if dataclasses.is_dataclass(value) and hasattr(value, "enabled"):
         return bool(value.enabled)
     if isinstance(value, Mapping):
@@ -313,18 +324,20 @@ def _default_of(f: dataclasses.Field) -> Any:
 
 
 def _check_support(obj: Any, path: str, notes: list[str]) -> None:
+    """REFUSED keys set: an error; NO_EFFECT keys set, and keys a section says its siblings make inert: a note."""
+    inert = obj.inert() if hasattr(obj, "inert") else {}
     for f in public_fields(obj):
         spec = spec_of(f)
-        if spec.support is Support.HONOURED:
+        if spec.support is Support.HONOURED and f.name not in inert:
             continue
         value = getattr(obj, f.name)
         if not _is_active(value, f):
             continue
         here = f"{path}.{f.name}" if path else f.name
-        extra = f" {spec.note}" if spec.note else ""
-        if spec.support is Support.UNSUPPORTED:
+        if spec.support is Support.REFUSED:
+            extra = f" {spec.note}" if spec.note else ""
             raise ConfigError(here, f"is not supported by offload (got {_describe(value)}).{extra}")
-        notes.append(f"{here} is parsed but not implemented yet; it is ignored.{extra}")
+        notes.append(NoEffect(here, spec.note if spec.support is Support.NO_EFFECT else inert[f.name]))
 
 
 def to_raw(obj: Any) -> Any:
@@ -349,21 +362,25 @@ class FieldInfo:
     variant: str = ""  # for keys whose section depends on a sibling (scheduler params): which class
 
 
-def iter_fields(cls: type, prefix: str = "", variants: Mapping[str, tuple[type, ...]] | None = None
-                ) -> Iterator[FieldInfo]:
-    """Every leaf key of a section, depth first (for docs and tests)."""
+def iter_fields(cls: type, prefix: str = "", variants: Mapping[str, tuple[type, ...]] | None = None,
+                inherited: Spec | None = None) -> Iterator[FieldInfo]:
+    """Every key of a section, depth first (for docs and tests). The keys inside a section that has no effect
+    or is refused carry that section's status and note."""
     hints = _hints(cls)
     for f in public_fields(cls):
         path = f"{prefix}.{f.name}" if prefix else f.name
         spec = spec_of(f)
+        if inherited is not None:
+            spec = dataclasses.replace(spec, support=inherited.support, note=inherited.note)
+        below = spec if spec.support is not Support.HONOURED else None
         core, _ = _strip_optional(hints[f.name])
         if spec.hint_from is not None and variants and path in variants:
             yield FieldInfo(path, variants[path][0], spec, None)
             for variant in variants[path]:
-                for info in iter_fields(variant, path, variants):
+                for info in iter_fields(variant, path, variants, below):
                     yield dataclasses.replace(info, variant=variant.__name__)
         elif dataclasses.is_dataclass(core):
             yield FieldInfo(path, core, spec, None)
-            yield from iter_fields(core, path, variants)
+            yield from iter_fields(core, path, variants, below)
         else:
             yield FieldInfo(path, hints[f.name], spec, _default_of(f))

@@ -11,16 +11,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .fields import (AUTO, KEY_HOMES, Auto, ConfigError, FieldInfo, Support, iter_fields, logger, parse_section,
+from .fields import (AUTO, KEY_HOMES, Auto, ConfigError, FieldInfo, NoEffect, Support, iter_fields, logger, parse_section,
                      public_fields, section, setting, to_raw)
 from .sections import (SCHEDULER_PARAMS, ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig,
                        CommsLoggerConfig, DataTypesConfig, FlopsProfilerConfig, FP16Config, MonitorConfig,
                        OffloadExtConfig, OptimizerConfig, SchedulerConfig, WandbConfig, ZeroConfig)
 
-IGNORED = Support.IGNORED
-UNSUPPORTED = Support.UNSUPPORTED
+NO_EFFECT = Support.NO_EFFECT
+REFUSED = Support.REFUSED
 _CHANGES_TRAINING = "offload does not implement it, and ignoring it would change what is trained; remove the section."
-_NOT_USED = "offload does not implement it; the section is ignored."
+_NOT_USED = "offload does not implement it."
+_NO_MONITORS = ("offload writes no monitor files; `offload train` writes record.json, trace.json and loss.png, and "
+                "engine.telemetry holds the per-phase times.")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,45 +47,54 @@ class Config:
     activation_checkpointing: ActivationCheckpointingConfig = section(
         ActivationCheckpointingConfig, "Activation checkpointing.")
     steps_per_print: int = setting(10, "Log progress every this many optimizer steps.", ge=1)
-    zero_allow_untested_optimizer: bool = setting(False, "Allow a client optimizer other than Adam/AdamW.")
+    zero_allow_untested_optimizer: bool = setting(False, "Allow a client optimizer other than Adam/AdamW.",
+                                                  support=NO_EFFECT, note="offload runs Adam/AdamW only; any other "
+                                                                          "optimizer is an error at initialize.")
     gradient_predivide_factor: float = setting(1.0, "Divide gradients by this before the reduction and by "
                                                     "world/factor after.", gt=0)
     prescale_gradients: bool = setting(False, "Scale gradients before the reduction rather than after.")
     communication_data_type: str | None = setting(None, "Dtype of gradient reductions.", choices=("fp32", "fp16", "bf16"),
-                                                  support=IGNORED, note="Reductions run in the compute dtype.")
-    wall_clock_breakdown: bool = setting(False, "Log time per phase.", support=IGNORED,
-                                         note="offload's telemetry arrives with the engine.")
-    memory_breakdown: bool = setting(False, "Log memory per phase.", support=IGNORED)
-    dump_state: bool = setting(False, "Print the engine's state at start.", support=IGNORED)
-    disable_allgather: bool = setting(False, "DeepSpeed's all-gather switch.", support=IGNORED)
+                                                  support=NO_EFFECT, note="reductions run in the compute dtype.")
+    wall_clock_breakdown: bool = setting(False, "Log the time per phase (forward, backward, gather, reduce, "
+                                                "gradient wait, optimizer), averaged per step, every steps_per_print "
+                                                "steps.")
+    memory_breakdown: bool = setting(False, "Log this rank's bytes per tier (device, host, NVMe) by what holds them, "
+                                            "every steps_per_print steps.")
+    dump_state: bool = setting(False, "Log the resolved config, the step mode and the memory per tier at initialize.")
+    disable_allgather: bool = setting(False, "DeepSpeed's all-gather switch.", support=NO_EFFECT,
+                                      note="stage 3 gathers each unit with one all-gather, always.")
     zero_force_ds_cpu_optimizer: bool = setting(True, "DeepSpeed: require its CPU optimizer with offload.",
-                                                support=IGNORED, note="offload always runs its own CPU Adam.")
-    sparse_gradients: bool = setting(False, "Sparse embedding gradients.", support=UNSUPPORTED)
-    tensorboard: MonitorConfig = section(MonitorConfig, "TensorBoard monitor.", support=IGNORED)
-    csv_monitor: MonitorConfig = section(MonitorConfig, "CSV monitor.", support=IGNORED)
-    wandb: WandbConfig = section(WandbConfig, "Weights & Biases monitor.", support=IGNORED)
-    flops_profiler: FlopsProfilerConfig = section(FlopsProfilerConfig, "FLOPs profiler.", support=IGNORED)
-    comms_logger: CommsLoggerConfig = section(CommsLoggerConfig, "Collective-call logger.", support=IGNORED)
+                                                support=NO_EFFECT, note="offload always runs its own CPU Adam.")
+    sparse_gradients: bool = setting(False, "Sparse embedding gradients.", support=REFUSED,
+                                     note="Embedding gradients are dense; leave it out.")
+    tensorboard: MonitorConfig = section(MonitorConfig, "TensorBoard monitor.", support=NO_EFFECT, note=_NO_MONITORS)
+    csv_monitor: MonitorConfig = section(MonitorConfig, "CSV monitor.", support=NO_EFFECT, note=_NO_MONITORS)
+    wandb: WandbConfig = section(WandbConfig, "Weights & Biases monitor.", support=NO_EFFECT, note=_NO_MONITORS)
+    flops_profiler: FlopsProfilerConfig = section(FlopsProfilerConfig, "FLOPs profiler.", support=NO_EFFECT,
+                                                  note="use torch.profiler; offload's spans appear in its trace.")
+    comms_logger: CommsLoggerConfig = section(CommsLoggerConfig, "Collective-call logger.", support=NO_EFFECT,
+                                              note="engine.telemetry counts collective time and bytes per step "
+                                                   "(`offload bench step` prints them).")
     data_types: DataTypesConfig = section(DataTypesConfig, "Dtypes of internal buffers.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoint options.")
-    amp: dict[str, Any] | None = setting(None, "NVIDIA apex AMP.", support=UNSUPPORTED,
+    amp: dict[str, Any] | None = setting(None, "NVIDIA apex AMP.", support=REFUSED,
                                          note="Use the fp16 or bf16 section instead.")
-    elasticity: dict[str, Any] | None = setting(None, "Elastic training.", support=UNSUPPORTED, note=_CHANGES_TRAINING)
-    compression_training: dict[str, Any] | None = setting(None, "Compression.", support=UNSUPPORTED,
+    elasticity: dict[str, Any] | None = setting(None, "Elastic training.", support=REFUSED, note=_CHANGES_TRAINING)
+    compression_training: dict[str, Any] | None = setting(None, "Compression.", support=REFUSED,
                                                           note=_CHANGES_TRAINING)
-    sparse_attention: dict[str, Any] | None = setting(None, "Sparse attention.", support=UNSUPPORTED,
+    sparse_attention: dict[str, Any] | None = setting(None, "Sparse attention.", support=REFUSED,
                                                       note=_CHANGES_TRAINING)
-    quantize_training: dict[str, Any] | None = setting(None, "Quantization-aware training.", support=UNSUPPORTED,
+    quantize_training: dict[str, Any] | None = setting(None, "Quantization-aware training.", support=REFUSED,
                                                        note=_CHANGES_TRAINING)
-    curriculum_learning: dict[str, Any] | None = setting(None, "Curriculum learning.", support=UNSUPPORTED,
+    curriculum_learning: dict[str, Any] | None = setting(None, "Curriculum learning.", support=REFUSED,
                                                          note=_CHANGES_TRAINING)
-    data_efficiency: dict[str, Any] | None = setting(None, "Data efficiency.", support=UNSUPPORTED,
+    data_efficiency: dict[str, Any] | None = setting(None, "Data efficiency.", support=REFUSED,
                                                      note=_CHANGES_TRAINING)
-    pipeline: dict[str, Any] | None = setting(None, "Pipeline parallelism.", support=IGNORED, note=_NOT_USED)
-    autotuning: dict[str, Any] | None = setting(None, "DeepSpeed's autotuner.", support=IGNORED,
-                                                note="Use `offload tune-nvme` for the swap path.")
-    nebula: dict[str, Any] | None = setting(None, "Nebula checkpointing.", support=IGNORED, note=_NOT_USED)
-    hybrid_engine: dict[str, Any] | None = setting(None, "RLHF hybrid engine.", support=IGNORED, note=_NOT_USED)
+    pipeline: dict[str, Any] | None = setting(None, "Pipeline parallelism.", support=NO_EFFECT, note=_NOT_USED)
+    autotuning: dict[str, Any] | None = setting(None, "DeepSpeed's autotuner.", support=NO_EFFECT,
+                                                note="use `offload tune-nvme` for the swap path.")
+    nebula: dict[str, Any] | None = setting(None, "Nebula checkpointing.", support=NO_EFFECT, note=_NOT_USED)
+    hybrid_engine: dict[str, Any] | None = setting(None, "RLHF hybrid engine.", support=NO_EFFECT, note=_NOT_USED)
     offload: OffloadExtConfig = section(OffloadExtConfig, "offload's own settings (not DeepSpeed keys).")
     notes: tuple[str, ...] = dataclasses.field(default=(), compare=False, metadata={"internal": True})
 
@@ -115,9 +126,15 @@ class Config:
         notes: list[str] = []
         raw = _rewrite_legacy(raw, notes)
         config = parse_section(cls, raw, "", notes)
-        for note in notes:
-            logger.warning("config: %s", note)
+        for note in notes:  # keys without effect are listed once, by initialize and `offload config check`
+            if not isinstance(note, NoEffect):
+                logger.warning("config: %s", note)
         return dataclasses.replace(config, notes=tuple(notes))
+
+    @property
+    def no_effect(self) -> tuple[NoEffect, ...]:
+        """The notes on keys this config sets that do nothing here, each naming the key and why."""
+        return tuple(n for n in self.notes if isinstance(n, NoEffect))
 
     def to_dict(self) -> dict[str, Any]:
         """DeepSpeed-format JSON values; ``Config.load(c.to_dict()) == c``."""

@@ -1,9 +1,11 @@
 """The sections of a DeepSpeed-format config, with DeepSpeed's defaults.
 
 Each field's doc, default and rules are here and nowhere else; ``offload config
-docs`` renders them (docs/CONFIG.md). Keys DeepSpeed defines that offload does
-not act on are parsed with ``support=IGNORED`` (a log line says so when set) or
-``UNSUPPORTED`` (an error when set, because ignoring them would change training).
+docs`` renders them (docs/CONFIG.md). Every key has one status (``Support``):
+honoured (code outside this package reads it; a test finds the reader), ``NO_EFFECT``
+with a one-line reason (reported when set), or ``REFUSED`` (an error when set, because
+ignoring it would change training or memory). A section's ``inert()`` names the keys
+its other values make pointless (fp16 settings with fp16 off), reported the same way.
 """
 
 from __future__ import annotations
@@ -13,20 +15,30 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from .fields import AUTO as AUTO_VALUE
 from .fields import Auto, ConfigError, Support, section, setting
 
-IGNORED = Support.IGNORED
-UNSUPPORTED = Support.UNSUPPORTED
+NO_EFFECT = Support.NO_EFFECT
+REFUSED = Support.REFUSED
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 
 # --------------------------------------------------------------------------- precision
 
+_PINNED = ("offload pins exactly the host buffers that host-device copies use when the compute device is a GPU, "
+           "and nothing on a CPU.")
+_PIPELINED = "the NVMe optimizer step always reads ahead and writes behind through buffer_count buffers."
+_UNITS_ARE_BUCKETS = "units are the buckets: each unit is gathered and reduced whole; size them with offload.unit_bytes."
+_NO_ZEROPP = "ZeRO++ and MiCS are not implemented; leave the key out."
+_FP16_SETTINGS = ("auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                  "consecutive_hysteresis", "min_loss_scale")
+
 @dataclass(kw_only=True, slots=True)
 class FP16Config:
     enabled: bool | Auto = setting(False, "Train with fp16 compute copies, fp32 master weights and loss scaling.", auto=True)
-    auto_cast: bool = setting(False, "Cast floating-point forward inputs to fp16.")
+    auto_cast: bool = setting(False, "Cast floating-point tensors in the forward's inputs to fp16 before the model "
+                                     "sees them (fp16 only).")
     loss_scale: float = setting(0.0, "Static loss scale; 0 selects dynamic loss scaling.", ge=0)
     initial_scale_power: int = setting(16, "Dynamic scaling starts at 2**initial_scale_power.", ge=0, le=126)
     loss_scale_window: int = setting(1000, "Overflow-free steps before the dynamic scale doubles.", ge=1)
@@ -34,14 +46,20 @@ class FP16Config:
     consecutive_hysteresis: bool = setting(False, "Refill hysteresis after every overflow-free step.")
     min_loss_scale: float = setting(1.0, "The dynamic scale never drops below this.", gt=0)
     fp16_master_weights_and_grads: bool = setting(
-        False, "Keep master weights in fp16.", support=UNSUPPORTED, note="Master weights are always fp32.")
+        False, "Keep master weights in fp16.", support=REFUSED, note="Master weights are always fp32.")
+
+    def inert(self) -> dict[str, str]:
+        if self.enabled is True or self.enabled is AUTO_VALUE:
+            return {}
+        return {name: "fp16 is not enabled" for name in _FP16_SETTINGS}
 
 
 @dataclass(kw_only=True, slots=True)
 class BF16Config:
     enabled: bool | Auto = setting(False, "Train with bf16 compute copies and fp32 master weights (no loss scaling).", auto=True)
-    immediate_grad_update: bool = setting(False, "DeepSpeed's bf16 optimizer option.", support=IGNORED,
-                                          note="Gradients always stream to the host as each unit finishes.")
+    immediate_grad_update: bool = setting(False, "DeepSpeed's bf16 optimizer option.", support=NO_EFFECT,
+                                          note="each unit's gradient is reduced and handed to the optimizer as "
+                                               "soon as backward finishes it.")
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -55,11 +73,11 @@ class AdamParams:
     adam_w_mode: bool = setting(True, "Decoupled weight decay. DeepSpeed's type Adam defaults to it too; "
                                       "set false (with type Adam) for L2 weight decay.")
     bias_correction: bool = setting(True, "Adam's bias correction of the moments.")
-    amsgrad: bool = setting(False, "AMSGrad variant.", support=UNSUPPORTED, note="Use amsgrad: false.")
-    torch_adam: bool = setting(False, "DeepSpeed: use torch's Adam instead of its own.", support=IGNORED,
-                               note="offload always runs its native CPU Adam, which matches torch's within rounding.")
-    fused: bool | None = setting(None, "torch's fused Adam switch.", support=IGNORED,
-                                 note="offload's CPU Adam is always fused.")
+    amsgrad: bool = setting(False, "AMSGrad variant.", support=REFUSED, note="Use amsgrad: false.")
+    torch_adam: bool = setting(False, "DeepSpeed: use torch's Adam instead of its own.", support=NO_EFFECT,
+                               note="offload always runs its native Adam, which matches torch's within rounding.")
+    fused: bool | None = setting(None, "torch's fused Adam switch.", support=NO_EFFECT,
+                                 note="offload's Adam is always one fused pass per shard.")
 
 
 OPTIMIZER_TYPES = ("Adam", "AdamW")
@@ -179,7 +197,8 @@ class OffloadParamConfig:
     device: str = setting("none", "Where the 16-bit parameter shards live between uses: none (accelerator), cpu or nvme.",
                           choices=DEVICES)
     nvme_path: str | None = setting(None, "Directory for parameter swap files (device nvme).")
-    pin_memory: bool = setting(False, "Use pinned host buffers for the shards (faster host-device copies).")
+    pin_memory: bool = setting(False, "Use pinned host buffers for the shards (faster host-device copies).",
+                               support=NO_EFFECT, note=_PINNED)
     buffer_count: int = setting(5, "Host buffers used to stage parameters read from NVMe.", ge=1)
     buffer_size: int = setting(100_000_000, "Elements per staging buffer; must hold the largest unit's shard.", ge=1)
     max_in_cpu: int = setting(1_000_000_000, "Parameter elements kept in host memory when device is nvme.", ge=0)
@@ -187,38 +206,62 @@ class OffloadParamConfig:
     def check(self, path: str) -> None:
         check_nvme_path(self.nvme_path, self.device, path)
 
+    def inert(self) -> dict[str, str]:
+        return {} if self.device == "nvme" else dict.fromkeys(
+            ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"), f"parameters are not on NVMe (device "
+                                                                        f"{self.device!r})")
+
 
 @dataclass(kw_only=True, slots=True)
 class OffloadOptimizerConfig:
     device: str = setting("none", "Where the fp32 master weights, Adam state and gradient accumulator live, "
                                   "and so where the step runs: none (accelerator), cpu or nvme.", choices=DEVICES)
     nvme_path: str | None = setting(None, "Directory for optimizer-state swap files (device nvme).")
-    pin_memory: bool = setting(False, "Use pinned host buffers for optimizer state.")
+    pin_memory: bool = setting(False, "Use pinned host buffers for optimizer state.", support=NO_EFFECT,
+                               note=_PINNED)
     buffer_count: int = setting(4, "Pinned buffers that pipeline the optimizer step's NVMe reads and writes.", ge=1)
-    pipeline_read: bool = setting(False, "Read sub-group i+1 from NVMe while the step runs on sub-group i.")
-    pipeline_write: bool = setting(False, "Write sub-group i-1 to NVMe while the step runs on sub-group i.")
-    fast_init: bool = setting(False, "Initialise NVMe optimizer state without a round trip through the accelerator.")
+    pipeline_read: bool = setting(False, "Read sub-group i+1 from NVMe while the step runs on sub-group i.",
+                                  support=NO_EFFECT, note=_PIPELINED)
+    pipeline_write: bool = setting(False, "Write sub-group i-1 to NVMe while the step runs on sub-group i.",
+                                   support=NO_EFFECT, note=_PIPELINED)
+    fast_init: bool = setting(False, "Initialise NVMe optimizer state without a round trip through the accelerator.",
+                              support=NO_EFFECT, note="NVMe optimizer state is always written straight from host "
+                                                      "memory, never through the accelerator.")
     ratio: float = setting(1.0, "Fraction of the optimizer state that is offloaded (the rest stays on the accelerator).",
-                           ge=0, le=1)
+                           ge=0, le=1, support=REFUSED,
+                           note="Partial optimizer offload is not implemented yet: use 1.0 (all of it offloaded) or "
+                                "device 'none' (all of it on the accelerator).")
 
     def check(self, path: str) -> None:
         check_nvme_path(self.nvme_path, self.device, path)
+
+    def inert(self) -> dict[str, str]:
+        return {} if self.device == "nvme" else dict.fromkeys(
+            ("nvme_path", "buffer_count"), f"the optimizer state is not on NVMe (device {self.device!r})")
 
 
 @dataclass(kw_only=True, slots=True)
 class ZeroConfig:
     stage: int = setting(0, "ZeRO stage: 0 data parallel, 1 shards optimizer state, 2 also gradients, "
                             "3 also parameters.", ge=0, le=3)
-    contiguous_gradients: bool = setting(True, "Copy gradients into one contiguous buffer as they are produced.")
-    reduce_scatter: bool = setting(True, "Reduce gradients with reduce-scatter rather than all-reduce.")
+    contiguous_gradients: bool = setting(True, "Copy gradients into one contiguous buffer as they are produced.",
+                                         support=NO_EFFECT, note="each unit's gradients are always taken as one "
+                                                                 "contiguous flat buffer.")
+    reduce_scatter: bool = setting(True, "Reduce gradients with reduce-scatter rather than all-reduce.",
+                                   support=NO_EFFECT, note="stages 1-3 always reduce-scatter and stage 0 all-reduces; "
+                                                           "the values are the same either way.")
     reduce_bucket_size: int | Auto = setting(500_000_000, "Elements reduced at once. auto: hidden_size**2.",
-                                             ge=1, auto=True)
-    allgather_partitions: bool = setting(True, "Stages 1-2: all-gather updated partitions (vs. broadcast).")
-    allgather_bucket_size: int = setting(500_000_000, "Stages 1-2: elements all-gathered at once.", ge=1)
+                                             ge=1, auto=True, support=NO_EFFECT, note=_UNITS_ARE_BUCKETS)
+    allgather_partitions: bool = setting(True, "Stages 1-2: all-gather updated partitions (vs. broadcast).",
+                                         support=NO_EFFECT, note="updated partitions are always all-gathered.")
+    allgather_bucket_size: int = setting(500_000_000, "Stages 1-2: elements all-gathered at once.", ge=1,
+                                         support=NO_EFFECT, note=_UNITS_ARE_BUCKETS)
     overlap_comm: bool | None = setting(None, "Overlap gradient reduction with backward. null: true for stage 3, "
                                               "false otherwise (DeepSpeed's default).")
-    load_from_fp32_weights: bool = setting(True, "Restore master weights from the checkpoint's fp32 copy.")
-    elastic_checkpoint: bool = setting(False, "DeepSpeed's elastic checkpoint format.", support=IGNORED)
+    load_from_fp32_weights: bool = setting(True, "Restore master weights from the checkpoint's fp32 copy; false "
+                                                 "rebuilds them from its compute-dtype weights (rounded).")
+    elastic_checkpoint: bool = setting(False, "DeepSpeed's elastic checkpoint format.", support=NO_EFFECT,
+                                       note="every checkpoint loads into any world size and ZeRO stage.")
     offload_param: OffloadParamConfig = section(OffloadParamConfig, "Stage 3: where parameter shards live.")
     offload_optimizer: OffloadOptimizerConfig = section(OffloadOptimizerConfig, "Where optimizer state lives and the "
                                                                                 "step runs.")
@@ -232,30 +275,46 @@ class ZeroConfig:
         ge=0, auto=True, aliases=("param_persistence_threshold",))
     stage3_model_persistence_threshold: int = setting(
         2**63 - 1, "Cap on all persistent parameter elements.", ge=0, aliases=("model_persistence_threshold",),
-        support=IGNORED)
+        support=NO_EFFECT, note="units under stage3_param_persistence_threshold stay gathered with no overall cap.")
     stage3_max_live_parameters: int = setting(1_000_000_000, "Most parameter elements gathered at once.",
                                               ge=0, aliases=("max_live_parameters",))
     stage3_max_reuse_distance: int = setting(1_000_000_000, "Keep a gathered parameter if it is reused within this "
-                                                            "many elements.", ge=0, aliases=("max_reuse_distance",))
+                                                            "many elements.", ge=0, aliases=("max_reuse_distance",),
+                                             support=NO_EFFECT,
+                                             note="a unit is released after its last use in forward and gathered "
+                                                  "again, ahead of use, by the prefetcher for backward.")
     stage3_gather_16bit_weights_on_model_save: bool = setting(
         False, "save_16bit_model gathers the full 16-bit weights.",
         aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"))
     stage3_module_granularity_threshold: int = setting(0, "DeepSpeed's leaf-module grouping threshold.", ge=0,
-                                                       support=IGNORED, note="Units are sized by offload.unit_bytes.")
-    ignore_unused_parameters: bool = setting(True, "Tolerate parameters that receive no gradient.")
-    round_robin_gradients: bool = setting(False, "Stage 1-2 gradient copy ordering.", support=IGNORED)
-    use_multi_rank_bucket_allreduce: bool = setting(True, "DeepSpeed's bucketed all-reduce switch.", support=IGNORED)
-    memory_efficient_linear: bool = setting(True, "DeepSpeed's linear-layer memory optimisation.", support=IGNORED)
-    pipeline_loading_checkpoint: bool = setting(False, "DeepSpeed's pipelined checkpoint loading.", support=IGNORED)
-    override_module_apply: bool = setting(True, "DeepSpeed's module.apply override.", support=IGNORED)
-    log_trace_cache_warnings: bool = setting(False, "DeepSpeed's trace-cache warnings.", support=IGNORED)
-    legacy_stage1: bool = setting(False, "DeepSpeed's legacy stage 1.", support=UNSUPPORTED)
-    zero_hpz_partition_size: int = setting(1, "ZeRO++ hierarchical partitioning.", ge=1, support=UNSUPPORTED)
-    zero_quantized_weights: bool = setting(False, "ZeRO++ quantized weights.", support=UNSUPPORTED)
-    zero_quantized_nontrainable_weights: bool = setting(False, "ZeRO++ quantized frozen weights.", support=UNSUPPORTED)
-    zero_quantized_gradients: bool = setting(False, "ZeRO++ quantized gradients.", support=UNSUPPORTED)
-    mics_shard_size: int = setting(-1, "MiCS sharding.", ge=-1, support=UNSUPPORTED)
-    mics_hierarchical_params_gather: bool = setting(False, "MiCS hierarchical gather.", support=UNSUPPORTED)
+                                                       support=NO_EFFECT, note="units are sized by offload.unit_bytes.")
+    ignore_unused_parameters: bool = setting(True, "Tolerate trainable parameters that receive no gradient in a step; "
+                                                   "false makes step() an error naming them.")
+    round_robin_gradients: bool = setting(False, "Stage 1-2 gradient copy ordering.", support=NO_EFFECT,
+                                          note="gradients go to the optimizer unit by unit as backward finishes them.")
+    use_multi_rank_bucket_allreduce: bool = setting(True, "DeepSpeed's bucketed all-reduce switch.", support=NO_EFFECT,
+                                                    note=_UNITS_ARE_BUCKETS)
+    memory_efficient_linear: bool = setting(True, "DeepSpeed's linear-layer memory optimisation.", support=NO_EFFECT,
+                                            note="offload does not replace torch's linear layers.")
+    pipeline_loading_checkpoint: bool = setting(False, "DeepSpeed's pipelined checkpoint loading.", support=NO_EFFECT,
+                                                note="checkpoints are always read unit by unit, streamed.")
+    override_module_apply: bool = setting(True, "DeepSpeed's module.apply override.", support=NO_EFFECT,
+                                          note="offload does not patch Module.apply; build under offload.zero.Init "
+                                               "and initialise weights in the modules' constructors.")
+    log_trace_cache_warnings: bool = setting(False, "DeepSpeed's trace-cache warnings.", support=NO_EFFECT,
+                                             note="a changed module order is followed silently (the prefetch trace "
+                                                  "is re-recorded).")
+    legacy_stage1: bool = setting(False, "DeepSpeed's legacy stage 1.", support=REFUSED, note="Use stage 1.")
+    zero_hpz_partition_size: int = setting(1, "ZeRO++ hierarchical partitioning.", ge=1, support=REFUSED,
+                                           note=_NO_ZEROPP)
+    zero_quantized_weights: bool = setting(False, "ZeRO++ quantized weights.", support=REFUSED, note=_NO_ZEROPP)
+    zero_quantized_nontrainable_weights: bool = setting(False, "ZeRO++ quantized frozen weights.", support=REFUSED,
+                                                        note=_NO_ZEROPP)
+    zero_quantized_gradients: bool = setting(False, "ZeRO++ quantized gradients.", support=REFUSED, note=_NO_ZEROPP)
+    mics_shard_size: int = setting(-1, "MiCS sharding.", ge=-1, support=REFUSED,
+                                   note="Shard over the whole data-parallel group (leave it out).")
+    mics_hierarchical_params_gather: bool = setting(False, "MiCS hierarchical gather.", support=REFUSED,
+                                                    note="Shard over the whole data-parallel group (leave it out).")
 
     @property
     def overlap_comm_effective(self) -> bool:
@@ -281,10 +340,13 @@ class AioConfig:
                               ge=4096, le=1 * GiB)
     queue_depth: int = setting(16, "Requests kept in flight (DeepSpeed's default: 8).", ge=1, le=32768)
     intra_op_parallelism: int = setting(1, "I/O threads per operation.", ge=1, le=1024, aliases=("thread_count",))
-    single_submit: bool = setting(False, "Submit requests one at a time instead of in batches.")
-    overlap_events: bool = setting(True, "Overlap submission with completion reaping.")
-    use_gds: bool = setting(False, "GPUDirect Storage.", support=IGNORED,
-                            note="Reads and writes go through pinned host memory.")
+    single_submit: bool = setting(False, "Submit requests one at a time instead of in batches.", support=NO_EFFECT,
+                                  note="io_uring keeps queue_depth requests in flight and submits as slots free up; "
+                                       "the thread engine has no submission step.")
+    overlap_events: bool = setting(True, "Overlap submission with completion reaping.", support=NO_EFFECT,
+                                   note="a reaper thread always collects completions while requests are submitted.")
+    use_gds: bool = setting(False, "GPUDirect Storage.", support=NO_EFFECT,
+                            note="reads and writes go through host memory.")
 
     def check(self, path: str) -> None:
         if self.block_size % 4096:
@@ -294,7 +356,7 @@ class AioConfig:
 
 # --------------------------------------------------------------------------- other DeepSpeed sections
 
-_POOLED = "Saved inputs held in host memory already go to buffers reused step after step."
+_POOLED = "saved inputs held in host memory already go to buffers reused step after step."
 
 
 @dataclass(kw_only=True, slots=True)
@@ -303,10 +365,10 @@ class ActivationCheckpointingConfig:
                                                  "configure) keeps 1/W of every saved input; all-gathered before "
                                                  "the recompute.")
     contiguous_memory_optimization: bool = setting(False, "Copy saved activations into one buffer.",
-                                                   support=IGNORED, note=_POOLED)
+                                                   support=NO_EFFECT, note=_POOLED)
     cpu_checkpointing: bool = setting(False, "Keep saved block inputs in host memory (within offload.budgets.host), "
                                              "copied back ahead of each recompute.")
-    number_checkpoints: int | None = setting(None, "Checkpoints per contiguous buffer.", ge=1, support=IGNORED,
+    number_checkpoints: int | None = setting(None, "Checkpoints per contiguous buffer.", ge=1, support=NO_EFFECT,
                                              note=_POOLED)
     synchronize_checkpoint_boundary: bool = setting(False, "Synchronise the device at each checkpoint boundary.")
     profile: bool = setting(False, "Log the time of each step's checkpointed forwards and recomputes.")
@@ -350,16 +412,21 @@ class CommsLoggerConfig:
 @dataclass(kw_only=True, slots=True)
 class DataTypesConfig:
     grad_accum_dtype: str | None = setting(None, "Dtype of the gradient accumulator.", choices=("fp32", "fp16", "bf16"),
-                                           support=IGNORED, note="Gradients accumulate in fp32 on the host.")
+                                           support=NO_EFFECT, note="gradients accumulate in fp32 wherever the "
+                                                                   "optimizer state lives.")
 
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    tag_validation: str = setting("Warn", "Check that all ranks save under the same tag.",
+    tag_validation: str = setting("Warn", "Check that all ranks save under the same tag: Warn logs a mismatch and "
+                                          "saves under rank 0's tag, Fail raises before anything is written.",
                                   choices=("Ignore", "Warn", "Fail"))
-    load_universal: bool = setting(False, "Load DeepSpeed's universal checkpoint format.", support=UNSUPPORTED)
-    use_node_local_storage: bool = setting(False, "Each node writes to local storage.", support=IGNORED)
-    parallel_write: dict[str, Any] | None = setting(None, "DeepSpeed's pipeline-parallel write options.", support=IGNORED)
+    load_universal: bool = setting(False, "Load DeepSpeed's universal checkpoint format.", support=REFUSED,
+                                   note="offload reads its own checkpoints, which load into any world size already.")
+    use_node_local_storage: bool = setting(False, "Each node writes to local storage.", support=NO_EFFECT,
+                                           note="every rank writes its own files under save_dir, which must be shared.")
+    parallel_write: dict[str, Any] | None = setting(None, "DeepSpeed's pipeline-parallel write options.",
+                                                    support=NO_EFFECT, note="there is no pipeline parallelism.")
 
 
 # --------------------------------------------------------------------------- ours
@@ -375,8 +442,18 @@ class BudgetsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class HostMallocConfig:
+    mmap_threshold: int | None = setting(
+        None, "Fix glibc's mmap threshold (bytes; it caps at 32 MiB): allocations this large or larger get their own "
+              "mapping, returned to the system when freed, so RSS tracks the live memory the budgets bound instead "
+              "of drifting above it. Process-wide, so off unless set (null); `offload train` sets 128KiB.",
+        ge=0, le=32 * MiB, size=True)
+
+
+@dataclass(kw_only=True, slots=True)
 class OffloadExtConfig:
     budgets: BudgetsConfig = section(BudgetsConfig, "Hard byte budgets per tier; sizes may be written \"24GiB\".")
+    host_malloc: HostMallocConfig = section(HostMallocConfig, "The C library's allocator (glibc).")
     unit_bytes: int = setting(64 * MiB, "Target bytes of a ZeRO-3 unit (parameters gathered and released together).",
                               ge=4096, size=True)
     aio_engine: str = setting("auto", "Swap I/O engine: auto (io_uring where the kernel allows, else threads), "

@@ -103,6 +103,18 @@ def place_params(sizes: list[tuple[int, int]], param: Any) -> list[tuple[int, in
     return on_nvme
 
 
+def describe_placement(sizes: list[tuple[int, int]], on_nvme: list[tuple[int, int]], param: Any) -> str:
+    """One line on where offload_param nvme put the shards: said at initialize and by `offload estimate`, so that
+    a max_in_cpu that keeps everything in host memory surprises no one."""
+    total, nvme = sum(n for _, n in sizes), sum(n for _, n in on_nvme)
+    if not on_nvme:
+        return (f"offload_param.device is nvme, but max_in_cpu ({param.max_in_cpu:,} elements) holds every parameter "
+                f"shard of this rank ({total:,} elements in {len(sizes)} units) in host memory: nothing goes to "
+                f"NVMe; set max_in_cpu below {total:,} to move shards there")
+    return (f"parameter shards: {len(sizes) - len(on_nvme)} of {len(sizes)} units ({total - nvme:,} elements) in "
+            f"host memory under max_in_cpu ({param.max_in_cpu:,}), {len(on_nvme)} ({nvme:,} elements) on NVMe")
+
+
 def plan_homes(sizes: list[tuple[int, int]], item: int) -> tuple[dict[int, ParamHome], int]:
     """Each NVMe-homed unit's two slots in the swap file, and the file's size."""
     homes, offset = {}, 0

@@ -73,6 +73,7 @@ class ZeroRuntime:
         self.accel = accel
         self.limit = limit
         self.grad_sink = grad_sink
+        self.got_grad: set[int] = set()  # ids of the parameters whose gradient landed since the last step
         self.grad_predivide = grad_predivide
         self.telemetry = telemetry
         # Brings host- and NVMe-homed shards (offload_param: cpu, nvme) to the device before their gather; on a
@@ -135,6 +136,7 @@ class ZeroRuntime:
 
     def _grad_hook(self, unit: Unit) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            self.got_grad.add(id(param))
             unit.grads_seen.add(id(param))
             if len(unit.grads_seen) == len(unit.trainable):
                 self._reduce_or_keep(unit)
