@@ -29,6 +29,17 @@ class RankError(RuntimeError):
     """A rank failed or hung; the message carries its traceback."""
 
 
+def _context() -> Any:
+    """Ranks fork from a server that imported torch and offload once, instead of importing them each (seconds of
+    CPU per rank). The server imports and never computes, so no OpenMP team or thread exists to be lost in the
+    fork; OFFLOAD_RANKS_START=spawn starts every rank from nothing."""
+    if os.environ.get("OFFLOAD_RANKS_START", "forkserver") == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "offload.engine"])
+    return ctx
+
+
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[str, str], threads: int, out: Any,
            kwargs: dict[str, Any]) -> None:
     os.environ.update(env)
@@ -61,7 +72,7 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 180.0, env: d
     env = dict(env or {})
     if world > 1:
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, env, threads, out, kwargs), daemon=True)
