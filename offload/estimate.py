@@ -199,10 +199,19 @@ def model_units(model: torch.nn.Module, config: Config) -> list[int]:
     return [p.numel for p in plans]
 
 
+MAX_UNITS = 1_000_000  # a plan of more units than this is refused (with the numbers) rather than built slowly
+
+
 def synthetic_units(params: int, config: Config) -> list[int]:
     """Units of a model known only by its size: equal units of offload.unit_bytes."""
     per_unit = max(1, config.offload.unit_bytes // compute_bytes(config))
     count = max(1, math.ceil(params / per_unit))
+    if count > MAX_UNITS:
+        raise ConfigError("offload.unit_bytes", f"{params:,} parameters make {count:,} units of "
+                                                f"{config.offload.unit_bytes:,} bytes, more than the {MAX_UNITS:,} "
+                                                "this estimate plans one by one; raise offload.unit_bytes (in "
+                                                "--config) to at least "
+                                                f"{math.ceil(params / MAX_UNITS) * compute_bytes(config):,}")
     base, extra = divmod(params, count)
     return [base + (i < extra) for i in range(count)]
 
@@ -389,9 +398,7 @@ def run_cli(args: Any) -> int:
                                          "offload_param": args.offload_param}, args.nvme_path, args.stage,
                            args.checkpointing)
         if args.params is not None:
-            params = int(float(args.params))
-            if params <= 0:
-                raise TrainError(f"--params {args.params}: give a positive number of parameters (e.g. 1.3e9)")
+            params = int(args.params)
             config = Config.load(raw).resolve(world_size=args.world)
             units = synthetic_units(params, config)
             hidden_size, shape = None, None

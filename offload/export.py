@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,8 +45,12 @@ class ExportResult:
 
 
 def export_weights(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype: str = "fp32",
-                   max_shard_bytes: int = 5 << 30, tag: str | None = None) -> ExportResult:
-    """Write the checkpoint's model weights (fp32 masters cast to ``dtype``; buffers as they are)."""
+                   max_shard_bytes: int = 5 << 30, tag: str | None = None, replace: bool = False) -> ExportResult:
+    """Write the checkpoint's model weights (fp32 masters cast to ``dtype``; buffers as they are).
+
+    A directory that already holds weights is refused unless ``replace``; then the new files are written beside
+    the old ones first, and the old shards and index go together just before the new ones take their names, so
+    the directory never holds a mix of the two exports."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if max_shard_bytes <= 0:
@@ -56,12 +62,37 @@ def export_weights(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLik
     verify(path, meta, [f"rank{r}.{ext}" for r in range(partitions(meta)) for ext in ("bin", "json")]
            + ["rank0.pt"])
     out = Path(out_dir)
+    old = _weight_files(out)
+    if old and not replace:
+        raise FileExistsError(f"{out} already holds weights ({', '.join(p.name for p in old[:3])}"
+                              f"{' ...' if len(old) > 3 else ''}); choose an empty directory, or replace them "
+                              "(--replace, replace=True)")
     out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+    try:
+        result = _export(path, meta, staging, DTYPES[dtype], max_shard_bytes)
+        for file in old:
+            file.unlink()
+        for name in result.files:
+            os.replace(staging / name, out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return result
+
+
+def _weight_files(out: Path) -> list[Path]:
+    """What an export writes (and so what a new one replaces) in ``out``."""
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir() if p.name == "model.safetensors.index.json"
+                  or (p.name.startswith("model") and p.name.endswith(".safetensors")))
+
+
+def _export(path: Path, meta: dict[str, Any], out: Path, target: torch.dtype, max_shard_bytes: int) -> ExportResult:
     by_unit: dict[int, list[list[Any]]] = defaultdict(list)
     for key, unit, offset, shape in meta["params"]:
         by_unit[unit].append([key, offset, shape])
     buffers = torch.load(path / "rank0.pt", weights_only=False)["buffers"]
-    target = DTYPES[dtype]
     specs = [TensorSpec(key, target, tuple(shape)) for index in range(len(meta["units"]))
              for key, _, shape in by_unit.get(index, ())]
     specs += [TensorSpec(key, t.dtype, tuple(t.shape)) for key, t in buffers.items()]
@@ -91,7 +122,6 @@ def export_weights(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLik
     index_path = out / "model.safetensors.index.json"
     total = sum(s.nbytes for s in specs)
     if len(files) == 1:
-        index_path.unlink(missing_ok=True)
         return ExportResult([files[0][0]], len(specs), total)
     weight_map = {s.key: name for name, part in files for s in part}
     index_path.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
@@ -128,9 +158,11 @@ def load_exported(out_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
 
 def describe(checkpoint: str | os.PathLike[str], tag: str | None = None) -> str:
-    """What a checkpoint holds, as a table for `offload inspect`."""
+    """What a checkpoint holds, as a table for `offload inspect`, after checking every file it lists against its
+    checksum (CheckpointError naming the damaged or missing one)."""
     path = checkpoint_dir(checkpoint, tag)
     meta = read_meta(path)
+    verify(path, meta, sorted(meta["files"]))
     units = meta["units"]
     trained = sum(u["numel"] for u in units if u["trained"])
     frozen = sum(u["numel"] for u in units if not u["trained"])
@@ -148,8 +180,8 @@ def describe(checkpoint: str | os.PathLike[str], tag: str | None = None) -> str:
         ("fp32 master", _mib(4 * trained)),
         ("Adam moments", _mib(8 * trained)),
         ("frozen shards", _mib(item * frozen)),
-        ("files", _mib(sum((path / name).stat().st_size for name in meta["files"] if (path / name).is_file()))
-         + f" in {len(meta['files'])} files (+ meta.json)"),
+        ("files", _mib(sum((path / name).stat().st_size for name in meta["files"]))
+         + f" in {len(meta['files'])} files (+ meta.json), every checksum verified"),
         ("ZeRO", f"stage {zero.get('stage')}, optimizer on {zero.get('offload_optimizer', {}).get('device', 'none')}, "
                  f"parameters on {zero.get('offload_param', {}).get('device', 'none')}"),
         ("optimizer", json.dumps(meta["config"].get("optimizer"))),

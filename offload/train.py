@@ -69,6 +69,7 @@ class TrainArgs:
     save_every: int = 0
     save_dir: str | None = None  # default: <out>/checkpoints
     resume: bool = False
+    tag: str | None = None  # with resume: this checkpoint tag instead of the latest
     print_every: int | None = None  # None: the config's steps_per_print
 
 
@@ -103,8 +104,18 @@ def load_tokens(args: TrainArgs) -> tuple[torch.Tensor, int]:
     if not path.is_file():
         raise TrainError(f"--data {path}: no such file (give a text file, or tokens as .npy or uint16 .bin)")
     if path.suffix == ".npy":
-        tokens = torch.from_numpy(np.load(path).astype(np.int64).reshape(-1))
+        try:
+            array = np.load(path, allow_pickle=False)
+        except ValueError as e:  # pickled objects, or not an .npy file at all
+            raise TrainError(f"--data {path} is not an array of token ids saved with numpy.save ({e})") from None
+        if array.dtype.kind not in "iu":
+            raise TrainError(f"--data {path} holds {array.dtype} values; token ids are integers (save them as an "
+                             "integer array, e.g. numpy.uint16 or int32)")
+        tokens = torch.from_numpy(array.astype(np.int64).reshape(-1))
     elif path.suffix == ".bin":
+        if path.stat().st_size % 2:
+            raise TrainError(f"--data {path} is {path.stat().st_size} bytes: a .bin holds uint16 token ids, two "
+                             "bytes each, so its size must be even (a truncated file?)")
         tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
     else:
         return torch.tensor(list(path.read_bytes()), dtype=torch.long), 256
@@ -115,6 +126,55 @@ def load_tokens(args: TrainArgs) -> tuple[torch.Tensor, int]:
     if int(tokens.max()) >= vocab:
         raise TrainError(f"--data {path} has token id {int(tokens.max())}, not below --vocab {vocab}")
     return tokens, vocab
+
+
+def _check_writable(directory: Path, flag: str) -> None:
+    """``directory`` exists as a writable directory, or can be created (without creating it now)."""
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise TrainError(f"{flag} {directory}: {probe} is a file, so the directory cannot be created there")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise TrainError(f"{flag} {directory}: {probe} is not writable, so nothing could be saved there; choose "
+                         "another directory")
+
+
+def _check_fits(args: TrainArgs, vocab: int, config: dict[str, Any]) -> None:
+    """The model, built on the meta device, against the memory this machine has now: the engine's own plan (as
+    `offload estimate` computes it) plus the full fp32 build unless --init-empty builds it unit by unit."""
+    import psutil
+
+    from offload.estimate import estimate, model_units
+    with torch.device("meta"):
+        model = build_model(args, vocab)
+    params = sum(p.numel() for p in model.parameters())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = Config.load(config).resolve(world_size=world, hidden_size=getattr(model, "hidden_size", None))
+    except ConfigError as e:
+        raise TrainError(f"the config cannot run here: {e}") from e
+    est = estimate(model_units(model, cfg), cfg, world)
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    need = ranks_here * (est.total("host") + (0 if torch.cuda.is_available() else est.total("device"))
+                         + (0 if args.init_empty else 4 * params))
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise TrainError(f"model {args.model} ({params:,} parameters) needs about {need / 2**30:.1f} GiB of host "
+                         f"memory on this machine ({ranks_here} rank(s): the plan per tier, plus the fp32 build "
+                         f"without --init-empty) and {available / 2**30:.1f} GiB is available; use --init-empty, "
+                         "offload to NVMe (--offload-optimizer nvme --offload-param nvme), more machines, or a "
+                         "smaller model (`offload estimate --model` shows the split)")
+
+
+def _earlier_losses(record: Path, first_step: int) -> list[float]:
+    """The losses a resumed run's record already holds for the steps before ``first_step`` (kept, not replaced)."""
+    try:
+        earlier = json.loads(record.read_text())
+        return [float(x) for x in earlier["losses"]][:max(0, first_step - int(earlier["first_step"]))] \
+            if int(earlier["first_step"]) <= first_step else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def build_model(args: TrainArgs, vocab: int) -> nn.Module:
@@ -220,20 +280,27 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
     import offload
     from offload.zero import Init
 
+    # Everything that can be known before the first step is checked before it.
+    out_dir = Path(args.out)
+    save_dir = Path(args.save_dir) if args.save_dir else out_dir / "checkpoints"
+    if args.resume and not (save_dir / "latest").is_file() and args.tag is None:
+        raise TrainError(f"--resume: {save_dir} holds no checkpoint (no 'latest'); train with --save-every first")
+    if args.tag is not None and not args.resume:
+        raise TrainError("--tag names the checkpoint --resume loads; add --resume")
+    _check_writable(out_dir, "--out")  # a run must not train and then lose its record
+    if args.save_every:
+        _check_writable(save_dir, "--save-dir")
     tokens, vocab = load_tokens(args)
     if tokens.numel() < args.seq + 2:
         raise TrainError(f"the data has {tokens.numel()} tokens; --seq {args.seq} needs at least {args.seq + 2}")
     config = build_config(args)
+    _check_fits(args, vocab, config)
     torch.manual_seed(args.seed)
     if args.init_empty:
         with Init():
             model = build_model(args, vocab)
     else:
         model = build_model(args, vocab)
-    out_dir = Path(args.out)
-    save_dir = Path(args.save_dir) if args.save_dir else out_dir / "checkpoints"
-    if args.resume and not (save_dir / "latest").is_file():
-        raise TrainError(f"--resume: {save_dir} holds no checkpoint (no 'latest'); train with --save-every first")
     try:
         engine, *_ = offload.initialize(model=model, config=config)
     except ConfigError as e:
@@ -246,10 +313,14 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
 
     bar = ProgressBar(args.steps, (out or sys.stdout) if rank0 and not quiet else None)
     first_step = 0
+    history: list[float] = []
     if args.resume:
-        path, client = engine.load_checkpoint(save_dir)
+        path, client = engine.load_checkpoint(save_dir, tag=args.tag)
         first_step = int(client.get("step", engine.global_steps))
         say(f"resumed from {path} at step {first_step}")
+        history = _earlier_losses(out_dir / "record.json", first_step)
+        if first_step >= args.steps:
+            say(f"nothing left to do: the checkpoint is at step {first_step} and --steps is {args.steps}")
     params = sum(u.numel for u in engine.units)
     cfg = engine.config
     micro, accum = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
@@ -258,7 +329,7 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
         f"{cfg.zero_optimization.offload_optimizer.device}, parameters on "
         f"{cfg.zero_optimization.offload_param.device}; step {engine.step_mode}")
     record = TrainRecord(args=asdict(args), params=params, world=engine.group.world, device=str(engine.accel.device),
-                         step_mode=engine.step_mode, first_step=first_step)
+                         step_mode=engine.step_mode, first_step=first_step - len(history), losses=list(history))
     gen = torch.Generator()
     every = args.print_every or cfg.steps_per_print or 10
     tokens_per_step = micro * accum * args.seq * engine.group.world
@@ -289,9 +360,10 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
                 engine.save_checkpoint(save_dir, client_state={"step": done})
     finally:
         elapsed = time.perf_counter() - start
-        steps_run = max(1, len(record.losses))
+        ran = len(record.losses) - len(history)  # steps of this run (a resumed record keeps the earlier ones)
+        steps_run = max(1, ran)
         snap = engine.telemetry.snapshot()
-        record.tokens_per_s = len(record.losses) * tokens_per_step / elapsed if record.losses else 0.0
+        record.tokens_per_s = ran * tokens_per_step / elapsed if ran else 0.0
         record.seconds_per_step = {k: v / steps_run for k, v in sorted(snap.seconds.items())}
         record.bytes_per_step = {k: v / steps_run for k, v in sorted(snap.bytes.items())}
         record.overlap_share = engine.telemetry.overlap_share()

@@ -19,7 +19,7 @@ def _record(tmp_path, out="out"):
 
 
 def test_train_on_the_embedded_default_learns_and_writes_record_trace_and_plot(tmp_path, capsys):
-    assert _train(tmp_path, "--steps", "20") == 0  # 0: the loss fell
+    assert _train(tmp_path, "--steps", "20", "--expect-loss-drop") == 0  # the loss fell
     record = _record(tmp_path)
     assert len(record["losses"]) == 20 and record["losses"][-1] < record["losses"][0] - 0.5
     assert record["tokens_per_s"] > 0 and record["peak_rss_bytes"] > 0 and record["seconds_per_step"]["optimizer"] > 0
@@ -31,7 +31,7 @@ def test_train_on_the_embedded_default_learns_and_writes_record_trace_and_plot(t
 
 def test_train_with_params_and_optimizer_on_nvme_and_a_hugging_face_model(tmp_path):
     assert _train(tmp_path, "--model", "llama-tiny", "--steps", "6", "--offload-optimizer", "nvme",
-                  "--offload-param", "nvme", "--max-in-cpu", "0") in (0, 1)
+                  "--offload-param", "nvme", "--max-in-cpu", "0") == 0
     record = _record(tmp_path)
     assert record["memory"]["nvme"]["total"] > 0 and record["bytes_per_step"]["nvme_read"] > 0
     assert record["memory"]["nvme"]["parameter shards (two slots per unit)"] > 0
@@ -44,7 +44,8 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path):
     _train(tmp_path, "--steps", "4", "--save-every", "2", out="half")
     _train(tmp_path, "--steps", "8", "--resume", out="half")
     straight, resumed = _record(tmp_path, "straight"), _record(tmp_path, "half")
-    assert resumed["first_step"] == 4 and resumed["losses"] == straight["losses"][4:]
+    # the record keeps the first run's steps and adds the resumed ones: the whole run, as if it never stopped
+    assert resumed["first_step"] == 0 and resumed["losses"] == straight["losses"]
 
 
 def test_pre_tokenized_data(tmp_path):

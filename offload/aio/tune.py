@@ -43,12 +43,15 @@ class Cell:
 
 
 def _progress(done: int, total: int, label: str, stream: TextIO) -> None:
+    """A bar redrawn in place on a terminal; in a log file, a line per tenth of the sweep (no carriage returns)."""
     width = 30
     filled = width * done // total
-    stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
+    text = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}"
+    if getattr(stream, "isatty", lambda: False)():
+        stream.write("\r" + text + ("\n" if done == total else ""))
+    elif done == total or done * 10 // total != (done - 1) * 10 // total:
+        stream.write(text.rstrip() + "\n")
     stream.flush()
-    if done == total:
-        stream.write("\n")
 
 
 def sweep(path: Path, quick: bool = False, size: int | None = None, with_fio: bool = True,

@@ -208,13 +208,3 @@ def run(sizes: list[int], repeats: int = 5, threads: int | None = None, out: Pat
         out.write_text(json.dumps({"machine": report.machine, "rows": [asdict(r) for r in report.rows]}, indent=2))
         say(f"wrote {out}")
     return report
-
-
-def parse_size(text: str) -> int:
-    """Decimal K/M/G (10M = 10**7 parameters) and binary Ki/Mi/Gi (1Gi = 2**30 bytes)."""
-    text = text.strip()
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "K": 10**3, "M": 10**6, "G": 10**9}
-    for suffix, mult in units.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * mult)
-    return int(float(text))

@@ -148,8 +148,8 @@ def to_int(value: Any, path: str, size: bool = False) -> int:
 
 def to_float(value: Any, path: str) -> float:
     number = float(_to_number(value, path, False))
-    if math.isnan(number):
-        raise ConfigError(path, "expected a number, got NaN")
+    if not math.isfinite(number):
+        raise ConfigError(path, f"expected a finite number, got {number}")
     return number
 
 

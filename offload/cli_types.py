@@ -1,0 +1,54 @@
+"""Argument types for the command line: each checks its value where it is parsed, so a bad one is argparse's
+one-line usage error (exit 2) naming the flag, never a traceback from deep inside the work."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """Decimal K/M/G/T (10M = 10**7 parameters) and binary Ki/Mi/Gi/Ti (1Gi = 2**30 bytes); ValueError if not."""
+    text = text.strip()
+    for suffix, mult in _UNITS.items():
+        if text.endswith(suffix):
+            number, unit = text[: -len(suffix)], mult
+            break
+    else:
+        number, unit = text, 1
+    value = float(number) * unit
+    if not math.isfinite(value) or value != int(value):
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+def _checked(convert: Callable[[str], float | int], ok: Callable[[float], bool], what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = convert(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value  # type: ignore[return-value]
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+positive_int = _checked(int, lambda v: v > 0, "a positive whole number")
+non_negative_int = _checked(int, lambda v: v >= 0, "a whole number >= 0")
+positive_size = _checked(parse_size, lambda v: v > 0, "a positive size (e.g. 8Mi, 1Gi, 10M)")
+positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive finite number")
+non_negative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+
+
+def positive_sizes(text: str) -> list[int]:
+    """A comma-separated list of positive sizes."""
+    return [positive_size(part) for part in text.split(",")]
+
+
+def positive_ints(text: str) -> list[int]:
+    return [positive_int(part) for part in text.split(",")]
