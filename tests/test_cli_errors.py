@@ -46,6 +46,7 @@ CASES = [  # (argv with {placeholders}, exit code, a fragment of the message)
     (["train", "--data", "{pickled.npy}"], 2, "is not an array of token ids saved with numpy.save"),
     (["train", "--data", "{odd.bin}"], 2, "its size must be even"),
     (["train", "--tag", "global_step2"], 2, "add --resume"),
+    (["train", "--offload-optimizer", "nvme", "--nvme-path", "{a-file}"], 2, "is not a directory"),
     (["train", "--model", "gpt-small", "--hidden", "16384", "--heads", "64", "--layers", "64"], 2,
      "GiB is available; use --init-empty"),  # far larger than this machine: said before anything is built
     (["config", "check", "{inf-lr.json}"], 2, "expected a finite number"),
@@ -156,3 +157,24 @@ def test_the_tuning_progress_redraws_only_on_a_terminal():
         _progress(done, 40, f"cell {done}", tty)
     assert "\r" not in log.getvalue() and log.getvalue().count("\n") == 10  # a line per tenth of the sweep
     assert tty.getvalue().count("\r") == 40 and tty.getvalue().endswith("\n")
+
+
+def test_a_damaged_or_foreign_checkpoint_and_an_uncreatable_export_are_user_errors(checkpoint, tmp_path, capsys):
+    import shutil
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    data = bytearray((damaged / "global_step2" / "rank0.bin").read_bytes())
+    data[100] ^= 1
+    (damaged / "global_step2" / "rank0.bin").write_bytes(bytes(data))
+    run = ["train", "--steps", "3", "--resume", "--out", str(tmp_path / "o"), "--save-dir", str(damaged)]
+    assert main(run) == 2
+    assert "rank0.bin is damaged" in capsys.readouterr().err
+    assert main(run + ["--tag", "global_step1"]) == 0  # stepped around it
+    capsys.readouterr()
+    assert main(["train", "--steps", "3", "--resume", "--hidden", "128", "--out", str(tmp_path / "o2"),
+                 "--save-dir", str(checkpoint)]) == 2  # another model
+    assert "does not fit this model" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("x")
+    assert main(["export-weights", str(checkpoint), str(tmp_path / "a-file" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("offload export-weights: ") and "Traceback" not in err
