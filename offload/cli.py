@@ -16,8 +16,8 @@ import torch
 import offload
 from offload import native
 from offload.checkpoint import CheckpointError
-from offload.cli_types import (non_negative_float, non_negative_int, positive_float, positive_int, positive_ints,
-                               positive_size, positive_sizes)
+from offload.cli_types import (non_negative_float, non_negative_int, positive_int, positive_ints, positive_size,
+                               positive_sizes)
 from offload.config import Config, ConfigError
 from offload.engine import EngineError
 

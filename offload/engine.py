@@ -279,7 +279,8 @@ class Engine:
             raise ConfigError("offload.budgets.device",
                               f"{budget:,} bytes cannot hold this rank's resident state ({resident:,} bytes: "
                               f"shards{' and optimizer state' if not self.optimizer.offload else ''}) plus the "
-                              f"largest unit gathered ({largest:,} bytes); raise it to at least {resident + largest:,}, "
+                              f"largest unit gathered ({largest:,} bytes); raise it to at least "
+                              f"{resident + largest:,}, "
                               "offload the optimizer (offload_optimizer.device: cpu), use more ranks, or lower "
                               "offload.unit_bytes")
         room = (budget - resident) // item

@@ -296,7 +296,8 @@ def largest_trainable(base: dict[str, Any], machine: Machine, world: int = 1) ->
 
 def format_estimate(est: Estimate, config: Config) -> str:
     zero = config.zero_optimization
-    lines = [f"{est.params / 1e6:,.1f}M parameters in {est.units} units, W={est.world}, ZeRO stage {est.stage}: params on "
+    lines = [f"{est.params / 1e6:,.1f}M parameters in {est.units} units, W={est.world}, ZeRO stage {est.stage}: "
+             "params on "
              f"{zero.offload_param.device}, optimizer on {zero.offload_optimizer.device} (bytes per rank)"]
     for tier in TIERS:
         parts = est.tiers[tier]

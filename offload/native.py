@@ -139,7 +139,8 @@ def accumulate_(acc: torch.Tensor, grad: torch.Tensor, scale: float, overwrite: 
         raise NativeError(f"acc must be float32, got {acc_.dtype}")
     if acc_.numel() != grad_.numel():
         raise NativeError(f"acc has {acc_.numel()} elements but grad has {grad_.numel()}")
-    _native.accumulate(acc_, grad_, float(scale), bool(overwrite), default_threads() if threads is None else int(threads))
+    _native.accumulate(acc_, grad_, float(scale), bool(overwrite),
+                       default_threads() if threads is None else int(threads))
     return acc
 
 

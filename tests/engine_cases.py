@@ -80,11 +80,13 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
     engine.train()
     if save_dir is not None:
         engine.save_checkpoint(save_dir)
-    out = {"losses": losses, "state": engine.full_state_dict(), "eval_logits": logits.cpu(), "peak_live": engine.peak_live_parameters,
+    out = {"losses": losses, "state": engine.full_state_dict(), "eval_logits": logits.cpu(),
+           "peak_live": engine.peak_live_parameters,
            "units": len(engine.units), "gathers": engine.runtime.gathers,
            "prefetched": engine.runtime.prefetched_gathers,
            "counts": engine.telemetry.snapshot().counts,
-           "overlapped": engine.telemetry.snapshot().counts.get("optimizer_overlapped", 0), "mismatches": engine.runtime.prefetch.mismatches, "skipped": engine.skipped_steps,
+           "overlapped": engine.telemetry.snapshot().counts.get("optimizer_overlapped", 0),
+           "mismatches": engine.runtime.prefetch.mismatches, "skipped": engine.skipped_steps,
            "scale": engine.loss_scale, "memory": engine.memory_summary(), "mode": engine.step_mode,
            "tiers": dict(engine.optimizer.store.placement.tiers)}
     engine.close()
@@ -102,7 +104,8 @@ def train_reference(name: str, steps: int, rows: int, micro: int, clip: float = 
     engine's ``world`` ranks train on (so both sides share kernels and rounding)."""
     device = device or engine_device(world)
     model = make_any(name).to(device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, betas=(0.9, 0.95),
+                            weight_decay=0.1)
     losses = []
     for tokens in batches(steps, rows):
         chunks = tokens.to(device).split(micro)

@@ -230,7 +230,8 @@ def test_tune_nvme_quick_end_to_end_fragment_loads_into_a_config(tmp_path, capsy
     assert (out / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     cfg = Config.load({**json.loads((__import__("conftest").REPO / "configs/zero3_nvme_offload.json").read_text()),
                        **fragment})
-    assert cfg.aio.block_size == fragment["aio"]["block_size"] and cfg.offload.aio_engine == fragment["offload"]["aio_engine"]
+    assert cfg.aio.block_size == fragment["aio"]["block_size"]
+    assert cfg.offload.aio_engine == fragment["offload"]["aio_engine"]
     with engine_from_config(cfg) as eng:
         assert eng.name == fragment["offload"]["aio_engine"]
     assert list((tmp_path / "drive").iterdir()) == []  # scratch files removed

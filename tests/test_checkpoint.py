@@ -86,7 +86,8 @@ def test_a_resumed_run_equals_the_run_that_never_stopped(tmp_path, world, optimi
             assert torch.equal(half["state"][key], value), key
 
 
-@pytest.mark.parametrize("phase,latest", [("writing", "global_step2"), ("rank-files-written", "global_step2"), ("meta-written", "global_step2"),
+@pytest.mark.parametrize("phase,latest", [("writing", "global_step2"), ("rank-files-written", "global_step2"),
+                                          ("meta-written", "global_step2"),
                                           ("renamed", "global_step2"), ("latest-written", "global_step4")])
 def test_a_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path, straight_w1, phase, latest):
     config = ckpt_config(1)

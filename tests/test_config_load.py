@@ -73,7 +73,8 @@ def test_numbers_as_real_configs_write_them():
     zero = cfg.zero_optimization
     assert (zero.stage, zero.reduce_bucket_size, zero.sub_group_size) == (3, 500_000_000, 10**9)
     assert isinstance(zero.stage3_max_live_parameters, int)
-    assert cfg.optimizer.type == "Adam" and cfg.optimizer.params.lr == 3e-4 and cfg.optimizer.params.betas == (0.9, 0.95)
+    assert cfg.optimizer.type == "Adam" and cfg.optimizer.params.lr == 3e-4
+    assert cfg.optimizer.params.betas == (0.9, 0.95)
     assert cfg.offload.budgets.host == 24 * 2**30 and cfg.offload.budgets.nvme == 1_500_000_000_000
     assert cfg.offload.unit_bytes == 32 * 2**20
 

@@ -68,7 +68,8 @@ SAVE_A_LARGER_MODEL = """
 import sys, torch, offload
 from offload.models import GPT, GPTConfig
 model = GPT(GPTConfig(vocab_size=1024, context=64, hidden_size=512, layers=8, heads=8))
-config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+config = {"train_micro_batch_size_per_gpu": 1,
+          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "offload": {"unit_bytes": 2 << 20}}
 engine = offload.initialize(model=model, config=config)[0]
 engine.save_checkpoint(sys.argv[1])

@@ -29,7 +29,8 @@ def test_neon_kernels_equal_the_portable_ones_under_qemu(tmp_path):
     for name in ("portable", "neon"):
         obj = tmp_path / f"{name}.o"
         flags = variant_flags(name) if name != "portable" else []
-        subprocess.run([*common, *flags, f"-DOFFLOAD_ISA_NAME={name}", "-c", str(ROOT / "native" / "kernels.cpp"), "-o", str(obj)], check=True)
+        subprocess.run([*common, *flags, f"-DOFFLOAD_ISA_NAME={name}", "-c", str(ROOT / "native" / "kernels.cpp"),
+                        "-o", str(obj)], check=True)
         objects.append(str(obj))
     exe = tmp_path / "kernel_variants"
     subprocess.run([*common, "-DOFFLOAD_HAVE_NEON=1", str(ROOT / "tests" / "native" / "kernel_variants.cpp"),

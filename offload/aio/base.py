@@ -21,6 +21,8 @@ import torch
 
 from offload.aio.buffers import ALIGN, round_up
 
+_O_DIRECT_HINT = " (the file system may not support O_DIRECT)"
+
 
 class SwapIOError(OSError):
     """A swap read or write failed; says which file, where, how much and why."""
@@ -49,7 +51,7 @@ class SwapFile:
             fd = os.open(path, flags, 0o600)
         except OSError as e:
             raise SwapIOError(e.errno or errno_mod.EIO, os.fspath(path), 0, 0, "open",
-                              f"{e.strerror}{' (the file system may not support O_DIRECT)' if e.errno == errno_mod.EINVAL else ''}") from None
+                              f"{e.strerror}{_O_DIRECT_HINT if e.errno == errno_mod.EINVAL else ''}") from None
         return cls(os.fspath(path), fd, writable)
 
     def close(self) -> None:

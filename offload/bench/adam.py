@@ -109,15 +109,22 @@ def _machine(threads: int) -> dict:
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
+def _ceiling_probes(n: int, repeats: int, threads: int, flush: Callable[[], None] | None,
+                    gen: torch.Generator) -> tuple[float, float]:
+    """Seconds of the two in-place probes (axpy, Adam-shaped traffic) on ``n`` elements, measured now on the same
+    threads and tiles; their arrays are freed before the Adam runs are measured."""
+    a, b, c, d = (torch.randn(n, generator=gen) for _ in range(4))
+    t = interleaved({"axpy": lambda: native.axpy_(a, b, 1e-6, threads=threads),
+                     "touch3": lambda: native.touch3_(a, c, d, b, threads=threads)}, repeats, before=flush)
+    return t["axpy"], t["touch3"]
+
+
 def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
                flush: Callable[[], None] | None = None) -> list[Row]:
     rows: list[Row] = []
     gen = torch.Generator().manual_seed(0)
     # The ceiling: the faster of two in-place probes measured now, on the same threads and tiles.
-    a, b, c, d = (torch.randn(n, generator=gen) for _ in range(4))
-    t = interleaved({"axpy": lambda: native.axpy_(a, b, 1e-6, threads=threads),
-                     "touch3": lambda: native.touch3_(a, c, d, b, threads=threads)}, repeats, before=flush)
-    axpy, touch = t["axpy"], t["touch3"]
+    axpy, touch = _ceiling_probes(n, repeats, threads, flush, gen)
     probes = {"in-place axpy a += s*b (read 2, write 1)": (axpy, AXPY_BYTES),
               "Adam-shaped traffic p,m,v += g (read 4, write 3)": (touch, ADAM_BYTES)}
     ceiling = 0.0
@@ -126,7 +133,6 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
         ceiling = max(ceiling, gbs)
         rows.append(Row(n, "ceiling", impl, seconds, n / seconds, gbs))
         say(f"  {n:>11,}  ceiling    {impl:<48} {gbs:5.1f} GB/s")
-    del a, b, c, d
 
     def row(what: str, impl: str, seconds: float, nbytes: int, base: float | None) -> Row:
         gbs = nbytes * n / seconds / 1e9
@@ -200,7 +206,8 @@ def run(sizes: list[int], repeats: int = 5, threads: int | None = None, out: Pat
     flush = CacheFlush()
     report.machine["cache_flush_bytes"] = flush.buffer.numel() * 4
     say(f"offload bench adam: {threads} threads, kernel {native.active_variant()}, torch {torch.__version__}, "
-        f"median of {repeats}, each call from a cold cache ({flush.buffer.numel() * 4 / 2**20:.0f} MiB swept before it)")
+        f"median of {repeats}, each call from a cold cache ({flush.buffer.numel() * 4 / 2**20:.0f} MiB swept "
+        "before it)")
     for n in sizes:
         report.rows.extend(bench_size(n, repeats, threads, say, flush))
     if out is not None:

@@ -42,7 +42,8 @@ def _type_name(hint: typing.Any) -> str:
     elif origin is dict:
         name = "object"
     else:
-        name = {bool: "bool", int: "int", float: "number", str: "string"}.get(core, getattr(core, "__name__", str(core)))
+        names = {bool: "bool", int: "int", float: "number", str: "string"}
+        name = names.get(core, getattr(core, "__name__", str(core)))
     return f"{name} or null" if nullable else name
 
 

@@ -261,7 +261,8 @@ def unknown_key(cls: type, key: Any, path: str) -> ConfigError:
     here = f"{path}.{key}" if path else key
     homes = [h for h in KEY_HOMES.get(key, []) if h != here]
     if homes:
-        return ConfigError(here, f"unknown key here; it belongs under {' or '.join(h.rsplit('.', 1)[0] for h in homes)}")
+        where = " or ".join(h.rsplit(".", 1)[0] for h in homes)
+        return ConfigError(here, f"unknown key here; it belongs under {where}")
     known = sorted(f.name for f in public_fields(cls))
     candidates = {name: f.name for name, f in _field_names(cls).items()}
     near = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .fields import (AUTO, KEY_HOMES, Auto, ConfigError, FieldInfo, NoEffect, Support, iter_fields, logger, parse_section,
-                     public_fields, section, setting, to_raw)
+from .fields import (AUTO, KEY_HOMES, Auto, ConfigError, FieldInfo, NoEffect, Support, iter_fields, logger,
+                     parse_section, public_fields, section, setting, to_raw)
 from .sections import (SCHEDULER_PARAMS, ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig,
                        CommsLoggerConfig, DataTypesConfig, FlopsProfilerConfig, FP16Config, MonitorConfig,
                        OffloadExtConfig, OptimizerConfig, SchedulerConfig, WandbConfig, ZeroConfig)
@@ -53,8 +53,9 @@ class Config:
     gradient_predivide_factor: float = setting(1.0, "Divide gradients by this before the reduction and by "
                                                     "world/factor after.", gt=0)
     prescale_gradients: bool = setting(False, "Scale gradients before the reduction rather than after.")
-    communication_data_type: str | None = setting(None, "Dtype of gradient reductions.", choices=("fp32", "fp16", "bf16"),
-                                                  support=NO_EFFECT, note="reductions run in the compute dtype.")
+    communication_data_type: str | None = setting(None, "Dtype of gradient reductions.",
+                                                  choices=("fp32", "fp16", "bf16"), support=NO_EFFECT,
+                                                  note="reductions run in the compute dtype.")
     wall_clock_breakdown: bool = setting(False, "Log the time per phase (forward, backward, gather, reduce, "
                                                 "gradient wait, optimizer), averaged per step, every steps_per_print "
                                                 "steps.")

@@ -29,14 +29,16 @@ KiB, MiB, GiB = 2**10, 2**20, 2**30
 _PINNED = ("offload pins exactly the host buffers that host-device copies use when the compute device is a GPU, "
            "and nothing on a CPU.")
 _PIPELINED = "the NVMe optimizer step always reads ahead and writes behind through buffer_count buffers."
-_UNITS_ARE_BUCKETS = "units are the buckets: each unit is gathered and reduced whole; size them with offload.unit_bytes."
+_UNITS_ARE_BUCKETS = ("units are the buckets: each unit is gathered and reduced whole; size them with "
+                      "offload.unit_bytes.")
 _NO_ZEROPP = "ZeRO++ and MiCS are not implemented; leave the key out."
 _FP16_SETTINGS = ("auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                   "consecutive_hysteresis", "min_loss_scale")
 
 @dataclass(kw_only=True, slots=True)
 class FP16Config:
-    enabled: bool | Auto = setting(False, "Train with fp16 compute copies, fp32 master weights and loss scaling.", auto=True)
+    enabled: bool | Auto = setting(False, "Train with fp16 compute copies, fp32 master weights and loss scaling.",
+                                   auto=True)
     auto_cast: bool = setting(False, "Cast floating-point tensors in the forward's inputs to fp16 before the model "
                                      "sees them (fp16 only).")
     loss_scale: float = setting(0.0, "Static loss scale; 0 selects dynamic loss scaling.", ge=0)
@@ -56,7 +58,8 @@ class FP16Config:
 
 @dataclass(kw_only=True, slots=True)
 class BF16Config:
-    enabled: bool | Auto = setting(False, "Train with bf16 compute copies and fp32 master weights (no loss scaling).", auto=True)
+    enabled: bool | Auto = setting(False, "Train with bf16 compute copies and fp32 master weights (no loss "
+                                          "scaling).", auto=True)
     immediate_grad_update: bool = setting(False, "DeepSpeed's bf16 optimizer option.", support=NO_EFFECT,
                                           note="each unit's gradient is reduced and handed to the optimizer as "
                                                "soon as backward finishes it.")
@@ -69,7 +72,8 @@ class AdamParams:
     lr: float | Auto = setting(1e-3, "Learning rate (the peak rate when a scheduler warms up to it).", ge=0, auto=True)
     betas: tuple[float, float] | Auto = setting((0.9, 0.999), "Adam's (beta1, beta2).", ge=0, lt=1, auto=True)
     eps: float | Auto = setting(1e-8, "Added to the denominator for numerical stability.", gt=0, auto=True)
-    weight_decay: float | Auto = setting(0.0, "Weight decay: decoupled (AdamW) or L2, see adam_w_mode.", ge=0, auto=True)
+    weight_decay: float | Auto = setting(0.0, "Weight decay: decoupled (AdamW) or L2, see adam_w_mode.", ge=0,
+                                         auto=True)
     adam_w_mode: bool = setting(True, "Decoupled weight decay. DeepSpeed's type Adam defaults to it too; "
                                       "set false (with type Adam) for L2 weight decay.")
     bias_correction: bool = setting(True, "Adam's bias correction of the moments.")
@@ -108,7 +112,8 @@ class WarmupLRParams:
 
 @dataclass(kw_only=True, slots=True)
 class WarmupDecayLRParams(WarmupLRParams):
-    total_num_steps: int | Auto | None = setting(None, "Total steps; the rate decays linearly to 0 at this step. Required.",
+    total_num_steps: int | Auto | None = setting(None, "Total steps; the rate decays linearly to 0 at this step. "
+                                                       "Required.",
                                                  ge=1, auto=True)
 
     def check(self, path: str) -> None:
@@ -132,7 +137,8 @@ def _check_total_steps(total: Any, warmup: Any, path: str) -> None:
     if total is None:
         raise ConfigError(f"{path}.total_num_steps", "is required by this scheduler type (a whole number of steps)")
     if isinstance(total, int) and isinstance(warmup, int) and warmup > total:
-        raise ConfigError(f"{path}.warmup_num_steps", f"warmup ({warmup} steps) is longer than total_num_steps ({total})")
+        raise ConfigError(f"{path}.warmup_num_steps",
+                          f"warmup ({warmup} steps) is longer than total_num_steps ({total})")
 
 
 SCHEDULER_PARAMS: dict[str, type] = {
@@ -194,7 +200,8 @@ def check_nvme_path(nvme_path: str | None, device: str, path: str) -> None:
 
 @dataclass(kw_only=True, slots=True)
 class OffloadParamConfig:
-    device: str = setting("none", "Where the 16-bit parameter shards live between uses: none (accelerator), cpu or nvme.",
+    device: str = setting("none", "Where the 16-bit parameter shards live between uses: none (accelerator), cpu or "
+                                  "nvme.",
                           choices=DEVICES)
     nvme_path: str | None = setting(None, "Directory for parameter swap files (device nvme).")
     pin_memory: bool = setting(False, "Use pinned host buffers for the shards (faster host-device copies).",
@@ -227,7 +234,8 @@ class OffloadOptimizerConfig:
     fast_init: bool = setting(False, "Initialise NVMe optimizer state without a round trip through the accelerator.",
                               support=NO_EFFECT, note="NVMe optimizer state is always written straight from host "
                                                       "memory, never through the accelerator.")
-    ratio: float = setting(1.0, "Fraction of the optimizer state that is offloaded (the rest stays on the accelerator).",
+    ratio: float = setting(1.0, "Fraction of the optimizer state that is offloaded (the rest stays on the "
+                                "accelerator).",
                            ge=0, le=1, support=REFUSED,
                            note="Partial optimizer offload is not implemented yet: use 1.0 (all of it offloaded) or "
                                 "device 'none' (all of it on the accelerator).")

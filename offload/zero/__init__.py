@@ -5,4 +5,5 @@ from offload.zero.plan import ParamSlot, UnitPlan, plan_units
 from offload.zero.runtime import LiveLimitError, ZeroRuntime
 from offload.zero.unit import Unit, UnitState
 
-__all__ = ["Init", "LiveLimitError", "materialize_unit", "ParamSlot", "Unit", "UnitPlan", "UnitState", "ZeroRuntime", "plan_units"]
+__all__ = ["Init", "LiveLimitError", "materialize_unit", "ParamSlot", "Unit", "UnitPlan", "UnitState", "ZeroRuntime",
+           "plan_units"]

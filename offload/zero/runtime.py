@@ -240,7 +240,8 @@ class ZeroRuntime:
             if unit.swap is not None and unit.state is UnitState.SHARDED:
                 self.swap.start(unit.index)
             if upcoming:
-                self.swap.read_ahead(upcoming, skip={i for i in upcoming if self.units[i].state is not UnitState.SHARDED})
+                gathered = {i for i in upcoming if self.units[i].state is not UnitState.SHARDED}
+                self.swap.read_ahead(upcoming, skip=gathered)
         if unit.state is UnitState.GATHERING:
             with self.telemetry.span("gather_wait", unit.name):
                 unit.finish_unshard()
