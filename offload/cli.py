@@ -16,8 +16,8 @@ import torch
 import offload
 from offload import native
 from offload.checkpoint import CheckpointError
-from offload.cli_types import (non_negative_float, non_negative_int, positive_int, positive_ints, positive_size,
-                               positive_sizes)
+from offload.cli_types import (directory_problem, non_negative_float, non_negative_int, positive_int, positive_ints,
+                               positive_size, positive_sizes)
 from offload.config import Config, ConfigError
 from offload.engine import EngineError
 
@@ -127,10 +127,10 @@ def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
 
 def _directory(path: str, flag: str) -> Path:
     """A directory to write into: it exists as one, or can be created."""
-    target = Path(path)
-    if target.exists() and not target.is_dir():
-        raise UsageError(f"{flag} {path} is a file; give a directory on the drive to use (it is created if missing)")
-    return target
+    problem = directory_problem(path)
+    if problem is not None:
+        raise UsageError(f"{flag} {path}: {problem}; give a directory on the drive to use (it is created if missing)")
+    return Path(path)
 
 
 def _cmd_tune_nvme(args: argparse.Namespace) -> int:

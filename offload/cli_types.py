@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 _UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
@@ -41,8 +43,20 @@ def _checked(convert: Callable[[str], float | int], ok: Callable[[float], bool],
 positive_int = _checked(int, lambda v: v > 0, "a positive whole number")
 non_negative_int = _checked(int, lambda v: v >= 0, "a whole number >= 0")
 positive_size = _checked(parse_size, lambda v: v > 0, "a positive size (e.g. 8Mi, 1Gi, 10M)")
-positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive finite number")
 non_negative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+
+
+def directory_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be a directory to write into (it, or the nearest part of it that exists, is a file or
+    not writable), or None: it is one, or it can be created."""
+    probe = Path(path)
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file" + ("" if probe == Path(path) else ", so the directory cannot be created there")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable, so nothing could be saved there"
+    return None
 
 
 def positive_sizes(text: str) -> list[int]:

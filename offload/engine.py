@@ -709,8 +709,7 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
     accel = Accelerator(device if device is not None else _default_device())
     if accel.is_cuda:
         torch.cuda.set_device(accel.device)  # NCCL and the caching allocator use the current device
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None) or getattr(model, "hidden_size", None)
-    cfg = loaded.resolve(world_size=group.world, hidden_size=hidden)
+    cfg = loaded.resolve(world_size=group.world, hidden_size=hidden_size_of(model))
     _check_supported(cfg)
     if cfg.no_effect and group.rank == 0:
         logger.warning("config: %d key(s) set here have no effect in offload: %s", len(cfg.no_effect),
@@ -724,6 +723,11 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
                                              sampler=sampler, shuffle=sampler is None, collate_fn=collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def hidden_size_of(model: nn.Module) -> int | None:
+    """The model width that sizes "auto" buckets, as Hugging Face's integration reads it (None if unknown)."""
+    return getattr(getattr(model, "config", None), "hidden_size", None) or getattr(model, "hidden_size", None)
 
 
 def _to_device(value: Any, device: torch.device, cast: torch.dtype | None = None) -> Any:

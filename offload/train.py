@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from offload.cli_types import directory_problem
 from offload.config import Config, ConfigError
 from offload.host_malloc import DEFAULT_THRESHOLD
 
@@ -130,14 +131,9 @@ def load_tokens(args: TrainArgs) -> tuple[torch.Tensor, int]:
 
 def _check_writable(directory: Path, flag: str) -> None:
     """``directory`` exists as a writable directory, or can be created (without creating it now)."""
-    probe = directory
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise TrainError(f"{flag} {directory}: {probe} is a file, so the directory cannot be created there")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise TrainError(f"{flag} {directory}: {probe} is not writable, so nothing could be saved there; choose "
-                         "another directory")
+    problem = directory_problem(directory)
+    if problem is not None:
+        raise TrainError(f"{flag} {directory}: {problem}; choose another directory")
 
 
 def _check_fits(args: TrainArgs, vocab: int, config: dict[str, Any]) -> None:
@@ -145,13 +141,14 @@ def _check_fits(args: TrainArgs, vocab: int, config: dict[str, Any]) -> None:
     `offload estimate` computes it) plus the full fp32 build unless --init-empty builds it unit by unit."""
     import psutil
 
+    from offload.engine import hidden_size_of
     from offload.estimate import estimate, model_units
     with torch.device("meta"):
         model = build_model(args, vocab)
     params = sum(p.numel() for p in model.parameters())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = Config.load(config).resolve(world_size=world, hidden_size=getattr(model, "hidden_size", None))
+        cfg = Config.load(config).resolve(world_size=world, hidden_size=hidden_size_of(model))
     except ConfigError as e:
         raise TrainError(f"the config cannot run here: {e}") from e
     est = estimate(model_units(model, cfg), cfg, world)
@@ -171,8 +168,8 @@ def _earlier_losses(record: Path, first_step: int) -> list[float]:
     """The losses a resumed run's record already holds for the steps before ``first_step`` (kept, not replaced)."""
     try:
         earlier = json.loads(record.read_text())
-        return [float(x) for x in earlier["losses"]][:max(0, first_step - int(earlier["first_step"]))] \
-            if int(earlier["first_step"]) <= first_step else []
+        keep = first_step - int(earlier["first_step"])  # the record's steps before the checkpoint
+        return [float(x) for x in earlier["losses"][:keep]] if keep >= 0 else []
     except (OSError, ValueError, KeyError, TypeError):
         return []
 
