@@ -25,9 +25,11 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --disable-pip-version-check -q "$TORCH_SPEC"
 fi
 
-# Reinstall (and so rebuild native/) only when the build inputs changed.
+# Reinstall (and so rebuild native/) only when the build inputs changed. The editable install maps each module
+# to its file, so the list of the package's files is an input too (a module added, moved or removed).
 stamp="$VENV/.offload-build-stamp"
-digest=$(cat pyproject.toml CMakeLists.txt native/* | "$PY" -c "import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())")
+digest=$({ cat pyproject.toml CMakeLists.txt native/*; find offload -name '*.py' | LC_ALL=C sort; } |
+  "$PY" -c "import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())")
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$digest" ] || ! "$PY" -c "import offload._native" 2>/dev/null; then
   echo "== installing offload (builds the native kernels; the first run also builds liburing, about a minute)"
   "$PY" -m pip install --disable-pip-version-check -q -e ".[test]"

@@ -2,7 +2,6 @@
 
 from offload.config import Config, ConfigError, load_config
 from offload.engine import Engine, EngineError, initialize
-
-__version__ = "0.1.0"
+from offload.version import __version__
 
 __all__ = ["Config", "ConfigError", "Engine", "EngineError", "__version__", "initialize", "load_config"]

@@ -19,11 +19,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-from offload.aio.buffers import AlignedBuffer
+from offload.buffers import AlignedBuffer
 
 
 class Event(Protocol):
@@ -292,3 +292,18 @@ class Accelerator:
         for buf in self._host_buffers:
             buf.release_pin()
         self._host_buffers.clear()
+
+
+def to_device(value: Any, device: torch.device, cast: torch.dtype | None = None) -> Any:
+    """``value`` with its tensors on ``device``; with ``cast`` (fp16.auto_cast) floating ones also in that dtype."""
+    if isinstance(value, torch.Tensor):
+        dtype = cast if cast is not None and value.is_floating_point() else value.dtype
+        return value if value.device == device and value.dtype == dtype else \
+            value.to(device, dtype, non_blocking=True)
+    if isinstance(value, dict):
+        return type(value)((k, to_device(v, device, cast)) for k, v in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(to_device(v, device, cast) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device, cast) for v in value)
+    return value

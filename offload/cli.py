@@ -15,7 +15,7 @@ import torch
 
 import offload
 from offload import native
-from offload.checkpoint import CheckpointError
+from offload.checkpoint_files import CheckpointError
 from offload.cli_types import (directory_problem, non_negative_float, non_negative_int, positive_int, positive_ints,
                                positive_size, positive_sizes)
 from offload.config import Config, ConfigError
@@ -134,7 +134,7 @@ def _directory(path: str, flag: str) -> Path:
 
 
 def _cmd_tune_nvme(args: argparse.Namespace) -> int:
-    from offload.aio import tune
+    from offload.bench import tune
     out = Path(args.out) if args.out else Path("offload-tune-nvme")
     tune.run(_directory(args.path, "--path"), out, quick=args.quick, size=args.file_size, with_fio=not args.no_fio,
              stream=sys.stdout)
@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output directory (default ./offload-tune-nvme)")
     p.set_defaults(func=_cmd_tune_nvme)
 
-    from offload.train import MODELS, TrainArgs
+    from offload.models.catalog import MODELS
+    from offload.train import TrainArgs
     d = TrainArgs()
     p = sub.add_parser("train", help="train a causal LM through the runtime (the main job; embedded defaults)")
     p.add_argument("--model", default=d.model, help=f"{', '.join(MODELS)} (default {d.model})")

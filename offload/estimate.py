@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from offload.config import Config, ConfigError
+from offload.models.catalog import MODELS, ModelError, build_model
 from offload.optim.sharded import host_parts
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import nvme_buffers, place_sub_groups, plan_sub_groups
@@ -393,7 +394,6 @@ def build_config(path: str | None, overrides: dict[str, Any], nvme_path: str, st
 
 def run_cli(args: Any) -> int:
     import sys
-    from offload.train import MODELS, TrainArgs, TrainError, build_model
     try:
         raw = build_config(args.config, {"offload_optimizer": args.offload_optimizer,
                                          "offload_param": args.offload_param}, args.nvme_path, args.stage,
@@ -406,19 +406,18 @@ def run_cli(args: Any) -> int:
         else:
             name = args.model or "gpt2"
             if name not in MODELS:
-                raise TrainError(f"unknown model {name!r}; choose one of {', '.join(MODELS)} or give --params N")
+                raise ModelError(f"unknown model {name!r}; choose one of {', '.join(MODELS)} or give --params N")
             family, layers, hidden, heads = MODELS[name]
             vocab = args.vocab or DEFAULT_VOCAB[family]
             with torch.device("meta"):  # sizes only: no memory, no initialisation
-                model = build_model(TrainArgs(model=name, seq=args.seq, layers=args.layers, hidden=args.hidden),
-                                    vocab)
+                model = build_model(name, vocab, args.seq, layers=args.layers, hidden=args.hidden)
             hidden_size = args.hidden or hidden
             config = Config.load(raw).resolve(world_size=args.world, hidden_size=hidden_size)
             units = model_units(model, config)
             micro = args.micro or int(config.train_micro_batch_size_per_gpu or 1)
             shape = ActivationShape(args.layers or layers, hidden_size, heads * hidden_size // hidden, args.seq,
                                     micro, vocab)
-    except (TrainError, ConfigError) as e:
+    except (ModelError, ConfigError) as e:
         print(f"offload estimate: {e}", file=sys.stderr)
         return 2
     est = estimate(units, config, args.world, shape)

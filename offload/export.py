@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from offload.checkpoint import CheckpointError, ShardReader, partitions, read_meta, resolve, verify
+from offload.checkpoint_files import CheckpointError, ShardReader, partitions, read_meta, resolve, verify
 from offload.weights_file import SafetensorsStream, TensorSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

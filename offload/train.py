@@ -28,17 +28,8 @@ from torch import nn
 from offload.cli_types import directory_problem
 from offload.config import Config, ConfigError
 from offload.host_malloc import DEFAULT_THRESHOLD
-
-# name -> (family, layers, hidden, heads): sizes by name; --layers/--hidden/--heads override.
-MODELS: dict[str, tuple[str, int, int, int]] = {
-    "gpt-tiny": ("builtin", 2, 64, 4),
-    "gpt-small": ("builtin", 6, 256, 8),
-    "gpt2": ("gpt2", 12, 768, 12),
-    "gpt2-medium": ("gpt2", 24, 1024, 16),
-    "gpt2-tiny": ("gpt2", 2, 64, 4),
-    "llama-tiny": ("llama", 2, 64, 4),
-    "llama-1b": ("llama", 16, 2048, 32),
-}
+from offload.models.catalog import ModelError
+from offload.models.catalog import build_model as build_named_model
 
 
 class TrainError(ValueError):
@@ -175,29 +166,11 @@ def _earlier_losses(record: Path, first_step: int) -> list[float]:
 
 
 def build_model(args: TrainArgs, vocab: int) -> nn.Module:
-    if args.model not in MODELS:
-        raise TrainError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)} (and --layers/--hidden/"
-                         "--heads for other sizes)")
-    family, layers, hidden, heads = MODELS[args.model]
-    layers, hidden, heads = args.layers or layers, args.hidden or hidden, args.heads or heads
-    if hidden % heads:
-        raise TrainError(f"--hidden {hidden} must be a multiple of --heads {heads}")
-    if family == "builtin":
-        from offload.models import GPT, GPTConfig
-        return GPT(GPTConfig(vocab_size=vocab, context=args.seq, hidden_size=hidden, layers=layers, heads=heads))
+    """The model ``args`` name (offload/models/catalog.py) at its size or theirs."""
     try:
-        import transformers
-    except ImportError:
-        raise TrainError(f"model {args.model!r} needs the transformers package (pip install transformers), or use "
-                         "a built-in model (gpt-tiny, gpt-small)") from None
-    if family == "gpt2":
-        config = transformers.GPT2Config(vocab_size=vocab, n_positions=args.seq, n_embd=hidden, n_layer=layers,
-                                         n_head=heads)
-        return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
-                                      num_hidden_layers=layers, num_attention_heads=heads,
-                                      max_position_embeddings=args.seq)
-    return transformers.LlamaForCausalLM(config)
+        return build_named_model(args.model, vocab, args.seq, args.layers, args.hidden, args.heads)
+    except ModelError as e:
+        raise TrainError(str(e)) from None
 
 
 def build_config(args: TrainArgs) -> dict[str, Any]:

@@ -285,7 +285,7 @@ def test_the_pinned_liburing_is_what_is_installed():
 
 def test_processes_importing_liburing_at_once_all_succeed():
     # liburing rewrites a cache file on import; unlocked, about one import in twenty failed here when six ran at once.
-    code = "from offload.aio.select import import_liburing; import_liburing()"
+    code = "from offload.aio.liburing_probe import import_liburing; import_liburing()"
     procs = [subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True) for _ in range(8)]
     failures = [p.stderr.read() for p in procs if p.wait(timeout=120) != 0]
     assert failures == []

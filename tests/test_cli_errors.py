@@ -144,7 +144,7 @@ def test_export_refuses_a_directory_with_weights_and_replaces_them_whole(checkpo
 def test_the_tuning_progress_redraws_only_on_a_terminal():
     import io
 
-    from offload.aio.tune import _progress
+    from offload.bench.tune import _progress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -142,12 +142,12 @@ def test_shipped_configs_train(name, repo, tmp_path):
 def test_inputs_on_another_device_are_moved_keeping_their_structure():
     from collections import namedtuple
 
-    from offload.engine import _to_device
+    from offload.accelerator import to_device
     Pair = namedtuple("Pair", "a b")
     batch = {"ids": torch.ones(2, dtype=torch.long), "more": [Pair(torch.zeros(1), 3), (torch.ones(1), "x")]}
-    moved = _to_device(batch, torch.device("meta"))
+    moved = to_device(batch, torch.device("meta"))
     assert moved["ids"].device.type == "meta" and moved["ids"].dtype == torch.long
     assert isinstance(moved["more"][0], Pair) and moved["more"][0].a.is_meta and moved["more"][0].b == 3
     assert isinstance(moved["more"][1], tuple) and moved["more"][1][0].is_meta and moved["more"][1][1] == "x"
     here = torch.ones(1)
-    assert _to_device(here, here.device) is here  # already there: not copied
+    assert to_device(here, here.device) is here  # already there: not copied

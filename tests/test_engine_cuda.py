@@ -21,9 +21,10 @@ def test_cuda_engine_matches_torch_on_the_gpu():
 
 def test_master_state_lives_in_pinned_host_memory():
     engine, optimizer, _, _ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
-    assert engine.accel.is_cuda and engine.units[0].shard.is_cuda
+    assert engine.accel.is_cuda and engine.params.read(0).is_cuda
     group = optimizer.store.groups[0]
     assert group.tier == "host" and group.resident.device.type == "cpu" and group.resident.is_pinned()
     state = next(iter(optimizer.shards.values()))
-    assert state.grad.is_pinned() and state.out is not None and state.out.is_pinned()
+    assert state.grad.is_pinned() and engine.params.host_copy(state.index) is not None
+    assert engine.params.host_copy(state.index).is_pinned()
     engine.close()

@@ -15,6 +15,7 @@ from offload.aio.base import SwapIOError
 from offload.aio.checksum import ChecksumError
 from offload.engine import EngineError
 from offload.launch import run_ranks
+from offload.store.param_store import Home
 from offload.telemetry import NVME_PARAMS
 
 
@@ -70,7 +71,7 @@ def test_reads_run_ahead_of_use_and_overlap_compute(tmp_path, monkeypatch):
     config = param_config(tmp_path, buffers=4)
     config["zero_optimization"]["stage3_prefetch_bucket_size"] = 50_000
     engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
-    swap = engine.param_swap
+    swap = engine.params.swap
     assert len(swap.homes) == len(engine.units)  # max_in_cpu 0: every shard lives on NVMe
     engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))  # the first iteration records the order:
     first = swap.stats.reads_on_demand  # every read on demand
@@ -106,8 +107,8 @@ def test_overlapped_step_and_a_host_nvme_split_train_like_torch(tmp_path):
         if name == "overlapped":
             assert results[0]["overlapped"] >= 5 * units // 2
     engine, *_ = offload.initialize(model=make_model("gpt"), config=param_config(tmp_path / "c", max_in_cpu=6000))
-    on_host = [u for u in engine.units if u.home is not None]
-    on_nvme = [u for u in engine.units if u.swap is not None]
+    on_host = [u for u in engine.units if engine.params.home(u.index) is Home.HOST]
+    on_nvme = [u for u in engine.units if engine.params.home(u.index) is Home.NVME]
     assert on_host and on_nvme and on_host[0].index == 0, "the host keeps the first units"
     assert sum(u.shard_numel for u in on_host) <= 6000
     engine.close()
@@ -127,13 +128,13 @@ def test_a_failed_parameter_write_keeps_the_step_and_rewrites_the_shards_before_
     with pytest.raises(EngineError, match=r"step 3 was applied, but writing new parameter shards to NVMe failed: "
                                           r"write of .*/params-rank0\.swap failed: No space left on device.*errno 28"):
         engine.step()
-    assert engine.param_swap.stats.stale, "the units whose write failed are marked stale"
+    assert engine.params.swap.stats.stale, "the units whose write failed are marked stale"
     state = engine.full_state_dict()
     for key, value in clean3.items():  # the state of the last completed step (3) is readable and right
         assert torch.equal(state[key], value), key
     monkeypatch.undo()
     losses += _steps(engine, 3, 4)  # the next forward rewrites the stale shards first
-    assert not engine.param_swap.stats.stale
+    assert not engine.params.swap.stats.stale
     engine.close()
     assert losses == clean_losses
 

@@ -27,7 +27,7 @@ def fp16_overflow(rank, world):
     config = {**base_config(2, 1, world), "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1,
                                                     "loss_scale_window": 2}}
     engine, _, _, _ = offload.initialize(model=make_model("gpt"), config=config)
-    assert engine.units[0].shard.dtype == torch.float16
+    assert engine.params.read(0).dtype == torch.float16
     log = []
     for step, tokens in enumerate(batches(5, 2 * world)):
         rows = tokens[rank * 2:(rank + 1) * 2]

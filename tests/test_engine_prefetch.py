@@ -46,7 +46,7 @@ def _train(rank, world, steps, flip_every, nvme_path=None):
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-    reads = engine.param_swap.stats.reads_ahead if engine.param_swap is not None else None
+    reads = engine.params.swap.stats.reads_ahead if engine.params.swap is not None else None
     out = (engine.full_state_dict(), ref.state_dict(), engine.runtime.prefetch.mismatches,
            engine.runtime.prefetched_gathers, len(engine.units), reads)
     engine.close()

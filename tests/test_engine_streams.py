@@ -11,6 +11,7 @@ from offload.accelerator import StreamError, WorkerStream
 from offload.launch import run_ranks
 
 import pytest
+import torch
 
 
 def test_lagging_copy_streams_give_the_same_training():
@@ -54,3 +55,25 @@ def test_an_event_waited_on_by_another_stream_orders_them():
     assert order == ["copy", "accumulate"]
     first.close()
     second.close()
+
+
+def test_weights_saved_right_after_a_step_are_the_stepped_ones(tmp_path, monkeypatch):
+    """The new shards reach the device on a copy stream after the step; a save straight after must wait for them
+    (it read the previous values before the parameter store's read waited for the copy back)."""
+    import offload
+    from engine_cases import batches, loss_of, make_model
+    monkeypatch.setenv("OFFLOAD_EMULATED_COPY_DELAY_S", "0.05")  # copies back lag far behind the step
+    config = base_config(2, 1, 1)
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    before = engine.full_state_dict()
+    engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
+    engine.step()
+    assert engine.save_16bit_model(tmp_path, "pytorch_model.bin")
+    after = engine.full_state_dict()  # fp32 masters: the stepped values
+    engine.close()
+    saved = torch.load(tmp_path / "pytorch_model.bin")
+    changed = [k for k in saved if not torch.equal(before[k], after[k])]
+    assert changed, "the step changed some weights"
+    for key in changed:
+        torch.testing.assert_close(saved[key], after[key], msg=f"{key} was saved with its pre-step values")

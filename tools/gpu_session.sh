@@ -24,7 +24,7 @@ install() {
   $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
   $PY -m pip install -q --no-index --no-build-isolation --no-deps .whl/* &&
   $PY -m pip install -q --no-index --no-build-isolation --no-deps -e . &&
-  $PY -c "import offload, offload._native as n; from offload.aio import select; print('native', offload.native.active_variant()); print(select.probe_io_uring())"
+  $PY -c "import offload, offload._native as n; from offload.aio import probe_io_uring; print('native', offload.native.active_variant()); print(probe_io_uring())"
 }
 
 for s in "$@"; do

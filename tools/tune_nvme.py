@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Same as `offload tune-nvme` (the logic lives in offload/aio/tune.py)."""
+"""Same as `offload tune-nvme` (the logic lives in offload/bench/tune.py)."""
 
 import sys
 

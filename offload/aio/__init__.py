@@ -2,8 +2,9 @@
 
 from offload.aio.base import Engine, Request, SwapFile, SwapIOError
 from offload.aio.checksum import ChecksumError, ChecksummedFile
-from offload.aio.buffers import AlignedBuffer, BufferPool, PoolExhausted, round_up
-from offload.aio.select import engine_from_config, make_engine, probe_io_uring
+from offload.aio.choose import engine_from_config, make_engine
+from offload.aio.liburing_probe import probe_io_uring
+from offload.buffers import AlignedBuffer, BufferPool, PoolExhausted, round_up
 
 __all__ = ["AlignedBuffer", "BufferPool", "ChecksumError", "ChecksummedFile", "Engine", "PoolExhausted", "Request",
            "SwapFile", "SwapIOError", "engine_from_config", "make_engine", "probe_io_uring", "round_up"]

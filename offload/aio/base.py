@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.aio.buffers import ALIGN, round_up
+from offload.buffers import ALIGN, round_up
 
 _O_DIRECT_HINT = " (the file system may not support O_DIRECT)"
 

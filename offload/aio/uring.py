@@ -1,4 +1,4 @@
-"""The io_uring engine, through the `liburing` package (pinned to 2024.5.3; see select.py).
+"""The io_uring engine, through the `liburing` package (pinned to 2024.5.3; see liburing_probe.py).
 
 [Note: one reaper, eventfd wake-ups] liburing's Python wrappers hold the GIL while they
 block, so the engine never calls io_uring_wait_cqe: an eventfd registered with the ring
@@ -21,15 +21,14 @@ import torch
 
 from offload.aio.base import (Engine, Piece, Request, SwapFile, SwapIOError, _memoryview_at, check_block_size,
                               check_request, piece_error, split, zero_transfer)
+from offload.aio.liburing_probe import import_liburing
 
 
 class IoUringEngine(Engine):
     name = "io_uring"
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8) -> None:
-        from offload.aio.select import import_liburing
-
-        liburing = import_liburing()  # only after select.probe_io_uring() said it is safe here
+        liburing = import_liburing()  # only after probe_io_uring() said it is safe here
         self._lib = liburing
         self.block_size = check_block_size(block_size)
         self.queue_depth = queue_depth

@@ -18,7 +18,7 @@ from typing import TextIO
 
 import torch
 
-from offload.aio.buffers import AlignedBuffer
+from offload.buffers import AlignedBuffer
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,3 +66,13 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("scale", "good_steps", "hysteresis_left", "overflows"):
             setattr(self, key, type(getattr(self, key))(state[key]))
+
+
+def gradient_factor(sum_sq: float, nonfinite: int, loss_scale: float, clip: float) -> tuple[float, float]:
+    """The global gradient norm (unscaled; nan when a gradient is not finite) and the one factor the step applies
+    to the accumulated gradients: the unscale and the clip (gradient_clipping, 0 for none) folded together."""
+    norm = math.sqrt(sum_sq) / loss_scale if nonfinite == 0 else math.nan
+    factor = 1.0 / loss_scale
+    if clip > 0 and math.isfinite(norm):
+        factor *= min(1.0, clip / (norm + 1e-6))
+    return norm, factor

@@ -15,16 +15,17 @@ the accumulators.
 [Note: overlapped step] When nothing global gates the update (no clipping, no fp16
 overflow check) the last micro-batch's backward runs each host-resident shard's Adam on
 the host thread right after its gradient lands, while backward goes on with earlier
-units; its new shard is copied back at once and the unit's ``ready`` event (which its
-next gather waits for) covers that copy. An NVMe sub-group steps there too, once all of
+units; its new shard is copied back at once (the parameter store keeps the copy's event,
+which the unit's next gather waits for). An NVMe sub-group steps there too, once all of
 its units' gradients are in (see the store's [Note: NVMe sub-groups stepped during
 backward]); engine.step() then only steps what is left (units without a gradient) and
 makes the new NVMe slots current. The arithmetic is the same kernel on the
 same values, so the result is bitwise the same as stepping after backward.
 
-[Note: parameter return] After the step each unit's new compute-dtype shard is copied
-back on the H2D copy stream; the copy's event is the unit's ``ready`` event, which
-the next gather of that unit waits for (``Unit.unshard``).
+[Note: parameter return] The step writes each new compute-dtype shard where the
+parameter store says (offload/store/param_store.py: [Note: the step's target]); a shard
+homed on the device is then copied back by the store, whose event the next gather of
+that unit waits for. The optimizer knows shards by unit index only, never the units.
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ from offload.telemetry import Telemetry
 from offload.aio.base import Engine
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import OptimizerStateStore, SubGroup
-from offload.store.param_swap import ParamSwap
+from offload.store.param_store import Home, ParamStore
 from offload.store.swapdir import SwapDir
-from offload.zero.unit import Unit
 
 STAGING_BUFFERS = 4
 
@@ -67,11 +67,12 @@ def host_parts(sizes: list[tuple[int, int]], nvme_units: set[int], item: int) ->
             "gradient staging": STAGING_BUFFERS * max(n for _, n in sizes) * item}
 
 
-def shard_segments(unit: Unit, group_of: dict[int, int]) -> list[Segment]:
-    """The optimizer segments of this rank's shard; padding and params in no group are left out."""
-    lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
+def shard_segments(slots: Iterable[Any], start: int, numel: int, group_of: dict[int, int]) -> list[Segment]:
+    """The optimizer segments of the shard [start, start + numel) of a flat buffer whose parameters sit at
+    ``slots`` (each with ``param``, ``offset`` and ``numel``); padding and params in no group are left out."""
+    lo, hi = start, start + numel
     segments: list[Segment] = []
-    for slot in unit.slots:
+    for slot in slots:
         group = group_of.get(id(slot.param))
         start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if group is None or start >= end:
@@ -87,10 +88,10 @@ def shard_segments(unit: Unit, group_of: dict[int, int]) -> list[Segment]:
 class ShardState:
     """One unit's per-rank optimizer buffers besides master/moments (those live in the state store)."""
 
+    index: int  # the unit's
+    name: str  # the unit's, for traces
     grad: torch.Tensor  # fp32 gradient accumulator (host when offloaded)
-    out: torch.Tensor | None  # host compute-dtype copy of the new shard, the source of the copy back (offload)
     segments: list[Segment]
-    nvme: bool = False  # the shard's home is NVMe: the step writes the new shard through the parameter swap
     gaps: list[tuple[int, int]] = field(default_factory=list)  # elements no segment covers (frozen, padding)
     fresh: bool = True  # the accumulator holds nothing from this step yet
     stepped: bool = False  # this step's Adam already ran (overlapped with backward)
@@ -107,8 +108,6 @@ class StatePlan:
     nvme: TierBudget = field(default_factory=lambda: TierBudget("nvme", None))
     swap: tuple[SwapDir, Engine] | None = None
     rank: int = 0
-    params_on_host: bool = False  # offload_param cpu/nvme: the shard's home is off the device; nothing to copy back
-    param_swap: ParamSwap | None = None  # the units homed on NVMe (offload_param: nvme)
 
 
 class ShardedAdam(torch.optim.Optimizer):
@@ -116,9 +115,10 @@ class ShardedAdam(torch.optim.Optimizer):
     any torch optimizer (LR schedulers work), but the step is ``engine.step()``."""
 
     def __init__(self, param_groups: list[dict[str, Any]], accel: Accelerator, sizes: list[tuple[int, int]], *,
-                 plan: StatePlan, compute_dtype: torch.dtype, adamw_mode: bool, bias_correction: bool,
-                 threads: int | None, telemetry: Telemetry | None = None) -> None:
-        """``sizes``: (unit index, shard elements) of every unit with trained parameters, in unit order."""
+                 plan: StatePlan, params: ParamStore, compute_dtype: torch.dtype, adamw_mode: bool,
+                 bias_correction: bool, threads: int | None, telemetry: Telemetry | None = None) -> None:
+        """``sizes``: (unit index, shard elements) of every unit with trained parameters, in unit order;
+        ``params`` holds their compute-dtype shards, which the step writes."""
         defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
         super().__init__(param_groups, defaults)
         self.accel = accel
@@ -129,17 +129,15 @@ class ShardedAdam(torch.optim.Optimizer):
         self.threads = threads
         self.telemetry = telemetry or Telemetry()
         self.host = plan.host
-        self.params_on_host = plan.params_on_host
-        self.param_swap = plan.param_swap
-        self._nvme_units = set(plan.param_swap.homes) if plan.param_swap is not None else set()
+        self.params = params
+        self._nvme_units = {i for i, _ in sizes if params.home(i) is Home.NVME}
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
         self._d2h = accel.copy_stream("d2h") if self.offload else None
-        self._h2d = accel.copy_stream("h2d") if self.offload else None
         self._host = accel.host_queue("grad-accumulate") if self.offload else None
         self._staging: list[tuple[torch.Tensor, Event]] = []
         self._next_staging = 0
-        self._overlap: tuple[dict[int, Unit], list[AdamHyper], int] | None = None
+        self._overlap: tuple[set[int], list[AdamHyper], int] | None = None  # units, hyperparameters, step
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         if self.offload and sizes:
             self._reserve_host(sizes)
@@ -170,25 +168,20 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- state
 
-    def add_unit(self, unit: Unit, master: torch.Tensor, group_of: dict[int, int]) -> None:
-        """Own ``unit``'s optimizer state; ``master`` is its fp32 shard (host). Units arrive in order."""
-        n = unit.shard_numel
-        nvme = unit.index in self._nvme_units
+    def add_shard(self, index: int, name: str, master: torch.Tensor, segments: list[Segment]) -> None:
+        """Own unit ``index``'s optimizer state; ``master`` is its fp32 shard (host). Units arrive in order."""
+        n = master.numel()
         if self.offload:
             grad = self._host_tensor(n, torch.float32)
-            out = None if nvme else self._host_tensor(n, self.compute_dtype)
-            if out is not None:
-                out.copy_(master)  # elements the step does not write (frozen, padding) keep their values
         else:
-            grad, out = torch.zeros(n, dtype=torch.float32, device=self.accel.device), None
-        segments = shard_segments(unit, group_of)
-        self.shards[unit.index] = ShardState(grad, out, segments, nvme, _gaps(segments, n))
-        self.store.init_member(unit.index, master)
+            grad = torch.zeros(n, dtype=torch.float32, device=self.accel.device)
+        self.shards[index] = ShardState(index, name, grad, segments, _gaps(segments, n))
+        self.store.init_member(index, master)
 
-    def master_of(self, unit: Unit) -> torch.Tensor:
-        """A copy of the unit's fp32 master shard, wherever it lives."""
+    def master_of(self, index: int) -> torch.Tensor:
+        """A copy of unit ``index``'s fp32 master shard, wherever it lives."""
         self._settle()
-        return self.store.read_master(unit.index)
+        return self.store.read_master(index)
 
     def _settle(self) -> None:
         """Before the NVMe buffers are used for anything but the step: what this step's pass already stepped
@@ -202,25 +195,14 @@ class ShardedAdam(torch.optim.Optimizer):
             for m in g.members:
                 self.shards[m.unit].stepped = False
 
-    def state_bytes(self) -> int:
-        """Master and moments of every shard this rank owns, in memory (host or device), plus accumulators
-        and copies."""
-        memory = sum(g.nbytes for g in self.store.groups if g.tier != "nvme")
-        per_unit = sum(t.numel() * t.element_size() for s in self.shards.values() for t in (s.grad, s.out)
-                       if t is not None)
-        return memory + per_unit
-
-    def staging_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t, _ in self._staging)
-
     # ----------------------------------------------------------------- gradients in
 
-    def accumulate(self, unit: Unit, shard_grad: torch.Tensor, scale: float, ready: Event | None = None,
+    def accumulate(self, index: int, shard_grad: torch.Tensor, scale: float, ready: Event | None = None,
                    keep: torch.Tensor | None = None) -> None:
-        """Add ``scale`` x the reduce-scattered gradient shard into the unit's fp32 accumulator, once ``ready``
-        (the reduce-scatter) completes; ``keep`` (its input) stays referenced until then."""
+        """Add ``scale`` x the reduce-scattered gradient shard into unit ``index``'s fp32 accumulator, once
+        ``ready`` (the reduce-scatter) completes; ``keep`` (its input) stays referenced until then."""
         ready = ready if ready is not None else self.accel.compute_event()
-        state = self.shards.get(unit.index)
+        state = self.shards.get(index)
         if state is None:
             ready.synchronize()
             return
@@ -237,14 +219,14 @@ class ShardedAdam(torch.optim.Optimizer):
         tel = self.telemetry
 
         def copy() -> None:
-            with tel.span("d2h", unit.name):
+            with tel.span("d2h", state.name):
                 stage.copy_(shard_grad, non_blocking=True)
 
         def add() -> None:
-            with tel.span("accumulate", unit.name):
+            with tel.span("accumulate", state.name):
                 _accumulate(state, stage, scale, self.threads)
             del grad_ref[:]  # the device gradient may be freed now that its copy has been waited for
-            self._step_during_backward(unit, overlap)
+            self._step_during_backward(index, overlap)
 
         grad_ref = [shard_grad, keep]
         # Whether this gradient belongs to the overlapped (last) micro-batch is decided now, on the training
@@ -294,13 +276,11 @@ class ShardedAdam(torch.optim.Optimizer):
                          weight_decay=float(g["weight_decay"]), adamw_mode=self.adamw_mode,
                          bias_correction=self.bias_correction)
 
-    def apply(self, units: Iterable[Unit], grad_scale: float) -> None:
+    def apply(self, grad_scale: float) -> None:
         """One Adam step on every shard with gradients scaled by ``grad_scale``; new params go back to the device
         only after every sub-group's step succeeded (a failed NVMe transfer leaves the last step intact).
         Shards already stepped during backward (see ``begin_overlap``) are skipped."""
-        if self._h2d is not None:
-            self._h2d.synchronize()  # last step's copies read the host copies, which this step rewrites
-        by_index = {u.index: u for u in units}
+        self.params.wait_copies_back()  # last step's copies read the host copies, which this step rewrites
         hypers = [self.hyper(i) for i in range(len(self.param_groups))]
         step = self.adam_steps + 1
         try:
@@ -310,32 +290,29 @@ class ShardedAdam(torch.optim.Optimizer):
             for group in self.store.step_pass():
                 for member in group.members:
                     if not self.shards[member.unit].stepped:
-                        self._step_shard(by_index[member.unit], group.views(member), step, hypers, grad_scale)
+                        self._step_shard(member.unit, group.views(member), step, hypers, grad_scale)
         except BaseException:
             self._unstep(self.store.abort_pass())  # NVMe sub-groups stepped during backward are stepped again
-            if self.param_swap is not None:
-                self.param_swap.abort()
+            self.params.abort()
             raise
         self.adam_steps = step
         self._overlap = None
         for index, state in self.shards.items():
-            if state.out is not None and not self.params_on_host and not state.stepped:
-                self._write_back(by_index[index], state)
+            if self.offload and not state.stepped:
+                self.params.copy_back(index)
             state.fresh, state.stepped = True, False
-        if self.param_swap is not None:
-            self.param_swap.commit()  # a failure here leaves units stale, never the step half applied
+        self.params.commit()  # a failure here leaves units stale, never the step half applied
 
-    def _step_shard(self, unit: Unit, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
+    def _step_shard(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
                     hypers: list[AdamHyper], grad_scale: float) -> None:
-        state = self.shards[unit.index]
+        state = self.shards[index]
         master, exp_avg, exp_avg_sq = views
         if state.fresh:  # no gradient reached this unit since the last step: Adam sees zeros
             state.grad.zero_()
-        out = state.out
-        if state.nvme:
-            assert self.param_swap is not None
-            out = self.param_swap.stage(unit.index)
-            for start, end in state.gaps:  # what the step does not write keeps its value (master holds it)
+        out = self.params.step_target(index) if self.offload else None
+        if index in self._nvme_units:  # a fresh write buffer: what the step does not write keeps its value
+            assert out is not None
+            for start, end in state.gaps:
                 out[start:end].copy_(master[start:end])
         out16 = out if out is not None and out.dtype != torch.float32 else None
         for seg in state.segments:
@@ -347,13 +324,12 @@ class ShardedAdam(torch.optim.Optimizer):
                 _torch_adam(master[s], state.grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
                             grad_scale)
         if out is None:  # state on the compute device: the shard is written straight away
-            unit.shard.copy_(master)
-        elif out16 is None:
-            for seg in state.segments:
-                out[seg.start:seg.end].copy_(master[seg.start:seg.end])
-        if state.nvme:
-            assert self.param_swap is not None
-            self.param_swap.write(unit.index)
+            self.params.write_device(index, master)
+        else:
+            if out16 is None:
+                for seg in state.segments:
+                    out[seg.start:seg.end].copy_(master[seg.start:seg.end])
+            self.params.wrote(index)
 
     # ----------------------------------------------------------------- the step overlapped with backward
 
@@ -369,22 +345,20 @@ class ShardedAdam(torch.optim.Optimizer):
             return set()
         return set(self.store.by_unit)
 
-    def begin_overlap(self, units: Iterable[Unit]) -> None:
+    def begin_overlap(self) -> None:
         """The coming backward is the last of the accumulation and nothing global gates the update: each shard's
         Adam runs on the host thread as soon as its gradient is accumulated (see [Note: overlapped step])."""
-        ready = self.overlap_ready_units()
         hypers = [self.hyper(i) for i in range(len(self.param_groups))]
-        self._overlap = ({u.index: u for u in units if u.index in ready}, hypers, self.adam_steps + 1)
+        self._overlap = (self.overlap_ready_units(), hypers, self.adam_steps + 1)
 
     def abandon_overlap(self) -> int:
         """The overlapped backward failed: stop stepping shards; returns how many were already stepped."""
         self._settle()
         self._overlap = self._nvme_error = None
-        if self.param_swap is not None:  # stepped shards' masters moved on: their new 16-bit copies go with them
-            try:
-                self.param_swap.commit()
-            except Exception:  # noqa: BLE001 - they are stale now and rewritten before the next forward
-                pass
+        try:  # stepped shards' masters moved on: their new 16-bit copies go with them
+            self.params.commit()
+        except Exception:  # noqa: BLE001 - they are stale now and rewritten before the next forward
+            pass
         return sum(state.stepped for state in self.shards.values())
 
     def drain_quietly(self) -> None:
@@ -393,56 +367,39 @@ class ShardedAdam(torch.optim.Optimizer):
         except Exception:  # noqa: BLE001 - the caller is already raising the first failure
             pass
 
-    def _step_during_backward(self, unit: Unit, overlap: tuple[dict[int, Unit], list[AdamHyper], int] | None
-                              ) -> None:
-        """On the host thread, right after the unit's gradient was accumulated (``overlap``: the overlapped
+    def _step_during_backward(self, index: int, overlap: tuple[set[int], list[AdamHyper], int] | None) -> None:
+        """On the host thread, right after unit ``index``'s gradient was accumulated (``overlap``: the overlapped
         micro-batch's plan when the gradient came from it). A host shard steps at once; an NVMe sub-group once
         all of its units' gradients are in, in the store's pass order."""
-        if overlap is None or unit.index not in overlap[0]:
+        if overlap is None or index not in overlap[0]:
             return
-        units, hypers, step = overlap
-        group, member = self.store.by_unit[unit.index]
+        _, hypers, step = overlap
+        group, member = self.store.by_unit[index]
         if group.tier != "nvme":
-            self._step_overlapped(unit, group.views(member), hypers, step)
+            self._step_overlapped(index, group.views(member), hypers, step)
             return
         if self._nvme_error is not None:
             return
         try:
-            for ready in self.store.arrive(unit.index):
+            for ready in self.store.arrive(index):
                 for m in ready.members:
-                    self._step_overlapped(units[m.unit], ready.views(m), hypers, step)
+                    self._step_overlapped(m.unit, ready.views(m), hypers, step)
         except Exception as e:  # noqa: BLE001 - a failed transfer: engine.step() raises it, and can be retried
             self._nvme_error = e
 
-    def _step_overlapped(self, unit: Unit, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    def _step_overlapped(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                          hypers: list[AdamHyper], step: int) -> None:
-        with self.telemetry.span("optimizer_overlapped", unit.name):
-            self._step_shard(unit, views, step, hypers, 1.0)
-        state = self.shards[unit.index]
+        state = self.shards[index]
+        with self.telemetry.span("optimizer_overlapped", state.name):
+            self._step_shard(index, views, step, hypers, 1.0)
         state.stepped = True
-        if state.out is not None and not self.params_on_host:
-            self._write_back(unit, state, after_compute=False)
-
-    def _write_back(self, unit: Unit, state: ShardState, after_compute: bool = True) -> None:
-        source = state.out
-        assert self._h2d is not None and source is not None
-        if after_compute:  # the shard may still be read by a gather on the compute stream: copy after it
-            self._h2d.wait_event(self.accel.compute_event())
-        shard, tel = unit.shard, self.telemetry
-
-        def copy() -> None:
-            with tel.span("h2d", unit.name):
-                shard.copy_(source, non_blocking=True)
-
-        self._h2d.run(copy)
-        unit.ready = self._h2d.record()
-        tel.add_bytes("h2d", source.numel() * source.element_size())
+        self.params.copy_back(index, after_compute=False)
 
     def close(self) -> None:
         self.drain()
-        for stream in (self._d2h, self._h2d):
-            if stream is not None:
-                stream.synchronize()
+        if self._d2h is not None:
+            self._d2h.synchronize()
+        self.params.wait_copies_back()
         self.store.close()
         self.shards.clear()
         self._staging.clear()

@@ -55,7 +55,7 @@ import torch
 
 from offload.accelerator import Accelerator
 from offload.aio.base import Engine, RequestGroup
-from offload.aio.buffers import AlignedBuffer, BufferPool, round_up
+from offload.buffers import AlignedBuffer, BufferPool, round_up
 from offload.aio.checksum import ChecksummedFile
 from offload.store.budget import TierBudget
 from offload.store.swapdir import SwapDir

@@ -39,7 +39,7 @@ import torch
 
 from offload.accelerator import Event
 from offload.aio.base import Engine, Request, RequestGroup, SwapIOError
-from offload.aio.buffers import AlignedBuffer, BufferPool, round_up
+from offload.buffers import AlignedBuffer, BufferPool, round_up
 from offload.aio.checksum import ChecksummedFile
 from offload.store.budget import TierBudget
 from offload.store.swapdir import SwapDir

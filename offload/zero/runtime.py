@@ -79,7 +79,7 @@ class ZeroRuntime:
         # Brings host- and NVMe-homed shards (offload_param: cpu, nvme) to the device before their gather; on a
         # GPU its own stream so the copies can be issued ahead of use.
         self.h2d = accel.copy_stream("param-h2d") if any(u.off_device for u in units) else None
-        self.swap = next((u.swap for u in units if u.swap is not None), None)
+        self.swap = units[0].params.swap if units else None  # the NVMe-homed shards' reads, run ahead of gathers
         self.prefetch = PrefetchTrace(prefetch_elements)
         self.prefetched_gathers = 0  # gathers issued ahead of use
         self.live = sum(u.padded for u in units if u.resident)  # elements gathered now (or being gathered)
@@ -237,7 +237,7 @@ class ZeroRuntime:
         unit.prefetched = False
         if self.swap is not None:
             # NVMe reads run further ahead than gathers: this unit's first, then the trace's next ones.
-            if unit.swap is not None and unit.state is UnitState.SHARDED:
+            if unit.on_nvme and unit.state is UnitState.SHARDED:
                 self.swap.start(unit.index)
             if upcoming:
                 gathered = {i for i in upcoming if self.units[i].state is not UnitState.SHARDED}
@@ -248,7 +248,7 @@ class ZeroRuntime:
         elif unit.state is UnitState.SHARDED:
             self._make_room(unit)
             with self.telemetry.span("gather", unit.name):
-                unit.unshard(self.accel, self.h2d)
+                unit.unshard(self.h2d)
             self._count_gather(unit)
         if upcoming:
             self._prefetch(unit, upcoming)
@@ -264,16 +264,16 @@ class ZeroRuntime:
                 continue
             if unit.state is not UnitState.SHARDED:
                 ahead += unit.padded if unit.prefetched else 0
-                from_nvme += unit.prefetched and unit.swap is not None
+                from_nvme += unit.prefetched and unit.on_nvme
                 continue
             if ahead + unit.padded > self.prefetch.lookahead or self.live + unit.padded > self.limit.elements:
                 break
-            if unit.swap is not None:
+            if unit.on_nvme:
                 if from_nvme >= nvme_limit:
                     break
                 from_nvme += 1
             with self.telemetry.span("prefetch", unit.name):
-                unit.start_unshard(self.accel, self.h2d)
+                unit.start_unshard(self.h2d)
             unit.prefetched = True
             ahead += unit.padded
             self.prefetched_gathers += 1
@@ -320,7 +320,7 @@ class ZeroRuntime:
         for unit in self.units:
             if unit.resident:
                 with self.telemetry.span("all_gather", unit.name):
-                    unit.spread_partition(self.accel)
+                    unit.spread_partition()
                 self.telemetry.add_bytes("all_gather", _wire_bytes(unit.padded * unit.dtype.itemsize,
                                                                    unit.group.world))
 

@@ -6,15 +6,15 @@ import enum
 
 import torch
 
-from offload.accelerator import Accelerator, CopyStream, Event
-from offload.store.param_swap import ParamSwap
+from offload.accelerator import CopyStream
+from offload.store.param_store import Home, ParamStore
 from offload.zero.collectives import Group, all_gather
 from offload.zero.plan import UnitPlan
 
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"
-    """Only ``shard`` (this rank's 1/W of the flat params) holds memory; ``full``'s storage is empty."""
+    """Only this rank's shard (1/W of the flat params, in the parameter store) holds memory; ``full`` is empty."""
     GATHERING = "gathering"
     """``full`` has its memory and an all-gather into it is in flight (a prefetch); wait before reading it."""
     UNSHARDED = "unsharded"
@@ -31,12 +31,13 @@ class Unit:
     saved during forward see the gathered values again in backward.
     """
 
-    def __init__(self, plan: UnitPlan, group: Group, dtype: torch.dtype, device: torch.device,
+    def __init__(self, plan: UnitPlan, group: Group, dtype: torch.dtype, device: torch.device, params: ParamStore,
                  resident: bool = False) -> None:
         """Rebinds the parameters into the (empty) flat buffer: read their values first (``initial_values``).
 
-        ``resident`` (ZeRO stages 0-2): ``full`` keeps its memory for good and ``shard`` is a view into it, so
-        the unit is never released and the optimizer writes this rank's partition in place."""
+        ``params`` holds this rank's shard (the unit hands it over in ``load_initial``). ``resident`` (ZeRO stages
+        0-2): ``full`` keeps its memory for good and the shard is a view into it, so the unit is never released
+        and the optimizer writes this rank's partition in place."""
         self.plan = plan
         self.index = plan.index
         self.name = plan.name
@@ -48,19 +49,15 @@ class Unit:
         self.group = group
         self.dtype = dtype
         self.resident = resident
+        self.params = params
         self.full = torch.empty(self.padded, dtype=dtype, device=device)
         self._full_bytes = self.full.untyped_storage().nbytes()
-        self.shard = (self.full[self.shard_start:self.shard_start + self.shard_numel] if resident
-                      else torch.empty(self.shard_numel, dtype=dtype, device=device))
         self.state = UnitState.UNSHARDED if resident else UnitState.SHARDED
         self.holders = 0  # forwards currently running inside one of this unit's anchors
         self.persistent = False
-        self.ready: Event | None = None  # the copy that last wrote ``shard``; gathers wait for it
-        self.home: torch.Tensor | None = None  # host home of the shard (offload_param: cpu); then ``shard`` is empty
-        self.swap: ParamSwap | None = None  # NVMe home of the shard (offload_param: nvme); then ``shard`` is empty
         self.prefetched = False  # gathered ahead of use by the prefetcher and not used since
         self._work: object | None = None  # the in-flight all-gather while GATHERING
-        self._transient: torch.Tensor | None = None  # the device shard it reads (host-homed units)
+        self._transient: torch.Tensor | None = None  # the device shard it reads, kept until the gather is done
         self.trainable = {id(s.param) for s in self.slots if s.param.requires_grad}
         self.has_frozen = len(self.trainable) < len(self.slots)
         self.grads_seen: set[int] = set()
@@ -89,74 +86,44 @@ class Unit:
             flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         return flat
 
-    def load_initial(self, values: torch.Tensor) -> None:
+    def load_initial(self, values: torch.Tensor, host_copy: bool = False) -> None:
         """Take the unit's starting values (``initial_values``, the same on every rank): the whole buffer when
-        resident, else this rank's shard."""
+        resident; this rank's shard goes to the parameter store (``host_copy``: see ``ParamStore.add``)."""
+        shard = values[self.shard_start:self.shard_start + self.shard_numel]
+        view = None
         if self.resident:
             self.full.copy_(values)
-        else:
-            self.shard.copy_(values[self.shard_start:self.shard_start + self.shard_numel])
+            view = self.full[self.shard_start:self.shard_start + self.shard_numel]
+        self.params.add(self.index, self.name, shard, device_view=view, host_copy=host_copy)
 
-    def spread_partition(self, accel: Accelerator) -> None:
+    def spread_partition(self) -> None:
         """Resident units, after the step wrote this rank's partition of ``full`` in place: all-gather every
         rank's partition (a collective: every rank calls it for the same units in the same order)."""
         assert self.resident, f"unit {self.name!r} is not resident"
-        accel.compute_wait(self.ready)  # the copy of the new partition into ``full``
-        self.ready = None
+        shard = self.params.to_device(self.index, None)  # waits for the copy of the new partition into ``full``
         if self.group.world > 1:
-            all_gather(self.full, self.shard.clone(), self.group)  # an input apart from the output: gloo needs it
+            all_gather(self.full, shard.clone(), self.group)  # an input apart from the output: gloo needs it
 
     # ----------------------------------------------------------------- transitions
-
-    def offload_shard(self, home: torch.Tensor) -> None:
-        """Make host memory the shard's home (offload_param: cpu): the device keeps no shard between uses."""
-        home.copy_(self.shard)
-        self.home = home
-        self.shard = torch.empty(0, dtype=self.dtype, device=self.shard.device)
-
-    def offload_shard_to_nvme(self, swap: ParamSwap) -> None:
-        """Make NVMe the shard's home (offload_param: nvme): each gather reads it back through ``swap``."""
-        swap.overwrite(self.index, self.shard.cpu())
-        self.swap = swap
-        self.shard = torch.empty(0, dtype=self.dtype, device=self.shard.device)
 
     @property
     def off_device(self) -> bool:
         """The shard's home is host memory or NVMe: a gather first copies it to the device."""
-        return self.home is not None or self.swap is not None
+        return self.params.home(self.index) is not Home.DEVICE
 
     @property
-    def authoritative_shard(self) -> torch.Tensor:
-        """The current compute-dtype values of this rank's shard, wherever they live (a copy, from NVMe)."""
-        if self.swap is not None:
-            return self.swap.read_copy(self.index)
-        return self.home if self.home is not None else self.shard
+    def on_nvme(self) -> bool:
+        return self.params.home(self.index) is Home.NVME
 
-    def start_unshard(self, accel: Accelerator, h2d: CopyStream | None = None) -> None:
+    def start_unshard(self, h2d: CopyStream | None = None) -> None:
         """SHARDED -> GATHERING: issue the all-gather without waiting for it.
 
-        With a host or NVMe home the shard is first copied to the device on ``h2d`` (a transient buffer, kept
-        until the gather is done; from NVMe it waits for the read, which read-ahead has usually finished);
-        otherwise the gather waits for the copy that last wrote the device shard.
+        The parameter store brings the shard to the device first (from a host or NVMe home on ``h2d``, kept until
+        the gather is done); a failed NVMe read raises before anything changes.
         """
         assert self.state is UnitState.SHARDED, f"unit {self.name!r} is {self.state.value}, not sharded"
-        if self.off_device:
-            assert h2d is not None, "a unit with a host or NVMe home needs a copy stream to bring its shard over"
-            read = self.swap.fetch(self.index) if self.swap is not None else None  # may raise: before any change
-            self.full.untyped_storage().resize_(self._full_bytes)
-            home = self.swap.view(read) if self.swap is not None and read is not None else self.home
-            assert home is not None
-            shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.full.device)
-            h2d.wait_event(accel.compute_event())  # the transient buffer may reuse memory compute just freed
-            h2d.run(lambda: shard.copy_(home, non_blocking=True))
-            copied = h2d.record()
-            if self.swap is not None and read is not None:
-                self.swap.copied(read, copied)
-            accel.compute_wait(copied)
-        else:
-            self.full.untyped_storage().resize_(self._full_bytes)
-            shard = self.shard
-            accel.compute_wait(self.ready)
+        shard = self.params.to_device(self.index, h2d)
+        self.full.untyped_storage().resize_(self._full_bytes)
         self._transient = shard
         self._work = all_gather(self.full, shard, self.group, async_op=True)
         self.state = UnitState.GATHERING
@@ -169,12 +136,12 @@ class Unit:
             work.wait()
         self.state = UnitState.UNSHARDED
 
-    def unshard(self, accel: Accelerator, h2d: CopyStream | None = None) -> bool:
+    def unshard(self, h2d: CopyStream | None = None) -> bool:
         """-> UNSHARDED from any state; idempotent, returns whether it had to gather or wait."""
         if self.state is UnitState.UNSHARDED:
             return False
         if self.state is UnitState.SHARDED:
-            self.start_unshard(accel, h2d)
+            self.start_unshard(h2d)
         self.finish_unshard()
         return True
 

@@ -1,4 +1,5 @@
-"""Choosing an engine: io_uring where it is safe and allowed here, else the thread pool, with a reason.
+"""Whether liburing may be imported here, and importing it safely: the room both the engine chooser
+(choose.py) and the io_uring engine (uring.py) draw on, so neither imports the other.
 
 [Note: probing liburing in a subprocess] liburing's 2026 wheels execute AVX-512
 instructions at import and die with SIGILL on CPUs without it; the kernel (or a
@@ -17,16 +18,11 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import logging
 import os
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-
-from offload.aio.base import Engine
-
-logger = logging.getLogger("offload.aio")
 
 IMPORT_LOCK = os.path.join(tempfile.gettempdir(), "offload-liburing-import.lock")
 
@@ -92,28 +88,3 @@ def import_liburing():  # noqa: ANN201 - the liburing module
         fcntl.flock(lock, fcntl.LOCK_EX)
         import liburing
     return liburing
-
-
-def make_engine(kind: str = "auto", block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 1,
-                directory: str | None = None) -> Engine:
-    """An engine of ``kind`` (auto | io_uring | threads); auto falls back to threads with a logged reason."""
-    from offload.aio.threads import ThreadPoolEngine
-
-    if kind not in ("auto", "io_uring", "threads"):
-        raise ValueError(f"engine must be 'auto', 'io_uring' or 'threads', got {kind!r}")
-    if kind != "threads":
-        probe = probe_io_uring(directory)
-        if probe.ok:
-            from offload.aio.uring import IoUringEngine
-            return IoUringEngine(block_size=block_size, queue_depth=queue_depth)
-        if kind == "io_uring":
-            raise RuntimeError(f"io_uring was asked for but cannot be used: {probe.reason}")
-        logger.warning("aio: using the thread-pool engine: %s", probe.reason)
-    return ThreadPoolEngine(block_size=block_size, threads=max(threads, 2))
-
-
-def engine_from_config(config, directory: str | None = None) -> Engine:
-    """The engine a config asks for: its aio section and offload.aio_engine."""
-    aio = config.aio
-    return make_engine(config.offload.aio_engine, block_size=aio.block_size, queue_depth=aio.queue_depth,
-                       threads=aio.intra_op_parallelism, directory=directory)

@@ -1,24 +1,20 @@
 """`offload tune-nvme`: sweep the swap path, print a table, write the best settings as a config fragment.
 
-Every engine runs once per grid point before the next point (interleaved), because the
-disk's speed drifts several-fold within an hour. The fragment (aio + offload.aio_engine)
-loads into a config unchanged: ``Config.load({**ds_config, **fragment})``.
+The sweep is bench/sweep.py, shared with `offload bench nvme`: every engine and thread count
+runs once per round at a grid point before the next point (interleaved), because the disk's
+speed drifts several-fold within an hour. The fragment (aio + offload.aio_engine) loads into
+a config unchanged: ``Config.load({**ds_config, **fragment})``.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
 
-from offload.aio import AlignedBuffer, SwapFile, make_engine, probe_io_uring
-from offload.bench.nvme import run_fio
+from offload.bench.sweep import Contender, engines_here, sweep_grid
 
 QUICK = dict(blocks=(1 << 20, 8 << 20), depths=(8, 32), threads=(2,), size=256 << 20, rounds=1)
 FULL = dict(blocks=(256 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20), depths=(4, 8, 16, 32, 64), threads=(1, 2, 4),
@@ -58,45 +54,23 @@ def sweep(path: Path, quick: bool = False, size: int | None = None, with_fio: bo
           stream: TextIO = sys.stderr) -> list[Cell]:
     grid = QUICK if quick else FULL
     size = size or grid["size"]
-    engines = ["threads"] + (["io_uring"] if probe_io_uring(str(path)).ok else [])
     points = [(b, d) for b in grid["blocks"] for d in grid["depths"]]
-    contenders = [(e, t) for e in engines for t in (grid["threads"] if e == "threads" else (1,))]
+    contenders = {(e, t): Contender(e, t) for e in engines_here(path)
+                  for t in (grid["threads"] if e == "threads" else (1,))}
     total = len(points) * len(contenders)
-    results: dict[tuple, dict[str, list[float]]] = {}
-    buf = AlignedBuffer(size)
-    buf.tensor.fill_(1)
-    scratch = path / "offload-tune-nvme.bin"
+    cells: list[Cell] = []
+    written: dict = {}
+    fio_write: float | None = None
     done = 0
-    try:
-        with SwapFile.open(scratch) as f:
-            os.posix_fallocate(f.fd, 0, size)
-            for block, depth in points:
-                for _ in range(grid["rounds"]):
-                    for engine, threads in contenders:
-                        key = (engine, block, depth, threads)
-                        rec = results.setdefault(key, {"write": [], "read": []})
-                        with make_engine(engine, block_size=block, queue_depth=depth, threads=threads) as eng:
-                            for op in ("write", "read"):
-                                t0 = time.perf_counter()
-                                getattr(eng, op)(f, buf.tensor, 0, size).wait()
-                                rec[op].append(size / (time.perf_counter() - t0) / 1e9)
-                for engine, threads in contenders:
-                    done += 1
-                    _progress(done, total, f"{engine} bs {block >> 10} KiB qd {depth} t {threads}", stream)
-    finally:
-        scratch.unlink(missing_ok=True)
-    cells = [Cell(e, b, d, t, statistics.median(r["read"]), statistics.median(r["write"]))
-             for (e, b, d, t), r in results.items()]
-    if with_fio and shutil.which("fio"):
-        fio_file = path / "offload-tune-fio.bin"
-        try:
-            for block, depth in points:
-                r, w = run_fio(fio_file, "write", block, depth, size), run_fio(fio_file, "read", block, depth, size)
-                for c in cells:
-                    if (c.block_size, c.queue_depth) == (block, depth):
-                        c.fio_read_gbs, c.fio_write_gbs = r, w
-        finally:
-            fio_file.unlink(missing_ok=True)
+    for m in sweep_grid(path / "offload-tune-nvme.bin", size, points, contenders, grid["rounds"], with_fio=with_fio):
+        if m.op == "write":  # each point's write comes before its read
+            written, fio_write = m.results, m.fio_gbs
+            continue
+        for (engine, threads), (read_gbs, _) in m.results.items():
+            cells.append(Cell(engine, m.block_size, m.queue_depth, threads, read_gbs, written[engine, threads][0],
+                              m.fio_gbs, fio_write))
+            done += 1
+            _progress(done, total, f"{engine} bs {m.block_size >> 10} KiB qd {m.queue_depth} t {threads}", stream)
     return cells
 
 

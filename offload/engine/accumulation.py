@@ -1,0 +1,66 @@
+"""Where the engine stands between two optimizer steps: the micro-batches accumulated so far.
+
+[Note: the accumulation phase] After a step (or zero_grad, or a load) the engine is
+EMPTY. Each backward adds one micro-batch: COLLECTING until gradient_accumulation_steps
+of them are in, then at the BOUNDARY, where step() applies them and the engine is EMPTY
+again (step() elsewhere is a no-op, as in DeepSpeed). A step that fails before it
+applies anything goes back to the BOUNDARY so that calling step() again retries it. A
+save is refused unless EMPTY: the files would not hold the gradients collected.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from offload.engine.errors import EngineError
+
+
+class Phase(enum.Enum):
+    EMPTY = "empty"
+    COLLECTING = "collecting"
+    BOUNDARY = "boundary"
+
+
+@dataclass
+class Accumulation:
+    steps: int  # gradient_accumulation_steps
+    pending: int = 0  # micro-batches since the last step
+    micro_steps: int = 0  # every backward since the start (a checkpoint keeps it)
+
+    @property
+    def phase(self) -> Phase:
+        if self.pending == 0:
+            return Phase.EMPTY
+        return Phase.BOUNDARY if self.pending >= self.steps else Phase.COLLECTING
+
+    def next_is_last(self) -> bool:
+        """The coming backward completes the accumulation."""
+        return self.pending + 1 == self.steps
+
+    def add(self) -> None:
+        self.pending += 1
+        self.micro_steps += 1
+
+    def take(self) -> bool:
+        """step() begins: whether it applies (at the boundary; the phase is EMPTY after) or is a no-op."""
+        if self.phase is Phase.EMPTY:
+            raise EngineError("step() was called without a backward() since the last step; call "
+                              "engine.backward(loss) first")
+        if self.phase is Phase.COLLECTING:
+            return False
+        self.pending = 0
+        return True
+
+    def retry(self) -> None:
+        """The step failed before applying anything: its gradients are intact, and step() retries it."""
+        self.pending = self.steps
+
+    def clear(self) -> None:
+        self.pending = 0
+
+    def check_save(self) -> None:
+        if self.phase is not Phase.EMPTY:
+            raise EngineError(f"save_checkpoint() between micro-batches ({self.pending} of {self.steps} "
+                              "accumulated) would lose their gradients; call it after engine.step() at an "
+                              "accumulation boundary")

@@ -1,0 +1,244 @@
+"""Wiring an engine together: units, the parameter store, the optimizer, swap files, the runtime's hooks.
+
+Every choice made here is made once, at start-up, from the config: where each shard
+lives, which swap directory and I/O engine serve a path, how far gathers may run ahead,
+and whether the step can overlap backward. A failed start-up releases what it took
+(swap directory locks, threads) before it raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload import checkpointing
+from offload.accelerator import Accelerator
+from offload.aio.base import Engine as AioEngine
+from offload.aio.choose import engine_from_config
+from offload.config import Config
+from offload.engine.errors import EngineError
+from offload.engine.memory import MemoryAccount
+from offload.optim.schedules import build_schedule
+from offload.optim.sharded import ShardedAdam, StatePlan, shard_segments
+from offload.store.budget import TierBudget
+from offload.store.param_store import Home, ParamStore
+from offload.store.param_swap import ParamSwap, describe_placement, place_params
+from offload.store.swapdir import PREFIX, SwapDir
+from offload.telemetry import Telemetry
+from offload.zero.collectives import Group, broadcast
+from offload.zero.init import materialize_unit
+from offload.zero.plan import plan_units
+from offload.zero.runtime import ZeroRuntime
+from offload.zero.stage import Stage
+from offload.zero.unit import Unit
+
+logger = logging.getLogger("offload.engine")
+
+
+class SwapFiles:
+    """This rank's locked swap directory and I/O engine per NVMe path (one per path, shared by the parameters
+    and the optimizer state)."""
+
+    def __init__(self, config: Config, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        self._open: dict[str, tuple[SwapDir, AioEngine]] = {}
+
+    def at(self, path: str | None) -> tuple[SwapDir, AioEngine]:
+        assert path is not None  # the config check requires it for device nvme
+        key = os.path.realpath(os.path.expanduser(path))
+        if key not in self._open:
+            swap_dir = SwapDir(path, name=f"{PREFIX}rank{self.rank}-{os.getpid()}-{time.time_ns()}")
+            self._open[key] = swap_dir, engine_from_config(self.config, directory=str(path))  # one probe per path
+        return self._open[key]
+
+    def close(self) -> None:
+        for swap_dir, io in self._open.values():
+            io.close()
+            swap_dir.close()
+        self._open.clear()
+
+
+@dataclass
+class Parts:
+    """What an Engine is made of (see ``build``)."""
+
+    units: list[Unit]
+    params: ParamStore
+    optimizer: ShardedAdam
+    runtime: ZeroRuntime
+    activations: checkpointing.ActivationStore
+    memory: MemoryAccount
+    swaps: SwapFiles
+    telemetry: Telemetry
+    trained_names: dict[int, str]  # id(param) -> name, of every parameter an optimizer group holds
+    step_mode: str
+    overlap: bool  # the step overlaps the last micro-batch's backward
+    lr_scheduler: Any
+
+
+def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], *, adamw_mode: bool,
+          bias_correction: bool, group: Group, stage: Stage, accel: Accelerator, compute_dtype: torch.dtype,
+          lr_scheduler: Any) -> Parts:
+    """Shard ``model`` over ``group`` and build everything the engine drives."""
+    zero = config.zero_optimization
+    partition = stage.partition(group)  # what a unit's flat buffer is split over
+    group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
+    if not group_of:
+        raise EngineError("the optimizer has no parameters: model_parameters (or the optimizer's param groups) "
+                          "must include at least one parameter that requires grad")
+    trained_names = {id(p): n for n, p in model.named_parameters() if id(p) in group_of}
+    untracked = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if untracked:
+        logger.warning("%d parameters require grad but are in no optimizer group and will not be updated: %s",
+                       len(untracked), ", ".join(untracked[:5]) + (" ..." if len(untracked) > 5 else ""))
+
+    plans = plan_units(model, config.offload.unit_bytes, compute_dtype.itemsize,
+                       atomic=tuple(config.offload.atomic_modules or ()))
+    telemetry = Telemetry()
+    trained = {plan.index for plan in plans if any(id(s.param) in group_of for s in plan.slots)}
+    parts = partition.world
+    shard_sizes = [(p.index, Unit.padded_numel(p, parts) // parts) for p in plans]
+    host_budget = TierBudget("host", config.offload.budgets.host)
+    nvme_budget = TierBudget("nvme", config.offload.budgets.nvme)
+    swaps = SwapFiles(config, group.rank)
+    with contextlib.ExitStack() as undo:
+        undo.callback(accel.close)
+        undo.callback(swaps.close)
+        nvme_params = []
+        if zero.offload_param.device == "nvme":
+            nvme_params = place_params(shard_sizes, zero.offload_param)
+            logger.info("rank %d: %s", group.rank, describe_placement(shard_sizes, nvme_params, zero.offload_param))
+        off_device = Home.HOST if zero.offload_param.device != "none" else Home.DEVICE
+        homes = {i: off_device for i, _ in shard_sizes} | {i: Home.NVME for i, _ in nvme_params}
+        param_swap = ParamSwap(nvme_params, compute_dtype, swap=swaps.at(zero.offload_param.nvme_path),
+                               rank=group.rank, host=host_budget, nvme=nvme_budget,
+                               buffer_count=zero.offload_param.buffer_count, pin=accel.is_cuda,
+                               telemetry=telemetry) if nvme_params else None
+        params = ParamStore(accel, compute_dtype, homes, swap=param_swap, host=host_budget, telemetry=telemetry)
+        undo.callback(params.close)
+        optimizer = ShardedAdam(
+            param_groups, accel, [(i, n) for i, n in shard_sizes if i in trained], params=params,
+            compute_dtype=compute_dtype, adamw_mode=adamw_mode, bias_correction=bias_correction,
+            threads=config.offload.cpu_threads, telemetry=telemetry,
+            plan=StatePlan(device=zero.offload_optimizer.device, sub_group_size=zero.sub_group_size,
+                           buffer_count=zero.offload_optimizer.buffer_count, host=host_budget, nvme=nvme_budget,
+                           rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
+                                                  if zero.offload_optimizer.device == "nvme" else None)))
+        units = [_shard_unit(model, plan, partition, group, stage, accel, compute_dtype, params, optimizer,
+                             group_of if plan.index in trained else None) for plan in plans]
+        _place_buffers(model, group, accel)
+        memory = MemoryAccount(config, stage, compute_dtype, units, params, optimizer, host_budget, nvme_budget)
+        pre = float(group.world if config.prescale_gradients else config.gradient_predivide_factor)
+        post = pre / group.world  # gradients are averaged over the group, as DeepSpeed does
+        runtime = ZeroRuntime(model, units, group, accel, limit=memory.live_limit(),
+                              persistence_threshold=int(zero.stage3_param_persistence_threshold),
+                              grad_sink=lambda unit, shard, ready, keep: optimizer.accumulate(
+                                  unit.index, shard, post, ready, keep), grad_predivide=pre, telemetry=telemetry,
+                              prefetch_elements=int(zero.stage3_prefetch_bucket_size), stage=stage,
+                              overlap_comm=zero.overlap_comm_effective)
+        undo.callback(runtime.close)
+        activations = _activation_store(model, config, accel, host_budget, telemetry)
+        undo.callback(checkpointing.reset)
+        step_mode, overlap = _step_mode(config, compute_dtype, optimizer, accel)
+        logger.info("ZeRO %s; optimizer step: %s", stage.describe(), step_mode)
+        if config.scheduler is not None:
+            if lr_scheduler is not None:
+                raise EngineError("the config has a scheduler section and initialize() was given lr_scheduler; "
+                                  "keep one of them")
+            lr_scheduler = build_schedule(optimizer, config.scheduler)
+        elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(optimizer)
+        undo.pop_all()
+    return Parts(units, params, optimizer, runtime, activations, memory, swaps, telemetry, trained_names, step_mode,
+                 overlap, lr_scheduler)
+
+
+def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, stage: Stage, accel: Accelerator,
+                dtype: torch.dtype, params: ParamStore, optimizer: ShardedAdam,
+                group_of: dict[int, int] | None) -> Unit:
+    """One unit from rank 0's values: its shard into the parameter store, its master into the optimizer
+    (``group_of`` given: the unit trains)."""
+    materialize_unit(model, plan)  # meta parameters (offload.zero.Init) get memory one unit at a time
+    values = Unit.initial_values(plan, partition.world)
+    broadcast_values = values.to(accel.device) if accel.is_cuda else values
+    broadcast(broadcast_values, group)  # every rank starts from rank 0's weights, as DeepSpeed does
+    values = broadcast_values.cpu() if accel.is_cuda else broadcast_values
+    unit = Unit(plan, partition, dtype, accel.device, params, resident=stage.resident_params)
+    unit.load_initial(values, host_copy=group_of is not None and optimizer.offload)
+    if group_of is not None:
+        optimizer.add_shard(unit.index, unit.name, values[unit.shard_start:unit.shard_start + unit.shard_numel],
+                            shard_segments(unit.slots, unit.shard_start, unit.shard_numel, group_of))
+    return unit
+
+
+def _place_buffers(model: nn.Module, group: Group, accel: Accelerator) -> None:
+    """Module buffers go to the compute device with rank 0's values (one copy per tensor, however many modules
+    share it)."""
+    moved: dict[int, torch.Tensor] = {}
+    for prefix, owner in model.named_modules(remove_duplicate=False):
+        for key, buf in list(owner._buffers.items()):
+            if buf is None:
+                continue
+            if buf.is_meta:
+                raise EngineError(f"buffer {prefix + '.' if prefix else ''}{key!r} is on the meta device, "
+                                  "so its value is lost; build the model under offload.zero.Init("
+                                  f"min_meta_numel=N) with N above its size ({buf.numel()} elements) so "
+                                  "buffers are created for real")
+            if id(buf) not in moved:
+                moved[id(buf)] = buf.to(accel.device)
+                broadcast(moved[id(buf)], group)
+            owner._buffers[key] = moved[id(buf)]
+
+
+def _step_mode(config: Config, compute_dtype: torch.dtype, optimizer: ShardedAdam,
+               accel: Accelerator) -> tuple[str, bool]:
+    """Overlap the step with backward where that is exact; otherwise say why not."""
+    reasons = []
+    if float(config.gradient_clipping or 0.0) > 0:
+        reasons.append("gradient clipping needs the global norm first")
+    if compute_dtype == torch.float16:
+        reasons.append("fp16 needs the overflow check first")
+    if not optimizer.offload:
+        reasons.append("the optimizer state is on the compute device")
+    if not config.zero_optimization.ignore_unused_parameters:
+        reasons.append("ignore_unused_parameters false checks every gradient first")
+    mode = config.offload.overlap_step
+    if mode == "off":
+        reasons.append("offload.overlap_step is off")
+    elif mode == "auto" and accel.is_cuda:
+        # Measured on an H100 (W=1, 156M-parameter bf16 GPT): the per-unit Adam on the host thread delays
+        # the gradient drain that backward's end waits for, 0.72x the step after backward. "on" forces it.
+        reasons.append("on a GPU 'auto' steps after backward, which measured faster there; set "
+                       "offload.overlap_step to \"on\" to overlap anyway")
+    if reasons:
+        return "after backward (" + "; ".join(reasons) + ")", False
+    return "overlapped with the last micro-batch's backward", True
+
+
+def _activation_store(model: nn.Module, config: Config, accel: Accelerator, host_budget: TierBudget,
+                      telemetry: Telemetry) -> checkpointing.ActivationStore:
+    """Where checkpointed block inputs live (the activation_checkpointing section); wraps the model's blocks
+    when offload.checkpoint_blocks is on."""
+    ac = config.activation_checkpointing
+    settings = checkpointing.CheckpointSettings(
+        cpu_checkpointing=ac.cpu_checkpointing, partition_activations=ac.partition_activations,
+        synchronize_checkpoint_boundary=ac.synchronize_checkpoint_boundary, profile=ac.profile)
+    store = checkpointing.ActivationStore(accel, settings, host_budget=host_budget, telemetry=telemetry)
+    checkpointing.configure(store=store)
+    if ac.partition_activations and store.group is None:
+        logger.warning("activation_checkpointing.partition_activations: no model-parallel group to partition "
+                       "over (data-parallel ranks hold different activations), so each rank keeps its inputs "
+                       "whole; offload.checkpointing.configure(mpu_) names one")
+    if config.offload.checkpoint_blocks:
+        count = checkpointing.wrap_blocks(model, store)
+        logger.info("activation checkpointing: %d blocks%s", count,
+                    ", saved inputs in host memory" if ac.cpu_checkpointing else "")
+    return store

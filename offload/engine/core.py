@@ -1,0 +1,339 @@
+"""The training engine: forward, backward and step of a ZeRO model (stages 0-3), in DeepSpeed's call shape.
+
+``engine.backward(loss)`` scales the loss (by the fp16 loss scale and 1 /
+gradient_accumulation_steps, as DeepSpeed does); the units' gradients are
+reduce-scattered and streamed into the fp32 accumulators while backward runs.
+``engine.step()`` applies the update only at an accumulation boundary: it waits for
+the gradient stream, takes the global norm (one native read per shard, one
+all-reduce), skips the step on an fp16 overflow, and otherwise runs Adam with the
+unscale and the clip folded into one gradient factor. What the stage changes is in
+offload/zero/stage.py; what the engine is made of, in build.py beside this file; where
+it stands between steps, in accumulation.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload import checkpointing
+from offload.accelerator import Accelerator, to_device
+from offload.config import Config
+from offload.engine import memory, saving, weights
+from offload.engine.accumulation import Accumulation, Phase
+from offload.engine.build import build
+from offload.engine import errors
+from offload.engine.errors import EngineError
+from offload.optim.loss_scale import LossScaler, gradient_factor
+from offload.store.param_swap import ParamSwapError
+from offload.telemetry import PhaseReport
+from offload.zero.collectives import Group, all_reduce_sum
+from offload.zero.stage import Stage
+
+logger = logging.getLogger("offload.engine")
+
+
+class Engine:
+    """A model sharded over the data-parallel group with its optimizer; see ``offload.initialize``."""
+
+    def __init__(self, model: nn.Module, config: Config, param_groups: list[dict[str, Any]], adamw_mode: bool,
+                 bias_correction: bool, group: Group, accel: Accelerator, lr_scheduler: Any = None) -> None:
+        self.config = config
+        self.group = group
+        self.stage = Stage(config.zero_optimization.stage)
+        self.partition = self.stage.partition(group)  # what a unit's flat buffer is split over
+        self.accel = accel
+        self.compute_dtype = torch.bfloat16 if config.bf16.enabled is True else (
+            torch.float16 if config.fp16.enabled is True else torch.float32)
+        self.gradient_accumulation_steps = int(config.gradient_accumulation_steps or 1)
+        self.accumulation = Accumulation(self.gradient_accumulation_steps)
+        self.gradient_clipping = float(config.gradient_clipping or 0.0)
+        self.loss_scaler = LossScaler.from_config(config.fp16)
+        self.global_steps = self.skipped_steps = 0
+        self._closed = False
+        self.last_grad_norm: float | None = None
+        parts = build(model, config, param_groups, adamw_mode=adamw_mode, bias_correction=bias_correction,
+                      group=group, stage=self.stage, accel=accel, compute_dtype=self.compute_dtype,
+                      lr_scheduler=lr_scheduler)
+        self.module = model
+        self.units, self.params, self.optimizer = parts.units, parts.params, parts.optimizer
+        self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory
+        self.telemetry, self._swaps, self._trained_names = parts.telemetry, parts.swaps, parts.trained_names
+        self.step_mode, self._overlap, self.lr_scheduler = parts.step_mode, parts.overlap, parts.lr_scheduler
+        self._phases = PhaseReport(self.telemetry) if config.wall_clock_breakdown else None
+        if config.dump_state:
+            logger.info("engine state at start (dump_state), rank %d:\n%s\nstep mode: %s\nconfig: %s", group.rank,
+                        self.memory_report(), self.step_mode, config.to_json(indent=None))
+
+    # ----------------------------------------------------------------- memory
+
+    def memory_summary(self) -> dict[str, dict[str, int]]:
+        """Bytes per tier on this rank, by what holds them, from the engine's own accounting."""
+        acts = self.activations
+        return self.memory.summary((self.runtime.live, self.runtime.peak_live),
+                                   (acts.device_bytes, acts.peak_device_bytes) if acts.saves else None)
+
+    def memory_report(self) -> str:
+        return memory.report(self.memory_summary(), self.group.rank, self.accel.device)
+
+    # ----------------------------------------------------------------- training loop
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward; tensors in the inputs (also inside lists, tuples and dicts) that sit on
+        another device are moved to the compute device first, as FSDP does, so a CPU batch just works."""
+        self._check_open()
+        self._repair_params()
+        self.runtime.begin_iteration()
+        cast = torch.float16 if self.compute_dtype == torch.float16 and self.config.fp16.auto_cast else None
+        args, kwargs = to_device((args, kwargs), self.accel.device, cast)
+        try:
+            with self.telemetry.span("forward"):
+                return self.module(*args, **kwargs)
+        except RuntimeError as e:
+            if "storage of size 0" not in str(e) and "data is not allocated" not in str(e):
+                raise
+            raise errors.released_parameter_read([u.name for u in self.units]) from e
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of ``loss`` scaled by loss_scale / gradient_accumulation_steps; returns ``loss``."""
+        self._check_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise EngineError(f"backward() takes the scalar loss tensor, got "
+                              f"{type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+        if not loss.requires_grad:
+            raise EngineError("the loss does not require grad: was the forward run under torch.no_grad(), or are "
+                              "all parameters frozen?")
+        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        last_micro = self.accumulation.next_is_last()
+        overlapped = self._overlap and last_micro
+        self.runtime.reduce_grads = last_micro or self.stage.reduce_every_micro_batch
+        if last_micro:
+            self.optimizer.read_state_ahead()
+        if overlapped:
+            self.optimizer.begin_overlap()
+        try:
+            with self.telemetry.span("backward"):
+                (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        except BaseException as e:
+            self.runtime.abort_backward()
+            self.activations.discard()
+            if not self.stage.reduce_every_micro_batch and self.accumulation.pending:
+                # Stages 0-1 keep the earlier micro-batches' gradients in .grad, which the failed pass mixed with
+                # its own: the whole accumulation is dropped, and the next backward starts a new one.
+                logger.warning("backward failed: the %d earlier micro-batch(es) of this step are dropped too (ZeRO "
+                               "stage %d accumulates them in .grad)", self.accumulation.pending, self.stage.number)
+                self.zero_grad()
+            if overlapped and self.optimizer.abandon_overlap():
+                raise errors.half_applied_step() from e
+            raise
+        self.accumulation.add()
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.accumulation.phase is Phase.BOUNDARY
+
+    @property
+    def micro_steps(self) -> int:
+        return self.accumulation.micro_steps
+
+    def step(self) -> None:
+        """Apply the update at an accumulation boundary (a no-op between micro-batches, as in DeepSpeed)."""
+        self._check_open()
+        if not self.accumulation.take():
+            return
+        if not self.config.zero_optimization.ignore_unused_parameters:  # as DeepSpeed, before anything applies
+            unused = [name for key, name in self._trained_names.items() if key not in self.runtime.got_grad]
+            if unused:
+                self.zero_grad()
+                raise errors.unused_parameters(self.group.rank, unused)
+        self.runtime.got_grad.clear()
+        self.activations.discard()  # inputs saved by a forward whose backward never ran
+        with self.telemetry.span("grad_wait"):
+            self.optimizer.drain()
+        sum_sq, nonfinite = self._global_grad_sq_norm()
+        scale = self.loss_scaler.scale
+        self.global_steps += 1
+        if nonfinite > 0 and self.compute_dtype == torch.float16:
+            self.skipped_steps += 1
+            self.last_grad_norm = math.inf
+            self.loss_scaler.update(overflow=True)
+            logger.info("step %d: fp16 gradients overflowed; step skipped, loss scale now %g", self.global_steps,
+                        self.loss_scaler.scale)
+            self.optimizer.clear_grads()
+            self._report_every_steps_per_print()
+            return
+        self.last_grad_norm, grad_scale = gradient_factor(sum_sq, nonfinite, scale, self.gradient_clipping)
+        self.runtime.reshard_all()
+        behind: ParamSwapError | None = None
+        try:
+            with self.telemetry.span("optimizer", "adam"):
+                self.optimizer.apply(grad_scale)
+        except ParamSwapError as e:
+            # The optimizer state moved on; only some 16-bit copies on NVMe are behind (stale), and they are
+            # rewritten from the master weights before anything reads them: the step counts.
+            behind = e
+        except BaseException:
+            # The state of the last completed step is intact (see the store's notes); so are the accumulated
+            # gradients, so fixing the cause (a full disk, say) and calling step() again retries this step.
+            self.global_steps -= 1
+            self.accumulation.retry()
+            raise
+        if self.stage.resident_params:
+            self.runtime.spread_partitions()
+        self.loss_scaler.update(overflow=False)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self._report_every_steps_per_print()
+        if behind is not None:
+            raise errors.params_behind(self.global_steps, behind.strerror) from behind
+        self.runtime.read_ahead_first()
+
+    def _global_grad_sq_norm(self) -> tuple[float, int]:
+        """The sum of squared gradients and the count of non-finite ones over every partition."""
+        with self.telemetry.span("optimizer", "norm"):
+            sum_sq, nonfinite = self.optimizer.grad_sq_norm()
+            totals = torch.tensor([sum_sq, float(nonfinite)], dtype=torch.float64, device=self.accel.device)
+            all_reduce_sum(totals, self.partition)  # stage 0: every rank holds the whole gradient already
+            return float(totals[0]), int(totals[1])
+
+    def _report_every_steps_per_print(self) -> None:
+        """wall_clock_breakdown and memory_breakdown: one log line each every steps_per_print steps."""
+        every = self.config.steps_per_print
+        if self.global_steps % every:
+            return
+        if self._phases is not None:
+            logger.info("step %d, rank %d: %s", self.global_steps, self.group.rank, self._phases.line(every))
+        if self.config.memory_breakdown:
+            logger.info("step %d: %s", self.global_steps, self.memory_report())
+
+    def _repair_params(self) -> None:
+        """Rewrite NVMe parameter shards a failed write left behind their master weights (see
+        [Note: parameter slots] in offload/store/param_swap.py)."""
+        stale = self.params.stale()
+        for unit in self.units:
+            if unit.index in stale:
+                self.params.overwrite(unit.index, self.optimizer.master_of(unit.index))
+                logger.info("rewrote unit %s's parameter shard on NVMe from its master weights", unit.name)
+
+    def zero_grad(self) -> None:
+        """Discard gradients accumulated since the last step (a no-op right after one)."""
+        self.optimizer.clear_grads()
+        self.runtime.clear_param_grads()
+        self.runtime.got_grad.clear()
+        self.accumulation.clear()
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def peak_live_parameters(self) -> int:
+        """The most parameter elements this rank held gathered at once (the engine's own accounting)."""
+        return self.runtime.peak_live
+
+    # ----------------------------------------------------------------- whole weights (offload/engine/weights.py)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[nn.Module]:
+        """Every unit gathered inside the block, for inspection (it ignores stage3_max_live_parameters)."""
+        self._check_open()
+        self._repair_params()
+        with weights.gathered_parameters(self) as module:
+            yield module
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict on the CPU, fp32 masters for trained parameters (a collective)."""
+        self._check_open()
+        self.optimizer.drain()
+        return weights.full_state_dict(self)
+
+    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the gathered compute-dtype weights (torch.save, or safetensors by the file's name); a
+        collective. Returns whether it saved (see weights.save_16bit_model)."""
+        self._check_open()
+        self.optimizer.drain()
+        self._repair_params()
+        return weights.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    # ----------------------------------------------------------------- checkpoints (offload/engine/saving.py)
+
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True) -> str:
+        """Write a checkpoint, all or nothing (a collective); returns its path. ``tag``: ``global_step<N>``."""
+        self._check_open()
+        self.accumulation.check_save()
+        self.optimizer.drain()
+        self._repair_params()
+        with self.telemetry.span("checkpoint", "save"):
+            return str(saving.save(self, save_dir, tag, client_state, save_latest))
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+        """Resume from ``load_dir``'s ``latest`` (or ``tag``): ``(path, client_state)``, checksums first."""
+        self._check_open()
+        with self.telemetry.span("checkpoint", "load"):
+            path, client_state = saving.load(self, load_dir, tag, load_optimizer_states,
+                                             load_lr_scheduler_states, load_module_only)
+        return str(path), client_state
+
+    def train_state(self) -> dict[str, Any]:
+        """The training loop's counters and the loss scale: what a checkpoint keeps besides the arrays (the way
+        torch's DCP ``Stateful`` gives it)."""
+        return {"global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
+                "micro_steps": self.micro_steps, "loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_train_state(self, state: dict[str, Any]) -> None:
+        """Restore ``train_state()``; gradients accumulated since the last step are dropped."""
+        self.zero_grad()
+        self.global_steps, self.skipped_steps = state["global_steps"], state["skipped_steps"]
+        self.accumulation.micro_steps = state["micro_steps"]
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    # ----------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        """Remove every hook and free every buffer; the engine cannot be used after."""
+        if self._closed:
+            return
+        self.runtime.close()
+        self.activations.close()
+        checkpointing.reset()
+        self.optimizer.close()
+        self.params.close()
+        self._swaps.close()
+        for unit in self.units:
+            unit.reshard()
+        self.accel.close()
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("this engine was closed; create a new one with offload.initialize")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

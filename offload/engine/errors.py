@@ -1,0 +1,32 @@
+"""The engine's one error type, apart so that every engine room can raise it."""
+
+
+class EngineError(RuntimeError):
+    """The engine was used in a way it cannot honour; the message says what to do instead."""
+
+
+def released_parameter_read(units: list[str]) -> EngineError:
+    return EngineError(
+        "a parameter was read while its unit was released: some module's forward reads a parameter of another "
+        "module without calling that module (e.g. F.linear(x, self.child.weight)), or code reads parameters "
+        "outside forward. Name the reading module's class in offload.atomic_modules so it is never split from its "
+        "children, or call the child module instead. Units: " + ", ".join(units))
+
+
+def half_applied_step() -> EngineError:
+    return EngineError("backward failed while the optimizer step ran overlapped with it, and some shards were "
+                       "already updated, so this step is half applied; set offload.overlap_step to \"off\" to keep "
+                       "every step all-or-nothing")
+
+
+def params_behind(step: int, strerror: str | None) -> EngineError:
+    return EngineError(f"step {step} was applied, but writing new parameter shards to NVMe failed: {strerror}. The "
+                       "master weights hold the step; the units left behind are rewritten from them before the next "
+                       "forward, so fix the disk and go on (do not repeat this step)")
+
+
+def unused_parameters(rank: int, names: list[str]) -> EngineError:
+    return EngineError(f"rank {rank}: {len(names)} trainable parameter(s) received no gradient this step "
+                       f"({', '.join(names[:5])}{' ...' if len(names) > 5 else ''}), and zero_optimization."
+                       "ignore_unused_parameters is false; the step's gradients were dropped. Set it to true (they "
+                       "then keep their values), freeze them (requires_grad=False), or use them in the forward")

@@ -1,0 +1,147 @@
+"""``offload.initialize``: DeepSpeed's entry point, from its loose arguments to an Engine.
+
+Everything here is argument handling: which config (a path, JSON, a dict, DeepSpeed's
+``config_params`` or ``args.deepspeed_config``), which process group and device, and which
+Adam hyperparameters (an optimizer section, or a torch/offload optimizer given by the
+caller). What the engine is made of is decided in offload/engine/build.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from offload.accelerator import Accelerator
+from offload.config import Config, ConfigError
+from offload.engine.core import Engine
+from offload.engine.errors import EngineError
+from offload.host_malloc import set_mmap_threshold
+from offload.optim.cpu_adam import CPUAdam
+from offload.optim.sharded import ShardedAdam
+from offload.zero.collectives import Group
+
+logger = logging.getLogger("offload.engine")
+
+
+def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
+               config: Config | dict[str, Any] | str | os.PathLike[str] | None = None,
+               optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
+               training_data: Any = None, device: torch.device | str | None = None, config_params: Any = None,
+               args: Any = None, dist_init_required: bool | None = None, collate_fn: Callable[..., Any] | None = None,
+               ) -> tuple[Engine, ShardedAdam, Any, Any]:
+    """``engine, optimizer, dataloader, lr_scheduler``, as ``deepspeed.initialize`` returns them.
+
+    Joins (or starts, under torchrun) the default process group; with no launcher it
+    runs as one rank. ``config`` (or DeepSpeed's ``config_params``) is a path, a
+    JSON string, a dict or a Config.
+    """
+    if config is None:
+        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ConfigError("", "initialize needs a config (a path, a JSON string, a dict or a Config)")
+    if not isinstance(model, nn.Module):
+        raise EngineError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    loaded = Config.load(config)
+    if loaded.offload.host_malloc.mmap_threshold is not None:
+        set_mmap_threshold(loaded.offload.host_malloc.mmap_threshold)  # before the engine allocates
+    group = _join_group(dist_init_required)
+    accel = Accelerator(device if device is not None else _default_device())
+    if accel.is_cuda:
+        torch.cuda.set_device(accel.device)  # NCCL and the caching allocator use the current device
+    cfg = loaded.resolve(world_size=group.world, hidden_size=hidden_size_of(model))
+    _check_supported(cfg)
+    if cfg.no_effect and group.rank == 0:
+        logger.warning("config: %d key(s) set here have no effect in offload: %s", len(cfg.no_effect),
+                       "; ".join(cfg.no_effect))
+    param_groups, adamw_mode, bias_correction = _optimizer_groups(model, model_parameters, cfg, optimizer)
+    engine = Engine(model, cfg, param_groups, adamw_mode, bias_correction, group, accel, lr_scheduler)
+    loader = None
+    if training_data is not None:
+        sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=group.world, rank=group.rank) \
+            if group.world > 1 else None
+        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
+                                             sampler=sampler, shuffle=sampler is None, collate_fn=collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def hidden_size_of(model: nn.Module) -> int | None:
+    """The model width that sizes "auto" buckets, as Hugging Face's integration reads it (None if unknown)."""
+    return getattr(getattr(model, "config", None), "hidden_size", None) or getattr(model, "hidden_size", None)
+
+
+def _join_group(dist_init_required: bool | None) -> Group:
+    if dist.is_available() and not dist.is_initialized() and dist_init_required is not False:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 or dist_init_required:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend)
+    return Group.current()
+
+
+def _default_device() -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+    if index >= torch.cuda.device_count():
+        raise EngineError(f"LOCAL_RANK={index} but this machine shows {torch.cuda.device_count()} GPU(s): launch one "
+                          "process per GPU (torchrun --nproc-per-node), or pass device= to initialize")
+    return torch.device("cuda", index)
+
+
+def _check_supported(cfg: Config) -> None:
+    zero = cfg.zero_optimization
+    if zero.offload_param.device != "none" and zero.offload_optimizer.device == "none":
+        raise ConfigError("zero_optimization.offload_param.device",
+                          f"{zero.offload_param.device!r} needs the optimizer offloaded too: the step writes the new "
+                          "parameter shards into their host home; set offload_optimizer.device to cpu or nvme")
+
+
+def _optimizer_groups(model: nn.Module, model_parameters: Iterable[Any] | None, cfg: Config,
+                      client: torch.optim.Optimizer | None) -> tuple[list[dict[str, Any]], bool, bool]:
+    """Param groups with Adam hyperparameters, and (adamw_mode, bias_correction)."""
+    if client is not None and cfg.optimizer is not None:
+        raise EngineError("the config has an optimizer section and initialize() was given optimizer=; keep one")
+    if client is not None:
+        if callable(client) and not isinstance(client, torch.optim.Optimizer):
+            params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+            client = client(params)
+        if isinstance(client, CPUAdam):
+            adamw, bias = client.adamw_mode, client.bias_correction
+        elif isinstance(client, (torch.optim.AdamW, torch.optim.Adam)):
+            if any(g.get("amsgrad") for g in client.param_groups):
+                raise EngineError("amsgrad is not supported; use amsgrad=False")
+            adamw, bias = isinstance(client, torch.optim.AdamW), True
+        else:
+            raise EngineError(f"optimizer {type(client).__name__} is not supported: offload runs Adam/AdamW "
+                              "(pass torch.optim.Adam/AdamW, offload.optim.CPUAdam, or an optimizer section)")
+        groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
+                  for g in client.param_groups]
+        return _trainable(groups), adamw, bias
+    if cfg.optimizer is None:
+        raise ConfigError("optimizer", "no optimizer: add an optimizer section (type Adam or AdamW) to the config "
+                                       "or pass optimizer= to initialize")
+    p = cfg.optimizer.params
+    hyper = {"lr": p.lr, "betas": tuple(p.betas), "eps": p.eps, "weight_decay": p.weight_decay}
+    source = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if source and isinstance(source[0], dict):
+        groups = [{**hyper, **g, "params": list(g["params"])} for g in source]
+    else:
+        groups = [{**hyper, "params": source}]
+    adamw = cfg.optimizer.type == "AdamW" or p.adam_w_mode
+    return _trainable(groups), adamw, p.bias_correction
+
+
+def _trainable(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups]
+    if not any(g["params"] for g in out):
+        raise EngineError("the model has no trainable parameters (none of model_parameters requires grad); "
+                          "unfreeze some or pass the ones to train")
+    return out

@@ -1,0 +1,269 @@
+"""Saving and resuming an engine: which of its state goes into which checkpoint file, and back.
+
+The files and their guarantees (all or nothing, checksums, locks, sweeping what a killed
+save left) are offload/checkpoint_files.py's. This room reads the engine only through
+what it exposes: its units' layout, the optimizer's state store, the parameter store, the
+module's state_dict and ``train_state()`` / ``load_train_state()`` for the counters and
+the loss scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload.checkpoint_files import (FORMAT, LATEST, CheckpointError, RankWriter, ShardReader, partitions, phase,
+                                      publish, read_meta, resolve, save_small, sweep_stale, tmp_dir, verify,
+                                      writer_lock)
+from offload.engine.weights import state_dict_layout
+from offload.version import __version__
+from offload.zero.collectives import all_reduce_sum
+
+logger = logging.getLogger("offload.checkpoint")
+
+
+def _rng_state(cuda: bool) -> dict[str, Any]:
+    import random
+
+    import numpy as np
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": np.random.get_state()}
+    if cuda:
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _seed_new_rank(saved: dict[str, Any], rank: int) -> None:
+    """A rank the checkpoint did not have: generators of its own (no two ranks draw the same numbers),
+    derived deterministically from the saved rank's torch state and this rank's number."""
+    import random
+
+    import numpy as np
+    digest = hashlib.sha256(saved["torch"].numpy().tobytes() + rank.to_bytes(8, "little")).digest()
+    seed = int.from_bytes(digest[:8], "little")
+    torch.manual_seed(seed)  # the CPU generator and every CUDA device's
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def _layout(engine: Any) -> list[dict[str, Any]]:
+    return [{"name": u.name, "numel": u.numel, "padded": u.padded, "trained": u.index in engine.optimizer.shards}
+            for u in engine.units]
+
+
+def _same_model(layout: list[dict[str, Any]]) -> list[tuple[str, int, bool]]:
+    """What must match between a checkpoint and an engine (the padding depends on the world size)."""
+    return [(u["name"], u["numel"], u["trained"]) for u in layout]
+
+
+def _barrier(group: Any) -> None:
+    if group.pg is not None:
+        torch.distributed.barrier(group=group.pg)
+
+
+def _gather_objects(obj: Any, group: Any) -> list[Any]:
+    if group.pg is None:
+        return [obj]
+    out: list[Any] = [None] * group.world
+    torch.distributed.all_gather_object(out, obj, group=group.pg)
+    return out
+
+
+def _all_ok(ok: bool, engine: Any) -> bool:
+    """Whether every rank says ok (so no rank is left waiting in a collective when one of them fails)."""
+    flag = torch.tensor([0.0 if ok else 1.0], device=engine.accel.device)
+    all_reduce_sum(flag, engine.group)
+    return float(flag) == 0.0
+
+
+def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_state: dict[str, Any] | None,
+         save_latest: bool = True) -> Path:
+    """Every rank calls it; see the module docstring for what lands where."""
+    rank = engine.group.rank
+    tag = tag or f"global_step{engine.global_steps}"
+    if "/" in tag or tag.startswith(".") or tag == LATEST:
+        raise CheckpointError(f"tag {tag!r} cannot name a checkpoint directory (no '/', no leading '.', not "
+                              f"{LATEST!r})")
+    tag = _agreed_tag(tag, engine)
+    root = Path(save_dir)
+    with contextlib.ExitStack() as held:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            held.enter_context(writer_lock(root))
+            sweep_stale(root)
+            tmp_dir(root, tag).mkdir()
+        _barrier(engine.group)
+        return _save_locked(engine, root, tag, client_state, save_latest)
+
+
+def _agreed_tag(tag: str, engine: Any) -> str:
+    """checkpoint.tag_validation: every rank must save under the same tag. Fail raises on every rank before
+    anything is written; Warn logs it and every rank saves under rank 0's tag (one checkpoint, not a torn one)."""
+    mode = engine.config.checkpoint.tag_validation
+    if mode == "Ignore" or engine.group.world == 1:
+        return tag
+    tags = _gather_objects(tag, engine.group)
+    if len(set(tags)) == 1:
+        return tag
+    message = (f"ranks save under different tags ({', '.join(f'rank {r}: {t!r}' for r, t in enumerate(tags))}); "
+               f"pass the same tag on every rank (checkpoint.tag_validation is {mode})")
+    if mode == "Fail":
+        raise CheckpointError(message)
+    if engine.group.rank == 0:
+        logger.warning("%s; saving under rank 0's tag %r", message, tags[0])
+    return tags[0]
+
+
+def _save_locked(engine: Any, root: Path, tag: str, client_state: dict[str, Any] | None,
+                 save_latest: bool) -> Path:
+    group, rank = engine.group, engine.group.rank
+    tmp = tmp_dir(root, tag)
+    files: dict[str, str] = {}
+    if rank < engine.partition.world:  # stage 0: every rank holds the same state; rank 0 writes it
+        writer = RankWriter(tmp, rank)
+        try:
+            for g in engine.optimizer.store.one_at_a_time(read=True, write=False):
+                for m in g.members:
+                    for kind, values in zip(("master", "exp_avg", "exp_avg_sq"), g.views(m)):
+                        writer.add(m.unit, kind, values)
+                        phase("writing")
+            for unit in engine.units:
+                if unit.index not in engine.optimizer.shards:
+                    writer.add(unit.index, "shard", engine.params.read(unit.index))
+        finally:
+            files = writer.close()
+    small: dict[str, Any] = {"rng": _rng_state(engine.accel.is_cuda)}
+    if rank == 0:
+        scheduler = engine.lr_scheduler
+        layout, buffers = state_dict_layout(engine)
+        params = [[key, unit, slot.offset, list(slot.shape)] for key, unit, slot in layout]
+        train = engine.train_state()
+        small.update(client_state=client_state or {}, loss_scaler=train["loss_scaler"], buffers=buffers,
+                     lr_scheduler=scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
+                     param_groups=[{k: v for k, v in g.items() if k != "params"}
+                                   for g in engine.optimizer.param_groups])
+    files[f"rank{rank}.pt"] = save_small(tmp / f"rank{rank}.pt", small)
+    phase("rank-files-written")
+    every = _gather_objects(files, group)
+    if rank == 0:
+        meta = {"format": FORMAT, "version": __version__, "tag": tag, "world_size": group.world,
+                "partitions": engine.partition.world,
+                "global_steps": train["global_steps"], "skipped_steps": train["skipped_steps"],
+                "micro_steps": train["micro_steps"], "adam_steps": engine.optimizer.adam_steps,
+                "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
+                "params": params,
+                "config": engine.config.to_dict(), "files": {k: v for f in every for k, v in f.items()}}
+        publish(root, tag, meta, update_latest=save_latest)
+    _barrier(group)
+    return root / tag
+
+
+def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool = True,
+         load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[Path, dict[str, Any]]:
+    """Every rank calls it. Checks first (layout, world size, checksums on every rank), then changes state.
+
+    As DeepSpeed documents them: ``load_module_only`` restores the weights alone (optimizer state, counters, loss
+    scale, schedule and RNG stay as the engine has them); ``load_optimizer_states=False`` keeps the engine's own
+    Adam moments, step count and hyperparameters; ``load_lr_scheduler_states=False`` keeps its schedule.
+    """
+    rank = engine.group.rank
+    if rank == 0 and Path(load_dir).is_dir():
+        with writer_lock(Path(load_dir), wait=False) as free:
+            if free:  # else a save is running there, and what looks stale is its work
+                sweep_stale(Path(load_dir))
+    path = resolve(Path(load_dir), tag)
+    meta = read_meta(path)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path / 'meta.json'} has format {meta.get('format')!r}; this offload reads {FORMAT}")
+    old_world, old_parts, parts = meta["world_size"], partitions(meta), engine.partition
+    ours = _layout(engine)
+    if _same_model(meta["units"]) != _same_model(ours):
+        diff = next((f"{a} in the checkpoint, {b} here" for a, b in zip(_same_model(meta["units"]),
+                                                                          _same_model(ours)) if a != b),
+                    f"{len(meta['units'])} units in the checkpoint, {len(ours)} here")
+        raise CheckpointError(f"{path} does not fit this model and config: the units differ ({diff}); build the "
+                              "same model with the same offload.unit_bytes and compute dtype")
+    # Same partitioning: this rank's own files. Another: a rank's range may lie in any old partition's file.
+    sources = [parts.rank] if old_parts == parts.world else list(range(old_parts))
+    small_from = rank % old_world
+    names = [f"rank{r}.{ext}" for r in sources for ext in ("bin", "json")]
+    names += sorted({f"rank{small_from}.pt", "rank0.pt"})
+    error = None
+    try:
+        verify(path, meta, names)
+    except CheckpointError as e:
+        error = e
+    if not _all_ok(error is None, engine):
+        raise error or CheckpointError(f"{path}: another rank found a damaged or missing file (see its error)")
+    if old_parts != parts.world:
+        logger.info("loading %s cut into %d partitions into %d: each rank reads its ranges from the old ones", path,
+                    old_parts, parts.world)
+    engine.optimizer.drain()
+    engine.runtime.reshard_all()
+    reader = ShardReader(path, meta)
+
+    def take(unit: Any, kind: str) -> torch.Tensor:
+        return reader.read(unit.index, kind, unit.shard_start, unit.shard_start + unit.shard_numel)
+
+    units = {u.index: u for u in engine.units}
+    moments = load_optimizer_states and not load_module_only
+    # zero_optimization.load_from_fp32_weights false: the master weights are rebuilt from the checkpoint's
+    # compute-dtype weights (rounded), as DeepSpeed does from its 16-bit ones.
+    rounded = None if engine.config.zero_optimization.load_from_fp32_weights else getattr(torch, meta["compute_dtype"])
+    try:
+        for g in engine.optimizer.store.one_at_a_time(read=not moments, write=True):
+            for m in g.members:
+                unit = units[m.unit]
+                master, exp_avg, exp_avg_sq = g.views(m)
+                saved = take(unit, "master")
+                master.copy_(saved if rounded is None else saved.to(rounded).float())
+                if moments:
+                    exp_avg.copy_(take(unit, "exp_avg"))
+                    exp_avg_sq.copy_(take(unit, "exp_avg_sq"))
+                engine.params.overwrite(unit.index, master)
+        for unit in engine.units:
+            if unit.index not in engine.optimizer.shards:
+                engine.params.overwrite(unit.index, take(unit, "shard"))
+        if engine.stage.resident_params:
+            engine.runtime.spread_partitions()
+    except BaseException as e:
+        engine.close()
+        raise CheckpointError(f"loading {path} failed part-way ({e}); the engine's state is half replaced, so it "
+                              "was closed: create a new engine and load again") from e
+    finally:
+        reader.close()
+    small = torch.load(path / f"rank{small_from}.pt", weights_only=False)
+    main = small if small_from == 0 else torch.load(path / "rank0.pt", weights_only=False)
+    engine.zero_grad()
+    if not load_module_only:
+        if rank < old_world:
+            _set_rng_state(small["rng"])
+        else:
+            _seed_new_rank(small["rng"], rank)
+        engine.load_train_state({"global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
+                                 "micro_steps": meta["micro_steps"], "loss_scaler": main["loss_scaler"]})
+        if load_optimizer_states:
+            engine.optimizer.adam_steps = meta["adam_steps"]
+            for g, saved in zip(engine.optimizer.param_groups, main["param_groups"]):
+                g.update(saved)
+        scheduler = engine.lr_scheduler
+        if load_lr_scheduler_states and main["lr_scheduler"] is not None and hasattr(scheduler, "load_state_dict"):
+            scheduler.load_state_dict(main["lr_scheduler"])
+    return path, main["client_state"]

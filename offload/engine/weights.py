@@ -1,0 +1,109 @@
+"""Whole weights out of a live engine: gathered for inspection, a full state_dict, a 16-bit model file.
+
+Each gathers one unit at a time (a collective: every rank calls it), so no rank ever
+holds more than one unit's full buffer beyond what it returns; offload/export.py does
+the same from checkpoint files, without an engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from offload.weights_file import TensorSpec, stream_for
+from offload.zero.collectives import all_gather
+
+logger = logging.getLogger("offload.engine")
+
+
+def state_dict_layout(engine: Any) -> tuple[list[tuple[str, int, Any]], dict[str, torch.Tensor]]:
+    """Each state_dict key that is a parameter as (key, unit index, its ParamSlot), and the buffers (on the
+    host); tied parameters appear under every key they have."""
+    where = {id(s.param): (u.index, s) for u in engine.units for s in u.slots}
+    params, buffers = [], {}
+    for key, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) in where:
+            params.append((key, *where[id(t)]))
+        else:
+            buffers[key] = t.detach().cpu().clone()
+    return params, buffers
+
+
+@contextlib.contextmanager
+def gathered_parameters(engine: Any) -> Iterator[nn.Module]:
+    """Every unit gathered (full compute-dtype parameters readable on the module) inside the block; units start
+    and end sharded, so the runtime's count of gathered elements is untouched."""
+    engine.runtime.reshard_all()
+    for unit in engine.units:
+        unit.unshard(engine.runtime.h2d)
+    try:
+        yield engine.module
+    finally:
+        for unit in engine.units:
+            unit.reshard()
+
+
+def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """The model's state_dict on the CPU with fp32 master values for trained parameters."""
+    values: dict[int, torch.Tensor] = {}
+    device = engine.accel.device
+    for unit in engine.units:
+        shard = (engine.optimizer.master_of(unit.index) if unit.index in engine.optimizer.shards
+                 else engine.params.read(unit.index).float())
+        full = torch.empty(unit.padded, dtype=torch.float32, device=device)
+        all_gather(full, shard.to(device), unit.group)
+        full = full.cpu()
+        for s in unit.slots:
+            values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+    # keep_vars: the entries are the Parameter objects themselves (their storage may be empty now).
+    return {key: values[id(t)] if id(t) in values else t.detach().cpu().clone()
+            for key, t in engine.module.state_dict(keep_vars=True).items()}
+
+
+def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filename: str,
+                     exclude_frozen_parameters: bool) -> bool:
+    """Rank 0 streams the gathered compute-dtype weights to one file, unit by unit: it never holds the whole
+    state dict. Only with stage3_gather_16bit_weights_on_model_save, as in DeepSpeed (returns whether it saved)."""
+    if not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        logger.warning("save_16bit_model saved nothing: zero_optimization.stage3_gather_16bit_weights_on_model_"
+                       "save is false (as DeepSpeed does); set it to true, or save_checkpoint and then "
+                       "`offload export-weights`, which never gathers the whole model")
+        return False
+    layout, buffers = state_dict_layout(engine)
+    by_unit: dict[int, list[tuple[str, Any]]] = {}
+    for key, index, slot in layout:
+        if not (exclude_frozen_parameters and not slot.param.requires_grad):
+            by_unit.setdefault(index, []).append((key, slot))
+    dtype, device = engine.compute_dtype, engine.accel.device
+    stream = None
+    if engine.group.rank == 0:
+        specs = [TensorSpec(key, dtype, tuple(slot.shape)) for unit in engine.units
+                 for key, slot in by_unit.get(unit.index, ())]
+        specs += [TensorSpec(key, t.dtype, tuple(t.shape)) for key, t in buffers.items()]
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        written = {s.key for s in specs}
+        order = [key for key in engine.module.state_dict(keep_vars=True) if key in written]
+        stream = stream_for(Path(save_dir) / save_filename, specs, metadata={"format": "pt"}, key_order=order)
+    with stream if stream is not None else contextlib.nullcontext():
+        for unit in engine.units:  # one unit gathered at a time
+            full = torch.empty(unit.padded, dtype=dtype, device=device)
+            all_gather(full, engine.params.read(unit.index).to(device), unit.group)
+            if stream is not None:
+                full = full.cpu()
+                for key, s in by_unit.get(unit.index, ()):
+                    stream.write(key, full[s.offset:s.offset + s.numel].view(s.shape))
+            del full
+        if stream is not None:
+            for key, t in buffers.items():
+                stream.write(key, t)
+    if engine.group.pg is not None:
+        dist.barrier(group=engine.group.pg)
+    return True

@@ -1,0 +1,230 @@
+"""Where each unit's compute-dtype parameter shard lives on this rank: the one owner of that fact.
+
+A shard has one home, chosen at start-up and never changed: the compute device
+(offload_param none), host memory (offload_param cpu, or nvme under max_in_cpu) or NVMe
+(through the parameter swap). The store owns the home's memory, the host copy that a
+host-side optimizer step writes, every read and overwrite, and the copies that bring a
+shard to the device; each copy's event is kept with the shard, so whoever uses the
+device shard next (a gather, a resident unit's all-gather) waits for exactly that copy.
+
+[Note: the step's target] The optimizer writes a shard's new values into
+``step_target``: the host copy (a host home, or a device home whose optimizer state is
+offloaded), or a fresh NVMe write buffer (then the elements the step does not write
+must be filled from the master first). ``wrote`` hands an NVMe shard to its write;
+``copy_back`` starts the copy of a device home's host copy to the device. The ZeRO side
+never sees which: it asks for the shard on the device (``to_device``) when it gathers.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from offload.accelerator import Accelerator, CopyStream, Event
+from offload.store.budget import TierBudget
+from offload.store.param_swap import ParamSwap
+from offload.telemetry import Telemetry
+
+
+class Home(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    NVME = "nvme"
+
+
+@dataclass(eq=False)
+class ParamShard:
+    """One unit's shard on this rank."""
+
+    index: int
+    name: str  # the unit's, for traces
+    numel: int
+    home: Home
+    device: torch.Tensor  # DEVICE home: the shard (a view into the unit's flat buffer at stages 0-2); else empty
+    host: torch.Tensor | None = None  # HOST home: the shard; DEVICE home with a host-side step: its host copy
+    ready: Event | None = None  # the copy that last wrote ``device``; its next reader waits for it
+
+
+class ParamStore:
+    """Every compute-dtype parameter shard of this rank, by unit index."""
+
+    def __init__(self, accel: Accelerator, dtype: torch.dtype, homes: dict[int, Home], *,
+                 swap: ParamSwap | None, host: TierBudget, telemetry: Telemetry) -> None:
+        """``homes``: every unit's home, decided at start-up (``swap`` holds the NVMe-homed ones)."""
+        nvme = {i for i, h in homes.items() if h is Home.NVME}
+        if nvme != (set(swap.homes) if swap is not None else set()):
+            raise ValueError("the parameter swap must hold exactly the units homed on NVMe")
+        self.accel = accel
+        self.dtype = dtype
+        self.homes = dict(homes)
+        self.swap = swap
+        self.host_budget = host
+        self.telemetry = telemetry
+        self.shards: dict[int, ParamShard] = {}
+        self._h2d: CopyStream | None = None  # copies of host copies back to the device (made on first use)
+
+    def add(self, index: int, name: str, values: torch.Tensor, *, device_view: torch.Tensor | None = None,
+            host_copy: bool = False) -> None:
+        """Take unit ``index``'s starting shard ``values`` (any float dtype, host or device).
+
+        ``device_view``: for a resident unit (stages 0-2), the slice of its flat buffer that is this rank's shard
+        (it already holds the values). ``host_copy``: the optimizer steps this shard on the host, so a device home
+        gets a host copy for the step to write (reserved in the host budget by the optimizer). A host-homed shard
+        of a unit nothing trains is taken from the host budget here."""
+        home = self.homes[index]
+        numel = values.numel()
+        empty = torch.empty(0, dtype=self.dtype, device=self.accel.device)
+        shard = ParamShard(index, name, numel, home, empty)
+        if home is Home.DEVICE:
+            if device_view is not None:
+                shard.device = device_view
+            else:
+                shard.device = torch.empty(numel, dtype=self.dtype, device=self.accel.device)
+                shard.device.copy_(values)
+        if home is Home.HOST or (home is Home.DEVICE and host_copy):
+            shard.host, buf = self.accel.host_buffer(numel, self.dtype)
+            if home is Home.HOST and not host_copy:
+                self.host_budget.take(buf.capacity, "frozen parameter shards")
+            shard.host.copy_(values)
+        if home is Home.NVME:
+            assert self.swap is not None
+            self.swap.overwrite(index, values.to(self.dtype).cpu())
+        self.shards[index] = shard
+
+    # ----------------------------------------------------------------- facts
+
+    def home(self, index: int) -> Home:
+        return self.homes[index]
+
+    def device_nbytes(self, index: int) -> int:
+        """Bytes the shard holds on the compute device between uses."""
+        t = self.shards[index].device
+        return t.numel() * t.element_size()
+
+    def host_copy(self, index: int) -> torch.Tensor | None:
+        """The shard's host memory (a host home, or a device home's copy), if it has any."""
+        return self.shards[index].host
+
+    def ready(self, index: int) -> Event | None:
+        return self.shards[index].ready
+
+    def stale(self) -> set[int]:
+        """NVMe-homed units whose last write failed (see [Note: parameter slots] in param_swap.py)."""
+        return set(self.swap.stats.stale) if self.swap is not None else set()
+
+    # ----------------------------------------------------------------- reads and overwrites
+
+    def read(self, index: int) -> torch.Tensor:
+        """The shard's current values wherever they live (from NVMe: a fresh copy; else the tensor itself, which
+        compute may read: it waits for a copy back still in flight)."""
+        shard = self.shards[index]
+        if shard.home is Home.NVME:
+            assert self.swap is not None
+            return self.swap.read_copy(index)
+        if shard.home is Home.HOST:
+            assert shard.host is not None
+            return shard.host
+        self.accel.compute_wait(shard.ready)
+        return shard.device
+
+    def overwrite(self, index: int, values: torch.Tensor) -> None:
+        """Make ``values`` (any float dtype) the shard now, in every copy it has (a checkpoint load, a repair)."""
+        shard = self.shards[index]
+        if shard.host is not None:
+            shard.host.copy_(values)
+        if shard.home is Home.NVME:
+            assert self.swap is not None
+            self.swap.overwrite(index, values.to(self.dtype).cpu())
+        elif shard.home is Home.DEVICE:
+            shard.device.copy_(values.to(shard.device.device), non_blocking=False)
+            shard.ready = None
+
+    def to_device(self, index: int, h2d: CopyStream | None) -> torch.Tensor:
+        """The shard on the compute device, ready for the compute stream (which waits for the copy, or for the
+        one that last wrote a device home). An NVMe shard waits for its read, which read-ahead has usually done;
+        a failed read raises here, before the caller changes anything."""
+        shard = self.shards[index]
+        if shard.home is Home.DEVICE:
+            self.accel.compute_wait(shard.ready)
+            return shard.device
+        assert h2d is not None, "a shard homed off the device needs a copy stream to come over"
+        read = self.swap.fetch(index) if shard.home is Home.NVME and self.swap is not None else None
+        source = self.swap.view(read) if self.swap is not None and read is not None else shard.host
+        assert source is not None
+        out = torch.empty(shard.numel, dtype=self.dtype, device=self.accel.device)
+        h2d.wait_event(self.accel.compute_event())  # the new buffer may reuse memory compute just freed
+        h2d.run(lambda: out.copy_(source, non_blocking=True))
+        copied = h2d.record()
+        if self.swap is not None and read is not None:
+            self.swap.copied(read, copied)
+        self.accel.compute_wait(copied)
+        return out
+
+    # ----------------------------------------------------------------- the step's writes
+
+    def step_target(self, index: int) -> torch.Tensor:
+        """Host memory the step writes the new shard into (see [Note: the step's target])."""
+        shard = self.shards[index]
+        if shard.home is Home.NVME:
+            assert self.swap is not None
+            return self.swap.stage(index)
+        assert shard.host is not None, f"unit {index}'s shard has no host copy to step into"
+        return shard.host
+
+    def write_device(self, index: int, values: torch.Tensor) -> None:
+        """The step ran on the compute device: write its result into a device home (compute-stream order)."""
+        self.shards[index].device.copy_(values)
+
+    def wrote(self, index: int) -> None:
+        """The step finished writing ``step_target``: an NVMe shard goes to its other slot."""
+        if self.homes[index] is Home.NVME:
+            assert self.swap is not None
+            self.swap.write(index)
+
+    def copy_back(self, index: int, after_compute: bool = True) -> Event | None:
+        """A device home's new host copy goes to the device (asynchronously); returns the copy's event, which the
+        shard's next reader waits for. Nothing to do for other homes (returns None)."""
+        shard = self.shards[index]
+        if shard.home is not Home.DEVICE or shard.host is None:
+            return None
+        if self._h2d is None:
+            self._h2d = self.accel.copy_stream("h2d")
+        if after_compute:  # the shard may still be read by a gather on the compute stream: copy after it
+            self._h2d.wait_event(self.accel.compute_event())
+        source, target, tel = shard.host, shard.device, self.telemetry
+
+        def copy() -> None:
+            with tel.span("h2d", shard.name):
+                target.copy_(source, non_blocking=True)
+
+        self._h2d.run(copy)
+        shard.ready = self._h2d.record()
+        tel.add_bytes("h2d", source.numel() * source.element_size())
+        return shard.ready
+
+    def wait_copies_back(self) -> None:
+        """Every copy back has run (the next step rewrites the host copies they read)."""
+        if self._h2d is not None:
+            self._h2d.synchronize()
+
+    def commit(self) -> None:
+        """The step's NVMe shard writes become current (see [Note: parameter slots]); may raise ParamSwapError."""
+        if self.swap is not None:
+            self.swap.commit()
+
+    def abort(self) -> None:
+        """The step failed before its optimizer state was committed: forget its NVMe writes."""
+        if self.swap is not None:
+            self.swap.abort()
+
+    def close(self) -> None:
+        if self._h2d is not None:
+            self._h2d.synchronize()
+        if self.swap is not None:
+            self.swap.close()
+            self.swap = None
+        for shard in self.shards.values():
+            shard.device = torch.empty(0, dtype=self.dtype, device=shard.device.device)
+            shard.host = shard.ready = None
