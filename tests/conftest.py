@@ -19,3 +19,34 @@ def variant(request):
     native.select_variant(request.param)
     yield request.param
     native.select_variant(before)
+
+
+# --------------------------------------------------------------------------- the slow marker
+
+SLOW_LIST = REPO / "tests" / "slow.txt"
+
+
+def _slow_tests() -> set[str]:
+    """Node ids in tests/slow.txt (written by tools/slow_tests.py from a timed run)."""
+    lines = SLOW_LIST.read_text().splitlines()
+    return {line.split()[1] for line in lines if line.strip() and not line.startswith("#")}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: over a few seconds each (tests/slow.txt); the inner loop is "
+                                       "`./dev.sh test -m \"not slow\"`")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow = _slow_tests()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+    # A renamed or removed test must leave the list too. Parameters that depend on this CPU (kernel variants)
+    # may be absent here, so the check is by test function.
+    if not config.args or [str(a) for a in config.args] == ["tests"]:
+        functions = {item.nodeid.split("[")[0] for item in items}
+        gone = sorted(n for n in slow if n.split("[")[0] not in functions)
+        if gone:
+            raise pytest.UsageError(f"tests/slow.txt names tests that no longer exist: {', '.join(gone)}; remove "
+                                    "them, or regenerate the list with tools/slow_tests.py")
