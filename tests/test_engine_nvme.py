@@ -141,7 +141,7 @@ def test_a_corrupted_swap_file_is_a_checksum_error_naming_it(tmp_path):
     _run_steps(engine, 1)
     swap = next(tmp_path.rglob("optimizer-rank0.swap"))
     first = engine.optimizer.store.groups[0]
-    where = first.slots[first.current] + 100  # a byte of the first sub-group's current slot
+    where = engine.optimizer.store._file.slots[first.index].current_offset + 100  # in its current slot
     with open(swap, "r+b") as f:
         f.seek(where)
         byte = f.read(1)

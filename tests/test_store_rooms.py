@@ -384,7 +384,7 @@ def test_param_swap_commit_makes_the_step_current_and_the_old_slot_is_never_read
     step(swap, new)
     assert_current(swap, old)  # written but not committed: the old values are current
     assert swap.read_ahead([0, 1]) == 2  # read-ahead of the old values, still unused when the step commits
-    old_slots = {unit: home.slots[home.current] for unit, home in swap.homes.items()}
+    old_slots = {unit: swap.file.slots[unit].current_offset for unit in swap.homes}
     swap.commit()
     for unit in new:  # the old slot of every unit now fails any read: the test fails if anything reads it
         rooms.engine.fail("read", file=PARAMS, offset=old_slots[unit], times=None)
@@ -411,8 +411,7 @@ def test_param_swap_failed_write_raises_on_commit_and_makes_exactly_that_unit_st
     swap = rooms.param_swap()
     old, new = shards(1), shards(2)
     load(swap, old)
-    target = swap.homes[1]
-    rooms.engine.fail("write", file=PARAMS, offset=target.slots[1 - target.current])  # ENOSPC, torn
+    rooms.engine.fail("write", file=PARAMS, offset=swap.file.slots[1].next_offset)  # ENOSPC, torn
     step(swap, new)
     with pytest.raises(ParamSwapError) as e:
         swap.commit()
@@ -426,7 +425,7 @@ def test_param_swap_failed_write_raises_on_commit_and_makes_exactly_that_unit_st
     before = len(rooms.engine.calls("read", PARAMS))
     assert swap.read_ahead([1, 0]) == 1  # the stale unit is never read ahead
     assert [c.offset for c in rooms.engine.calls("read", PARAMS)[before:]] == [
-        swap.homes[0].slots[swap.homes[0].current]]
+        swap.file.slots[0].current_offset]
     step(swap, {0: old[0]})  # the next step commits without re-raising the old failure
     swap.commit()
     assert swap.stats.stale == {1}
@@ -478,8 +477,7 @@ def test_param_swap_second_read_failure_raises_swap_io_error_naming_the_file(roo
     swap = rooms.param_swap()
     old = shards(1)
     load(swap, old)
-    home = swap.homes[2]
-    rooms.engine.fail("read", file=PARAMS, offset=home.slots[home.current], times=2)
+    rooms.engine.fail("read", file=PARAMS, offset=swap.file.slots[2].current_offset, times=2)
     assert swap.read_ahead([2]) == 1
     with pytest.raises(SwapIOError) as e:
         swap.fetch(2)
@@ -507,7 +505,7 @@ def test_param_swap_read_ahead_never_takes_more_than_buffer_count_buffers(rooms)
     rooms.engine.hold()  # the disk is slow: read-ahead stays in flight
     assert swap.read_ahead([3, 2, 1, 0]) == 2
     reads = rooms.engine.calls("read", PARAMS)
-    assert [c.offset for c in reads] == [swap.homes[u].slots[swap.homes[u].current] for u in (3, 2)]
+    assert [c.offset for c in reads] == [swap.file.slots[u].current_offset for u in (3, 2)]
     assert swap.read_ahead([3, 2, 1, 0]) == 0  # nothing free: it never waits and never starts more
     rooms.engine.release()
     h2d = DoneEvent()
@@ -675,7 +673,7 @@ def test_optimizer_failed_transfer_then_abort_pass_keeps_the_last_completed_step
 def test_optimizer_corrupted_slot_is_caught_by_the_checksum(rooms):
     store, state = built(rooms, buffer_count=2)
     g = store.groups[1]
-    rooms.engine.corrupt(file=OPTIMIZER, offset=g.slots[1 - g.current])
+    rooms.engine.corrupt(file=OPTIMIZER, offset=store._file.slots[g.index].next_offset)
     run_pass(store, 1)  # the corrupt write "succeeds": its slot becomes current
     with pytest.raises(ChecksumError, match="checksum mismatch") as e:
         store.read_master(g.members[0].unit)

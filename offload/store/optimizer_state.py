@@ -56,7 +56,7 @@ import torch
 from offload.accelerator import Accelerator
 from offload.aio.base import Engine, RequestGroup
 from offload.buffers import AlignedBuffer, BufferPool, round_up
-from offload.aio.checksum import ChecksummedFile
+from offload.store.two_slots import TwoSlotFile, layout
 from offload.store.budget import TierBudget
 from offload.store.swapdir import SwapDir
 from offload.telemetry import Telemetry
@@ -82,8 +82,6 @@ class SubGroup:
     numel: int
     tier: str = "host"
     resident: torch.Tensor | None = None  # [3, numel] fp32 while in memory (always, for device/host)
-    slots: tuple[int, int] = (0, 0)  # byte offsets of the two NVMe slots
-    current: int = 0  # the slot holding the last completed step
 
     @property
     def nbytes(self) -> int:
@@ -176,7 +174,7 @@ class OptimizerStateStore:
         self.by_unit = {m.unit: (g, m) for g in self.groups for m in g.members}
         self.host, self.nvme = host, nvme
         self.placement = StatePlacement()
-        self._file: ChecksummedFile | None = None
+        self._file: TwoSlotFile | None = None
         self._pool: BufferPool | None = None
         self._buffers: list[AlignedBuffer] = []
         self._fill: AlignedBuffer | None = None
@@ -196,10 +194,8 @@ class OptimizerStateStore:
         if nvme_groups:
             assert swap is not None, "nvme optimizer state needs a swap directory and an I/O engine"
             swap_dir, engine = swap
-            offset = 0
-            for g in nvme_groups:
-                g.slots = (offset, offset + g.nbytes)
-                offset += 2 * g.nbytes
+            sizes = [(g.index, g.nbytes) for g in nvme_groups]
+            offset = layout(sizes)[1]
             if nvme.limit is not None and nvme.used + offset > nvme.limit:
                 from offload.config import ConfigError
                 raise ConfigError("offload.budgets.nvme",
@@ -208,7 +204,7 @@ class OptimizerStateStore:
                                   "failed step never loses the last one); raise the budget, give the host a larger "
                                   "budget (offload.budgets.host), or use more ranks")
             nvme.take(offset, "optimizer state (two slots per sub-group)")
-            self._file = ChecksummedFile(engine, swap_dir.reserve(f"optimizer-rank{rank}.swap", offset))
+            self._file = TwoSlotFile(engine, swap_dir, f"optimizer-rank{rank}.swap", sizes)
             count, size = nvme_buffers(nvme_groups, buffer_count)
             self._pool = BufferPool(count * size, pin=accel.is_cuda, name="optimizer NVMe buffers")
             self._buffers = [self._pool.acquire(size) for _ in range(count)]
@@ -232,8 +228,8 @@ class OptimizerStateStore:
         g.views(m)[0].copy_(master)
         if m is g.members[-1]:
             assert self._file is not None
-            self._file.write(self._fill.tensor, g.slots[0], g.nbytes).wait()
-            g.current, g.resident, self._fill = 0, None, None
+            self._file.write_current(g.index, self._fill.tensor).wait()
+            g.resident, self._fill = None, None
 
     def read_master(self, unit: int) -> torch.Tensor:
         """A copy of one unit's fp32 master shard (from NVMe when that is its home)."""
@@ -243,7 +239,7 @@ class OptimizerStateStore:
         assert self._file is not None
         self.drop_read_ahead()
         buf = self._buffers[0]
-        self._file.read(buf.tensor, g.slots[g.current], g.nbytes).wait()
+        self._file.read(g.index, buf.tensor).wait()
         return buf.view(torch.float32, KINDS * g.numel)[m.offset:m.offset + m.numel].clone()
 
     def one_at_a_time(self, *, read: bool, write: bool) -> Iterator[SubGroup]:
@@ -258,13 +254,13 @@ class OptimizerStateStore:
             assert self._file is not None
             buf = self._buffers[0]
             if read:
-                self._file.read(buf.tensor, g.slots[g.current], g.nbytes).wait()
+                self._file.read(g.index, buf.tensor).wait()
                 self.telemetry.add_bytes("nvme_read", g.nbytes)
             g.resident = buf.view(torch.float32, KINDS * g.numel).view(KINDS, g.numel)
             try:
                 yield g
                 if write:
-                    self._file.write(buf.tensor, g.slots[g.current], g.nbytes).wait()
+                    self._file.write_current(g.index, buf.tensor).wait()
                     self.telemetry.add_bytes("nvme_write", g.nbytes)
             finally:
                 g.resident = None
@@ -349,7 +345,7 @@ class NvmePass:
     goes to the other slot) -> committed (``finish``: every write completed, the new slots become current).
     A buffer is read into again only after its write has completed."""
 
-    def __init__(self, file: ChecksummedFile, groups: list[SubGroup], buffers: list[AlignedBuffer],
+    def __init__(self, file: TwoSlotFile, groups: list[SubGroup], buffers: list[AlignedBuffer],
                  telemetry: Telemetry) -> None:
         self.file, self.tel = file, telemetry
         self.upcoming: deque[SubGroup] = deque(groups)
@@ -387,7 +383,7 @@ class NvmePass:
         """The caller is done with ``g``: write its state to the slot that is not current."""
         _, buf = self.taken.pop(g.index)
         g.resident = None
-        write = self.file.write(buf.tensor, g.slots[1 - g.current], g.nbytes)
+        write = self.file.write_next(g.index, buf.tensor)
         self._transfers.append(write)
         self.free.append((buf, write))
         self.released[g.index] = (g, write)
@@ -399,7 +395,7 @@ class NvmePass:
             for _, write in self.released.values():
                 write.wait()  # type: ignore[attr-defined]
         for g, _ in self.released.values():
-            g.current = 1 - g.current
+            self.file.flip(g.index)
         self.released.clear()
         for start, end in _union(_span(t) for t in self._transfers):
             self.tel.interval("optimizer_io", None, start, end, "nvme")
@@ -423,7 +419,7 @@ class NvmePass:
         lost = []
         for g, write in self.released.values():
             if _quiet_wait(write):
-                g.current = 1 - g.current
+                self.file.flip(g.index)
             else:
                 lost.append(g)
         self.released.clear()
@@ -444,7 +440,7 @@ class NvmePass:
                 with self.tel.span("nvme_wait", "write"):
                     write.wait()
             g = self.upcoming.popleft()
-            read = self.file.read(buf.tensor, g.slots[g.current], g.nbytes)
+            read = self.file.read(g.index, buf.tensor)
             self._transfers.append(read)
             self.reading.append((g, buf, read))
             self.tel.add_bytes("nvme_read", g.nbytes)

@@ -2,9 +2,9 @@
 buffers that reads land in, and read-ahead in the order the prefetch trace predicts.
 
 [Note: parameter slots] Each unit's compute-dtype shard has two slots in the rank's
-parameter swap file. Gathers read the current slot; the step writes each new shard to
-the other slot, and ``commit`` makes them current once every write of the step has
-completed. A step that fails before its optimizer state is committed discards what it
+parameter swap file (offload/store/two_slots.py). Gathers read the current slot; the step
+writes each new shard to the other slot, and ``commit`` makes them current once every
+write of the step has completed. A step that fails before its optimizer state is committed discards what it
 wrote (``abort``), so the last completed step stays readable. A parameter write that
 fails after the optimizer state was committed leaves that unit *stale*: its master
 weights are ahead of its 16-bit copy, and the engine rewrites it from them
@@ -40,9 +40,9 @@ import torch
 from offload.accelerator import Event
 from offload.aio.base import Engine, Request, RequestGroup, SwapIOError
 from offload.buffers import AlignedBuffer, BufferPool, round_up
-from offload.aio.checksum import ChecksummedFile
 from offload.store.budget import TierBudget
 from offload.store.swapdir import SwapDir
+from offload.store.two_slots import TwoSlotFile, layout
 from offload.telemetry import Telemetry
 
 WRITE_BUFFERS = 2  # one being filled by Adam while the other is written
@@ -65,13 +65,11 @@ class ReadBuffer:
     order: int = 0  # when it was last taken: the oldest copy is waited for first, the newest read-ahead dropped
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParamHome:
     unit: int
     numel: int
     nbytes: int  # on the wire: rounded up to 4 KiB
-    slots: tuple[int, int]
-    current: int = 0
 
 
 @dataclass
@@ -116,13 +114,9 @@ def describe_placement(sizes: list[tuple[int, int]], on_nvme: list[tuple[int, in
 
 
 def plan_homes(sizes: list[tuple[int, int]], item: int) -> tuple[dict[int, ParamHome], int]:
-    """Each NVMe-homed unit's two slots in the swap file, and the file's size."""
-    homes, offset = {}, 0
-    for unit, numel in sizes:
-        nbytes = round_up(numel * item)
-        homes[unit] = ParamHome(unit, numel, nbytes, (offset, offset + nbytes))
-        offset += 2 * nbytes
-    return homes, offset
+    """Each NVMe-homed unit's shard size, and the size of the two-slot file that holds them."""
+    homes = {unit: ParamHome(unit, numel, round_up(numel * item)) for unit, numel in sizes}
+    return homes, layout([(unit, home.nbytes) for unit, home in homes.items()])[1]
 
 
 def param_buffer_bytes(numels: list[int], item: int, buffer_count: int) -> int:
@@ -158,7 +152,8 @@ class ParamSwap:
                               f"NVMe buffers of {largest:,} bytes (one unit's shard) beside {host.used:,} already "
                               "planned; raise the budget, lower offload_param.buffer_count or offload.unit_bytes")
         swap_dir, engine = swap
-        self._file = ChecksummedFile(engine, swap_dir.reserve(f"params-rank{rank}.swap", offset))
+        self.file = TwoSlotFile(engine, swap_dir, f"params-rank{rank}.swap",
+                                [(unit, home.nbytes) for unit, home in self.homes.items()])
         nvme.take(offset, "parameter shards (two slots per unit)")
         host.take(buffers, "parameter NVMe buffers")
         self._pool = BufferPool(buffers, pin=pin, name="parameter NVMe buffers")
@@ -223,7 +218,7 @@ class ParamSwap:
     def _start_read(self, b: ReadBuffer, unit: int) -> None:
         home = self.homes[unit]
         b.unit, b.state = unit, BufferState.READING
-        b.request = self._file.read(b.memory.tensor, home.slots[home.current], home.nbytes)
+        b.request = self.file.read(unit, b.memory.tensor)
         self.telemetry.add_bytes("nvme_read", home.nbytes)
 
     def read_ahead(self, units: list[int], skip: set[int] | frozenset[int] = frozenset()) -> int:
@@ -327,7 +322,7 @@ class ParamSwap:
         with self._lock:
             i = self._staged.pop(unit)
             memory = self._writes[i][0]
-        request = self._file.write(memory.tensor, home.slots[1 - home.current], home.nbytes)
+        request = self.file.write_next(unit, memory.tensor)
         with self._lock:
             self._writes[i] = (memory, unit, request)
             self._written.append(unit)
@@ -357,8 +352,7 @@ class ParamSwap:
             self._written, self._failed = [], {}
         for unit in written:
             if unit not in failed:
-                home = self.homes[unit]
-                home.current = 1 - home.current
+                self.file.flip(unit)
                 self.stats.stale.discard(unit)
         self._invalidate(set(written))
         if failed:
@@ -384,8 +378,7 @@ class ParamSwap:
             error = self._failed.pop(unit, None)
         if error is not None:
             raise error
-        home = self.homes[unit]
-        home.current = 1 - home.current
+        self.file.flip(unit)
         self.stats.stale.discard(unit)
         self._invalidate({unit})
 
@@ -409,7 +402,7 @@ class ParamSwap:
         for _, _, pending in self._writes:
             if pending is not None:
                 _quiet_wait(pending)
-        self._file.close()
+        self.file.close()
         for b in self._reads:
             self._pool.release(b.memory)
         for memory, _, _ in self._writes:

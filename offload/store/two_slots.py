@@ -1,0 +1,81 @@
+"""A swap file in which every item (an optimizer sub-group's state, a unit's parameter shard) has two slots.
+
+[Note: two slots] An item is read from its current slot. A step writes the item's new
+bytes to its other slot, and the item flips to that slot only once the write completed
+(the stores flip a whole step's items together, after every write of the step): a
+failure at any moment leaves the last completed values readable. Filling an item before
+its first step, and replacing it on a checkpoint load, write its current slot in place.
+Every transfer goes through a ChecksummedFile, so a slot damaged on disk is an error
+when it is read, never wrong values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from offload.aio.base import Engine, Request, RequestGroup
+from offload.aio.checksum import ChecksummedFile
+from offload.buffers import round_up
+from offload.store.swapdir import SwapDir
+
+
+@dataclass
+class Slots:
+    """One item's two places in the file (byte offsets), and which holds its last completed values."""
+
+    nbytes: int  # on the wire: rounded up to the block
+    offsets: tuple[int, int]
+    current: int = 0
+
+    @property
+    def current_offset(self) -> int:
+        return self.offsets[self.current]
+
+    @property
+    def next_offset(self) -> int:
+        return self.offsets[1 - self.current]
+
+    def flip(self) -> None:
+        self.current = 1 - self.current
+
+
+def layout(sizes: list[tuple[Hashable, int]]) -> tuple[dict[Hashable, Slots], int]:
+    """Each item's two slots (``sizes``: key and bytes, in file order) and the file's size."""
+    slots, offset = {}, 0
+    for key, nbytes in sizes:
+        n = round_up(nbytes)
+        slots[key] = Slots(n, (offset, offset + n))
+        offset += 2 * n
+    return slots, offset
+
+
+class TwoSlotFile:
+    """Owns one rank's two-slot swap file: its space (reserved up front in the swap directory) and its slots."""
+
+    def __init__(self, engine: Engine, swap_dir: SwapDir, name: str, sizes: list[tuple[Hashable, int]]) -> None:
+        self.slots, self.nbytes = layout(sizes)
+        self._file = ChecksummedFile(engine, swap_dir.reserve(name, self.nbytes))
+
+    def read(self, key: Hashable, into: torch.Tensor) -> Request:
+        """Read the item's last completed values (its current slot)."""
+        s = self.slots[key]
+        return self._file.read(into, s.current_offset, s.nbytes)
+
+    def write_next(self, key: Hashable, source: torch.Tensor) -> RequestGroup:
+        """Write the item's new values to its other slot; ``flip`` makes them current once this completed."""
+        s = self.slots[key]
+        return self._file.write(source, s.next_offset, s.nbytes)
+
+    def write_current(self, key: Hashable, source: torch.Tensor) -> RequestGroup:
+        """Replace the item's values in place (filling it at start-up, a checkpoint load)."""
+        s = self.slots[key]
+        return self._file.write(source, s.current_offset, s.nbytes)
+
+    def flip(self, key: Hashable) -> None:
+        self.slots[key].flip()
+
+    def close(self) -> None:
+        self._file.close()
