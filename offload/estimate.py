@@ -1,14 +1,15 @@
 """`offload estimate`: the bytes each tier of a rank will hold under a config, and the largest model each offload
 choice can train on this machine.
 
-The figures come from the engine's own planning: the model is built on the meta device
-(no memory) and cut into units by ``plan_units``, and the tiers are added up by the
-same functions the engine's start-up accounting uses (sub-group planning and host/NVMe
-split, parameter placement by max_in_cpu, host reservations, swap and staging buffers),
-so ``engine.memory_summary()`` after ``initialize`` matches them part for part (tested).
-Unlike DeepSpeed's estimator it counts the pinned pools, swap buffers and staging
-buffers. It does not count activations, the CUDA context or allocator slack; the
-device tier's gathered units are an upper bound from the prefetch and live limits.
+The figures come from the engine's own plan: the model is built on the meta device (no
+memory) and cut into units by ``plan_units``, and the host and NVMe tiers are the
+placement the engine's start-up makes (offload/store/placement.py: parameter homes by
+max_in_cpu, sub-groups within the host budget, host reservations, swap and staging
+buffers), so ``engine.memory_summary()`` after ``initialize`` matches them part for part
+(tested). Unlike DeepSpeed's estimator it counts the pinned pools, swap buffers and
+staging buffers. Activations are counted when the model's shape is known (``--model``);
+the CUDA context and allocator slack are not; the device tier's gathered units are an
+upper bound from the prefetch and live limits.
 
 "The largest model each choice trains here" solves bytes(N) = fixed + per_param x N
 per tier (two plans of synthetic models give both terms) against what the machine has:
@@ -28,10 +29,8 @@ import torch
 
 from offload.config import Config, ConfigError
 from offload.models.catalog import MODELS, ModelError, build_model
-from offload.optim.sharded import host_parts
-from offload.store.budget import TierBudget
-from offload.store.optimizer_state import nvme_buffers, place_sub_groups, plan_sub_groups
-from offload.store.param_swap import describe_placement, param_buffer_bytes, place_params, plan_homes
+from offload.store.param_swap import describe_placement
+from offload.store.placement import plan
 from offload.zero.stage import Stage
 
 TIERS = ("device", "host", "nvme")
@@ -139,36 +138,23 @@ def estimate(unit_numels: list[int], config: Config, world: int,
                                                   largest_unit + int(zero.stage3_prefetch_bucket_size), world * total)
     if not stage.reduce_every_micro_batch:
         device["gradients (whole, in .grad)"] = item * est.params
-    budget = TierBudget("host", config.offload.budgets.host)
-    nvme_params = place_params(sizes, zero.offload_param) if param_dev == "nvme" else []
+    placement = plan(sizes, {i for i, _ in sizes}, config, item)  # the engine's own plan
     if param_dev == "nvme":
-        est.notes.append(describe_placement(sizes, nvme_params, zero.offload_param))
-    if nvme_params:
-        _take(budget, host, "parameter NVMe buffers",
-              param_buffer_bytes([n for _, n in nvme_params], item, zero.offload_param.buffer_count))
-        nvme["parameter shards (two slots per unit)"] = plan_homes(nvme_params, item)[1]
+        est.notes.append(describe_placement(sizes, placement.nvme_params, zero.offload_param))
+    planned = dict(placement.host)
+    if "parameter NVMe buffers" in planned:
+        host["parameter NVMe buffers"] = planned.pop("parameter NVMe buffers")
+    nvme.update(placement.nvme)
     if activations is not None:
         add_activations(est, activations, config)
-    groups = plan_sub_groups(sizes, int(zero.sub_group_size))
     if opt_dev == "none":
-        device["optimizer state"] = sum(g.nbytes for g in groups)
+        device["optimizer state"] = sum(g.nbytes for g in placement.groups)
         device["gradient accumulators"] = 4 * total
         return est
-    for what, nbytes in host_parts(sizes, {i for i, _ in nvme_params}, item).items():
-        _take(budget, host, what, nbytes)
-    try:
-        place_sub_groups(groups, opt_dev, budget, zero.offload_optimizer.buffer_count)
-    except ConfigError as e:
-        est.notes.append(f"initialize would refuse this plan: {e}")
+    host.update(planned)
+    if not placement.placed:
+        est.notes.append(f"initialize would refuse this plan: {placement.problems[-1]}")
         return est
-    on_host = [g for g in groups if g.tier == "host"]
-    on_nvme = [g for g in groups if g.tier == "nvme"]
-    if on_host:
-        host["optimizer state"] = sum(g.nbytes for g in on_host)
-    if on_nvme:
-        count, size = nvme_buffers(on_nvme, zero.offload_optimizer.buffer_count)
-        host["optimizer NVMe buffers"] = count * size
-        nvme["optimizer state (two slots per sub-group)"] = 2 * sum(g.nbytes for g in on_nvme)
     buffers = host.get("optimizer NVMe buffers", 0)
     if buffers > est.total("host") // 4:
         est.notes.append(f"each optimizer NVMe buffer holds a whole sub-group (sub_group_size "
@@ -182,11 +168,6 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     est.notes.append(("not counted: " if activations is not None else "not counted: activations, ")
                      + "the CUDA context and allocator slack")
     return est
-
-
-def _take(budget: TierBudget, parts: dict[str, int], what: str, nbytes: int) -> None:
-    parts[what] = parts.get(what, 0) + nbytes
-    budget.used += nbytes  # over the limit, the estimate still reports the plan (and says it would not start)
 
 
 # ----------------------------------------------------------------------------- models

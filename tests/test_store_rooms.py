@@ -22,7 +22,9 @@ from offload.aio.threads import ThreadPoolEngine
 from offload.buffers import AlignedBuffer, round_up
 from offload.config import ConfigError
 from offload.store.budget import TierBudget
-from offload.store.optimizer_state import KINDS, OptimizerStateStore
+from offload.config import Config
+from offload.store.optimizer_state import KINDS, OptimizerStateStore, place_sub_groups, plan_sub_groups
+from offload.store.placement import plan
 from offload.store.param_store import Home, ParamStore
 from offload.store.param_swap import WRITE_BUFFERS, BufferState, ParamSwap, ParamSwapError, param_buffer_bytes
 from offload.store.swapdir import SwapDir
@@ -266,8 +268,10 @@ class Rooms:
 
     def optimizer(self, sizes, sub_group_size: int, *, device: str = "nvme", buffer_count: int = 2,
                   host: TierBudget | None = None, nvme: TierBudget | None = None) -> OptimizerStateStore:
-        store = OptimizerStateStore(list(sizes), sub_group_size, device=device, accel=self.accel(),
-                                    host=host or TierBudget("host", None), nvme=nvme or TierBudget("nvme", None),
+        host = host or TierBudget("host", None)
+        groups = plan_sub_groups(list(sizes), sub_group_size)
+        place_sub_groups(groups, device, host, buffer_count)  # as the placement plan does
+        store = OptimizerStateStore(groups, accel=self.accel(), host=host, nvme=nvme or TierBudget("nvme", None),
                                     buffer_count=buffer_count, swap=self.swap, telemetry=Telemetry())
         self._closers.append(store.close)
         return store
@@ -856,17 +860,25 @@ def param_needs(sizes=UNITS, buffer_count: int = 2) -> tuple[int, int]:
     return nvme, param_buffer_bytes([n for _, n in sizes], DTYPE.itemsize, buffer_count)
 
 
+def plan_config(param: str = "none", opt: str = "nvme", **budgets: int) -> Config:
+    zero = {"stage": 3, "sub_group_size": 1000,
+            "offload_optimizer": {"device": opt, "nvme_path": "/nvme", "buffer_count": 2},
+            "offload_param": {"device": param, "nvme_path": "/nvme", "buffer_count": 2, "max_in_cpu": 0}}
+    return Config.load({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
+                        "offload": {"budgets": budgets}})
+
+
 @pytest.mark.parametrize("tier", ["nvme", "host"])
-def test_param_swap_budget_too_small_is_a_config_error_naming_it(rooms, tier):
+def test_a_parameter_swap_over_budget_is_a_config_error_naming_it(tier):
     need = dict(zip(("nvme", "host"), param_needs()))
-    used = 8192
-    budgets = {t: TierBudget(t, None) for t in ("nvme", "host")}
-    budgets[tier] = TierBudget(tier, used + need[tier] - 1, used=used)
-    with pytest.raises(ConfigError) as e:
-        rooms.param_swap(nvme=budgets["nvme"], host=budgets["host"])
-    assert e.value.path == f"offload.budgets.{tier}"
-    assert f"{used + need[tier] - 1:,} bytes cannot hold" in str(e.value)
-    assert budgets[tier].used == used and not (rooms.swap_dir.path / PARAMS).exists()  # nothing taken
+    placement = plan(list(UNITS), set(), plan_config("nvme", "cpu", **{tier: need[tier] - 1}), DTYPE.itemsize)
+    assert placement.problems[0].path == f"offload.budgets.{tier}"  # the first: what initialize raises
+    assert f"{need[tier] - 1:,} bytes cannot hold" in str(placement.problems[0])
+    with pytest.raises(ConfigError, match=f"{need[tier] - 1:,} bytes cannot hold"):
+        placement.check()
+    fits = plan(list(UNITS), set(), plan_config("nvme", "cpu", **{tier: need[tier]}), DTYPE.itemsize)
+    assert fits.problems == [] and fits.homes == {u: Home.NVME for u, _ in UNITS}
+    assert (fits.nvme["parameter shards (two slots per unit)"], fits.host["parameter NVMe buffers"]) == param_needs()
 
 
 def test_param_swap_takes_exactly_the_bytes_it_reports(rooms):
@@ -889,16 +901,21 @@ def opt_needs(buffer_count: int = 2) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("device, tier", [("nvme", "nvme"), ("nvme", "host"), ("cpu", "host")])
-def test_optimizer_budget_too_small_is_a_config_error_naming_it(rooms, device, tier):
+def test_optimizer_state_over_budget_is_a_config_error_naming_it(device, tier):
+    """The plan counts the gradient accumulators, parameter copies and staging buffers first (the host keeps
+    them whatever happens), then places the sub-groups in what is left."""
     nvme_need, buffers = opt_needs()
-    need = {"nvme": nvme_need, "host": buffers if device == "nvme" else 4 * round_up(KINDS * 1000 * 4)}[tier]
-    budgets = {t: TierBudget(t, None) for t in ("nvme", "host")}
-    budgets[tier] = TierBudget(tier, need - 1)
-    with pytest.raises(ConfigError) as e:
-        rooms.optimizer(OPT_UNITS, 1000, device=device, nvme=budgets["nvme"], host=budgets["host"])
-    assert e.value.path == f"offload.budgets.{tier}"
-    assert f"{need - 1:,} bytes cannot hold" in str(e.value)
-    assert budgets[tier].used == 0 and not (rooms.swap_dir.path / OPTIMIZER).exists()
+    units = list(OPT_UNITS)
+    reserved = sum(plan(units, {u for u, _ in units}, plan_config(opt=device), DTYPE.itemsize).host.values())
+    reserved -= {"nvme": buffers, "cpu": 4 * round_up(KINDS * 1000 * 4)}[device]
+    need = {"nvme": nvme_need, "host": reserved + (buffers if device == "nvme" else 4 * round_up(KINDS * 1000 * 4))}
+    limit = need[tier] - 1
+    placement = plan(units, {u for u, _ in units}, plan_config(opt=device, **{tier: limit}), DTYPE.itemsize)
+    assert placement.problems[0].path == f"offload.budgets.{tier}"  # the first: what initialize raises
+    assert f"{limit:,} bytes cannot hold" in str(placement.problems[0])
+    fits = plan(units, {u for u, _ in units}, plan_config(opt=device, **{tier: need[tier]}), DTYPE.itemsize)
+    assert fits.problems == [] and fits.placed
+    assert [g.tier for g in fits.groups] == ["nvme" if device == "nvme" else "host"] * 4
 
 
 def test_optimizer_takes_exactly_the_bytes_it_reports(rooms):

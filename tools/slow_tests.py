@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     fast = sum(t for t in seconds.values() if t <= args.over)
     print(f"# Tests marked slow (tests/conftest.py): over {args.over:g} s each in a timed run, "
           f"{datetime.date.today()}, {platform.machine()} {args.note}".rstrip())
-    print(f"# {len(slow)} of the {len(seconds)} tests timed; the others took {fast:.0f} s of {sum(seconds.values()):.0f} s. "
-          "Regenerate with tools/slow_tests.py.")
+    print(f"# {len(slow)} of the {len(seconds)} tests timed; the others took {fast:.0f} s of "
+          f"{sum(seconds.values()):.0f} s. Regenerate with tools/slow_tests.py.")
     for t, node in slow:
         print(f"{t:7.1f}  {node}")
     return 0

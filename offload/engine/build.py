@@ -28,8 +28,9 @@ from offload.engine.memory import MemoryAccount
 from offload.optim.schedules import build_schedule
 from offload.optim.sharded import ShardedAdam, StatePlan, shard_segments
 from offload.store.budget import TierBudget
-from offload.store.param_store import Home, ParamStore
-from offload.store.param_swap import ParamSwap, describe_placement, place_params
+from offload.store.param_store import ParamStore
+from offload.store.param_swap import ParamSwap, describe_placement
+from offload.store.placement import plan as plan_placement
 from offload.store.swapdir import PREFIX, SwapDir
 from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, broadcast
@@ -112,23 +113,23 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
     with contextlib.ExitStack() as undo:
         undo.callback(accel.close)
         undo.callback(swaps.close)
-        nvme_params = []
+        placement = plan_placement(shard_sizes, trained, config, compute_dtype.itemsize)
+        nvme_params = placement.nvme_params
         if zero.offload_param.device == "nvme":
-            nvme_params = place_params(shard_sizes, zero.offload_param)
             logger.info("rank %d: %s", group.rank, describe_placement(shard_sizes, nvme_params, zero.offload_param))
-        off_device = Home.HOST if zero.offload_param.device != "none" else Home.DEVICE
-        homes = {i: off_device for i, _ in shard_sizes} | {i: Home.NVME for i, _ in nvme_params}
+        placement.check()  # every budget, before anything is allocated
         param_swap = ParamSwap(nvme_params, compute_dtype, swap=swaps.at(zero.offload_param.nvme_path),
                                rank=group.rank, host=host_budget, nvme=nvme_budget,
                                buffer_count=zero.offload_param.buffer_count, pin=accel.is_cuda,
                                telemetry=telemetry) if nvme_params else None
-        params = ParamStore(accel, compute_dtype, homes, swap=param_swap, host=host_budget, telemetry=telemetry)
+        params = ParamStore(accel, compute_dtype, placement.homes, swap=param_swap, host=host_budget,
+                            telemetry=telemetry)
         undo.callback(params.close)
         optimizer = ShardedAdam(
             param_groups, accel, [(i, n) for i, n in shard_sizes if i in trained], params=params,
             compute_dtype=compute_dtype, adamw_mode=adamw_mode, bias_correction=bias_correction,
             threads=config.offload.cpu_threads, telemetry=telemetry,
-            plan=StatePlan(device=zero.offload_optimizer.device, sub_group_size=zero.sub_group_size,
+            plan=StatePlan(device=zero.offload_optimizer.device, groups=placement.groups,
                            buffer_count=zero.offload_optimizer.buffer_count, host=host_budget, nvme=nvme_budget,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))

@@ -45,9 +45,8 @@ from offload.aio.base import Engine
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import OptimizerStateStore, SubGroup
 from offload.store.param_store import Home, ParamStore
+from offload.store.placement import STAGING_BUFFERS, host_parts
 from offload.store.swapdir import SwapDir
-
-STAGING_BUFFERS = 4
 
 
 @dataclass(frozen=True)
@@ -57,14 +56,6 @@ class Segment:
     start: int
     end: int
     group: int
-
-
-def host_parts(sizes: list[tuple[int, int]], nvme_units: set[int], item: int) -> dict[str, int]:
-    """Host bytes an offloaded optimizer reserves besides its state, by part: fp32 gradient accumulators,
-    compute-dtype copies of the new shards (not for shards homed on NVMe), and gradient staging buffers."""
-    return {"gradient accumulators": 4 * sum(n for _, n in sizes),
-            "parameter copies": item * sum(n for i, n in sizes if i not in nvme_units),
-            "gradient staging": STAGING_BUFFERS * max(n for _, n in sizes) * item}
 
 
 def shard_segments(slots: Iterable[Any], start: int, numel: int, group_of: dict[int, int]) -> list[Segment]:
@@ -99,10 +90,11 @@ class ShardState:
 
 @dataclass(kw_only=True)
 class StatePlan:
-    """Where the optimizer state goes: ``device`` is offload_optimizer.device ("none", "cpu" or "nvme")."""
+    """Where the optimizer state goes: ``device`` is offload_optimizer.device ("none", "cpu" or "nvme");
+    ``groups`` the sub-groups with their tiers (offload/store/placement.py)."""
 
-    device: str = "cpu"
-    sub_group_size: int = 1_000_000_000
+    device: str
+    groups: list[SubGroup]
     buffer_count: int = 4
     host: TierBudget = field(default_factory=lambda: TierBudget("host", None))
     nvme: TierBudget = field(default_factory=lambda: TierBudget("nvme", None))
@@ -141,19 +133,13 @@ class ShardedAdam(torch.optim.Optimizer):
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         if self.offload and sizes:
             self._reserve_host(sizes)
-        self.store = OptimizerStateStore(sizes, plan.sub_group_size, device=plan.device, accel=accel,
-                                         host=plan.host, nvme=plan.nvme, buffer_count=plan.buffer_count,
-                                         swap=plan.swap, rank=plan.rank, telemetry=self.telemetry)
+        self.store = OptimizerStateStore(plan.groups, accel=accel, host=plan.host, nvme=plan.nvme,
+                                         buffer_count=plan.buffer_count, swap=plan.swap, rank=plan.rank,
+                                         telemetry=self.telemetry)
 
     def _reserve_host(self, sizes: list[tuple[int, int]]) -> None:
-        """Account (and check at start-up) the host bytes of accumulators, copies and staging buffers."""
+        """Account the host bytes of accumulators, copies and staging buffers (the plan checked they fit)."""
         parts = host_parts(sizes, self._nvme_units, self.compute_dtype.itemsize)
-        if self.host.limit is not None and sum(parts.values()) > self.host.limit:
-            from offload.config import ConfigError
-            raise ConfigError("offload.budgets.host",
-                              f"{self.host.limit:,} bytes cannot hold this rank's gradient accumulators and "
-                              f"parameter copies ({', '.join(f'{k} {v:,}' for k, v in parts.items())}), before any "
-                              "optimizer state; raise the budget or use more ranks")
         for what, nbytes in parts.items():
             self.host.take(nbytes, what)
         largest = max(n for _, n in sizes)

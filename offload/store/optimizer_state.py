@@ -163,14 +163,14 @@ class StatePlacement:
 class OptimizerStateStore:
     """Owns every sub-group's master/moment buffer on its tier, and the pass that the step runs over them."""
 
-    def __init__(self, sizes: list[tuple[int, int]], sub_group_size: int, *, device: str, accel: Accelerator,
-                 host: TierBudget, nvme: TierBudget, buffer_count: int = 4,
-                 swap: tuple[SwapDir, Engine] | None = None, rank: int = 0,
+    def __init__(self, groups: list[SubGroup], *, accel: Accelerator, host: TierBudget, nvme: TierBudget,
+                 buffer_count: int = 4, swap: tuple[SwapDir, Engine] | None = None, rank: int = 0,
                  telemetry: Telemetry | None = None) -> None:
-        """``device``: "none" (the compute device), "cpu" or "nvme"; ``swap`` is needed for "nvme"."""
+        """``groups``: the sub-groups with their tiers, as the placement plan (offload/store/placement.py) made
+        them within the budgets; ``swap`` is needed for NVMe ones."""
         self.accel = accel
         self.telemetry = telemetry or Telemetry()
-        self.groups = plan_sub_groups(sizes, sub_group_size)
+        self.groups = groups
         self.by_unit = {m.unit: (g, m) for g in self.groups for m in g.members}
         self.host, self.nvme = host, nvme
         self.placement = StatePlacement()
@@ -180,7 +180,6 @@ class OptimizerStateStore:
         self._fill: AlignedBuffer | None = None
         self._pass: NvmePass | None = None  # this step's NVMe pass, begun ahead of the step
         self.reads_ahead = 0
-        place_sub_groups(self.groups, device, host, buffer_count)
         for g in self.groups:
             self.placement.tiers[g.tier] = self.placement.tiers.get(g.tier, 0) + g.numel
             if g.tier == "device":
@@ -195,15 +194,7 @@ class OptimizerStateStore:
             assert swap is not None, "nvme optimizer state needs a swap directory and an I/O engine"
             swap_dir, engine = swap
             sizes = [(g.index, g.nbytes) for g in nvme_groups]
-            offset = layout(sizes)[1]
-            if nvme.limit is not None and nvme.used + offset > nvme.limit:
-                from offload.config import ConfigError
-                raise ConfigError("offload.budgets.nvme",
-                                  f"{nvme.limit:,} bytes cannot hold the optimizer state on NVMe: {offset:,} bytes "
-                                  f"({sum(g.numel for g in nvme_groups):,} elements x 12 bytes, two slots each so a "
-                                  "failed step never loses the last one); raise the budget, give the host a larger "
-                                  "budget (offload.budgets.host), or use more ranks")
-            nvme.take(offset, "optimizer state (two slots per sub-group)")
+            nvme.take(layout(sizes)[1], "optimizer state (two slots per sub-group)")
             self._file = TwoSlotFile(engine, swap_dir, f"optimizer-rank{rank}.swap", sizes)
             count, size = nvme_buffers(nvme_groups, buffer_count)
             self._pool = BufferPool(count * size, pin=accel.is_cuda, name="optimizer NVMe buffers")

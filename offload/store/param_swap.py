@@ -134,28 +134,18 @@ class ParamSwap:
     def __init__(self, sizes: list[tuple[int, int]], dtype: torch.dtype, *, swap: tuple[SwapDir, Engine],
                  rank: int, host: TierBudget, nvme: TierBudget, buffer_count: int, pin: bool,
                  telemetry: Telemetry | None = None) -> None:
-        """``sizes``: (unit index, shard elements) of the units homed on NVMe."""
-        from offload.config import ConfigError
+        """``sizes``: (unit index, shard elements) of the units homed on NVMe (the placement plan checked the
+        budgets: offload/store/placement.py)."""
         self.dtype = dtype
         self.telemetry = telemetry or Telemetry()
         self.homes, offset = plan_homes(sizes, dtype.itemsize)
         largest = max(h.nbytes for h in self.homes.values())
         buffers = param_buffer_bytes([h.numel for h in self.homes.values()], dtype.itemsize, buffer_count)
-        if nvme.limit is not None and nvme.used + offset > nvme.limit:
-            raise ConfigError("offload.budgets.nvme",
-                              f"{nvme.limit:,} bytes cannot hold the parameter shards on NVMe: {offset:,} bytes "
-                              f"(two slots per unit) beside {nvme.used:,} already planned; raise the budget, keep "
-                              "more parameters on the host (offload_param.max_in_cpu), or use more ranks")
-        if host.limit is not None and host.used + buffers > host.limit:
-            raise ConfigError("offload.budgets.host",
-                              f"{host.limit:,} bytes cannot hold the {buffer_count} + {WRITE_BUFFERS} parameter "
-                              f"NVMe buffers of {largest:,} bytes (one unit's shard) beside {host.used:,} already "
-                              "planned; raise the budget, lower offload_param.buffer_count or offload.unit_bytes")
+        nvme.take(offset, "parameter shards (two slots per unit)")
+        host.take(buffers, "parameter NVMe buffers")
         swap_dir, engine = swap
         self.file = TwoSlotFile(engine, swap_dir, f"params-rank{rank}.swap",
                                 [(unit, home.nbytes) for unit, home in self.homes.items()])
-        nvme.take(offset, "parameter shards (two slots per unit)")
-        host.take(buffers, "parameter NVMe buffers")
         self._pool = BufferPool(buffers, pin=pin, name="parameter NVMe buffers")
         self._reads = [ReadBuffer(self._pool.acquire(largest)) for _ in range(buffer_count)]
         self._writes: list[tuple[AlignedBuffer, int | None, RequestGroup | None]] = [
