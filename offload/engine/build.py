@@ -130,6 +130,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
             compute_dtype=compute_dtype, adamw_mode=adamw_mode, bias_correction=bias_correction,
             threads=config.offload.cpu_threads, telemetry=telemetry,
             plan=StatePlan(device=zero.offload_optimizer.device, groups=placement.groups,
+                           step_buffers=placement.step_buffers,
                            buffer_count=zero.offload_optimizer.buffer_count, host=host_budget, nvme=nvme_budget,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))

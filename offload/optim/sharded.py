@@ -45,7 +45,7 @@ from offload.aio.base import Engine
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import OptimizerStateStore, SubGroup
 from offload.store.param_store import Home, ParamStore
-from offload.store.placement import STAGING_BUFFERS, host_parts
+from offload.store.placement import STAGING_BUFFERS
 from offload.store.swapdir import SwapDir
 
 
@@ -91,10 +91,12 @@ class ShardState:
 @dataclass(kw_only=True)
 class StatePlan:
     """Where the optimizer state goes: ``device`` is offload_optimizer.device ("none", "cpu" or "nvme");
-    ``groups`` the sub-groups with their tiers (offload/store/placement.py)."""
+    ``groups`` the sub-groups with their tiers and ``step_buffers`` the host bytes of accumulators, parameter
+    copies and gradient staging, by part (both from offload/store/placement.py)."""
 
     device: str
     groups: list[SubGroup]
+    step_buffers: dict[str, int] = field(default_factory=dict)
     buffer_count: int = 4
     host: TierBudget = field(default_factory=lambda: TierBudget("host", None))
     nvme: TierBudget = field(default_factory=lambda: TierBudget("nvme", None))
@@ -132,14 +134,14 @@ class ShardedAdam(torch.optim.Optimizer):
         self._overlap: tuple[set[int], list[AdamHyper], int] | None = None  # units, hyperparameters, step
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         if self.offload and sizes:
-            self._reserve_host(sizes)
+            self._reserve_host(sizes, plan.step_buffers)
         self.store = OptimizerStateStore(plan.groups, accel=accel, host=plan.host, nvme=plan.nvme,
                                          buffer_count=plan.buffer_count, swap=plan.swap, rank=plan.rank,
                                          telemetry=self.telemetry)
 
-    def _reserve_host(self, sizes: list[tuple[int, int]]) -> None:
-        """Account the host bytes of accumulators, copies and staging buffers (the plan checked they fit)."""
-        parts = host_parts(sizes, self._nvme_units, self.compute_dtype.itemsize)
+    def _reserve_host(self, sizes: list[tuple[int, int]], parts: dict[str, int]) -> None:
+        """Account the host bytes of accumulators, copies and staging buffers (the plan sized them and checked
+        they fit)."""
         for what, nbytes in parts.items():
             self.host.take(nbytes, what)
         largest = max(n for _, n in sizes)

@@ -39,6 +39,7 @@ class Placement:
     nvme_params: list[tuple[int, int]]  # (unit, shard elements) homed on NVMe, in unit order
     groups: list[SubGroup]  # the optimizer's sub-groups of the trained shards, each with its tier
     placed: bool  # the sub-groups got their tiers (a host budget too small for them leaves them unplaced)
+    step_buffers: dict[str, int] = field(default_factory=dict)  # host_parts: what an offloaded optimizer takes
     host: dict[str, int] = field(default_factory=dict)  # bytes reserved up front, by part
     nvme: dict[str, int] = field(default_factory=dict)
     problems: list[ConfigError] = field(default_factory=list)  # in the order start-up meets them
@@ -80,7 +81,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         out.host["parameter NVMe buffers"] = buffers
 
     if opt.device != "none" and trained_sizes:
-        parts = host_parts(trained_sizes, {i for i, _ in nvme_params}, item)
+        parts = out.step_buffers = host_parts(trained_sizes, {i for i, _ in nvme_params}, item)
         if host_limit is not None and sum(parts.values()) > host_limit:
             out.problems.append(ConfigError(
                 "offload.budgets.host", f"{host_limit:,} bytes cannot hold this rank's gradient accumulators and "
