@@ -13,10 +13,12 @@ Only the few lines under ``_Cuda*`` run on CUDA alone; everything else is shared
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -118,6 +120,7 @@ class WorkerStream:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=f"offload-{name}", daemon=True)
         self._thread.start()
+        _LIVE_STREAMS.add(self)
 
     def _loop(self) -> None:
         while True:
@@ -158,6 +161,23 @@ class WorkerStream:
         if self._thread.is_alive():
             self._queue.put(("stop", None))
             self._thread.join()
+
+
+# [Note: streams at exit] A script may end without closing its engine while a stream still has work queued
+# (an overlapped step's Adam and copies back, say). Python then finalizes with the daemon thread inside a torch op,
+# and the op's next GIL acquisition unwinds through C++ that may not unwind: the process aborts ("terminate called
+# without an active exception"). So at exit every live stream runs what it was given and stops first; the streams
+# are stopped together because one may be waiting on another's event.
+_LIVE_STREAMS: weakref.WeakSet[WorkerStream] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_streams_at_exit() -> None:
+    streams = [s for s in _LIVE_STREAMS if s._thread.is_alive()]
+    for stream in streams:
+        stream._queue.put(("stop", None))
+    for stream in streams:
+        stream._thread.join()
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -6,12 +6,17 @@ forgot to wait for a gradient copy before the step, or for a parameter copy befo
 gather, it would read stale or half-written buffers and the parity check would fail.
 """
 
-from engine_cases import base_config, check_parity, train_engine, train_reference
-from offload.accelerator import StreamError, WorkerStream
-from offload.launch import run_ranks
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+from engine_cases import base_config, check_parity, train_engine, train_reference
+from offload.accelerator import StreamError, WorkerStream
+from offload.launch import run_ranks
 
 
 def test_lagging_copy_streams_give_the_same_training():
@@ -77,3 +82,30 @@ def test_weights_saved_right_after_a_step_are_the_stepped_ones(tmp_path, monkeyp
     assert changed, "the step changed some weights"
     for key in changed:
         torch.testing.assert_close(saved[key], after[key], msg=f"{key} was saved with its pre-step values")
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys
+sys.path.insert(0, {tests!r})
+import offload
+from engine_cases import base_config, batches, loss_of
+from offload.models.gpt import GPT, GPTConfig
+config = base_config(2, 1, 1, unit_bytes=1 << 20)
+config["offload"]["overlap_step"] = "on"
+model = GPT(GPTConfig(vocab_size=512, context=32, hidden_size=256, layers=6, heads=4))
+engine, *_ = offload.initialize(model=model, config=config)
+engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
+print("backward done", flush=True)
+"""
+
+
+def test_a_script_that_never_closes_its_engine_exits_cleanly(tmp_path):
+    # The overlapped step is still stepping shards and copying them back on the engine's threads when the
+    # interpreter exits: they must finish before Python finalizes, or a torch op taking the GIL on one of them
+    # aborts the process ("terminate called without an active exception").
+    script = tmp_path / "train.py"
+    script.write_text(EXIT_WITHOUT_CLOSE.format(tests=str(Path(__file__).parent)))
+    for _ in range(3):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout == "backward done\n" and "terminate" not in done.stderr
