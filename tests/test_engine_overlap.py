@@ -152,3 +152,38 @@ def test_a_write_failing_under_backward_fails_the_step_which_can_be_retried(tmp_
     clean.close()
     for key, value in expected.items():
         assert torch.equal(retried[key], value), key
+
+
+def test_a_half_applied_step_is_finished_by_the_next_one_never_applied_twice():
+    # Backward fails after the later units' shards were stepped during it: they keep that update; the retried
+    # backward (overlapped again) and step update only the others, so each shard is stepped once for step 1.
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=overlap_config(1, "on") | {
+        "train_batch_size": 2, "gradient_accumulation_steps": 1})
+    opt = engine.optimizer
+    tokens = batches(1, 2)[0]
+    start = {i: opt.master_of(i) for i in opt.shards}
+
+    def fail(_grad):
+        raise RuntimeError("injected backward failure")
+
+    def hook(_module, _inputs, out):
+        out.register_hook(fail)
+
+    handle = engine.module.blocks[0].register_forward_hook(hook)
+    with pytest.raises(offload.EngineError, match="half applied"):
+        engine.backward(loss_of(engine, "gpt", tokens))
+    handle.remove()
+    failed = {i: opt.master_of(i) for i in opt.shards}
+    stepped = {i for i in opt.shards if not torch.equal(failed[i], start[i])}
+    assert 0 < len(stepped) < len(opt.shards)
+
+    engine.zero_grad()
+    engine.backward(loss_of(engine, "gpt", tokens))
+    engine.step()
+    assert opt.adam_steps == 1
+    for i in opt.shards:
+        after = opt.master_of(i)
+        if i in stepped:
+            assert torch.equal(after, failed[i]), opt.shards[i].name
+        else:
+            assert not torch.equal(after, start[i]), opt.shards[i].name

@@ -30,6 +30,7 @@ that unit waits for. The optimizer knows shards by unit index only, never the un
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -75,6 +76,21 @@ def shard_segments(slots: Iterable[Any], start: int, numel: int, group_of: dict[
     return segments
 
 
+class ShardPhase(enum.Enum):
+    """Where one shard is in the current step.
+
+    [Note: shard phases] A gradient moves EMPTY to HOLDING (the first overwrites the accumulator, later ones add);
+    Adam during backward moves HOLDING to STEPPED; ``apply`` steps EMPTY (zeros) and HOLDING shards, skips STEPPED
+    ones and leaves every shard EMPTY. ``clear_grads`` empties HOLDING shards but keeps STEPPED ones: a backward that
+    failed after stepping some shards left the step half applied, and the next step finishes it without stepping
+    those again (a retried backward's gradients for them are dropped). A failed NVMe write of a stepped sub-group
+    moves its shards back to HOLDING: the next step steps them again from the state on disk."""
+
+    EMPTY = "empty"
+    HOLDING = "holding"
+    STEPPED = "stepped"
+
+
 @dataclass
 class ShardState:
     """One unit's per-rank optimizer buffers besides master/moments (those live in the state store)."""
@@ -84,8 +100,7 @@ class ShardState:
     grad: torch.Tensor  # fp32 gradient accumulator (host when offloaded)
     segments: list[Segment]
     gaps: list[tuple[int, int]] = field(default_factory=list)  # elements no segment covers (frozen, padding)
-    fresh: bool = True  # the accumulator holds nothing from this step yet
-    stepped: bool = False  # this step's Adam already ran (overlapped with backward)
+    phase: ShardPhase = ShardPhase.EMPTY
 
 
 @dataclass(kw_only=True)
@@ -181,7 +196,9 @@ class ShardedAdam(torch.optim.Optimizer):
     def _unstep(self, groups: list[SubGroup]) -> None:
         for g in groups:
             for m in g.members:
-                self.shards[m.unit].stepped = False
+                state = self.shards[m.unit]
+                if state.phase is ShardPhase.STEPPED:
+                    state.phase = ShardPhase.HOLDING
 
     # ----------------------------------------------------------------- gradients in
 
@@ -211,6 +228,9 @@ class ShardedAdam(torch.optim.Optimizer):
                 stage.copy_(shard_grad, non_blocking=True)
 
         def add() -> None:
+            if state.phase is ShardPhase.STEPPED:  # a half-applied step's shard: this step is done with it
+                del grad_ref[:]
+                return
             with tel.span("accumulate", state.name):
                 _accumulate(state, stage, scale, self.threads)
             del grad_ref[:]  # the device gradient may be freed now that its copy has been waited for
@@ -238,7 +258,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self._settle()
         self._nvme_error = None
         for state in self.shards.values():
-            state.fresh = True
+            if state.phase is ShardPhase.HOLDING:
+                state.phase = ShardPhase.EMPTY
 
     # ----------------------------------------------------------------- the step
 
@@ -246,7 +267,7 @@ class ShardedAdam(torch.optim.Optimizer):
         """This rank's sum of squared accumulated gradients and count of non-finite ones."""
         total, nonfinite = 0.0, 0
         for state in self.shards.values():
-            if state.fresh:
+            if state.phase is ShardPhase.EMPTY:
                 continue
             for seg in state.segments:
                 g = state.grad[seg.start:seg.end]
@@ -277,7 +298,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 raise error
             for group in self.store.step_pass():
                 for member in group.members:
-                    if not self.shards[member.unit].stepped:
+                    if self.shards[member.unit].phase is not ShardPhase.STEPPED:
                         self._step_shard(member.unit, group.views(member), step, hypers, grad_scale)
         except BaseException:
             self._unstep(self.store.abort_pass())  # NVMe sub-groups stepped during backward are stepped again
@@ -286,16 +307,16 @@ class ShardedAdam(torch.optim.Optimizer):
         self.adam_steps = step
         self._overlap = None
         for index, state in self.shards.items():
-            if self.offload and not state.stepped:
+            if self.offload and state.phase is not ShardPhase.STEPPED:
                 self.params.copy_back(index)
-            state.fresh, state.stepped = True, False
+            state.phase = ShardPhase.EMPTY
         self.params.commit()  # a failure here leaves units stale, never the step half applied
 
     def _step_shard(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
                     hypers: list[AdamHyper], grad_scale: float) -> None:
         state = self.shards[index]
         master, exp_avg, exp_avg_sq = views
-        if state.fresh:  # no gradient reached this unit since the last step: Adam sees zeros
+        if state.phase is ShardPhase.EMPTY:  # no gradient reached this unit since the last step: Adam sees zeros
             state.grad.zero_()
         out = self.params.step_target(index) if self.offload else None
         if index in self._nvme_units:  # a fresh write buffer: what the step does not write keeps its value
@@ -347,7 +368,7 @@ class ShardedAdam(torch.optim.Optimizer):
             self.params.commit()
         except Exception:  # noqa: BLE001 - they are stale now and rewritten before the next forward
             pass
-        return sum(state.stepped for state in self.shards.values())
+        return sum(state.phase is ShardPhase.STEPPED for state in self.shards.values())
 
     def drain_quietly(self) -> None:
         try:
@@ -378,9 +399,11 @@ class ShardedAdam(torch.optim.Optimizer):
     def _step_overlapped(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                          hypers: list[AdamHyper], step: int) -> None:
         state = self.shards[index]
+        if state.phase is ShardPhase.STEPPED:  # stepped by a backward that failed (see [Note: shard phases])
+            return
         with self.telemetry.span("optimizer_overlapped", state.name):
             self._step_shard(index, views, step, hypers, 1.0)
-        state.stepped = True
+        state.phase = ShardPhase.STEPPED
         self.params.copy_back(index, after_compute=False)
 
     def close(self) -> None:
@@ -409,14 +432,14 @@ def _accumulate(state: ShardState, grad: torch.Tensor, scale: float, threads: in
     go through the native kernel on offload's threads: a torch op here, on the host queue's thread, would start an
     OpenMP team of its own whose threads spin after each op, beside backward's."""
     if state.grad.device.type == "cpu" and grad.device.type == "cpu" and grad.is_contiguous():
-        native.accumulate_(state.grad, grad, scale, overwrite=state.fresh, threads=threads)
-    elif state.fresh:
+        native.accumulate_(state.grad, grad, scale, overwrite=state.phase is ShardPhase.EMPTY, threads=threads)
+    elif state.phase is ShardPhase.EMPTY:
         state.grad.copy_(grad)
         if scale != 1.0:
             state.grad.mul_(scale)
     else:
         state.grad.add_(grad, alpha=scale)
-    state.fresh = False
+    state.phase = ShardPhase.HOLDING
 
 
 def _torch_adam(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, h: AdamHyper,
