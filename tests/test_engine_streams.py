@@ -6,7 +6,6 @@ forgot to wait for a gradient copy before the step, or for a parameter copy befo
 gather, it would read stale or half-written buffers and the parity check would fail.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
