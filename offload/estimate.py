@@ -126,45 +126,31 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     sizes = [(i, -(-n // parts)) for i, n in enumerate(unit_numels)]  # partition elements: padded, over P
     est = Estimate(sum(unit_numels), world, len(unit_numels), {t: {} for t in TIERS}, stage=stage.number)
     device, host, nvme = est.tiers["device"], est.tiers["host"], est.tiers["nvme"]
-    param_dev, opt_dev = zero.offload_param.device, zero.offload_optimizer.device
-    total = sum(n for _, n in sizes)
-    if stage.resident_params:
-        device["parameters"] = item * parts * total
-    else:
-        if param_dev == "none":
-            device["shards"] = item * total
-        largest_unit = max((n * world for _, n in sizes), default=0)
+    param_dev = zero.offload_param.device
+    placement = plan(sizes, {i for i, _ in sizes}, config, item, parts=parts,  # the engine's own plan
+                     resident_params=stage.resident_params,
+                     whole_grads=0 if stage.reduce_every_micro_batch else est.params)
+    device.update(placement.device)
+    if not stage.resident_params:
+        largest_unit = max((n * parts for _, n in sizes), default=0)
         device["gathered (at most)"] = item * min(int(zero.stage3_max_live_parameters),
-                                                  largest_unit + int(zero.stage3_prefetch_bucket_size), world * total)
-    if not stage.reduce_every_micro_batch:
-        device["gradients (whole, in .grad)"] = item * est.params
-    placement = plan(sizes, {i for i, _ in sizes}, config, item)  # the engine's own plan
+                                                  largest_unit + int(zero.stage3_prefetch_bucket_size),
+                                                  parts * sum(n for _, n in sizes))
     if param_dev == "nvme":
         est.notes.append(describe_placement(sizes, placement.nvme_params, zero.offload_param))
-    planned = dict(placement.host)
-    if "parameter NVMe buffers" in planned:
-        host["parameter NVMe buffers"] = planned.pop("parameter NVMe buffers")
     nvme.update(placement.nvme)
+    host.update(placement.host)
     if activations is not None:
         add_activations(est, activations, config)
-    if opt_dev == "none":
-        device["optimizer state"] = sum(g.nbytes for g in placement.groups)
-        device["gradient accumulators"] = 4 * total
-        return est
-    host.update(planned)
+    for problem in placement.problems:  # the limits initialize holds every tier to
+        est.notes.append(f"over {problem.path}: initialize would refuse this plan ({problem.reason})")
     if not placement.placed:
-        est.notes.append(f"initialize would refuse this plan: {placement.problems[-1]}")
         return est
     buffers = host.get("optimizer NVMe buffers", 0)
     if buffers > est.total("host") // 4:
         est.notes.append(f"each optimizer NVMe buffer holds a whole sub-group (sub_group_size "
                          f"{int(zero.sub_group_size):,} elements): {buffers / 2**30:.2f} GiB of buffers; a smaller "
                          "sub_group_size (e.g. 1e8) shrinks them")
-    for tier in ("host", "nvme"):  # the limits initialize holds every tier to
-        limit = getattr(config.offload.budgets, tier)
-        if limit is not None and est.total(tier) > limit:
-            est.notes.append(f"over offload.budgets.{tier} ({limit:,} bytes; the plan needs {est.total(tier):,}): "
-                             "initialize would refuse this plan")
     est.notes.append(("not counted: " if activations is not None else "not counted: activations, ")
                      + "the CUDA context and allocator slack")
     return est

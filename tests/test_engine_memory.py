@@ -89,3 +89,38 @@ def test_a_device_budget_below_shards_plus_one_unit_fails_at_initialize():
     with pytest.raises(RankError, match="offload.budgets.device: 50,000 bytes cannot hold this rank's resident "
                                         "state .* raise it to at least"):
         run_ranks(_budget_run, 1, budget=50_000)
+
+
+def _plan_and_measure(rank, world, stage, optimizer, params):
+    import offload
+    from engine_cases import make_model
+
+    config = base_config(2, 1, world, stage=stage)
+    config["zero_optimization"]["offload_optimizer"] = {"device": optimizer}
+    if params != "none":
+        config["zero_optimization"]["offload_param"] = {"device": params}
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    measured = engine.memory.device_parts()
+    engine.close()
+    return measured
+
+
+@pytest.mark.parametrize("stage,optimizer,params", [(0, "none", "none"), (1, "cpu", "none"), (2, "none", "none"),
+                                                    (3, "none", "none"), (3, "cpu", "cpu")])
+def test_the_plan_predicts_what_the_engine_keeps_on_the_device(stage, optimizer, params):
+    """The placement plan (which checks the device budget before anything is allocated) and the engine's own
+    account of what it keeps on the device between uses agree, part for part."""
+    from offload.config import Config
+    from offload.estimate import estimate, model_units
+    from engine_cases import make_model
+
+    world = 2
+    measured = run_ranks(_plan_and_measure, world, stage=stage, optimizer=optimizer, params=params)[0]
+    config = base_config(2, 1, world, stage=stage)
+    config["zero_optimization"]["offload_optimizer"] = {"device": optimizer}
+    if params != "none":
+        config["zero_optimization"]["offload_param"] = {"device": params}
+    resolved = Config.load(config).resolve(world_size=world)
+    planned = estimate(model_units(make_model("gpt"), resolved), resolved, world).tiers["device"]
+    planned.pop("gathered (at most)", None)
+    assert planned == measured

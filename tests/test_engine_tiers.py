@@ -41,3 +41,35 @@ def test_every_placement_matches_torch(tmp_path, world, params, optimizer):
         assert memory["host"]["peak"] <= budget
     ref = train_reference("gpt", 6, 4 * world, 2, world=world)
     check_parity(results, ref)
+
+
+def test_frozen_host_shards_count_in_the_plan_and_its_host_budget_check():
+    """Shards kept on the host that the optimizer does not step (here: a frozen embedding) are planned: a host
+    budget of exactly the plan's total starts, one byte less is the plan's ConfigError, not a bug error later."""
+    import offload
+    from offload.store.placement import plan
+    from offload.zero.plan import plan_units
+
+    def frozen_model():
+        model = make_model("gpt")
+        model.wte.weight.requires_grad_(False)
+        return model
+
+    config = base_config(2, 1, 1)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    resolved = Config.load(config).resolve(world_size=1)
+    units = plan_units(frozen_model(), resolved.offload.unit_bytes, 4)
+    trained = {u.index for u in units if any(s.param.requires_grad for s in u.slots)}
+    assert len(trained) < len(units)
+    placement = plan([(u.index, u.numel) for u in units], trained, resolved, 4, parts=1)
+    assert placement.host["parameter shards not stepped on the host"] > 0 and not placement.problems
+
+    config["offload"]["budgets"] = {"host": sum(placement.host.values())}
+    engine, *_ = offload.initialize(model=frozen_model(), config=config)
+    host = engine.memory_summary()["host"]
+    assert host["total"] == sum(placement.host.values())
+    engine.close()
+    config["offload"]["budgets"] = {"host": sum(placement.host.values()) - 1}
+    with pytest.raises(offload.ConfigError, match="offload.budgets.host: .* cannot hold the parameter shards kept "
+                                                  "on the host that the optimizer does not step there"):
+        offload.initialize(model=frozen_model(), config=config)

@@ -113,7 +113,10 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
     with contextlib.ExitStack() as undo:
         undo.callback(accel.close)
         undo.callback(swaps.close)
-        placement = plan_placement(shard_sizes, trained, config, compute_dtype.itemsize)
+        whole_grads = 0 if stage.reduce_every_micro_batch else sum(
+            s.numel for p in plans for s in p.slots if s.param.requires_grad)
+        placement = plan_placement(shard_sizes, trained, config, compute_dtype.itemsize, parts=parts,
+                                   resident_params=stage.resident_params, whole_grads=whole_grads)
         nvme_params = placement.nvme_params
         if zero.offload_param.device == "nvme":
             logger.info("rank %d: %s", group.rank, describe_placement(shard_sizes, nvme_params, zero.offload_param))
@@ -137,7 +140,8 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         units = [_shard_unit(model, plan, partition, group, stage, accel, compute_dtype, params, optimizer,
                              group_of if plan.index in trained else None) for plan in plans]
         _place_buffers(model, group, accel)
-        memory = MemoryAccount(config, stage, compute_dtype, units, params, optimizer, host_budget, nvme_budget)
+        memory = MemoryAccount(config, stage, compute_dtype, units, params, optimizer, host_budget, nvme_budget,
+                               placement.gather_room)
         pre = float(group.world if config.prescale_gradients else config.gradient_predivide_factor)
         post = pre / group.world  # gradients are averaged over the group, as DeepSpeed does
         runtime = ZeroRuntime(model, units, group, accel, limit=memory.live_limit(),

@@ -2,7 +2,8 @@
 
 The host and NVMe tiers keep their accounts as they allocate (offload/store/budget.py);
 the device tier is added up here from what the engine keeps there between uses. The
-same parts are named by ``offload estimate``.
+placement plan (offload/store/placement.py) predicted the same parts and checked the
+device budget before anything was allocated; ``offload estimate`` shows the plan's.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.config import Config, ConfigError
+from offload.config import Config
 from offload.optim.sharded import ShardedAdam
 from offload.store.budget import TierBudget
 from offload.store.param_store import ParamStore
@@ -30,6 +31,7 @@ class MemoryAccount:
     optimizer: ShardedAdam
     host: TierBudget
     nvme: TierBudget
+    gather_room: int | None = None  # elements the device budget leaves for gathers (the placement plan's)
 
     def device_parts(self) -> dict[str, int]:
         """What stays on the device between uses: parameters (stage 3: this rank's shards), the whole gradients
@@ -50,34 +52,12 @@ class MemoryAccount:
         return sum(self.device_parts().values())
 
     def live_limit(self) -> LiveLimit:
-        """stage3_max_live_parameters, or less where the device budget leaves less room after the shards."""
+        """stage3_max_live_parameters, or less where the device budget leaves less room after the shards (the
+        placement plan checked the budget and sized the room)."""
         max_live = LiveLimit(self.config.zero_optimization.stage3_max_live_parameters)
-        budget = self.config.offload.budgets.device
-        if budget is None:
+        if self.gather_room is None or self.gather_room >= max_live.elements:
             return max_live
-        resident = self.device_resident_bytes()
-        if self.stage.resident_params:
-            if resident > budget:
-                raise ConfigError("offload.budgets.device",
-                                  f"{budget:,} bytes cannot hold this rank's resident state ({resident:,} bytes: "
-                                  f"every parameter{' and the optimizer state' if not self.optimizer.offload else ''}"
-                                  f", which ZeRO stage {self.stage.number} keeps on the device); raise it, offload "
-                                  "the optimizer (stages 1-2), or use stage 3, which partitions the parameters")
-            return max_live
-        item = self.compute_dtype.itemsize
-        largest = max(u.padded for u in self.units) * item
-        if budget - resident < largest:
-            raise ConfigError("offload.budgets.device",
-                              f"{budget:,} bytes cannot hold this rank's resident state ({resident:,} bytes: "
-                              f"shards{' and optimizer state' if not self.optimizer.offload else ''}) plus the "
-                              f"largest unit gathered ({largest:,} bytes); raise it to at least "
-                              f"{resident + largest:,}, "
-                              "offload the optimizer (offload_optimizer.device: cpu), use more ranks, or lower "
-                              "offload.unit_bytes")
-        room = (budget - resident) // item
-        if room >= max_live.elements:
-            return max_live
-        return LiveLimit(room, "offload.budgets.device (minus the resident shards, in elements)",
+        return LiveLimit(self.gather_room, "offload.budgets.device (minus the resident shards, in elements)",
                          "Raise offload.budgets.device or lower offload.unit_bytes")
 
     def summary(self, gathered: tuple[int, int], activations: tuple[int, int] | None) -> dict[str, dict[str, int]]:

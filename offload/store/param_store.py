@@ -27,6 +27,8 @@ from offload.store.budget import TierBudget
 from offload.store.param_swap import ParamSwap
 from offload.telemetry import Telemetry
 
+HOST_PARAMS = "parameter shards not stepped on the host"  # the host part this store takes from the budget itself
+
 
 class Home(enum.Enum):
     DEVICE = "device"
@@ -86,7 +88,7 @@ class ParamStore:
         if home is Home.HOST or (home is Home.DEVICE and host_copy):
             shard.host, buf = self.accel.host_buffer(numel, self.dtype)
             if home is Home.HOST and not host_copy:
-                self.host_budget.take(buf.capacity, "frozen parameter shards")
+                self.host_budget.take(buf.capacity, HOST_PARAMS)
             shard.host.copy_(values)
         if home is Home.NVME:
             assert self.swap is not None

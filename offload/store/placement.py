@@ -2,8 +2,9 @@
 
 ``plan`` takes the units' shard sizes, which of them train, the config and the compute
 dtype's size, and returns a ``Placement``: each parameter shard's home, the optimizer's
-sub-groups with their tiers, and the bytes reserved up front on the host and on NVMe, by
-part. Every budget check of start-up is made here, in the order start-up meets them,
+sub-groups with their tiers, the bytes reserved up front on the host and on NVMe, by
+part, and what stays on the device between uses with the room left there for gathered
+units. Every budget check of start-up is made here, in the order start-up meets them,
 as a ConfigError naming the budget (``Placement.problems``; ``check`` raises the first).
 The stores then allocate what the plan says and take from the budgets as they go, so
 going over a budget while training is a bug in this plan. ``offload estimate`` calls the
@@ -15,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from offload.buffers import round_up
 from offload.config import ConfigError
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import SubGroup, nvme_buffers, place_sub_groups, plan_sub_groups
-from offload.store.param_store import Home
+from offload.store.param_store import HOST_PARAMS, Home
 from offload.store.param_swap import WRITE_BUFFERS, param_buffer_bytes, place_params, plan_homes
 from offload.store.two_slots import layout
 
@@ -42,6 +44,8 @@ class Placement:
     step_buffers: dict[str, int] = field(default_factory=dict)  # host_parts: what an offloaded optimizer takes
     host: dict[str, int] = field(default_factory=dict)  # bytes reserved up front, by part
     nvme: dict[str, int] = field(default_factory=dict)
+    device: dict[str, int] = field(default_factory=dict)  # bytes kept on the device between uses, by part
+    gather_room: int | None = None  # elements the device budget leaves for gathered units (None: no budget)
     problems: list[ConfigError] = field(default_factory=list)  # in the order start-up meets them
 
     def check(self) -> None:
@@ -50,10 +54,13 @@ class Placement:
             raise self.problems[0]
 
 
-def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, item: int) -> Placement:
+def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, item: int, *, parts: int = 1,
+         resident_params: bool = False, whole_grads: int = 0) -> Placement:
     """The placement of one rank's units (``shard_sizes``: (unit, shard elements) in unit order; ``trained``:
-    the units the optimizer steps) under ``config``, whose compute dtype has ``item`` bytes. Raises only for a
-    setting that no budget could fix (offload_param.buffer_size below a shard)."""
+    the units the optimizer steps) under ``config``, whose compute dtype has ``item`` bytes. The ZeRO stage's
+    part: each unit is split in ``parts``; ``resident_params``, every unit stays whole on the device (stages 0-2);
+    ``whole_grads``, elements of gradient kept whole in ``.grad`` until the last micro-batch (stages 0-1). Raises
+    only for a setting that no budget could fix (offload_param.buffer_size below a shard)."""
     zero = config.zero_optimization
     host_limit, nvme_limit = config.offload.budgets.host, config.offload.budgets.nvme
     param, opt = zero.offload_param, zero.offload_optimizer
@@ -81,21 +88,28 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         out.host["parameter NVMe buffers"] = buffers
 
     if opt.device != "none" and trained_sizes:
-        parts = out.step_buffers = host_parts(trained_sizes, {i for i, _ in nvme_params}, item)
-        if host_limit is not None and sum(parts.values()) > host_limit:
+        step_buffers = out.step_buffers = host_parts(trained_sizes, {i for i, _ in nvme_params}, item)
+        if host_limit is not None and sum(step_buffers.values()) > host_limit:
             out.problems.append(ConfigError(
                 "offload.budgets.host", f"{host_limit:,} bytes cannot hold this rank's gradient accumulators and "
-                f"parameter copies ({', '.join(f'{k} {v:,}' for k, v in parts.items())}), before any optimizer "
-                "state; raise the budget or use more ranks"))
-        out.host.update(parts)
+                f"parameter copies ({', '.join(f'{k} {v:,}' for k, v in step_buffers.items())}), before any "
+                "optimizer state; raise the budget or use more ranks"))
+        out.host.update(step_buffers)
 
     budget = TierBudget("host", host_limit, used=sum(out.host.values()))
     try:
         place_sub_groups(out.groups, opt.device, budget, opt.buffer_count)
+        out.placed = True
     except ConfigError as e:
         out.problems.append(e)
-        return out
-    out.placed = True
+    if out.placed:
+        _plan_optimizer_state(out, nvme_limit, opt.buffer_count)
+    _plan_host_params(out, shard_sizes, trained if opt.device != "none" else set(), item, host_limit)
+    _plan_device(out, shard_sizes, trained_sizes, config, item, parts, resident_params, whole_grads)
+    return out
+
+
+def _plan_optimizer_state(out: Placement, nvme_limit: int | None, buffer_count: int) -> None:
     on_host = [g for g in out.groups if g.tier == "host"]
     on_nvme = [g for g in out.groups if g.tier == "nvme"]
     if on_host:
@@ -109,7 +123,60 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
                 f"{file_bytes:,} bytes ({sum(g.numel for g in on_nvme):,} elements x 12 bytes, two slots each so a "
                 "failed step never loses the last one); raise the budget, give the host a larger budget "
                 "(offload.budgets.host), or use more ranks"))
-        count, size = nvme_buffers(on_nvme, opt.buffer_count)
+        count, size = nvme_buffers(on_nvme, buffer_count)
         out.nvme["optimizer state (two slots per sub-group)"] = file_bytes
         out.host["optimizer NVMe buffers"] = count * size
-    return out
+
+
+def _plan_host_params(out: Placement, shard_sizes: list[tuple[int, int]], stepped_on_host: set[int], item: int,
+                      host_limit: int | None) -> None:
+    """Host-homed shards the optimizer does not step there (frozen units; every unit when the optimizer stays on
+    the device): the parameter store holds them in host buffers of its own."""
+    own = sum(round_up(n * item) for i, n in shard_sizes
+              if out.homes[i] is Home.HOST and i not in stepped_on_host)
+    if not own:
+        return
+    used = sum(out.host.values())
+    if host_limit is not None and used + own > host_limit:
+        out.problems.append(ConfigError(
+            "offload.budgets.host", f"{host_limit:,} bytes cannot hold the parameter shards kept on the host that "
+            f"the optimizer does not step there ({own:,} bytes) beside {used:,} already planned; raise the budget, "
+            "or use more ranks"))
+    out.host[HOST_PARAMS] = own
+
+
+def _plan_device(out: Placement, shard_sizes: list[tuple[int, int]], trained_sizes: list[tuple[int, int]],
+                 config: Any, item: int, parts: int, resident_params: bool, whole_grads: int) -> None:
+    """What stays on the device between uses, and the device budget's room for gathers."""
+    offloaded = config.zero_optimization.offload_optimizer.device != "none"
+    if resident_params:
+        out.device["parameters"] = item * parts * sum(n for _, n in shard_sizes)
+    else:
+        out.device["shards"] = item * sum(n for i, n in shard_sizes if out.homes[i] is Home.DEVICE)
+    if whole_grads:
+        out.device["gradients (whole, in .grad)"] = item * whole_grads
+    if not offloaded and trained_sizes:
+        out.device["optimizer state"] = sum(g.nbytes for g in out.groups)
+        out.device["gradient accumulators"] = 4 * sum(n for _, n in trained_sizes)
+    budget = config.offload.budgets.device
+    if budget is None:
+        return
+    resident = sum(out.device.values())
+    optimizer = "" if offloaded else " and the optimizer state"
+    if resident_params:
+        if resident > budget:
+            out.problems.append(ConfigError(
+                "offload.budgets.device", f"{budget:,} bytes cannot hold this rank's resident state ({resident:,} "
+                f"bytes: every parameter{optimizer}, which ZeRO stage {config.zero_optimization.stage} keeps on "
+                "the device); raise it, offload the optimizer (stages 1-2), or use stage 3, which partitions the "
+                "parameters"))
+        return
+    largest = max(n for _, n in shard_sizes) * parts * item
+    if budget - resident < largest:
+        out.problems.append(ConfigError(
+            "offload.budgets.device", f"{budget:,} bytes cannot hold this rank's resident state ({resident:,} bytes: "
+            f"shards{optimizer}) plus the largest unit gathered ({largest:,} bytes); raise it to at least "
+            f"{resident + largest:,}, offload the optimizer (offload_optimizer.device: cpu), use more ranks, or "
+            "lower offload.unit_bytes"))
+        return
+    out.gather_room = (budget - resident) // item
