@@ -8,6 +8,12 @@ both kinds of machine, and a missing wait shows up in a CPU test as a wrong resu
 ``OFFLOAD_EMULATED_COPY_DELAY_S`` makes every emulated operation sleep first, so tests
 can make the worker lag far behind the main thread and a missing wait certain to bite.
 
+A CPU compute device reads host memory in place, so the engine makes none of the
+copies a GPU needs there (``host_is_device``; see [Note: host memory is the device's]
+in store/param_store.py). ``OFFLOAD_EMULATED_DISCRETE_DEVICE=1`` (implied by a copy
+delay) makes the CPU device behave as a separate memory instead: every copy a GPU
+needs is made, on the emulated streams, so their ordering is tested here too.
+
 Only the few lines under ``_Cuda*`` run on CUDA alone; everything else is shared.
 """
 
@@ -248,6 +254,8 @@ class Accelerator:
         if self.is_cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._delay_s = float(os.environ.get("OFFLOAD_EMULATED_COPY_DELAY_S", "0") or 0)
+        discrete = os.environ.get("OFFLOAD_EMULATED_DISCRETE_DEVICE", "0") not in ("", "0") or self._delay_s > 0
+        self.host_is_device = not self.is_cuda and not discrete  # compute reads host memory where it lies
         self._streams: list[CopyStream] = []
         self._host_buffers: list[AlignedBuffer] = []  # unpinned at close()
 

@@ -16,7 +16,8 @@ from conftest import REPO
 def test_demo_trains_through_the_sharded_engine():
     result = run_demo(steps=40)
     assert result.last_loss < 0.7 * result.first_loss
-    assert result.units >= 4 and 0 < result.peak_live < 0.5 * 150_000  # released after use
+    # released after use (on a CPU at W = 1 nothing is gathered: units are read in place, peak 0)
+    assert result.units >= 4 and 0 <= result.peak_live < 0.5 * 150_000
     assert result.skipped_steps == 0
 
 

@@ -9,10 +9,13 @@ from offload.launch import RankError, run_ranks
 STEPS = 3
 
 
+DISCRETE = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"}  # W = 1 gathers too (else a CPU reads units in place)
+
+
 def _run(world, **zero):
     zero.setdefault("stage3_prefetch_bucket_size", 0)  # on-demand gathers only, unless a test asks
-    return run_ranks(train_engine, world, name="gpt", config=base_config(2, 1, world, **zero), steps=STEPS, micro=2,
-                     accum=1)
+    return run_ranks(train_engine, world, env=DISCRETE, name="gpt", config=base_config(2, 1, world, **zero),
+                     steps=STEPS, micro=2, accum=1)
 
 
 def test_units_are_released_after_use():

@@ -277,9 +277,9 @@ class Rooms:
         return store
 
     def param_store(self, homes: dict[int, Home], swap: ParamSwap | None, accel: Accelerator | None = None,
-                    host: TierBudget | None = None) -> ParamStore:
+                    host: TierBudget | None = None, keep_host_copies: bool = False) -> ParamStore:
         store = ParamStore(accel or self.accel(), DTYPE, homes, swap=swap, host=host or TierBudget("host", None),
-                           telemetry=Telemetry())
+                           telemetry=Telemetry(), keep_host_copies=keep_host_copies)
         self._closers.append(store.close)
         return store
 
@@ -784,7 +784,25 @@ def gated_copy_back(rooms, store: ParamStore, unit: int, new: torch.Tensor):
     return gate, event
 
 
-def test_param_store_copy_back_publishes_a_device_home_after_its_event(rooms):
+@pytest.fixture
+def discrete(monkeypatch):
+    """The CPU device as a separate memory, so the store makes the copies a GPU needs (see accelerator.py)."""
+    monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
+
+
+def test_param_store_on_a_cpu_device_reads_in_place_and_copies_nothing(rooms):
+    store, start = device_host_nvme(rooms)
+    assert store.host_is_device and [store.in_place(u) for u, _ in UNITS] == [True, True, True, False]
+    assert store.step_target(0) is store.shards[0].device  # the step writes the device home itself
+    assert store.to_device(2, None) is store.host_copy(2)  # no copy stream needed: compute reads it there
+    store.step_target(0).copy_(values(3000, 63).float())
+    assert store.copy_back(0) is None and torch.equal(store.read(0), values(3000, 63).to(DTYPE))
+    kept = rooms.param_store({0: Home.DEVICE}, None, None, keep_host_copies=True)
+    kept.add(0, "u0", start[0], host_copy=True)  # a step that can fail part way writes a copy of its own
+    assert not kept.in_place(0) and kept.step_target(0) is not kept.shards[0].device
+
+
+def test_param_store_copy_back_publishes_a_device_home_after_its_event(rooms, discrete):
     store, start = device_host_nvme(rooms)
     new = values(3000, 61).float()
     gate, event = gated_copy_back(rooms, store, 0, new)
@@ -798,7 +816,7 @@ def test_param_store_copy_back_publishes_a_device_home_after_its_event(rooms):
     assert store.copy_back(2) is None and store.copy_back(3) is None  # nothing to copy back for other homes
 
 
-def test_param_store_read_of_a_device_home_waits_for_its_copy_back(rooms):
+def test_param_store_read_of_a_device_home_waits_for_its_copy_back(rooms, discrete):
     store, _ = device_host_nvme(rooms)
     new = values(3000, 62).float()
     gate, _ = gated_copy_back(rooms, store, 0, new)

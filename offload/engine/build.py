@@ -126,7 +126,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
                                buffer_count=zero.offload_param.buffer_count, pin=accel.is_cuda,
                                telemetry=telemetry) if nvme_params else None
         params = ParamStore(accel, compute_dtype, placement.homes, swap=param_swap, host=host_budget,
-                            telemetry=telemetry)
+                            telemetry=telemetry, keep_host_copies=any(g.tier == "nvme" for g in placement.groups))
         undo.callback(params.close)
         optimizer = ShardedAdam(
             param_groups, accel, [(i, n) for i, n in shard_sizes if i in trained], params=params,
@@ -177,7 +177,8 @@ def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, sta
     broadcast_values = values.to(accel.device) if accel.is_cuda else values
     broadcast(broadcast_values, group)  # every rank starts from rank 0's weights, as DeepSpeed does
     values = broadcast_values.cpu() if accel.is_cuda else broadcast_values
-    unit = Unit(plan, partition, dtype, accel.device, params, resident=stage.resident_params)
+    unit = Unit(plan, partition, dtype, accel.device, params, resident=stage.resident_params,
+                in_place=not stage.resident_params and partition.world == 1 and params.in_place(plan.index))
     unit.load_initial(values, host_copy=group_of is not None and optimizer.offload)
     if group_of is not None:
         optimizer.add_shard(unit.index, unit.name, values[unit.shard_start:unit.shard_start + unit.shard_numel],

@@ -324,7 +324,7 @@ class Engine:
         self.params.close()
         self._swaps.close()
         for unit in self.units:
-            unit.reshard()
+            unit.close()
         self.accel.close()
         self._closed = True
 

@@ -13,6 +13,15 @@ offloaded), or a fresh NVMe write buffer (then the elements the step does not wr
 must be filled from the master first). ``wrote`` hands an NVMe shard to its write;
 ``copy_back`` starts the copy of a device home's host copy to the device. The ZeRO side
 never sees which: it asks for the shard on the device (``to_device``) when it gathers.
+
+[Note: host memory is the device's] When the compute device is the CPU, a host-homed
+shard is already where compute reads it, and a device home's host copy would be a
+second buffer in the same RAM. So there the store copies nothing: ``to_device`` hands
+out the host shard itself, a device home's host copy is the device shard (the step
+writes it in place; ``copy_back`` has nothing to do), and a unit that needs no gather
+(W = 1) reads its shard in place (``in_place``: the ZeRO side aliases its flat buffer to
+it). The step writes a unit's shard only when no compute reads it: after backward, or
+during it once the unit's gradients are in.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.accelerator import Accelerator, CopyStream, Event
+from offload.buffers import round_up
 from offload.store.budget import TierBudget
 from offload.store.param_swap import ParamSwap
 from offload.telemetry import Telemetry
@@ -53,8 +63,11 @@ class ParamStore:
     """Every compute-dtype parameter shard of this rank, by unit index."""
 
     def __init__(self, accel: Accelerator, dtype: torch.dtype, homes: dict[int, Home], *,
-                 swap: ParamSwap | None, host: TierBudget, telemetry: Telemetry) -> None:
-        """``homes``: every unit's home, decided at start-up (``swap`` holds the NVMe-homed ones)."""
+                 swap: ParamSwap | None, host: TierBudget, telemetry: Telemetry, keep_host_copies: bool = False
+                 ) -> None:
+        """``homes``: every unit's home, decided at start-up (``swap`` holds the NVMe-homed ones).
+        ``keep_host_copies``: the step can fail part way (optimizer state on NVMe), so a device home's new values
+        wait in a host copy of their own until the whole step succeeded, even where host memory is the device's."""
         nvme = {i for i, h in homes.items() if h is Home.NVME}
         if nvme != (set(swap.homes) if swap is not None else set()):
             raise ValueError("the parameter swap must hold exactly the units homed on NVMe")
@@ -66,15 +79,18 @@ class ParamStore:
         self.telemetry = telemetry
         self.shards: dict[int, ParamShard] = {}
         self._h2d: CopyStream | None = None  # copies of host copies back to the device (made on first use)
+        self.host_is_device = accel.host_is_device  # see [Note: host memory is the device's]
+        self.keep_host_copies = keep_host_copies
 
     def add(self, index: int, name: str, values: torch.Tensor, *, device_view: torch.Tensor | None = None,
             host_copy: bool = False) -> None:
         """Take unit ``index``'s starting shard ``values`` (any float dtype, host or device).
 
-        ``device_view``: for a resident unit (stages 0-2), the slice of its flat buffer that is this rank's shard
-        (it already holds the values). ``host_copy``: the optimizer steps this shard on the host, so a device home
-        gets a host copy for the step to write (reserved in the host budget by the optimizer). A host-homed shard
-        of a unit nothing trains is taken from the host budget here."""
+        ``device_view``: the slice of the unit's flat buffer that is this rank's shard, already holding the values:
+        a resident unit's (stages 0-2), or an in-place unit's (see ``in_place``), which becomes the home's memory.
+        ``host_copy``: the optimizer steps this shard on the host, so a device home gets a host copy for the step
+        to write (reserved in the host budget by the optimizer). A host-homed shard of a unit nothing trains is
+        taken from the host budget here."""
         home = self.homes[index]
         numel = values.numel()
         empty = torch.empty(0, dtype=self.dtype, device=self.accel.device)
@@ -85,10 +101,19 @@ class ParamStore:
             else:
                 shard.device = torch.empty(numel, dtype=self.dtype, device=self.accel.device)
                 shard.device.copy_(values)
-        if home is Home.HOST or (home is Home.DEVICE and host_copy):
-            shard.host, buf = self.accel.host_buffer(numel, self.dtype)
-            if home is Home.HOST and not host_copy:
-                self.host_budget.take(buf.capacity, HOST_PARAMS)
+            if host_copy and self.host_is_device and not self.keep_host_copies:
+                shard.host = shard.device
+        elif home is Home.HOST:
+            if device_view is not None:
+                assert self.host_is_device, "only a CPU compute device reads a host shard in place"
+                shard.host = device_view
+            else:
+                shard.host = self.accel.host_buffer(numel, self.dtype)[0]
+                shard.host.copy_(values)
+            if not host_copy:
+                self.host_budget.take(round_up(numel * self.dtype.itemsize), HOST_PARAMS)
+        if home is Home.DEVICE and host_copy and shard.host is None:
+            shard.host = self.accel.host_buffer(numel, self.dtype)[0]
             shard.host.copy_(values)
         if home is Home.NVME:
             assert self.swap is not None
@@ -99,6 +124,12 @@ class ParamStore:
 
     def home(self, index: int) -> Home:
         return self.homes[index]
+
+    def in_place(self, index: int) -> bool:
+        """Compute can read the shard where it lives and the step writes it there: a host home on a CPU compute
+        device, or a device home there unless it keeps a host copy of its own (``keep_host_copies``)."""
+        home = self.homes[index]
+        return self.host_is_device and (home is Home.HOST or (home is Home.DEVICE and not self.keep_host_copies))
 
     def device_nbytes(self, index: int) -> int:
         """Bytes the shard holds on the compute device between uses."""
@@ -151,6 +182,9 @@ class ParamStore:
         if shard.home is Home.DEVICE:
             self.accel.compute_wait(shard.ready)
             return shard.device
+        if shard.home is Home.HOST and self.host_is_device:
+            assert shard.host is not None
+            return shard.host
         assert h2d is not None, "a shard homed off the device needs a copy stream to come over"
         read = self.swap.fetch(index) if shard.home is Home.NVME and self.swap is not None else None
         source = self.swap.view(read) if self.swap is not None and read is not None else shard.host
@@ -189,7 +223,7 @@ class ParamStore:
         """A device home's new host copy goes to the device (asynchronously); returns the copy's event, which the
         shard's next reader waits for. Nothing to do for other homes (returns None)."""
         shard = self.shards[index]
-        if shard.home is not Home.DEVICE or shard.host is None:
+        if shard.home is not Home.DEVICE or shard.host is None or shard.host is shard.device:
             return None
         if self._h2d is None:
             self._h2d = self.accel.copy_stream("h2d")

@@ -32,12 +32,14 @@ class Unit:
     """
 
     def __init__(self, plan: UnitPlan, group: Group, dtype: torch.dtype, device: torch.device, params: ParamStore,
-                 resident: bool = False) -> None:
+                 resident: bool = False, in_place: bool = False) -> None:
         """Rebinds the parameters into the (empty) flat buffer: read their values first (``initial_values``).
 
         ``params`` holds this rank's shard (the unit hands it over in ``load_initial``). ``resident`` (ZeRO stages
         0-2): ``full`` keeps its memory for good and the shard is a view into it, so the unit is never released
-        and the optimizer writes this rank's partition in place."""
+        and the optimizer writes this rank's partition in place. ``in_place`` (W = 1, where the store reads the
+        shard in place: ``ParamStore.in_place``): ``full`` is the shard's own memory, so there is nothing to
+        gather or release and no memory beyond the shard's (see [Note: host memory is the device's])."""
         self.plan = plan
         self.index = plan.index
         self.name = plan.name
@@ -48,11 +50,14 @@ class Unit:
         self.shard_start = group.rank * self.shard_numel
         self.group = group
         self.dtype = dtype
-        self.resident = resident
+        if in_place and group.world != 1:
+            raise ValueError(f"unit {plan.name!r}: only a unit that needs no gather (W = 1) is read in place")
+        self.resident = resident or in_place
+        self.in_place = in_place
         self.params = params
         self.full = torch.empty(self.padded, dtype=dtype, device=device)
         self._full_bytes = self.full.untyped_storage().nbytes()
-        self.state = UnitState.UNSHARDED if resident else UnitState.SHARDED
+        self.state = UnitState.UNSHARDED if self.resident else UnitState.SHARDED
         self.holders = 0  # forwards currently running inside one of this unit's anchors
         self.persistent = False
         self.prefetched = False  # gathered ahead of use by the prefetcher and not used since
@@ -64,7 +69,7 @@ class Unit:
         self.backward_active = False  # gathered for a backward that has not finished with it
         for s in self.slots:
             s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
-        if not resident:
+        if not self.resident:
             self.full.untyped_storage().resize_(0)
 
     @staticmethod
@@ -155,6 +160,15 @@ class Unit:
         self.full.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
         return True
+
+    def close(self) -> None:
+        """The engine closes: the flat buffer's memory goes (an in-place unit's too, as a released unit's would,
+        so the model cannot be handed to another engine by mistake); stages 0-2 keep their resident buffers."""
+        if self.state is UnitState.GATHERING:
+            self.finish_unshard()
+        if self.in_place or not self.resident:
+            self.full.untyped_storage().resize_(0)
+            self.state = UnitState.SHARDED
 
     # ----------------------------------------------------------------- gradients
 
