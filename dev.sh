@@ -3,6 +3,8 @@
 #   ./dev.sh train [args]  set up .venv, then run the main job (offload train) on its embedded default
 #   ./dev.sh demo [args]   the smaller walk-through of the engine (offload demo)
 #   ./dev.sh test [args]   set up .venv, then run the whole test suite (args go to pytest)
+#   ./dev.sh deepspeed     install DeepSpeed beside the venv's torch (for `offload bench step --baseline
+#                          deepspeed`) and run its side-by-side tests
 # Needs only Python >= 3.10 with pip and venv, and a C++ compiler; everything else comes from PyPI
 # (and, for the NEON kernels' test, an aarch64 cross compiler and qemu-user from apt-get where it runs).
 set -euo pipefail
@@ -59,6 +61,20 @@ case "$cmd" in
     rc=$?
     if [ $rc -eq 5 ]; then echo "pytest collected no tests: that is a failure" >&2; exit 1; fi
     exit $rc ;;
+  deepspeed)
+    # DeepSpeed's own requirements minus torch (keeping the torch installed above), its pure-Python package
+    # without its ops (they build by JIT on first use: cpu_adam about 80 s here), and libaio's headers for its
+    # NVMe (async_io) op where apt-get can bring them.
+    if [ ! -e /usr/include/libaio.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "== installing libaio-dev (DeepSpeed's async_io op)"
+      apt-get install -y -q libaio-dev >/dev/null 2>&1 ||
+        { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libaio-dev >/dev/null 2>&1; } ||
+        echo "   could not install it: DeepSpeed's NVMe variant will not run"
+    fi
+    echo "== installing DeepSpeed (no deps) and its requirements but torch"
+    DS_BUILD_OPS=0 "$PY" -m pip install --disable-pip-version-check -q --no-deps "${DEEPSPEED_SPEC:-deepspeed==0.19.8}"
+    "$PY" -m pip install --disable-pip-version-check -q einops hjson msgpack ninja py-cpuinfo "pydantic>=2" tqdm
+    exec "$PY" -m pytest -q tests/test_bench_versus.py "$@" ;;
   *)
-    echo "usage: ./dev.sh train|demo|test [args]" >&2; exit 64 ;;
+    echo "usage: ./dev.sh train|demo|test|deepspeed [args]" >&2; exit 64 ;;
 esac

@@ -110,6 +110,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             bench = _step_bench(args, step, out)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if args.baseline == "deepspeed":
+            from offload.bench import versus
+            if versus.deepspeed_version() is None:
+                raise UsageError(versus.INSTALL)
+            print(f"offload bench step --baseline deepspeed: {', '.join(versus.variants(bench))} beside DeepSpeed "
+                  "and plain PyTorch, alternating rounds", flush=True)
+            result = versus.run(bench, out.parent, log=sys.stdout)
+            versus.print_table(result, sys.stdout)
+            print(f"wrote {out.parent / 'step-vs-deepspeed.json'}")
+            return 0
         print(f"offload bench step: ZeRO stage {args.stage} beside plain PyTorch, alternating rounds", flush=True)
         step.print_table(step.run(bench, out, log=sys.stdout), sys.stdout)
         print(f"wrote {out}")
@@ -364,6 +374,10 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
     b.add_argument("--sub-group-size", type=positive_int, default=1_000_000, help="optimizer sub-group elements")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where both sides compute (cuda: torch on the GPU beside offload with W=1)")
+    b.add_argument("--baseline", choices=["torch", "deepspeed"], default="torch",
+                   help="deepspeed: the same model, batch and config (written once, read by both) through "
+                        "DeepSpeed's ZeRO-3 with params and optimizer on the host (and on NVMe with --offload nvme), "
+                        "beside offload and plain PyTorch, in alternating rounds")
 
 
 def main(argv: list[str] | None = None) -> int:

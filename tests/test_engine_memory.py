@@ -127,3 +127,32 @@ def test_the_plan_predicts_what_the_engine_keeps_on_the_device(stage, optimizer,
     planned = estimate(model_units(make_model("gpt"), resolved), resolved, world).tiers["device"]
     planned.pop("gathered (at most)", None)
     assert planned == measured
+
+
+@pytest.mark.parametrize("params", ["none", "cpu"])
+def test_on_a_cpu_at_w1_units_are_read_in_place_and_nothing_is_copied(params):
+    """The compute device is host memory: every unit's parameters are views of the store's shard itself, and a
+    training step gathers, copies and releases nothing, yet trains as torch does."""
+    import offload
+    from engine_cases import batches, loss_of, make_model
+
+    config = base_config(2, 1, 1)
+    config["zero_optimization"]["offload_param"] = {"device": params}
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    for unit in engine.units:
+        home = engine.params.shards[unit.index]
+        memory = home.device if params == "none" else home.host
+        assert unit.in_place and unit.full.data_ptr() == memory.data_ptr()
+    losses = []
+    for tokens in batches(STEPS, 2):
+        losses.append(engine.backward(loss_of(engine, "gpt", tokens)).item())
+        engine.step()
+    snap = engine.telemetry.snapshot()
+    assert engine.runtime.gathers == 0 and engine.runtime.peak_live == 0
+    assert not snap.bytes.get("h2d") and not snap.bytes.get("all_gather")
+    state = engine.full_state_dict()
+    engine.close()
+    ref = train_reference("gpt", STEPS, 2, 2, world=1)
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(state[key], value)
+    assert losses == pytest.approx(ref["losses"], rel=1e-5)

@@ -1,0 +1,251 @@
+"""`offload bench step --baseline deepspeed`: offload beside DeepSpeed's ZeRO-Offload/Infinity and plain PyTorch.
+
+For each variant (params and optimizer on the host; with ``--offload nvme`` both on
+NVMe too) one config is written once, in DeepSpeed's format, which offload reads as it
+is, and both engines are built from that same file, so a reader sees they ran the same
+thing. Each side runs in its own processes (W gloo ranks, cores/W threads each) on the
+same GPT, seed and batches; rounds alternate torch, offload, DeepSpeed, so drift of the
+shared machine falls on all three alike. Forward, backward and step are timed from
+outside (synchronised on a GPU), the same way for every side; each figure is a median
+over rounds x steps, with its spread. Peak RSS is the largest rank's.
+
+DeepSpeed builds its ``cpu_adam`` (and, for NVMe, ``async_io``) ops by JIT on first
+use, outside the timed steps; the start-up time is reported so users know its cost.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from offload.bench.step import StepBench, _batches, _sync
+from offload.launch import RankError, run_ranks
+
+INSTALL = ("DeepSpeed is not installed in this environment. Install it beside the torch already here (its own "
+           "requirements minus torch), then run again:\n"
+           "  pip install --no-deps deepspeed && pip install einops hjson msgpack ninja py-cpuinfo pydantic tqdm\n"
+           "or `./dev.sh deepspeed`. On a CPU-only machine it runs on its CPU accelerator (DS_ACCELERATOR=cpu, set "
+           "by this command); its NVMe variant needs libaio's headers (apt-get install libaio-dev).")
+SIDES = ("torch", "offload", "deepspeed")
+PHASES = ("forward", "backward", "optimizer")  # the last: the time in step()
+
+
+def deepspeed_version() -> str | None:
+    """The installed DeepSpeed's version, without importing it (None: not installed)."""
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def variants(b: StepBench) -> dict[str, str]:
+    """Variant name -> where params and optimizer state live (the same place for both engines)."""
+    return {"host": "cpu"} | ({"nvme": "nvme"} if b.offload == "nvme" else {})
+
+
+def shared_config(b: StepBench, where: str) -> dict[str, Any]:
+    """The one config both engines read: DeepSpeed's keys only, so neither runs anything the other was not told."""
+    param: dict[str, Any] = {"device": where}
+    optimizer: dict[str, Any] = {"device": where}
+    if where == "nvme":
+        param.update(nvme_path=b.nvme_path, buffer_count=b.param_buffers)
+        optimizer.update(nvme_path=b.nvme_path, buffer_count=b.buffer_count)
+    return {"train_micro_batch_size_per_gpu": b.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+            "bf16": {"enabled": b.dtype == "bf16"},
+            "zero_optimization": {"stage": 3, "offload_param": param, "offload_optimizer": optimizer,
+                                  "sub_group_size": b.sub_group_size,
+                                  "stage3_prefetch_bucket_size": 50_000_000},
+            "aio": {"block_size": 1 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True},
+            "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+
+
+@dataclass
+class SideRun:
+    """One side's timed steps in one round (rank 0's phases; a step's wall time is the slowest rank's)."""
+
+    step_s: list[float]
+    phases_s: dict[str, list[float]]
+    peak_rss: int
+    peak_device: int = 0
+    start_s: float = 0.0  # building the engine (DeepSpeed: its JIT op builds on first use)
+    optimizer: str = ""  # what stepped: "torch AdamW (fused)", "offload native Adam", DeepSpeed's class
+
+
+@dataclass
+class VersusResult:
+    bench: dict[str, Any]
+    params: int
+    deepspeed: str
+    configs: dict[str, str]  # variant -> the config file both engines read
+    # variant -> side -> {"step_s", "spread_s", "forward_s", "backward_s", "optimizer_s", "peak_rss",
+    # "peak_device", "start_s", "optimizer"}
+    table: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)  # variant -> offload/deepspeed, .../torch
+    errors: dict[str, str] = field(default_factory=dict)  # "variant/side" -> why it did not run
+    samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+
+def _timed(forward: Any, backward: Any, step: Any, b: StepBench, world: int, rank: int, device: str
+           ) -> tuple[list[float], dict[str, list[float]]]:
+    steps, phases = [], {p: [] for p in PHASES}
+    for i, tokens in enumerate(_batches(b, b.warmup + b.steps, b.micro * world)):
+        rows = tokens[rank * b.micro:(rank + 1) * b.micro].to(device)
+        marks = [time.perf_counter()]
+        for fn in (lambda: forward(rows), backward, step):
+            fn()
+            _sync(b.device)
+            marks.append(time.perf_counter())
+        if i >= b.warmup:
+            steps.append(marks[-1] - marks[0])
+            for p, (a, z) in zip(PHASES, zip(marks, marks[1:])):
+                phases[p].append(z - a)
+    return steps, phases
+
+
+def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_path: str) -> dict[str, Any]:
+    """One rank of one side: build the GPT (seed 0), the engine from ``config_path``, time the steps."""
+    from offload.models import GPT
+    b = StepBench(**bench)
+    torch.manual_seed(0)
+    model = GPT(b.model_config())
+    started = time.perf_counter()
+    loss: list[torch.Tensor] = []
+    if side == "torch":
+        model = model.to(b.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        autocast = torch.autocast(b.device, dtype=torch.bfloat16, enabled=b.dtype == "bf16")
+        name = "torch AdamW (fused)"
+
+        def forward(rows: torch.Tensor) -> None:
+            with autocast:
+                loss[:] = [model(rows[:, :-1], rows[:, 1:])]
+
+        def backward() -> None:
+            loss[0].backward()
+
+        def step() -> None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        device = b.device
+    else:
+        if side == "deepspeed":
+            import deepspeed
+            deepspeed.init_distributed(dist_backend="gloo" if b.device == "cpu" else "nccl")
+            engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                           config=config_path)
+            name = type(getattr(optimizer, "optimizer", optimizer)).__name__
+        else:
+            import offload
+            engine, optimizer, _, _ = offload.initialize(model=model, config=config_path)
+            name = f"offload native Adam ({engine.step_mode})"
+        device = str(engine.device) if side == "deepspeed" else str(engine.accel.device)
+
+        def forward(rows: torch.Tensor) -> None:
+            loss[:] = [engine(rows[:, :-1], rows[:, 1:])]
+
+        def backward() -> None:
+            engine.backward(loss[0])
+
+        def step() -> None:
+            engine.step()
+    start_s = time.perf_counter() - started
+    steps, phases = _timed(forward, backward, step, b, world, rank, device)
+    peak_device = torch.cuda.max_memory_allocated() if b.device == "cuda" else 0
+    return asdict(SideRun(steps, phases, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak_device,
+                          start_s, name))
+
+
+def run(b: StepBench, out_dir: Path, log: TextIO | None = None) -> VersusResult:
+    """Alternating rounds of torch, offload and DeepSpeed per variant; raises RuntimeError without DeepSpeed."""
+    version = deepspeed_version()
+    if version is None:
+        raise RuntimeError(INSTALL)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // b.world)
+    env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""} if b.device == "cpu" else {}
+    configs = {}
+    for name, where in variants(b).items():
+        path = out_dir / f"config-{name}.json"
+        path.write_text(json.dumps(shared_config(b, where), indent=2))
+        configs[name] = str(path)
+    result = VersusResult(asdict(b), b.model_config().num_parameters, version, configs)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {v: {s: [] for s in SIDES} for v in configs}
+    for r in range(b.repeats):
+        for name, path in configs.items():
+            for side in SIDES:
+                if side == "torch" and name != next(iter(configs)) and runs[next(iter(configs))]["torch"]:
+                    runs[name]["torch"] = runs[next(iter(configs))]["torch"]  # one torch run serves every variant
+                    continue
+                key = f"{name}/{side}"
+                if key in result.errors:
+                    continue
+                try:
+                    ranks = run_ranks(_side_rank, b.world, timeout=3600, threads=threads, env=env, side=side,
+                                      bench=asdict(b), config_path=path)
+                except RankError as e:
+                    result.errors[key] = str(e).strip().splitlines()[-1]
+                    if log:
+                        print(f"  {key} failed: {result.errors[key]}", file=log, flush=True)
+                    continue
+                first = dict(ranks[0])
+                first["step_s"] = [max(ts) for ts in zip(*(rank["step_s"] for rank in ranks))]
+                first["peak_rss"] = max(rank["peak_rss"] for rank in ranks)
+                runs[name][side].append(first)
+            if log:
+                print(f"  round {r + 1}/{b.repeats} {name}: " + ", ".join(
+                    f"{s} {statistics.median(x for run in runs[name][s] for x in run['step_s']):.3f} s"
+                    for s in SIDES if runs[name][s]), file=log, flush=True)
+    for name in configs:
+        result.table[name], result.samples[name] = {}, {}
+        for side in SIDES:
+            done = runs[name][side]
+            if not done:
+                continue
+            steps = [x for run in done for x in run["step_s"]]
+            row: dict[str, Any] = {"step_s": statistics.median(steps), "spread_s": [min(steps), max(steps)]}
+            row |= {f"{p}_s": statistics.median(x for run in done for x in run["phases_s"][p]) for p in PHASES}
+            row |= {"peak_rss": max(run["peak_rss"] for run in done),
+                    "peak_device": max(run["peak_device"] for run in done),
+                    "start_s": done[0]["start_s"], "optimizer": done[0]["optimizer"]}
+            result.table[name][side] = row
+            result.samples[name][side] = steps
+        t = {s: result.table[name][s]["step_s"] for s in result.table[name]}
+        result.ratios[name] = {f"offload/{s}": t["offload"] / t[s] for s in ("deepspeed", "torch")
+                               if "offload" in t and s in t}
+        if "deepspeed" in t and "torch" in t:
+            result.ratios[name]["deepspeed/torch"] = t["deepspeed"] / t["torch"]
+    (out_dir / "step-vs-deepspeed.json").write_text(json.dumps(asdict(result), indent=2))
+    return result
+
+
+def print_table(result: VersusResult, out: TextIO) -> None:
+    b = result.bench
+    print(f"GPT {result.params / 1e6:.1f}M ({b['layers']} x {b['hidden']}, vocabulary {b['vocab']}, seq {b['seq']}, "
+          f"micro-batch {b['micro']}), {b['dtype']}, W = {b['world']}, {b['device']}; DeepSpeed {result.deepspeed}; "
+          f"median of {b['repeats']} rounds x {b['steps']} steps (min-max)", file=out)
+    for name, sides in result.table.items():
+        print(f"\n{name}: params and optimizer on {'NVMe' if name == 'nvme' else 'the host'} "
+              f"(both read {result.configs[name]})", file=out)
+        print(f"  {'side':10s} {'step s':>8s} {'min-max':>15s} {'forward':>8s} {'backward':>8s} {'step':>7s} "
+              f"{'peak RSS':>9s} {'start s':>8s}  optimizer", file=out)
+        for side, row in sides.items():
+            lo, hi = row["spread_s"]
+            print(f"  {side:10s} {row['step_s']:8.3f} {f'{lo:.3f}-{hi:.3f}':>15s} {row['forward_s']:8.3f} "
+                  f"{row['backward_s']:8.3f} {row['optimizer_s']:7.3f} {row['peak_rss'] / 2**30:8.2f}G "
+                  f"{row['start_s']:8.1f}  {row['optimizer']}", file=out)
+        ratios = result.ratios.get(name, {})
+        if ratios:
+            print("  " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()), file=out)
+    for key, why in result.errors.items():
+        print(f"\n{key} did not run: {why}", file=out)

@@ -1,0 +1,55 @@
+"""`offload bench step --baseline deepspeed`: one config read by both engines, a clear exit without DeepSpeed, and
+the whole side-by-side run on a tiny model where DeepSpeed is installed (`./dev.sh deepspeed` installs it)."""
+
+import json
+
+import pytest
+
+from offload.bench import versus
+from offload.bench.step import StepBench
+from offload.cli import main
+from offload.config import Config
+
+TINY = ["--world", "1", "--hidden", "64", "--layers", "2", "--seq", "32", "--vocab", "512", "--micro", "2",
+        "--steps", "2", "--rounds", "1"]
+
+
+def test_without_deepspeed_the_command_says_how_to_install_it_and_exits_2(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(versus, "deepspeed_version", lambda: None)
+    assert main(["bench", "step", "--baseline", "deepspeed", *TINY, "--out", str(tmp_path / "s.json")]) == 2
+    err = capsys.readouterr().err
+    assert "DeepSpeed is not installed" in err and "pip install --no-deps deepspeed" in err
+    assert "./dev.sh deepspeed" in err and not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+@pytest.mark.parametrize("where", ["cpu", "nvme"])
+def test_the_shared_config_is_deepspeed_format_and_offload_runs_it_as_written(where, tmp_path):
+    bench = StepBench(offload="nvme" if where == "nvme" else "cpu", nvme_path=str(tmp_path), world=1)
+    raw = versus.shared_config(bench, where)
+    assert "offload" not in raw  # nothing only one of the engines would read
+    config = Config.load(json.loads(json.dumps(raw))).resolve(world_size=1)
+    zero = config.zero_optimization
+    assert zero.stage == 3 and zero.offload_param.device == zero.offload_optimizer.device == where
+    assert config.gradient_clipping == 1.0 and config.train_micro_batch_size_per_gpu == bench.micro
+    assert list(versus.variants(bench)) == (["host", "nvme"] if where == "nvme" else ["host"])
+
+
+@pytest.mark.skipif(versus.deepspeed_version() is None, reason="DeepSpeed is not installed (./dev.sh deepspeed)")
+def test_side_by_side_runs_all_three_from_one_config_file(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--baseline", "deepspeed", *TINY, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((tmp_path / "step-vs-deepspeed.json").read_text())
+    assert not result["errors"], result["errors"]
+    path = result["configs"]["host"]
+    bench = StepBench(**{k: tuple(v) if k == "stages" else v for k, v in result["bench"].items()})
+    assert json.loads(open(path).read()) == versus.shared_config(bench, "cpu")
+    sides = result["table"]["host"]
+    assert set(sides) == {"torch", "offload", "deepspeed"}
+    for row in sides.values():
+        assert row["step_s"] > 0 and row["peak_rss"] > 0
+        assert row["spread_s"][0] <= row["step_s"] <= row["spread_s"][1]
+    assert "DeepSpeed" in sides["deepspeed"]["optimizer"] or "Adam" in sides["deepspeed"]["optimizer"]
+    ratios = result["ratios"]["host"]
+    assert ratios["offload/deepspeed"] == pytest.approx(sides["offload"]["step_s"] / sides["deepspeed"]["step_s"])
+    assert "offload/deepspeed" in printed and path in printed
