@@ -1,7 +1,8 @@
 """`offload bench all`: every benchmark this machine supports, in one run, into one JSON and one summary plot.
 
 Each benchmark keeps its own baseline (torch's fused AdamW for adam, the other engine,
-checksums off and fio for nvme, plain PyTorch for step, pageable memory for pcie) and
+checksums off and fio for nvme, plain PyTorch for step and DeepSpeed's ZeRO-3 beside it
+where DeepSpeed is installed, pageable memory for pcie) and
 the summary collects the headline ratio of each: what a reader compares across machines
 is the ratio, never the absolute figure. ``--quick`` shrinks every size and runs only the
 headline variants, so the whole run takes well under a minute here (a smoke test of the
@@ -18,14 +19,14 @@ from typing import Any, TextIO
 
 import torch
 
-from offload.bench import adam, nvme, pcie, step
+from offload.bench import adam, nvme, pcie, step, versus
 
 
 @dataclass
 class Headline:
     bench: str
     what: str
-    ratio: float  # > 1: better than the baseline, except step (offload / torch time: lower is better)
+    ratio: float  # > 1: better than the baseline, except step (offload / baseline time: lower is better)
     baseline: str
 
 
@@ -80,6 +81,19 @@ def run_all(path: Path, out_dir: Path, quick: bool, stream: TextIO) -> SuiteResu
         step.print_table(res, stream)
         suite.results[f"step_{where}"] = asdict(res)
         suite.headlines.append(Headline("step", f"offload {where} / torch step time", res.ratio, "plain PyTorch"))
+    if versus.deepspeed_version() is not None:
+        section("step: offload beside DeepSpeed ZeRO-3, params and optimizer on the host and on NVMe")
+        small = dict(hidden=128, layers=2, seq=64, micro=2, steps=2, repeats=1) if quick else {}
+        bench = step.StepBench(offload="nvme", nvme_path=str(path), world=1, **small)
+        vs = versus.run(bench, out_dir / "versus", log=stream)
+        versus.print_table(vs, stream)
+        suite.results["step_vs_deepspeed"] = asdict(vs)
+        for name, ratios in vs.ratios.items():
+            if "offload/deepspeed" in ratios:
+                suite.headlines.append(Headline("step", f"offload / DeepSpeed step time, {name}",
+                                                ratios["offload/deepspeed"], "DeepSpeed ZeRO-3"))
+    else:
+        print("\n(DeepSpeed is not installed: no side-by-side with it; ./dev.sh deepspeed installs it)", file=stream)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "all.json").write_text(json.dumps(asdict(suite), indent=2))
     plot(suite, out_dir / "summary.png")

@@ -162,6 +162,8 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
     start_s = time.perf_counter() - started
     steps, phases = _timed(forward, backward, step, b, world, rank, device)
     peak_device = torch.cuda.max_memory_allocated() if b.device == "cuda" else 0
+    if side == "offload":
+        engine.close()  # its swap files go with it
     return asdict(SideRun(steps, phases, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak_device,
                           start_s, name))
 
