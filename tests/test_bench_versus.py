@@ -35,9 +35,11 @@ def test_the_shared_config_is_deepspeed_format_and_offload_runs_it_as_written(wh
 
 
 @pytest.mark.skipif(versus.deepspeed_version() is None, reason="DeepSpeed is not installed (./dev.sh deepspeed)")
-def test_side_by_side_runs_all_three_from_one_config_file(tmp_path, capsys):
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_side_by_side_runs_all_three_from_one_config_file(tmp_path, capsys, world):
     out = tmp_path / "step.json"
-    assert main(["bench", "step", "--baseline", "deepspeed", *TINY, "--out", str(out)]) == 0
+    args = [*TINY[:TINY.index("--world")], "--world", world, *TINY[TINY.index("--world") + 2:]]
+    assert main(["bench", "step", "--baseline", "deepspeed", *args, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads((tmp_path / "step-vs-deepspeed.json").read_text())
     assert not result["errors"], result["errors"]

@@ -3,9 +3,10 @@
 For each variant (params and optimizer on the host; with ``--offload nvme`` both on
 NVMe too) one config is written once, in DeepSpeed's format, which offload reads as it
 is, and both engines are built from that same file, so a reader sees they ran the same
-thing. Each side runs in its own processes (W gloo ranks, cores/W threads each) on the
-same GPT, seed and batches; rounds alternate torch, offload, DeepSpeed, so drift of the
-shared machine falls on all three alike. Forward, backward and step are timed from
+thing. Each side runs in its own processes (W gloo ranks, cores/W threads each; torch one
+process on the whole global batch) on the same GPT, seed and batches; rounds alternate
+torch, offload, DeepSpeed, so drift of the shared machine falls on all three alike.
+Forward, backward and step are timed from
 outside (synchronised on a GPU), the same way for every side; each figure is a median
 over rounds x steps, with its spread. Peak RSS is the largest rank's.
 
@@ -21,7 +22,7 @@ import os
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -192,9 +193,11 @@ def run(b: StepBench, out_dir: Path, log: TextIO | None = None) -> VersusResult:
                 key = f"{name}/{side}"
                 if key in result.errors:
                     continue
+                # torch is one process on the whole global batch (the same rows), as a PyTorch user runs it
+                world, bench = (1, replace(b, micro=b.micro * b.world, world=1)) if side == "torch" else (b.world, b)
                 try:
-                    ranks = run_ranks(_side_rank, b.world, timeout=3600, threads=threads, env=env, side=side,
-                                      bench=asdict(b), config_path=path)
+                    ranks = run_ranks(_side_rank, world, timeout=3600, threads=threads * b.world // world, env=env,
+                                      side=side, bench=asdict(bench), config_path=path)
                 except RankError as e:
                     result.errors[key] = str(e).strip().splitlines()[-1]
                     if log:
