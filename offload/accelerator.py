@@ -172,18 +172,15 @@ class WorkerStream:
 # [Note: streams at exit] A script may end without closing its engine while a stream still has work queued
 # (an overlapped step's Adam and copies back, say). Python then finalizes with the daemon thread inside a torch op,
 # and the op's next GIL acquisition unwinds through C++ that may not unwind: the process aborts ("terminate called
-# without an active exception"). So at exit every live stream runs what it was given and stops first; the streams
-# are stopped together because one may be waiting on another's event.
+# without an active exception"). So at exit every live stream runs what it was given and stops first (one waiting on
+# another's event is released by it: the other keeps running until its own stop, which comes after all its work).
 _LIVE_STREAMS: weakref.WeakSet[WorkerStream] = weakref.WeakSet()
 
 
 @atexit.register
 def _finish_streams_at_exit() -> None:
-    streams = [s for s in _LIVE_STREAMS if s._thread.is_alive()]
-    for stream in streams:
-        stream._queue.put(("stop", None))
-    for stream in streams:
-        stream._thread.join()
+    for stream in list(_LIVE_STREAMS):
+        stream.close()
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -141,12 +141,12 @@ class StepResult:
     memory: dict[str, dict[str, int]] = field(default_factory=dict)  # per variant: rank 0's bytes per tier (accounting)
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
 
 
-def _batches(b: StepBench, n: int, rows: int) -> list[torch.Tensor]:
+def batches(b: StepBench, n: int, rows: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(0, b.vocab, (rows, b.seq + 1), generator=gen) for _ in range(n)]
 
@@ -176,16 +176,16 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
               "activation_checkpointing": {"cpu_checkpointing": b.checkpointing == "cpu"}}
     engine, *_ = offload.initialize(model=model, config=config)
     times = []
-    for i, tokens in enumerate(_batches(b, b.warmup + b.steps, b.micro * world)):
+    for i, tokens in enumerate(batches(b, b.warmup + b.steps, b.micro * world)):
         rows = tokens[rank * b.micro:(rank + 1) * b.micro].to(engine.accel.device)
         if i == b.warmup:
             engine.telemetry.reset()
             engine.telemetry.start_trace()
-        _sync(b.device)
+        sync(b.device)
         t0 = time.perf_counter()
         engine.backward(engine(rows[:, :-1], rows[:, 1:]))
         engine.step()
-        _sync(b.device)
+        sync(b.device)
         if i >= b.warmup:
             times.append(time.perf_counter() - t0)
     peak = engine.accel.memory_stats().peak_allocated if b.device == "cuda" else 0
@@ -213,9 +213,9 @@ def _torch_steps(b: StepBench) -> tuple[list[float], int]:
     if b.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for i, tokens in enumerate(_batches(b, b.warmup + b.steps, b.micro * b.world)):
+    for i, tokens in enumerate(batches(b, b.warmup + b.steps, b.micro * b.world)):
         tokens = tokens.to(b.device)
-        _sync(b.device)
+        sync(b.device)
         t0 = time.perf_counter()
         with autocast:
             loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -223,7 +223,7 @@ def _torch_steps(b: StepBench) -> tuple[list[float], int]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        _sync(b.device)
+        sync(b.device)
         if i >= b.warmup:
             times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() if b.device == "cuda" else 0

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 
 import torch
 
-from offload.bench.step import StepBench, _batches, _sync
+from offload.bench.step import StepBench, batches, sync
 from offload.launch import RankError, run_ranks
 
 INSTALL = ("DeepSpeed is not installed in this environment. Install it beside the torch already here (its own "
@@ -99,12 +99,12 @@ class VersusResult:
 def _timed(forward: Any, backward: Any, step: Any, b: StepBench, world: int, rank: int, device: str
            ) -> tuple[list[float], dict[str, list[float]]]:
     steps, phases = [], {p: [] for p in PHASES}
-    for i, tokens in enumerate(_batches(b, b.warmup + b.steps, b.micro * world)):
+    for i, tokens in enumerate(batches(b, b.warmup + b.steps, b.micro * world)):
         rows = tokens[rank * b.micro:(rank + 1) * b.micro].to(device)
         marks = [time.perf_counter()]
         for fn in (lambda: forward(rows), backward, step):
             fn()
-            _sync(b.device)
+            sync(b.device)
             marks.append(time.perf_counter())
         if i >= b.warmup:
             steps.append(marks[-1] - marks[0])
@@ -183,12 +183,12 @@ def run(b: StepBench, out_dir: Path, log: TextIO | None = None) -> VersusResult:
         path.write_text(json.dumps(shared_config(b, where), indent=2))
         configs[name] = str(path)
     result = VersusResult(asdict(b), b.model_config().num_parameters, version, configs)
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {v: {s: [] for s in SIDES} for v in configs}
+    torch_runs: list[dict[str, Any]] = []  # one torch run per round serves every variant: it has no placement
+    runs = {v: {"torch": torch_runs, "offload": [], "deepspeed": []} for v in configs}
     for r in range(b.repeats):
         for name, path in configs.items():
             for side in SIDES:
-                if side == "torch" and name != next(iter(configs)) and runs[next(iter(configs))]["torch"]:
-                    runs[name]["torch"] = runs[next(iter(configs))]["torch"]  # one torch run serves every variant
+                if side == "torch" and len(torch_runs) > r:
                     continue
                 key = f"{name}/{side}"
                 if key in result.errors:

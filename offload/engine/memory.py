@@ -38,8 +38,7 @@ class MemoryAccount:
         stages 0-1 keep in .grad until the last micro-batch, and the optimizer state and fp32 gradient
         accumulators when the optimizer is not offloaded."""
         parts = {"parameters" if self.stage.resident_params else "shards": sum(
-            u.full.numel() * u.full.element_size() if u.resident and not u.in_place
-            else self.params.device_nbytes(u.index)
+            u.full.numel() * u.full.element_size() if u.resident else self.params.device_nbytes(u.index)
             for u in self.units)}
         if not self.stage.reduce_every_micro_batch:
             parts["gradients (whole, in .grad)"] = self.compute_dtype.itemsize * sum(

@@ -101,24 +101,25 @@ class ParamStore:
             else:
                 shard.device = torch.empty(numel, dtype=self.dtype, device=self.accel.device)
                 shard.device.copy_(values)
-            if host_copy and self.host_is_device and not self.keep_host_copies:
-                shard.host = shard.device
+            if host_copy:  # read in place, the device shard is its own host copy
+                shard.host = shard.device if self.in_place(index) else self._host_copy(values)
         elif home is Home.HOST:
             if device_view is not None:
-                assert self.host_is_device, "only a CPU compute device reads a host shard in place"
+                assert self.in_place(index), "only a CPU compute device reads a host shard in place"
                 shard.host = device_view
             else:
-                shard.host = self.accel.host_buffer(numel, self.dtype)[0]
-                shard.host.copy_(values)
+                shard.host = self._host_copy(values)
             if not host_copy:
                 self.host_budget.take(round_up(numel * self.dtype.itemsize), HOST_PARAMS)
-        if home is Home.DEVICE and host_copy and shard.host is None:
-            shard.host = self.accel.host_buffer(numel, self.dtype)[0]
-            shard.host.copy_(values)
-        if home is Home.NVME:
+        else:
             assert self.swap is not None
             self.swap.overwrite(index, values.to(self.dtype).cpu())
         self.shards[index] = shard
+
+    def _host_copy(self, values: torch.Tensor) -> torch.Tensor:
+        host = self.accel.host_buffer(values.numel(), self.dtype)[0]
+        host.copy_(values)
+        return host
 
     # ----------------------------------------------------------------- facts
 

@@ -82,8 +82,7 @@ class ZeroRuntime:
         self.swap = units[0].params.swap if units else None  # the NVMe-homed shards' reads, run ahead of gathers
         self.prefetch = PrefetchTrace(prefetch_elements)
         self.prefetched_gathers = 0  # gathers issued ahead of use
-        # elements gathered now (or being gathered); a unit read in place holds nothing beyond its shard
-        self.live = sum(u.padded for u in units if u.resident and not u.in_place)
+        self.live = sum(u.padded for u in units if u.resident)  # elements gathered now (or being gathered)
         self.peak_live = self.live
         self.reduce_grads = True  # this backward reduces the gradients it produces (see [Note: stages])
         self.gathers = 0
@@ -91,7 +90,7 @@ class ZeroRuntime:
         self._acquired: dict[int, list[list[Unit]]] = {}  # per module: the units each running forward holds
         self._handles: list[RemovableHandle] = []
         for unit in units:
-            unit.persistent = unit.resident or unit.numel <= persistence_threshold
+            unit.persistent = unit.keeps_full or unit.numel <= persistence_threshold
         self._install(model)
 
     # ----------------------------------------------------------------- hooks
@@ -319,7 +318,7 @@ class ZeroRuntime:
     def spread_partitions(self) -> None:
         """Stages 0-2, after a step: every resident unit's new partitions all-gathered, in unit order."""
         for unit in self.units:
-            if unit.resident and not unit.in_place:
+            if unit.resident:
                 with self.telemetry.span("all_gather", unit.name):
                     unit.spread_partition()
                 self.telemetry.add_bytes("all_gather", _wire_bytes(unit.padded * unit.dtype.itemsize,

@@ -52,12 +52,12 @@ class Unit:
         self.dtype = dtype
         if in_place and group.world != 1:
             raise ValueError(f"unit {plan.name!r}: only a unit that needs no gather (W = 1) is read in place")
-        self.resident = resident or in_place
+        self.resident = resident
         self.in_place = in_place
         self.params = params
         self.full = torch.empty(self.padded, dtype=dtype, device=device)
         self._full_bytes = self.full.untyped_storage().nbytes()
-        self.state = UnitState.UNSHARDED if self.resident else UnitState.SHARDED
+        self.state = UnitState.UNSHARDED if self.keeps_full else UnitState.SHARDED
         self.holders = 0  # forwards currently running inside one of this unit's anchors
         self.persistent = False
         self.prefetched = False  # gathered ahead of use by the prefetcher and not used since
@@ -69,8 +69,13 @@ class Unit:
         self.backward_active = False  # gathered for a backward that has not finished with it
         for s in self.slots:
             s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
-        if not self.resident:
+        if not self.keeps_full:
             self.full.untyped_storage().resize_(0)
+
+    @property
+    def keeps_full(self) -> bool:
+        """``full`` holds memory for good (resident, or read in place): never gathered or released."""
+        return self.resident or self.in_place
 
     @staticmethod
     def padded_numel(plan: UnitPlan, world: int) -> int:
@@ -92,11 +97,11 @@ class Unit:
         return flat
 
     def load_initial(self, values: torch.Tensor, host_copy: bool = False) -> None:
-        """Take the unit's starting values (``initial_values``, the same on every rank): the whole buffer when
-        resident; this rank's shard goes to the parameter store (``host_copy``: see ``ParamStore.add``)."""
+        """Take the unit's starting values (``initial_values``, the same on every rank): the whole buffer when it
+        keeps one; this rank's shard goes to the parameter store (``host_copy``: see ``ParamStore.add``)."""
         shard = values[self.shard_start:self.shard_start + self.shard_numel]
         view = None
-        if self.resident:
+        if self.keeps_full:
             self.full.copy_(values)
             view = self.full[self.shard_start:self.shard_start + self.shard_numel]
         self.params.add(self.index, self.name, shard, device_view=view, host_copy=host_copy)
@@ -152,8 +157,8 @@ class Unit:
 
     def reshard(self) -> bool:
         """UNSHARDED (or GATHERING, after waiting) -> SHARDED (frees the gathered buffer); idempotent,
-        returns whether it freed. A resident unit is never released."""
-        if self.state is UnitState.SHARDED or self.resident:
+        returns whether it freed. A unit that keeps its buffer (resident, in place) is never released."""
+        if self.state is UnitState.SHARDED or self.keeps_full:
             return False
         if self.state is UnitState.GATHERING:
             self.finish_unshard()  # the collective must complete on every rank before its buffer goes
@@ -166,7 +171,7 @@ class Unit:
         so the model cannot be handed to another engine by mistake); stages 0-2 keep their resident buffers."""
         if self.state is UnitState.GATHERING:
             self.finish_unshard()
-        if self.in_place or not self.resident:
+        if not self.resident:
             self.full.untyped_storage().resize_(0)
             self.state = UnitState.SHARDED
 
