@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from offload.buffers import AlignedBuffer
+from offload.sync_ledger import Role, SyncLedger, acting_as
 
 
 class Event(Protocol):
@@ -129,6 +130,10 @@ class WorkerStream:
         _LIVE_STREAMS.add(self)
 
     def _loop(self) -> None:
+        with acting_as(Role.WORKER):
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             kind, item = self._queue.get()
             if kind == "stop":
@@ -255,6 +260,7 @@ class Accelerator:
         self.host_is_device = not self.is_cuda and not discrete  # compute reads host memory where it lies
         self._streams: list[CopyStream] = []
         self._host_buffers: list[AlignedBuffer] = []  # unpinned at close()
+        self.ledger = SyncLedger()  # every host-blocking wait, by who waited (see [Note: sync ledger])
 
     @property
     def dist_backend(self) -> str:
@@ -286,6 +292,22 @@ class Accelerator:
             torch.cuda.current_stream(self.device).wait_event(event.event)
         else:
             event.synchronize()  # a WorkEvent on CUDA: Work.wait makes the current stream wait
+
+    def wait(self, event: Event, what: str) -> None:
+        """Block the calling thread until ``event`` completes; ``what`` names it in the ledger. Every host-blocking
+        wait of the engine goes through here, so the ledger sees it (see [Note: sync ledger])."""
+        self.ledger.block(what)
+        event.synchronize()
+
+    def drain(self, stream: CopyStream, what: str) -> None:
+        """Block until everything enqueued on ``stream`` has run (re-raises its first failure); counted as ``wait``."""
+        self.ledger.block(what)
+        stream.synchronize()
+
+    def read_scalars(self, values: torch.Tensor, what: str) -> list[float]:
+        """A small device tensor's values in Python: one device-to-host sync on a GPU, counted in the ledger."""
+        self.ledger.scalar_read(what)
+        return [float(v) for v in values.tolist()]
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, AlignedBuffer]:
         """Page-aligned host memory, pinned when a GPU is the compute device (async copies need it); it lives

@@ -59,7 +59,7 @@ def test_engine_timeline_has_every_thread_and_opens_as_chrome_trace(tmp_path, mo
     # A CPU run's D2H copies run on the emulated copy stream's thread; a GPU run's are issued (onto a CUDA
     # stream) by the gradient hooks, which run on autograd's device thread.
     assert by_phase["d2h"] == ({AUTOGRAD_THREAD} if engine.accel.is_cuda else {"offload-d2h"})
-    assert by_phase["accumulate"] == {"offload-grad-accumulate"}
+    assert by_phase["accumulate"] == {"offload-grad-land"}
     assert any(e["name"].startswith("gather (") for e in spans)  # labelled with the unit
     assert share is not None and 0.0 <= share <= 1.0
 

@@ -124,7 +124,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         param_swap = ParamSwap(nvme_params, compute_dtype, swap=swaps.at(zero.offload_param.nvme_path),
                                rank=group.rank, host=host_budget, nvme=nvme_budget,
                                buffer_count=zero.offload_param.buffer_count, pin=accel.is_cuda,
-                               telemetry=telemetry) if nvme_params else None
+                               telemetry=telemetry, ledger=accel.ledger) if nvme_params else None
         params = ParamStore(accel, compute_dtype, placement.homes, swap=param_swap, host=host_budget,
                             telemetry=telemetry, keep_host_copies=any(g.tier == "nvme" for g in placement.groups))
         undo.callback(params.close)

@@ -33,6 +33,7 @@ from offload.engine import errors
 from offload.engine.errors import EngineError
 from offload.optim.loss_scale import LossScaler, gradient_factor
 from offload.store.param_swap import ParamSwapError
+from offload.sync_ledger import Role, acting_as
 from offload.telemetry import PhaseReport
 from offload.zero.collectives import Group, all_reduce_sum
 from offload.zero.stage import Stage
@@ -97,7 +98,7 @@ class Engine:
         cast = torch.float16 if self.compute_dtype == torch.float16 and self.config.fp16.auto_cast else None
         args, kwargs = to_device((args, kwargs), self.accel.device, cast)
         try:
-            with self.telemetry.span("forward"):
+            with self.telemetry.span("forward"), acting_as(Role.FORWARD):
                 return self.module(*args, **kwargs)
         except RuntimeError as e:
             if "storage of size 0" not in str(e) and "data is not allocated" not in str(e):
@@ -118,9 +119,7 @@ class Engine:
         overlapped = self._overlap and last_micro
         self.runtime.reduce_grads = last_micro or self.stage.reduce_every_micro_batch
         if last_micro:
-            self.optimizer.read_state_ahead()
-        if overlapped:
-            self.optimizer.begin_overlap()
+            self.optimizer.last_backward_begins(overlap=overlapped)
         try:
             with self.telemetry.span("backward"):
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
@@ -201,10 +200,14 @@ class Engine:
     def _global_grad_sq_norm(self) -> tuple[float, int]:
         """The sum of squared gradients and the count of non-finite ones over every partition."""
         with self.telemetry.span("optimizer", "norm"):
-            sum_sq, nonfinite = self.optimizer.grad_sq_norm()
+            sum_sq, nonfinite = self.optimizer.grad_sq_norm()  # host shards' parts, mostly taken as they landed
             totals = torch.tensor([sum_sq, float(nonfinite)], dtype=torch.float64, device=self.accel.device)
+            on_device = self.optimizer.device_grad_sq_norm()
+            if on_device is not None:
+                totals += on_device
             all_reduce_sum(totals, self.partition)  # stage 0: every rank holds the whole gradient already
-            return float(totals[0]), int(totals[1])
+            sum_sq, nonfinite = self.accel.read_scalars(totals, "global gradient norm")  # the step's one sync
+            return sum_sq, int(nonfinite)
 
     def _report_every_steps_per_print(self) -> None:
         """wall_clock_breakdown and memory_breakdown: one log line each every steps_per_print steps."""

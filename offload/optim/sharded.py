@@ -4,17 +4,24 @@ With ``offload_optimizer.device: cpu`` all of it lives in host memory and the st
 is the native CPU Adam; otherwise it lives on the compute device (and on a CPU
 device it is still the native kernel).
 
-[Note: gradient stream] A unit's reduce-scattered gradient shard leaves the device as
-soon as it exists: the D2H copy stream waits for the compute stream's event, copies
-the shard into one of a few staging buffers, and a host thread waits for that copy
-and adds it into the fp32 accumulator. A staging buffer is reused only after the
-host thread has finished with it, so a slow host applies back-pressure instead of
-overwriting a buffer in flight. ``drain`` waits for all of it before the step reads
-the accumulators.
+[Note: gradients land] A unit's reduce-scattered gradient shard leaves the device as
+soon as it exists, and nothing on the way blocks autograd's thread (the sync ledger
+checks it: see offload/sync_ledger.py). Each unit has a landing buffer in host memory
+of its own: the backward hook makes the D2H copy stream wait for the reduction and copy
+the shard there, then hands the unit to the landing worker, a host thread that waits
+for the copy and adds the gradient into the fp32 accumulator. A landing buffer is busy
+until the worker has added what landed in it; with gradient accumulation the next
+micro-batch's gradient of that unit may find it so, and then the worker itself issues
+that copy once it is done (it runs in order), so autograd still never waits. When the
+compute device is the CPU the reduced shard already lies in host memory and the worker
+reads it there: no landing buffer, no copy. On the last micro-batch the worker also
+takes the shard's share of the global norm as it lands (the native norm over the same
+segments, combined in unit order after backward, so bitwise what a pass after backward
+gives). ``drain`` waits for all of it before the step reads the accumulators.
 
 [Note: overlapped step] When nothing global gates the update (no clipping, no fp16
 overflow check) the last micro-batch's backward runs each host-resident shard's Adam on
-the host thread right after its gradient lands, while backward goes on with earlier
+the landing worker right after its gradient lands, while backward goes on with earlier
 units; its new shard is copied back at once (the parameter store keeps the copy's event,
 which the unit's next gather waits for). An NVMe sub-group steps there too, once all of
 its units' gradients are in (see the store's [Note: NVMe sub-groups stepped during
@@ -46,7 +53,6 @@ from offload.aio.base import Engine
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import OptimizerStateStore, SubGroup
 from offload.store.param_store import Home, ParamStore
-from offload.store.placement import STAGING_BUFFERS
 from offload.store.swapdir import SwapDir
 
 
@@ -101,13 +107,16 @@ class ShardState:
     segments: list[Segment]
     gaps: list[tuple[int, int]] = field(default_factory=list)  # elements no segment covers (frozen, padding)
     phase: ShardPhase = ShardPhase.EMPTY
+    landing: torch.Tensor | None = None  # where the gradient lands from a separate device (host, compute dtype)
+    free: Event = field(default_factory=DoneEvent)  # the landing buffer is free once this completes
+    norm: list[native.SqNorm] | None = None  # the final gradient's norm per segment, taken as it landed
 
 
 @dataclass(kw_only=True)
 class StatePlan:
     """Where the optimizer state goes: ``device`` is offload_optimizer.device ("none", "cpu" or "nvme");
     ``groups`` the sub-groups with their tiers and ``step_buffers`` the host bytes of accumulators, parameter
-    copies and gradient staging, by part (both from offload/store/placement.py)."""
+    copies and gradient landing buffers, by part (both from offload/store/placement.py)."""
 
     device: str
     groups: list[SubGroup]
@@ -142,10 +151,12 @@ class ShardedAdam(torch.optim.Optimizer):
         self._nvme_units = {i for i, _ in sizes if params.home(i) is Home.NVME}
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
-        self._d2h = accel.copy_stream("d2h") if self.offload else None
-        self._host = accel.host_queue("grad-accumulate") if self.offload else None
-        self._staging: list[tuple[torch.Tensor, Event]] = []
-        self._next_staging = 0
+        # Gradients leave the device on a stream of their own (no D2H when host memory is the device's), and the
+        # landing worker adds them up (see [Note: gradients land]).
+        self._d2h = accel.copy_stream("d2h") if self.offload and not accel.host_is_device else None
+        self._land = accel.host_queue("grad-land") if self.offload else None
+        self._final = False  # the gradients now landing are the last micro-batch's: their norm is taken as they land
+        self.deferred_copies = 0  # gradients that found their landing buffer busy (the worker copied them)
         self._overlap: tuple[set[int], list[AdamHyper], int] | None = None  # units, hyperparameters, step
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         if self.offload and sizes:
@@ -155,12 +166,10 @@ class ShardedAdam(torch.optim.Optimizer):
                                          telemetry=self.telemetry)
 
     def _reserve_host(self, sizes: list[tuple[int, int]], parts: dict[str, int]) -> None:
-        """Account the host bytes of accumulators, copies and staging buffers (the plan sized them and checked
+        """Account the host bytes of accumulators, copies and landing buffers (the plan sized them and checked
         they fit)."""
         for what, nbytes in parts.items():
             self.host.take(nbytes, what)
-        largest = max(n for _, n in sizes)
-        self._staging = [(self._host_tensor(largest, self.compute_dtype), DoneEvent()) for _ in range(STAGING_BUFFERS)]
 
     def _host_tensor(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return self.accel.host_buffer(n, dtype)[0]
@@ -174,11 +183,14 @@ class ShardedAdam(torch.optim.Optimizer):
     def add_shard(self, index: int, name: str, master: torch.Tensor, segments: list[Segment]) -> None:
         """Own unit ``index``'s optimizer state; ``master`` is its fp32 shard (host). Units arrive in order."""
         n = master.numel()
+        landing = None
         if self.offload:
             grad = self._host_tensor(n, torch.float32)
+            if self._d2h is not None:
+                landing = self._host_tensor(n, self.compute_dtype)
         else:
             grad = torch.zeros(n, dtype=torch.float32, device=self.accel.device)
-        self.shards[index] = ShardState(index, name, grad, segments, _gaps(segments, n))
+        self.shards[index] = ShardState(index, name, grad, segments, _gaps(segments, n), landing=landing)
         self.store.init_member(index, master)
 
     def master_of(self, index: int) -> torch.Tensor:
@@ -205,79 +217,118 @@ class ShardedAdam(torch.optim.Optimizer):
     def accumulate(self, index: int, shard_grad: torch.Tensor, scale: float, ready: Event | None = None,
                    keep: torch.Tensor | None = None) -> None:
         """Add ``scale`` x the reduce-scattered gradient shard into unit ``index``'s fp32 accumulator, once
-        ``ready`` (the reduce-scatter) completes; ``keep`` (its input) stays referenced until then."""
-        ready = ready if ready is not None else self.accel.compute_event()
+        ``ready`` (the reduction) completes; ``keep`` (its input) stays referenced until then. Called by backward's
+        hooks: it never blocks the calling thread (see [Note: gradients land])."""
         state = self.shards.get(index)
-        if state is None:
-            ready.synchronize()
-            return
-        if not self.offload:
+        if state is None or not self.offload:  # no optimizer state, or the state is on the compute device
             self.accel.compute_wait(ready)
-            _accumulate(state, shard_grad, scale, self.threads)
+            if state is not None:
+                _accumulate(state, shard_grad, scale, self.threads)
             return
-        assert self._d2h is not None and self._host is not None
-        slot = self._next_staging
-        self._next_staging = (slot + 1) % len(self._staging)
-        staging, free = self._staging[slot]
-        free.synchronize()  # the host thread is done with this buffer's previous gradient
-        stage = staging[:shard_grad.numel()]
+        assert self._land is not None
+        # Decided now, on the calling thread: the worker may still be adding an earlier micro-batch's gradients
+        # when the last one's backward begins, and those are neither final nor stepped.
+        final, overlap = self._final, self._overlap
+        refs = [shard_grad, keep]  # the device gradient lives until its copy (or, read in place, its add) is done
+        if self._d2h is None:  # host memory is the device's: the worker reads the reduced shard where it lies
+            self._land.run(lambda: self._landed(state, shard_grad, ready, scale, final, overlap, refs))
+        else:
+            assert state.landing is not None
+            landing = state.landing[:shard_grad.numel()]
+            if state.free.query():  # the worker is done with what last landed here: copy now
+                copied = self._copy_down(state, landing, shard_grad, ready)
+                self._land.run(lambda: self._landed(state, landing, copied, scale, final, overlap, refs))
+            else:  # still busy: the worker copies after it is done with the buffer (it runs in order)
+                self.deferred_copies += 1
+                self._land.run(lambda: self._landed(state, landing, self._copy_down(state, landing, shard_grad, ready),
+                                                    scale, final, overlap, refs))
+            self.telemetry.add_bytes("d2h", shard_grad.numel() * shard_grad.element_size())
+        state.free = self._land.record()
+
+    def _copy_down(self, state: ShardState, landing: torch.Tensor, shard_grad: torch.Tensor, ready: Event | None
+                   ) -> Event:
+        """Enqueue the D2H copy of a gradient into its landing buffer after ``ready``; returns the copy's event."""
+        assert self._d2h is not None
         tel = self.telemetry
 
         def copy() -> None:
             with tel.span("d2h", state.name):
-                stage.copy_(shard_grad, non_blocking=True)
+                landing.copy_(shard_grad, non_blocking=True)
 
-        def add() -> None:
-            if state.phase is ShardPhase.STEPPED:  # a half-applied step's shard: this step is done with it
-                del grad_ref[:]
-                return
-            with tel.span("accumulate", state.name):
-                _accumulate(state, stage, scale, self.threads)
-            del grad_ref[:]  # the device gradient may be freed now that its copy has been waited for
-            self._step_during_backward(index, overlap)
-
-        grad_ref = [shard_grad, keep]
-        # Whether this gradient belongs to the overlapped (last) micro-batch is decided now, on the training
-        # thread: the host thread may still be adding an earlier micro-batch's gradients when the last one's
-        # backward begins, and those must not step the shard.
-        overlap = self._overlap
-        self._d2h.wait_event(ready)
+        if ready is not None:
+            self._d2h.wait_event(ready)
         self._d2h.run(copy)
-        self._host.wait_event(self._d2h.record())
-        self._host.run(add)
-        tel.add_bytes("d2h", shard_grad.numel() * shard_grad.element_size())
-        self._staging[slot] = (staging, self._host.record())
+        return self._d2h.record()
+
+    def _landed(self, state: ShardState, grad: torch.Tensor, arrived: Event | None, scale: float, final: bool,
+                overlap: tuple[set[int], list[AdamHyper], int] | None, refs: list[Any]) -> None:
+        """On the landing worker: wait for the gradient, add it in, take its norm if final, step if overlapped."""
+        if arrived is not None:
+            self.accel.wait(arrived, "gradient landed")
+        del refs[:]  # a device gradient's copy is done: its memory may go
+        if state.phase is ShardPhase.STEPPED:  # a half-applied step's shard: this step is done with it
+            return
+        with self.telemetry.span("accumulate", state.name):
+            _accumulate(state, grad, scale, self.threads)
+        if final:
+            state.norm = [native.grad_sq_norm(state.grad[seg.start:seg.end], threads=self.threads)
+                          for seg in state.segments]
+        self._step_during_backward(state.index, overlap)
+
+    def last_backward_begins(self, overlap: bool) -> None:
+        """The coming backward is the last micro-batch's: its gradients are final as they land, so their norm is
+        taken then; the step's first NVMe reads start (see the store's [Note: reads ahead of the step]); with
+        ``overlap``, each shard's Adam runs as its gradient lands (see [Note: overlapped step])."""
+        self._final = True
+        self.store.read_ahead()
+        if overlap:
+            self.begin_overlap()
 
     def drain(self) -> None:
         """Wait until every gradient sent so far is in its accumulator (re-raises a failed copy)."""
-        if self._host is not None:
-            self._host.synchronize()
+        if self._land is not None:
+            self.accel.drain(self._land, "gradients drained")
 
     def clear_grads(self) -> None:
         self.drain()
         self._settle()
         self._nvme_error = None
+        self._final = False
         for state in self.shards.values():
             if state.phase is ShardPhase.HOLDING:
-                state.phase = ShardPhase.EMPTY
+                state.phase, state.norm = ShardPhase.EMPTY, None
 
     # ----------------------------------------------------------------- the step
 
     def grad_sq_norm(self) -> tuple[float, int]:
-        """This rank's sum of squared accumulated gradients and count of non-finite ones."""
+        """This rank's sum of squared accumulated gradients and count of non-finite ones: the parts taken as the
+        gradients landed, else one native pass per segment, combined in unit and segment order either way."""
         total, nonfinite = 0.0, 0
         for state in self.shards.values():
             if state.phase is ShardPhase.EMPTY:
                 continue
+            parts = state.norm
+            if parts is None and state.grad.device.type == "cpu":
+                parts = [native.grad_sq_norm(state.grad[seg.start:seg.end], threads=self.threads)
+                         for seg in state.segments]
+            if parts is not None:
+                for part in parts:
+                    total, nonfinite = total + part.sum_sq, nonfinite + part.nonfinite
+        return total, nonfinite
+
+    def device_grad_sq_norm(self) -> torch.Tensor | None:
+        """With the state on the compute device: [sum of squares, non-finite count] as a float64 tensor there, so
+        the step reads it once (None when the gradients are on the host)."""
+        on_device = [s for s in self.shards.values() if s.phase is not ShardPhase.EMPTY and s.grad.device.type != "cpu"]
+        if not on_device:
+            return None
+        totals = torch.zeros(2, dtype=torch.float64, device=self.accel.device)
+        for state in on_device:
             for seg in state.segments:
                 g = state.grad[seg.start:seg.end]
-                if g.device.type == "cpu":
-                    part = native.grad_sq_norm(g, threads=self.threads)
-                    total, nonfinite = total + part.sum_sq, nonfinite + part.nonfinite
-                else:
-                    total += float(g.double().square().sum())
-                    nonfinite += int((~torch.isfinite(g)).sum())
-        return total, nonfinite
+                totals[0] += g.double().square().sum()
+                totals[1] += (~torch.isfinite(g)).sum()
+        return totals
 
     def hyper(self, group: int) -> AdamHyper:
         g = self.param_groups[group]
@@ -306,10 +357,11 @@ class ShardedAdam(torch.optim.Optimizer):
             raise
         self.adam_steps = step
         self._overlap = None
+        self._final = False
         for index, state in self.shards.items():
             if self.offload and state.phase is not ShardPhase.STEPPED:
                 self.params.copy_back(index)
-            state.phase = ShardPhase.EMPTY
+            state.phase, state.norm = ShardPhase.EMPTY, None
         self.params.commit()  # a failure here leaves units stale, never the step half applied
 
     def _step_shard(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
@@ -341,11 +393,6 @@ class ShardedAdam(torch.optim.Optimizer):
             self.params.wrote(index)
 
     # ----------------------------------------------------------------- the step overlapped with backward
-
-    def read_state_ahead(self) -> None:
-        """The last micro-batch's backward begins: start the step's first NVMe reads (see the store's
-        [Note: reads ahead of the step])."""
-        self.store.read_ahead()
 
     def overlap_ready_units(self) -> set[int]:
         """Units whose step can run inside backward: their state is offloaded (on the host, or on NVMe and
@@ -413,7 +460,6 @@ class ShardedAdam(torch.optim.Optimizer):
         self.params.wait_copies_back()
         self.store.close()
         self.shards.clear()
-        self._staging.clear()
 
 
 def _gaps(segments: list[Segment], n: int) -> list[tuple[int, int]]:

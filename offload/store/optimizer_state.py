@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.accelerator import Accelerator
+from offload.sync_ledger import SyncLedger
 from offload.aio.base import Engine, RequestGroup
 from offload.buffers import AlignedBuffer, BufferPool, round_up
 from offload.store.two_slots import TwoSlotFile, layout
@@ -313,7 +314,7 @@ class OptimizerStateStore:
     def _new_pass(self) -> NvmePass:
         assert self._file is not None
         nvme = [g for g in reversed(self.groups) if g.tier == "nvme"]  # backward's order: last units first
-        return NvmePass(self._file, nvme, self._buffers, self.telemetry)
+        return NvmePass(self._file, nvme, self._buffers, self.telemetry, self.accel.ledger)
 
     # ----------------------------------------------------------------- lifetime
 
@@ -337,8 +338,8 @@ class NvmePass:
     A buffer is read into again only after its write has completed."""
 
     def __init__(self, file: TwoSlotFile, groups: list[SubGroup], buffers: list[AlignedBuffer],
-                 telemetry: Telemetry) -> None:
-        self.file, self.tel = file, telemetry
+                 telemetry: Telemetry, ledger: SyncLedger) -> None:
+        self.file, self.tel, self.ledger = file, telemetry, ledger
         self.upcoming: deque[SubGroup] = deque(groups)
         self.reading: deque[tuple[SubGroup, AlignedBuffer, object]] = deque()
         self.free: deque[tuple[AlignedBuffer, RequestGroup | None]] = deque((b, None) for b in buffers)
@@ -366,6 +367,7 @@ class NvmePass:
         g, buf, read = self.reading.popleft()
         self.taken[g.index] = (g, buf)
         with self.tel.span("nvme_wait", "read"):
+            self.ledger.block("optimizer state read")
             read.wait()  # type: ignore[attr-defined]
         g.resident = buf.view(torch.float32, KINDS * g.numel).view(KINDS, g.numel)
         return g
@@ -384,6 +386,7 @@ class NvmePass:
         """Wait for every write; the written slots become current."""
         with self.tel.span("nvme_wait", "write"):
             for _, write in self.released.values():
+                self.ledger.block("optimizer state written")
                 write.wait()  # type: ignore[attr-defined]
         for g, _ in self.released.values():
             self.file.flip(g.index)
@@ -429,6 +432,7 @@ class NvmePass:
             buf, write = self.free.popleft()
             if write is not None:
                 with self.tel.span("nvme_wait", "write"):
+                    self.ledger.block("optimizer state written")
                     write.wait()
             g = self.upcoming.popleft()
             read = self.file.read(g.index, buf.tensor)

@@ -244,7 +244,7 @@ class ParamStore:
     def wait_copies_back(self) -> None:
         """Every copy back has run (the next step rewrites the host copies they read)."""
         if self._h2d is not None:
-            self._h2d.synchronize()
+            self.accel.drain(self._h2d, "parameter copies back")
 
     def commit(self) -> None:
         """The step's NVMe shard writes become current (see [Note: parameter slots]); may raise ParamSwapError."""
@@ -258,7 +258,7 @@ class ParamStore:
 
     def close(self) -> None:
         if self._h2d is not None:
-            self._h2d.synchronize()
+            self.accel.drain(self._h2d, "parameter copies back")
         if self.swap is not None:
             self.swap.close()
             self.swap = None

@@ -43,6 +43,7 @@ from offload.buffers import AlignedBuffer, BufferPool, round_up
 from offload.store.budget import TierBudget
 from offload.store.swapdir import SwapDir
 from offload.store.two_slots import TwoSlotFile, layout
+from offload.sync_ledger import SyncLedger
 from offload.telemetry import Telemetry
 
 WRITE_BUFFERS = 2  # one being filled by Adam while the other is written
@@ -133,11 +134,12 @@ class ParamSwap:
 
     def __init__(self, sizes: list[tuple[int, int]], dtype: torch.dtype, *, swap: tuple[SwapDir, Engine],
                  rank: int, host: TierBudget, nvme: TierBudget, buffer_count: int, pin: bool,
-                 telemetry: Telemetry | None = None) -> None:
+                 telemetry: Telemetry | None = None, ledger: SyncLedger | None = None) -> None:
         """``sizes``: (unit index, shard elements) of the units homed on NVMe (the placement plan checked the
         budgets: offload/store/placement.py)."""
         self.dtype = dtype
         self.telemetry = telemetry or Telemetry()
+        self.ledger = ledger or SyncLedger()  # the accelerator's: every wait here is a host block
         self.homes, offset = plan_homes(sizes, dtype.itemsize)
         largest = max(h.nbytes for h in self.homes.values())
         buffers = param_buffer_bytes([h.numel for h in self.homes.values()], dtype.itemsize, buffer_count)
@@ -187,6 +189,7 @@ class ParamSwap:
         if copying:
             b = max(copying, key=lambda b: (self._distance(b), -b.order))
             assert b.copied is not None
+            self.ledger.block("parameter buffer copied")
             b.copied.synchronize()
             return self._claim(b)
         b = max(self._reads, key=lambda b: b.order)  # the read-ahead guessed furthest out
@@ -254,6 +257,7 @@ class ParamSwap:
                 self.stats.waits += 1
             try:
                 with self.telemetry.span("param_wait", str(unit)):
+                    self.ledger.block("parameter read")
                     try:
                         b.request.wait()
                     except SwapIOError:  # a read-ahead failed: read once more now, and report it if that fails too
@@ -320,6 +324,7 @@ class ParamSwap:
 
     def _settle(self, unit: int | None, pending: RequestGroup) -> None:
         with self.telemetry.span("nvme_wait", "param-write"):
+            self.ledger.block("parameter written")
             try:
                 pending.wait()
             except SwapIOError as e:

@@ -24,15 +24,13 @@ from offload.store.param_store import HOST_PARAMS, Home
 from offload.store.param_swap import WRITE_BUFFERS, param_buffer_bytes, place_params, plan_homes
 from offload.store.two_slots import layout
 
-STAGING_BUFFERS = 4  # gradient staging buffers between the device and the host accumulators
-
-
 def host_parts(sizes: list[tuple[int, int]], nvme_units: set[int], item: int) -> dict[str, int]:
     """Host bytes an offloaded optimizer reserves besides its state, by part: fp32 gradient accumulators,
-    compute-dtype copies of the new shards (not for shards homed on NVMe), and gradient staging buffers."""
+    compute-dtype copies of the new shards (not for shards homed on NVMe), and one compute-dtype landing buffer
+    per shard for its gradient (see [Note: gradients land] in offload/optim/sharded.py)."""
     return {"gradient accumulators": 4 * sum(n for _, n in sizes),
             "parameter copies": item * sum(n for i, n in sizes if i not in nvme_units),
-            "gradient staging": STAGING_BUFFERS * max(n for _, n in sizes) * item}
+            "gradient landing": item * sum(n for _, n in sizes)}
 
 
 @dataclass

@@ -1,0 +1,71 @@
+"""Gradients land without blocking backward, and change no result (see [Note: gradients land]).
+
+A separate device (emulated: ``OFFLOAD_EMULATED_DISCRETE_DEVICE``) copies each reduced gradient into the unit's
+landing buffer on the D2H stream; a CPU device lets the landing worker read it where it lies. Same arithmetic on
+the same values: the two train bitwise alike, with the copies lagging and gradients accumulated or not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine_cases import base_config, batches, loss_of, make_model, train_engine
+from offload import native
+from offload.launch import run_ranks
+from offload.optim.sharded import ShardPhase
+
+LAG = {"OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}  # implies a discrete device: every copy a GPU makes
+
+
+@pytest.mark.parametrize("world,accum", [(1, 1), (2, 4), (3, 1)])
+def test_landed_gradients_train_bitwise_as_gradients_read_in_place(world, accum):
+    config = base_config(2, accum, world, offload_param={"device": "cpu"})
+    kw = dict(name="gpt", config=config, steps=3, micro=2, accum=accum)
+    landed = run_ranks(train_engine, world, env=LAG, **kw)
+    in_place = run_ranks(train_engine, world, **kw)
+    for a, b in zip(landed, in_place):
+        assert a["losses"] == b["losses"]
+        for key, value in b["state"].items():
+            assert torch.equal(a["state"][key], value), key
+
+
+def test_the_norm_taken_as_gradients_land_is_bitwise_a_pass_after_backward(monkeypatch):
+    import offload
+    monkeypatch.setenv("OFFLOAD_EMULATED_COPY_DELAY_S", "0.002")
+    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 2, 1, clip=0.5))[0]
+    first, last = batches(2, 2)
+    engine.backward(loss_of(engine, "gpt", first))
+    engine.step()  # between micro-batches: nothing
+    engine.backward(loss_of(engine, "gpt", last))
+    engine.optimizer.drain()
+    shards = engine.optimizer.shards.values()
+    assert all(s.phase is ShardPhase.HOLDING and s.norm is not None for s in shards)
+    total = 0.0
+    for state in shards:  # the pass the step made before: every segment's native norm, in unit order
+        for seg in state.segments:
+            total += native.grad_sq_norm(state.grad[seg.start:seg.end]).sum_sq
+    engine.step()
+    assert engine.last_grad_norm == math.sqrt(total)
+    assert all(s.norm is None for s in shards)  # taken afresh next step
+    engine.close()
+
+
+def test_a_gradient_whose_landing_buffer_is_busy_is_copied_by_the_worker_in_order(monkeypatch):
+    """Two micro-batches' gradients of one unit back to back, the worker far behind: the second copy waits for the
+    first add, and both count."""
+    import offload
+    monkeypatch.setenv("OFFLOAD_EMULATED_COPY_DELAY_S", "0.05")
+    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 2, 1))[0]
+    optimizer = engine.optimizer
+    index, state = next(iter(optimizer.shards.items()))
+    n = state.grad.numel()
+    first, second = torch.full((n,), 1.5), torch.full((n,), 0.25)
+    optimizer.accumulate(index, first, 1.0)
+    optimizer.accumulate(index, second, 0.5)
+    assert optimizer.deferred_copies == 1
+    optimizer.drain()
+    assert torch.equal(state.grad, torch.full((n,), 1.625))
+    engine.close()
