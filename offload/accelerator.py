@@ -6,7 +6,8 @@ runs what is enqueued on it in submission order, and its events complete only wh
 that work has run. The engine's stream/event logic is therefore the same code on
 both kinds of machine, and a missing wait shows up in a CPU test as a wrong result.
 ``OFFLOAD_EMULATED_COPY_DELAY_S`` makes every emulated operation sleep first, so tests
-can make the worker lag far behind the main thread and a missing wait certain to bite.
+can make the worker lag far behind the main thread and a missing wait certain to bite;
+``OFFLOAD_EMULATED_HOST_DELAY_S`` delays the host queues alone (on a GPU machine too).
 
 A CPU compute device reads host memory in place, so the engine makes none of the
 copies a GPU needs there (``host_is_device``; see [Note: host memory is the device's]
@@ -256,6 +257,9 @@ class Accelerator:
         if self.is_cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._delay_s = float(os.environ.get("OFFLOAD_EMULATED_COPY_DELAY_S", "0") or 0)
+        # Host queues alone lag (the landing worker, and the early step on it); the device stays the host's memory.
+        self._host_delay_s = float(os.environ.get("OFFLOAD_EMULATED_HOST_DELAY_S", "0") or 0) or (
+            0.0 if self.is_cuda else self._delay_s)
         discrete = os.environ.get("OFFLOAD_EMULATED_DISCRETE_DEVICE", "0") not in ("", "0") or self._delay_s > 0
         self.host_is_device = not self.is_cuda and not discrete  # compute reads host memory where it lies
         self._streams: list[CopyStream] = []
@@ -274,7 +278,7 @@ class Accelerator:
 
     def host_queue(self, name: str) -> WorkerStream:
         """An ordered host thread for CPU work that must wait on device events (e.g. gradient accumulation)."""
-        stream = WorkerStream(name, 0.0 if self.is_cuda else self._delay_s)
+        stream = WorkerStream(name, self._host_delay_s)
         self._streams.append(stream)
         return stream
 

@@ -142,7 +142,7 @@ def _check_fits(args: TrainArgs, vocab: int, config: dict[str, Any]) -> None:
         cfg = Config.load(config).resolve(world_size=world, hidden_size=hidden_size_of(model))
     except ConfigError as e:
         raise TrainError(f"the config cannot run here: {e}") from e
-    est = estimate(model_units(model, cfg), cfg, world)
+    est = estimate(model_units(model, cfg), cfg, world, discrete=torch.cuda.is_available())
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     need = ranks_here * (est.total("host") + (0 if torch.cuda.is_available() else est.total("device"))
                          + (0 if args.init_empty else 4 * params))

@@ -199,7 +199,8 @@ def _rss_of_training(rank, world, path):
     config["offload"]["host_malloc"] = {"mmap_threshold": "128KiB"}
     with offload.zero.Init():
         model = GPT(GPTConfig(vocab_size=512, context=32, hidden_size=512, layers=12, heads=8))
-    plan = estimate(model_units(model, Config.load(config).resolve(world_size=1)), Config.load(config), 1)
+    plan = estimate(model_units(model, Config.load(config).resolve(world_size=1)), Config.load(config), 1,
+                    discrete=False)  # trained on this CPU
     config["offload"]["budgets"] = {"host": plan.total("host")}  # what the plan needs: no optimizer state fits
     before = rss_anon()  # memory the process allocated: file-backed pages come and go with the page cache
     with AnonPeak() as watch:

@@ -28,7 +28,8 @@ def test_every_placement_matches_torch(tmp_path, world, params, optimizer):
     budget = None
     if optimizer == "split":  # what an all-NVMe rank needs on the host, plus room for half its optimizer state
         all_nvme = Config.load(tier_config(tmp_path, world, params, "nvme")).resolve(world_size=world)
-        plan = estimate(model_units(make_model("gpt"), all_nvme), all_nvme, world)  # equal to the engine's plan
+        plan = estimate(model_units(make_model("gpt"), all_nvme), all_nvme, world,
+                        discrete=False)  # equal to the plan of the engine on this CPU
         budget = plan.total("host") + plan.tiers["nvme"]["optimizer state (two slots per sub-group)"] // 4
     config = tier_config(tmp_path, world, params, optimizer, budget)
     results = run_ranks(train_engine, world, name="gpt", config=config, steps=6, micro=2, accum=2)
@@ -61,7 +62,7 @@ def test_frozen_host_shards_count_in_the_plan_and_its_host_budget_check():
     units = plan_units(frozen_model(), resolved.offload.unit_bytes, 4)
     trained = {u.index for u in units if any(s.param.requires_grad for s in u.slots)}
     assert len(trained) < len(units)
-    placement = plan([(u.index, u.numel) for u in units], trained, resolved, 4, parts=1)
+    placement = plan([(u.index, u.numel) for u in units], trained, resolved, 4, parts=1, discrete=False)  # this CPU
     assert placement.host["parameter shards not stepped on the host"] > 0 and not placement.problems
 
     config["offload"]["budgets"] = {"host": sum(placement.host.values())}

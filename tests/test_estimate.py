@@ -24,10 +24,12 @@ def placement(tmp_path, params, optimizer, host=None, world=1):
     return config
 
 
-def _describe(world, config):
-    if world == 1:  # in this process: cheaper than spawning a rank
+def _describe(world, config, discrete=False):
+    """The engine's own account; ``discrete``: on a device with memory of its own, as a GPU run's plan is."""
+    if world == 1 and not discrete:  # in this process: cheaper than spawning a rank
         return describe_engine(0, 1, config)
-    return run_ranks(describe_engine, world, config=config)[0]
+    env = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"} if discrete else None
+    return run_ranks(describe_engine, world, env=env, config=config)[0]
 
 
 @pytest.mark.parametrize("params,optimizer,host,world", [
@@ -36,13 +38,14 @@ def _describe(world, config):
     ("none", "nvme", 30_000, 2), ("nvme", "nvme", None, 2), ("none", "cpu", None, 4)])
 def test_the_estimate_matches_the_engines_accounting(tmp_path, world, params, optimizer, host):
     raw = placement(tmp_path, params, optimizer, host, world)
+    discrete = world > 1  # as on a GPU (landing buffers, host copies); at W = 1 as on this CPU (read in place)
     if host is not None:  # a budget that splits the optimizer state: what the rest needs, plus some state
-        plan = _describe(world, placement(tmp_path, params, optimizer, None, world))
+        plan = _describe(world, placement(tmp_path, params, optimizer, None, world), discrete)
         raw["offload"]["budgets"]["host"] = plan["memory"]["host"]["total"] - plan["memory"]["host"].get(
             "optimizer state", 0) + host
-    measured = _describe(world, raw)["memory"]
+    measured = _describe(world, raw, discrete)["memory"]
     config = Config.load(raw).resolve(world_size=world)
-    est = estimate(model_units(make_model("gpt"), config), config, world)
+    est = estimate(model_units(make_model("gpt"), config), config, world, discrete=discrete)
     for tier in ("host", "nvme"):  # the same planning functions: part for part, byte for byte (10% is the bar)
         parts = {k: v for k, v in measured[tier].items() if k not in ("total", "peak", "budget")}
         assert est.tiers[tier] == parts, f"{tier}: estimate {est.tiers[tier]} vs engine {measured[tier]}"

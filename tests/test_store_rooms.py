@@ -777,9 +777,8 @@ def gated_copy_back(rooms, store: ParamStore, unit: int, new: torch.Tensor):
     assert target is store.host_copy(unit)
     target.copy_(new)
     store.wrote(unit)  # a no-op for a device home
-    gate = rooms.gate()
-    store.accel.compute_event = lambda: gate  # the compute stream has not reached the point the copy waits for
-    event = store.copy_back(unit)
+    gate = rooms.gate()  # the compute stream has not reached the point the copy waits for
+    event = store.copy_back(unit, after=gate)
     assert event is not None and store.ready(unit) is event
     return gate, event
 
@@ -796,7 +795,7 @@ def test_param_store_on_a_cpu_device_reads_in_place_and_copies_nothing(rooms):
     assert store.step_target(0) is store.shards[0].device  # the step writes the device home itself
     assert store.to_device(2, None) is store.host_copy(2)  # no copy stream needed: compute reads it there
     store.step_target(0).copy_(values(3000, 63).float())
-    assert store.copy_back(0) is None and torch.equal(store.read(0), values(3000, 63).to(DTYPE))
+    assert store.copy_back(0, after=None) is None and torch.equal(store.read(0), values(3000, 63).to(DTYPE))
     kept = rooms.param_store({0: Home.DEVICE}, None, None, keep_host_copies=True)
     kept.add(0, "u0", start[0], host_copy=True)  # a step that can fail part way writes a copy of its own
     assert not kept.in_place(0) and kept.step_target(0) is not kept.shards[0].device
@@ -813,7 +812,7 @@ def test_param_store_copy_back_publishes_a_device_home_after_its_event(rooms, di
     assert event.query() and torch.equal(out, new.to(DTYPE))
     event.synchronize()
     assert torch.equal(store.read(0), new.to(DTYPE))
-    assert store.copy_back(2) is None and store.copy_back(3) is None  # nothing to copy back for other homes
+    assert store.copy_back(2, None) is None and store.copy_back(3, None) is None  # nothing to copy back for other homes
 
 
 def test_param_store_read_of_a_device_home_waits_for_its_copy_back(rooms, discrete):
@@ -838,7 +837,7 @@ def test_param_store_nvme_step_commit_publishes_and_abort_discards(rooms):
     assert torch.equal(store.read(3), old)  # not current before the commit
     store.commit()
     assert torch.equal(store.read(3), second)
-    assert store.copy_back(3) is None
+    assert store.copy_back(3, after=None) is None
 
 
 def test_param_store_nvme_failed_write_is_stale_until_overwritten(rooms):

@@ -473,6 +473,12 @@ class OffloadExtConfig:
                                         "auto: on when the compute device is the CPU, off on a GPU (where the "
                                         "overlapped step measured slower).",
                                 choices=("auto", "on", "off"))
+    early_step: str = setting("auto", "on: engine.step() returns once the update is decided (norm, clipping, fp16 "
+                                      "skip) and Adam runs on a worker thread in unit order while the next forward "
+                                      "begins, each unit waiting only for its own shard (exact; needs ZeRO stage 3 "
+                                      "and the optimizer state and parameters off NVMe); off: the step finishes "
+                                      "before step() returns; auto: on where the compute device is a GPU.",
+                              choices=("auto", "on", "off"))
     checkpoint_blocks: bool = setting(False, "Checkpoint every transformer block (its _no_split_modules, or the "
                                              "repeated modules of its longest ModuleList): forward keeps only each "
                                              "block's input, backward recomputes the block (activation_checkpointing "

@@ -82,6 +82,7 @@ class Parts:
     trained_names: dict[int, str]  # id(param) -> name, of every parameter an optimizer group holds
     step_mode: str
     overlap: bool  # the step overlaps the last micro-batch's backward
+    early: bool  # engine.step() returns before Adam has run (see [Note: early step] in offload/optim/sharded.py)
     lr_scheduler: Any
 
 
@@ -116,7 +117,8 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         whole_grads = 0 if stage.reduce_every_micro_batch else sum(
             s.numel for p in plans for s in p.slots if s.param.requires_grad)
         placement = plan_placement(shard_sizes, trained, config, compute_dtype.itemsize, parts=parts,
-                                   resident_params=stage.resident_params, whole_grads=whole_grads)
+                                   resident_params=stage.resident_params, whole_grads=whole_grads,
+                                   discrete=not accel.host_is_device)
         nvme_params = placement.nvme_params
         if zero.offload_param.device == "nvme":
             logger.info("rank %d: %s", group.rank, describe_placement(shard_sizes, nvme_params, zero.offload_param))
@@ -154,6 +156,9 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         activations = _activation_store(model, config, accel, host_budget, telemetry)
         undo.callback(checkpointing.reset)
         step_mode, overlap = _step_mode(config, compute_dtype, optimizer, accel)
+        early, why_not = _early_step(config, stage, optimizer, accel)
+        step_mode += "; " + ("step() returns before Adam, the next forward waits per unit" if early else
+                             f"step() returns after Adam ({why_not})")
         logger.info("ZeRO %s; optimizer step: %s", stage.describe(), step_mode)
         if config.scheduler is not None:
             if lr_scheduler is not None:
@@ -164,7 +169,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
             lr_scheduler = lr_scheduler(optimizer)
         undo.pop_all()
     return Parts(units, params, optimizer, runtime, activations, memory, swaps, telemetry, trained_names, step_mode,
-                 overlap, lr_scheduler)
+                 overlap, early, lr_scheduler)
 
 
 def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, stage: Stage, accel: Accelerator,
@@ -228,6 +233,21 @@ def _step_mode(config: Config, compute_dtype: torch.dtype, optimizer: ShardedAda
     if reasons:
         return "after backward (" + "; ".join(reasons) + ")", False
     return "overlapped with the last micro-batch's backward", True
+
+
+def _early_step(config: Config, stage: Stage, optimizer: ShardedAdam, accel: Accelerator) -> tuple[bool, str]:
+    """Whether engine.step() may return before Adam has run, and if not, why."""
+    mode = config.offload.early_step
+    if mode == "off":
+        return False, "offload.early_step is off"
+    if stage.resident_params:
+        return False, f"ZeRO stage {stage.number} spreads the new partitions right after the step"
+    if not optimizer.can_return_early:
+        return False, "the optimizer state or some parameter shards are on NVMe or the device"
+    if mode == "auto" and not accel.is_cuda:
+        return False, "'auto' keeps the step whole on a CPU, where Adam and the forward share the cores; set " \
+                      "offload.early_step to \"on\" to return early anyway"
+    return True, ""
 
 
 def _activation_store(model: nn.Module, config: Config, accel: Accelerator, host_budget: TierBudget,

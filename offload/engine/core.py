@@ -68,6 +68,7 @@ class Engine:
         self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory
         self.telemetry, self._swaps, self._trained_names = parts.telemetry, parts.swaps, parts.trained_names
         self.step_mode, self._overlap, self.lr_scheduler = parts.step_mode, parts.overlap, parts.lr_scheduler
+        self._early = parts.early
         self._phases = PhaseReport(self.telemetry) if config.wall_clock_breakdown else None
         if config.dump_state:
             logger.info("engine state at start (dump_state), rank %d:\n%s\nstep mode: %s\nconfig: %s", group.rank,
@@ -176,7 +177,10 @@ class Engine:
         behind: ParamSwapError | None = None
         try:
             with self.telemetry.span("optimizer", "adam"):
-                self.optimizer.apply(grad_scale)
+                if self._early:
+                    self.optimizer.apply_early(grad_scale)
+                else:
+                    self.optimizer.apply(grad_scale)
         except ParamSwapError as e:
             # The optimizer state moved on; only some 16-bit copies on NVMe are behind (stale), and they are
             # rewritten from the master weights before anything reads them: the step counts.

@@ -41,6 +41,7 @@ def state_dict_layout(engine: Any) -> tuple[list[tuple[str, int, Any]], dict[str
 def gathered_parameters(engine: Any) -> Iterator[nn.Module]:
     """Every unit gathered (full compute-dtype parameters readable on the module) inside the block; units start
     and end sharded, so the runtime's count of gathered elements is untouched."""
+    engine.optimizer.drain()  # an early step still writing shards (in-place units read them directly)
     engine.runtime.reshard_all()
     for unit in engine.units:
         unit.unshard(engine.runtime.h2d)

@@ -29,6 +29,16 @@ backward]); engine.step() then only steps what is left (units without a gradient
 makes the new NVMe slots current. The arithmetic is the same kernel on the
 same values, so the result is bitwise the same as stepping after backward.
 
+[Note: early step] With the state on the host (no NVMe transfer can fail half way) and
+ZeRO stage 3, ``apply_early`` hands the step to the landing worker and returns: Adam runs
+there shard by shard in unit order, the forward's order, each new shard copied back at
+once, while the training thread goes on into the next forward. The parameter store keeps
+each shard's step event, and the shard's next reader waits for it (its gather, or an
+in-place unit's first use): the forward waits per unit, only for the units Adam has not
+reached. The next backward's gradients queue behind the step on the same worker, so
+none lands in an accumulator Adam still reads; every other reader of the optimizer state
+drains the worker first. Same kernel, same values: bitwise the step after backward.
+
 [Note: parameter return] The step writes each new compute-dtype shard where the
 parameter store says (offload/store/param_store.py: [Note: the step's target]); a shard
 homed on the device is then copied back by the store, whose event the next gather of
@@ -360,9 +370,41 @@ class ShardedAdam(torch.optim.Optimizer):
         self._final = False
         for index, state in self.shards.items():
             if self.offload and state.phase is not ShardPhase.STEPPED:
-                self.params.copy_back(index)
+                self.params.copy_back(index, after=self.accel.compute_event())
             state.phase, state.norm = ShardPhase.EMPTY, None
         self.params.commit()  # a failure here leaves units stale, never the step half applied
+
+    @property
+    def can_return_early(self) -> bool:
+        """Whether ``apply_early`` may run this optimizer's step: all its state is host memory and no parameter
+        shard is homed on NVMe, so nothing in the step can fail after engine.step() returned."""
+        return self.offload and not self._nvme_units and all(g.tier == "host" for g in self.store.groups)
+
+    def apply_early(self, grad_scale: float) -> None:
+        """``apply``, handed to the landing worker: returns at once (see [Note: early step])."""
+        assert self.can_return_early and self._land is not None
+        hypers = [self.hyper(i) for i in range(len(self.param_groups))]
+        step = self.adam_steps + 1
+        after = self.accel.compute_event()  # this step's last reads of the device shards
+        # Last step's copies back read the host copies this step rewrites.
+        self._land.run(lambda: self.params.wait_copies_back())
+        for group in self.store.step_pass():
+            for member in group.members:
+                views = group.views(member)
+                self._land.run(lambda i=member.unit, v=views: self._step_early(i, v, step, hypers, grad_scale, after))
+                self.params.step_pending(member.unit, self._land.record())
+        self.adam_steps = step
+        self._overlap = None
+        self._final = False
+
+    def _step_early(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
+                    hypers: list[AdamHyper], grad_scale: float, after: Event) -> None:
+        state = self.shards[index]
+        if state.phase is not ShardPhase.STEPPED:
+            with self.telemetry.span("optimizer_early", state.name):
+                self._step_shard(index, views, step, hypers, grad_scale)
+            self.params.copy_back(index, after=after)
+        state.phase, state.norm = ShardPhase.EMPTY, None
 
     def _step_shard(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
                     hypers: list[AdamHyper], grad_scale: float) -> None:
@@ -451,7 +493,7 @@ class ShardedAdam(torch.optim.Optimizer):
         with self.telemetry.span("optimizer_overlapped", state.name):
             self._step_shard(index, views, step, hypers, 1.0)
         state.phase = ShardPhase.STEPPED
-        self.params.copy_back(index, after_compute=False)
+        self.params.copy_back(index, after=None)
 
     def close(self) -> None:
         self.drain()

@@ -57,6 +57,7 @@ class ParamShard:
     device: torch.Tensor  # DEVICE home: the shard (a view into the unit's flat buffer at stages 0-2); else empty
     host: torch.Tensor | None = None  # HOST home: the shard; DEVICE home with a host-side step: its host copy
     ready: Event | None = None  # the copy that last wrote ``device``; its next reader waits for it
+    stepped: Event | None = None  # an early step still writing the shard (or its copy back); readers wait first
 
 
 class ParamStore:
@@ -153,6 +154,7 @@ class ParamStore:
     def read(self, index: int) -> torch.Tensor:
         """The shard's current values wherever they live (from NVMe: a fresh copy; else the tensor itself, which
         compute may read: it waits for a copy back still in flight)."""
+        self.wait_step(index)
         shard = self.shards[index]
         if shard.home is Home.NVME:
             assert self.swap is not None
@@ -165,6 +167,7 @@ class ParamStore:
 
     def overwrite(self, index: int, values: torch.Tensor) -> None:
         """Make ``values`` (any float dtype) the shard now, in every copy it has (a checkpoint load, a repair)."""
+        self.wait_step(index)
         shard = self.shards[index]
         if shard.host is not None:
             shard.host.copy_(values)
@@ -179,6 +182,7 @@ class ParamStore:
         """The shard on the compute device, ready for the compute stream (which waits for the copy, or for the
         one that last wrote a device home). An NVMe shard waits for its read, which read-ahead has usually done;
         a failed read raises here, before the caller changes anything."""
+        self.wait_step(index)
         shard = self.shards[index]
         if shard.home is Home.DEVICE:
             self.accel.compute_wait(shard.ready)
@@ -220,16 +224,17 @@ class ParamStore:
             assert self.swap is not None
             self.swap.write(index)
 
-    def copy_back(self, index: int, after_compute: bool = True) -> Event | None:
-        """A device home's new host copy goes to the device (asynchronously); returns the copy's event, which the
-        shard's next reader waits for. Nothing to do for other homes (returns None)."""
+    def copy_back(self, index: int, after: Event | None) -> Event | None:
+        """A device home's new host copy goes to the device (asynchronously) once ``after`` completes (the compute
+        stream's last reads of the old values, when they may still be running); returns the copy's event, which
+        the shard's next reader waits for. Nothing to do for other homes (returns None)."""
         shard = self.shards[index]
         if shard.home is not Home.DEVICE or shard.host is None or shard.host is shard.device:
             return None
         if self._h2d is None:
             self._h2d = self.accel.copy_stream("h2d")
-        if after_compute:  # the shard may still be read by a gather on the compute stream: copy after it
-            self._h2d.wait_event(self.accel.compute_event())
+        if after is not None:
+            self._h2d.wait_event(after)
         source, target, tel = shard.host, shard.device, self.telemetry
 
         def copy() -> None:
@@ -240,6 +245,18 @@ class ParamStore:
         shard.ready = self._h2d.record()
         tel.add_bytes("h2d", source.numel() * source.element_size())
         return shard.ready
+
+    def step_pending(self, index: int, done: Event) -> None:
+        """An early step writes the shard (and starts its copy back) by the time ``done`` completes (see
+        [Note: early step] in offload/optim/sharded.py)."""
+        self.shards[index].stepped = done
+
+    def wait_step(self, index: int) -> None:
+        """Before anything reads the shard: wait for an early step still writing it."""
+        shard = self.shards[index]
+        if shard.stepped is not None:
+            self.accel.wait(shard.stepped, "a unit's early step")
+            shard.stepped = None
 
     def wait_copies_back(self) -> None:
         """Every copy back has run (the next step rewrites the host copies they read)."""

@@ -24,13 +24,17 @@ from offload.store.param_store import HOST_PARAMS, Home
 from offload.store.param_swap import WRITE_BUFFERS, param_buffer_bytes, place_params, plan_homes
 from offload.store.two_slots import layout
 
-def host_parts(sizes: list[tuple[int, int]], nvme_units: set[int], item: int) -> dict[str, int]:
+def host_parts(sizes: list[tuple[int, int]], no_copy: set[int], item: int, *, landing: bool = True
+               ) -> dict[str, int]:
     """Host bytes an offloaded optimizer reserves besides its state, by part: fp32 gradient accumulators,
-    compute-dtype copies of the new shards (not for shards homed on NVMe), and one compute-dtype landing buffer
-    per shard for its gradient (see [Note: gradients land] in offload/optim/sharded.py)."""
-    return {"gradient accumulators": 4 * sum(n for _, n in sizes),
-            "parameter copies": item * sum(n for i, n in sizes if i not in nvme_units),
-            "gradient landing": item * sum(n for _, n in sizes)}
+    compute-dtype copies of the new shards (not for ``no_copy``: shards homed on NVMe, or read in place), and,
+    with ``landing``, one compute-dtype landing buffer per shard for its gradient (see [Note: gradients land] in
+    offload/optim/sharded.py)."""
+    parts = {"gradient accumulators": 4 * sum(n for _, n in sizes),
+             "parameter copies": item * sum(n for i, n in sizes if i not in no_copy)}
+    if landing:
+        parts["gradient landing"] = item * sum(n for _, n in sizes)
+    return {what: n for what, n in parts.items() if n}
 
 
 @dataclass
@@ -53,12 +57,15 @@ class Placement:
 
 
 def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, item: int, *, parts: int = 1,
-         resident_params: bool = False, whole_grads: int = 0) -> Placement:
+         resident_params: bool = False, whole_grads: int = 0, discrete: bool = True) -> Placement:
     """The placement of one rank's units (``shard_sizes``: (unit, shard elements) in unit order; ``trained``:
     the units the optimizer steps) under ``config``, whose compute dtype has ``item`` bytes. The ZeRO stage's
     part: each unit is split in ``parts``; ``resident_params``, every unit stays whole on the device (stages 0-2);
-    ``whole_grads``, elements of gradient kept whole in ``.grad`` until the last micro-batch (stages 0-1). Raises
-    only for a setting that no budget could fix (offload_param.buffer_size below a shard)."""
+    ``whole_grads``, elements of gradient kept whole in ``.grad`` until the last micro-batch (stages 0-1).
+    ``discrete``: the compute device has memory of its own (a GPU); a CPU device reads host memory in place, so
+    gradients need no landing buffers and device-homed shards no host copies (see [Note: host memory is the
+    device's] in offload/store/param_store.py). Raises only for a setting that no budget could fix
+    (offload_param.buffer_size below a shard)."""
     zero = config.zero_optimization
     host_limit, nvme_limit = config.offload.budgets.host, config.offload.budgets.nvme
     param, opt = zero.offload_param, zero.offload_optimizer
@@ -86,7 +93,10 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         out.host["parameter NVMe buffers"] = buffers
 
     if opt.device != "none" and trained_sizes:
-        step_buffers = out.step_buffers = host_parts(trained_sizes, {i for i, _ in nvme_params}, item)
+        # Read in place, a device home's host copy is the device shard, unless NVMe state keeps copies apart.
+        in_place = set() if discrete or opt.device == "nvme" else {i for i, h in homes.items() if h is Home.DEVICE}
+        step_buffers = out.step_buffers = host_parts(trained_sizes, {i for i, _ in nvme_params} | in_place, item,
+                                                     landing=discrete)
         if host_limit is not None and sum(step_buffers.values()) > host_limit:
             out.problems.append(ConfigError(
                 "offload.budgets.host", f"{host_limit:,} bytes cannot hold this rank's gradient accumulators and "
