@@ -86,7 +86,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from offload.bench import adam, nvme, pcie, step
+    from offload.bench import adam, hooks, nvme, pcie, step
     what = args.what
     if what == "all":
         from offload.bench.suite import run_all
@@ -99,6 +99,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError("needs a GPU (torch.cuda.is_available() is False on this machine)")
         print("offload bench pcie: pinned vs pageable host<->GPU copies", flush=True)
         pcie.run(size=args.pcie_size, repeats=args.repeats, out=out, stream=sys.stdout)
+        print(f"wrote {out}")
+    elif what == "hooks":
+        try:
+            bench_hooks = hooks.HookBench(layers=args.layers, rounds=args.rounds, iterations=args.iterations)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        print(f"offload bench hooks: host time per hook call on {args.layers} tiny units beside plain PyTorch, "
+              "alternating rounds", flush=True)
+        hooks.print_header(sys.stdout)
+        hooks.run(bench_hooks, out=out, stream=sys.stdout)
         print(f"wrote {out}")
     elif what == "adam":
         adam.run(args.sizes, repeats=args.repeats, threads=args.threads, out=out, stream=sys.stdout)
@@ -320,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench_parsers(p: argparse.ArgumentParser) -> None:
     """Each benchmark its own flags (a flag of another benchmark is an error, not silently ignored)."""
-    bsub = p.add_subparsers(dest="what", required=True, metavar="{adam,all,nvme,pcie,step}")
+    bsub = p.add_subparsers(dest="what", required=True, metavar="{adam,all,hooks,nvme,pcie,step}")
 
     def bench(name: str, help: str, out: str = "JSON path (default bench-results/<benchmark>.json)"
               ) -> argparse.ArgumentParser:
@@ -340,6 +350,11 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
     b.add_argument("--quick", action="store_true", help="small sizes, one round, headline variants only (under a "
                                                         "minute here): a smoke run, not figures to quote")
     b.add_argument("--path", default="/tmp/offload-bench", help="directory on the drive to use for NVMe")
+
+    b = bench("hooks", "host time each module hook adds per call, on a model too small to compute")
+    b.add_argument("--layers", type=positive_int, default=64, help="tiny layers, one unit each (default 64)")
+    b.add_argument("--rounds", type=positive_int, default=5, help="alternating rounds; the median (default 5)")
+    b.add_argument("--iterations", type=positive_int, default=20, help="passes per round and side (default 20)")
 
     b = bench("pcie", "on a GPU: pinned vs pageable H2D/D2H GB/s, and both directions at once")
     b.add_argument("--pcie-size", type=positive_size, default="256Mi", help="bytes per copy (default 256Mi)")

@@ -2,9 +2,10 @@
 
 Spans on the training thread (gather, reduce_scatter, grad_wait, optimizer) add up to
 the part of a step that is not model compute; spans on the copy and host threads
-(d2h, h2d, accumulate) run beside it and are reported as background time. Each span
-is also a ``torch.profiler.record_function`` range labelled ``offload::<phase> (<unit>)``,
-so a torch profiler trace shows them on the right thread.
+(d2h, h2d, accumulate) run beside it and are reported as background time. While a torch
+profiler is recording, each span is also a ``record_function`` range labelled
+``offload::<phase> (<unit>)``, so its trace shows them on the right thread; otherwise a
+span costs two clock reads and a lock (hooks run it for every unit, twice a step).
 
 On CUDA a span measures the host's time to issue the work, not the GPU's time to run it.
 
@@ -78,11 +79,17 @@ class Telemetry:
     @contextmanager
     def span(self, phase: str, label: str | None = None) -> Iterator[None]:
         start = time.perf_counter()
-        with torch.profiler.record_function(f"offload::{phase}" + (f" ({label})" if label else "")):
-            try:
-                yield
-            finally:
-                self.interval(phase, label, start, time.perf_counter(), _thread_name())
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function(f"offload::{phase}" + (f" ({label})" if label else "")):
+                try:
+                    yield
+                finally:
+                    self.interval(phase, label, start, time.perf_counter(), _thread_name())
+            return
+        try:
+            yield
+        finally:
+            self.interval(phase, label, start, time.perf_counter(), _thread_name())
 
     def interval(self, phase: str, label: str | None, start: float, end: float, thread: str) -> None:
         """Record work that ran outside Python (an NVMe transfer in the kernel) on its own trace row."""
