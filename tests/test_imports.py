@@ -35,9 +35,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("offload.store",),
     ("offload.optim",),
     ("offload.zero",),
-    ("offload.checkpointing", "offload.checkpoint_files"),  # activation checkpointing; the checkpoint file format
+    # activation checkpointing; the checkpoint file format; pretrained weights read into units
+    ("offload.checkpointing", "offload.checkpoint_files", "offload.pretrained"),
     ("offload.engine", "offload"),  # "offload" is the package's __init__ only: the public API over the engine
-    ("offload.export", "offload.estimate", "offload.demo"),
+    ("offload.export", "offload.estimate", "offload.demo", "offload.hf"),
     ("offload.train",),  # uses estimate (its memory check) and demo (its default text and config)
     ("offload.bench",),
     ("offload.cli", "offload.__main__"),

@@ -27,6 +27,7 @@ from offload.engine.errors import EngineError
 from offload.engine.memory import MemoryAccount
 from offload.optim.schedules import build_schedule
 from offload.optim.sharded import ShardedAdam, StatePlan, shard_segments
+from offload.pretrained import PretrainedWeights
 from offload.store.budget import TierBudget
 from offload.store.param_store import ParamStore
 from offload.store.param_swap import ParamSwap, describe_placement
@@ -34,7 +35,7 @@ from offload.store.placement import plan as plan_placement
 from offload.store.swapdir import PREFIX, SwapDir
 from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, broadcast
-from offload.zero.init import materialize_unit
+from offload.zero.init import give_memory, materialize_unit
 from offload.zero.plan import plan_units
 from offload.zero.runtime import ZeroRuntime
 from offload.zero.stage import Stage
@@ -88,8 +89,9 @@ class Parts:
 
 def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], *, adamw_mode: bool,
           bias_correction: bool, group: Group, stage: Stage, accel: Accelerator, compute_dtype: torch.dtype,
-          lr_scheduler: Any) -> Parts:
-    """Shard ``model`` over ``group`` and build everything the engine drives."""
+          lr_scheduler: Any, pretrained: PretrainedWeights | None = None) -> Parts:
+    """Shard ``model`` over ``group`` and build everything the engine drives; ``pretrained``: its starting values
+    come from a checkpoint (bound to ``model`` already) instead of the model's own."""
     zero = config.zero_optimization
     partition = stage.partition(group)  # what a unit's flat buffer is split over
     group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
@@ -140,7 +142,9 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))
         units = [_shard_unit(model, plan, partition, group, stage, accel, compute_dtype, params, optimizer,
-                             group_of if plan.index in trained else None) for plan in plans]
+                             group_of if plan.index in trained else None, pretrained) for plan in plans]
+        if pretrained is not None:
+            pretrained.load_buffers(model)
         _place_buffers(model, group, accel)
         memory = MemoryAccount(config, stage, compute_dtype, units, params, optimizer, host_budget, nvme_budget,
                                placement.gather_room)
@@ -174,19 +178,26 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
 
 def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, stage: Stage, accel: Accelerator,
                 dtype: torch.dtype, params: ParamStore, optimizer: ShardedAdam,
-                group_of: dict[int, int] | None) -> Unit:
-    """One unit from rank 0's values: its shard into the parameter store, its master into the optimizer
-    (``group_of`` given: the unit trains)."""
-    materialize_unit(model, plan)  # meta parameters (offload.zero.Init) get memory one unit at a time
-    values = Unit.initial_values(plan, partition.world)
-    broadcast_values = values.to(accel.device) if accel.is_cuda else values
-    broadcast(broadcast_values, group)  # every rank starts from rank 0's weights, as DeepSpeed does
-    values = broadcast_values.cpu() if accel.is_cuda else broadcast_values
+                group_of: dict[int, int] | None, pretrained: PretrainedWeights | None) -> Unit:
+    """One unit from rank 0's values, or (``pretrained``) from a checkpoint that every rank reads its own part of: its
+    shard into the parameter store, its master into the optimizer (``group_of`` given: the unit trains)."""
+    if pretrained is None:
+        materialize_unit(model, plan)  # meta parameters (offload.zero.Init) get memory one unit at a time
+        values = Unit.initial_values(plan, partition.world)
+        broadcast_values = values.to(accel.device) if accel.is_cuda else values
+        broadcast(broadcast_values, group)  # every rank starts from rank 0's weights, as DeepSpeed does
+        values = broadcast_values.cpu() if accel.is_cuda else broadcast_values
+    else:
+        give_memory(plan)  # the checkpoint fills them: no initialiser runs
     unit = Unit(plan, partition, dtype, accel.device, params, resident=stage.resident_params,
                 in_place=not stage.resident_params and partition.world == 1 and params.in_place(plan.index))
-    unit.load_initial(values, host_copy=group_of is not None and optimizer.offload)
+    start = 0
+    if pretrained is not None:  # see [Note: reading a checkpoint into shards]
+        start, stop = (0, unit.padded) if unit.keeps_full else (unit.shard_start, unit.shard_start + unit.shard_numel)
+        values = pretrained.read_flat(plan, unit.padded, start, stop)
+    unit.load_initial(values, host_copy=group_of is not None and optimizer.offload, start=start)
     if group_of is not None:
-        optimizer.add_shard(unit.index, unit.name, values[unit.shard_start:unit.shard_start + unit.shard_numel],
+        optimizer.add_shard(unit.index, unit.name, unit.shard_of(values, start),
                             shard_segments(unit.slots, unit.shard_start, unit.shard_numel, group_of))
     return unit
 

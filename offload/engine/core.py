@@ -32,6 +32,7 @@ from offload.engine.build import build
 from offload.engine import errors
 from offload.engine.errors import EngineError
 from offload.optim.loss_scale import LossScaler, gradient_factor
+from offload.pretrained import PretrainedWeights
 from offload.store.param_swap import ParamSwapError
 from offload.sync_ledger import Role, acting_as
 from offload.telemetry import PhaseReport
@@ -45,7 +46,8 @@ class Engine:
     """A model sharded over the data-parallel group with its optimizer; see ``offload.initialize``."""
 
     def __init__(self, model: nn.Module, config: Config, param_groups: list[dict[str, Any]], adamw_mode: bool,
-                 bias_correction: bool, group: Group, accel: Accelerator, lr_scheduler: Any = None) -> None:
+                 bias_correction: bool, group: Group, accel: Accelerator, lr_scheduler: Any = None,
+                 pretrained: PretrainedWeights | None = None) -> None:
         self.config = config
         self.group = group
         self.stage = Stage(config.zero_optimization.stage)
@@ -62,7 +64,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         parts = build(model, config, param_groups, adamw_mode=adamw_mode, bias_correction=bias_correction,
                       group=group, stage=self.stage, accel=accel, compute_dtype=self.compute_dtype,
-                      lr_scheduler=lr_scheduler)
+                      lr_scheduler=lr_scheduler, pretrained=pretrained)
         self.module = model
         self.units, self.params, self.optimizer = parts.units, parts.params, parts.optimizer
         self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory

@@ -24,6 +24,7 @@ from offload.engine.errors import EngineError
 from offload.host_malloc import set_mmap_threshold
 from offload.optim.cpu_adam import CPUAdam
 from offload.optim.sharded import ShardedAdam
+from offload.pretrained import PretrainedWeights
 from offload.zero.collectives import Group
 
 logger = logging.getLogger("offload.engine")
@@ -34,12 +35,16 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
                optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
                training_data: Any = None, device: torch.device | str | None = None, config_params: Any = None,
                args: Any = None, dist_init_required: bool | None = None, collate_fn: Callable[..., Any] | None = None,
+               weights: str | os.PathLike[str] | PretrainedWeights | None = None,
                ) -> tuple[Engine, ShardedAdam, Any, Any]:
     """``engine, optimizer, dataloader, lr_scheduler``, as ``deepspeed.initialize`` returns them.
 
     Joins (or starts, under torchrun) the default process group; with no launcher it
     runs as one rank. ``config`` (or DeepSpeed's ``config_params``) is a path, a
-    JSON string, a dict or a Config.
+    JSON string, a dict or a Config. ``weights``: a local Hugging Face checkpoint
+    directory whose values the model starts from, read into the shards unit by unit
+    (build the model under ``offload.zero.Init`` so it is never whole in memory;
+    ``offload.hf.from_pretrained`` does both).
     """
     if config is None:
         config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
@@ -47,6 +52,10 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         raise ConfigError("", "initialize needs a config (a path, a JSON string, a dict or a Config)")
     if not isinstance(model, nn.Module):
         raise EngineError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if weights is not None and not isinstance(weights, PretrainedWeights):
+        weights = PretrainedWeights(weights)
+    if weights is not None:
+        weights.bind(model)  # every key checked before anything is allocated
     loaded = Config.load(config)
     if loaded.offload.host_malloc.mmap_threshold is not None:
         set_mmap_threshold(loaded.offload.host_malloc.mmap_threshold)  # before the engine allocates
@@ -60,7 +69,7 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         logger.warning("config: %d key(s) set here have no effect in offload: %s", len(cfg.no_effect),
                        "; ".join(cfg.no_effect))
     param_groups, adamw_mode, bias_correction = _optimizer_groups(model, model_parameters, cfg, optimizer)
-    engine = Engine(model, cfg, param_groups, adamw_mode, bias_correction, group, accel, lr_scheduler)
+    engine = Engine(model, cfg, param_groups, adamw_mode, bias_correction, group, accel, lr_scheduler, weights)
     loader = None
     if training_data is not None:
         sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=group.world, rank=group.rank) \

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from offload.zero.plan import UnitPlan
+from offload.zero.plan import ParamSlot, UnitPlan
 
 _FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.empty_strided,
               torch.normal}
@@ -66,14 +66,9 @@ def _numel(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
 
 def materialize_unit(model: nn.Module, plan: UnitPlan) -> None:
     """Give the unit's meta parameters host memory and initialise the modules that own them."""
-    meta = [s for s in plan.slots if s.param.is_meta]
+    meta = give_memory(plan)
     if not meta:
         return
-    for s in meta:
-        # A meta tensor's data cannot be replaced by a CPU one in place; swapping keeps the Parameter
-        # object (which optimizer groups and tied modules refer to) and gives it real storage.
-        real = nn.Parameter(torch.empty(s.shape, dtype=s.param.dtype, device="cpu"), s.param.requires_grad)
-        torch.utils.swap_tensors(s.param, real)
     modules = dict(model.named_modules(remove_duplicate=False))
     owners: dict[str, nn.Module] = {}
     for s in meta:
@@ -90,6 +85,18 @@ def materialize_unit(model: nn.Module, plan: UnitPlan) -> None:
             _initialise(model, name, module)
         finally:
             module._parameters.update(foreign)
+
+
+def give_memory(plan: UnitPlan) -> list[ParamSlot]:
+    """Give the unit's meta parameters (uninitialised) host memory; returns their slots. Pretrained weights fill
+    them from a checkpoint instead of an initialiser (offload/pretrained.py)."""
+    meta = [s for s in plan.slots if s.param.is_meta]
+    for s in meta:
+        # A meta tensor's data cannot be replaced by a CPU one in place; swapping keeps the Parameter
+        # object (which optimizer groups and tied modules refer to) and gives it real storage.
+        real = nn.Parameter(torch.empty(s.shape, dtype=s.param.dtype, device="cpu"), s.param.requires_grad)
+        torch.utils.swap_tensors(s.param, real)
+    return meta
 
 
 def _initialise(model: nn.Module, name: str, module: nn.Module) -> None:

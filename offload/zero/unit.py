@@ -96,15 +96,28 @@ class Unit:
             flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         return flat
 
-    def load_initial(self, values: torch.Tensor, host_copy: bool = False) -> None:
-        """Take the unit's starting values (``initial_values``, the same on every rank): the whole buffer when it
-        keeps one; this rank's shard goes to the parameter store (``host_copy``: see ``ParamStore.add``)."""
-        shard = values[self.shard_start:self.shard_start + self.shard_numel]
+    def load_initial(self, values: torch.Tensor, host_copy: bool = False, start: int = 0) -> None:
+        """Take the unit's starting values (the same on every rank), elements [start, start + len(values)) of the
+        flat buffer: all of it when the unit keeps its buffer, at least this rank's shard otherwise. The whole
+        buffer is kept where the unit keeps one; this rank's shard goes to the parameter store (``host_copy``: see
+        ``ParamStore.add``)."""
+        shard = self.shard_of(values, start)
         view = None
         if self.keeps_full:
+            if start != 0 or values.numel() != self.padded:
+                raise ValueError(f"unit {self.name!r} keeps its whole buffer: its starting values must cover all "
+                                 f"{self.padded} elements, got [{start}, {start + values.numel()})")
             self.full.copy_(values)
             view = self.full[self.shard_start:self.shard_start + self.shard_numel]
         self.params.add(self.index, self.name, shard, device_view=view, host_copy=host_copy)
+
+    def shard_of(self, values: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """This rank's shard out of ``values``, which hold flat elements [start, start + len(values))."""
+        lo = self.shard_start - start
+        if lo < 0 or lo + self.shard_numel > values.numel():
+            raise ValueError(f"unit {self.name!r}: values for [{start}, {start + values.numel()}) do not hold this "
+                             f"rank's shard [{self.shard_start}, {self.shard_start + self.shard_numel})")
+        return values[lo:lo + self.shard_numel]
 
     def spread_partition(self) -> None:
         """Resident units, after the step wrote this rank's partition of ``full`` in place: all-gather every
