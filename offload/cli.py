@@ -29,9 +29,10 @@ class UsageError(ValueError):
 def _user_errors() -> tuple[type[BaseException], ...]:
     """What a user's input causes: said in one paragraph, exit 2 (see the module docstring)."""
     from offload.aio.base import SwapIOError
+    from offload.pretrained import PretrainedError
     from offload.train import TrainError
-    return (UsageError, ConfigError, TrainError, CheckpointError, EngineError, SwapIOError, PermissionError,
-            FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
+    return (UsageError, ConfigError, TrainError, CheckpointError, PretrainedError, EngineError, SwapIOError,
+            PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -244,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     from offload.train import TrainArgs
     d = TrainArgs()
     p = sub.add_parser("train", help="train a causal LM through the runtime (the main job; embedded defaults)")
-    p.add_argument("--model", default=d.model, help=f"{', '.join(MODELS)} (default {d.model})")
+    p.add_argument("--model", default=d.model, help=f"{', '.join(MODELS)}, or a local Hugging Face checkpoint "
+                                                    f"directory to fine-tune (default {d.model})")
     p.add_argument("--layers", type=positive_int, default=None, help="override the model's depth")
     p.add_argument("--hidden", type=positive_int, default=None, help="override the model's width")
     p.add_argument("--heads", type=positive_int, default=None, help="override the model's attention heads")

@@ -44,7 +44,7 @@ INDEX_FILE = "model.safetensors.index.json"
 LISTED = 8  # names an error message lists before "and N more"
 
 
-class CheckpointError(ValueError):
+class PretrainedError(ValueError):
     """A checkpoint directory that cannot be read into this model; the message says what and why."""
 
 
@@ -61,18 +61,18 @@ class StoredTensor:
 
 
 def local_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a local checkpoint directory, or a CheckpointError that says why it is not one: offload never
+    """``path`` as a local checkpoint directory, or a PretrainedError that says why it is not one: offload never
     downloads."""
     where = Path(path).expanduser()
     if not where.is_dir():
-        raise CheckpointError(
+        raise PretrainedError(
             f"{path}: not a local directory. offload reads checkpoints from disk and never downloads; fetch it "
             "first (for example `huggingface-cli download NAME --local-dir DIR`) and pass that directory")
     if not (where / SINGLE_FILE).is_file() and not (where / INDEX_FILE).is_file():
         others = sorted(p.name for p in where.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
         hint = (f"; it has {', '.join(others[:3])}: convert it to safetensors (save_pretrained with "
                 "safe_serialization=True)") if others else ""
-        raise CheckpointError(f"{where}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+        raise PretrainedError(f"{where}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
     return where
 
 
@@ -88,7 +88,7 @@ class Checkpoint:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a safetensors index (no readable weight_map): {e}") from None
+                raise PretrainedError(f"{index}: not a safetensors index (no readable weight_map): {e}") from None
             files = sorted(set(weight_map.values()))
         else:
             files = [SINGLE_FILE]
@@ -96,20 +96,20 @@ class Checkpoint:
         for name in files:
             file = self.path / name
             if not file.is_file():
-                raise CheckpointError(f"{index}: names {name}, which is not in {self.path}")
+                raise PretrainedError(f"{index}: names {name}, which is not in {self.path}")
             try:
                 with safe_open(file, framework="pt") as f:
                     for key in f.keys():
                         piece = f.get_slice(key)
                         dtype = SAFETENSORS_DTYPES.get(piece.get_dtype())
                         if dtype is None:
-                            raise CheckpointError(f"{file}: tensor {key!r} has dtype {piece.get_dtype()}, which "
+                            raise PretrainedError(f"{file}: tensor {key!r} has dtype {piece.get_dtype()}, which "
                                                   "offload does not read")
                         self.tensors[key] = StoredTensor(key, file, dtype, tuple(piece.get_shape()))
-            except CheckpointError:
+            except PretrainedError:
                 raise
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
-                raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+                raise PretrainedError(f"{file}: not a readable safetensors file ({e})") from None
 
     def read_range(self, tensor: StoredTensor, start: int, stop: int, handles: dict[Path, object]) -> torch.Tensor:
         """Elements [start, stop) of ``tensor`` in row-major order, in its stored dtype: the rows that cover them,
@@ -135,13 +135,14 @@ class PretrainedWeights:
         self._params: dict[int, StoredTensor] = {}
         self._buffers: dict[str, StoredTensor] = {}
         self.elements_read = 0  # flat elements read into units so far (a rank's shards, or whole resident units)
+        self.largest_read = 0  # the most elements read at once (one unit's range)
 
     @property
     def path(self) -> Path:
         return self.checkpoint.path
 
     def bind(self, model: nn.Module) -> None:
-        """Match every parameter and persistent buffer of ``model`` to a stored tensor; a CheckpointError names
+        """Match every parameter and persistent buffer of ``model`` to a stored tensor; a PretrainedError names
         every parameter no key feeds, every key nothing reads and every shape that differs."""
         stored = self.checkpoint.tensors
         lookup = _prefix_rule(model, stored)
@@ -183,7 +184,7 @@ class PretrainedWeights:
         if unexpected:
             problems.append(f"{len(unexpected)} checkpoint key(s) match nothing in the model: {_listed(unexpected)}")
         if problems:
-            raise CheckpointError(f"{self.path} does not fit {type(model).__name__}: " + "; ".join(problems) +
+            raise PretrainedError(f"{self.path} does not fit {type(model).__name__}: " + "; ".join(problems) +
                                   ". Build the model class the checkpoint was saved from, with its config.json")
 
     def read_flat(self, plan: UnitPlan, padded: int, start: int, stop: int) -> torch.Tensor:
@@ -193,6 +194,7 @@ class PretrainedWeights:
             raise ValueError(f"range [{start}, {stop}) is outside unit {plan.name!r}'s {padded} elements")
         out = torch.zeros(stop - start, dtype=torch.float32)
         self.elements_read += stop - start
+        self.largest_read = max(self.largest_read, stop - start)
         handles: dict[Path, object] = {}
         for s in plan.slots:
             lo, hi = max(start, s.offset), min(stop, s.offset + s.numel)
@@ -200,7 +202,7 @@ class PretrainedWeights:
                 continue
             source = self._params.get(id(s.param))
             if source is None:
-                raise CheckpointError(f"parameter {s.name!r} was not bound to the checkpoint (bind the model first)")
+                raise PretrainedError(f"parameter {s.name!r} was not bound to the checkpoint (bind the model first)")
             out[lo - start:hi - start].copy_(self.checkpoint.read_range(source, lo - s.offset, hi - s.offset,
                                                                          handles))
         return out

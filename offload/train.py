@@ -1,8 +1,10 @@
 """`offload train`: a causal language model trained through the runtime, with sensible defaults.
 
-The model is a Hugging Face family built from its config (never downloaded weights) or
-the built-in GPT; the data a text file (bytes are tokens), pre-tokenized ``.npy`` /
-``.bin`` (uint16) tokens, or the embedded default text. Everything that can be wrong
+The model is a Hugging Face family built from its config, the built-in GPT, or a local
+pretrained checkpoint directory (``--model DIR``: its weights read into the shards, its
+tokenizer used for text when the directory has one; nothing is ever downloaded); the
+data a text file (bytes are tokens unless the checkpoint has a tokenizer), pre-tokenized
+``.npy`` / ``.bin`` (uint16) tokens, or the embedded default text. Everything that can be wrong
 (the data file, the model name, the config, the budgets) is checked before the first
 step. While it runs one line per print interval shows loss, tokens/s and memory per
 tier against its budget; at the end it prints a summary and writes the JSON record,
@@ -87,11 +89,67 @@ class TrainRecord:
 # ----------------------------------------------------------------------------- checks, before any work
 
 
+def pretrained_dir(args: TrainArgs) -> Path | None:
+    """The local checkpoint directory ``--model`` names, or None when it names a model of the catalog."""
+    from offload.models.catalog import MODELS
+    if args.model in MODELS:
+        return None
+    looks_like_path = os.sep in args.model or args.model.startswith(".") or Path(args.model).expanduser().exists()
+    if not looks_like_path:
+        raise TrainError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)} (and --layers/--hidden/"
+                         "--heads for other sizes), or give a local Hugging Face checkpoint directory")
+    from offload.pretrained import PretrainedError, local_checkpoint
+    try:
+        path = local_checkpoint(args.model)
+    except PretrainedError as e:
+        raise TrainError(f"--model {e}") from None
+    if any(v is not None for v in (args.layers, args.hidden, args.heads)):
+        raise TrainError(f"--model {path} is a pretrained checkpoint: its size is its config.json's; drop "
+                         "--layers/--hidden/--heads")
+    return path
+
+
 def load_tokens(args: TrainArgs) -> tuple[torch.Tensor, int]:
-    """The token stream and its vocabulary size."""
+    """The token stream and its vocabulary size (a pretrained checkpoint's own, which the data must fit)."""
+    checkpoint = pretrained_dir(args)
+    tokens, vocab = _read_tokens(args, checkpoint)
+    if checkpoint is not None:
+        model_vocab = _checkpoint_vocab(checkpoint)
+        if int(tokens.max()) >= model_vocab:
+            raise TrainError(f"--data has token id {int(tokens.max())}, but the checkpoint {checkpoint} has a "
+                             f"vocabulary of {model_vocab}")
+        vocab = model_vocab
+    return tokens, vocab
+
+
+def _checkpoint_vocab(checkpoint: Path) -> int:
+    try:
+        vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TrainError(f"--model {checkpoint}: config.json names no vocab_size ({e})") from None
+    return int(vocab)
+
+
+def _tokenizer(checkpoint: Path | None) -> Any:
+    """The checkpoint's own tokenizer, if the directory holds one (None: bytes are tokens)."""
+    if checkpoint is None or not any((checkpoint / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+
+
+def _text_tokens(text: bytes, checkpoint: Path | None) -> tuple[torch.Tensor, int]:
+    tokenizer = _tokenizer(checkpoint)
+    if tokenizer is None:
+        return torch.tensor(list(text), dtype=torch.long), 256
+    ids = tokenizer(text.decode("utf-8", errors="replace"))["input_ids"]
+    return torch.tensor(ids, dtype=torch.long), len(tokenizer)
+
+
+def _read_tokens(args: TrainArgs, checkpoint: Path | None) -> tuple[torch.Tensor, int]:
     if args.data is None:
         from offload.demo import TEXT
-        return torch.tensor(list(TEXT.encode()), dtype=torch.long), 256
+        return _text_tokens(TEXT.encode(), checkpoint)
     path = Path(args.data)
     if not path.is_file():
         raise TrainError(f"--data {path}: no such file (give a text file, or tokens as .npy or uint16 .bin)")
@@ -110,7 +168,7 @@ def load_tokens(args: TrainArgs) -> tuple[torch.Tensor, int]:
                              "bytes each, so its size must be even (a truncated file?)")
         tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
     else:
-        return torch.tensor(list(path.read_bytes()), dtype=torch.long), 256
+        return _text_tokens(path.read_bytes(), checkpoint)
     if tokens.numel() == 0 or int(tokens.min()) < 0:
         raise TrainError(f"--data {path}: {tokens.numel()} tokens, min {int(tokens.min()) if tokens.numel() else '-'}"
                          ": pre-tokenized data must be non-empty non-negative token ids")
@@ -137,6 +195,7 @@ def _check_fits(args: TrainArgs, vocab: int, config: dict[str, Any]) -> None:
     with torch.device("meta"):
         model = build_model(args, vocab)
     params = sum(p.numel() for p in model.parameters())
+    unit_by_unit = args.init_empty or pretrained_dir(args) is not None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = Config.load(config).resolve(world_size=world, hidden_size=hidden_size_of(model))
@@ -145,7 +204,7 @@ def _check_fits(args: TrainArgs, vocab: int, config: dict[str, Any]) -> None:
     est = estimate(model_units(model, cfg), cfg, world, discrete=torch.cuda.is_available())
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     need = ranks_here * (est.total("host") + (0 if torch.cuda.is_available() else est.total("device"))
-                         + (0 if args.init_empty else 4 * params))
+                         + (0 if unit_by_unit else 4 * params))
     available = psutil.virtual_memory().available
     if need > available:
         raise TrainError(f"model {args.model} ({params:,} parameters) needs about {need / 2**30:.1f} GiB of host "
@@ -166,7 +225,16 @@ def _earlier_losses(record: Path, first_step: int) -> list[float]:
 
 
 def build_model(args: TrainArgs, vocab: int) -> nn.Module:
-    """The model ``args`` name (offload/models/catalog.py) at its size or theirs."""
+    """The model ``args`` name (offload/models/catalog.py) at its size or theirs, or the pretrained checkpoint's
+    model on the meta device (its weights come in as the engine builds each unit)."""
+    checkpoint = pretrained_dir(args)
+    if checkpoint is not None:
+        from offload.hf import meta_model
+        from offload.pretrained import PretrainedError
+        try:
+            return meta_model(checkpoint)
+        except PretrainedError as e:
+            raise TrainError(f"--model {e}") from None
     try:
         return build_named_model(args.model, vocab, args.seq, args.layers, args.hidden, args.heads)
     except ModelError as e:
@@ -266,13 +334,14 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
     config = build_config(args)
     _check_fits(args, vocab, config)
     torch.manual_seed(args.seed)
-    if args.init_empty:
+    checkpoint = pretrained_dir(args)
+    if args.init_empty and checkpoint is None:
         with Init():
             model = build_model(args, vocab)
     else:
         model = build_model(args, vocab)
     try:
-        engine, *_ = offload.initialize(model=model, config=config)
+        engine, *_ = offload.initialize(model=model, config=config, weights=checkpoint)
     except ConfigError as e:
         raise TrainError(f"the config cannot run here: {e}") from e
     rank0 = engine.group.rank == 0

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from offload.pretrained import CheckpointError, PretrainedWeights, local_checkpoint
+from offload.pretrained import PretrainedError, PretrainedWeights, local_checkpoint
 from offload.zero.init import Init
 
 
@@ -24,15 +24,15 @@ def meta_model(path: str | os.PathLike[str], auto_class: str = "AutoModelForCaus
     try:
         import transformers
     except ImportError:
-        raise CheckpointError("loading a Hugging Face checkpoint needs transformers: pip install 'offload[hf]' "
+        raise PretrainedError("loading a Hugging Face checkpoint needs transformers: pip install 'offload[hf]' "
                               "(or pip install transformers)") from None
     where = local_checkpoint(path)
     if not (where / "config.json").is_file():
-        raise CheckpointError(f"{where}: no config.json, so the model it holds is unknown; save it with "
+        raise PretrainedError(f"{where}: no config.json, so the model it holds is unknown; save it with "
                               "save_pretrained, which writes one")
     factory = getattr(transformers, auto_class, None)
     if factory is None or not hasattr(factory, "from_config"):
-        raise CheckpointError(f"transformers has no auto class {auto_class!r}; use one such as "
+        raise PretrainedError(f"transformers has no auto class {auto_class!r}; use one such as "
                               "AutoModelForCausalLM or AutoModelForSequenceClassification")
     config = transformers.AutoConfig.from_pretrained(where, local_files_only=True)
     with Init(min_meta_numel=min_meta_numel):
