@@ -277,15 +277,19 @@ def test_offload_train_refuses_what_does_not_fit_a_checkpoint(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_offload_train_tokenizes_text_with_the_checkpoints_own_tokenizer(tmp_path):
+def tiny_tokenizer(text, vocab=120):
+    """A BPE tokenizer trained here on ``text`` (nothing downloaded)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    from offload.demo import TEXT
-    from offload.train import TrainArgs, load_tokens
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]"]))
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab, special_tokens=["[UNK]"]))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+def test_offload_train_tokenizes_text_with_the_checkpoints_own_tokenizer(tmp_path):
+    from offload.demo import TEXT
+    from offload.train import TrainArgs, load_tokens
+    tokenizer = tiny_tokenizer(TEXT)
     path = save(tiny("llama", vocab=128), tmp_path / "ckpt")
     tokenizer.save_pretrained(path)
     tokens, vocab = load_tokens(TrainArgs(model=str(path)))

@@ -3,7 +3,10 @@
 [Note: the accumulation phase] After a step (or zero_grad, or a load) the engine is
 EMPTY. Each backward adds one micro-batch: COLLECTING until gradient_accumulation_steps
 of them are in, then at the BOUNDARY, where step() applies them and the engine is EMPTY
-again (step() elsewhere is a no-op, as in DeepSpeed). A step that fails before it
+again (step() elsewhere is a no-op, as in DeepSpeed). A caller may end an accumulation
+early (``end_early``: the coming backward is its last, as at the end of an epoch whose
+batches are not a multiple of the count; DeepSpeed's ``set_gradient_accumulation_boundary``).
+A step that fails before it
 applies anything goes back to the BOUNDARY so that calling step() again retries it. A
 save is refused unless EMPTY: the files would not hold the gradients collected.
 """
@@ -27,16 +30,24 @@ class Accumulation:
     steps: int  # gradient_accumulation_steps
     pending: int = 0  # micro-batches since the last step
     micro_steps: int = 0  # every backward since the start (a checkpoint keeps it)
+    early: bool = False  # the coming (or last) backward ends this accumulation, however many are in
 
     @property
     def phase(self) -> Phase:
         if self.pending == 0:
             return Phase.EMPTY
-        return Phase.BOUNDARY if self.pending >= self.steps else Phase.COLLECTING
+        return Phase.BOUNDARY if self.pending >= self.steps or self.early else Phase.COLLECTING
 
     def next_is_last(self) -> bool:
         """The coming backward completes the accumulation."""
-        return self.pending + 1 == self.steps
+        return self.early or self.pending + 1 == self.steps
+
+    def end_early(self, ends: bool = True) -> None:
+        """The coming backward ends the accumulation with fewer micro-batches than ``steps`` (``ends`` false:
+        it does not, after all)."""
+        if self.pending and self.phase is Phase.BOUNDARY:
+            raise EngineError("the accumulation is complete: call step() before ending another one")
+        self.early = ends
 
     def add(self) -> None:
         self.pending += 1
@@ -49,7 +60,7 @@ class Accumulation:
                               "engine.backward(loss) first")
         if self.phase is Phase.COLLECTING:
             return False
-        self.pending = 0
+        self.pending, self.early = 0, False
         return True
 
     def retry(self) -> None:
@@ -57,7 +68,7 @@ class Accumulation:
         self.pending = self.steps
 
     def clear(self) -> None:
-        self.pending = 0
+        self.pending, self.early = 0, False
 
     def check_save(self) -> None:
         if self.phase is not Phase.EMPTY:

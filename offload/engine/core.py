@@ -17,6 +17,7 @@ import contextlib
 import logging
 import math
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,8 +109,9 @@ class Engine:
                 raise
             raise errors.released_parameter_read([u.name for u in self.units]) from e
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backward of ``loss`` scaled by loss_scale / gradient_accumulation_steps; returns ``loss``."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` scaled by loss_scale / gradient_accumulation_steps (``scale_wrt_gas`` false: by
+        loss_scale only, for a caller that scaled it already, as DeepSpeed's flag); returns ``loss``."""
         self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise EngineError(f"backward() takes the scalar loss tensor, got "
@@ -117,7 +119,7 @@ class Engine:
         if not loss.requires_grad:
             raise EngineError("the loss does not require grad: was the forward run under torch.no_grad(), or are "
                               "all parameters frozen?")
-        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        scale = self.loss_scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
         last_micro = self.accumulation.next_is_last()
         overlapped = self._overlap and last_micro
         self.runtime.reduce_grads = last_micro or self.stage.reduce_every_micro_batch
@@ -140,6 +142,13 @@ class Engine:
             raise
         self.accumulation.add()
         return loss
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """``True``: the coming backward ends the accumulation, with fewer micro-batches than
+        gradient_accumulation_steps if so (the last batches of an epoch); scale that loss yourself and pass
+        ``scale_wrt_gas=False``. DeepSpeed's method of the same name."""
+        self._check_open()
+        self.accumulation.end_early(is_boundary)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.accumulation.phase is Phase.BOUNDARY
@@ -197,7 +206,11 @@ class Engine:
             self.runtime.spread_partitions()
         self.loss_scaler.update(overflow=False)
         if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            with warnings.catch_warnings():
+                # A torch schedule counts optimizer.step() calls to warn of a wrong order; Adam ran above through
+                # the engine, not through step(), so that warning would be false.
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                self.lr_scheduler.step()
         self._report_every_steps_per_print()
         if behind is not None:
             raise errors.params_behind(self.global_steps, behind.strerror) from behind
@@ -286,6 +299,14 @@ class Engine:
         return weights.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     # ----------------------------------------------------------------- checkpoints (offload/engine/saving.py)
+
+    def write_weights(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors") -> None:
+        """The gathered compute-dtype weights into one file whatever stage3_gather_16bit_weights_on_model_save
+        says (rank 0 writes, unit by unit; a collective): what offload.hf.Trainer.save_model writes."""
+        self._check_open()
+        self.optimizer.drain()
+        self._repair_params()
+        weights.write_weights(self, save_dir, save_filename)
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None, save_latest: bool = True) -> str:

@@ -71,13 +71,21 @@ def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
 
 def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filename: str,
                      exclude_frozen_parameters: bool) -> bool:
-    """Rank 0 streams the gathered compute-dtype weights to one file, unit by unit: it never holds the whole
-    state dict. Only with stage3_gather_16bit_weights_on_model_save, as in DeepSpeed (returns whether it saved)."""
+    """``write_weights``, only with stage3_gather_16bit_weights_on_model_save, as in DeepSpeed (returns whether it
+    saved)."""
     if not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
         logger.warning("save_16bit_model saved nothing: zero_optimization.stage3_gather_16bit_weights_on_model_"
                        "save is false (as DeepSpeed does); set it to true, or save_checkpoint and then "
                        "`offload export-weights`, which never gathers the whole model")
         return False
+    write_weights(engine, save_dir, save_filename, exclude_frozen_parameters)
+    return True
+
+
+def write_weights(engine: Any, save_dir: str | os.PathLike[str], save_filename: str,
+                  exclude_frozen_parameters: bool = False) -> None:
+    """Rank 0 streams the gathered compute-dtype weights to one file (torch.save, or safetensors by the file's
+    name), unit by unit: it never holds the whole state dict. A collective."""
     layout, buffers = state_dict_layout(engine)
     by_unit: dict[int, list[tuple[str, Any]]] = {}
     for key, index, slot in layout:
@@ -107,4 +115,3 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
                 stream.write(key, t)
     if engine.group.pg is not None:
         dist.barrier(group=engine.group.pg)
-    return True

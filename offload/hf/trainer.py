@@ -1,0 +1,215 @@
+"""``offload.hf.Trainer``: Hugging Face's ``Trainer`` with the model and optimizer run by offload's engine.
+
+[Note: the Trainer's loop around the engine] transformers' training loop stays as it is
+(data, accumulation boundaries, logging, evaluation, callbacks, checkpoint rotation);
+what DeepSpeed's engine does under it, offload's does here:
+- the engine is built when training starts (``_prepare_for_training``), once the number
+  of steps is known, from the config with its ``"auto"`` values filled from
+  TrainingArguments (offload/hf/ds_config.py);
+- ``training_step`` runs the forward through the model (the engine's hooks gather each
+  unit), scales the loss for accumulation as the Trainer does, and calls
+  ``engine.backward`` (not scaling it again) and ``engine.step`` (a no-op between
+  micro-batches). The loop's own ``optimizer.step()``, ``lr_scheduler.step()`` and
+  gradient clipping become no-ops: the engine clipped, stepped and scheduled already,
+  and the loop reads back its gradient norm and the learning rate the step used;
+- ``save_model`` writes Hugging Face's format (``config.json`` plus the gathered
+  weights as ``model.safetensors``, streamed unit by unit by ``engine.write_weights`` on
+  every rank, a collective, whatever ``stage3_gather_16bit_weights_on_model_save`` says:
+  the whole model is never in memory); a checkpoint (``checkpoint-N``) holds that plus the engine's own
+  checkpoint, and ``resume_from_checkpoint`` loads the engine's state from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from offload.config import Config
+from offload.engine.initialize import initialize
+from offload.hf.ds_config import resolve
+from offload.pretrained import PretrainedWeights
+
+ENGINE_CHECKPOINT = "offload"  # the engine's checkpoint directory inside checkpoint-N
+
+
+class _EngineOptimizer:
+    """What the Trainer's loop steps and zeroes: the engine did both in ``training_step``."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.engine.optimizer.param_groups
+
+    def step(self, closure: Any = None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+class _EngineSchedule:
+    """What the Trainer's loop steps and reads: the engine steps its schedule itself; the loop reads the learning
+    rate of the step just applied (as it reads it before stepping a schedule of its own)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def get_last_lr(self) -> list[float]:
+        return list(self.trainer.step_lr or self.trainer.engine.get_lr())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` whose model and optimizer run through an offload engine, configured by
+    ``offload_config`` (a DeepSpeed-format config: a path, a dict or a Config; ``"auto"`` values resolved from
+    ``args`` as Hugging Face resolves them for DeepSpeed). ``weights``: a local checkpoint directory the model
+    starts from, read into the shards (build ``model`` with ``offload.hf.meta_model`` so it is never whole)."""
+
+    def __init__(self, model: nn.Module | None = None, args: transformers.TrainingArguments | None = None, *,
+                 offload_config: str | os.PathLike[str] | dict[str, Any] | Config,
+                 weights: str | os.PathLike[str] | PretrainedWeights | None = None, **kwargs: Any) -> None:
+        if int(transformers.__version__.split(".")[0]) < 5:
+            raise ImportError(f"offload.hf.Trainer needs transformers 5 or newer (it drives the Trainer's v5 loop); "
+                              f"this is {transformers.__version__}: pip install -U 'offload[hf]'")
+        if args is not None and getattr(args, "deepspeed", None):
+            raise ValueError("TrainingArguments.deepspeed is set: offload.hf.Trainer takes the config as "
+                             "offload_config=...; drop deepspeed= from the arguments")
+        for unsupported in ("optimizers", "optimizer_cls_and_kwargs"):
+            if kwargs.get(unsupported) not in (None, (None, None)):
+                raise ValueError(f"offload.hf.Trainer: {unsupported}= is not supported; the engine runs Adam/AdamW "
+                                 "from the config's optimizer section (or TrainingArguments' AdamW settings)")
+        self.offload_config = _raw_config(offload_config)
+        self.weights = weights if weights is None or isinstance(weights, PretrainedWeights) \
+            else PretrainedWeights(weights)
+        self.engine: Any = None
+        self.step_lr: list[float] | None = None  # the learning rate of the step last applied
+        super().__init__(model=model, args=args, **kwargs)
+
+    # ----------------------------------------------------------------- the engine
+
+    def _move_model_to_device(self, model: nn.Module, device: Any) -> None:
+        """The engine places the model (its parameters may be on the meta device until then)."""
+        return None
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        return self.model  # never DDP or anything else: the engine shards it
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any
+                              ) -> tuple[nn.Module, Any]:
+        if self.engine is None:
+            self._build_engine(max_steps)
+        if resume_from_checkpoint is not None:
+            self.engine.load_checkpoint(Path(resume_from_checkpoint) / ENGINE_CHECKPOINT)
+        self.model_wrapped = self.model
+        return self.model, train_dataloader
+
+    def _build_engine(self, num_training_steps: int) -> None:
+        config = resolve(self.offload_config, self.args, self.model, num_training_steps)
+        kwargs: dict[str, Any] = {}
+        if "optimizer" not in config:  # the Trainer's AdamW, with its decay / no-decay groups
+            kwargs["optimizer"] = self.create_optimizer()
+        else:
+            kwargs["model_parameters"] = [p for p in self.model.parameters() if p.requires_grad]
+        if "scheduler" not in config:  # the Trainer's schedule (lr_scheduler_type), over the engine's optimizer
+            steps = num_training_steps
+            kwargs["lr_scheduler"] = lambda optimizer: copy.copy(self).create_scheduler(steps, optimizer)
+        self.optimizer = None
+        self.lr_scheduler = None
+        self.engine, *_ = initialize(model=self.model, config=config, weights=self.weights,
+                                     device=self.args.device, **kwargs)
+        self.optimizer = _EngineOptimizer(self.engine)  # type: ignore[assignment]
+        self.lr_scheduler = _EngineSchedule(self)  # type: ignore[assignment]
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        if self.engine is not None and optimizer is None:
+            return self.lr_scheduler  # the engine's, built with it
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    # ----------------------------------------------------------------- a step
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+                      ) -> torch.Tensor:
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        scaled = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else (
+            (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        # The loop's own boundary: the end of an epoch ends an accumulation however many batches are in.
+        if self.accelerator.gradient_state.sync_gradients:
+            self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.backward(loss, scale_wrt_gas=False)  # scaled for accumulation above, as the Trainer does
+        if self.engine.is_gradient_accumulation_boundary():
+            self.step_lr = self.engine.get_lr()
+        self.engine.step()
+        return loss.detach()
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        return self.engine.last_grad_norm  # the engine clipped in step()
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        return self.engine.last_grad_norm if grad_norm is None else grad_norm
+
+    # ----------------------------------------------------------------- saving
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Hugging Face's format: config.json and the gathered weights as model.safetensors (every rank takes part:
+        the weights are gathered unit by unit)."""
+        output_dir = output_dir or self.args.output_dir
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        self.engine.write_weights(output_dir, "model.safetensors")
+        if self.args.should_save:
+            unwrapped = self.model
+            if hasattr(unwrapped, "config"):
+                unwrapped.config.save_pretrained(output_dir)
+            if getattr(unwrapped, "generation_config", None) is not None and hasattr(unwrapped, "can_generate") \
+                    and unwrapped.can_generate():
+                unwrapped.generation_config.save_pretrained(output_dir)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.engine.save_checkpoint(Path(output_dir) / ENGINE_CHECKPOINT)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        return None  # the engine's checkpoint holds both; loaded in _prepare_for_training
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if not (Path(resume_from_checkpoint) / ENGINE_CHECKPOINT).is_dir():
+            raise ValueError(f"{resume_from_checkpoint} holds no offload engine checkpoint ({ENGINE_CHECKPOINT}/): "
+                             "was it written by offload.hf.Trainer?")
+
+
+def _raw_config(config: str | os.PathLike[str] | dict[str, Any] | Config) -> dict[str, Any]:
+    """The config as a plain dict with its "auto" values still in place (they are resolved per run)."""
+    if isinstance(config, Config):
+        return config.to_dict()
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    path = Path(config)
+    if not path.is_file():
+        raise FileNotFoundError(f"offload_config {path}: no such file")
+    return json.loads(path.read_text())

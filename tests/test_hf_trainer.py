@@ -1,0 +1,233 @@
+"""offload.hf.Trainer: Hugging Face's Trainer on the engine trains as plain transformers.Trainer does (same losses,
+gradient norms and learning rates with clipping and accumulation on), saves a model from_pretrained loads, resumes
+exactly from its checkpoints, and resolves a DeepSpeed config's "auto" values as Hugging Face's integration does."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+
+import offload.hf  # noqa: E402
+from offload.hf.ds_config import ConfigMismatch, resolve  # noqa: E402
+from offload.launch import run_ranks  # noqa: E402
+from test_pretrained import save, tiny  # noqa: E402
+
+DS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+      "train_batch_size": "auto",
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+      "offload": {"unit_bytes": 8192}}
+
+
+def data(rows=16, seq=16, vocab=128):
+    torch.manual_seed(0)
+    return [{"input_ids": t, "labels": t} for t in torch.randint(0, vocab, (rows, seq))]
+
+
+def arguments(out, **kw):
+    base = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,
+                max_grad_norm=1.0, num_train_epochs=1, logging_steps=1, report_to=[], save_strategy="no",
+                use_cpu=True, seed=0, lr_scheduler_type="linear", warmup_steps=1, dataloader_drop_last=True,
+                disable_tqdm=True, per_device_eval_batch_size=2)
+    base.update(kw)
+    return transformers.TrainingArguments(**base)
+
+
+def logged(trainer, key="loss"):
+    return [h[key] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trains_as_the_plain_trainer_does(tmp_path):
+    path = save(tiny("llama"), tmp_path / "ckpt")
+    ref = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                               args=arguments(tmp_path / "ref"), train_dataset=data())
+    ref.train()
+    ours = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=arguments(tmp_path / "ours"),
+                              offload_config=DS, train_dataset=data())
+    ours.train()
+    assert len(logged(ours)) == 4
+    assert logged(ours) == pytest.approx(logged(ref), rel=1e-6)
+    assert logged(ours, "grad_norm") == pytest.approx(logged(ref, "grad_norm"), rel=1e-5)
+    assert logged(ours, "learning_rate") == pytest.approx(logged(ref, "learning_rate"))
+    assert ours.engine.global_steps == 4
+
+
+def test_save_model_writes_what_from_pretrained_loads(tmp_path):
+    path = save(tiny("gpt2"), tmp_path / "ckpt")
+    trainer = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=arguments(tmp_path / "run"),
+                                 offload_config=DS, train_dataset=data())
+    trainer.train()
+    trainer.save_model(tmp_path / "saved")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    expected = trainer.engine.full_state_dict()
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    assert not torch.equal(expected["transformer.h.0.mlp.c_fc.weight"],
+                           transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()[
+                               "transformer.h.0.mlp.c_fc.weight"])  # it trained
+
+
+def test_resume_from_checkpoint_continues_exactly(tmp_path):
+    path = save(tiny("llama"), tmp_path / "ckpt")
+
+    def trainer(out, **kw):
+        return offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, offload_config=DS,
+                                  args=arguments(tmp_path / out, **kw), train_dataset=data(rows=24))
+    straight = trainer("straight", save_strategy="steps", save_steps=2)
+    straight.train()
+    checkpoint = tmp_path / "straight" / "checkpoint-2"
+    assert (checkpoint / "offload").is_dir() and (checkpoint / "model.safetensors").is_file()
+    second = trainer("resumed")
+    second.train(resume_from_checkpoint=str(checkpoint))
+    assert len(logged(straight)) == 6
+    # The resumed history keeps the checkpoint's first two steps and adds the four it ran: the whole run's.
+    assert logged(second) == pytest.approx(logged(straight), rel=1e-6)
+    assert logged(second, "learning_rate") == pytest.approx(logged(straight, "learning_rate"))
+    assert second.engine.global_steps == 6
+
+
+def _train_on_rank(rank, world, path, out, offloaded):
+    import torch
+    import transformers
+
+    import offload.hf
+    torch.manual_seed(0)
+    rows = [{"input_ids": t, "labels": t} for t in torch.randint(0, 128, (32, 16))]
+    args = arguments(out)
+    if offloaded:
+        trainer = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=args, offload_config=DS,
+                                     train_dataset=rows)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    return logged(trainer), logged(trainer, "grad_norm")
+
+
+def test_trains_as_the_plain_trainer_does_at_w2(tmp_path):
+    path = save(tiny("llama"), tmp_path / "ckpt")
+    ref = run_ranks(_train_on_rank, 2, path=path, out=str(tmp_path / "ref"), offloaded=False)
+    ours = run_ranks(_train_on_rank, 2, path=path, out=str(tmp_path / "ours"), offloaded=True)
+    assert len(ours[0][0]) == 4
+    for (loss, norm), (ref_loss, ref_norm) in zip(ours, ref):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert norm == pytest.approx(ref_norm, rel=1e-4)
+
+
+# ----------------------------------------------------------------- "auto", as Hugging Face resolves it
+
+
+def test_auto_values_are_filled_from_the_arguments_key_for_key(tmp_path):
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto", "gradient_clipping": "auto",
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                        "weight_decay": "auto"}},
+              "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                                "warmup_num_steps": "auto",
+                                                                "total_num_steps": "auto"}},
+              "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                    "stage3_prefetch_bucket_size": "auto",
+                                    "stage3_param_persistence_threshold": "auto"}}
+    args = arguments(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=4, max_grad_norm=0.5,
+                     learning_rate=2e-4, adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-7, weight_decay=0.1,
+                     warmup_steps=5)
+    model = tiny("llama", hidden=32)
+    out = resolve(config, args, model, num_training_steps=50)
+    assert out["train_micro_batch_size_per_gpu"] == 3 and out["gradient_accumulation_steps"] == 4
+    assert out["train_batch_size"] == 12 and out["gradient_clipping"] == 0.5
+    assert out["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.8, 0.99], "eps": 1e-7, "weight_decay": 0.1}
+    assert out["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 2e-4, "warmup_num_steps": 5,
+                                          "total_num_steps": 50}
+    assert out["bf16"]["enabled"] is False and out["fp16"]["enabled"] is False
+    assert out["zero_optimization"]["reduce_bucket_size"] == 32 * 32
+    assert out["zero_optimization"]["stage3_prefetch_bucket_size"] == int(0.9 * 32 * 32)
+    assert out["zero_optimization"]["stage3_param_persistence_threshold"] == 320
+    assert config["gradient_clipping"] == "auto"  # the caller's config is left as it was
+
+
+def test_a_value_that_contradicts_the_arguments_is_refused_naming_both(tmp_path):
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(ConfigMismatch) as e:
+        resolve(config, arguments(tmp_path, max_grad_norm=0.3), tiny("llama"), 10)
+    message = str(e.value)
+    assert "- ds train_micro_batch_size_per_gpu=8 vs hf per_device_train_batch_size=2" in message
+    assert "- ds gradient_clipping=1.0 vs hf max_grad_norm=0.3" in message
+    assert "optimizer.params.lr" not in message  # it agrees
+    assert resolve({"zero_optimization": {"stage": 3}}, arguments(tmp_path), tiny("llama"), 10) == \
+        {"zero_optimization": {"stage": 3}}  # absent keys stay absent
+
+
+def test_deepspeed_in_the_arguments_is_refused(tmp_path):
+    path = save(tiny("llama"), tmp_path / "ckpt")
+    (tmp_path / "ds.json").write_text(json.dumps(DS))
+    with pytest.raises(ValueError, match="drop deepspeed= from the arguments"):
+        args = arguments(tmp_path / "run")
+        args.deepspeed = str(tmp_path / "ds.json")
+        offload.hf.Trainer(model=offload.hf.meta_model(path), args=args, offload_config=DS)
+
+
+def test_an_epoch_that_ends_mid_accumulation_steps_as_the_plain_trainer_does(tmp_path):
+    """10 batches an epoch, 3 per step: the fourth step of each epoch has one batch, as in transformers."""
+    path = save(tiny("llama"), tmp_path / "ckpt")
+    kw = dict(gradient_accumulation_steps=3, num_train_epochs=2)
+    ref = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                               args=arguments(tmp_path / "ref", **kw), train_dataset=data(rows=20))
+    ref.train()
+    ours = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, offload_config=DS,
+                              args=arguments(tmp_path / "ours", **kw), train_dataset=data(rows=20))
+    ours.train()
+    assert len(logged(ours)) == 8 and ours.engine.global_steps == 8
+    assert logged(ours) == pytest.approx(logged(ref), rel=1e-6)
+    assert logged(ours, "grad_norm") == pytest.approx(logged(ref, "grad_norm"), rel=1e-5)
+
+
+def test_the_shipped_trainer_config_resolves_with_default_arguments(tmp_path):
+    from conftest import REPO
+    from offload.config import Config
+    raw = json.loads((REPO / "configs" / "zero3_cpu_offload_hf.json").read_text())
+    resolved = resolve(raw, arguments(tmp_path), tiny("llama"), num_training_steps=100)
+    cfg = Config.load(resolved).resolve(world_size=1, hidden_size=32)
+    assert cfg.auto_paths() == [] and cfg.train_micro_batch_size_per_gpu == 2
+    assert cfg.gradient_clipping == 1.0 and cfg.optimizer.params.lr == 1e-3
+    assert cfg.scheduler is None  # the Trainer's own lr_scheduler_type runs
+
+
+def test_evaluate_runs_the_model_through_the_engine_as_the_plain_trainer_does(tmp_path):
+    path = save(tiny("llama"), tmp_path / "ckpt")
+    ref = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                               args=arguments(tmp_path / "ref"), train_dataset=data(), eval_dataset=data(rows=6))
+    ref.train()
+    ours = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=arguments(tmp_path / "ours"),
+                              offload_config=DS, train_dataset=data(), eval_dataset=data(rows=6))
+    ours.train()
+    assert ours.evaluate()["eval_loss"] == pytest.approx(ref.evaluate()["eval_loss"], rel=1e-6)
+
+
+def test_the_worked_example_fine_tunes_under_torchrun(tmp_path):
+    """examples/finetune_hf.py on two ranks: a local Llama checkpoint with its tokenizer, saved and loadable."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from offload.demo import TEXT
+    from test_pretrained import tiny_tokenizer
+    path = save(tiny("llama", vocab=128), tmp_path / "ckpt")
+    tiny_tokenizer(TEXT).save_pretrained(path)
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          str(REPO / "examples" / "finetune_hf.py"), "--model", str(path),
+                          "--data", str(tmp_path / "corpus.txt"), "--config",
+                          str(REPO / "configs" / "zero3_cpu_offload_hf.json"), "--out", str(tmp_path / "out"),
+                          "--block", "16", "--batch", "2", "--lr", "1e-3"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    final = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "final", dtype=torch.float32)
+    start = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert not torch.equal(final.state_dict()["model.norm.weight"], start.state_dict()["model.norm.weight"])
+    assert (tmp_path / "out" / "final" / "tokenizer.json").is_file()
