@@ -16,7 +16,11 @@ weights are stored once, under either name), with the model's ``base_model_prefi
 added or dropped when the checkpoint was saved from the bare model or with a head; a
 parameter no key feeds, a key nothing reads, or a shape that differs is an error that
 names them, except the keys the model class itself says to ignore
-(``_keys_to_ignore_on_load_missing`` / ``_unexpected``), as ``from_pretrained`` does.
+(``_keys_to_ignore_on_load_missing`` / ``_unexpected``), as ``from_pretrained`` does. With
+``strict=False`` (a new head on a pretrained base) a missing parameter is initialised by the
+model instead and a key nothing reads is skipped, each named in a warning: a unit holding
+such a parameter is built as a fresh one (initialised, broadcast from rank 0, so every rank
+agrees) and the checkpoint's values are written over the rest of it.
 Persistent buffers stored in the checkpoint (a BatchNorm's running statistics) are
 loaded too.
 """
@@ -24,6 +28,7 @@ loaded too.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -42,6 +47,7 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 LISTED = 8  # names an error message lists before "and N more"
+logger = logging.getLogger("offload.pretrained")
 
 
 class PretrainedError(ValueError):
@@ -130,10 +136,16 @@ class PretrainedWeights:
     """Where each parameter and persistent buffer of a model comes from in a checkpoint; reads ranges of a unit's
     flat buffer for the engine (see [Note: reading a checkpoint into shards])."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], strict: bool = True) -> None:
+        """``strict`` false: a parameter the checkpoint lacks is initialised by the model (a new head on a base
+        model) and a key nothing reads is skipped, each named in a warning, as transformers' from_pretrained does;
+        a shape that differs is an error either way."""
         self.checkpoint = Checkpoint(path)
+        self.strict = strict
         self._params: dict[int, StoredTensor] = {}
         self._buffers: dict[str, StoredTensor] = {}
+        self.fresh: set[int] = set()  # parameters the model initialises: no key feeds them (ignored or not strict)
+        self.skipped: list[str] = []  # keys nothing reads (not strict)
         self.elements_read = 0  # flat elements read into units so far (a rank's shards, or whole resident units)
         self.largest_read = 0  # the most elements read at once (one unit's range)
 
@@ -156,15 +168,22 @@ class PretrainedWeights:
         params = {id(p) for p in model.parameters()}
         used: set[str] = set()
         missing, mismatched = [], []
-        self._params, self._buffers = {}, {}
+        self._params, self._buffers, self.fresh = {}, {}, set()
         for ident, names in names_of.items():
             keys = [lookup(n) for n in names]
             found = [k for k in keys if k in stored]
             used.update(found)
             if not found:
-                # A buffer the checkpoint lacks keeps the value the model computed for it (from_pretrained's rule).
-                if ident in params and not any(_matches(n, ignore_missing) for n in names):
-                    missing.append(names[0])
+                # A buffer the checkpoint lacks keeps the value the model computed for it (from_pretrained's rule);
+                # a parameter is initialised by the model where it may be, else named as missing.
+                if ident in params:
+                    if self.strict and not any(_matches(n, ignore_missing) for n in names):
+                        missing.append(names[0])
+                    else:
+                        self.fresh.add(ident)
+                        if not any(_matches(n, ignore_missing) for n in names):
+                            logger.warning("%s: %s is not in the checkpoint: the model initialises it",
+                                           self.path, names[0])
                 continue
             source = stored[found[0]]
             shape = tuple(entries[ident].shape)
@@ -176,6 +195,10 @@ class PretrainedWeights:
             else:
                 self._buffers[names[0]] = source
         unexpected = [k for k in stored if k not in used and not _matches(k, ignore_unexpected)]
+        if not self.strict and unexpected:
+            logger.warning("%s: %d checkpoint key(s) match nothing in %s and are skipped: %s", self.path,
+                           len(unexpected), type(model).__name__, _listed(unexpected))
+            self.skipped, unexpected = unexpected, []
         problems: list[str] = []
         if mismatched:
             problems.append(f"{len(mismatched)} shape(s) differ: {_listed(mismatched)}")
@@ -185,7 +208,24 @@ class PretrainedWeights:
             problems.append(f"{len(unexpected)} checkpoint key(s) match nothing in the model: {_listed(unexpected)}")
         if problems:
             raise PretrainedError(f"{self.path} does not fit {type(model).__name__}: " + "; ".join(problems) +
-                                  ". Build the model class the checkpoint was saved from, with its config.json")
+                                  ". Build the model class the checkpoint was saved from, with its config.json" +
+                                  ("; or, for a new head on a pretrained base, load with strict=False (the model "
+                                   "initialises what the checkpoint lacks)" if missing or unexpected else ""))
+
+    def needs_init(self, plan: UnitPlan) -> bool:
+        """Whether unit ``plan`` holds a parameter the model initialises (so the unit is built as a fresh one and
+        the checkpoint's values written over the rest)."""
+        return any(id(s.param) in self.fresh for s in plan.slots)
+
+    def fill_bound(self, plan: UnitPlan, values: torch.Tensor) -> None:
+        """Write every parameter of unit ``plan`` that the checkpoint feeds into ``values`` (its whole fp32 flat
+        buffer), leaving the freshly initialised ones as they are."""
+        handles: dict[Path, object] = {}
+        for s in plan.slots:
+            source = self._params.get(id(s.param))
+            if source is not None:
+                values[s.offset:s.offset + s.numel].copy_(self.checkpoint.read_range(source, 0, s.numel, handles))
+                self.elements_read += s.numel
 
     def read_flat(self, plan: UnitPlan, padded: int, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of unit ``plan``'s flat buffer (``padded`` long, zeros past the parameters) as

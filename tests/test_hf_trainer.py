@@ -231,3 +231,31 @@ def test_the_worked_example_fine_tunes_under_torchrun(tmp_path):
     start = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert not torch.equal(final.state_dict()["model.norm.weight"], start.state_dict()["model.norm.weight"])
     assert (tmp_path / "out" / "final" / "tokenizer.json").is_file()
+
+
+def _resume_on_rank(rank, world, path, out, resume):
+    import torch
+
+    import offload.hf
+    torch.manual_seed(0)
+    rows = [{"input_ids": t, "labels": t} for t in torch.randint(0, 128, (48, 16))]
+    trainer = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, offload_config=DS,
+                                 args=arguments(out, save_strategy="steps", save_steps=2), train_dataset=rows)
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(f"{out}/final")
+    return logged(trainer)
+
+
+def test_checkpoints_resume_and_save_at_w2(tmp_path):
+    """Every rank takes part in saving (weights gathered unit by unit, the engine's checkpoint) and resuming."""
+    path = save(tiny("llama"), tmp_path / "ckpt")
+    straight = run_ranks(_resume_on_rank, 2, path=path, out=str(tmp_path / "a"), resume=None)
+    resumed = run_ranks(_resume_on_rank, 2, path=path, out=str(tmp_path / "b"),
+                        resume=str(tmp_path / "a" / "checkpoint-4"))
+    assert len(straight[0]) == 6
+    for a, b in zip(straight, resumed):
+        assert b == pytest.approx(a, rel=1e-6)  # the resumed history: the checkpoint's 4 steps, then 2 more
+    final_a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "final", dtype=torch.float32)
+    final_b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "final", dtype=torch.float32)
+    for key, value in final_a.state_dict().items():
+        assert torch.equal(value, final_b.state_dict()[key]), key

@@ -295,3 +295,35 @@ def test_offload_train_tokenizes_text_with_the_checkpoints_own_tokenizer(tmp_pat
     tokens, vocab = load_tokens(TrainArgs(model=str(path)))
     assert vocab == 128
     assert tokens.tolist() == tokenizer(TEXT)["input_ids"]
+
+
+def _head_on_rank(rank, world, path, seed_by_rank):
+    import torch
+
+    import offload.hf
+    torch.manual_seed(rank if seed_by_rank else 0)  # ranks that disagree: the fresh head comes from rank 0's
+    engine, *_ = offload.hf.from_pretrained(path, config(), auto_class="AutoModelForSequenceClassification",
+                                            strict=False, model_config={"num_labels": 3, "pad_token_id": 0},
+                                            dist_init_required=world > 1)
+    with engine:
+        return engine.full_state_dict()
+
+
+def test_a_new_head_on_a_pretrained_base_is_initialised_by_the_model_when_not_strict(tmp_path, caplog):
+    path = save(tiny("llama"), tmp_path / "ckpt")
+    with pytest.raises(PretrainedError, match="score.weight.*lm_head.weight.*strict=False"):
+        offload.hf.from_pretrained(path, config(), auto_class="AutoModelForSequenceClassification",
+                                   model_config={"num_labels": 3, "pad_token_id": 0}, dist_init_required=False)
+    with caplog.at_level("WARNING", logger="offload.pretrained"):
+        one = _head_on_rank(0, 1, path, seed_by_rank=False)
+    assert "score.weight is not in the checkpoint: the model initialises it" in caplog.text
+    assert "1 checkpoint key(s) match nothing in LlamaForSequenceClassification and are skipped: lm_head.weight" \
+        in caplog.text
+    two = run_ranks(_head_on_rank, 2, path=path, seed_by_rank=True)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    for state in [one] + two:
+        assert state["score.weight"].shape == (3, 32)
+        assert torch.equal(state["score.weight"], one["score.weight"])  # rank 0's initialisation, on every rank
+        assert torch.equal(state["model.layers.1.mlp.up_proj.weight"], base["model.layers.1.mlp.up_proj.weight"])
+        assert "lm_head.weight" not in state
+    assert one["score.weight"].std() > 0

@@ -181,18 +181,21 @@ def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, sta
                 group_of: dict[int, int] | None, pretrained: PretrainedWeights | None) -> Unit:
     """One unit from rank 0's values, or (``pretrained``) from a checkpoint that every rank reads its own part of: its
     shard into the parameter store, its master into the optimizer (``group_of`` given: the unit trains)."""
-    if pretrained is None:
+    fresh = pretrained is None or pretrained.needs_init(plan)
+    if fresh:
         materialize_unit(model, plan)  # meta parameters (offload.zero.Init) get memory one unit at a time
         values = Unit.initial_values(plan, partition.world)
         broadcast_values = values.to(accel.device) if accel.is_cuda else values
         broadcast(broadcast_values, group)  # every rank starts from rank 0's weights, as DeepSpeed does
         values = broadcast_values.cpu() if accel.is_cuda else broadcast_values
+        if pretrained is not None:  # a new head beside pretrained weights: those come from the checkpoint
+            pretrained.fill_bound(plan, values)
     else:
         give_memory(plan)  # the checkpoint fills them: no initialiser runs
     unit = Unit(plan, partition, dtype, accel.device, params, resident=stage.resident_params,
                 in_place=not stage.resident_params and partition.world == 1 and params.in_place(plan.index))
     start = 0
-    if pretrained is not None:  # see [Note: reading a checkpoint into shards]
+    if not fresh:  # see [Note: reading a checkpoint into shards]
         start, stop = (0, unit.padded) if unit.keeps_full else (unit.shard_start, unit.shard_start + unit.shard_numel)
         values = pretrained.read_flat(plan, unit.padded, start, stop)
     unit.load_initial(values, host_copy=group_of is not None and optimizer.offload, start=start)
