@@ -4,7 +4,8 @@
 #   ./dev.sh demo [args]   the smaller walk-through of the engine (offload demo)
 #   ./dev.sh test [args]   set up .venv, then run the whole test suite (args go to pytest)
 #   ./dev.sh deepspeed     install DeepSpeed beside the venv's torch (for `offload bench step --baseline
-#                          deepspeed`) and run its side-by-side tests
+#                          deepspeed`) and run the tests that need it: the side-by-side, and offload.hf's
+#                          "auto" resolution against transformers' own (which imports DeepSpeed)
 # Needs only Python >= 3.10 with pip and venv, and a C++ compiler; everything else comes from PyPI
 # (and, for the NEON kernels' test, an aarch64 cross compiler and qemu-user from apt-get where it runs).
 set -euo pipefail
@@ -74,7 +75,7 @@ case "$cmd" in
     echo "== installing DeepSpeed (no deps) and its requirements but torch"
     DS_BUILD_OPS=0 "$PY" -m pip install --disable-pip-version-check -q --no-deps "${DEEPSPEED_SPEC:-deepspeed==0.19.8}"
     "$PY" -m pip install --disable-pip-version-check -q einops hjson msgpack ninja py-cpuinfo "pydantic>=2" tqdm
-    exec "$PY" -m pytest -q tests/test_bench_versus.py "$@" ;;
+    exec "$PY" -m pytest -q tests/test_bench_versus.py tests/test_hf_trainer.py -k "versus or hugging_faces_own" "$@" ;;
   *)
     echo "usage: ./dev.sh train|demo|test|deepspeed [args]" >&2; exit 64 ;;
 esac

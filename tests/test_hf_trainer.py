@@ -2,6 +2,7 @@
 gradient norms and learning rates with clipping and accumulation on), saves a model from_pretrained loads, resumes
 exactly from its checkpoints, and resolves a DeepSpeed config's "auto" values as Hugging Face's integration does."""
 
+import copy
 import json
 
 import pytest
@@ -259,3 +260,50 @@ def test_checkpoints_resume_and_save_at_w2(tmp_path):
     final_b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "final", dtype=torch.float32)
     for key, value in final_a.state_dict().items():
         assert torch.equal(value, final_b.state_dict()[key]), key
+
+
+AUTO_CASES = [
+    # every key Hugging Face fills, all "auto"
+    {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+     "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                               "weight_decay": "auto"}},
+     "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                       "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+     "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                           "stage3_param_persistence_threshold": "auto"}},
+    # numbers that agree, numbers that do not, keys absent, stage 2 (no stage-3 sizes filled)
+    {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "gradient_clipping": 0.7,
+     "optimizer": {"type": "AdamW", "params": {"lr": 5e-4, "betas": [0.9, 0.999], "eps": "auto"}},
+     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.1, "warmup_num_steps": 3}},
+     "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}},
+    {"train_batch_size": 24, "fp16": {"enabled": True}, "zero_optimization": {"stage": 3}},
+]
+
+
+@pytest.mark.parametrize("case", range(len(AUTO_CASES)))
+def test_auto_resolution_is_hugging_faces_own_where_deepspeed_is_installed(tmp_path, case):
+    """The same configs through transformers' HfTrainerDeepSpeedConfig (which needs deepspeed to import): the
+    same values filled, and a mismatch exactly where it finds one (`./dev.sh deepspeed` runs this)."""
+    pytest.importorskip("deepspeed")
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+    args = arguments(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=4, max_grad_norm=0.7,
+                     learning_rate=5e-4, weight_decay=0.05, warmup_steps=4)
+    model = tiny("llama", hidden=48)
+    theirs = HfTrainerDeepSpeedConfig(copy.deepcopy(AUTO_CASES[case]))  # it may fill the dict it is given
+    theirs.trainer_config_process(args)
+    try:
+        theirs.trainer_config_finalize(args, model, 40)
+        their_error = None
+    except ValueError as e:
+        their_error = str(e)
+    try:
+        ours, our_error = resolve(AUTO_CASES[case], args, model, 40), None
+    except ConfigMismatch as e:
+        ours, our_error = None, str(e)
+    if their_error is None:
+        assert our_error is None and ours == theirs.config
+    else:
+        assert our_error is not None
+        assert [line for line in our_error.splitlines() if line.startswith("- ds ")] == \
+            [line for line in their_error.splitlines() if line.startswith("- ds ")]
