@@ -104,7 +104,8 @@ def test_bench_step_on_the_gpu_reports_both_high_waters(tmp_path, capsys):
                  "16", "--micro", "2", "--steps", "2", "--rounds", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["bench"]["device"] == "cuda"
-    assert set(report["peak_device_bytes"]) == {"torch", "host", "host-no-prefetch", "noclip-overlap", "noclip-after"}
+    assert set(report["peak_device_bytes"]) == {"torch", "host", "host-no-prefetch", "noclip-overlap", "noclip-after",
+                                                "params-host", "params-host-early"}
     assert all(v > 0 for v in report["peak_device_bytes"].values())
     assert "GPU memory high water" in capsys.readouterr().out
 
@@ -128,7 +129,10 @@ def test_bench_step_splits_the_step_and_compares_with_torch(tmp_path, capsys):
     assert report["ratio"] == pytest.approx(report["offload_step_s"] / report["torch_step_s"])
     assert set(report["phases_s"]) == {"gather", "gather_wait", "prefetch", "reduce_scatter", "all_reduce",
                                        "all_gather", "grad_wait", "optimizer", "compute"}
-    assert set(report["variants"]) == {"host", "host-no-prefetch", "noclip-overlap", "noclip-after"}
+    assert set(report["variants"]) == {"host", "host-no-prefetch", "noclip-overlap", "noclip-after", "params-host",
+                                       "params-host-early"}
+    text = capsys.readouterr().out
+    assert "x torch" in text and "the early step's gain" in text
     assert report["phases_s"]["gather"] > 0 and report["phases_s"]["optimizer"] > 0
     # Each rank receives half of every unit per gather: forward and backward gather the whole model once each.
     params = report["params"]
@@ -136,7 +140,6 @@ def test_bench_step_splits_the_step_and_compares_with_torch(tmp_path, capsys):
     # On a CPU the landing worker reads each reduced gradient where it lies and the new shards are written where
     # compute reads them: nothing crosses a link (a GPU copies each gradient down and each new shard back).
     assert report["bytes_per_step"]["d2h"] == 0 and report["bytes_per_step"]["h2d"] == 0
-    assert "x torch" in capsys.readouterr().out
 
 
 def test_bench_step_compares_zero_stages_in_one_table_and_plot(tmp_path, capsys):

@@ -107,7 +107,10 @@ class StepBench:
             return {"host": {"device": "cpu"}, "host-no-prefetch": {"device": "cpu", "prefetch": 0},
                     # Without clipping the step can overlap backward; the same config with overlap off is its pair.
                     "noclip-overlap": {"device": "cpu", "clip": 0.0, "overlap": "on"},
-                    "noclip-after": {"device": "cpu", "clip": 0.0, "overlap": "off"}}
+                    "noclip-after": {"device": "cpu", "clip": 0.0, "overlap": "off"},
+                    # Parameters homed on the host too (the early step needs host homes), stepped whole and early.
+                    "params-host": {"device": "cpu", "params": "cpu", "early": "off"},
+                    "params-host-early": {"device": "cpu", "params": "cpu", "early": "on"}}
         return {"nvme": {"device": "nvme", "buffer_count": self.buffer_count, "params": "nvme"},
                 "host": {"device": "cpu", "params": "cpu"},
                 "nvme-optimizer": {"device": "nvme", "buffer_count": self.buffer_count, "params": "cpu"},
@@ -172,6 +175,7 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
                                     "sub_group_size": b.sub_group_size,
                                     "stage3_prefetch_bucket_size": variant.get("prefetch", 50_000_000)},
               "offload": {"unit_bytes": 4 << 20, "overlap_step": variant.get("overlap", "auto"),
+                          "early_step": variant.get("early", "auto"),
                           "checkpoint_blocks": b.checkpointing != "none"},
               "activation_checkpointing": {"cpu_checkpointing": b.checkpointing == "cpu"}}
     engine, *_ = offload.initialize(model=model, config=config)
@@ -367,6 +371,10 @@ def print_table(result: StepResult, out: TextIO) -> None:
         print(f"  without clipping: step after backward {v['noclip-after']['step_s'] * 1e3:.1f} ms, overlapped with "
               f"backward {v['noclip-overlap']['step_s'] * 1e3:.1f} ms; overlap's gain "
               f"{v['noclip-after']['step_s'] / v['noclip-overlap']['step_s']:.2f}x", file=out)
+    if "params-host-early" in v:
+        print(f"  parameters on the host: step() whole {v['params-host']['step_s'] * 1e3:.1f} ms/step, returning "
+              f"before Adam {v['params-host-early']['step_s'] * 1e3:.1f} ms/step; the early step's gain "
+              f"{v['params-host']['step_s'] / v['params-host-early']['step_s']:.2f}x", file=out)
     if "nvme" in v:
         print("  optimizer state placement (step / optimizer phase / of which NVMe stall, per step):", file=out)
         for name, row in v.items():
