@@ -40,12 +40,14 @@ def logged(trainer, key="loss"):
     return [h[key] for h in trainer.state.log_history if "loss" in h]
 
 
-def test_trains_as_the_plain_trainer_does(tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_trains_as_the_plain_trainer_does(tmp_path, checkpointing):
     path = save(tiny("llama"), tmp_path / "ckpt")
+    kw = {"gradient_checkpointing": checkpointing}  # transformers' own recompute, through the engine's hooks
     ref = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                               args=arguments(tmp_path / "ref"), train_dataset=data())
+                               args=arguments(tmp_path / "ref", **kw), train_dataset=data())
     ref.train()
-    ours = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=arguments(tmp_path / "ours"),
+    ours = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=arguments(tmp_path / "ours", **kw),
                               offload_config=DS, train_dataset=data())
     ours.train()
     assert len(logged(ours)) == 4
