@@ -15,6 +15,16 @@ in store/param_store.py). ``OFFLOAD_EMULATED_DISCRETE_DEVICE=1`` (implied by a c
 delay) makes the CPU device behave as a separate memory instead: every copy a GPU
 needs is made, on the emulated streams, so their ordering is tested here too.
 
+[Note: events re-recorded] An owner that records an event for the same purpose every step
+(a shard's landing buffer is free, its copy back is done) passes its last one back,
+``record(into=last)``, and gets it re-recorded instead of a new one, so a steady step makes
+no events (the ledger counts those made: ``SyncLedger.events_made``). A re-recorded event
+means "done up to the latest record", as on CUDA, where every wait issued later waits for
+the new record. An emulated event counts its records: reaching an earlier one that is still
+queued completes nothing, so re-arming an event whose last record is pending is safe. A
+thread that meant to wait for an earlier record may wait for a later one: later, never
+sooner, and never for work that could depend on its waiting.
+
 Only the few lines under ``_Cuda*`` run on CUDA alone; everything else is shared.
 """
 
@@ -52,8 +62,10 @@ class CopyStream(Protocol):
     def run(self, fn: Callable[[], None]) -> None:
         """Enqueue ``fn``; it runs after everything enqueued before it (on CUDA: its kernels do)."""
 
-    def record(self) -> Event:
-        """An event that completes once everything enqueued so far has run."""
+    def record(self, into: Event | None = None) -> Event:
+        """An event that completes once everything enqueued so far has run: ``into`` (an event this kind of
+        stream made, which its owner records for the same purpose each time) re-recorded, else a new one (see
+        [Note: events re-recorded])."""
 
     def wait_event(self, event: Event) -> None:
         """Later work on this stream starts only after ``event`` completes."""
@@ -81,6 +93,9 @@ class DoneEvent:
         return True
 
 
+DONE = DoneEvent()  # one is enough: it carries no state
+
+
 class WorkEvent:
     """A collective's completion (torch.distributed Work) as an event a stream can wait for."""
 
@@ -95,15 +110,28 @@ class WorkEvent:
 
 
 class ThreadEvent:
-    """Completes when the worker reaches it; carries the worker's failure, if any."""
+    """Completes when the worker reaches its latest record; carries the worker's failure, if any."""
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._generation = 0  # of the latest record: an earlier one reached later completes nothing
 
-    def _complete(self, error: BaseException | None) -> None:
-        self._error = error
-        self._done.set()
+    def _rearm(self) -> int:
+        """A new record of this event: pending until the worker reaches it (returns its generation)."""
+        with self._lock:
+            self._generation += 1
+            self._error = None
+            self._done.clear()
+            return self._generation
+
+    def _complete(self, error: BaseException | None, generation: int = 0) -> None:
+        with self._lock:
+            if generation != self._generation:
+                return  # re-recorded since: the latest record completes it
+            self._error = error
+            self._done.set()
 
     def synchronize(self) -> None:
         self._done.wait()
@@ -121,9 +149,11 @@ class WorkerStream:
     so whoever waits learns of it, and nothing downstream uses a half-done copy.
     """
 
-    def __init__(self, name: str, delay_s: float = 0.0) -> None:
+    def __init__(self, name: str, delay_s: float = 0.0, ledger: SyncLedger | None = None) -> None:
         self.name = name
         self._delay_s = delay_s
+        self._ledger = ledger
+        self._synced: ThreadEvent | None = None  # synchronize()'s event, re-recorded
         self._queue: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=f"offload-{name}", daemon=True)
@@ -140,7 +170,8 @@ class WorkerStream:
             if kind == "stop":
                 return
             if kind == "record":
-                item._complete(self._error)  # type: ignore[attr-defined]
+                event, generation = item  # type: ignore[misc]
+                event._complete(self._error, generation)
                 continue
             if self._error is not None:
                 continue
@@ -157,9 +188,14 @@ class WorkerStream:
     def run(self, fn: Callable[[], None]) -> None:
         self._queue.put(("run", fn))
 
-    def record(self) -> ThreadEvent:
-        event = ThreadEvent()
-        self._queue.put(("record", event))
+    def record(self, into: Event | None = None) -> ThreadEvent:
+        if isinstance(into, ThreadEvent):
+            event = into
+        else:
+            event = ThreadEvent()
+            if self._ledger is not None:
+                self._ledger.event_made(self.name)
+        self._queue.put(("record", (event, event._rearm())))
         return event
 
     def wait_event(self, event: Event) -> None:
@@ -167,7 +203,8 @@ class WorkerStream:
             self._queue.put(("wait", event))
 
     def synchronize(self) -> None:
-        self.record().synchronize()
+        self._synced = self.record(self._synced)
+        self._synced.synchronize()
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -197,6 +234,10 @@ class _CudaEvent:
         self.event = torch.cuda.Event()
         self.event.record(stream)
 
+    def rerecord(self, stream: torch.cuda.Stream) -> _CudaEvent:
+        self.event.record(stream)
+        return self
+
     def synchronize(self) -> None:
         self.event.synchronize()
 
@@ -204,17 +245,28 @@ class _CudaEvent:
         return bool(self.event.query())
 
 
+def _record_cuda(stream: torch.cuda.Stream, into: Event | None, ledger: SyncLedger | None,
+                 name: str) -> _CudaEvent:
+    """``into`` re-recorded (every wait issued later waits for the new record), else a new event."""
+    if isinstance(into, _CudaEvent):
+        return into.rerecord(stream)
+    if ledger is not None:
+        ledger.event_made(name)
+    return _CudaEvent(stream)
+
+
 class _CudaStream:
-    def __init__(self, name: str, device: torch.device) -> None:
+    def __init__(self, name: str, device: torch.device, ledger: SyncLedger | None = None) -> None:
         self.name = name
         self.stream = torch.cuda.Stream(device=device)
+        self._ledger = ledger
 
     def run(self, fn: Callable[[], None]) -> None:
         with torch.cuda.stream(self.stream):
             fn()
 
-    def record(self) -> _CudaEvent:
-        return _CudaEvent(self.stream)
+    def record(self, into: Event | None = None) -> _CudaEvent:
+        return _record_cuda(self.stream, into, self._ledger, self.name)
 
     def wait_event(self, event: Event) -> None:
         if isinstance(event, _CudaEvent):
@@ -272,21 +324,22 @@ class Accelerator:
 
     def copy_stream(self, name: str) -> CopyStream:
         """A new copy stream (CUDA) or its emulation (CPU: see [Note: emulated streams])."""
-        stream: CopyStream = _CudaStream(name, self.device) if self.is_cuda else WorkerStream(name, self._delay_s)
+        stream: CopyStream = _CudaStream(name, self.device, self.ledger) if self.is_cuda else WorkerStream(
+            name, self._delay_s, self.ledger)
         self._streams.append(stream)
         return stream
 
     def host_queue(self, name: str) -> WorkerStream:
         """An ordered host thread for CPU work that must wait on device events (e.g. gradient accumulation)."""
-        stream = WorkerStream(name, self._host_delay_s)
+        stream = WorkerStream(name, self._host_delay_s, self.ledger)
         self._streams.append(stream)
         return stream
 
-    def compute_event(self) -> Event:
-        """An event after everything enqueued on the compute stream so far."""
+    def compute_event(self, into: Event | None = None) -> Event:
+        """An event after everything enqueued on the compute stream so far (``into``: as ``CopyStream.record``)."""
         if self.is_cuda:
-            return _CudaEvent(torch.cuda.current_stream(self.device))
-        return DoneEvent()  # CPU compute is synchronous: all of it has already run
+            return _record_cuda(torch.cuda.current_stream(self.device), into, self.ledger, "compute")
+        return DONE  # CPU compute is synchronous: all of it has already run
 
     def compute_wait(self, event: Event | None) -> None:
         """Make later compute wait for ``event`` (CPU: block the main thread until it completes)."""

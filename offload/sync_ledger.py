@@ -63,6 +63,12 @@ class SyncLedger:
         self._lock = threading.Lock()
         self.waits: collections.Counter[tuple[Role, str]] = collections.Counter()
         self.scalar_reads: collections.Counter[tuple[Role, str]] = collections.Counter()
+        self.events_made: collections.Counter[str] = collections.Counter()  # by stream: new events, not re-recorded
+
+    def event_made(self, stream: str) -> None:
+        """A stream made a new event (after warm-up, owners re-record theirs: see [Note: events re-recorded])."""
+        with self._lock:
+            self.events_made[stream] += 1
 
     def block(self, what: str) -> None:
         """The calling thread is about to block until ``what`` is done."""
@@ -84,6 +90,7 @@ class SyncLedger:
         with self._lock:
             self.waits.clear()
             self.scalar_reads.clear()
+            self.events_made.clear()
 
     def summary(self) -> str:
         """One line per role, for logs and failed assertions."""
@@ -92,4 +99,6 @@ class SyncLedger:
                 self.waits.items(), key=lambda kv: kv[0][1]) if r is role)
                 for role in Role if any(r is role for r, _ in self.waits)]
             reads = ", ".join(f"{r.value}/{what} x{n}" for (r, what), n in self.scalar_reads.items())
-        return "\n".join(lines + ([f"scalar reads: {reads}"] if reads else [])) or "no waits"
+            made = ", ".join(f"{stream} x{n}" for stream, n in sorted(self.events_made.items()))
+        return "\n".join(lines + ([f"scalar reads: {reads}"] if reads else []) +
+                         ([f"events made: {made}"] if made else [])) or "no waits"

@@ -38,6 +38,27 @@ def test_worker_stream_runs_in_order_and_events_wait_for_the_work():
     stream.close()
 
 
+def test_a_re_recorded_event_completes_at_its_latest_record_not_an_earlier_one_still_queued():
+    import threading
+    from offload.sync_ledger import SyncLedger
+    ledger = SyncLedger()
+    stream = WorkerStream("gated", ledger=ledger)
+    first, reached, second = threading.Event(), threading.Event(), threading.Event()
+    stream.run(first.wait)
+    event = stream.record()
+    stream.run(reached.set)
+    stream.run(second.wait)
+    assert stream.record(into=event) is event  # re-recorded while its first record is still queued
+    first.set()
+    assert reached.wait(10)  # the worker has passed the first record and waits for the second gate
+    assert not event.query()  # the earlier record completed nothing
+    second.set()
+    event.synchronize()
+    assert event.query()
+    assert ledger.events_made == {"gated": 1}  # the re-record made none
+    stream.close()
+
+
 def test_worker_stream_failure_reaches_the_waiter_and_stops_later_work():
     stream = WorkerStream("test")
     ran = []

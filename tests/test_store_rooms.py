@@ -224,8 +224,8 @@ class Watched:
 
         self.stream.run(counted)
 
-    def record(self):
-        return self.stream.record()
+    def record(self, into=None):
+        return self.stream.record(into)
 
     def wait_event(self, event) -> None:
         self.stream.wait_event(event)

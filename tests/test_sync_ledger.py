@@ -31,13 +31,15 @@ def ledger_of_a_step(rank: int, world: int, config: dict[str, Any], accum: int) 
             engine.step()
     out = {role.value: ledger.waits_by(role) for role in Role}
     out["scalar_reads"] = {f"{r.value}/{what}": n for (r, what), n in ledger.scalar_reads.items()}
+    out["events_made"] = dict(ledger.events_made)
     out["summary"] = ledger.summary()
     engine.close()
     return out
 
 
 @pytest.mark.parametrize("world,accum,params", [(1, 1, "cpu"), (1, 4, "none"), (2, 1, "none"), (2, 4, "cpu")])
-def test_a_steady_step_never_blocks_autograd_or_the_forward_and_reads_one_scalar(world, accum, params):
+def test_a_steady_step_never_blocks_autograd_or_the_forward_reads_one_scalar_and_makes_no_events(world, accum,
+                                                                                                 params):
     config = base_config(2, accum, world, offload_param={"device": params})
     results = run_ranks(ledger_of_a_step, world, env={"OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}, config=config,
                         accum=accum)
@@ -47,6 +49,8 @@ def test_a_steady_step_never_blocks_autograd_or_the_forward_and_reads_one_scalar
         assert got["scalar_reads"] == {"training/global gradient norm": 1}, got["summary"]
         # The step waits for the landed gradients once; everything else it waits for is named here on purpose.
         assert got["training"].get("gradients drained") == 1, got["summary"]
+        # After warm-up every event is re-recorded by its owner (see [Note: events re-recorded]).
+        assert got["events_made"] == {}, got["summary"]
 
 
 def test_the_ledger_counts_by_the_waiting_threads_role():

@@ -119,6 +119,9 @@ class ShardState:
     phase: ShardPhase = ShardPhase.EMPTY
     landing: torch.Tensor | None = None  # where the gradient lands from a separate device (host, compute dtype)
     free: Event = field(default_factory=DoneEvent)  # the landing buffer is free once this completes
+    # Re-recorded each time (see [Note: events re-recorded] in accelerator.py):
+    copied: Event | None = None  # the last gradient's copy into the landing buffer
+    stepped: Event | None = None  # the last early step of this shard
     norm: list[native.SqNorm] | None = None  # the final gradient's norm per segment, taken as it landed
 
 
@@ -167,6 +170,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._land = accel.host_queue("grad-land") if self.offload else None
         self._final = False  # the gradients now landing are the last micro-batch's: their norm is taken as they land
         self.deferred_copies = 0  # gradients that found their landing buffer busy (the worker copied them)
+        self._compute_done: Event | None = None  # where the step orders copies after compute (re-recorded)
         self._overlap: tuple[set[int], list[AdamHyper], int] | None = None  # units, hyperparameters, step
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         if self.offload and sizes:
@@ -253,7 +257,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 self._land.run(lambda: self._landed(state, landing, self._copy_down(state, landing, shard_grad, ready),
                                                     scale, final, overlap, refs))
             self.telemetry.add_bytes("d2h", shard_grad.numel() * shard_grad.element_size())
-        state.free = self._land.record()
+        state.free = self._land.record(into=state.free)
 
     def _copy_down(self, state: ShardState, landing: torch.Tensor, shard_grad: torch.Tensor, ready: Event | None
                    ) -> Event:
@@ -268,7 +272,8 @@ class ShardedAdam(torch.optim.Optimizer):
         if ready is not None:
             self._d2h.wait_event(ready)
         self._d2h.run(copy)
-        return self._d2h.record()
+        state.copied = self._d2h.record(into=state.copied)
+        return state.copied
 
     def _landed(self, state: ShardState, grad: torch.Tensor, arrived: Event | None, scale: float, final: bool,
                 overlap: tuple[set[int], list[AdamHyper], int] | None, refs: list[Any]) -> None:
@@ -370,7 +375,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self._final = False
         for index, state in self.shards.items():
             if self.offload and state.phase is not ShardPhase.STEPPED:
-                self.params.copy_back(index, after=self.accel.compute_event())
+                self._compute_done = self.accel.compute_event(into=self._compute_done)
+                self.params.copy_back(index, after=self._compute_done)
             state.phase, state.norm = ShardPhase.EMPTY, None
         self.params.commit()  # a failure here leaves units stale, never the step half applied
 
@@ -385,14 +391,16 @@ class ShardedAdam(torch.optim.Optimizer):
         assert self.can_return_early and self._land is not None
         hypers = [self.hyper(i) for i in range(len(self.param_groups))]
         step = self.adam_steps + 1
-        after = self.accel.compute_event()  # this step's last reads of the device shards
+        after = self._compute_done = self.accel.compute_event(into=self._compute_done)  # the shards' last reads
         # Last step's copies back read the host copies this step rewrites.
         self._land.run(lambda: self.params.wait_copies_back())
         for group in self.store.step_pass():
             for member in group.members:
                 views = group.views(member)
                 self._land.run(lambda i=member.unit, v=views: self._step_early(i, v, step, hypers, grad_scale, after))
-                self.params.step_pending(member.unit, self._land.record())
+                state = self.shards[member.unit]
+                state.stepped = self._land.record(into=state.stepped)
+                self.params.step_pending(member.unit, state.stepped)
         self.adam_steps = step
         self._overlap = None
         self._final = False

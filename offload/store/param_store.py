@@ -58,6 +58,7 @@ class ParamShard:
     host: torch.Tensor | None = None  # HOST home: the shard; DEVICE home with a host-side step: its host copy
     ready: Event | None = None  # the copy that last wrote ``device``; its next reader waits for it
     stepped: Event | None = None  # an early step still writing the shard (or its copy back); readers wait first
+    fetched: Event | None = None  # a host home's last copy to the device (re-recorded each time)
 
 
 class ParamStore:
@@ -80,6 +81,7 @@ class ParamStore:
         self.telemetry = telemetry
         self.shards: dict[int, ParamShard] = {}
         self._h2d: CopyStream | None = None  # copies of host copies back to the device (made on first use)
+        self._compute_done: Event | None = None  # before each copy to the device (re-recorded)
         self.host_is_device = accel.host_is_device  # see [Note: host memory is the device's]
         self.keep_host_copies = keep_host_copies
 
@@ -195,11 +197,15 @@ class ParamStore:
         source = self.swap.view(read) if self.swap is not None and read is not None else shard.host
         assert source is not None
         out = torch.empty(shard.numel, dtype=self.dtype, device=self.accel.device)
-        h2d.wait_event(self.accel.compute_event())  # the new buffer may reuse memory compute just freed
+        self._compute_done = self.accel.compute_event(into=self._compute_done)
+        h2d.wait_event(self._compute_done)  # the new buffer may reuse memory compute just freed
         h2d.run(lambda: out.copy_(source, non_blocking=True))
-        copied = h2d.record()
         if self.swap is not None and read is not None:
+            # The swap holds this one until its read buffer is free again: a fresh event, never re-recorded.
+            copied = h2d.record()
             self.swap.copied(read, copied)
+        else:
+            copied = shard.fetched = h2d.record(into=shard.fetched)
         self.accel.compute_wait(copied)
         return out
 
@@ -242,7 +248,7 @@ class ParamStore:
                 target.copy_(source, non_blocking=True)
 
         self._h2d.run(copy)
-        shard.ready = self._h2d.record()
+        shard.ready = self._h2d.record(into=shard.ready)
         tel.add_bytes("h2d", source.numel() * source.element_size())
         return shard.ready
 

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from offload.accelerator import Accelerator, DoneEvent, Event, WorkEvent
+from offload.accelerator import Accelerator, Event, WorkEvent
 from offload.prefetch import PrefetchTrace
 from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, all_reduce_sum, reduce_scatter
@@ -89,6 +89,7 @@ class ZeroRuntime:
         self._in_backward = False
         self._acquired: dict[int, list[list[Unit]]] = {}  # per module: the units each running forward holds
         self._handles: list[RemovableHandle] = []
+        self._reduced: dict[int, Event] = {}  # per unit: its last reduction's event (re-recorded)
         for unit in units:
             unit.persistent = unit.keeps_full or unit.numel <= persistence_threshold
         self._install(model)
@@ -218,8 +219,10 @@ class ZeroRuntime:
         self.telemetry.add_bytes(kind, _wire_bytes(unit.padded * unit.dtype.itemsize, self.group.world)
                                  * (2 if self.stage.all_reduce else 1))
         unit.grads_seen.clear()
-        ready: Event = WorkEvent(work) if work is not None else (self.accel.compute_event() if self.accel.is_cuda
-                                                                  else DoneEvent())
+        if work is not None:
+            ready: Event = WorkEvent(work)
+        else:  # the reduction ran on the compute stream: the unit's event, re-recorded each time
+            ready = self._reduced[unit.index] = self.accel.compute_event(into=self._reduced.get(unit.index))
         self.grad_sink(unit, shard, ready, flat)
 
     # ----------------------------------------------------------------- accounting
