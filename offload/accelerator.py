@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import torch
 
 from offload.buffers import AlignedBuffer
+from offload.schedule import COMPUTE, Item, Schedule, running_as, set_lane
 from offload.sync_ledger import Role, SyncLedger, acting_as
 
 
@@ -94,6 +95,10 @@ class DoneEvent:
 
 
 DONE = DoneEvent()  # one is enough: it carries no state
+
+
+class MarkedDone(DoneEvent):
+    """A completed compute-stream event that a recorded schedule can name (see [Note: recorded schedule])."""
 
 
 class WorkEvent:
@@ -149,28 +154,35 @@ class WorkerStream:
     so whoever waits learns of it, and nothing downstream uses a half-done copy.
     """
 
-    def __init__(self, name: str, delay_s: float = 0.0, ledger: SyncLedger | None = None) -> None:
+    def __init__(self, name: str, delay_s: float = 0.0, ledger: SyncLedger | None = None,
+                 schedule: Schedule | None = None) -> None:
         self.name = name
         self._delay_s = delay_s
         self._ledger = ledger
+        self._schedule = schedule
         self._synced: ThreadEvent | None = None  # synchronize()'s event, re-recorded
-        self._queue: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        # (kind, what, where it was issued in a recorded schedule, or None)
+        self._queue: queue.SimpleQueue[tuple[str, object, Any]] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=f"offload-{name}", daemon=True)
         self._thread.start()
         _LIVE_STREAMS.add(self)
 
     def _loop(self) -> None:
+        set_lane(self.name)
         with acting_as(Role.WORKER):
             self._serve()
 
     def _serve(self) -> None:
         while True:
-            kind, item = self._queue.get()
+            kind, item, recorded = self._queue.get()
             if kind == "stop":
                 return
             if kind == "record":
                 event, generation = item  # type: ignore[misc]
+                if recorded is not None and self._schedule is not None:
+                    rid, issued = recorded
+                    self._schedule.add(Item("record", record=rid, issued=issued))
                 event._complete(self._error, generation)
                 continue
             if self._error is not None:
@@ -179,14 +191,22 @@ class WorkerStream:
                 if self._delay_s:
                     time.sleep(self._delay_s)
                 if kind == "wait":
+                    if recorded is not None and self._schedule is not None:
+                        rid, issued = recorded
+                        self._schedule.add(Item("wait", waits=[rid] if rid is not None else [], issued=issued))
                     item.synchronize()  # type: ignore[attr-defined]
                 else:
-                    item()  # type: ignore[operator]
+                    with running_as(recorded):
+                        item()  # type: ignore[operator]
             except BaseException as e:  # noqa: BLE001 - carried to the waiter
                 self._error = e
 
+    def _recording(self) -> Schedule | None:
+        return self._schedule if self._schedule is not None and self._schedule.on else None
+
     def run(self, fn: Callable[[], None]) -> None:
-        self._queue.put(("run", fn))
+        schedule = self._recording()
+        self._queue.put(("run", fn, schedule.issue_point() if schedule else None))
 
     def record(self, into: Event | None = None) -> ThreadEvent:
         if isinstance(into, ThreadEvent):
@@ -195,20 +215,26 @@ class WorkerStream:
             event = ThreadEvent()
             if self._ledger is not None:
                 self._ledger.event_made(self.name)
-        self._queue.put(("record", (event, event._rearm())))
+        schedule = self._recording()
+        recorded = (schedule.new_record(event), schedule.issue_point()) if schedule else None
+        self._queue.put(("record", (event, event._rearm()), recorded))
         return event
 
     def wait_event(self, event: Event) -> None:
-        if not isinstance(event, DoneEvent):
-            self._queue.put(("wait", event))
+        schedule = self._recording()
+        recorded = (schedule.record_of(event), schedule.issue_point()) if schedule else None
+        if not isinstance(event, DoneEvent) or recorded is not None:  # a marked one still orders the schedule
+            self._queue.put(("wait", event, recorded))
 
     def synchronize(self) -> None:
         self._synced = self.record(self._synced)
+        if self._schedule is not None:
+            self._schedule.wait(self._synced)
         self._synced.synchronize()
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._queue.put(("stop", None))
+            self._queue.put(("stop", None, None))
             self._thread.join()
 
 
@@ -317,6 +343,7 @@ class Accelerator:
         self._streams: list[CopyStream] = []
         self._host_buffers: list[AlignedBuffer] = []  # unpinned at close()
         self.ledger = SyncLedger()  # every host-blocking wait, by who waited (see [Note: sync ledger])
+        self.schedule = Schedule()  # off until a recording starts (see [Note: recorded schedule])
 
     @property
     def dist_backend(self) -> str:
@@ -325,20 +352,35 @@ class Accelerator:
     def copy_stream(self, name: str) -> CopyStream:
         """A new copy stream (CUDA) or its emulation (CPU: see [Note: emulated streams])."""
         stream: CopyStream = _CudaStream(name, self.device, self.ledger) if self.is_cuda else WorkerStream(
-            name, self._delay_s, self.ledger)
+            name, self._delay_s, self.ledger, self.schedule)
+        self.schedule.declare(name, "copy")
         self._streams.append(stream)
         return stream
 
     def host_queue(self, name: str) -> WorkerStream:
         """An ordered host thread for CPU work that must wait on device events (e.g. gradient accumulation)."""
-        stream = WorkerStream(name, self._host_delay_s, self.ledger)
+        stream = WorkerStream(name, self._host_delay_s, self.ledger, self.schedule)
+        self.schedule.declare(name, "host")
         self._streams.append(stream)
         return stream
+
+    def start_schedule(self, **meta: Any) -> Schedule:
+        """Record the engine's work from now on (see [Note: recorded schedule]): on the emulated streams only,
+        so on a CPU compute device that behaves as a discrete one (``OFFLOAD_EMULATED_DISCRETE_DEVICE=1``)."""
+        if self.is_cuda or self.host_is_device:
+            raise RuntimeError("a schedule is recorded on the emulated streams of a discrete CPU device: run on the "
+                               "CPU with OFFLOAD_EMULATED_DISCRETE_DEVICE=1 set before the engine starts")
+        self.schedule.start(**meta)
+        return self.schedule
 
     def compute_event(self, into: Event | None = None) -> Event:
         """An event after everything enqueued on the compute stream so far (``into``: as ``CopyStream.record``)."""
         if self.is_cuda:
             return _record_cuda(torch.cuda.current_stream(self.device), into, self.ledger, "compute")
+        if self.schedule.on:  # still complete (CPU compute is synchronous), but a point the schedule can name
+            event = into if isinstance(into, MarkedDone) else MarkedDone()
+            self.schedule.add(Item("record", record=self.schedule.new_record(event)), COMPUTE)
+            return event
         return DONE  # CPU compute is synchronous: all of it has already run
 
     def compute_wait(self, event: Event | None) -> None:
@@ -348,12 +390,16 @@ class Accelerator:
         if self.is_cuda and isinstance(event, _CudaEvent):
             torch.cuda.current_stream(self.device).wait_event(event.event)
         else:
+            if self.schedule.on:
+                self.schedule.wait(event, COMPUTE)
             event.synchronize()  # a WorkEvent on CUDA: Work.wait makes the current stream wait
 
     def wait(self, event: Event, what: str) -> None:
         """Block the calling thread until ``event`` completes; ``what`` names it in the ledger. Every host-blocking
         wait of the engine goes through here, so the ledger sees it (see [Note: sync ledger])."""
         self.ledger.block(what)
+        if self.schedule.on:
+            self.schedule.wait(event)
         event.synchronize()
 
     def drain(self, stream: CopyStream, what: str) -> None:

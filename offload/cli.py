@@ -111,6 +111,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         hooks.print_header(sys.stdout)
         hooks.run(bench_hooks, out=out, stream=sys.stdout)
         print(f"wrote {out}")
+    elif what in ("schedule", "replay"):
+        return _cmd_schedule(args, out)
     elif what == "adam":
         adam.run(args.sizes, repeats=args.repeats, threads=args.threads, out=out, stream=sys.stdout)
     elif what == "nvme":
@@ -135,6 +137,42 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         step.print_table(step.run(bench, out, log=sys.stdout), sys.stdout)
         print(f"wrote {out}")
     return 0
+
+
+def _cmd_schedule(args: argparse.Namespace, out: Path) -> int:
+    """Record a step's schedule on this CPU, or replay one on a described machine."""
+    from offload.bench import replay
+    rates = {k: v for k, v in vars(args).items() if k in _MACHINE_RATES and v is not None}
+    try:
+        machine = replay.machine_from(args.machine, rates)
+        if args.what == "schedule":
+            bench = replay.ScheduleBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
+                                         vocab=args.vocab, seq=args.seq, micro=args.micro, dtype=args.dtype,
+                                         params=args.params, early=args.early, clip=args.clip,
+                                         unit_bytes=args.unit_bytes, steps=args.steps)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.what == "schedule":
+        path = Path(args.out) if args.out else Path("bench-results") / "schedule.json"
+        print(f"offload bench schedule: recording {args.steps} step(s) of a {args.layers} x {args.hidden} GPT on this "
+              "CPU as a discrete device", flush=True)
+        data = replay.record(bench, path, log=sys.stdout)
+        print(f"wrote {path}: {replay.summary(data)}")
+        result = replay.replay(data, machine, args.tokens)
+        replay.print_replay(result, sys.stdout, label="replayed ")
+        return 0
+    if not Path(args.schedule).is_file():
+        raise UsageError(f"{args.schedule}: no such file; record one with `offload bench schedule`")
+    try:
+        replay.run_replay(Path(args.schedule), machine, args.tokens, out, sys.stdout, frozenset(args.free))
+    except ValueError as e:  # not a schedule (or not JSON), or one that cannot finish
+        raise UsageError(str(e)) from None
+    print(f"wrote {out}")
+    return 0
+
+
+_MACHINE_RATES = ("device_tflops", "device_gbps", "h2d_gbps", "d2h_gbps", "host_gbps", "link_gbps",
+                  "hook_forward_us", "hook_backward_us", "hook_step_us")
 
 
 def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
@@ -332,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench_parsers(p: argparse.ArgumentParser) -> None:
     """Each benchmark its own flags (a flag of another benchmark is an error, not silently ignored)."""
-    bsub = p.add_subparsers(dest="what", required=True, metavar="{adam,all,hooks,nvme,pcie,step}")
+    bsub = p.add_subparsers(dest="what", required=True, metavar="{adam,all,hooks,nvme,pcie,replay,schedule,step}")
 
     def bench(name: str, help: str, out: str = "JSON path (default bench-results/<benchmark>.json)"
               ) -> argparse.ArgumentParser:
@@ -368,6 +406,41 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
     b.add_argument("--rounds", type=positive_int, default=None, help="interleaved rounds per grid point (default 3)")
     b.add_argument("--blocks", type=positive_sizes, default="1Mi,8Mi", help="block sizes (default 1Mi,8Mi)")
     b.add_argument("--depths", type=positive_ints, default="8,32", help="queue depths (default 8,32)")
+
+    def machine(b: argparse.ArgumentParser) -> None:
+        b.add_argument("--machine", default="h100", help="the described machine's preset (default h100)")
+        b.add_argument("--tokens", type=positive_int, default=None,
+                       help="tokens per step to replay at (default: as recorded); compute scales with them")
+        for rate in _MACHINE_RATES:
+            b.add_argument("--" + rate.replace("_", "-"), dest=rate, type=float, default=None,
+                           help=f"override the preset's {rate.replace('_', ' ')}")
+
+    b = bench("schedule", "record a step's schedule (streams, copies, waits) on this CPU as a discrete device",
+              out="schedule JSON path (default bench-results/schedule.json)")
+    b.add_argument("--hidden", type=positive_int, default=1024, help="GPT width (default 1024)")
+    b.add_argument("--layers", type=positive_int, default=12, help="GPT blocks (default 12)")
+    b.add_argument("--seq", type=positive_int, default=512, help="tokens per sample (default 512)")
+    b.add_argument("--vocab", type=positive_int, default=4096, help="vocabulary (default 4096: with the defaults, the "
+                   "156M GPT the H100 step ran)")
+    b.add_argument("--micro", type=positive_int, default=1, help="samples recorded per step (default 1; replay "
+                                                                  "scales compute with --tokens)")
+    b.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="compute dtype (default bf16)")
+    b.add_argument("--params", choices=["none", "cpu"], default="none",
+                   help="offload_param.device: none (device-homed shards) or cpu (host-homed)")
+    b.add_argument("--early", choices=["off", "on"], default="off", help="the early-returning step (needs --params "
+                                                                          "cpu)")
+    b.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (default 1.0)")
+    b.add_argument("--unit-bytes", type=positive_size, default="4Mi", help="offload.unit_bytes (default 4Mi)")
+    b.add_argument("--steps", type=positive_int, default=2, help="steps recorded after one warm-up (default 2)")
+    machine(b)
+
+    b = bench("replay", "time a recorded schedule on a described machine; its critical path by lane and kind",
+              out="JSON path (default bench-results/replay.json)")
+    b.add_argument("schedule", help="a schedule JSON written by `offload bench schedule`")
+    b.add_argument("--free", action="append", default=[], metavar="KIND",
+                   help="charge nothing for this kind of work (repeatable), e.g. accumulate: what removing it from "
+                        "the step would give")
+    machine(b)
 
     b = bench("step", "a ZeRO training step on W gloo ranks beside plain PyTorch, split into its phases")
     b.add_argument("--path", default="/tmp/offload-bench", help="directory on the drive to use for NVMe")

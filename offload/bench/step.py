@@ -154,12 +154,8 @@ def batches(b: StepBench, n: int, rows: int) -> list[torch.Tensor]:
     return [torch.randint(0, b.vocab, (rows, b.seq + 1), generator=gen) for _ in range(n)]
 
 
-def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str, Any]) -> dict[str, Any]:
-    import offload
-    from offload.models import GPT
-    b = StepBench(**bench)
-    torch.manual_seed(0)
-    model = GPT(b.model_config())
+def engine_config(b: StepBench, variant: dict[str, Any], unit_bytes: int = 4 << 20) -> dict[str, Any]:
+    """The engine config of one variant (its keys as ``StepBench.variants`` gives them)."""
     optimizer = {"device": variant["device"]}
     if variant["device"] == "nvme":
         optimizer.update(nvme_path=b.nvme_path, buffer_count=variant["buffer_count"])
@@ -174,11 +170,20 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
                                     "offload_param": param,
                                     "sub_group_size": b.sub_group_size,
                                     "stage3_prefetch_bucket_size": variant.get("prefetch", 50_000_000)},
-              "offload": {"unit_bytes": 4 << 20, "overlap_step": variant.get("overlap", "auto"),
+              "offload": {"unit_bytes": unit_bytes, "overlap_step": variant.get("overlap", "auto"),
                           "early_step": variant.get("early", "auto"),
                           "checkpoint_blocks": b.checkpointing != "none"},
               "activation_checkpointing": {"cpu_checkpointing": b.checkpointing == "cpu"}}
-    engine, *_ = offload.initialize(model=model, config=config)
+    return config
+
+
+def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str, Any]) -> dict[str, Any]:
+    import offload
+    from offload.models import GPT
+    b = StepBench(**bench)
+    torch.manual_seed(0)
+    model = GPT(b.model_config())
+    engine, *_ = offload.initialize(model=model, config=engine_config(b, variant))
     times = []
     for i, tokens in enumerate(batches(b, b.warmup + b.steps, b.micro * world)):
         rows = tokens[rank * b.micro:(rank + 1) * b.micro].to(engine.accel.device)

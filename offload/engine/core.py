@@ -97,6 +97,7 @@ class Engine:
         """The module's forward; tensors in the inputs (also inside lists, tuples and dicts) that sit on
         another device are moved to the compute device first, as FSDP does, so a CPU batch just works."""
         self._check_open()
+        self.accel.schedule.mark("forward")
         self._repair_params()
         self.runtime.begin_iteration()
         cast = torch.float16 if self.compute_dtype == torch.float16 and self.config.fp16.auto_cast else None
@@ -119,6 +120,7 @@ class Engine:
         if not loss.requires_grad:
             raise EngineError("the loss does not require grad: was the forward run under torch.no_grad(), or are "
                               "all parameters frozen?")
+        self.accel.schedule.mark("backward")
         scale = self.loss_scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
         last_micro = self.accumulation.next_is_last()
         overlapped = self._overlap and last_micro
@@ -162,6 +164,7 @@ class Engine:
         self._check_open()
         if not self.accumulation.take():
             return
+        self.accel.schedule.mark("step")
         if not self.config.zero_optimization.ignore_unused_parameters:  # as DeepSpeed, before anything applies
             unused = [name for key, name in self._trained_names.items() if key not in self.runtime.got_grad]
             if unused:

@@ -58,6 +58,7 @@ import torch
 from offload import native
 from offload.accelerator import Accelerator, DoneEvent, Event
 from offload.optim.adam import AdamHyper, adam_step
+from offload.schedule import COMPUTE
 from offload.telemetry import Telemetry
 from offload.aio.base import Engine
 from offload.store.budget import TierBudget
@@ -263,9 +264,10 @@ class ShardedAdam(torch.optim.Optimizer):
                    ) -> Event:
         """Enqueue the D2H copy of a gradient into its landing buffer after ``ready``; returns the copy's event."""
         assert self._d2h is not None
-        tel = self.telemetry
+        tel, schedule = self.telemetry, self.accel.schedule
 
         def copy() -> None:
+            schedule.work("d2h", state.index, nbytes=shard_grad.numel() * shard_grad.element_size())
             with tel.span("d2h", state.name):
                 landing.copy_(shard_grad, non_blocking=True)
 
@@ -283,9 +285,12 @@ class ShardedAdam(torch.optim.Optimizer):
         del refs[:]  # a device gradient's copy is done: its memory may go
         if state.phase is ShardPhase.STEPPED:  # a half-applied step's shard: this step is done with it
             return
+        schedule = self.accel.schedule
+        schedule.work("accumulate", state.index, nbytes=grad.numel() * (grad.element_size() + 8))
         with self.telemetry.span("accumulate", state.name):
             _accumulate(state, grad, scale, self.threads)
         if final:
+            schedule.work("norm", state.index, nbytes=state.grad.numel() * 4)
             state.norm = [native.grad_sq_norm(state.grad[seg.start:seg.end], threads=self.threads)
                           for seg in state.segments]
         self._step_during_backward(state.index, overlap)
@@ -324,6 +329,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 continue
             parts = state.norm
             if parts is None and state.grad.device.type == "cpu":
+                self.accel.schedule.work("norm", state.index, nbytes=state.grad.numel() * 4)
                 parts = [native.grad_sq_norm(state.grad[seg.start:seg.end], threads=self.threads)
                          for seg in state.segments]
             if parts is not None:
@@ -374,6 +380,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._overlap = None
         self._final = False
         for index, state in self.shards.items():
+            self.accel.schedule.work("hook_step", index)
             if self.offload and state.phase is not ShardPhase.STEPPED:
                 self._compute_done = self.accel.compute_event(into=self._compute_done)
                 self.params.copy_back(index, after=self._compute_done)
@@ -397,6 +404,7 @@ class ShardedAdam(torch.optim.Optimizer):
         for group in self.store.step_pass():
             for member in group.members:
                 views = group.views(member)
+                self.accel.schedule.work("hook_step", member.unit)
                 self._land.run(lambda i=member.unit, v=views: self._step_early(i, v, step, hypers, grad_scale, after))
                 state = self.shards[member.unit]
                 state.stepped = self._land.record(into=state.stepped)
@@ -426,6 +434,9 @@ class ShardedAdam(torch.optim.Optimizer):
             for start, end in state.gaps:
                 out[start:end].copy_(master[start:end])
         out16 = out if out is not None and out.dtype != torch.float32 else None
+        # Master, moments read and written, the fp32 gradient read, the new shard written.
+        self.accel.schedule.work("adam", index, nbytes=master.numel() * (24 + 4 + (
+            out.element_size() if out is not None else 0)), lane=COMPUTE if master.device.type != "cpu" else None)
         for seg in state.segments:
             s = slice(seg.start, seg.end)
             if master.device.type == "cpu":

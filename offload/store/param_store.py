@@ -199,7 +199,13 @@ class ParamStore:
         out = torch.empty(shard.numel, dtype=self.dtype, device=self.accel.device)
         self._compute_done = self.accel.compute_event(into=self._compute_done)
         h2d.wait_event(self._compute_done)  # the new buffer may reuse memory compute just freed
-        h2d.run(lambda: out.copy_(source, non_blocking=True))
+        schedule = self.accel.schedule
+
+        def fetch() -> None:
+            schedule.work("h2d", index, nbytes=out.numel() * out.element_size())
+            out.copy_(source, non_blocking=True)
+
+        h2d.run(fetch)
         if self.swap is not None and read is not None:
             # The swap holds this one until its read buffer is free again: a fresh event, never re-recorded.
             copied = h2d.record()
@@ -241,9 +247,10 @@ class ParamStore:
             self._h2d = self.accel.copy_stream("h2d")
         if after is not None:
             self._h2d.wait_event(after)
-        source, target, tel = shard.host, shard.device, self.telemetry
+        source, target, tel, schedule = shard.host, shard.device, self.telemetry, self.accel.schedule
 
         def copy() -> None:
+            schedule.work("h2d", index, nbytes=source.numel() * source.element_size())
             with tel.span("h2d", shard.name):
                 target.copy_(source, non_blocking=True)
 

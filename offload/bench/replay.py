@@ -1,0 +1,311 @@
+"""`offload bench schedule` and `offload bench replay`: a step recorded on the CPU, timed on a described machine.
+
+``schedule`` runs a few steps of the bench's GPT through the engine on the CPU with the
+device emulated as a discrete one (every copy a GPU needs is made, on the emulated streams),
+records them as a graph (see [Note: recorded schedule] in offload/schedule.py) with the
+FLOPs of each stretch of compute counted by torch's FLOP counter, and writes it as JSON.
+
+``replay`` times that graph on a machine described by a few rates: the device's FLOP/s and
+memory GB/s, PCIe GB/s each way, the host memory GB/s Adam gets, the link between ranks, and
+the host microseconds of one hook call. Each lane runs its items in order; an item starts
+when its lane is free, the thread that issued it got that far, and the events it waits for
+are recorded. The estimate is a lower bound of a kind: no launch latency, no contention
+between host threads for memory bandwidth, a collective at W > 1 on the compute stream. It
+is an instrument for comparing schedules (synchronous step against early step, 4 MiB units
+against blocks), and its critical path says which lane and which kind of work set the time.
+
+The compute FLOPs scale with ``--tokens`` over the tokens recorded (record at a short
+micro-batch on the CPU, replay at the GPU's); parameter and gradient bytes do not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TextIO
+
+from offload import schedule as sched
+
+MB = 1e6
+
+
+@dataclass(kw_only=True)
+class Machine:
+    """The rates a replay charges work at."""
+
+    name: str = "custom"
+    device_tflops: float  # the model's compute, as fast as plain PyTorch's step runs it
+    device_gbps: float  # device memory (a copy there reads and writes: 2 x its bytes)
+    h2d_gbps: float  # pinned host -> device
+    d2h_gbps: float  # pinned device -> host
+    host_gbps: float  # host memory, as Adam / accumulation / norm stream it (one thread's share is the lane's)
+    link_gbps: float  # a collective between ranks, per rank
+    hook_forward_us: float  # host time of one forward hook call
+    hook_backward_us: float  # one backward hook call (with the landing hand-off)
+    hook_step_us: float  # the step's Python per shard
+
+    def cost_s(self, item: dict[str, Any], lane_kind: str, world: int, token_scale: float) -> float:
+        kind = item["kind"]
+        nbytes = item.get("nbytes", 0)
+        if kind in sched.COMPUTE_KINDS:
+            return item.get("flops", 0.0) * token_scale / (self.device_tflops * 1e12)
+        if kind in sched.DEVICE_COPY_KINDS:
+            if world == 1:
+                return 2 * nbytes / (self.device_gbps * 1e9)
+            return nbytes * (world - 1) / world / (self.link_gbps * 1e9)
+        if kind == "h2d":
+            return nbytes / (self.h2d_gbps * 1e9)
+        if kind == "d2h":
+            return nbytes / (self.d2h_gbps * 1e9)
+        if kind in sched.HOST_MEMORY_KINDS:
+            rate = self.device_gbps if lane_kind == "device" else self.host_gbps
+            return nbytes / (rate * 1e9)
+        if kind in sched.HOOK_KINDS:
+            return getattr(self, f"{kind}_us") * 1e-6
+        return 0.0
+
+
+# One H100 80GB HBM3 (PCIe Gen5 host), 2026-11-22 (docs/performance.md), for the 155.8M GPT of that run (12 x 1024,
+# vocabulary 4096, seq 512, micro-batch 8, bf16): PCIe as `bench pcie` measured it; host GB/s from that run's CPU
+# Adam (155.8M elements in 95 ms at 30 bytes each); FLOP/s so that the model's 3.81 TFLOP a step (torch's FLOP
+# counter, forward and backward) take what plain PyTorch's step took less its fused AdamW (24.3 - 2 ms); HBM at a
+# copy's usual share of its peak; hook costs from `bench hooks` on a 2-core Xeon (the H100's host was not measured).
+MACHINES: dict[str, Machine] = {
+    "h100": Machine(name="h100", device_tflops=171.0, device_gbps=2500.0, h2d_gbps=53.1, d2h_gbps=54.8,
+                    host_gbps=49.0, link_gbps=150.0, hook_forward_us=25.0, hook_backward_us=60.0,
+                    hook_step_us=10.0),
+}
+
+
+@dataclass
+class Replay:
+    machine: dict[str, Any]
+    free: list[str]  # kinds charged nothing (a what-if)
+    tokens: int
+    token_scale: float
+    world: int
+    total_ms: float
+    steps: int
+    step_ms: float  # the window over the steps recorded
+    step_starts_ms: list[float]
+    lane_busy_ms: dict[str, float]
+    critical_ms: dict[str, float]  # "lane/kind" on the critical path
+    kind_ms: dict[str, float] = field(default_factory=dict)  # every item's time by kind, all lanes
+
+
+def replay(data: dict[str, Any], machine: Machine, tokens: int | None = None, free: frozenset[str] = frozenset()
+           ) -> Replay:
+    """Time a recorded schedule on ``machine`` (see the module docstring). ``free``: kinds of work charged nothing,
+    the estimate of a change that would remove them (landing gradients without an accumulation pass, say)."""
+    unknown = set(free) - set(sched.KINDS)
+    if unknown:
+        raise ValueError(f"unknown kind(s) of work {sorted(unknown)}; kinds: {', '.join(sched.KINDS)}")
+
+    def cost_of(item: dict[str, Any], lane: str) -> float:
+        return 0.0 if item["kind"] in free else machine.cost_s(item, kinds.get(lane, "host"), world, scale)
+
+    meta = data["meta"]
+    lanes: dict[str, list[dict[str, Any]]] = data["lanes"]
+    kinds = data["lane_kinds"]
+    world = int(meta.get("world", 1))
+    recorded_tokens = int(meta.get("tokens", 1))
+    tokens = tokens or recorded_tokens
+    scale = tokens / recorded_tokens
+    where: dict[int, tuple[str, int]] = {}  # record id -> its point
+    for lane, items in lanes.items():
+        for i, item in enumerate(items):
+            if item.get("record") is not None:
+                where[item["record"]] = (lane, i)
+    end: dict[str, list[float]] = {lane: [] for lane in lanes}
+    cause: dict[tuple[str, int], tuple[str, int] | None] = {}  # what bound each item's start
+    busy: dict[str, float] = defaultdict(float)
+    by_kind: dict[str, float] = defaultdict(float)
+
+    def done(point: tuple[str, int]) -> bool:  # the first n items of the lane are done
+        lane, n = point
+        return len(end.get(lane, ())) >= n
+
+    pending = {lane for lane, items in lanes.items() if items}
+    while pending:
+        progressed = False
+        for lane in list(pending):
+            items = lanes[lane]
+            while len(end[lane]) < len(items):
+                i = len(end[lane])
+                item = items[i]
+                deps: list[tuple[str, int]] = []
+                if item.get("issued"):
+                    issued_lane, n = item["issued"]
+                    if n > 0:
+                        deps.append((issued_lane, n - 1))
+                for rid in item.get("waits", ()):
+                    if rid in where:
+                        deps.append(where[rid])
+                if not all(done((dl, di + 1)) for dl, di in deps):
+                    break
+                start, bound = (end[lane][-1], (lane, i - 1)) if i else (0.0, None)
+                for dl, di in deps:
+                    if end[dl][di] > start:
+                        start, bound = end[dl][di], (dl, di)
+                cost = cost_of(item, lane)
+                end[lane].append(start + cost)
+                cause[(lane, i)] = bound
+                busy[lane] += cost
+                by_kind[item["kind"]] += cost
+                progressed = True
+            if len(end[lane]) == len(items):
+                pending.discard(lane)
+        if not progressed and pending:
+            stuck = {lane: lanes[lane][len(end[lane])] for lane in pending}
+            raise ValueError(f"the schedule cannot finish: these lanes wait for what never comes: {stuck}")
+    last = max(((lane, len(e) - 1) for lane, e in end.items() if e), key=lambda p: end[p[0]][p[1]])
+    total = end[last[0]][last[1]]
+    critical: dict[str, float] = defaultdict(float)
+    point: tuple[str, int] | None = last
+    while point is not None:
+        lane, i = point
+        item = lanes[lane][i]
+        cost = cost_of(item, lane)
+        if cost:
+            critical[f"{lane}/{item['kind']}"] += cost
+        point = cause[point]
+    starts = [end[sched.HOST][i] for i, item in enumerate(lanes.get(sched.HOST, ()))
+              if item["kind"] == "mark" and item.get("label") == "forward"]
+    steps = max(1, len(starts))
+    first = starts[0] if starts else 0.0
+    return Replay(machine=asdict(machine), free=sorted(free), tokens=tokens, token_scale=scale, world=world,
+                  total_ms=total * 1e3,
+                  steps=steps, step_ms=(total - first) / steps * 1e3, step_starts_ms=[s * 1e3 for s in starts],
+                  lane_busy_ms={k: v * 1e3 for k, v in sorted(busy.items())},
+                  critical_ms={k: v * 1e3 for k, v in sorted(critical.items(), key=lambda kv: -kv[1])},
+                  kind_ms={k: v * 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])})
+
+
+def machine_from(name: str, overrides: dict[str, float]) -> Machine:
+    """A preset with some rates replaced (``overrides``: field -> value)."""
+    if name not in MACHINES:
+        raise ValueError(f"unknown machine {name!r}; presets: {', '.join(MACHINES)} (override any rate with its flag)")
+    known = {f.name for f in fields(Machine)} - {"name"}
+    bad = set(overrides) - known
+    if bad:
+        raise ValueError(f"unknown machine rate(s) {sorted(bad)}; known: {sorted(known)}")
+    values = {**asdict(MACHINES[name]), **overrides}
+    for key, value in values.items():
+        if key != "name" and not value > 0:
+            raise ValueError(f"{key} must be > 0, got {value}")
+    return Machine(**values)
+
+
+def print_replay(r: Replay, out: TextIO, label: str = "") -> None:
+    m = r.machine
+    what_if = f" with {', '.join(r.free)} free" if r.free else ""
+    out.write(f"{label}on {m['name']}{what_if} at {r.tokens} tokens/step (x{r.token_scale:g} the recorded compute), "
+              f"W = {r.world}: {r.step_ms:.1f} ms/step over {r.steps} step(s)\n")
+    out.write("  busy per lane (ms/step): " + ", ".join(
+        f"{k} {v / r.steps:.1f}" for k, v in r.lane_busy_ms.items() if v) + "\n")
+    out.write("  critical path (ms/step): " + ", ".join(
+        f"{k} {v / r.steps:.1f}" for k, v in list(r.critical_ms.items())[:8]) + "\n")
+
+
+# ----------------------------------------------------------------- recording
+
+
+@dataclass(kw_only=True)
+class ScheduleBench:
+    """What to record: the bench's GPT, one rank, a variant's placement and step mode."""
+
+    hidden: int = 1024
+    layers: int = 12
+    heads: int = 16
+    vocab: int = 4096  # with the defaults: the 155.8M-parameter GPT of the H100 step (docs/performance.md)
+    seq: int = 512
+    micro: int = 1  # recorded micro-batch (the replay scales compute to its --tokens)
+    dtype: str = "bf16"
+    params: str = "none"  # offload_param.device: none (device) or cpu
+    early: str = "off"  # the early-returning step: on or off
+    clip: float = 1.0
+    unit_bytes: int = 4 << 20
+    steps: int = 2  # recorded, after one warm-up step
+
+    def __post_init__(self) -> None:
+        if self.params not in ("none", "cpu"):
+            raise ValueError(f"params must be none or cpu, got {self.params!r}")
+        if self.early not in ("on", "off"):
+            raise ValueError(f"early must be on or off, got {self.early!r}")
+        if self.early == "on" and self.params != "cpu":
+            raise ValueError("the early step needs parameters homed on the host: pass --params cpu")
+        if self.steps < 1 or self.micro < 1:
+            raise ValueError(f"steps and micro must be >= 1, got {self.steps}, {self.micro}")
+
+
+def record(b: ScheduleBench, out: Path, log: TextIO | None = None) -> dict[str, Any]:
+    """Run ``b`` on this CPU as a discrete device and write its recorded steps to ``out``."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import offload
+    from offload.bench.step import StepBench, batches, engine_config
+    from offload.models import GPT
+
+    step_bench = StepBench(hidden=b.hidden, layers=b.layers, heads=b.heads, vocab=b.vocab, seq=b.seq, micro=b.micro,
+                           world=1, dtype=b.dtype, steps=b.steps, warmup=1)
+    variant = {"device": "cpu", "params": b.params, "early": b.early, "clip": b.clip, "overlap": "off"}
+    torch.manual_seed(0)
+    before = os.environ.get("OFFLOAD_EMULATED_DISCRETE_DEVICE")
+    os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"] = "1"  # read as the engine's accelerator starts
+    try:
+        engine, *_ = offload.initialize(model=GPT(step_bench.model_config()),
+                                        config=engine_config(step_bench, variant, unit_bytes=b.unit_bytes))
+    finally:
+        if before is None:
+            del os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"]
+        else:
+            os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"] = before
+    schedule = engine.accel.schedule
+    try:
+        data_rows = batches(step_bench, 1 + b.steps, b.micro)
+        engine.backward(engine(data_rows[0][:, :-1], data_rows[0][:, 1:]))  # warm-up: traces, buffers, first step
+        engine.step()
+        engine.accel.synchronize()
+        with FlopCounterMode(display=False) as counter:
+            engine.accel.start_schedule(flops=counter.get_total_flops, world=1, tokens=b.micro * b.seq,
+                                        units=len(engine.units), bench=asdict(b))
+            for i, rows in enumerate(data_rows[1:]):
+                engine.backward(engine(rows[:, :-1], rows[:, 1:]))
+                engine.step()
+                if log is not None:
+                    log.write(f"  recorded step {i + 1}/{b.steps}\n")
+                    log.flush()
+            engine.accel.synchronize()  # what the last step left running is in the window too
+            schedule.mark("end")
+        data = schedule.to_json()
+    finally:
+        schedule.stop()
+        engine.close()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data))
+    return data
+
+
+def summary(data: dict[str, Any]) -> str:
+    """What a schedule file holds, in a line."""
+    lanes = data["lanes"]
+    n = sum(len(v) for v in lanes.values())
+    return (f"{n} items on {len(lanes)} lanes ({', '.join(f'{k} {len(v)}' for k, v in lanes.items())}), "
+            f"{data['meta'].get('tokens')} tokens/step recorded")
+
+
+def run_replay(path: Path, machine: Machine, tokens: int | None, out: Path | None, stream: TextIO,
+               free: frozenset[str] = frozenset()) -> Replay:
+    data = sched.load(path)
+    result = replay(data, machine, tokens, free)
+    stream.write(f"schedule {path}: {summary(data)}\n")
+    print_replay(result, stream)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(asdict(result), indent=1))
+    return result
+
