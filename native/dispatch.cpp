@@ -195,10 +195,10 @@ void crc32c_blocks(const void* data, size_t n, size_t block, uint32_t* out, int 
   });
 }
 
-SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads) {
+SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads, float scale) {
   const KernelTable& k = active_kernels();
   const size_t t = useful_threads(n, threads);
-  if (t == 1) return k.sq_norm(data, dtype, n);
+  if (t == 1) return k.sq_norm(data, dtype, n, scale);
 
   const size_t elem = dtype == DType::F32 ? 4 : 2;
   // Chunks on 64-element boundaries keep every thread's range cache-line aligned.
@@ -207,7 +207,7 @@ SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads) {
   run_on_workers(t, [&](size_t w) {
     const size_t begin = w * chunk;
     const size_t end = begin + chunk < n ? begin + chunk : n;
-    if (begin < end) parts[w] = k.sq_norm(static_cast<const char*>(data) + begin * elem, dtype, end - begin);
+    if (begin < end) parts[w] = k.sq_norm(static_cast<const char*>(data) + begin * elem, dtype, end - begin, scale);
   });
   SqNorm total;
   for (const SqNorm& p : parts) {

@@ -20,7 +20,7 @@ const KernelTable& active_kernels();
 void select_variant(const std::string& name);
 
 // Sum of squares over n elements, split across `threads` threads.
-SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads);
+SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads, float scale = 1.0f);
 
 // One Adam step over n elements, each of `threads` threads sweeping one contiguous range.
 // Element-wise, so the result does not depend on the thread count.

@@ -27,10 +27,11 @@
 namespace offload {
 namespace {
 
-SqNorm sq_norm_tail(const void* data, DType dtype, size_t begin, size_t end) {
+SqNorm sq_norm_tail(const void* data, DType dtype, size_t begin, size_t end, float scale) {
   SqNorm r;
   for (size_t i = begin; i < end; ++i) {
-    const float x = scalar::load(data, int(dtype), i);
+    float x = scalar::load(data, int(dtype), i);
+    if (scale != 1.0f) x = x * scale;
     r.nonfinite += scalar::nonfinite(x);
     r.sum_sq += double(x) * double(x);
   }
@@ -53,13 +54,16 @@ inline __m512 load16(const void* data, DType dtype, size_t i) {
   }
 }
 
-SqNorm sq_norm(const void* data, DType dtype, size_t n) {
+SqNorm sq_norm(const void* data, DType dtype, size_t n, float scale) {
   const __m512i exp_mask = _mm512_set1_epi32(0x7f800000);
+  const __m512 s = _mm512_set1_ps(scale);
+  const bool scaled = scale != 1.0f;
   __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
   uint64_t bad = 0;
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 x = load16(data, dtype, i);
+    __m512 x = load16(data, dtype, i);
+    if (scaled) x = _mm512_mul_ps(x, s);
     const __m512i e = _mm512_and_si512(_mm512_castps_si512(x), exp_mask);
     bad += uint64_t(__builtin_popcount(_mm512_cmpeq_epi32_mask(e, exp_mask)));
     const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
@@ -67,7 +71,7 @@ SqNorm sq_norm(const void* data, DType dtype, size_t n) {
     acc0 = _mm512_fmadd_pd(lo, lo, acc0);
     acc1 = _mm512_fmadd_pd(hi, hi, acc1);
   }
-  SqNorm r = sq_norm_tail(data, dtype, i, n);
+  SqNorm r = sq_norm_tail(data, dtype, i, n, scale);
   r.sum_sq += _mm512_reduce_add_pd(_mm512_add_pd(acc0, acc1));
   r.nonfinite += bad;
   return r;
@@ -140,15 +144,21 @@ inline double hsum(__m256d v) {
   return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
 }
 
-SqNorm sq_norm(const void* data, DType dtype, size_t n) {
+SqNorm sq_norm(const void* data, DType dtype, size_t n, float scale) {
   const __m256i exp_mask = _mm256_set1_epi32(0x7f800000);
+  const __m256 s = _mm256_set1_ps(scale);
+  const bool scaled = scale != 1.0f;
   __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
   __m256d acc2 = _mm256_setzero_pd(), acc3 = _mm256_setzero_pd();
   uint64_t bad = 0;
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m256 x = load8(data, dtype, i);
-    const __m256 y = load8(data, dtype, i + 8);
+    __m256 x = load8(data, dtype, i);
+    __m256 y = load8(data, dtype, i + 8);
+    if (scaled) {
+      x = _mm256_mul_ps(x, s);
+      y = _mm256_mul_ps(y, s);
+    }
     bad += count_nonfinite(x, exp_mask) + count_nonfinite(y, exp_mask);
     const __m256d x0 = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
     const __m256d x1 = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
@@ -159,7 +169,7 @@ SqNorm sq_norm(const void* data, DType dtype, size_t n) {
     acc2 = _mm256_fmadd_pd(y0, y0, acc2);
     acc3 = _mm256_fmadd_pd(y1, y1, acc3);
   }
-  SqNorm r = sq_norm_tail(data, dtype, i, n);
+  SqNorm r = sq_norm_tail(data, dtype, i, n, scale);
   r.sum_sq += hsum(_mm256_add_pd(_mm256_add_pd(acc0, acc1), _mm256_add_pd(acc2, acc3)));
   r.nonfinite += bad;
   return r;
@@ -207,20 +217,23 @@ inline float32x4_t load4(const void* data, DType dtype, size_t i) {
   }
 }
 
-SqNorm sq_norm(const void* data, DType dtype, size_t n) {
+SqNorm sq_norm(const void* data, DType dtype, size_t n, float scale) {
   const uint32x4_t exp_mask = vdupq_n_u32(0x7f800000u);
+  const float32x4_t s = vdupq_n_f32(scale);
+  const bool scaled = scale != 1.0f;
   float64x2_t acc0 = vdupq_n_f64(0.0), acc1 = vdupq_n_f64(0.0);
   uint32x4_t bad = vdupq_n_u32(0);
   size_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    const float32x4_t x = load4(data, dtype, i);
+    float32x4_t x = load4(data, dtype, i);
+    if (scaled) x = vmulq_f32(x, s);
     const uint32x4_t e = vandq_u32(vreinterpretq_u32_f32(x), exp_mask);
     bad = vsubq_u32(bad, vceqq_u32(e, exp_mask));  // a true lane is all ones: -1
     const float64x2_t lo = vcvt_f64_f32(vget_low_f32(x)), hi = vcvt_high_f64_f32(x);
     acc0 = vfmaq_f64(acc0, lo, lo);
     acc1 = vfmaq_f64(acc1, hi, hi);
   }
-  SqNorm r = sq_norm_tail(data, dtype, i, n);
+  SqNorm r = sq_norm_tail(data, dtype, i, n, scale);
   r.sum_sq += vaddvq_f64(vaddq_f64(acc0, acc1));
   r.nonfinite += vaddvq_u32(bad);
   return r;
@@ -255,7 +268,9 @@ struct Vec {
 
 #else
 
-SqNorm sq_norm(const void* data, DType dtype, size_t n) { return sq_norm_tail(data, dtype, 0, n); }
+SqNorm sq_norm(const void* data, DType dtype, size_t n, float scale) {
+  return sq_norm_tail(data, dtype, 0, n, scale);
+}
 
 #define OFFLOAD_NO_VECTOR 1
 
@@ -307,14 +322,16 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
   const void* __restrict grad = a.grad;
   void* __restrict out16 = a.out16;
   const bool native_bf16 = a.native_bf16;
-  const F scale = V::set1(a.grad_scale), decay = V::set1(a.decay), l2 = V::set1(a.l2);
+  const F pre = V::set1(a.pre_scale), scale = V::set1(a.grad_scale), decay = V::set1(a.decay), l2 = V::set1(a.l2);
   const F b1c = V::set1(a.one_minus_beta1), b2 = V::set1(a.beta2), b2c = V::set1(a.one_minus_beta2);
   // One divide less per element (see [Note: one divide]).
   const F inv_bc2 = V::set1(1.0f / a.bc2_sqrt), eps = V::set1(a.eps), step = V::set1(a.step_size);
   const bool use_bc2 = a.bc2_sqrt != 1.0f;
-  const bool use_scale = a.grad_scale != 1.0f, use_decay = a.decay != 1.0f, use_l2 = a.l2 != 0.0f;
+  const bool use_pre = a.pre_scale != 1.0f, use_scale = a.grad_scale != 1.0f;
+  const bool use_decay = a.decay != 1.0f, use_l2 = a.l2 != 0.0f;
   for (; i + V::W <= end; i += V::W) {
     F g = V::load_any(grad, G, i);
+    if (use_pre) g = V::mul(g, pre);               // a landed gradient: what its accumulation would have rounded
     if (use_scale) g = V::mul(g, scale);
     const F p0 = V::load(param + i);
     F p = use_decay ? V::mul(p0, decay) : p0;     // AdamW: param.mul_(1 - lr * wd)

@@ -32,6 +32,7 @@ struct AdamArgs {
   void* out16 = nullptr;  // optional 16-bit copy of the updated params
   DType grad_dtype = DType::F32;
   DType out_dtype = DType::BF16;
+  float pre_scale = 1.0f;       // a landed 16-bit gradient's own factor, first: what its accumulation multiplied by
   float grad_scale = 1.0f;      // unscale and clip in one factor (1: off)
   float decay = 1.0f;           // AdamW: param *= 1 - lr * weight_decay
   float l2 = 0.0f;              // Adam: grad += l2 * param
@@ -46,8 +47,9 @@ struct AdamArgs {
 
 struct KernelTable {
   const char* name;
-  // One thread's share: elements [0, n) of data, read as dtype.
-  SqNorm (*sq_norm)(const void* data, DType dtype, size_t n);
+  // One thread's share: elements [0, n) of data, read as dtype, each times scale in float first (1: as read), so
+  // a 16-bit gradient's norm is bitwise that of its fp32 accumulation by scale.
+  SqNorm (*sq_norm)(const void* data, DType dtype, size_t n, float scale);
   // Elements [begin, end) of one Adam step.
   void (*adam)(const AdamArgs& a, size_t begin, size_t end);
   // p += g, m += g, v += g over [begin, end): Adam's memory traffic (read 4 streams, write 3)

@@ -45,13 +45,13 @@ void require_dense_cpu(const Array& a, const char* what) {
   }
 }
 
-nb::tuple py_sq_norm(const AnyArray& a, int threads) {
+nb::tuple py_sq_norm(const AnyArray& a, int threads, float scale) {
   require_dense_cpu(a, "grad");
   const DType dt = dtype_of(a, "grad");
   SqNorm r;
   {
     nb::gil_scoped_release unlocked;
-    r = sq_norm(a.data(), dt, a.size(), threads);
+    r = sq_norm(a.data(), dt, a.size(), threads, scale);
   }
   return nb::make_tuple(r.sum_sq, r.nonfinite);
 }
@@ -75,7 +75,7 @@ float* fp32_buffer(const RwArray& a, const char* what, size_t n) {
 }
 
 void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg, const RwArray& exp_avg_sq,
-             std::optional<RwArray> out16, float grad_scale, float decay, float l2, float one_minus_beta1, float beta2,
+             std::optional<RwArray> out16, float pre_scale, float grad_scale, float decay, float l2, float one_minus_beta1, float beta2,
              float one_minus_beta2, float bc2_sqrt, float eps, float step_size, int threads) {
   AdamArgs a;
   const size_t n = param.size();
@@ -93,6 +93,7 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
     require_size(*out16, "out16", n);
     a.out16 = out16->data();
   }
+  a.pre_scale = pre_scale;
   a.grad_scale = grad_scale;
   a.decay = decay;
   a.l2 = l2;
@@ -147,11 +148,12 @@ NB_MODULE(_native, m) {
         "CPU features a variant needs that this machine lacks ('' if none).");
   m.def("active_variant", [] { return std::string(active_kernels().name); });
   m.def("select_variant", &select_variant, nb::arg("variant"));
-  m.def("sq_norm", &py_sq_norm, nb::arg("grad").noconvert(), nb::arg("threads") = 1,
-        "(sum of squares as float64, count of non-finite elements) of a dense CPU buffer.");
+  m.def("sq_norm", &py_sq_norm, nb::arg("grad").noconvert(), nb::arg("threads") = 1, nb::arg("scale") = 1.0f,
+        "(sum of squares as float64, count of non-finite elements) of a dense CPU buffer, each element times "
+        "scale in float first.");
   m.def("adam", &py_adam, nb::arg("param").noconvert(), nb::arg("grad").noconvert(),
         nb::arg("exp_avg").noconvert(), nb::arg("exp_avg_sq").noconvert(), nb::arg("out16").none(),
-        nb::arg("grad_scale"), nb::arg("decay"), nb::arg("l2"), nb::arg("one_minus_beta1"), nb::arg("beta2"),
+        nb::arg("pre_scale"), nb::arg("grad_scale"), nb::arg("decay"), nb::arg("l2"), nb::arg("one_minus_beta1"), nb::arg("beta2"),
         nb::arg("one_minus_beta2"), nb::arg("bc2_sqrt"), nb::arg("eps"), nb::arg("step_size"), nb::arg("threads"),
         "One fused Adam/AdamW step over flat CPU buffers (scalars precomputed by offload.native.adam_step).");
   m.def("cpu_has_bf16", &cpu_has_bf16);

@@ -81,20 +81,21 @@ def _check_buffer(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...] | 
     return t.detach()
 
 
-def grad_sq_norm(grad: torch.Tensor, threads: int | None = None) -> SqNorm:
-    """Squared L2 norm (accumulated in float64) and the count of NaN/Inf elements, in one read."""
+def grad_sq_norm(grad: torch.Tensor, threads: int | None = None, scale: float = 1.0) -> SqNorm:
+    """Squared L2 norm (accumulated in float64) and the count of NaN/Inf elements, in one read; each element is
+    multiplied by ``scale`` in float32 first, so a landed gradient's norm is bitwise its accumulation's."""
     grad = _check_buffer(grad, "grad")
     if grad.numel() == 0:
         return SqNorm(0.0, 0)
     n_threads = default_threads() if threads is None else int(threads)
     if n_threads < 1:
         raise NativeError(f"threads must be >= 1, got {threads}")
-    sum_sq, nonfinite = _native.sq_norm(grad, n_threads)
+    sum_sq, nonfinite = _native.sq_norm(grad, n_threads, float(scale))
     return SqNorm(sum_sq, nonfinite)
 
 
 def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                out16: torch.Tensor | None, *, grad_scale: float, decay: float, l2: float, one_minus_beta1: float,
+                out16: torch.Tensor | None, *, grad_scale: float, pre_scale: float = 1.0, decay: float, l2: float, one_minus_beta1: float,
                 beta2: float, one_minus_beta2: float, bc2_sqrt: float, eps: float, step_size: float,
                 threads: int | None = None) -> None:
     """The fused Adam pass with its scalars precomputed (offload.optim.adam_step computes them)."""
@@ -115,7 +116,7 @@ def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     if n_threads < 1:
         raise NativeError(f"threads must be >= 1, got {threads}")
     _native.adam(checked["param"], checked["grad"], checked["exp_avg"], checked["exp_avg_sq"], checked.get("out16"),
-                 grad_scale, decay, l2, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size, n_threads)
+                 pre_scale, grad_scale, decay, l2, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size, n_threads)
 
 
 def axpy_(a: torch.Tensor, b: torch.Tensor, s: float, threads: int | None = None) -> torch.Tensor:

@@ -39,3 +39,35 @@ def test_neon_kernels_equal_the_portable_ones_under_qemu(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "ok: 1 variant(s) equal the portable kernels" in run.stdout
 
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or "avx2" not in _cpu_flags(), reason="needs g++ and an AVX2 CPU")
+def test_x86_kernels_equal_the_portable_ones(tmp_path):
+    """The same check for the x86 variants this CPU runs, built with CMakeLists.txt's flags (the Python tests compare
+    each with torch; this compares them with the portable kernels bit for bit, landed gradients included)."""
+    common = ["g++", "-std=c++17", "-O3", "-ffp-contract=off", f"-I{ROOT / 'native'}"]
+    names = ["portable", "avx2"] + (["avx512"] if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags()
+                                    else [])
+    objects = []
+    for name in names:
+        obj = tmp_path / f"{name}.o"
+        flags = variant_flags(name) if name != "portable" else []
+        subprocess.run([*common, *flags, f"-DOFFLOAD_ISA_NAME={name}", "-c", str(ROOT / "native" / "kernels.cpp"),
+                        "-o", str(obj)], check=True)
+        objects.append(str(obj))
+    exe = tmp_path / "kernel_variants"
+    defines = [f"-DOFFLOAD_HAVE_{name.upper()}=1" for name in names[1:]]
+    subprocess.run([*common, *defines, str(ROOT / "tests" / "native" / "kernel_variants.cpp"), *objects, "-o",
+                    str(exe)], check=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert f"ok: {len(names) - 1} variant(s) equal the portable kernels" in run.stdout

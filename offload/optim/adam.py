@@ -33,9 +33,10 @@ class AdamHyper:
 
 def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
               step: int, hyper: AdamHyper, grad_scale: float = 1.0, out16: torch.Tensor | None = None,
-              threads: int | None = None) -> None:
+              threads: int | None = None, pre_scale: float = 1.0) -> None:
     """One fused pass: unscale/clip the gradient by ``grad_scale``, update master/exp_avg/exp_avg_sq
-    in place, and (optionally) write the new params as bf16/fp16 into ``out16``.
+    in place, and (optionally) write the new params as bf16/fp16 into ``out16``. ``pre_scale`` multiplies the
+    gradient first, rounded to float32 on its own: a landed 16-bit gradient read as its accumulation would be.
 
     ``step`` counts from 1, as torch's optimizers do after incrementing. Scalars are computed here
     in double and rounded once, the way torch.optim.Adam passes Python floats to its kernels.
@@ -48,7 +49,7 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     bc1 = 1.0 - beta1 ** step if hyper.bias_correction else 1.0
     bc2 = 1.0 - beta2 ** step if hyper.bias_correction else 1.0
     native.adam_kernel(
-        master, grad, exp_avg, exp_avg_sq, out16, grad_scale=grad_scale,
+        master, grad, exp_avg, exp_avg_sq, out16, grad_scale=grad_scale, pre_scale=pre_scale,
         decay=1.0 - hyper.lr * hyper.weight_decay if hyper.adamw_mode else 1.0,
         l2=0.0 if hyper.adamw_mode else hyper.weight_decay,
         one_minus_beta1=1.0 - beta1, beta2=beta2, one_minus_beta2=1.0 - beta2, bc2_sqrt=math.sqrt(bc2),

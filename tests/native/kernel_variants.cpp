@@ -108,7 +108,7 @@ void check_norm_and_accumulate(const KernelTable& k, std::mt19937& rng, size_t n
     std::vector<float> x = random_floats(rng, n, 3.0f, false);
     if (n > 5) x[n / 2] = INFINITY, x[n - 1] = NAN;
     const std::vector<uint8_t> data = as_dtype(x, g);
-    const SqNorm a = kernels_portable.sq_norm(data.data(), g, n), b = k.sq_norm(data.data(), g, n);
+    const SqNorm a = kernels_portable.sq_norm(data.data(), g, n, 1.0f), b = k.sq_norm(data.data(), g, n, 1.0f);
     if (a.nonfinite != b.nonfinite) fail(k.name, "sq_norm non-finite count", n, "");
     const bool both_nan = std::isnan(a.sum_sq) && std::isnan(b.sum_sq);
     if (!both_nan && std::fabs(a.sum_sq - b.sum_sq) > 1e-12 * std::fabs(a.sum_sq)) fail(k.name, "sq_norm", n, "");
@@ -127,6 +127,41 @@ void check_norm_and_accumulate(const KernelTable& k, std::mt19937& rng, size_t n
   kernels_portable.touch3(p.data(), m.data(), v.data(), g.data(), 0, n);
   k.touch3(p2.data(), m2.data(), v2.data(), g.data(), 0, n);
   if (!same_bits(p.data(), p2.data(), 4 * n) || !same_bits(v.data(), v2.data(), 4 * n)) fail(k.name, "touch3", n, "");
+}
+
+// A gradient that landed in the compute dtype, read with its factor, norms and steps bitwise as its fp32
+// accumulation (acc = factor x gradient) does: the landing path skips that pass without changing a bit.
+void check_landed(const KernelTable& k, std::mt19937& rng, size_t n) {
+  for (DType g : {DType::F32, DType::BF16, DType::F16}) {
+    std::vector<float> values = random_floats(rng, n, 1e-1f, false);
+    if (n > 5) values[n / 3] = INFINITY;
+    const std::vector<uint8_t> grad = as_dtype(values, g);
+    std::vector<float> acc(n);
+    k.accumulate(acc.data(), grad.data(), g, 0.3f, true, 0, n);
+    const SqNorm landed = k.sq_norm(grad.data(), g, n, 0.3f), summed = k.sq_norm(acc.data(), DType::F32, n, 1.0f);
+    const bool same_sum = landed.sum_sq == summed.sum_sq || (std::isnan(landed.sum_sq) && std::isnan(summed.sum_sq));
+    if (!same_sum || landed.nonfinite != summed.nonfinite) fail(k.name, "landed sq_norm", n, "");
+    if (n > 5) values[n / 3] = 0.5f;
+    const std::vector<uint8_t> finite = as_dtype(values, g);
+    k.accumulate(acc.data(), finite.data(), g, 0.3f, true, 0, n);
+    std::vector<float> p1 = random_floats(rng, n, 1.0f, false), m1 = random_floats(rng, n, 1e-2f, false);
+    std::vector<float> v1 = random_floats(rng, n, 1e-4f, true), p2 = p1, m2 = m1, v2 = v1;
+    std::vector<uint16_t> o1(n + 8), o2(n + 8);
+    AdamArgs a;
+    a.grad_scale = 0.7f;
+    a.decay = 1.0f - 1e-3f * 0.1f;
+    a.step_size = 1e-3f;
+    AdamArgs b = a;
+    a.grad = acc.data(), a.grad_dtype = DType::F32;
+    b.grad = finite.data(), b.grad_dtype = g, b.pre_scale = 0.3f;
+    a.param = p1.data(), a.exp_avg = m1.data(), a.exp_avg_sq = v1.data(), a.out16 = o1.data();
+    b.param = p2.data(), b.exp_avg = m2.data(), b.exp_avg_sq = v2.data(), b.out16 = o2.data();
+    k.adam(a, 0, n);
+    k.adam(b, 0, n);
+    if (!same_bits(p1.data(), p2.data(), 4 * n) || !same_bits(m1.data(), m2.data(), 4 * n) ||
+        !same_bits(v1.data(), v2.data(), 4 * n) || !same_bits(o1.data(), o2.data(), 2 * n))
+      fail(k.name, "adam on a landed gradient", n, "");
+  }
 }
 
 void check_crc(const KernelTable& k, std::mt19937& rng, size_t n) {
@@ -157,12 +192,14 @@ int main() {
 #endif
   };
   std::mt19937 rng(1234);
+  for (size_t n : {1, 7, 100003}) check_landed(kernels_portable, rng, n);
   int variants = 0;
   for (const KernelTable* k : tables) {
     ++variants;
     for (size_t n : {1, 3, 4, 7, 8, 17, 1023, 4101, 100003}) {
       check_adam(*k, rng, n);
       check_norm_and_accumulate(*k, rng, n);
+      check_landed(*k, rng, n);
     }
     for (size_t n : {0, 1, 7, 8, 9, 24, 4095, 12287, 12288, 12289, 100003}) check_crc(*k, rng, n);
   }
