@@ -95,9 +95,9 @@ def grad_sq_norm(grad: torch.Tensor, threads: int | None = None, scale: float = 
 
 
 def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                out16: torch.Tensor | None, *, grad_scale: float, pre_scale: float = 1.0, decay: float, l2: float, one_minus_beta1: float,
+                out16: torch.Tensor | None, *, grad_scale: float, decay: float, l2: float, one_minus_beta1: float,
                 beta2: float, one_minus_beta2: float, bc2_sqrt: float, eps: float, step_size: float,
-                threads: int | None = None) -> None:
+                threads: int | None = None, pre_scale: float = 1.0) -> None:
     """The fused Adam pass with its scalars precomputed (offload.optim.adam_step computes them)."""
     tensors = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if out16 is not None:
@@ -116,7 +116,8 @@ def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     if n_threads < 1:
         raise NativeError(f"threads must be >= 1, got {threads}")
     _native.adam(checked["param"], checked["grad"], checked["exp_avg"], checked["exp_avg_sq"], checked.get("out16"),
-                 pre_scale, grad_scale, decay, l2, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size, n_threads)
+                 pre_scale, grad_scale, decay, l2, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
+                 n_threads)
 
 
 def axpy_(a: torch.Tensor, b: torch.Tensor, s: float, threads: int | None = None) -> torch.Tensor:

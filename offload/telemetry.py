@@ -2,7 +2,7 @@
 
 Spans on the training thread (gather, reduce_scatter, grad_wait, optimizer) add up to
 the part of a step that is not model compute; spans on the copy and host threads
-(d2h, h2d, accumulate) run beside it and are reported as background time. While a torch
+(d2h, h2d, accumulate, landed_norm) run beside it and are reported as background time. While a torch
 profiler is recording, each span is also a ``record_function`` range labelled
 ``offload::<phase> (<unit>)``, so its trace shows them on the right thread; otherwise a
 span costs two clock reads and a lock (hooks run it for every unit, twice a step).
@@ -31,7 +31,7 @@ import torch
 
 FOREGROUND = ("gather", "gather_wait", "prefetch", "reduce_scatter", "all_reduce", "all_gather", "grad_wait",
               "optimizer")
-BACKGROUND = ("d2h", "accumulate", "h2d", "optimizer_overlapped")
+BACKGROUND = ("d2h", "accumulate", "landed_norm", "h2d", "optimizer_overlapped")
 NVME_PARAMS = ("param_read",)  # parameter shards read from NVMe, submit to completion, on the "nvme" row
 AUTOGRAD_THREAD = "autograd"
 COMPUTE = ("forward", "backward")  # spans of the training thread that contain the model's compute

@@ -20,9 +20,15 @@ from offload.optim.sharded import ShardPhase
 LAG = {"OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}  # implies a discrete device: every copy a GPU makes
 
 
-@pytest.mark.parametrize("world,accum", [(1, 1), (2, 4), (3, 1)])
-def test_landed_gradients_train_bitwise_as_gradients_read_in_place(world, accum):
+@pytest.mark.parametrize("world,accum,bf16,early", [(1, 1, False, "off"), (2, 4, False, "off"), (3, 1, False, "off"),
+                                                    (3, 1, True, "off"), (2, 1, True, "on")],
+                         ids=["W1", "W2-accum4", "W3", "W3-bf16", "W2-bf16-early"])
+def test_landed_gradients_train_bitwise_as_gradients_read_in_place(world, accum, bf16, early):
+    """With one micro-batch the landed gradient is read where it landed, times 1/W (W = 3: a factor that rounds),
+    by the norm and Adam (see [Note: gradients read where they land]); with four, it is added up first."""
     config = base_config(2, accum, world, offload_param={"device": "cpu"})
+    config["bf16"] = {"enabled": bf16}
+    config["offload"]["early_step"] = early
     kw = dict(name="gpt", config=config, steps=3, micro=2, accum=accum)
     landed = run_ranks(train_engine, world, env=LAG, **kw)
     in_place = run_ranks(train_engine, world, **kw)
@@ -68,4 +74,43 @@ def test_a_gradient_whose_landing_buffer_is_busy_is_copied_by_the_worker_in_orde
     assert optimizer.deferred_copies == 1
     optimizer.drain()
     assert torch.equal(state.grad, torch.full((n,), 1.625))
+    engine.close()
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_only_micro_batchs_gradients_stay_where_they_landed(monkeypatch, accum):
+    import offload
+    monkeypatch.setenv("OFFLOAD_EMULATED_COPY_DELAY_S", "0.002")
+    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, accum, 1, clip=0.5))[0]
+    optimizer = engine.optimizer
+    *earlier, last = batches(accum, 2)
+    for rows in earlier:
+        engine.backward(loss_of(engine, "gpt", rows))
+        engine.step()  # between micro-batches: nothing
+    engine.backward(loss_of(engine, "gpt", last))
+    optimizer.drain()
+    shards = list(optimizer.shards.values())
+    assert all(s.phase is ShardPhase.HOLDING for s in shards)
+    if accum == 1:  # only the landing buffers hold the gradients: the accumulators were not written this step
+        assert all(s.landed is not None and s.landed.data_ptr() == s.landing.data_ptr() for s in shards)
+    else:
+        assert all(s.landed is None for s in shards)
+    engine.close()
+
+
+def test_a_unit_whose_gradient_lands_twice_adds_the_first_up_before_the_second_comes(monkeypatch):
+    import offload
+    monkeypatch.setenv("OFFLOAD_EMULATED_COPY_DELAY_S", "0.05")
+    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))[0]
+    optimizer = engine.optimizer
+    index, state = next(iter(optimizer.shards.items()))
+    n = state.grad.numel()
+    optimizer.last_backward_begins(overlap=False, only=True)
+    optimizer.accumulate(index, torch.full((n,), 1.5), 1.0)
+    optimizer.accumulate(index, torch.full((n,), 0.25), 0.5)
+    optimizer.drain()
+    assert state.landed is None and state.phase is ShardPhase.HOLDING
+    assert torch.equal(state.grad, torch.full((n,), 1.625))
+    total = sum(native.grad_sq_norm(state.grad[seg.start:seg.end]).sum_sq for seg in state.segments)
+    assert sum(part.sum_sq for part in state.norm) == total
     engine.close()

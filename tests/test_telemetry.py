@@ -59,7 +59,8 @@ def test_engine_timeline_has_every_thread_and_opens_as_chrome_trace(tmp_path, mo
     # A CPU run's D2H copies run on the emulated copy stream's thread; a GPU run's are issued (onto a CUDA
     # stream) by the gradient hooks, which run on autograd's device thread.
     assert by_phase["d2h"] == ({AUTOGRAD_THREAD} if engine.accel.is_cuda else {"offload-d2h"})
-    assert by_phase["accumulate"] == {"offload-grad-land"}
+    # One micro-batch: its gradients are read where they land, and the worker takes their norm there.
+    assert by_phase["landed_norm"] == {"offload-grad-land"} and "accumulate" not in by_phase
     assert any(e["name"].startswith("gather (") for e in spans)  # labelled with the unit
     assert share is not None and 0.0 <= share <= 1.0
 

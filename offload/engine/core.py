@@ -126,7 +126,7 @@ class Engine:
         overlapped = self._overlap and last_micro
         self.runtime.reduce_grads = last_micro or self.stage.reduce_every_micro_batch
         if last_micro:
-            self.optimizer.last_backward_begins(overlap=overlapped)
+            self.optimizer.last_backward_begins(overlap=overlapped, only=self.accumulation.pending == 0)
         try:
             with self.telemetry.span("backward"):
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)

@@ -19,6 +19,18 @@ takes the shard's share of the global norm as it lands (the native norm over the
 segments, combined in unit order after backward, so bitwise what a pass after backward
 gives). ``drain`` waits for all of it before the step reads the accumulators.
 
+[Note: gradients read where they land] With one micro-batch per step (and the optimizer
+state in host memory) a unit's gradient is its only one, so nothing needs adding up: the
+landing worker leaves it in the landing buffer, in the compute dtype, with the factor the
+accumulation would have applied, takes its norm there (the native norm multiplies each
+element by that factor in float32 first) and Adam reads it there (its ``pre_scale``, the
+same rounding before the clip factor): bitwise the accumulator's result without its pass
+over the shard (read 2 bytes, write 4, read 4 again per element in bf16), which sits
+between the last gradient and Adam on the landing worker. The buffer is then busy until
+the shard's Adam has read it: the early step re-records the buffer's ``free`` event after
+each shard's step. A unit whose gradient lands twice in one backward (none known today)
+has the first added into its accumulator before the second is copied in.
+
 [Note: overlapped step] When nothing global gates the update (no clipping, no fp16
 overflow check) the last micro-batch's backward runs each host-resident shard's Adam on
 the landing worker right after its gradient lands, while backward goes on with earlier
@@ -124,6 +136,18 @@ class ShardState:
     copied: Event | None = None  # the last gradient's copy into the landing buffer
     stepped: Event | None = None  # the last early step of this shard
     norm: list[native.SqNorm] | None = None  # the final gradient's norm per segment, taken as it landed
+    # This step's only gradient, read in its landing buffer with its factor (see [Note: gradients read where they
+    # land]); None while the accumulator holds the gradient.
+    landed: torch.Tensor | None = None
+    landed_scale: float = 1.0
+
+    def gradient(self) -> tuple[torch.Tensor, float]:
+        """The gradient the step reads, and the factor to read it with."""
+        return (self.landed, self.landed_scale) if self.landed is not None else (self.grad, 1.0)
+
+    def empty(self) -> None:
+        """The step is done with the shard's gradient (see [Note: shard phases])."""
+        self.phase, self.norm, self.landed = ShardPhase.EMPTY, None, None
 
 
 @dataclass(kw_only=True)
@@ -170,6 +194,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self._d2h = accel.copy_stream("d2h") if self.offload and not accel.host_is_device else None
         self._land = accel.host_queue("grad-land") if self.offload else None
         self._final = False  # the gradients now landing are the last micro-batch's: their norm is taken as they land
+        self._in_place = False  # ... and each unit's only one: read where it lands (see [Note: gradients read ...])
+        self._sent_in_place: set[int] = set()  # units whose gradient this backward left in its landing buffer
         self.deferred_copies = 0  # gradients that found their landing buffer busy (the worker copied them)
         self._compute_done: Event | None = None  # where the step orders copies after compute (re-recorded)
         self._overlap: tuple[set[int], list[AdamHyper], int] | None = None  # units, hyperparameters, step
@@ -250,13 +276,20 @@ class ShardedAdam(torch.optim.Optimizer):
         else:
             assert state.landing is not None
             landing = state.landing[:shard_grad.numel()]
-            if state.free.query():  # the worker is done with what last landed here: copy now
+            again = index in self._sent_in_place  # its first gradient still lies in the buffer: add it up first
+            in_place = self._in_place and final and not again
+            if in_place:
+                self._sent_in_place.add(index)
+            if again:
+                self._sent_in_place.discard(index)
+                self._land.run(lambda: self._materialize(state))
+            if state.free.query() and not again:  # the worker is done with what last landed here: copy now
                 copied = self._copy_down(state, landing, shard_grad, ready)
-                self._land.run(lambda: self._landed(state, landing, copied, scale, final, overlap, refs))
+                self._land.run(lambda: self._landed(state, landing, copied, scale, final, overlap, refs, in_place))
             else:  # still busy: the worker copies after it is done with the buffer (it runs in order)
                 self.deferred_copies += 1
                 self._land.run(lambda: self._landed(state, landing, self._copy_down(state, landing, shard_grad, ready),
-                                                    scale, final, overlap, refs))
+                                                    scale, final, overlap, refs, in_place))
             self.telemetry.add_bytes("d2h", shard_grad.numel() * shard_grad.element_size())
         state.free = self._land.record(into=state.free)
 
@@ -278,28 +311,47 @@ class ShardedAdam(torch.optim.Optimizer):
         return state.copied
 
     def _landed(self, state: ShardState, grad: torch.Tensor, arrived: Event | None, scale: float, final: bool,
-                overlap: tuple[set[int], list[AdamHyper], int] | None, refs: list[Any]) -> None:
-        """On the landing worker: wait for the gradient, add it in, take its norm if final, step if overlapped."""
+                overlap: tuple[set[int], list[AdamHyper], int] | None, refs: list[Any], in_place: bool = False
+                ) -> None:
+        """On the landing worker: wait for the gradient, add it in (or, ``in_place``, leave it where it landed),
+        take its norm if final, step if overlapped."""
         if arrived is not None:
             self.accel.wait(arrived, "gradient landed")
         del refs[:]  # a device gradient's copy is done: its memory may go
         if state.phase is ShardPhase.STEPPED:  # a half-applied step's shard: this step is done with it
             return
         schedule = self.accel.schedule
-        schedule.work("accumulate", state.index, nbytes=grad.numel() * (grad.element_size() + 8))
-        with self.telemetry.span("accumulate", state.name):
-            _accumulate(state, grad, scale, self.threads)
+        if in_place:
+            state.landed, state.landed_scale, state.phase = grad, scale, ShardPhase.HOLDING
+        else:
+            schedule.work("accumulate", state.index, nbytes=grad.numel() * (grad.element_size() + 8))
+            with self.telemetry.span("accumulate", state.name):
+                _accumulate(state, grad, scale, self.threads)
         if final:
-            schedule.work("norm", state.index, nbytes=state.grad.numel() * 4)
-            state.norm = [native.grad_sq_norm(state.grad[seg.start:seg.end], threads=self.threads)
-                          for seg in state.segments]
+            values, factor = state.gradient()
+            schedule.work("norm", state.index, nbytes=values.numel() * values.element_size())
+            with self.telemetry.span("landed_norm", state.name):
+                state.norm = [native.grad_sq_norm(values[seg.start:seg.end], threads=self.threads, scale=factor)
+                              for seg in state.segments]
         self._step_during_backward(state.index, overlap)
 
-    def last_backward_begins(self, overlap: bool) -> None:
+    def _materialize(self, state: ShardState) -> None:
+        """On the landing worker: a gradient left where it landed goes into the accumulator (another is coming)."""
+        if state.landed is None or state.phase is not ShardPhase.HOLDING:
+            return
+        landed, scale = state.landed, state.landed_scale
+        state.landed, state.phase = None, ShardPhase.EMPTY
+        _accumulate(state, landed, scale, self.threads)
+
+    def last_backward_begins(self, overlap: bool, only: bool = False) -> None:
         """The coming backward is the last micro-batch's: its gradients are final as they land, so their norm is
         taken then; the step's first NVMe reads start (see the store's [Note: reads ahead of the step]); with
-        ``overlap``, each shard's Adam runs as its gradient lands (see [Note: overlapped step])."""
+        ``overlap``, each shard's Adam runs as its gradient lands (see [Note: overlapped step]). ``only``: it is
+        the step's only micro-batch, so its gradients are read where they land where the state is all on the host
+        (see [Note: gradients read where they land])."""
         self._final = True
+        self._in_place = only and self._d2h is not None and all(g.tier == "host" for g in self.store.groups)
+        self._sent_in_place.clear()
         self.store.read_ahead()
         if overlap:
             self.begin_overlap()
@@ -313,10 +365,11 @@ class ShardedAdam(torch.optim.Optimizer):
         self.drain()
         self._settle()
         self._nvme_error = None
-        self._final = False
+        self._final = self._in_place = False
+        self._sent_in_place.clear()
         for state in self.shards.values():
             if state.phase is ShardPhase.HOLDING:
-                state.phase, state.norm = ShardPhase.EMPTY, None
+                state.empty()
 
     # ----------------------------------------------------------------- the step
 
@@ -329,8 +382,9 @@ class ShardedAdam(torch.optim.Optimizer):
                 continue
             parts = state.norm
             if parts is None and state.grad.device.type == "cpu":
-                self.accel.schedule.work("norm", state.index, nbytes=state.grad.numel() * 4)
-                parts = [native.grad_sq_norm(state.grad[seg.start:seg.end], threads=self.threads)
+                values, factor = state.gradient()
+                self.accel.schedule.work("norm", state.index, nbytes=values.numel() * values.element_size())
+                parts = [native.grad_sq_norm(values[seg.start:seg.end], threads=self.threads, scale=factor)
                          for seg in state.segments]
             if parts is not None:
                 for part in parts:
@@ -378,13 +432,13 @@ class ShardedAdam(torch.optim.Optimizer):
             raise
         self.adam_steps = step
         self._overlap = None
-        self._final = False
+        self._final = self._in_place = False
         for index, state in self.shards.items():
             self.accel.schedule.work("hook_step", index)
             if self.offload and state.phase is not ShardPhase.STEPPED:
                 self._compute_done = self.accel.compute_event(into=self._compute_done)
                 self.params.copy_back(index, after=self._compute_done)
-            state.phase, state.norm = ShardPhase.EMPTY, None
+            state.empty()
         self.params.commit()  # a failure here leaves units stale, never the step half applied
 
     @property
@@ -408,10 +462,11 @@ class ShardedAdam(torch.optim.Optimizer):
                 self._land.run(lambda i=member.unit, v=views: self._step_early(i, v, step, hypers, grad_scale, after))
                 state = self.shards[member.unit]
                 state.stepped = self._land.record(into=state.stepped)
+                state.free = self._land.record(into=state.free)  # a gradient read where it landed is read by now
                 self.params.step_pending(member.unit, state.stepped)
         self.adam_steps = step
         self._overlap = None
-        self._final = False
+        self._final = self._in_place = False
 
     def _step_early(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
                     hypers: list[AdamHyper], grad_scale: float, after: Event) -> None:
@@ -420,7 +475,7 @@ class ShardedAdam(torch.optim.Optimizer):
             with self.telemetry.span("optimizer_early", state.name):
                 self._step_shard(index, views, step, hypers, grad_scale)
             self.params.copy_back(index, after=after)
-        state.phase, state.norm = ShardPhase.EMPTY, None
+        state.empty()
 
     def _step_shard(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
                     hypers: list[AdamHyper], grad_scale: float) -> None:
@@ -434,14 +489,16 @@ class ShardedAdam(torch.optim.Optimizer):
             for start, end in state.gaps:
                 out[start:end].copy_(master[start:end])
         out16 = out if out is not None and out.dtype != torch.float32 else None
-        # Master, moments read and written, the fp32 gradient read, the new shard written.
-        self.accel.schedule.work("adam", index, nbytes=master.numel() * (24 + 4 + (
+        grad, pre_scale = state.gradient()
+        # Master, moments read and written, the gradient read, the new shard written.
+        self.accel.schedule.work("adam", index, nbytes=master.numel() * (24 + grad.element_size() + (
             out.element_size() if out is not None else 0)), lane=COMPUTE if master.device.type != "cpu" else None)
         for seg in state.segments:
             s = slice(seg.start, seg.end)
             if master.device.type == "cpu":
-                adam_step(master[s], state.grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
-                          grad_scale, out16=out16[s] if out16 is not None else None, threads=self.threads)
+                adam_step(master[s], grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
+                          grad_scale, out16=out16[s] if out16 is not None else None, threads=self.threads,
+                          pre_scale=pre_scale)
             else:
                 _torch_adam(master[s], state.grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
                             grad_scale)
