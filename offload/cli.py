@@ -125,6 +125,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
         if args.baseline == "deepspeed":
             from offload.bench import versus
+            if args.accum != 1:
+                raise UsageError("--baseline deepspeed times one micro-batch a step (its phases are forward, backward "
+                                 "and step): leave --accum at 1")
             if versus.deepspeed_version() is None:
                 raise UsageError(versus.INSTALL)
             print(f"offload bench step --baseline deepspeed: {', '.join(versus.variants(bench))} beside DeepSpeed "
@@ -178,7 +181,8 @@ _MACHINE_RATES = ("device_tflops", "device_gbps", "h2d_gbps", "d2h_gbps", "host_
 def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
     """The step benchmark the command line asks for (ValueError: what is wrong with it)."""
     return step.StepBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64), vocab=args.vocab,
-                          seq=args.seq, micro=args.micro, world=args.world, steps=args.steps,
+                          seq=args.seq, micro=args.micro, accum=args.accum, unit_bytes=args.unit_bytes,
+                          world=args.world, steps=args.steps,
                           repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload, nvme_path=args.path,
                           sub_group_size=args.sub_group_size, trace_dir=str(out.parent), device=args.device,
                           stages=_stages(args.stage), checkpointing=args.checkpointing)
@@ -450,6 +454,11 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
     b.add_argument("--seq", type=positive_int, default=128, help="tokens per sample (default 128)")
     b.add_argument("--vocab", type=positive_int, default=4096, help="vocabulary (default 4096; GPT-2: 50304)")
     b.add_argument("--micro", type=positive_int, default=4, help="samples per rank per step (default 4)")
+    b.add_argument("--accum", type=positive_int, default=1, help="micro-batches per step, gradient accumulation "
+                                                                 "on both sides (default 1)")
+    b.add_argument("--unit-bytes", type=positive_size, default="4Mi", help="offload.unit_bytes of offload's variants "
+                                                                           "(default 4Mi; the engine's own default "
+                                                                           "is 64Mi)")
     b.add_argument("--world", type=positive_int, default=2, help="ranks (gloo processes, default 2)")
     b.add_argument("--steps", type=positive_int, default=5, help="timed steps per round (default 5)")
     b.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default fp32)")

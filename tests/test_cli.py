@@ -194,3 +194,17 @@ def test_bench_all_quick_runs_every_benchmark_and_writes_one_json_and_a_plot(tmp
     assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "summary (ratio against each benchmark's baseline)" in printed and "vs plain PyTorch" in printed
+
+
+def test_bench_step_accumulates_micro_batches_on_both_sides(tmp_path, capsys):
+    from offload.bench import step
+    one, two = (step.run(step.StepBench(hidden=64, layers=2, seq=16, micro=2, world=2, steps=1, repeats=1, accum=accum,
+                                        unit_bytes=8 << 10, headline_only=True), tmp_path / f"step{accum}.json")
+                for accum in (1, 2))
+    # ZeRO-3 gathers each unit for each micro-batch's forward and backward (persistent ones stay gathered): with two
+    # micro-batches a step, nearly twice the bytes.
+    assert 1.5 * one.bytes_per_step["all_gather"] < two.bytes_per_step["all_gather"] <= \
+        2 * one.bytes_per_step["all_gather"]
+    assert json.loads((tmp_path / "step2.json").read_text())["bench"]["accum"] == 2
+    assert main(["bench", "step", "--baseline", "deepspeed", "--accum", "2"]) == 2
+    assert "leave --accum at 1" in capsys.readouterr().err

@@ -251,14 +251,14 @@ def record(b: ScheduleBench, out: Path, log: TextIO | None = None) -> dict[str, 
     from offload.models import GPT
 
     step_bench = StepBench(hidden=b.hidden, layers=b.layers, heads=b.heads, vocab=b.vocab, seq=b.seq, micro=b.micro,
-                           world=1, dtype=b.dtype, steps=b.steps, warmup=1)
+                           world=1, dtype=b.dtype, steps=b.steps, warmup=1, unit_bytes=b.unit_bytes)
     variant = {"device": "cpu", "params": b.params, "early": b.early, "clip": b.clip, "overlap": "off"}
     torch.manual_seed(0)
     before = os.environ.get("OFFLOAD_EMULATED_DISCRETE_DEVICE")
     os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"] = "1"  # read as the engine's accelerator starts
     try:
         engine, *_ = offload.initialize(model=GPT(step_bench.model_config()),
-                                        config=engine_config(step_bench, variant, unit_bytes=b.unit_bytes))
+                                        config=engine_config(step_bench, variant))
     finally:
         if before is None:
             del os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"]

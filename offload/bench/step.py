@@ -55,6 +55,8 @@ class StepBench:
     vocab: int = 4096
     seq: int = 128
     micro: int = 4
+    accum: int = 1  # micro-batches per step (gradient accumulation), on both sides
+    unit_bytes: int = 4 << 20  # offload.unit_bytes of the offload variants
     world: int = 2
     steps: int = 5
     warmup: int = 2
@@ -82,6 +84,8 @@ class StepBench:
             raise ValueError(f"checkpointing must be none, device or cpu, got {self.checkpointing!r}")
         if not self.stages or any(s not in (0, 1, 2, 3) for s in self.stages):
             raise ValueError(f"stages must be ZeRO stages 0-3, got {self.stages}")
+        if self.accum < 1 or self.unit_bytes < 1:
+            raise ValueError(f"accum and unit_bytes must be >= 1, got {self.accum} and {self.unit_bytes}")
         if self.offload == "none" and self.stages == (3,):
             raise ValueError("offload none compares stages only: pass stages (e.g. --stage 0,1,2,3)")
 
@@ -154,7 +158,7 @@ def batches(b: StepBench, n: int, rows: int) -> list[torch.Tensor]:
     return [torch.randint(0, b.vocab, (rows, b.seq + 1), generator=gen) for _ in range(n)]
 
 
-def engine_config(b: StepBench, variant: dict[str, Any], unit_bytes: int = 4 << 20) -> dict[str, Any]:
+def engine_config(b: StepBench, variant: dict[str, Any]) -> dict[str, Any]:
     """The engine config of one variant (its keys as ``StepBench.variants`` gives them)."""
     optimizer = {"device": variant["device"]}
     if variant["device"] == "nvme":
@@ -162,7 +166,7 @@ def engine_config(b: StepBench, variant: dict[str, Any], unit_bytes: int = 4 << 
     param = {"device": variant.get("params", "none")}
     if param["device"] == "nvme":  # every shard on NVMe: what the disk costs, not what max_in_cpu hides
         param.update(nvme_path=b.nvme_path, max_in_cpu=0, buffer_count=b.param_buffers)
-    config = {"train_micro_batch_size_per_gpu": b.micro, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": b.micro, "gradient_accumulation_steps": b.accum,
               "gradient_clipping": variant.get("clip", 1.0),
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
               "bf16": {"enabled": b.dtype == "bf16"},
@@ -170,7 +174,7 @@ def engine_config(b: StepBench, variant: dict[str, Any], unit_bytes: int = 4 << 
                                     "offload_param": param,
                                     "sub_group_size": b.sub_group_size,
                                     "stage3_prefetch_bucket_size": variant.get("prefetch", 50_000_000)},
-              "offload": {"unit_bytes": unit_bytes, "overlap_step": variant.get("overlap", "auto"),
+              "offload": {"unit_bytes": b.unit_bytes, "overlap_step": variant.get("overlap", "auto"),
                           "early_step": variant.get("early", "auto"),
                           "checkpoint_blocks": b.checkpointing != "none"},
               "activation_checkpointing": {"cpu_checkpointing": b.checkpointing == "cpu"}}
@@ -185,15 +189,17 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
     model = GPT(b.model_config())
     engine, *_ = offload.initialize(model=model, config=engine_config(b, variant))
     times = []
-    for i, tokens in enumerate(batches(b, b.warmup + b.steps, b.micro * world)):
-        rows = tokens[rank * b.micro:(rank + 1) * b.micro].to(engine.accel.device)
+    for i, tokens in enumerate(batches(b, b.warmup + b.steps, b.micro * world * b.accum)):
         if i == b.warmup:
             engine.telemetry.reset()
             engine.telemetry.start_trace()
         sync(b.device)
         t0 = time.perf_counter()
-        engine.backward(engine(rows[:, :-1], rows[:, 1:]))
-        engine.step()
+        for a in range(b.accum):  # micro-batch a of the step: this rank's rows of it
+            first = (a * world + rank) * b.micro
+            rows = tokens[first:first + b.micro].to(engine.accel.device)
+            engine.backward(engine(rows[:, :-1], rows[:, 1:]))
+            engine.step()
         sync(b.device)
         if i >= b.warmup:
             times.append(time.perf_counter() - t0)
@@ -222,13 +228,16 @@ def _torch_steps(b: StepBench) -> tuple[list[float], int]:
     if b.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for i, tokens in enumerate(batches(b, b.warmup + b.steps, b.micro * b.world)):
+    rows = b.micro * b.world
+    for i, tokens in enumerate(batches(b, b.warmup + b.steps, rows * b.accum)):
         tokens = tokens.to(b.device)
         sync(b.device)
         t0 = time.perf_counter()
-        with autocast:
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
+        for a in range(b.accum):  # the step's micro-batches, every rank's rows at once
+            part = tokens[a * rows:(a + 1) * rows]
+            with autocast:
+                loss = model(part[:, :-1], part[:, 1:])
+            (loss / b.accum if b.accum > 1 else loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
