@@ -185,7 +185,8 @@ def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
                           world=args.world, steps=args.steps,
                           repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload, nvme_path=args.path,
                           sub_group_size=args.sub_group_size, trace_dir=str(out.parent), device=args.device,
-                          stages=_stages(args.stage), checkpointing=args.checkpointing)
+                          stages=_stages(args.stage), checkpointing=args.checkpointing, profile=args.profile,
+                          headline_only=args.headline_only)
 
 
 def _directory(path: str, flag: str) -> Path:
@@ -473,6 +474,11 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
     b.add_argument("--sub-group-size", type=positive_int, default=1_000_000, help="optimizer sub-group elements")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where both sides compute (cuda: torch on the GPU beside offload with W=1)")
+    b.add_argument("--headline-only", action="store_true", help="only the headline variant (and, for nvme, the host "
+                                                                 "one beside it)")
+    b.add_argument("--profile", action="store_true", help="rank 0 of the headline variant's timed steps under torch's "
+                                                           "profiler: profile-<variant>.json beside --out (Chrome "
+                                                           "trace: kernels per stream on a GPU, offload's phases)")
     b.add_argument("--baseline", choices=["torch", "deepspeed"], default="torch",
                    help="deepspeed: the same model, batch and config (written once, read by both) through "
                         "DeepSpeed's ZeRO-3 with params and optimizer on the host (and on NVMe with --offload nvme), "

@@ -208,3 +208,15 @@ def test_bench_step_accumulates_micro_batches_on_both_sides(tmp_path, capsys):
     assert json.loads((tmp_path / "step2.json").read_text())["bench"]["accum"] == 2
     assert main(["bench", "step", "--baseline", "deepspeed", "--accum", "2"]) == 2
     assert "leave --accum at 1" in capsys.readouterr().err
+
+
+def test_bench_step_profile_writes_a_torch_trace_with_the_engines_phases(tmp_path):
+    from offload.bench import step
+    bench = step.StepBench(hidden=64, layers=2, seq=16, micro=2, world=1, steps=1, repeats=1, unit_bytes=8 << 10,
+                           headline_only=True, profile=True, trace_dir=str(tmp_path / "traces"))
+    step.run(bench, tmp_path / "step.json")
+    events = json.loads((tmp_path / "traces" / "profile-host.json").read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert {"offload::forward", "offload::backward"} <= names and any(n.startswith("aten::mm") for n in names)
+    with pytest.raises(ValueError, match="trace_dir"):
+        step.StepBench(profile=True)

@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
-# On a lent GPU machine (no network; torch with CUDA already there): install offload from this
-# checkout, then run the named stages, logging each to $OUT/<stage>.log.
-#   tools/gpu_session.sh install cuda-tests suite bench-pcie bench-step
-# Wheels/sdists the machine lacks (liburing 2024.5.3 and dynamic-import) travel in .whl/.
+# Every GPU measurement and test the open issues name, in stages, each logged to $OUT/<stage>.log.
+#
+# Here (with network), once: build the wheels the lent machine lacks into .whl/ (git ignores it; it travels with
+# the working tree as `carry: [".whl"]`, about 10 MiB):
+#   tools/gpu_session.sh wheels
+# On the lent GPU machine (no network; torch with CUDA already there), two back-to-back calls of the run tool:
+#   tools/gpu_session.sh install cuda-tests sanitizer bench-pcie bench-adam bench-step bench-step-default profile
+#   tools/gpu_session.sh install bench-step-1p3b bench-deepspeed suite
+# Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
+# prediction beside what was measured.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
-PY=python3
+PY=${PY:-python3}
+# The 155.8M GPT of the first H100 run (docs/performance.md): 12 x 1024, vocabulary 4096, seq 512, micro-batch 8.
+M156=(--device cuda --world 1 --dtype bf16 --hidden 1024 --layers 12 --seq 512 --vocab 4096 --micro 8)
+# A 1.3B GPT (24 x 2048, GPT-2's vocabulary) at seq 2048, accumulation 4, clipping on: plain PyTorch fits there.
+M1P3B=(--device cuda --world 1 --dtype bf16 --hidden 2048 --layers 24 --seq 2048 --vocab 50304 --micro 1 --accum 4)
 
 stage() {  # name, command...: run one stage, log it, never stop the others
   local name=$1; shift
@@ -19,22 +29,53 @@ stage() {  # name, command...: run one stage, log it, never stop the others
   tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 
+wheels() {  # here: liburing (built from its sdist: the 2026 wheels need AVX-512), dynamic-import, and DeepSpeed
+  # (pure Python without its ops) with the requirements it has beside torch
+  rm -rf .whl && mkdir -p .whl &&
+  $PY -m pip wheel -q --no-deps -w .whl "liburing==2024.5.3" dynamic-import &&
+  DS_BUILD_OPS=0 $PY -m pip wheel -q --no-deps -w .whl "${DEEPSPEED_SPEC:-deepspeed==0.19.8}" &&
+  $PY -m pip wheel -q -w .whl einops hjson msgpack ninja py-cpuinfo "pydantic>=2" tqdm &&
+  du -sh .whl && ls .whl
+}
+
 install() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-  $PY -m pip install -q --no-index --no-build-isolation --no-deps .whl/* &&
+  $PY -m pip install -q --no-index --no-build-isolation --no-deps .whl/liburing-* .whl/dynamic_import-* &&
   $PY -m pip install -q --no-index --no-build-isolation --no-deps -e . &&
-  $PY -c "import offload, offload._native as n; from offload.aio import probe_io_uring; print('native', offload.native.active_variant()); print(probe_io_uring())"
+  $PY -c "import offload, offload._native as n; from offload.aio import probe_io_uring; print('native', offload.native.active_variant()); print(probe_io_uring())" &&
+  if ls .whl/deepspeed-* >/dev/null 2>&1; then
+    # DeepSpeed and what it needs beside torch; its cpu_adam op builds by JIT on first use (bench-deepspeed).
+    $PY -m pip install -q --no-index --find-links .whl .whl/deepspeed-* && $PY -c "import deepspeed; print('deepspeed', deepspeed.__version__)"
+  fi
+}
+
+deepspeed_side_by_side() {
+  if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here (tools/gpu_session.sh wheels, then install)"; return 2; fi
+  # DeepSpeed builds its cpu_adam op by JIT on first use; with CUDA visible its builder wants the CUDA toolkit
+  # (nvcc, CUDA_HOME). Whether that is on the lent machine is not known yet: the log says, and the table names the
+  # optimizer DeepSpeed ran.
+  command -v nvcc || echo "no nvcc here: DeepSpeed's cpu_adam build may fail"
+  $PY -m offload bench step --baseline deepspeed "${M156[@]}" --steps 4 --rounds 2 --out "$OUT/deepspeed/step.json"
 }
 
 for s in "$@"; do
   case "$s" in
+    wheels) stage wheels wheels ;;
     install) stage install install ;;
     cuda-tests) stage cuda-tests $PY -m pytest -q -x tests/test_engine_cuda.py tests/test_cli.py -k "cuda or gpu or pcie" ;;
+    # The CUDA tests under torch's stream sanitizer: a kernel that reads what another stream writes without a wait fails.
+    sanitizer) TORCH_CUDA_SANITIZER=1 stage sanitizer $PY -m pytest -q tests/test_engine_cuda.py ;;
     suite) FAIL_LOG=$OUT/failures.log PYTHONPATH=tools TAIL=30 stage suite timeout "${SUITE_S:-420}" $PY -m pytest -n 14 -q -p pytest_failures_now -p no:cacheprovider -p no:benchmark --timeout 150 ${SUITE_ARGS:-tests} ;;
     bench-pcie) stage bench-pcie $PY -m offload bench pcie --out "$OUT/pcie.json" ;;
-    bench-step) stage bench-step $PY -m offload bench step --device cuda --world 1 --dtype bf16 --hidden 1024 \
-      --layers 12 --seq 512 --micro 8 --steps 4 --rounds 2 --out "$OUT/step.json" ;;
+    # CPU Adam over the 156M model's elements beside torch's AdamW and the host's measured bandwidth ceiling.
+    bench-adam) stage bench-adam $PY -m offload bench adam --sizes 156M --out "$OUT/adam.json" ;;
+    bench-step) stage bench-step $PY -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 4 --rounds 2 --out "$OUT/step-4mi/step.json" ;;
+    bench-step-default) stage bench-step-default $PY -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-64mi/step.json" ;;
+    bench-step-1p3b) stage bench-step-1p3b $PY -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --headline-only --out "$OUT/step-1p3b/step.json" ;;
+    # torch's profiler over three steps of the headline variant: kernels per stream, the engine's phases per thread.
+    profile) stage profile $PY -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 3 --rounds 1 --headline-only --profile --out "$OUT/profile/step.json" ;;
+    bench-deepspeed) stage bench-deepspeed deepspeed_side_by_side ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -68,6 +68,7 @@ class StepBench:
     buffer_count: int = 4
     param_buffers: int = 4  # offload_param.buffer_count for the variants with parameters on NVMe (fewer than units)
     trace_dir: str = ""  # where rank 0 of each variant writes a Chrome trace of its timed steps ("": none)
+    profile: bool = False  # rank 0 of the headline variant's timed steps under torch's profiler, into trace_dir
     device: str = "cpu"  # cpu, or cuda: both sides compute on the GPU (then world must be 1)
     headline_only: bool = False  # only the headline variant (and, for nvme, the host one beside it): a smoke run
     stages: tuple[int, ...] = (3,)  # ZeRO stages; more than stage 3 alone: one variant per stage (see the docstring)
@@ -84,6 +85,8 @@ class StepBench:
             raise ValueError(f"checkpointing must be none, device or cpu, got {self.checkpointing!r}")
         if not self.stages or any(s not in (0, 1, 2, 3) for s in self.stages):
             raise ValueError(f"stages must be ZeRO stages 0-3, got {self.stages}")
+        if self.profile and not self.trace_dir:
+            raise ValueError("profile writes its trace into trace_dir: give one")
         if self.accum < 1 or self.unit_bytes < 1:
             raise ValueError(f"accum and unit_bytes must be >= 1, got {self.accum} and {self.unit_bytes}")
         if self.offload == "none" and self.stages == (3,):
@@ -188,11 +191,14 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
     torch.manual_seed(0)
     model = GPT(b.model_config())
     engine, *_ = offload.initialize(model=model, config=engine_config(b, variant))
+    profiler = _profiler(b) if b.profile and rank == 0 and variant["name"] == next(iter(b.variants())) else None
     times = []
     for i, tokens in enumerate(batches(b, b.warmup + b.steps, b.micro * world * b.accum)):
         if i == b.warmup:
             engine.telemetry.reset()
             engine.telemetry.start_trace()
+            if profiler is not None:
+                profiler.start()
         sync(b.device)
         t0 = time.perf_counter()
         for a in range(b.accum):  # micro-batch a of the step: this rank's rows of it
@@ -203,6 +209,10 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
         sync(b.device)
         if i >= b.warmup:
             times.append(time.perf_counter() - t0)
+    if profiler is not None:
+        profiler.stop()
+        Path(b.trace_dir).mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(Path(b.trace_dir) / f"profile-{variant['name']}.json"))
     peak = engine.accel.memory_stats().peak_allocated if b.device == "cuda" else 0
     snap = engine.telemetry.snapshot()
     if b.trace_dir and rank == 0:
@@ -214,6 +224,15 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
     engine.close()
     return {"times": times, "seconds": snap.seconds, "bytes": snap.bytes, "overlap": overlap, "peak": peak,
             "memory": memory}
+
+
+def _profiler(b: StepBench) -> torch.profiler.profile:
+    """torch's profiler over the timed steps: kernels and copies per stream on a GPU, and the engine's phases as
+    ranges on their threads (telemetry opens them while a profiler records)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if b.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
 
 
 def _torch_steps(b: StepBench) -> tuple[list[float], int]:
