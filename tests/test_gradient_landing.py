@@ -67,7 +67,7 @@ def test_a_gradient_whose_landing_buffer_is_busy_is_copied_by_the_worker_in_orde
     engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 2, 1))[0]
     optimizer = engine.optimizer
     index, state = next(iter(optimizer.shards.items()))
-    n = state.grad.numel()
+    n = state.numel
     first, second = torch.full((n,), 1.5), torch.full((n,), 0.25)
     optimizer.accumulate(index, first, 1.0)
     optimizer.accumulate(index, second, 0.5)
@@ -91,10 +91,27 @@ def test_the_only_micro_batchs_gradients_stay_where_they_landed(monkeypatch, acc
     optimizer.drain()
     shards = list(optimizer.shards.values())
     assert all(s.phase is ShardPhase.HOLDING for s in shards)
-    if accum == 1:  # only the landing buffers hold the gradients: the accumulators were not written this step
+    if accum == 1:  # only the landing buffers hold the gradients: no accumulator was ever made
         assert all(s.landed is not None and s.landed.data_ptr() == s.landing.data_ptr() for s in shards)
+        assert all(s.grad is None for s in shards) and "gradient accumulators" not in engine.memory_summary()["host"]
     else:
-        assert all(s.landed is None for s in shards)
+        assert all(s.landed is None and s.grad is not None for s in shards)
+        assert engine.memory_summary()["host"]["gradient accumulators"] == 4 * sum(s.numel for s in shards)
+    engine.close()
+
+
+def test_on_a_cpu_device_the_only_gradients_are_read_where_the_reduction_left_them():
+    import offload
+    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1, clip=0.5))[0]
+    assert engine.accel.host_is_device
+    for step, rows in enumerate(batches(2, 2)):
+        engine.backward(loss_of(engine, "gpt", rows))
+        if step == 1:
+            engine.optimizer.drain()
+            shards = list(engine.optimizer.shards.values())
+            assert all(s.landed is not None and s.landing is None and s.grad is None for s in shards)
+        engine.step()
+    assert all(s.landed is None and s.grad is None for s in engine.optimizer.shards.values())
     engine.close()
 
 
@@ -104,7 +121,7 @@ def test_a_unit_whose_gradient_lands_twice_adds_the_first_up_before_the_second_c
     engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))[0]
     optimizer = engine.optimizer
     index, state = next(iter(optimizer.shards.items()))
-    n = state.grad.numel()
+    n = state.numel
     optimizer.last_backward_begins(overlap=False, only=True)
     optimizer.accumulate(index, torch.full((n,), 1.5), 1.0)
     optimizer.accumulate(index, torch.full((n,), 0.25), 0.5)

@@ -21,15 +21,18 @@ gives). ``drain`` waits for all of it before the step reads the accumulators.
 
 [Note: gradients read where they land] With one micro-batch per step (and the optimizer
 state in host memory) a unit's gradient is its only one, so nothing needs adding up: the
-landing worker leaves it in the landing buffer, in the compute dtype, with the factor the
-accumulation would have applied, takes its norm there (the native norm multiplies each
-element by that factor in float32 first) and Adam reads it there (its ``pre_scale``, the
-same rounding before the clip factor): bitwise the accumulator's result without its pass
-over the shard (read 2 bytes, write 4, read 4 again per element in bf16), which sits
-between the last gradient and Adam on the landing worker. The buffer is then busy until
-the shard's Adam has read it: the early step re-records the buffer's ``free`` event after
-each shard's step. A unit whose gradient lands twice in one backward (none known today)
-has the first added into its accumulator before the second is copied in.
+landing worker leaves it where it landed (the landing buffer; on a CPU device the reduced
+shard itself, held until the step), in the compute dtype, with the factor the accumulation
+would have applied, takes its norm there (the native norm multiplies each element by that
+factor in float32 first) and Adam reads it there (its ``pre_scale``, the same rounding
+before the clip factor): bitwise the accumulator's result without its pass over the shard
+(read 2 bytes, write 4, read 4 again per element in bf16), which sits between the last
+gradient and Adam on the landing worker. A landing buffer is then busy until the shard's
+Adam has read it: the early step re-records the buffer's ``free`` event after each shard's
+step. A unit whose gradient lands twice in one backward (none known today) has the first
+added into its accumulator before the second is copied in. The fp32 accumulators are made
+on first use, so a run that never accumulates never holds them (4 bytes per element of host
+memory; they are plain memory: no copy engine reads them).
 
 [Note: overlapped step] When nothing global gates the update (no clipping, no fp16
 overflow check) the last micro-batch's backward runs each host-resident shard's Adam on
@@ -126,10 +129,11 @@ class ShardState:
 
     index: int  # the unit's
     name: str  # the unit's, for traces
-    grad: torch.Tensor  # fp32 gradient accumulator (host when offloaded)
+    grad: torch.Tensor | None  # fp32 gradient accumulator (host when offloaded, made on first use: see [Note: ...])
     segments: list[Segment]
     gaps: list[tuple[int, int]] = field(default_factory=list)  # elements no segment covers (frozen, padding)
     phase: ShardPhase = ShardPhase.EMPTY
+    numel: int = 0  # the shard's elements
     landing: torch.Tensor | None = None  # where the gradient lands from a separate device (host, compute dtype)
     free: Event = field(default_factory=DoneEvent)  # the landing buffer is free once this completes
     # Re-recorded each time (see [Note: events re-recorded] in accelerator.py):
@@ -142,8 +146,17 @@ class ShardState:
     landed_scale: float = 1.0
 
     def gradient(self) -> tuple[torch.Tensor, float]:
-        """The gradient the step reads, and the factor to read it with."""
-        return (self.landed, self.landed_scale) if self.landed is not None else (self.grad, 1.0)
+        """The gradient the step reads, and the factor to read it with (a shard that holds one: not EMPTY)."""
+        if self.landed is not None:
+            return self.landed, self.landed_scale
+        assert self.grad is not None, f"unit {self.name!r} holds no gradient"
+        return self.grad, 1.0
+
+    def accumulator(self) -> torch.Tensor:
+        """The fp32 accumulator, made now if this is its first use (host memory, unpinned)."""
+        if self.grad is None:
+            self.grad = torch.zeros(self.numel, dtype=torch.float32)
+        return self.grad
 
     def empty(self) -> None:
         """The step is done with the shard's gradient (see [Note: shard phases])."""
@@ -224,14 +237,13 @@ class ShardedAdam(torch.optim.Optimizer):
     def add_shard(self, index: int, name: str, master: torch.Tensor, segments: list[Segment]) -> None:
         """Own unit ``index``'s optimizer state; ``master`` is its fp32 shard (host). Units arrive in order."""
         n = master.numel()
-        landing = None
+        landing, grad = None, None  # an offloaded shard's accumulator: made on first use
         if self.offload:
-            grad = self._host_tensor(n, torch.float32)
             if self._d2h is not None:
                 landing = self._host_tensor(n, self.compute_dtype)
         else:
             grad = torch.zeros(n, dtype=torch.float32, device=self.accel.device)
-        self.shards[index] = ShardState(index, name, grad, segments, _gaps(segments, n), landing=landing)
+        self.shards[index] = ShardState(index, name, grad, segments, _gaps(segments, n), numel=n, landing=landing)
         self.store.init_member(index, master)
 
     def master_of(self, index: int) -> torch.Tensor:
@@ -271,18 +283,18 @@ class ShardedAdam(torch.optim.Optimizer):
         # when the last one's backward begins, and those are neither final nor stepped.
         final, overlap = self._final, self._overlap
         refs = [shard_grad, keep]  # the device gradient lives until its copy (or, read in place, its add) is done
+        again = index in self._sent_in_place  # its first gradient still lies where it landed: add it up first
+        in_place = self._in_place and final and not again
+        if in_place:
+            self._sent_in_place.add(index)
+        if again:
+            self._sent_in_place.discard(index)
+            self._land.run(lambda: self._materialize(state))
         if self._d2h is None:  # host memory is the device's: the worker reads the reduced shard where it lies
-            self._land.run(lambda: self._landed(state, shard_grad, ready, scale, final, overlap, refs))
+            self._land.run(lambda: self._landed(state, shard_grad, ready, scale, final, overlap, refs, in_place))
         else:
             assert state.landing is not None
             landing = state.landing[:shard_grad.numel()]
-            again = index in self._sent_in_place  # its first gradient still lies in the buffer: add it up first
-            in_place = self._in_place and final and not again
-            if in_place:
-                self._sent_in_place.add(index)
-            if again:
-                self._sent_in_place.discard(index)
-                self._land.run(lambda: self._materialize(state))
             if state.free.query() and not again:  # the worker is done with what last landed here: copy now
                 copied = self._copy_down(state, landing, shard_grad, ready)
                 self._land.run(lambda: self._landed(state, landing, copied, scale, final, overlap, refs, in_place))
@@ -350,7 +362,7 @@ class ShardedAdam(torch.optim.Optimizer):
         the step's only micro-batch, so its gradients are read where they land where the state is all on the host
         (see [Note: gradients read where they land])."""
         self._final = True
-        self._in_place = only and self._d2h is not None and all(g.tier == "host" for g in self.store.groups)
+        self._in_place = only and self.offload and all(g.tier == "host" for g in self.store.groups)
         self._sent_in_place.clear()
         self.store.read_ahead()
         if overlap:
@@ -381,8 +393,8 @@ class ShardedAdam(torch.optim.Optimizer):
             if state.phase is ShardPhase.EMPTY:
                 continue
             parts = state.norm
-            if parts is None and state.grad.device.type == "cpu":
-                values, factor = state.gradient()
+            values, factor = state.gradient()
+            if parts is None and values.device.type == "cpu":
                 self.accel.schedule.work("norm", state.index, nbytes=values.numel() * values.element_size())
                 parts = [native.grad_sq_norm(values[seg.start:seg.end], threads=self.threads, scale=factor)
                          for seg in state.segments]
@@ -394,7 +406,8 @@ class ShardedAdam(torch.optim.Optimizer):
     def device_grad_sq_norm(self) -> torch.Tensor | None:
         """With the state on the compute device: [sum of squares, non-finite count] as a float64 tensor there, so
         the step reads it once (None when the gradients are on the host)."""
-        on_device = [s for s in self.shards.values() if s.phase is not ShardPhase.EMPTY and s.grad.device.type != "cpu"]
+        on_device = [s for s in self.shards.values() if s.phase is not ShardPhase.EMPTY and s.grad is not None
+                     and s.grad.device.type != "cpu"]
         if not on_device:
             return None
         totals = torch.zeros(2, dtype=torch.float64, device=self.accel.device)
@@ -481,15 +494,14 @@ class ShardedAdam(torch.optim.Optimizer):
                     hypers: list[AdamHyper], grad_scale: float) -> None:
         state = self.shards[index]
         master, exp_avg, exp_avg_sq = views
-        if state.phase is ShardPhase.EMPTY:  # no gradient reached this unit since the last step: Adam sees zeros
-            state.grad.zero_()
+        empty = state.phase is ShardPhase.EMPTY  # no gradient reached this unit since the last step: Adam sees zeros
         out = self.params.step_target(index) if self.offload else None
         if index in self._nvme_units:  # a fresh write buffer: what the step does not write keeps its value
             assert out is not None
             for start, end in state.gaps:
                 out[start:end].copy_(master[start:end])
         out16 = out if out is not None and out.dtype != torch.float32 else None
-        grad, pre_scale = state.gradient()
+        grad, pre_scale = (torch.zeros_like(master), 1.0) if empty else state.gradient()
         # Master, moments read and written, the gradient read, the new shard written.
         self.accel.schedule.work("adam", index, nbytes=master.numel() * (24 + grad.element_size() + (
             out.element_size() if out is not None else 0)), lane=COMPUTE if master.device.type != "cpu" else None)
@@ -500,7 +512,7 @@ class ShardedAdam(torch.optim.Optimizer):
                           grad_scale, out16=out16[s] if out16 is not None else None, threads=self.threads,
                           pre_scale=pre_scale)
             else:
-                _torch_adam(master[s], state.grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
+                _torch_adam(master[s], grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
                             grad_scale)
         if out is None:  # state on the compute device: the shard is written straight away
             self.params.write_device(index, master)
@@ -595,14 +607,15 @@ def _accumulate(state: ShardState, grad: torch.Tensor, scale: float, threads: in
     """Add ``scale`` x grad into the fp32 accumulator (the first gradient of a step overwrites it). Host buffers
     go through the native kernel on offload's threads: a torch op here, on the host queue's thread, would start an
     OpenMP team of its own whose threads spin after each op, beside backward's."""
-    if state.grad.device.type == "cpu" and grad.device.type == "cpu" and grad.is_contiguous():
-        native.accumulate_(state.grad, grad, scale, overwrite=state.phase is ShardPhase.EMPTY, threads=threads)
+    acc = state.accumulator()
+    if acc.device.type == "cpu" and grad.device.type == "cpu" and grad.is_contiguous():
+        native.accumulate_(acc, grad, scale, overwrite=state.phase is ShardPhase.EMPTY, threads=threads)
     elif state.phase is ShardPhase.EMPTY:
-        state.grad.copy_(grad)
+        acc.copy_(grad)
         if scale != 1.0:
-            state.grad.mul_(scale)
+            acc.mul_(scale)
     else:
-        state.grad.add_(grad, alpha=scale)
+        acc.add_(grad, alpha=scale)
     state.phase = ShardPhase.HOLDING
 
 

@@ -24,13 +24,14 @@ from offload.store.param_store import HOST_PARAMS, Home
 from offload.store.param_swap import WRITE_BUFFERS, param_buffer_bytes, place_params, plan_homes
 from offload.store.two_slots import layout
 
-def host_parts(sizes: list[tuple[int, int]], no_copy: set[int], item: int, *, landing: bool = True
-               ) -> dict[str, int]:
-    """Host bytes an offloaded optimizer reserves besides its state, by part: fp32 gradient accumulators,
-    compute-dtype copies of the new shards (not for ``no_copy``: shards homed on NVMe, or read in place), and,
-    with ``landing``, one compute-dtype landing buffer per shard for its gradient (see [Note: gradients land] in
-    offload/optim/sharded.py)."""
-    parts = {"gradient accumulators": 4 * sum(n for _, n in sizes),
+def host_parts(sizes: list[tuple[int, int]], no_copy: set[int], item: int, *, landing: bool = True,
+               accumulators: bool = True) -> dict[str, int]:
+    """Host bytes an offloaded optimizer reserves besides its state, by part: fp32 gradient accumulators (with
+    ``accumulators``: a step of one micro-batch with its state on the host reads gradients where they land
+    instead, see [Note: gradients read where they land] in offload/optim/sharded.py), compute-dtype copies of the
+    new shards (not for ``no_copy``: shards homed on NVMe, or read in place), and, with ``landing``, one
+    compute-dtype landing buffer per shard for its gradient (see [Note: gradients land] there)."""
+    parts = {"gradient accumulators": 4 * sum(n for _, n in sizes) if accumulators else 0,
              "parameter copies": item * sum(n for i, n in sizes if i not in no_copy)}
     if landing:
         parts["gradient landing"] = item * sum(n for _, n in sizes)
@@ -95,8 +96,9 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     if opt.device != "none" and trained_sizes:
         # Read in place, a device home's host copy is the device shard, unless NVMe state keeps copies apart.
         in_place = set() if discrete or opt.device == "nvme" else {i for i, h in homes.items() if h is Home.DEVICE}
+        accumulates = config.gradient_accumulation_steps != 1 or opt.device != "cpu"
         step_buffers = out.step_buffers = host_parts(trained_sizes, {i for i, _ in nvme_params} | in_place, item,
-                                                     landing=discrete)
+                                                     landing=discrete, accumulators=accumulates)
         if host_limit is not None and sum(step_buffers.values()) > host_limit:
             out.problems.append(ConfigError(
                 "offload.budgets.host", f"{host_limit:,} bytes cannot hold this rank's gradient accumulators and "

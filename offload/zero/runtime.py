@@ -219,6 +219,8 @@ class ZeroRuntime:
                 flat.div_(self.grad_predivide)
             if self.stage.all_reduce:
                 shard, work = flat, all_reduce_sum(flat, self.group, async_op=True)
+            elif self.group.world == 1:  # one rank's shard is the whole flat gradient: no copy to make
+                shard, work = flat, None
             else:
                 shard = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
                 work = reduce_scatter(shard, flat, self.group, async_op=True)
