@@ -115,7 +115,7 @@ def test_on_a_cpu_device_the_only_gradients_are_read_where_the_reduction_left_th
     engine.close()
 
 
-def test_a_unit_whose_gradient_lands_twice_adds_the_first_up_before_the_second_comes(monkeypatch):
+def test_a_unit_whose_gradient_lands_again_adds_the_first_up_before_the_next_comes(monkeypatch):
     import offload
     monkeypatch.setenv("OFFLOAD_EMULATED_COPY_DELAY_S", "0.05")
     engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))[0]
@@ -125,9 +125,10 @@ def test_a_unit_whose_gradient_lands_twice_adds_the_first_up_before_the_second_c
     optimizer.last_backward_begins(overlap=False, only=True)
     optimizer.accumulate(index, torch.full((n,), 1.5), 1.0)
     optimizer.accumulate(index, torch.full((n,), 0.25), 0.5)
+    optimizer.accumulate(index, torch.full((n,), 0.5), 0.25)  # and a third is added too, not left in place
     optimizer.drain()
     assert state.landed is None and state.phase is ShardPhase.HOLDING
-    assert torch.equal(state.grad, torch.full((n,), 1.625))
+    assert torch.equal(state.grad, torch.full((n,), 1.75))
     total = sum(native.grad_sq_norm(state.grad[seg.start:seg.end]).sum_sq for seg in state.segments)
     assert sum(part.sum_sq for part in state.norm) == total
     engine.close()

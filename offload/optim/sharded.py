@@ -283,12 +283,13 @@ class ShardedAdam(torch.optim.Optimizer):
         # when the last one's backward begins, and those are neither final nor stepped.
         final, overlap = self._final, self._overlap
         refs = [shard_grad, keep]  # the device gradient lives until its copy (or, read in place, its add) is done
-        again = index in self._sent_in_place  # its first gradient still lies where it landed: add it up first
+        # A unit's second gradient in this backward: its first, left where it landed, is added up first, and every
+        # later one is added (the unit stays in the set until the next last backward).
+        again = index in self._sent_in_place
         in_place = self._in_place and final and not again
         if in_place:
             self._sent_in_place.add(index)
         if again:
-            self._sent_in_place.discard(index)
             self._land.run(lambda: self._materialize(state))
         if self._d2h is None:  # host memory is the device's: the worker reads the reduced shard where it lies
             self._land.run(lambda: self._landed(state, shard_grad, ready, scale, final, overlap, refs, in_place))
