@@ -145,7 +145,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_schedule(args: argparse.Namespace, out: Path) -> int:
     """Record a step's schedule on this CPU, or replay one on a described machine."""
     from offload.bench import replay
-    rates = {k: v for k, v in vars(args).items() if k in _MACHINE_RATES and v is not None}
+    rates = {k: v for k, v in vars(args).items() if k in replay.RATES and v is not None}
     try:
         machine = replay.machine_from(args.machine, rates)
         if args.what == "schedule":
@@ -172,10 +172,6 @@ def _cmd_schedule(args: argparse.Namespace, out: Path) -> int:
         raise UsageError(str(e)) from None
     print(f"wrote {out}")
     return 0
-
-
-_MACHINE_RATES = ("device_tflops", "device_gbps", "h2d_gbps", "d2h_gbps", "host_gbps", "link_gbps",
-                  "hook_forward_us", "hook_backward_us", "hook_step_us")
 
 
 def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
@@ -416,7 +412,8 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
         b.add_argument("--machine", default="h100", help="the described machine's preset (default h100)")
         b.add_argument("--tokens", type=positive_int, default=None,
                        help="tokens per step to replay at (default: as recorded); compute scales with them")
-        for rate in _MACHINE_RATES:
+        from offload.bench.replay import RATES
+        for rate in RATES:
             b.add_argument("--" + rate.replace("_", "-"), dest=rate, type=float, default=None,
                            help=f"override the preset's {rate.replace('_', ' ')}")
 

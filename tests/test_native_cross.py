@@ -21,24 +21,31 @@ def variant_flags(name: str) -> list[str]:
     return match.group(1).split()
 
 
-@pytest.mark.skipif(CXX is None or QEMU is None, reason="needs g++-aarch64-linux-gnu and qemu-user (./dev.sh test "
-                                                         "installs them where apt-get can)")
-def test_neon_kernels_equal_the_portable_ones_under_qemu(tmp_path):
-    common = [CXX, "-std=c++17", "-O3", "-ffp-contract=off", f"-I{ROOT / 'native'}"]
+def build_kernel_check(cxx: str, names: list[str], out: Path, link: list[str]) -> Path:
+    """tests/native/kernel_variants.cpp linked with kernels.cpp built once per variant in ``names`` (the first is
+    "portable"), each with the flags CMakeLists.txt gives it."""
+    common = [cxx, "-std=c++17", "-O3", "-ffp-contract=off", f"-I{ROOT / 'native'}"]
     objects = []
-    for name in ("portable", "neon"):
-        obj = tmp_path / f"{name}.o"
+    for name in names:
+        obj = out / f"{name}.o"
         flags = variant_flags(name) if name != "portable" else []
         subprocess.run([*common, *flags, f"-DOFFLOAD_ISA_NAME={name}", "-c", str(ROOT / "native" / "kernels.cpp"),
                         "-o", str(obj)], check=True)
         objects.append(str(obj))
-    exe = tmp_path / "kernel_variants"
-    subprocess.run([*common, "-DOFFLOAD_HAVE_NEON=1", str(ROOT / "tests" / "native" / "kernel_variants.cpp"),
-                    *objects, "-static", "-o", str(exe)], check=True)
+    exe = out / "kernel_variants"
+    defines = [f"-DOFFLOAD_HAVE_{name.upper()}=1" for name in names[1:]]
+    subprocess.run([*common, *defines, str(ROOT / "tests" / "native" / "kernel_variants.cpp"), *objects, *link,
+                    "-o", str(exe)], check=True)
+    return exe
+
+
+@pytest.mark.skipif(CXX is None or QEMU is None, reason="needs g++-aarch64-linux-gnu and qemu-user (./dev.sh test "
+                                                         "installs them where apt-get can)")
+def test_neon_kernels_equal_the_portable_ones_under_qemu(tmp_path):
+    exe = build_kernel_check(CXX, ["portable", "neon"], tmp_path, ["-static"])
     run = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "ok: 1 variant(s) equal the portable kernels" in run.stdout
-
 
 
 def _cpu_flags() -> set[str]:
@@ -54,20 +61,9 @@ def _cpu_flags() -> set[str]:
 def test_x86_kernels_equal_the_portable_ones(tmp_path):
     """The same check for the x86 variants this CPU runs, built with CMakeLists.txt's flags (the Python tests compare
     each with torch; this compares them with the portable kernels bit for bit, landed gradients included)."""
-    common = ["g++", "-std=c++17", "-O3", "-ffp-contract=off", f"-I{ROOT / 'native'}"]
     names = ["portable", "avx2"] + (["avx512"] if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags()
                                     else [])
-    objects = []
-    for name in names:
-        obj = tmp_path / f"{name}.o"
-        flags = variant_flags(name) if name != "portable" else []
-        subprocess.run([*common, *flags, f"-DOFFLOAD_ISA_NAME={name}", "-c", str(ROOT / "native" / "kernels.cpp"),
-                        "-o", str(obj)], check=True)
-        objects.append(str(obj))
-    exe = tmp_path / "kernel_variants"
-    defines = [f"-DOFFLOAD_HAVE_{name.upper()}=1" for name in names[1:]]
-    subprocess.run([*common, *defines, str(ROOT / "tests" / "native" / "kernel_variants.cpp"), *objects, "-o",
-                    str(exe)], check=True)
+    exe = build_kernel_check("g++", names, tmp_path, [])
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert f"ok: {len(names) - 1} variant(s) equal the portable kernels" in run.stdout

@@ -29,9 +29,6 @@ from typing import Any, TextIO
 
 from offload import schedule as sched
 
-MB = 1e6
-
-
 @dataclass(kw_only=True)
 class Machine:
     """The rates a replay charges work at."""
@@ -73,6 +70,8 @@ class Machine:
 # Adam (155.8M elements in 95 ms at 30 bytes each); FLOP/s so that the model's 3.81 TFLOP a step (torch's FLOP
 # counter, forward and backward) take what plain PyTorch's step took less its fused AdamW (24.3 - 2 ms); HBM at a
 # copy's usual share of its peak; hook costs from `bench hooks` on a 2-core Xeon (the H100's host was not measured).
+RATES = tuple(f.name for f in fields(Machine) if f.name != "name")  # what a command line may override
+
 MACHINES: dict[str, Machine] = {
     "h100": Machine(name="h100", device_tflops=171.0, device_gbps=2500.0, h2d_gbps=53.1, d2h_gbps=54.8,
                     host_gbps=49.0, link_gbps=150.0, hook_forward_us=25.0, hook_backward_us=60.0,
@@ -121,6 +120,7 @@ def replay(data: dict[str, Any], machine: Machine, tokens: int | None = None, fr
                 where[item["record"]] = (lane, i)
     end: dict[str, list[float]] = {lane: [] for lane in lanes}
     cause: dict[tuple[str, int], tuple[str, int] | None] = {}  # what bound each item's start
+    cost: dict[tuple[str, int], float] = {}
     busy: dict[str, float] = defaultdict(float)
     by_kind: dict[str, float] = defaultdict(float)
 
@@ -150,11 +150,11 @@ def replay(data: dict[str, Any], machine: Machine, tokens: int | None = None, fr
                 for dl, di in deps:
                     if end[dl][di] > start:
                         start, bound = end[dl][di], (dl, di)
-                cost = cost_of(item, lane)
-                end[lane].append(start + cost)
+                took = cost[(lane, i)] = cost_of(item, lane)
+                end[lane].append(start + took)
                 cause[(lane, i)] = bound
-                busy[lane] += cost
-                by_kind[item["kind"]] += cost
+                busy[lane] += took
+                by_kind[item["kind"]] += took
                 progressed = True
             if len(end[lane]) == len(items):
                 pending.discard(lane)
@@ -166,11 +166,8 @@ def replay(data: dict[str, Any], machine: Machine, tokens: int | None = None, fr
     critical: dict[str, float] = defaultdict(float)
     point: tuple[str, int] | None = last
     while point is not None:
-        lane, i = point
-        item = lanes[lane][i]
-        cost = cost_of(item, lane)
-        if cost:
-            critical[f"{lane}/{item['kind']}"] += cost
+        if cost[point]:
+            critical[f"{point[0]}/{lanes[point[0]][point[1]]['kind']}"] += cost[point]
         point = cause[point]
     starts = [end[sched.HOST][i] for i, item in enumerate(lanes.get(sched.HOST, ()))
               if item["kind"] == "mark" and item.get("label") == "forward"]
@@ -188,10 +185,9 @@ def machine_from(name: str, overrides: dict[str, float]) -> Machine:
     """A preset with some rates replaced (``overrides``: field -> value)."""
     if name not in MACHINES:
         raise ValueError(f"unknown machine {name!r}; presets: {', '.join(MACHINES)} (override any rate with its flag)")
-    known = {f.name for f in fields(Machine)} - {"name"}
-    bad = set(overrides) - known
+    bad = set(overrides) - set(RATES)
     if bad:
-        raise ValueError(f"unknown machine rate(s) {sorted(bad)}; known: {sorted(known)}")
+        raise ValueError(f"unknown machine rate(s) {sorted(bad)}; known: {sorted(RATES)}")
     values = {**asdict(MACHINES[name]), **overrides}
     for key, value in values.items():
         if key != "name" and not value > 0:

@@ -269,9 +269,10 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def accumulate(self, index: int, shard_grad: torch.Tensor, scale: float, ready: Event | None = None,
                    keep: torch.Tensor | None = None) -> None:
-        """Add ``scale`` x the reduce-scattered gradient shard into unit ``index``'s fp32 accumulator, once
-        ``ready`` (the reduction) completes; ``keep`` (its input) stays referenced until then. Called by backward's
-        hooks: it never blocks the calling thread (see [Note: gradients land])."""
+        """Add ``scale`` x the reduce-scattered gradient shard into unit ``index``'s fp32 accumulator (or, the
+        step's only one, leave it where it lands: see [Note: gradients read where they land]), once ``ready`` (the
+        reduction) completes; ``keep`` (its input) stays referenced until then. Called by backward's hooks: it
+        never blocks the calling thread (see [Note: gradients land])."""
         state = self.shards.get(index)
         if state is None or not self.offload:  # no optimizer state, or the state is on the compute device
             self.accel.compute_wait(ready)
