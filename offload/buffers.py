@@ -24,6 +24,26 @@ class PoolExhausted(RuntimeError):
     """The pool's byte budget is spent; it never grows past it."""
 
 
+class _Mapping(mmap.mmap):
+    """Anonymous memory that gives up its CUDA registration before it is unmapped.
+
+    A registration outlives an unmapping: the next buffer mapped at that address would fail
+    ``cudaHostRegister`` (already registered) and torch's own pinning there would fail too. The
+    tensors made from this mapping keep it alive, so this finalizer runs once the last of them is
+    gone, and before the base type unmaps the pages.
+    """
+
+    registered_at = 0  # the address registered with the driver, 0 when none
+
+    def unregister(self) -> None:
+        address, self.registered_at = self.registered_at, 0
+        if address:
+            torch.cuda.cudart().cudaHostUnregister(address)
+
+    def __del__(self) -> None:
+        self.unregister()
+
+
 class AlignedBuffer:
     """``nbytes`` (rounded up to 4 KiB) of page-aligned host memory, as a uint8 tensor."""
 
@@ -31,7 +51,7 @@ class AlignedBuffer:
         if nbytes <= 0:
             raise ValueError(f"buffer size must be positive, got {nbytes}")
         self.capacity = round_up(nbytes)
-        self._mmap = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._mmap = _Mapping(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if self.capacity >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
             self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
@@ -41,6 +61,7 @@ class AlignedBuffer:
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.capacity, 0)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of {self.capacity} bytes failed (error {int(err)})")
+            self._mmap.registered_at = self.tensor.data_ptr()
             self.pinned = True
 
     @property
@@ -55,9 +76,8 @@ class AlignedBuffer:
         return self.tensor[:nbytes].view(dtype)
 
     def release_pin(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
+        self._mmap.unregister()
+        self.pinned = False
 
 
 @dataclass

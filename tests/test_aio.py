@@ -192,6 +192,46 @@ def test_aligned_buffer_is_page_aligned_and_rounded():
     assert buf.pinned is False or torch.cuda.is_available()
 
 
+class _Driver:
+    """Stands in for the CUDA runtime's host registrations (this machine has no GPU): like the driver, it refuses
+    to register an address range that overlaps one still registered (error 712)."""
+
+    def __init__(self):
+        self.registered: dict[int, int] = {}
+        self.unknown = 0  # unregistrations of addresses not registered
+
+    def cudaHostRegister(self, address, nbytes, flags):
+        if any(a < address + nbytes and address < a + n for a, n in self.registered.items()):
+            return 712
+        self.registered[address] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, address):
+        if self.registered.pop(address, None) is None:
+            self.unknown += 1
+            return 713
+        return 0
+
+
+def test_a_pinned_buffer_gives_its_registration_back_when_its_last_view_is_dropped(monkeypatch):
+    driver = _Driver()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: driver)
+    views = []
+    for _ in range(8):  # freed mappings are reused at the same addresses: a stale registration would fail one
+        buf = AlignedBuffer(3 * 4096, pin=True)
+        views.append(buf.view(torch.float32, 10))
+        assert buf.pinned and buf.address in driver.registered
+        del buf
+        assert len(driver.registered) == 1  # the view keeps the pages mapped, so they stay registered
+        views.clear()
+        assert driver.registered == {}
+    released = AlignedBuffer(4096, pin=True)
+    released.release_pin()
+    assert driver.registered == {} and not released.pinned
+    del released
+    assert driver.unknown == 0  # given back once, not twice
+
+
 def test_pool_never_grows_past_its_budget_and_says_so():
     pool = BufferPool(3 * 4096, name="test pool")
     a, b = pool.acquire(4096), pool.acquire(8000)

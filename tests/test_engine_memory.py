@@ -102,7 +102,7 @@ def _plan_and_measure(rank, world, stage, optimizer, params):
     config["zero_optimization"]["offload_optimizer"] = {"device": optimizer}
     if params != "none":
         config["zero_optimization"]["offload_param"] = {"device": params}
-    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config, device="cpu")
     measured = engine.memory.device_parts()
     engine.close()
     return measured

@@ -200,11 +200,11 @@ def _rss_of_training(rank, world, path):
     with offload.zero.Init():
         model = GPT(GPTConfig(vocab_size=512, context=32, hidden_size=512, layers=12, heads=8))
     plan = estimate(model_units(model, Config.load(config).resolve(world_size=1)), Config.load(config), 1,
-                    discrete=False)  # trained on this CPU
+                    discrete=False)  # trained on the CPU (a GPU's landing buffers would count against the host)
     config["offload"]["budgets"] = {"host": plan.total("host")}  # what the plan needs: no optimizer state fits
     before = rss_anon()  # memory the process allocated: file-backed pages come and go with the page cache
     with AnonPeak() as watch:
-        engine, *_ = offload.initialize(model=model, config=config)
+        engine, *_ = offload.initialize(model=model, config=config, device="cpu")
         gen = torch.Generator().manual_seed(0)
         for _ in range(3):
             tokens = torch.randint(0, 512, (2, 33), generator=gen)

@@ -83,7 +83,7 @@ def test_a_closed_stage_2_engine_leaves_the_trained_values_in_the_model():
     state = engine.full_state_dict()
     engine.close()
     for key, value in model.state_dict().items():
-        torch.testing.assert_close(value, state[key])
+        torch.testing.assert_close(value.cpu(), state[key].cpu())  # on a GPU the model stays there
 
 
 def test_the_shipped_zero_offload_config_trains():

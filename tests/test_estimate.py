@@ -26,8 +26,8 @@ def placement(tmp_path, params, optimizer, host=None, world=1):
 
 def _describe(world, config, discrete=False):
     """The engine's own account; ``discrete``: on a device with memory of its own, as a GPU run's plan is."""
-    if world == 1 and not discrete:  # in this process: cheaper than spawning a rank
-        return describe_engine(0, 1, config)
+    if world == 1 and not discrete:  # in this process: cheaper than spawning a rank; on the CPU, also where a GPU is
+        return describe_engine(0, 1, config, device="cpu")
     env = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"} if discrete else None
     return run_ranks(describe_engine, world, env=env, config=config)[0]
 

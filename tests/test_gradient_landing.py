@@ -40,8 +40,8 @@ def test_landed_gradients_train_bitwise_as_gradients_read_in_place(world, accum,
 
 def test_the_norm_taken_as_gradients_land_is_bitwise_a_pass_after_backward(monkeypatch):
     import offload
-    monkeypatch.setenv("OFFLOAD_EMULATED_COPY_DELAY_S", "0.002")
-    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 2, 1, clip=0.5))[0]
+    monkeypatch.setenv("OFFLOAD_EMULATED_COPY_DELAY_S", "0.002")  # the CPU's emulated discrete device
+    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 2, 1, clip=0.5), device="cpu")[0]
     first, last = batches(2, 2)
     engine.backward(loss_of(engine, "gpt", first))
     engine.step()  # between micro-batches: nothing
@@ -102,7 +102,7 @@ def test_the_only_micro_batchs_gradients_stay_where_they_landed(monkeypatch, acc
 
 def test_on_a_cpu_device_the_only_gradients_are_read_where_the_reduction_left_them():
     import offload
-    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1, clip=0.5))[0]
+    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1, clip=0.5), device="cpu")[0]
     assert engine.accel.host_is_device
     for step, rows in enumerate(batches(2, 2)):
         engine.backward(loss_of(engine, "gpt", rows))

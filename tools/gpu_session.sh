@@ -29,19 +29,23 @@ stage() {  # name, command...: run one stage, log it, never stop the others
   tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 
-wheels() {  # here: liburing (built from its sdist: the 2026 wheels need AVX-512), dynamic-import, and DeepSpeed
-  # (pure Python without its ops) with the requirements it has beside torch
+wheels() {  # here: what the lent machine (Python 3.12, no network) lacks. liburing 2024.5.3 has no binary wheels
+  # (the 2026 ones die on AVX2-only CPUs), so its sdist travels and builds there (Cython and setuptools are in its
+  # image); DeepSpeed as a pure-Python wheel without its ops; its requirements that image lacks, as 3.12 wheels.
   rm -rf .whl && mkdir -p .whl &&
-  $PY -m pip wheel -q --no-deps -w .whl "liburing==2024.5.3" dynamic-import &&
+  $PY -m pip download -q --no-deps --no-binary=:all: -d .whl "liburing==2024.5.3" &&
+  $PY -m pip wheel -q --no-deps -w .whl dynamic-import &&
   DS_BUILD_OPS=0 $PY -m pip wheel -q --no-deps -w .whl "${DEEPSPEED_SPEC:-deepspeed==0.19.8}" &&
-  $PY -m pip wheel -q -w .whl einops hjson msgpack ninja py-cpuinfo "pydantic>=2" tqdm &&
+  $PY -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl hjson "pydantic>=2" &&
   du -sh .whl && ls .whl
 }
 
 install() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-  $PY -m pip install -q --no-index --no-build-isolation --no-deps .whl/liburing-* .whl/dynamic_import-* &&
+  $PY -m pip install -q --no-index --no-build-isolation --no-deps .whl/liburing-*.tar.gz .whl/dynamic_import-* &&
   $PY -m pip install -q --no-index --no-build-isolation --no-deps -e . &&
   $PY -c "import offload, offload._native as n; from offload.aio import probe_io_uring; print('native', offload.native.active_variant()); print(probe_io_uring())" &&
   if ls .whl/deepspeed-* >/dev/null 2>&1; then
