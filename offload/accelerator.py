@@ -419,6 +419,10 @@ class Accelerator:
         self._host_buffers.append(buf)
         return buf.view(dtype, numel), buf
 
+    def free_bytes(self) -> int | None:
+        """Device memory free now (None on a CPU device, emulated or not: nothing bounds it but the host)."""
+        return torch.cuda.mem_get_info(self.device)[0] if self.is_cuda else None
+
     def memory_stats(self) -> MemoryStats:
         if self.is_cuda:
             return MemoryStats(torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device),

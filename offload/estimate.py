@@ -116,10 +116,12 @@ def add_activations(est: Estimate, shape: ActivationShape, config: Config) -> No
 
 
 def estimate(unit_numels: list[int], config: Config, world: int,
-             activations: ActivationShape | None = None, *, discrete: bool = True) -> Estimate:
+             activations: ActivationShape | None = None, *, discrete: bool = True,
+             device_free: int | None = None) -> Estimate:
     """Bytes per tier of one rank for a model whose units hold ``unit_numels`` elements (all trained);
     activations too when their shape is given. ``discrete``: trained on a GPU (the default), not on a CPU compute
-    device, whose engine reads host memory in place and so reserves less (see ``plan``)."""
+    device, whose engine reads host memory in place and so reserves less; ``device_free``: the device memory free
+    at start, which bounds the gradient accumulators kept there without a device budget (see ``plan``)."""
     zero = config.zero_optimization
     stage = Stage(zero.stage)
     item = compute_bytes(config)
@@ -130,7 +132,8 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     param_dev = zero.offload_param.device
     placement = plan(sizes, {i for i, _ in sizes}, config, item, parts=parts,  # the engine's own plan
                      resident_params=stage.resident_params,
-                     whole_grads=0 if stage.reduce_every_micro_batch else est.params, discrete=discrete)
+                     whole_grads=0 if stage.reduce_every_micro_batch else est.params, discrete=discrete,
+                     device_free=device_free)
     device.update(placement.device)
     if not stage.resident_params:
         largest_unit = max((n * parts for _, n in sizes), default=0)
@@ -240,8 +243,9 @@ def largest_trainable(base: dict[str, Any], machine: Machine, world: int = 1) ->
         raw = choice_config(base, choice, machine.nvme_path)
         config = Config.load(raw).resolve(world_size=world)
         small, large = 10**9, 4 * 10**9  # both past the point where the NVMe buffers stop growing
-        a, b = (estimate(synthetic_units(n, config), config, world, discrete=machine.device_bytes is not None)
-                for n in (small, large))
+        # Models this large leave the device no room for gradient accumulators: they accumulate on the host.
+        a, b = (estimate(synthetic_units(n, config), config, world, discrete=machine.device_bytes is not None,
+                         device_free=0) for n in (small, large))
         caps = {"host": machine.host_bytes, "nvme": machine.nvme_bytes}
         if machine.device_bytes is not None:
             caps["device"] = machine.device_bytes

@@ -201,7 +201,8 @@ def _check_fits(args: TrainArgs, vocab: int, config: dict[str, Any]) -> None:
         cfg = Config.load(config).resolve(world_size=world, hidden_size=hidden_size_of(model))
     except ConfigError as e:
         raise TrainError(f"the config cannot run here: {e}") from e
-    est = estimate(model_units(model, cfg), cfg, world, discrete=torch.cuda.is_available())
+    est = estimate(model_units(model, cfg), cfg, world, discrete=torch.cuda.is_available(),
+                   device_free=torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None)
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     need = ranks_here * (est.total("host") + (0 if torch.cuda.is_available() else est.total("device"))
                          + (0 if unit_by_unit else 4 * params))

@@ -31,3 +31,19 @@ def test_master_state_lives_in_pinned_host_memory():
     assert engine.params.host_copy(state.index) is not None
     assert engine.params.host_copy(state.index).is_pinned()
     engine.close()
+
+
+def test_gradients_summed_on_the_gpu_train_bitwise_as_summed_on_the_host():
+    """[Note: gradients accumulated on the device]: torch's kernels round the sum as the native kernel does (a
+    product, then a fused multiply-add), so the fp32 sum brought over once equals the host's, bit for bit."""
+    config = base_config(2, 3, 1, clip=0.5)
+    config["bf16"] = {"enabled": True}
+    host = {**config, "offload": {**config["offload"], "accumulate_on_device": False}}
+    on_gpu = train_engine(0, 1, name="gpt", config=config, steps=3, micro=2, accum=3)
+    on_host = train_engine(0, 1, name="gpt", config=host, steps=3, micro=2, accum=3)
+    assert on_gpu["losses"] == on_host["losses"]
+    for key, value in on_host["state"].items():
+        assert torch.equal(on_gpu["state"][key], value), key
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    assert engine.memory_summary()["device"]["gradient accumulators"] > 0
+    engine.close()

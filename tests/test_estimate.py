@@ -134,3 +134,14 @@ def test_nvme_placement_is_said_and_the_nvme_budget_checked(tmp_path, caplog):
     assert any(n.startswith("over offload.budgets.nvme") for n in est.notes)
     with pytest.raises(offload.ConfigError, match="offload.budgets.nvme: .* bytes cannot hold"):
         offload.initialize(model=make_model("gpt"), config=raw)
+
+
+def test_with_gradient_accumulation_on_a_gpu_the_estimate_puts_the_sums_on_the_device_as_the_engine_does():
+    raw = base_config(2, 2, 2, offload_param={"device": "cpu"})
+    measured = _describe(2, raw, discrete=True)["memory"]
+    config = Config.load(raw).resolve(world_size=2)
+    est = estimate(model_units(make_model("gpt"), config), config, 2, discrete=True)
+    assert est.tiers["device"]["gradient accumulators"] == measured["device"]["gradient accumulators"] > 0
+    parts = {k: v for k, v in measured["host"].items() if k not in ("total", "peak", "budget")}
+    assert est.tiers["host"] == parts and "gradient accumulators" not in parts  # fp32 landing buffers instead
+    assert parts["gradient landing"] == measured["device"]["gradient accumulators"]

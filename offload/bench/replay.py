@@ -65,16 +65,17 @@ class Machine:
         return 0.0
 
 
-# One H100 80GB HBM3 (PCIe Gen5 host), 2026-11-22 (docs/performance.md), for the 155.8M GPT of that run (12 x 1024,
-# vocabulary 4096, seq 512, micro-batch 8, bf16): PCIe as `bench pcie` measured it; host GB/s from that run's CPU
-# Adam (155.8M elements in 95 ms at 30 bytes each); FLOP/s so that the model's 3.81 TFLOP a step (torch's FLOP
-# counter, forward and backward) take what plain PyTorch's step took less its fused AdamW (24.3 - 2 ms); HBM at a
-# copy's usual share of its peak; hook costs from `bench hooks` on a 2-core Xeon (the H100's host was not measured).
+# One H100 80GB HBM3 (PCIe Gen5 host) (docs/performance.md), for the 155.8M GPT of its runs (12 x 1024, vocabulary
+# 4096, seq 512, micro-batch 8, bf16): PCIe as `bench pcie` measured it; host GB/s as `bench adam` measured the
+# Adam-shaped traffic there on 2026-11-24 (the 2026-11-22 step's Adam, 95 ms, ran at 49); FLOP/s so that the
+# model's 3.81 TFLOP a step (torch's FLOP counter, forward and backward) take what plain PyTorch's step took less
+# its fused AdamW (24.3 - 2 ms); HBM at a copy's usual share of its peak; hook costs from `bench hooks` on a 2-core
+# Xeon (the H100's host was not measured).
 RATES = tuple(f.name for f in fields(Machine) if f.name != "name")  # what a command line may override
 
 MACHINES: dict[str, Machine] = {
     "h100": Machine(name="h100", device_tflops=171.0, device_gbps=2500.0, h2d_gbps=53.1, d2h_gbps=54.8,
-                    host_gbps=49.0, link_gbps=150.0, hook_forward_us=25.0, hook_backward_us=60.0,
+                    host_gbps=135.0, link_gbps=150.0, hook_forward_us=25.0, hook_backward_us=60.0,
                     hook_step_us=10.0),
 }
 

@@ -479,6 +479,12 @@ class OffloadExtConfig:
                                       "and the optimizer state and parameters off NVMe); off: the step finishes "
                                       "before step() returns; auto: on where the compute device is a GPU.",
                               choices=("auto", "on", "off"))
+    accumulate_on_device: bool = setting(True, "With gradient accumulation and the optimizer offloaded, keep each "
+                                               "unit's fp32 gradient sum on the device while room allows (the device "
+                                               "budget, or half the memory free at start, after the resident state "
+                                               "and gathers) and bring it over once per step; false: add every "
+                                               "micro-batch's gradient up on the host, leaving that device memory to "
+                                               "activations.")
     checkpoint_blocks: bool = setting(False, "Checkpoint every transformer block (its _no_split_modules, or the "
                                              "repeated modules of its longest ModuleList): forward keeps only each "
                                              "block's input, backward recomputes the block (activation_checkpointing "

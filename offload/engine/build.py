@@ -120,7 +120,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
             s.numel for p in plans for s in p.slots if s.param.requires_grad)
         placement = plan_placement(shard_sizes, trained, config, compute_dtype.itemsize, parts=parts,
                                    resident_params=stage.resident_params, whole_grads=whole_grads,
-                                   discrete=not accel.host_is_device)
+                                   discrete=not accel.host_is_device, device_free=accel.free_bytes())
         nvme_params = placement.nvme_params
         if zero.offload_param.device == "nvme":
             logger.info("rank %d: %s", group.rank, describe_placement(shard_sizes, nvme_params, zero.offload_param))
@@ -139,6 +139,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
             plan=StatePlan(device=zero.offload_optimizer.device, groups=placement.groups,
                            step_buffers=placement.step_buffers,
                            buffer_count=zero.offload_optimizer.buffer_count, host=host_budget, nvme=nvme_budget,
+                           device_accumulated=placement.device_accumulated,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))
         units = [_shard_unit(model, plan, partition, group, stage, accel, compute_dtype, params, optimizer,

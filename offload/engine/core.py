@@ -172,6 +172,7 @@ class Engine:
                 raise errors.unused_parameters(self.group.rank, unused)
         self.runtime.got_grad.clear()
         self.activations.discard()  # inputs saved by a forward whose backward never ran
+        self.optimizer.send_held()  # device-accumulated sums the last micro-batch did not send
         with self.telemetry.span("grad_wait"):
             self.optimizer.drain()
         sum_sq, nonfinite = self._global_grad_sq_norm()

@@ -36,7 +36,7 @@ class MemoryAccount:
     def device_parts(self) -> dict[str, int]:
         """What stays on the device between uses: parameters (stage 3: this rank's shards), the whole gradients
         stages 0-1 keep in .grad until the last micro-batch, and the optimizer state and fp32 gradient
-        accumulators when the optimizer is not offloaded."""
+        accumulators when the optimizer is not offloaded (when it is, the accumulators placed on the device)."""
         parts = {"parameters" if self.stage.resident_params else "shards": sum(
             u.full.numel() * u.full.element_size() if u.resident else self.params.device_nbytes(u.index)
             for u in self.units)}
@@ -46,6 +46,9 @@ class MemoryAccount:
         if not self.optimizer.offload:
             parts["optimizer state"] = sum(g.nbytes for g in self.optimizer.store.groups)
             parts["gradient accumulators"] = sum(st.grad.numel() * 4 for st in self.optimizer.shards.values())
+        elif on_device := sum(st.on_device.numel() * 4 for st in self.optimizer.shards.values()
+                              if st.on_device is not None):
+            parts["gradient accumulators"] = on_device  # an offloaded optimizer's, with gradient accumulation
         return parts
 
     def device_resident_bytes(self) -> int:

@@ -34,6 +34,20 @@ added into its accumulator before the second is copied in. The fp32 accumulators
 on first use, so a run that never accumulates never holds them (4 bytes per element of host
 memory; they are plain memory: no copy engine reads them).
 
+[Note: gradients accumulated on the device] With several micro-batches per step on a GPU,
+adding each 16-bit gradient into a host accumulator costs a D2H copy per micro-batch and
+a pass of the landing worker over 10 bytes per element (the 1.3B run on the H100 spent
+621 ms a step there, 422 ms of it waited for by the step). A unit the placement plan
+gives a device accumulator (offload/store/placement.py: as many as the device's room
+allows, in unit order; the rest stay on the host) adds each micro-batch's reduced shard
+into an fp32 buffer on the compute stream instead, after the reduction and after the
+last step's copy of that buffer has read it. On the last micro-batch the sum goes down
+once, in fp32, into the unit's fp32 landing buffer, and the landing worker treats it as
+a gradient read where it lands with factor 1 (its norm, then Adam). The arithmetic is
+the native kernel's (scale x gradient, then a fused multiply-add) done by torch's
+kernels, which round the same way; a unit that got no gradient in the last micro-batch
+sends its sum when the step begins (``send_held``).
+
 [Note: overlapped step] When nothing global gates the update (no clipping, no fp16
 overflow check) the last micro-batch's backward runs each host-resident shard's Adam on
 the landing worker right after its gradient lands, while backward goes on with earlier
@@ -144,6 +158,11 @@ class ShardState:
     # land]); None while the accumulator holds the gradient.
     landed: torch.Tensor | None = None
     landed_scale: float = 1.0
+    # The fp32 accumulator on the compute device (see [Note: gradients accumulated on the device]), and whether it
+    # holds this step's gradients so far (the training thread's flag: the next add overwrites it when not).
+    on_device: torch.Tensor | None = None
+    device_holds: bool = False
+    added: Event | None = None  # the last add into ``on_device`` (re-recorded)
 
     def gradient(self) -> tuple[torch.Tensor, float]:
         """The gradient the step reads, and the factor to read it with (a shard that holds one: not EMPTY)."""
@@ -177,6 +196,7 @@ class StatePlan:
     nvme: TierBudget = field(default_factory=lambda: TierBudget("nvme", None))
     swap: tuple[SwapDir, Engine] | None = None
     rank: int = 0
+    device_accumulated: frozenset[int] = frozenset()  # units with an fp32 accumulator on the compute device
 
 
 class ShardedAdam(torch.optim.Optimizer):
@@ -209,6 +229,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self._final = False  # the gradients now landing are the last micro-batch's: their norm is taken as they land
         self._in_place = False  # ... and each unit's only one: read where it lands (see [Note: gradients read ...])
         self._sent_in_place: set[int] = set()  # units whose gradient this backward left in its landing buffer
+        self._on_device = plan.device_accumulated if self._d2h is not None else frozenset()
+        self._held: set[int] = set()  # device-accumulated units holding gradients not yet sent down
         self.deferred_copies = 0  # gradients that found their landing buffer busy (the worker copied them)
         self._compute_done: Event | None = None  # where the step orders copies after compute (re-recorded)
         self._overlap: tuple[set[int], list[AdamHyper], int] | None = None  # units, hyperparameters, step
@@ -238,12 +260,17 @@ class ShardedAdam(torch.optim.Optimizer):
         """Own unit ``index``'s optimizer state; ``master`` is its fp32 shard (host). Units arrive in order."""
         n = master.numel()
         landing, grad = None, None  # an offloaded shard's accumulator: made on first use
+        on_device = None
         if self.offload:
-            if self._d2h is not None:
+            if index in self._on_device:  # the sum comes down once, in fp32
+                landing = self._host_tensor(n, torch.float32)
+                on_device = torch.empty(n, dtype=torch.float32, device=self.accel.device)
+            elif self._d2h is not None:
                 landing = self._host_tensor(n, self.compute_dtype)
         else:
             grad = torch.zeros(n, dtype=torch.float32, device=self.accel.device)
-        self.shards[index] = ShardState(index, name, grad, segments, _gaps(segments, n), numel=n, landing=landing)
+        self.shards[index] = ShardState(index, name, grad, segments, _gaps(segments, n), numel=n, landing=landing,
+                                        on_device=on_device)
         self.store.init_member(index, master)
 
     def master_of(self, index: int) -> torch.Tensor:
@@ -283,6 +310,11 @@ class ShardedAdam(torch.optim.Optimizer):
         # Decided now, on the calling thread: the worker may still be adding an earlier micro-batch's gradients
         # when the last one's backward begins, and those are neither final nor stepped.
         final, overlap = self._final, self._overlap
+        if state.on_device is not None:
+            self._add_on_device(state, shard_grad, scale, ready)
+            if final:
+                self._send_sum(state, overlap)
+            return
         refs = [shard_grad, keep]  # the device gradient lives until its copy (or, read in place, its add) is done
         # A unit's second gradient in this backward: its first, left where it landed, is added up first, and every
         # later one is added (the unit stays in the set until the next last backward).
@@ -306,6 +338,42 @@ class ShardedAdam(torch.optim.Optimizer):
                                                     scale, final, overlap, refs, in_place))
             self.telemetry.add_bytes("d2h", shard_grad.numel() * shard_grad.element_size())
         state.free = self._land.record(into=state.free)
+
+    def _add_on_device(self, state: ShardState, shard_grad: torch.Tensor, scale: float, ready: Event | None) -> None:
+        """On the compute stream, after the reduction and after the last sum's copy down read the accumulator."""
+        assert state.on_device is not None
+        self.accel.compute_wait(ready)
+        self.accel.compute_wait(state.copied)
+        add_into(state.on_device[:shard_grad.numel()], shard_grad, scale, overwrite=not state.device_holds,
+                 threads=self.threads)
+        state.device_holds = True
+        state.added = self.accel.compute_event(into=state.added)
+        self._held.add(state.index)
+
+    def _send_sum(self, state: ShardState, overlap: tuple[set[int], list[AdamHyper], int] | None) -> None:
+        """The device accumulator's sum goes down in fp32, and the landing worker reads it where it lands (see
+        [Note: gradients accumulated on the device])."""
+        assert self._land is not None and state.on_device is not None and state.landing is not None
+        self._held.discard(state.index)
+        if not state.free.query():  # the worker still reads what landed here before (a second sum this backward)
+            self.accel.wait(state.free, "a device-accumulated gradient's landing buffer")
+        copied = self._copy_down(state, state.landing, state.on_device, state.added)
+        refs: list[Any] = []
+        self._land.run(lambda: self._landed(state, state.landing, copied, 1.0, True, overlap, refs, in_place=True))
+        state.free = self._land.record(into=state.free)
+        self.telemetry.add_bytes("d2h", state.on_device.numel() * 4)
+
+    def send_held(self) -> None:
+        """Device-accumulated units that got no gradient in the last micro-batch send their sums now (the step
+        begins)."""
+        for index in sorted(self._held):
+            self._send_sum(self.shards[index], None)
+
+    def _end_accumulation(self) -> None:
+        """On the training thread: the next gradient of every device accumulator starts a new sum."""
+        self._held.clear()
+        for index in self._on_device:
+            self.shards[index].device_holds = False
 
     def _copy_down(self, state: ShardState, landing: torch.Tensor, shard_grad: torch.Tensor, ready: Event | None
                    ) -> Event:
@@ -381,6 +449,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._nvme_error = None
         self._final = self._in_place = False
         self._sent_in_place.clear()
+        self._end_accumulation()
         for state in self.shards.values():
             if state.phase is ShardPhase.HOLDING:
                 state.empty()
@@ -448,6 +517,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.adam_steps = step
         self._overlap = None
         self._final = self._in_place = False
+        self._end_accumulation()
         for index, state in self.shards.items():
             self.accel.schedule.work("hook_step", index)
             if self.offload and state.phase is not ShardPhase.STEPPED:
@@ -482,6 +552,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.adam_steps = step
         self._overlap = None
         self._final = self._in_place = False
+        self._end_accumulation()
 
     def _step_early(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
                     hypers: list[AdamHyper], grad_scale: float, after: Event) -> None:
@@ -606,19 +677,23 @@ def _gaps(segments: list[Segment], n: int) -> list[tuple[int, int]]:
 
 
 def _accumulate(state: ShardState, grad: torch.Tensor, scale: float, threads: int | None) -> None:
-    """Add ``scale`` x grad into the fp32 accumulator (the first gradient of a step overwrites it). Host buffers
-    go through the native kernel on offload's threads: a torch op here, on the host queue's thread, would start an
-    OpenMP team of its own whose threads spin after each op, beside backward's."""
-    acc = state.accumulator()
+    """Add ``scale`` x grad into the fp32 accumulator (the first gradient of a step overwrites it)."""
+    add_into(state.accumulator(), grad, scale, overwrite=state.phase is ShardPhase.EMPTY, threads=threads)
+    state.phase = ShardPhase.HOLDING
+
+
+def add_into(acc: torch.Tensor, grad: torch.Tensor, scale: float, *, overwrite: bool, threads: int | None) -> None:
+    """acc = scale x grad (``overwrite``) or acc += scale x grad, rounded as the native kernel rounds (a product,
+    then a fused multiply-add). Host buffers go through that kernel on offload's threads: a torch op on a host
+    queue's thread would start an OpenMP team of its own whose threads spin after each op, beside backward's."""
     if acc.device.type == "cpu" and grad.device.type == "cpu" and grad.is_contiguous():
-        native.accumulate_(acc, grad, scale, overwrite=state.phase is ShardPhase.EMPTY, threads=threads)
-    elif state.phase is ShardPhase.EMPTY:
+        native.accumulate_(acc, grad, scale, overwrite=overwrite, threads=threads)
+    elif overwrite:
         acc.copy_(grad)
         if scale != 1.0:
             acc.mul_(scale)
     else:
         acc.add_(grad, alpha=scale)
-    state.phase = ShardPhase.HOLDING
 
 
 def _torch_adam(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, h: AdamHyper,

@@ -25,16 +25,18 @@ from offload.store.param_swap import WRITE_BUFFERS, param_buffer_bytes, place_pa
 from offload.store.two_slots import layout
 
 def host_parts(sizes: list[tuple[int, int]], no_copy: set[int], item: int, *, landing: bool = True,
-               accumulators: bool = True) -> dict[str, int]:
+               accumulators: bool = True, on_device: frozenset[int] | set[int] = frozenset()) -> dict[str, int]:
     """Host bytes an offloaded optimizer reserves besides its state, by part: fp32 gradient accumulators (with
     ``accumulators``: a step of one micro-batch with its state on the host reads gradients where they land
-    instead, see [Note: gradients read where they land] in offload/optim/sharded.py), compute-dtype copies of the
-    new shards (not for ``no_copy``: shards homed on NVMe, or read in place), and, with ``landing``, one
-    compute-dtype landing buffer per shard for its gradient (see [Note: gradients land] there)."""
-    parts = {"gradient accumulators": 4 * sum(n for _, n in sizes) if accumulators else 0,
+    instead, see [Note: gradients read where they land] in offload/optim/sharded.py; none for the units
+    accumulated ``on_device``), compute-dtype copies of the new shards (not for ``no_copy``: shards homed on NVMe,
+    or read in place), and, with ``landing``, one landing buffer per shard for its gradient (see [Note: gradients
+    land] there): compute dtype, or fp32 for a unit whose accumulated sum comes over once (see [Note: gradients
+    accumulated on the device] there)."""
+    parts = {"gradient accumulators": 4 * sum(n for i, n in sizes if i not in on_device) if accumulators else 0,
              "parameter copies": item * sum(n for i, n in sizes if i not in no_copy)}
     if landing:
-        parts["gradient landing"] = item * sum(n for _, n in sizes)
+        parts["gradient landing"] = sum((4 if i in on_device else item) * n for i, n in sizes)
     return {what: n for what, n in parts.items() if n}
 
 
@@ -49,6 +51,7 @@ class Placement:
     nvme: dict[str, int] = field(default_factory=dict)
     device: dict[str, int] = field(default_factory=dict)  # bytes kept on the device between uses, by part
     gather_room: int | None = None  # elements the device budget leaves for gathered units (None: no budget)
+    device_accumulated: frozenset[int] = frozenset()  # units whose fp32 gradient accumulator is on the device
     problems: list[ConfigError] = field(default_factory=list)  # in the order start-up meets them
 
     def check(self) -> None:
@@ -58,15 +61,17 @@ class Placement:
 
 
 def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, item: int, *, parts: int = 1,
-         resident_params: bool = False, whole_grads: int = 0, discrete: bool = True) -> Placement:
+         resident_params: bool = False, whole_grads: int = 0, discrete: bool = True,
+         device_free: int | None = None) -> Placement:
     """The placement of one rank's units (``shard_sizes``: (unit, shard elements) in unit order; ``trained``:
     the units the optimizer steps) under ``config``, whose compute dtype has ``item`` bytes. The ZeRO stage's
     part: each unit is split in ``parts``; ``resident_params``, every unit stays whole on the device (stages 0-2);
     ``whole_grads``, elements of gradient kept whole in ``.grad`` until the last micro-batch (stages 0-1).
     ``discrete``: the compute device has memory of its own (a GPU); a CPU device reads host memory in place, so
     gradients need no landing buffers and device-homed shards no host copies (see [Note: host memory is the
-    device's] in offload/store/param_store.py). Raises only for a setting that no budget could fix
-    (offload_param.buffer_size below a shard)."""
+    device's] in offload/store/param_store.py). ``device_free``: bytes free on the device at start, which bound
+    the gradient accumulators kept there when no device budget is set (None: no bound). Raises only for a
+    setting that no budget could fix (offload_param.buffer_size below a shard)."""
     zero = config.zero_optimization
     host_limit, nvme_limit = config.offload.budgets.host, config.offload.budgets.nvme
     param, opt = zero.offload_param, zero.offload_optimizer
@@ -75,6 +80,10 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     homes = {i: off_device for i, _ in shard_sizes} | {i: Home.NVME for i, _ in nvme_params}
     trained_sizes = [(i, n) for i, n in shard_sizes if i in trained]
     out = Placement(homes, nvme_params, plan_sub_groups(trained_sizes, int(zero.sub_group_size)), False)
+    _plan_device_resident(out, shard_sizes, trained_sizes, config, item, parts, resident_params, whole_grads)
+    if (opt.device != "none" and discrete and (config.gradient_accumulation_steps or 1) > 1 and not whole_grads
+            and config.offload.accumulate_on_device):
+        _plan_device_accumulators(out, shard_sizes, trained_sizes, config, item, parts, device_free)
 
     if nvme_params:
         shards, file_bytes = plan_homes(nvme_params, item)
@@ -98,7 +107,8 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         in_place = set() if discrete or opt.device == "nvme" else {i for i, h in homes.items() if h is Home.DEVICE}
         accumulates = config.gradient_accumulation_steps != 1 or opt.device != "cpu"
         step_buffers = out.step_buffers = host_parts(trained_sizes, {i for i, _ in nvme_params} | in_place, item,
-                                                     landing=discrete, accumulators=accumulates)
+                                                     landing=discrete, accumulators=accumulates,
+                                                     on_device=out.device_accumulated)
         if host_limit is not None and sum(step_buffers.values()) > host_limit:
             out.problems.append(ConfigError(
                 "offload.budgets.host", f"{host_limit:,} bytes cannot hold this rank's gradient accumulators and "
@@ -115,7 +125,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     if out.placed:
         _plan_optimizer_state(out, nvme_limit, opt.buffer_count)
     _plan_host_params(out, shard_sizes, trained if opt.device != "none" else set(), item, host_limit)
-    _plan_device(out, shard_sizes, trained_sizes, config, item, parts, resident_params, whole_grads)
+    _check_device(out, shard_sizes, config, item, parts, resident_params)
     return out
 
 
@@ -155,9 +165,9 @@ def _plan_host_params(out: Placement, shard_sizes: list[tuple[int, int]], steppe
     out.host[HOST_PARAMS] = own
 
 
-def _plan_device(out: Placement, shard_sizes: list[tuple[int, int]], trained_sizes: list[tuple[int, int]],
-                 config: Any, item: int, parts: int, resident_params: bool, whole_grads: int) -> None:
-    """What stays on the device between uses, and the device budget's room for gathers."""
+def _plan_device_resident(out: Placement, shard_sizes: list[tuple[int, int]], trained_sizes: list[tuple[int, int]],
+                          config: Any, item: int, parts: int, resident_params: bool, whole_grads: int) -> None:
+    """What stays on the device between uses, gradient accumulators of an offloaded optimizer aside."""
     offloaded = config.zero_optimization.offload_optimizer.device != "none"
     if resident_params:
         out.device["parameters"] = item * parts * sum(n for _, n in shard_sizes)
@@ -168,6 +178,40 @@ def _plan_device(out: Placement, shard_sizes: list[tuple[int, int]], trained_siz
     if not offloaded and trained_sizes:
         out.device["optimizer state"] = sum(g.nbytes for g in out.groups)
         out.device["gradient accumulators"] = 4 * sum(n for _, n in trained_sizes)
+
+
+def _plan_device_accumulators(out: Placement, shard_sizes: list[tuple[int, int]],
+                              trained_sizes: list[tuple[int, int]], config: Any, item: int, parts: int,
+                              device_free: int | None) -> None:
+    """With gradient accumulation, an offloaded optimizer's fp32 accumulators go on the device, in unit order,
+    as far as room allows: the device budget less the resident state and the gathers (twice the largest unit
+    and a prefetch bucket), or without a budget half of what was free at start less those (the rest is the
+    activations'). The other units accumulate on the host (see [Note: gradients accumulated on the device] in
+    offload/optim/sharded.py)."""
+    budget = config.offload.budgets.device
+    room = None
+    if budget is not None or device_free is not None:
+        # Two units may be gathered at once besides the prefetched ones (a tied embedding stays through backward).
+        bucket = int(config.zero_optimization.stage3_prefetch_bucket_size)
+        gathers = 2 * max(n for _, n in shard_sizes) * parts + bucket
+        taken = sum(out.device.values()) + gathers * item
+        room = budget - taken if budget is not None else (device_free - taken) // 2
+    chosen: set[int] = set()
+    used = 0
+    for i, n in trained_sizes:
+        if room is not None and used + 4 * n > room:
+            break
+        chosen.add(i)
+        used += 4 * n
+    out.device_accumulated = frozenset(chosen)
+    if used:
+        out.device["gradient accumulators"] = used
+
+
+def _check_device(out: Placement, shard_sizes: list[tuple[int, int]], config: Any, item: int, parts: int,
+                  resident_params: bool) -> None:
+    """The device budget against what stays there, and its room for gathers."""
+    offloaded = config.zero_optimization.offload_optimizer.device != "none"
     budget = config.offload.budgets.device
     if budget is None:
         return
