@@ -4,9 +4,12 @@
 # Here (with network), once: build the wheels the lent machine lacks into .whl/ (git ignores it; it travels with
 # the working tree as `carry: [".whl"]`, about 10 MiB):
 #   tools/gpu_session.sh wheels
-# On the lent GPU machine (no network; torch with CUDA already there), two back-to-back calls of the run tool:
-#   tools/gpu_session.sh install cuda-tests sanitizer bench-pcie bench-adam bench-step bench-step-default profile
-#   tools/gpu_session.sh install bench-step-1p3b bench-deepspeed suite
+# On the lent GPU machine (no network; torch with CUDA already there), three back-to-back calls of the run tool, each
+# with OUT pointed at a folder of its own and that folder tarred into the tool's $OUT at the end (the tool brings
+# back at most 8 files); on the H100 on 2026-11-24 they took 320, 350 and over 470 s:
+#   tools/gpu_session.sh install cuda-tests bench-pcie bench-adam bench-step bench-step-default
+#   tools/gpu_session.sh bench-step-1p3b profile bench-deepspeed sanitizer
+#   tools/gpu_session.sh suite
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
 # prediction beside what was measured.
 set -uo pipefail
