@@ -312,13 +312,19 @@ using Vec = Scalar;  // the portable build: the "vector" pass is the scalar one,
 // [Note: hoisting] Everything the loop reads from AdamArgs is copied to locals and the
 // pointers marked __restrict: stores through float* could otherwise alias the struct's
 // float fields, and the compiler then reloads pointers and re-tests the flags on every
-// iteration. Gradient and copy dtypes are template parameters so their switches fold away.
-template <class V, DType G, int OUT>
+// iteration. Gradient and copy dtypes are template parameters so their switches fold away; so is whether the
+// new state goes elsewhere (ELSEWHERE), so an in-place step never has two restrict pointers to one buffer.
+template <class V, DType G, int OUT, bool ELSEWHERE>
 size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
   using F = typename V::F;
-  float* __restrict param = a.param;
-  float* __restrict exp_avg = a.exp_avg;
-  float* __restrict exp_avg_sq = a.exp_avg_sq;
+  // Written; read too when in place.
+  float* __restrict param = ELSEWHERE ? a.param_out : a.param;
+  float* __restrict exp_avg = ELSEWHERE ? a.exp_avg_out : a.exp_avg;
+  float* __restrict exp_avg_sq = ELSEWHERE ? a.exp_avg_sq_out : a.exp_avg_sq;
+  // Read, when the new state goes elsewhere (never dereferenced in place).
+  const float* __restrict param_src = ELSEWHERE ? a.param : nullptr;
+  const float* __restrict exp_avg_src = ELSEWHERE ? a.exp_avg : nullptr;
+  const float* __restrict exp_avg_sq_src = ELSEWHERE ? a.exp_avg_sq : nullptr;
   const void* __restrict grad = a.grad;
   void* __restrict out16 = a.out16;
   const bool native_bf16 = a.native_bf16;
@@ -333,12 +339,12 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
     F g = V::load_any(grad, G, i);
     if (use_pre) g = V::mul(g, pre);               // a landed gradient: what its accumulation would have rounded
     if (use_scale) g = V::mul(g, scale);
-    const F p0 = V::load(param + i);
+    const F p0 = V::load(ELSEWHERE ? param_src + i : param + i);
     F p = use_decay ? V::mul(p0, decay) : p0;     // AdamW: param.mul_(1 - lr * wd)
     if (use_l2) g = V::fmadd(l2, p0, g);          // Adam: grad.add(param, alpha=wd); skipped, not * 0 (0 * inf)
-    F m = V::load(exp_avg + i);
+    F m = V::load(ELSEWHERE ? exp_avg_src + i : exp_avg + i);
     m = V::fmadd(b1c, V::sub(g, m), m);           // exp_avg.lerp_(grad, 1 - beta1)
-    F v = V::load(exp_avg_sq + i);
+    F v = V::load(ELSEWHERE ? exp_avg_sq_src + i : exp_avg_sq + i);
     v = V::fmadd(V::mul(b2c, g), g, V::mul(v, b2));  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
     const F root = V::sqrt(v);
     const F denom = V::add(use_bc2 ? V::mul(root, inv_bc2) : root, eps);
@@ -351,11 +357,16 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
   return i;
 }
 
+template <class V, DType G, bool ELSEWHERE>
+size_t adam_span_out(const AdamArgs& a, size_t i, size_t end) {
+  if (a.out16 == nullptr) return adam_loop<V, G, 0, ELSEWHERE>(a, i, end);
+  if (a.out_dtype == DType::BF16) return adam_loop<V, G, 1, ELSEWHERE>(a, i, end);
+  return adam_loop<V, G, 2, ELSEWHERE>(a, i, end);
+}
+
 template <class V, DType G>
 size_t adam_span_g(const AdamArgs& a, size_t i, size_t end) {
-  if (a.out16 == nullptr) return adam_loop<V, G, 0>(a, i, end);
-  if (a.out_dtype == DType::BF16) return adam_loop<V, G, 1>(a, i, end);
-  return adam_loop<V, G, 2>(a, i, end);
+  return a.param_out != nullptr ? adam_span_out<V, G, true>(a, i, end) : adam_span_out<V, G, false>(a, i, end);
 }
 
 template <class V>

@@ -30,6 +30,11 @@ struct AdamArgs {
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
   void* out16 = nullptr;  // optional 16-bit copy of the updated params
+  // Where the new param and moments go: all three, or none for in place. A step written elsewhere leaves the old
+  // state intact (the speculative step's second slot).
+  float* param_out = nullptr;
+  float* exp_avg_out = nullptr;
+  float* exp_avg_sq_out = nullptr;
   DType grad_dtype = DType::F32;
   DType out_dtype = DType::BF16;
   float pre_scale = 1.0f;       // a landed 16-bit gradient's own factor, first: what its accumulation multiplied by

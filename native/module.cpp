@@ -75,7 +75,8 @@ float* fp32_buffer(const RwArray& a, const char* what, size_t n) {
 }
 
 void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg, const RwArray& exp_avg_sq,
-             std::optional<RwArray> out16, float pre_scale, float grad_scale, float decay, float l2, float one_minus_beta1, float beta2,
+             std::optional<RwArray> out16, std::optional<RwArray> param_out, std::optional<RwArray> exp_avg_out,
+             std::optional<RwArray> exp_avg_sq_out, float pre_scale, float grad_scale, float decay, float l2, float one_minus_beta1, float beta2,
              float one_minus_beta2, float bc2_sqrt, float eps, float step_size, int threads) {
   AdamArgs a;
   const size_t n = param.size();
@@ -92,6 +93,13 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
     if (a.out_dtype == DType::F32) throw std::invalid_argument("out16 must be bfloat16 or float16");
     require_size(*out16, "out16", n);
     a.out16 = out16->data();
+  }
+  if (param_out || exp_avg_out || exp_avg_sq_out) {  // the new state elsewhere: all three or none
+    if (!(param_out && exp_avg_out && exp_avg_sq_out))
+      throw std::invalid_argument("param_out, exp_avg_out and exp_avg_sq_out go together: give all three or none");
+    a.param_out = fp32_buffer(*param_out, "param_out", n);
+    a.exp_avg_out = fp32_buffer(*exp_avg_out, "exp_avg_out", n);
+    a.exp_avg_sq_out = fp32_buffer(*exp_avg_sq_out, "exp_avg_sq_out", n);
   }
   a.pre_scale = pre_scale;
   a.grad_scale = grad_scale;
@@ -153,9 +161,11 @@ NB_MODULE(_native, m) {
         "scale in float first.");
   m.def("adam", &py_adam, nb::arg("param").noconvert(), nb::arg("grad").noconvert(),
         nb::arg("exp_avg").noconvert(), nb::arg("exp_avg_sq").noconvert(), nb::arg("out16").none(),
+        nb::arg("param_out").none(), nb::arg("exp_avg_out").none(), nb::arg("exp_avg_sq_out").none(),
         nb::arg("pre_scale"), nb::arg("grad_scale"), nb::arg("decay"), nb::arg("l2"), nb::arg("one_minus_beta1"), nb::arg("beta2"),
         nb::arg("one_minus_beta2"), nb::arg("bc2_sqrt"), nb::arg("eps"), nb::arg("step_size"), nb::arg("threads"),
-        "One fused Adam/AdamW step over flat CPU buffers (scalars precomputed by offload.native.adam_step).");
+        "One fused Adam/AdamW step over flat CPU buffers (scalars precomputed by offload.native.adam_step), in place "
+        "or into param_out/exp_avg_out/exp_avg_sq_out.");
   m.def("cpu_has_bf16", &cpu_has_bf16);
   m.def("accumulate", &py_accumulate, nb::arg("acc").noconvert(), nb::arg("grad").noconvert(), nb::arg("s"),
         nb::arg("overwrite"), nb::arg("threads"), "acc = s * grad (overwrite) or acc += s * grad.");

@@ -97,13 +97,22 @@ def grad_sq_norm(grad: torch.Tensor, threads: int | None = None, scale: float = 
 def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 out16: torch.Tensor | None, *, grad_scale: float, decay: float, l2: float, one_minus_beta1: float,
                 beta2: float, one_minus_beta2: float, bc2_sqrt: float, eps: float, step_size: float,
-                threads: int | None = None, pre_scale: float = 1.0) -> None:
-    """The fused Adam pass with its scalars precomputed (offload.optim.adam_step computes them)."""
+                threads: int | None = None, pre_scale: float = 1.0,
+                into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The fused Adam pass with its scalars precomputed (offload.optim.adam_step computes them); ``into``: where
+    the new (param, exp_avg, exp_avg_sq) go, leaving the inputs as they were (None: in place)."""
     tensors = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if out16 is not None:
         tensors["out16"] = out16
+    state = ("param", "exp_avg", "exp_avg_sq")
+    if into is not None:
+        tensors.update({f"{name}_out": t for name, t in zip(state, into)})
     checked = {name: _check_buffer(t, name) for name, t in tensors.items()}
-    for name in ("param", "exp_avg", "exp_avg_sq"):
+    if into is not None:
+        for name in state:
+            if _overlaps(checked[name], checked[f"{name}_out"]):
+                raise NativeError(f"{name}_out overlaps {name}: a step written elsewhere needs its own buffers")
+    for name in state + (("param_out", "exp_avg_out", "exp_avg_sq_out") if into is not None else ()):
         if checked[name].dtype != torch.float32:
             raise NativeError(f"{name} has dtype {checked[name].dtype}; Adam's master weights and moments are float32")
     if out16 is not None and checked["out16"].dtype == torch.float32:
@@ -116,8 +125,14 @@ def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     if n_threads < 1:
         raise NativeError(f"threads must be >= 1, got {threads}")
     _native.adam(checked["param"], checked["grad"], checked["exp_avg"], checked["exp_avg_sq"], checked.get("out16"),
-                 pre_scale, grad_scale, decay, l2, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size,
-                 n_threads)
+                 checked.get("param_out"), checked.get("exp_avg_out"), checked.get("exp_avg_sq_out"), pre_scale,
+                 grad_scale, decay, l2, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size, n_threads)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two dense buffers share any byte."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def axpy_(a: torch.Tensor, b: torch.Tensor, s: float, threads: int | None = None) -> torch.Tensor:

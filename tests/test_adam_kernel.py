@@ -184,6 +184,47 @@ def test_16bit_copy_rounding_edge_cases(variant, out_dtype):
     assert torch.isnan(out.float()).all()
 
 
+@pytest.mark.parametrize("n", [1, 17, 100_003])
+@pytest.mark.parametrize("grad_dtype, out_dtype, hyper", [(torch.float32, None, "adamw"),
+                                                          (torch.bfloat16, torch.bfloat16, "adam_l2"),
+                                                          (torch.float16, torch.float16, "adamw_gpt")])
+def test_a_step_written_elsewhere_is_the_step_in_place_bitwise_and_leaves_its_inputs(variant, n, grad_dtype,
+                                                                                    out_dtype, hyper):
+    """The speculative step's kernel: the same values as stepping in place, the old state untouched."""
+    p0, grads = make(n, steps=3, dtype=grad_dtype)
+    inplace = [p0.clone(), torch.zeros(n), torch.zeros(n)]
+    src = [t.clone() for t in inplace]
+    out_a = torch.empty(n, dtype=out_dtype) if out_dtype else None
+    out_b = torch.empty(n, dtype=out_dtype) if out_dtype else None
+    for step, g in enumerate(grads, 1):
+        adam_step(*inplace[:1], g, *inplace[1:], step, HYPERS[hyper], grad_scale=0.5, out16=out_a, pre_scale=0.25)
+        before = [t.clone() for t in src]
+        dst = [torch.full((n,), float("nan")) for _ in range(3)]
+        adam_step(src[0], g, src[1], src[2], step, HYPERS[hyper], grad_scale=0.5, out16=out_b, pre_scale=0.25,
+                  into=(dst[0], dst[1], dst[2]))
+        for old, now in zip(before, src):
+            assert torch.equal(old, now)
+        for a, b in zip(inplace, dst):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        if out_dtype:
+            assert torch.equal(out_a.view(torch.int16), out_b.view(torch.int16))
+        src = dst
+
+
+def test_a_step_written_elsewhere_refuses_overlapping_or_partial_targets():
+    n = 8
+    p, g, m, v = torch.ones(n), torch.ones(n), torch.zeros(n), torch.zeros(n)
+    with pytest.raises(native.NativeError, match="exp_avg_out overlaps exp_avg"):
+        adam_step(p, g, m, v, 1, AdamHyper(), into=(torch.zeros(n), m, v.clone()))
+    backing = torch.zeros(2 * n)
+    with pytest.raises(native.NativeError, match="param_out overlaps param"):
+        adam_step(backing[:n], g, m, v, 1, AdamHyper(), into=(backing[n // 2:n // 2 + n], m.clone(), v.clone()))
+    with pytest.raises(native.NativeError, match="exp_avg_sq_out has 9 elements but param has 8"):
+        adam_step(p, g, m, v, 1, AdamHyper(), into=(p.clone(), m.clone(), torch.zeros(n + 1)))
+    with pytest.raises(native.NativeError, match="param_out has dtype torch.bfloat16"):
+        adam_step(p, g, m, v, 1, AdamHyper(), into=(p.to(torch.bfloat16), m.clone(), v.clone()))
+
+
 BAD = [
     (lambda n: dict(master=torch.ones(n, n)[:, 0]), "param is not contiguous"),
     (lambda n: dict(master=torch.ones(n, dtype=torch.float64)), "param has dtype torch.float64"),

@@ -50,8 +50,10 @@ def test_split_state_steps_its_host_and_nvme_parts_during_backward(tmp_path):
 
 
 @pytest.mark.parametrize("change,reason", [
-    ({"gradient_clipping": 1.0}, "gradient clipping needs the global norm"),
-    ({"fp16": {"enabled": True}}, "fp16 needs the overflow check"),
+    ({"gradient_clipping": 1.0, "offload": {"unit_bytes": 8192, "speculative_step": "off"}},
+     "gradient clipping needs the global norm"),
+    ({"fp16": {"enabled": True}, "offload": {"unit_bytes": 8192, "speculative_step": "off"}},
+     "fp16 needs the overflow check"),
     ({"offload": {"unit_bytes": 8192, "overlap_step": "off"}}, "offload.overlap_step is off"),
 ])
 def test_the_engine_says_why_it_does_not_overlap(change, reason):

@@ -45,7 +45,9 @@ def test_landed_gradients_train_bitwise_as_gradients_read_in_place(world, accum,
 def test_the_norm_taken_as_gradients_land_is_bitwise_a_pass_after_backward(monkeypatch):
     import offload
     monkeypatch.setenv("OFFLOAD_EMULATED_COPY_DELAY_S", "0.002")  # the CPU's emulated discrete device
-    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 2, 1, clip=0.5), device="cpu")[0]
+    config = base_config(2, 2, 1, clip=0.5)
+    config["offload"]["speculative_step"] = "off"  # the gradients stay HOLDING after backward, not SPECULATED
+    engine = offload.initialize(model=make_model("gpt"), config=config, device="cpu")[0]
     first, last = batches(2, 2)
     engine.backward(loss_of(engine, "gpt", first))
     engine.step()  # between micro-batches: nothing
@@ -90,7 +92,7 @@ def test_the_only_micro_batchs_gradients_stay_where_they_landed(monkeypatch, acc
     import offload
     monkeypatch.setenv("OFFLOAD_EMULATED_COPY_DELAY_S", "0.002")
     config = base_config(2, accum, 1, clip=0.5)
-    config["offload"]["accumulate_on_device"] = on_device
+    config["offload"].update(accumulate_on_device=on_device, speculative_step="off")  # HOLDING, not SPECULATED
     engine = offload.initialize(model=make_model("gpt"), config=config)[0]
     optimizer = engine.optimizer
     *earlier, last = batches(accum, 2)

@@ -165,6 +165,8 @@ def _check_range(value: float, spec: Spec, path: str) -> None:
 
 
 def _choice(value: Any, choices: tuple[str, ...], path: str) -> str:
+    if isinstance(value, bool) and {"on", "off"} <= set(choices):  # JSON's true/false for a switch
+        return "on" if value else "off"
     if isinstance(value, str):
         for c in choices:
             if value.lower() == c.lower():
@@ -208,9 +210,11 @@ def coerce(value: Any, hint: Any, spec: Spec, path: str, notes: list[str]) -> An
     elif core is float:
         result = to_float(value, path)
     elif core is str:
+        if spec.choices:
+            return _choice(value, spec.choices, path)
         if not isinstance(value, str):
             raise ConfigError(path, f"expected a string, got {_describe(value)}")
-        return _choice(value, spec.choices, path) if spec.choices else value
+        return value
     elif origin is tuple:
         args = typing.get_args(core)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):

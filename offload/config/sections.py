@@ -479,6 +479,15 @@ class OffloadExtConfig:
                                       "and the optimizer state and parameters off NVMe); off: the step finishes "
                                       "before step() returns; auto: on where the compute device is a GPU.",
                               choices=("auto", "on", "off"))
+    speculative_step: str = setting("auto", "on: when gradient clipping or fp16 makes the update wait for the global "
+                                             "norm, each host-resident shard's Adam still runs during the last "
+                                             "micro-batch's backward as its gradient lands, with clip factor 1, into "
+                                             "a second slot of its state; after backward the slot is kept when "
+                                             "clipping did not fire and recomputed with the real factor when it did "
+                                             "(bitwise the ordinary step either way; the second slot takes 12 bytes "
+                                             "per host-resident parameter from the host budget); off: step after "
+                                             "backward; auto: on when the compute device is the CPU.",
+                                    choices=("auto", "on", "off"))
     accumulate_on_device: bool = setting(True, "With gradient accumulation and the optimizer offloaded, keep each "
                                                "unit's fp32 gradient sum on the device while room allows (the device "
                                                "budget, or half the memory free at start, after the resident state "

@@ -24,7 +24,9 @@ from offload.aio.base import Engine as AioEngine
 from offload.aio.choose import engine_from_config
 from offload.config import Config
 from offload.engine.errors import EngineError
+from offload.engine import step_mode
 from offload.engine.memory import MemoryAccount
+from offload.engine.step_mode import StepMode
 from offload.optim.schedules import build_schedule
 from offload.optim.sharded import ShardedAdam, StatePlan, shard_segments
 from offload.pretrained import PretrainedWeights
@@ -81,9 +83,7 @@ class Parts:
     swaps: SwapFiles
     telemetry: Telemetry
     trained_names: dict[int, str]  # id(param) -> name, of every parameter an optimizer group holds
-    step_mode: str
-    overlap: bool  # the step overlaps the last micro-batch's backward
-    early: bool  # engine.step() returns before Adam has run (see [Note: early step] in offload/optim/sharded.py)
+    step: StepMode  # how the step is scheduled against backward and the next forward
     lr_scheduler: Any
 
 
@@ -118,9 +118,11 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         undo.callback(swaps.close)
         whole_grads = 0 if stage.reduce_every_micro_batch else sum(
             s.numel for p in plans for s in p.slots if s.param.requires_grad)
+        speculative_why = step_mode.speculation_unwanted(config, compute_dtype, discrete=not accel.host_is_device)
         placement = plan_placement(shard_sizes, trained, config, compute_dtype.itemsize, parts=parts,
                                    resident_params=stage.resident_params, whole_grads=whole_grads,
-                                   discrete=not accel.host_is_device, device_free=accel.free_bytes())
+                                   discrete=not accel.host_is_device, device_free=accel.free_bytes(),
+                                   speculative=speculative_why is None)
         nvme_params = placement.nvme_params
         if zero.offload_param.device == "nvme":
             logger.info("rank %d: %s", group.rank, describe_placement(shard_sizes, nvme_params, zero.offload_param))
@@ -139,7 +141,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
             plan=StatePlan(device=zero.offload_optimizer.device, groups=placement.groups,
                            step_buffers=placement.step_buffers,
                            buffer_count=zero.offload_optimizer.buffer_count, host=host_budget, nvme=nvme_budget,
-                           device_accumulated=placement.device_accumulated,
+                           device_accumulated=placement.device_accumulated, speculative=placement.speculative,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))
         units = [_shard_unit(model, plan, partition, group, stage, accel, compute_dtype, params, optimizer,
@@ -160,11 +162,9 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         undo.callback(runtime.close)
         activations = _activation_store(model, config, accel, host_budget, telemetry)
         undo.callback(checkpointing.reset)
-        step_mode, overlap = _step_mode(config, compute_dtype, optimizer, accel)
-        early, why_not = _early_step(config, stage, optimizer, accel)
-        step_mode += "; " + ("step() returns before Adam, the next forward waits per unit" if early else
-                             f"step() returns after Adam ({why_not})")
-        logger.info("ZeRO %s; optimizer step: %s", stage.describe(), step_mode)
+        mode = step_mode.decide(config, compute_dtype, stage, optimizer, accel, placement.speculative,
+                                speculative_why or placement.speculative_why)
+        logger.info("ZeRO %s; optimizer step: %s", stage.describe(), mode.describe())
         if config.scheduler is not None:
             if lr_scheduler is not None:
                 raise EngineError("the config has a scheduler section and initialize() was given lr_scheduler; "
@@ -173,8 +173,8 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(optimizer)
         undo.pop_all()
-    return Parts(units, params, optimizer, runtime, activations, memory, swaps, telemetry, trained_names, step_mode,
-                 overlap, early, lr_scheduler)
+    return Parts(units, params, optimizer, runtime, activations, memory, swaps, telemetry, trained_names, mode,
+                 lr_scheduler)
 
 
 def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, stage: Stage, accel: Accelerator,
@@ -223,46 +223,6 @@ def _place_buffers(model: nn.Module, group: Group, accel: Accelerator) -> None:
                 moved[id(buf)] = buf.to(accel.device)
                 broadcast(moved[id(buf)], group)
             owner._buffers[key] = moved[id(buf)]
-
-
-def _step_mode(config: Config, compute_dtype: torch.dtype, optimizer: ShardedAdam,
-               accel: Accelerator) -> tuple[str, bool]:
-    """Overlap the step with backward where that is exact; otherwise say why not."""
-    reasons = []
-    if float(config.gradient_clipping or 0.0) > 0:
-        reasons.append("gradient clipping needs the global norm first")
-    if compute_dtype == torch.float16:
-        reasons.append("fp16 needs the overflow check first")
-    if not optimizer.offload:
-        reasons.append("the optimizer state is on the compute device")
-    if not config.zero_optimization.ignore_unused_parameters:
-        reasons.append("ignore_unused_parameters false checks every gradient first")
-    mode = config.offload.overlap_step
-    if mode == "off":
-        reasons.append("offload.overlap_step is off")
-    elif mode == "auto" and accel.is_cuda:
-        # Measured on an H100 (W=1, 156M-parameter bf16 GPT): the per-unit Adam on the host thread delays
-        # the gradient drain that backward's end waits for, 0.72x the step after backward. "on" forces it.
-        reasons.append("on a GPU 'auto' steps after backward, which measured faster there; set "
-                       "offload.overlap_step to \"on\" to overlap anyway")
-    if reasons:
-        return "after backward (" + "; ".join(reasons) + ")", False
-    return "overlapped with the last micro-batch's backward", True
-
-
-def _early_step(config: Config, stage: Stage, optimizer: ShardedAdam, accel: Accelerator) -> tuple[bool, str]:
-    """Whether engine.step() may return before Adam has run, and if not, why."""
-    mode = config.offload.early_step
-    if mode == "off":
-        return False, "offload.early_step is off"
-    if stage.resident_params:
-        return False, f"ZeRO stage {stage.number} spreads the new partitions right after the step"
-    if not optimizer.can_return_early:
-        return False, "the optimizer state or some parameter shards are on NVMe or the device"
-    if mode == "auto" and not accel.is_cuda:
-        return False, "'auto' keeps the step whole on a CPU, where Adam and the forward share the cores; set " \
-                      "offload.early_step to \"on\" to return early anyway"
-    return True, ""
 
 
 def _activation_store(model: nn.Module, config: Config, accel: Accelerator, host_budget: TierBudget,

@@ -32,7 +32,7 @@ from offload.engine.accumulation import Accumulation, Phase
 from offload.engine.build import build
 from offload.engine import errors
 from offload.engine.errors import EngineError
-from offload.optim.loss_scale import LossScaler, gradient_factor
+from offload.optim.loss_scale import LossScaler, gradient_factor, unclipped_factor
 from offload.pretrained import PretrainedWeights
 from offload.store.param_swap import ParamSwapError
 from offload.sync_ledger import Role, acting_as
@@ -70,8 +70,8 @@ class Engine:
         self.units, self.params, self.optimizer = parts.units, parts.params, parts.optimizer
         self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory
         self.telemetry, self._swaps, self._trained_names = parts.telemetry, parts.swaps, parts.trained_names
-        self.step_mode, self._overlap, self.lr_scheduler = parts.step_mode, parts.overlap, parts.lr_scheduler
-        self._early = parts.early
+        self._mode, self.lr_scheduler = parts.step, parts.lr_scheduler
+        self.step_mode = self._mode.describe()
         self._phases = PhaseReport(self.telemetry) if config.wall_clock_breakdown else None
         if config.dump_state:
             logger.info("engine state at start (dump_state), rank %d:\n%s\nstep mode: %s\nconfig: %s", group.rank,
@@ -123,10 +123,12 @@ class Engine:
         self.accel.schedule.mark("backward")
         scale = self.loss_scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
         last_micro = self.accumulation.next_is_last()
-        overlapped = self._overlap and last_micro
+        overlapped = (self._mode.overlap or self._mode.speculative) and last_micro
         self.runtime.reduce_grads = last_micro or self.stage.reduce_every_micro_batch
         if last_micro:
-            self.optimizer.last_backward_begins(overlap=overlapped, only=self.accumulation.pending == 0)
+            # Speculating, Adam guesses the factor of a step whose clipping does not fire (see gradient_factor).
+            guess = unclipped_factor(self.loss_scaler.scale) if self._mode.speculative else None
+            self.optimizer.last_backward_begins(overlap=overlapped, only=self.accumulation.pending == 0, guess=guess)
         try:
             with self.telemetry.span("backward"):
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
@@ -192,7 +194,7 @@ class Engine:
         behind: ParamSwapError | None = None
         try:
             with self.telemetry.span("optimizer", "adam"):
-                if self._early:
+                if self._mode.early:
                     self.optimizer.apply_early(grad_scale)
                 else:
                     self.optimizer.apply(grad_scale)

@@ -33,9 +33,11 @@ class AdamHyper:
 
 def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
               step: int, hyper: AdamHyper, grad_scale: float = 1.0, out16: torch.Tensor | None = None,
-              threads: int | None = None, pre_scale: float = 1.0) -> None:
+              threads: int | None = None, pre_scale: float = 1.0,
+              into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """One fused pass: unscale/clip the gradient by ``grad_scale``, update master/exp_avg/exp_avg_sq
-    in place, and (optionally) write the new params as bf16/fp16 into ``out16``. ``pre_scale`` multiplies the
+    in place (or write the new ones ``into`` another three buffers, bitwise the same values, the old ones left as
+    they were), and (optionally) write the new params as bf16/fp16 into ``out16``. ``pre_scale`` multiplies the
     gradient first, rounded to float32 on its own: a landed 16-bit gradient read as its accumulation would be.
 
     ``step`` counts from 1, as torch's optimizers do after incrementing. Scalars are computed here
@@ -53,4 +55,4 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         decay=1.0 - hyper.lr * hyper.weight_decay if hyper.adamw_mode else 1.0,
         l2=0.0 if hyper.adamw_mode else hyper.weight_decay,
         one_minus_beta1=1.0 - beta1, beta2=beta2, one_minus_beta2=1.0 - beta2, bc2_sqrt=math.sqrt(bc2),
-        eps=hyper.eps, step_size=hyper.lr / bc1, threads=threads)
+        eps=hyper.eps, step_size=hyper.lr / bc1, threads=threads, into=into)

@@ -72,7 +72,12 @@ def gradient_factor(sum_sq: float, nonfinite: int, loss_scale: float, clip: floa
     """The global gradient norm (unscaled; nan when a gradient is not finite) and the one factor the step applies
     to the accumulated gradients: the unscale and the clip (gradient_clipping, 0 for none) folded together."""
     norm = math.sqrt(sum_sq) / loss_scale if nonfinite == 0 else math.nan
-    factor = 1.0 / loss_scale
+    factor = unclipped_factor(loss_scale)
     if clip > 0 and math.isfinite(norm):
         factor *= min(1.0, clip / (norm + 1e-6))
     return norm, factor
+
+
+def unclipped_factor(loss_scale: float) -> float:
+    """The step's gradient factor when clipping does not fire: what the speculative step guesses, bitwise."""
+    return 1.0 / loss_scale

@@ -58,6 +58,23 @@ backward]); engine.step() then only steps what is left (units without a gradient
 makes the new NVMe slots current. The arithmetic is the same kernel on the
 same values, so the result is bitwise the same as stepping after backward.
 
+[Note: speculative step] Clipping (or fp16's overflow check) makes every shard's update
+wait for the global norm, so the overlapped step above cannot run. Yet the factor it waits
+for is usually known in advance: clipping does not fire on most steps, and then the factor
+is exactly ``unclipped_factor`` (the unscale alone). So, with ``guess`` set when the last
+backward begins, each host-resident shard's Adam runs on the landing worker as its gradient
+lands, as in the overlapped step, but with the guessed factor and into the other slot of
+its state (offload/store/optimizer_state.py: [Note: the speculative slot]; the elements no
+segment covers are copied over), leaving the state of the last step intact: the shard is
+SPECULATED. Its new 16-bit shard is written to the step's target but not copied back. When
+the step's factor, hyperparameters and step number are the ones guessed, the step keeps the
+other slot (``flip``) and copies the shard back; otherwise it runs Adam again from the
+current slot with the real factor into the other slot, then flips: the same kernel on the
+same values either way, so bitwise the step after backward. A step that does not happen
+(fp16 overflow, a failed backward, ``zero_grad``) drops the speculation and rewrites the
+target from the current master (what the last step wrote there: the kernel's rounding of the
+same value). Units homed on NVMe, and NVMe sub-groups, step after backward as before.
+
 [Note: early step] With the state on the host (no NVMe transfer can fail half way) and
 ZeRO stage 3, ``apply_early`` hands the step to the landing worker and returns: Adam runs
 there shard by shard in unit order, the forward's order, each new shard copied back at
@@ -91,7 +108,7 @@ from offload.schedule import COMPUTE
 from offload.telemetry import Telemetry
 from offload.aio.base import Engine
 from offload.store.budget import TierBudget
-from offload.store.optimizer_state import OptimizerStateStore, SubGroup
+from offload.store.optimizer_state import Member, OptimizerStateStore, SubGroup
 from offload.store.param_store import Home, ParamStore
 from offload.store.swapdir import SwapDir
 
@@ -130,11 +147,33 @@ class ShardPhase(enum.Enum):
     ones and leaves every shard EMPTY. ``clear_grads`` empties HOLDING shards but keeps STEPPED ones: a backward that
     failed after stepping some shards left the step half applied, and the next step finishes it without stepping
     those again (a retried backward's gradients for them are dropped). A failed NVMe write of a stepped sub-group
-    moves its shards back to HOLDING: the next step steps them again from the state on disk."""
+    moves its shards back to HOLDING: the next step steps them again from the state on disk. The speculative step
+    moves HOLDING to SPECULATED; ``apply`` keeps or recomputes it; dropping the speculation (``clear_grads``, a
+    failed backward) moves it back, and another gradient of the unit in the same backward to HOLDING."""
 
     EMPTY = "empty"
     HOLDING = "holding"
+    SPECULATED = "speculated"  # holding, and Adam ran with a guessed factor into the other slot
     STEPPED = "stepped"
+
+
+@dataclass(frozen=True)
+class Guess:
+    """The factor, hyperparameters and step number a speculative Adam ran with: kept when the step's are these."""
+
+    factor: float
+    hypers: tuple[AdamHyper, ...]
+    step: int
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """The last backward's plan for stepping shards as their gradients land: which units, with what."""
+
+    units: frozenset[int]
+    hypers: list[AdamHyper]
+    step: int
+    guess: float | None = None  # speculating with this factor (see [Note: speculative step]); None: exact
 
 
 @dataclass
@@ -163,6 +202,7 @@ class ShardState:
     on_device: torch.Tensor | None = None
     device_holds: bool = False
     added: Event | None = None  # the last add into ``on_device`` (re-recorded)
+    guessed: Guess | None = None  # what a SPECULATED shard's Adam assumed (see [Note: speculative step])
 
     def gradient(self) -> tuple[torch.Tensor, float]:
         """The gradient the step reads, and the factor to read it with (a shard that holds one: not EMPTY)."""
@@ -197,6 +237,7 @@ class StatePlan:
     swap: tuple[SwapDir, Engine] | None = None
     rank: int = 0
     device_accumulated: frozenset[int] = frozenset()  # units with an fp32 accumulator on the compute device
+    speculative: bool = False  # host sub-groups have a second slot (see [Note: speculative step])
 
 
 class ShardedAdam(torch.optim.Optimizer):
@@ -233,13 +274,13 @@ class ShardedAdam(torch.optim.Optimizer):
         self._held: set[int] = set()  # device-accumulated units holding gradients not yet sent down
         self.deferred_copies = 0  # gradients that found their landing buffer busy (the worker copied them)
         self._compute_done: Event | None = None  # where the step orders copies after compute (re-recorded)
-        self._overlap: tuple[set[int], list[AdamHyper], int] | None = None  # units, hyperparameters, step
+        self._overlap: Overlap | None = None
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         if self.offload and sizes:
             self._reserve_host(sizes, plan.step_buffers)
         self.store = OptimizerStateStore(plan.groups, accel=accel, host=plan.host, nvme=plan.nvme,
                                          buffer_count=plan.buffer_count, swap=plan.swap, rank=plan.rank,
-                                         telemetry=self.telemetry)
+                                         telemetry=self.telemetry, spare=plan.speculative)
 
     def _reserve_host(self, sizes: list[tuple[int, int]], parts: dict[str, int]) -> None:
         """Account the host bytes of accumulators, copies and landing buffers (the plan sized them and checked
@@ -350,7 +391,7 @@ class ShardedAdam(torch.optim.Optimizer):
         state.added = self.accel.compute_event(into=state.added)
         self._held.add(state.index)
 
-    def _send_sum(self, state: ShardState, overlap: tuple[set[int], list[AdamHyper], int] | None) -> None:
+    def _send_sum(self, state: ShardState, overlap: Overlap | None) -> None:
         """The device accumulator's sum goes down in fp32, and the landing worker reads it where it lands (see
         [Note: gradients accumulated on the device])."""
         assert self._land is not None and state.on_device is not None and state.landing is not None
@@ -393,7 +434,7 @@ class ShardedAdam(torch.optim.Optimizer):
         return state.copied
 
     def _landed(self, state: ShardState, grad: torch.Tensor, arrived: Event | None, scale: float, final: bool,
-                overlap: tuple[set[int], list[AdamHyper], int] | None, refs: list[Any], in_place: bool = False
+                overlap: Overlap | None, refs: list[Any], in_place: bool = False
                 ) -> None:
         """On the landing worker: wait for the gradient, add it in (or, ``in_place``, leave it where it landed),
         take its norm if final, step if overlapped."""
@@ -402,6 +443,8 @@ class ShardedAdam(torch.optim.Optimizer):
         del refs[:]  # a device gradient's copy is done: its memory may go
         if state.phase is ShardPhase.STEPPED:  # a half-applied step's shard: this step is done with it
             return
+        if state.phase is ShardPhase.SPECULATED:  # another gradient: the speculation is stale (it runs again)
+            state.phase = ShardPhase.HOLDING
         schedule = self.accel.schedule
         if in_place:
             state.landed, state.landed_scale, state.phase = grad, scale, ShardPhase.HOLDING
@@ -419,24 +462,27 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _materialize(self, state: ShardState) -> None:
         """On the landing worker: a gradient left where it landed goes into the accumulator (another is coming)."""
+        if state.phase is ShardPhase.SPECULATED:  # stale now (it runs again when the next gradient lands)
+            state.phase = ShardPhase.HOLDING
         if state.landed is None or state.phase is not ShardPhase.HOLDING:
             return
         landed, scale = state.landed, state.landed_scale
         state.landed, state.phase = None, ShardPhase.EMPTY
         _accumulate(state, landed, scale, self.threads)
 
-    def last_backward_begins(self, overlap: bool, only: bool = False) -> None:
+    def last_backward_begins(self, overlap: bool, only: bool = False, guess: float | None = None) -> None:
         """The coming backward is the last micro-batch's: its gradients are final as they land, so their norm is
         taken then; the step's first NVMe reads start (see the store's [Note: reads ahead of the step]); with
         ``overlap``, each shard's Adam runs as its gradient lands (see [Note: overlapped step]). ``only``: it is
         the step's only micro-batch, so its gradients are read where they land where the state is all on the host
-        (see [Note: gradients read where they land])."""
+        (see [Note: gradients read where they land]). ``guess``: with ``overlap``, speculate that the step's factor
+        is this (see [Note: speculative step])."""
         self._final = True
         self._in_place = only and self.offload and all(g.tier == "host" for g in self.store.groups)
         self._sent_in_place.clear()
         self.store.read_ahead()
         if overlap:
-            self.begin_overlap()
+            self.begin_overlap(guess)
 
     def drain(self) -> None:
         """Wait until every gradient sent so far is in its accumulator (re-raises a failed copy)."""
@@ -446,10 +492,11 @@ class ShardedAdam(torch.optim.Optimizer):
     def clear_grads(self) -> None:
         self.drain()
         self._settle()
-        self._nvme_error = None
+        self._nvme_error = self._overlap = None
         self._final = self._in_place = False
         self._sent_in_place.clear()
         self._end_accumulation()
+        self._drop_speculation()
         for state in self.shards.values():
             if state.phase is ShardPhase.HOLDING:
                 state.empty()
@@ -508,7 +555,10 @@ class ShardedAdam(torch.optim.Optimizer):
                 raise error
             for group in self.store.step_pass():
                 for member in group.members:
-                    if self.shards[member.unit].phase is not ShardPhase.STEPPED:
+                    phase = self.shards[member.unit].phase
+                    if phase is ShardPhase.SPECULATED:
+                        self._settle_speculation(group, member, step, hypers, grad_scale)
+                    elif phase is not ShardPhase.STEPPED:
                         self._step_shard(member.unit, group.views(member), step, hypers, grad_scale)
         except BaseException:
             self._unstep(self.store.abort_pass())  # NVMe sub-groups stepped during backward are stepped again
@@ -542,9 +592,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self._land.run(lambda: self.params.wait_copies_back())
         for group in self.store.step_pass():
             for member in group.members:
-                views = group.views(member)
                 self.accel.schedule.work("hook_step", member.unit)
-                self._land.run(lambda i=member.unit, v=views: self._step_early(i, v, step, hypers, grad_scale, after))
+                self._land.run(lambda g=group, m=member: self._step_early(g, m, step, hypers, grad_scale, after))
                 state = self.shards[member.unit]
                 state.stepped = self._land.record(into=state.stepped)
                 state.free = self._land.record(into=state.free)  # a gradient read where it landed is read by now
@@ -554,17 +603,23 @@ class ShardedAdam(torch.optim.Optimizer):
         self._final = self._in_place = False
         self._end_accumulation()
 
-    def _step_early(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
-                    hypers: list[AdamHyper], grad_scale: float, after: Event) -> None:
+    def _step_early(self, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper], grad_scale: float,
+                    after: Event) -> None:
+        index = member.unit
         state = self.shards[index]
         if state.phase is not ShardPhase.STEPPED:
             with self.telemetry.span("optimizer_early", state.name):
-                self._step_shard(index, views, step, hypers, grad_scale)
+                if state.phase is ShardPhase.SPECULATED:
+                    self._settle_speculation(group, member, step, hypers, grad_scale)
+                else:
+                    self._step_shard(index, group.views(member), step, hypers, grad_scale)
             self.params.copy_back(index, after=after)
         state.empty()
 
     def _step_shard(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
-                    hypers: list[AdamHyper], grad_scale: float) -> None:
+                    hypers: list[AdamHyper], grad_scale: float,
+                    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """One shard's Adam, in place or (``into``: host state) into another slot."""
         state = self.shards[index]
         master, exp_avg, exp_avg_sq = views
         empty = state.phase is ShardPhase.EMPTY  # no gradient reached this unit since the last step: Adam sees zeros
@@ -583,10 +638,12 @@ class ShardedAdam(torch.optim.Optimizer):
             if master.device.type == "cpu":
                 adam_step(master[s], grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
                           grad_scale, out16=out16[s] if out16 is not None else None, threads=self.threads,
-                          pre_scale=pre_scale)
+                          pre_scale=pre_scale, into=None if into is None else (into[0][s], into[1][s], into[2][s]))
             else:
                 _torch_adam(master[s], grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
                             grad_scale)
+        if into is not None:
+            master = into[0]
         if out is None:  # state on the compute device: the shard is written straight away
             self.params.write_device(index, master)
         else:
@@ -597,23 +654,28 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- the step overlapped with backward
 
-    def overlap_ready_units(self) -> set[int]:
+    def overlap_ready_units(self, speculative: bool = False) -> frozenset[int]:
         """Units whose step can run inside backward: their state is offloaded (on the host, or on NVMe and
-        stepped a whole sub-group at a time)."""
+        stepped a whole sub-group at a time); ``speculative``: on the host, with their parameters off NVMe."""
         if not self.offload:
-            return set()
-        return set(self.store.by_unit)
+            return frozenset()
+        if speculative:
+            return frozenset(u for u, (g, _) in self.store.by_unit.items()
+                             if g.tier == "host" and g.spare is not None and u not in self._nvme_units)
+        return frozenset(self.store.by_unit)
 
-    def begin_overlap(self) -> None:
-        """The coming backward is the last of the accumulation and nothing global gates the update: each shard's
-        Adam runs on the host thread as soon as its gradient is accumulated (see [Note: overlapped step])."""
+    def begin_overlap(self, guess: float | None = None) -> None:
+        """The coming backward is the last of the accumulation and nothing global gates the update (or
+        ``guess`` is the factor to speculate with): each shard's Adam runs on the host thread as soon as its
+        gradient is accumulated (see [Note: overlapped step] and [Note: speculative step])."""
         hypers = [self.hyper(i) for i in range(len(self.param_groups))]
-        self._overlap = (self.overlap_ready_units(), hypers, self.adam_steps + 1)
+        self._overlap = Overlap(self.overlap_ready_units(guess is not None), hypers, self.adam_steps + 1, guess)
 
     def abandon_overlap(self) -> int:
         """The overlapped backward failed: stop stepping shards; returns how many were already stepped."""
         self._settle()
         self._overlap = self._nvme_error = None
+        self._drop_speculation(ShardPhase.HOLDING)  # its gradients are kept, as those of a failed backward are
         try:  # stepped shards' masters moved on: their new 16-bit copies go with them
             self.params.commit()
         except Exception:  # noqa: BLE001 - they are stale now and rewritten before the next forward
@@ -626,14 +688,17 @@ class ShardedAdam(torch.optim.Optimizer):
         except Exception:  # noqa: BLE001 - the caller is already raising the first failure
             pass
 
-    def _step_during_backward(self, index: int, overlap: tuple[set[int], list[AdamHyper], int] | None) -> None:
+    def _step_during_backward(self, index: int, overlap: Overlap | None) -> None:
         """On the host thread, right after unit ``index``'s gradient was accumulated (``overlap``: the overlapped
         micro-batch's plan when the gradient came from it). A host shard steps at once; an NVMe sub-group once
         all of its units' gradients are in, in the store's pass order."""
-        if overlap is None or index not in overlap[0]:
+        if overlap is None or index not in overlap.units:
             return
-        _, hypers, step = overlap
+        hypers, step = overlap.hypers, overlap.step
         group, member = self.store.by_unit[index]
+        if overlap.guess is not None:
+            self._speculate(group, member, overlap)
+            return
         if group.tier != "nvme":
             self._step_overlapped(index, group.views(member), hypers, step)
             return
@@ -655,6 +720,52 @@ class ShardedAdam(torch.optim.Optimizer):
             self._step_shard(index, views, step, hypers, 1.0)
         state.phase = ShardPhase.STEPPED
         self.params.copy_back(index, after=None)
+
+    # ----------------------------------------------------------------- the speculative step
+
+    def _speculate(self, group: SubGroup, member: Member, overlap: Overlap) -> None:
+        """On the landing worker: Adam with the guessed factor into the other slot (see [Note: speculative
+        step])."""
+        state = self.shards[member.unit]
+        if state.phase is not ShardPhase.HOLDING:
+            return
+        assert overlap.guess is not None
+        current, other = group.views(member), group.views(member, other=True)
+        for start, end in state.gaps:  # the other slot becomes current whole
+            for src, dst in zip(current, other):
+                dst[start:end].copy_(src[start:end])
+        with self.telemetry.span("optimizer_speculative", state.name):
+            self._step_shard(member.unit, current, overlap.step, overlap.hypers, overlap.guess, into=other)
+        state.guessed = Guess(overlap.guess, tuple(overlap.hypers), overlap.step)
+        state.phase = ShardPhase.SPECULATED
+
+    def _settle_speculation(self, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper],
+                            grad_scale: float) -> None:
+        """The step's factor is known: keep the speculated slot, or recompute it with that factor."""
+        state = self.shards[member.unit]
+        if state.guessed == Guess(grad_scale, tuple(hypers), step):
+            with self.telemetry.span("speculation_kept", state.name):
+                pass
+        else:
+            with self.telemetry.span("speculation_recomputed", state.name):
+                self._step_shard(member.unit, group.views(member), step, hypers, grad_scale,
+                                 into=group.views(member, other=True))
+        group.flip(member)
+        state.guessed = None
+
+    def _drop_speculation(self, phase: ShardPhase = ShardPhase.EMPTY) -> None:
+        """No step follows the speculation: the state stays as it was, and each speculated shard's target gets
+        the current master's 16-bit value back (see [Note: speculative step])."""
+        for index, state in self.shards.items():
+            if state.phase is not ShardPhase.SPECULATED:
+                continue
+            group, member = self.store.by_unit[index]
+            master, out = group.views(member)[0], self.params.step_target(index)
+            for seg in state.segments:
+                out[seg.start:seg.end].copy_(master[seg.start:seg.end])
+            state.phase, state.guessed = phase, None
+            if phase is ShardPhase.EMPTY:
+                state.empty()
 
     def close(self) -> None:
         self.drain()

@@ -36,6 +36,14 @@ engine.step(). The new slots still become current only when the whole pass has
 written, so a step that fails afterwards is retried from the last completed state (the
 sub-groups stepped during backward are stepped again, to the same values).
 
+[Note: the speculative slot] With the speculative step (see [Note: speculative step] in
+offload/optim/sharded.py) every host sub-group has a second buffer of the same shape,
+``spare``. Adam for a speculated unit reads the current slot and writes the other, so
+the state of the last completed step stays intact until the step's factor is known;
+``flip`` then makes the other slot current for that unit. Which slot is current is
+kept per unit (``in_spare``), so units flip one at a time, as the early step reaches
+them; every reader goes through ``views``, which follows it.
+
 [Note: a failed step loses nothing] Each NVMe sub-group has two slots in the swap
 file; a step reads the slot holding the last completed step and writes the other, and
 flips which slot is current only when every write of the step has completed. Host
@@ -65,6 +73,7 @@ from offload.telemetry import Telemetry
 logger = logging.getLogger("offload.store")
 
 KINDS = 3  # master, exp_avg, exp_avg_sq: fp32 each
+SPECULATIVE_SLOT = "optimizer state (speculative slot)"  # the host budget's name for the second slots
 
 
 @dataclass(frozen=True)
@@ -83,16 +92,26 @@ class SubGroup:
     numel: int
     tier: str = "host"
     resident: torch.Tensor | None = None  # [3, numel] fp32 while in memory (always, for device/host)
+    spare: torch.Tensor | None = None  # host: the second slot of the speculative step (see [Note: the speculative ...])
+    in_spare: set[int] = field(default_factory=set)  # units whose current state is in ``spare``
 
     @property
     def nbytes(self) -> int:
         return round_up(KINDS * self.numel * 4)
 
-    def views(self, member: Member) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(master, exp_avg, exp_avg_sq) of one unit's shard; only while the sub-group is resident."""
+    def views(self, member: Member, *, other: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(master, exp_avg, exp_avg_sq) of one unit's shard in its current slot (``other``: in the slot the
+        speculative step writes); only while the sub-group is resident."""
         assert self.resident is not None, f"sub-group {self.index} is not in memory"
+        slot = self.resident if (member.unit in self.in_spare) == other else self.spare
+        assert slot is not None, f"sub-group {self.index} has no second slot"
         s = slice(member.offset, member.offset + member.numel)
-        return self.resident[0, s], self.resident[1, s], self.resident[2, s]
+        return slot[0, s], slot[1, s], slot[2, s]
+
+    def flip(self, member: Member) -> None:
+        """The other slot holds the unit's state of the step just taken: it becomes current."""
+        assert self.spare is not None, f"sub-group {self.index} has no second slot"
+        self.in_spare ^= {member.unit}
 
 
 def plan_sub_groups(sizes: list[tuple[int, int]], sub_group_size: int) -> list[SubGroup]:
@@ -166,9 +185,10 @@ class OptimizerStateStore:
 
     def __init__(self, groups: list[SubGroup], *, accel: Accelerator, host: TierBudget, nvme: TierBudget,
                  buffer_count: int = 4, swap: tuple[SwapDir, Engine] | None = None, rank: int = 0,
-                 telemetry: Telemetry | None = None) -> None:
+                 telemetry: Telemetry | None = None, spare: bool = False) -> None:
         """``groups``: the sub-groups with their tiers, as the placement plan (offload/store/placement.py) made
-        them within the budgets; ``swap`` is needed for NVMe ones."""
+        them within the budgets; ``swap`` is needed for NVMe ones; ``spare``: host sub-groups get a second slot
+        (see [Note: the speculative slot])."""
         self.accel = accel
         self.telemetry = telemetry or Telemetry()
         self.groups = groups
@@ -190,6 +210,10 @@ class OptimizerStateStore:
                 host.take(buf.capacity, "optimizer state")
                 g.resident = t.view(KINDS, g.numel)
                 g.resident.zero_()
+                if spare:  # written before it is read (the speculative step fills every element it flips)
+                    t, buf = accel.host_buffer(KINDS * g.numel, torch.float32)
+                    host.take(buf.capacity, SPECULATIVE_SLOT)
+                    g.spare = t.view(KINDS, g.numel)
         nvme_groups = [g for g in self.groups if g.tier == "nvme"]
         if nvme_groups:
             assert swap is not None, "nvme optimizer state needs a swap directory and an I/O engine"

@@ -19,7 +19,8 @@ from typing import Any
 from offload.buffers import round_up
 from offload.config import ConfigError
 from offload.store.budget import TierBudget
-from offload.store.optimizer_state import SubGroup, nvme_buffers, place_sub_groups, plan_sub_groups
+from offload.store.optimizer_state import (SPECULATIVE_SLOT, SubGroup, nvme_buffers, place_sub_groups,
+                                          plan_sub_groups)
 from offload.store.param_store import HOST_PARAMS, Home
 from offload.store.param_swap import WRITE_BUFFERS, param_buffer_bytes, place_params, plan_homes
 from offload.store.two_slots import layout
@@ -52,6 +53,8 @@ class Placement:
     device: dict[str, int] = field(default_factory=dict)  # bytes kept on the device between uses, by part
     gather_room: int | None = None  # elements the device budget leaves for gathered units (None: no budget)
     device_accumulated: frozenset[int] = frozenset()  # units whose fp32 gradient accumulator is on the device
+    speculative: bool = False  # host sub-groups have the speculative step's second slot
+    speculative_why: str = ""  # why not, when it was asked for
     problems: list[ConfigError] = field(default_factory=list)  # in the order start-up meets them
 
     def check(self) -> None:
@@ -62,7 +65,7 @@ class Placement:
 
 def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, item: int, *, parts: int = 1,
          resident_params: bool = False, whole_grads: int = 0, discrete: bool = True,
-         device_free: int | None = None) -> Placement:
+         device_free: int | None = None, speculative: bool = False) -> Placement:
     """The placement of one rank's units (``shard_sizes``: (unit, shard elements) in unit order; ``trained``:
     the units the optimizer steps) under ``config``, whose compute dtype has ``item`` bytes. The ZeRO stage's
     part: each unit is split in ``parts``; ``resident_params``, every unit stays whole on the device (stages 0-2);
@@ -70,7 +73,8 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     ``discrete``: the compute device has memory of its own (a GPU); a CPU device reads host memory in place, so
     gradients need no landing buffers and device-homed shards no host copies (see [Note: host memory is the
     device's] in offload/store/param_store.py). ``device_free``: bytes free on the device at start, which bound
-    the gradient accumulators kept there when no device budget is set (None: no bound). Raises only for a
+    the gradient accumulators kept there when no device budget is set (None: no bound). ``speculative``: the
+    step wants a second slot of the host optimizer state, where the host budget holds it. Raises only for a
     setting that no budget could fix (offload_param.buffer_size below a shard)."""
     zero = config.zero_optimization
     host_limit, nvme_limit = config.offload.budgets.host, config.offload.budgets.nvme
@@ -125,6 +129,8 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     if out.placed:
         _plan_optimizer_state(out, nvme_limit, opt.buffer_count)
     _plan_host_params(out, shard_sizes, trained if opt.device != "none" else set(), item, host_limit)
+    if speculative and out.placed:  # last: it is the one part that may be left out
+        _plan_speculative_slot(out, host_limit)
     _check_device(out, shard_sizes, config, item, parts, resident_params)
     return out
 
@@ -146,6 +152,21 @@ def _plan_optimizer_state(out: Placement, nvme_limit: int | None, buffer_count: 
         count, size = nvme_buffers(on_nvme, buffer_count)
         out.nvme["optimizer state (two slots per sub-group)"] = file_bytes
         out.host["optimizer NVMe buffers"] = count * size
+
+
+def _plan_speculative_slot(out: Placement, host_limit: int | None) -> None:
+    """The speculative step's second slot of every host sub-group, if the host budget holds it beside the rest
+    (else the step says why it does not speculate)."""
+    on_host = [g for g in out.groups if g.tier == "host"]
+    need, used = sum(g.nbytes for g in on_host), sum(out.host.values())
+    if not on_host:
+        out.speculative_why = "no optimizer state is on the host"
+    elif host_limit is not None and used + need > host_limit:
+        out.speculative_why = (f"offload.budgets.host ({host_limit:,} bytes) cannot hold its second slot of the "
+                               f"optimizer state ({need:,} bytes beside {used:,} planned); raise it to speculate")
+    else:
+        out.host[SPECULATIVE_SLOT] = need
+        out.speculative = True
 
 
 def _plan_host_params(out: Placement, shard_sizes: list[tuple[int, int]], stepped_on_host: set[int], item: int,

@@ -1,0 +1,115 @@
+"""How the optimizer step is scheduled against backward and the next forward, decided once at start-up.
+
+Three independent choices, each exact (the same values as stepping after backward):
+- overlapped: when nothing global gates the update, each shard's Adam runs during the
+  last backward as its gradient lands (offload/optim/sharded.py, [Note: overlapped step]);
+- speculative: when clipping or fp16 does gate it, the same, with the factor guessed
+  (clipping does not fire) into a second slot, kept or recomputed once the norm is known
+  ([Note: speculative step] there);
+- early: engine.step() returns before Adam and the next forward waits per unit
+  ([Note: early step] there).
+``StepMode.describe`` is what ``engine.step_mode`` says, reasons included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from offload.accelerator import Accelerator
+from offload.config import Config
+from offload.optim.sharded import ShardedAdam
+from offload.zero.stage import Stage
+
+
+@dataclass(frozen=True)
+class StepMode:
+    overlap: bool  # the exact overlapped step
+    speculative: bool  # the speculative step (never with ``overlap``: it is for the updates something gates)
+    early: bool
+    after_why: str = ""  # why Adam does not overlap backward (neither mode)
+    early_why: str = ""
+
+    def describe(self) -> str:
+        if self.speculative:
+            during = ("speculative: Adam runs during the last micro-batch's backward with clip factor 1 into a "
+                      "second slot, kept when clipping does not fire, recomputed when it does")
+        elif self.overlap:
+            during = "overlapped with the last micro-batch's backward"
+        else:
+            during = f"after backward ({self.after_why})"
+        return during + "; " + ("step() returns before Adam, the next forward waits per unit" if self.early else
+                                f"step() returns after Adam ({self.early_why})")
+
+
+def gated(config: Config, compute_dtype: torch.dtype) -> list[str]:
+    """What makes the update wait for the global gradient norm (empty: nothing)."""
+    reasons = []
+    if float(config.gradient_clipping or 0.0) > 0:
+        reasons.append("gradient clipping needs the global norm first")
+    if compute_dtype == torch.float16:
+        reasons.append("fp16 needs the overflow check first")
+    return reasons
+
+
+def speculation_unwanted(config: Config, compute_dtype: torch.dtype, discrete: bool) -> str | None:
+    """Why the speculative step is off before any budget is looked at (None: wanted, if its slot fits).
+    ``discrete``: the compute device has memory of its own (a GPU, or the CPU's emulation of one in tests)."""
+    mode = config.offload.speculative_step
+    if mode == "off":
+        return "offload.speculative_step is off"
+    if config.offload.overlap_step == "off":
+        return "offload.overlap_step is off"
+    if not gated(config, compute_dtype):
+        return "nothing gates the update, so there is nothing to speculate on"
+    if config.zero_optimization.offload_optimizer.device == "none":
+        return "the optimizer state is on the compute device"
+    if not config.zero_optimization.ignore_unused_parameters:
+        return "ignore_unused_parameters false checks every gradient first"
+    if mode == "auto" and discrete:
+        return ("on a GPU 'auto' steps after backward, where the host thread's Adam during backward measured "
+                "slower (the exact overlapped step's, on an H100); set offload.speculative_step to \"on\" to "
+                "speculate anyway")
+    return None
+
+
+def decide(config: Config, compute_dtype: torch.dtype, stage: Stage, optimizer: ShardedAdam, accel: Accelerator,
+           speculative: bool, speculative_why: str) -> StepMode:
+    """The step's schedule; ``speculative`` and ``speculative_why`` are the placement's verdict (the second
+    slot needs host memory)."""
+    reasons = gated(config, compute_dtype)
+    if not optimizer.offload:
+        reasons.append("the optimizer state is on the compute device")
+    if not config.zero_optimization.ignore_unused_parameters:
+        reasons.append("ignore_unused_parameters false checks every gradient first")
+    mode = config.offload.overlap_step
+    if mode == "off":
+        reasons.append("offload.overlap_step is off")
+    elif mode == "auto" and accel.is_cuda:
+        # Measured on an H100 (W=1, 156M-parameter bf16 GPT): the per-unit Adam on the host thread delays
+        # the gradient drain that backward's end waits for, 0.72x the step after backward. "on" forces it.
+        reasons.append("on a GPU 'auto' steps after backward, which measured faster there; set "
+                       "offload.overlap_step to \"on\" to overlap anyway")
+    if speculative:
+        reasons = []
+    elif gated(config, compute_dtype) and speculative_why:
+        reasons.append(f"not speculative: {speculative_why}")
+    early, early_why = _early_step(config, stage, optimizer, accel)
+    return StepMode(overlap=not reasons and not speculative, speculative=speculative, early=early,
+                    after_why="; ".join(reasons), early_why=early_why)
+
+
+def _early_step(config: Config, stage: Stage, optimizer: ShardedAdam, accel: Accelerator) -> tuple[bool, str]:
+    """Whether engine.step() may return before Adam has run, and if not, why."""
+    mode = config.offload.early_step
+    if mode == "off":
+        return False, "offload.early_step is off"
+    if stage.resident_params:
+        return False, f"ZeRO stage {stage.number} spreads the new partitions right after the step"
+    if not optimizer.can_return_early:
+        return False, "the optimizer state or some parameter shards are on NVMe or the device"
+    if mode == "auto" and not accel.is_cuda:
+        return False, "'auto' keeps the step whole on a CPU, where Adam and the forward share the cores; set " \
+                      "offload.early_step to \"on\" to return early anyway"
+    return True, ""

@@ -1,0 +1,176 @@
+"""The speculative step: Adam runs during backward with clip factor 1 into a second slot, kept when clipping does
+not fire and recomputed when it does; bitwise the ordinary step either way (see [Note: speculative step] in
+offload/optim/sharded.py)."""
+
+import math
+
+import pytest
+import torch
+
+import offload
+from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
+from offload.config import Config, ConfigError
+from offload.estimate import estimate
+from offload.launch import run_ranks
+from offload.store.optimizer_state import SPECULATIVE_SLOT
+
+
+def spec_config(world, accum, clip, speculative, **offload_section):
+    config = base_config(2, accum, world, clip=clip)
+    config["offload"].update(speculative_step=speculative, **offload_section)
+    return config
+
+
+def run_both(world, accum, clip, steps=4, env=None, **offload_section):
+    return {mode: run_ranks(train_engine, world, env=env, name="gpt", steps=steps, micro=2, accum=accum,
+                            config=spec_config(world, accum, clip, mode, **offload_section))
+            for mode in ("on", "off")}
+
+
+def assert_bitwise(on, off):
+    for spec, plain in zip(on, off):
+        assert spec["losses"] == plain["losses"]
+        for key, value in plain["state"].items():
+            assert torch.equal(spec["state"][key], value), key
+
+
+DISCRETE = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
+
+
+# clip 1e6 never fires, 1e-3 always does; the emulated GPU lands gradients in buffers of their own and copies each
+# new shard back
+@pytest.mark.parametrize("world,accum,clip,outcome,env", [
+    (1, 1, 1e6, "kept", None), (1, 2, 1e-3, "recomputed", None), (2, 1, 1e-3, "recomputed", None),
+    (2, 2, 1e6, "kept", None), (1, 1, 1e-3, "recomputed", DISCRETE), (2, 2, 1e6, "kept", DISCRETE)],
+    ids=["W1", "W1-accum2-clipped", "W2-clipped", "W2-accum2", "W1-gpu-clipped", "W2-accum2-gpu"])
+def test_the_speculative_step_is_bitwise_the_ordinary_step(world, accum, clip, outcome, env):
+    steps = 4
+    runs = run_both(world, accum, clip, steps=steps, env=env)
+    assert_bitwise(runs["on"], runs["off"])
+    for spec, plain in zip(runs["on"], runs["off"]):
+        assert spec["mode"].startswith("speculative") and plain["mode"].startswith("after backward")
+        counts = spec["counts"]
+        trained = counts["optimizer_speculative"]
+        assert trained == steps * spec["units"] and counts.get(f"speculation_{outcome}") == trained
+        other = "recomputed" if outcome == "kept" else "kept"
+        assert f"speculation_{other}" not in counts and "optimizer_speculative" not in plain["counts"]
+    ref = train_reference("gpt", steps, 2 * accum * world, 2, clip=clip, world=world)
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(runs["on"][0]["state"][key], value)
+
+
+def test_steps_where_clipping_fires_and_steps_where_it_does_not_mix_bitwise():
+    norms = run_ranks(_norms, 1, config=spec_config(1, 1, 1e6, "off"), steps=6)[0]
+    clip = sorted(norms)[len(norms) // 2]  # fires on about half the steps
+    runs = run_both(1, 1, clip, steps=6)
+    assert_bitwise(runs["on"], runs["off"])
+    counts = runs["on"][0]["counts"]
+    assert counts.get("speculation_kept", 0) > 0 and counts.get("speculation_recomputed", 0) > 0
+
+
+def _norms(rank, world, config, steps):
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    out = []
+    for tokens in batches(steps, 2):
+        engine.backward(loss_of(engine, "gpt", tokens))
+        engine.step()
+        out.append(engine.last_grad_norm)
+    engine.close()
+    return out
+
+
+def test_the_early_step_keeps_and_recomputes_speculations_bitwise():
+    """The early step settles each speculated shard on the worker, in the next forward's order."""
+    early = {"early_step": "on", "overlap_step": "on"}
+    for clip in (1e6, 1e-3):
+        runs = {mode: run_ranks(train_engine, 1, name="gpt", steps=3, micro=2, accum=1,
+                                config=spec_config(1, 1, clip, mode, **early)) for mode in ("on", "off")}
+        assert "step() returns before Adam" in runs["on"][0]["mode"]
+        assert runs["on"][0]["counts"]["optimizer_speculative"] > 0
+        assert_bitwise(runs["on"], runs["off"])
+
+
+def _fp16_with_overflow(rank, world, speculative, drop_at):
+    config = {**spec_config(world, 1, 1.0, speculative), "fp16": {"enabled": True, "initial_scale_power": 8,
+                                                                   "hysteresis": 1, "loss_scale_window": 2}}
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    log = []
+    for step, tokens in enumerate(batches(5, 2 * world)):
+        loss = loss_of(engine, "gpt", tokens[rank * 2:(rank + 1) * 2])
+        if step == 1 and rank == world - 1:
+            loss = loss * math.inf  # an overflow: the speculation is dropped, the step skipped
+        engine.backward(loss)
+        if step == drop_at:
+            engine.zero_grad()  # the caller drops this step's gradients: so is the speculation
+        else:
+            engine.step()
+        log.append((engine.skipped_steps, loss.item()))
+    out = {"log": log, "state": engine.full_state_dict(), "mode": engine.step_mode,
+           "counts": engine.telemetry.snapshot().counts}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_dropped_speculation_leaves_the_weights_of_the_last_step(world):
+    """fp16 overflow (one rank's) skips a step and zero_grad drops another: each speculation is thrown away,
+    and the 16-bit weights the next forward reads are the last step's, bitwise."""
+    runs = {mode: run_ranks(_fp16_with_overflow, world, speculative=mode, drop_at=3) for mode in ("on", "off")}
+    for spec, plain in zip(runs["on"], runs["off"]):
+        assert spec["mode"].startswith("speculative")
+        assert spec["counts"]["optimizer_speculative"] > 0
+        assert spec["log"] == plain["log"] and spec["log"][1][0] == 1  # the overflowed step was skipped
+        for key, value in plain["state"].items():
+            assert torch.equal(spec["state"][key], value), key
+
+
+def test_a_host_budget_without_room_for_the_second_slot_steps_after_backward_and_says_why():
+    config = spec_config(1, 1, 1.0, "on")
+    on = run_ranks(describe_engine, 1, config=config)[0]
+    slot = on["memory"]["host"][SPECULATIVE_SLOT]
+    assert slot == on["memory"]["host"]["optimizer state"]  # 12 bytes per host-resident parameter
+    total = on["memory"]["host"]["total"]
+    tight = {**config, "offload": {**config["offload"], "budgets": {"host": total - slot // 2}}}
+    off = run_ranks(describe_engine, 1, config=tight)[0]
+    assert off["mode"].startswith("after backward") and "offload.budgets.host" in off["mode"]
+    assert "second slot" in off["mode"] and SPECULATIVE_SLOT not in off["memory"]["host"]
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"gradient_clipping": 0.0}, None),  # nothing to speculate on: the exact overlapped step runs
+    ({"offload": {"unit_bytes": 8192, "speculative_step": False}}, "offload.speculative_step is off"),
+    ({"offload": {"unit_bytes": 8192, "overlap_step": "off"}}, "offload.overlap_step is off"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                            "ignore_unused_parameters": False}}, "ignore_unused_parameters false"),
+])
+def test_the_engine_says_why_it_does_not_speculate(change, reason):
+    mode = run_ranks(describe_engine, 1, config={**spec_config(1, 1, 1.0, True), **change})[0]["mode"]
+    if reason is None:
+        assert mode.startswith("overlapped")
+    else:
+        assert mode.startswith("after backward") and f"not speculative: {reason}" in mode
+
+
+def test_the_estimate_counts_the_second_slot_where_the_engine_would_take_it():
+    config = Config.load(spec_config(1, 1, 1.0, "auto")).resolve(world_size=1)
+    units = [50_000] * 4
+    on_cpu = estimate(units, config, 1, discrete=False).tiers["host"]
+    assert on_cpu[SPECULATIVE_SLOT] == on_cpu["optimizer state"]
+    assert SPECULATIVE_SLOT not in estimate(units, config, 1, discrete=True).tiers["host"]  # auto: off on a GPU
+    tight = Config.load({**spec_config(1, 1, 1.0, "on"),
+                         "offload": {"speculative_step": "on", "unit_bytes": 8192,
+                                     "budgets": {"host": sum(on_cpu.values()) - on_cpu[SPECULATIVE_SLOT] // 2}}}
+                        ).resolve(world_size=1)
+    est = estimate(units, tight, 1, discrete=False)
+    assert SPECULATIVE_SLOT not in est.tiers["host"]
+    assert any("does not speculate" in note and "second slot" in note for note in est.notes)
+
+
+def test_a_switch_takes_json_true_and_false_as_on_and_off():
+    raw = spec_config(1, 1, 1.0, True)
+    assert Config.load(raw).offload.speculative_step == "on"
+    assert Config.load({**raw, "offload": {"speculative_step": False}}).offload.speculative_step == "off"
+    with pytest.raises(ConfigError, match=r"offload.speculative_step.*3 is not one of 'auto', 'on', 'off'"):
+        Config.load({**raw, "offload": {"speculative_step": 3}})
+    with pytest.raises(ConfigError, match=r"offload.aio_engine.*True is not one of 'auto', 'io_uring', 'threads'"):
+        Config.load({**raw, "offload": {"aio_engine": True}})
