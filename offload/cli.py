@@ -182,7 +182,8 @@ def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
                           repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload, nvme_path=args.path,
                           sub_group_size=args.sub_group_size, trace_dir=str(out.parent), device=args.device,
                           stages=_stages(args.stage), checkpointing=args.checkpointing, profile=args.profile,
-                          headline_only=args.headline_only)
+                          headline_only=args.headline_only,
+                          only=tuple(v for v in (args.variants or "").split(",") if v))
 
 
 def _directory(path: str, flag: str) -> Path:
@@ -473,6 +474,8 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                    help="where both sides compute (cuda: torch on the GPU beside offload with W=1)")
     b.add_argument("--headline-only", action="store_true", help="only the headline variant (and, for nvme, the host "
                                                                  "one beside it)")
+    b.add_argument("--variants", default=None, help="only these offload variants, comma-separated (the first is the "
+                                                    "headline), e.g. clip-after,clip-speculative-kept")
     b.add_argument("--profile", action="store_true", help="rank 0 of the headline variant's timed steps under torch's "
                                                            "profiler: profile-<variant>.json beside --out (Chrome "
                                                            "trace: kernels per stream on a GPU, offload's phases)")

@@ -129,10 +129,17 @@ def test_bench_step_splits_the_step_and_compares_with_torch(tmp_path, capsys):
     assert report["ratio"] == pytest.approx(report["offload_step_s"] / report["torch_step_s"])
     assert set(report["phases_s"]) == {"gather", "gather_wait", "prefetch", "reduce_scatter", "all_reduce",
                                        "all_gather", "grad_wait", "optimizer", "compute"}
-    assert set(report["variants"]) == {"host", "host-no-prefetch", "noclip-overlap", "noclip-after", "params-host",
-                                       "params-host-early"}
+    variants = report["variants"]
+    assert set(variants) == {"host", "host-no-prefetch", "clip-after", "clip-speculative-kept",
+                             "clip-speculative-recomputed", "noclip-overlap", "noclip-after", "params-host",
+                             "params-host-early"}
+    units = variants["clip-speculative-kept"]["speculation_kept"]  # every trained unit, every step
+    assert units > 0 and variants["clip-speculative-kept"]["speculation_recomputed"] == 0
+    assert variants["clip-speculative-recomputed"]["speculation_recomputed"] == units
+    assert variants["clip-after"]["speculation_kept"] == variants["clip-after"]["speculation_recomputed"] == 0
     text = capsys.readouterr().out
     assert "x torch" in text and "the early step's gain" in text
+    assert "with clipping: Adam after backward" in text and "clip-speculative-recomputed" in text
     assert report["phases_s"]["gather"] > 0 and report["phases_s"]["optimizer"] > 0
     # Each rank receives half of every unit per gather: forward and backward gather the whole model once each.
     params = report["params"]
@@ -140,6 +147,19 @@ def test_bench_step_splits_the_step_and_compares_with_torch(tmp_path, capsys):
     # On a CPU the landing worker reads each reduced gradient where it lies and the new shards are written where
     # compute reads them: nothing crosses a link (a GPU copies each gradient down and each new shard back).
     assert report["bytes_per_step"]["d2h"] == 0 and report["bytes_per_step"]["h2d"] == 0
+
+
+def test_bench_step_runs_only_the_variants_named_and_refuses_unknown_ones(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    tiny = ["--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "1", "--rounds", "1",
+            "--world", "1"]
+    assert main(["bench", "step", *tiny, "--variants", "clip-after,host", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["variants"]) == ["clip-after", "host"]
+    assert report["offload_step_s"] == report["variants"]["clip-after"]["step_s"]  # the first is the headline
+    capsys.readouterr()
+    assert main(["bench", "step", *tiny, "--variants", "host,clip-later"]) == 2
+    assert "no variant 'clip-later' with offload cpu: choose from host, " in capsys.readouterr().err
 
 
 def test_bench_step_compares_zero_stages_in_one_table_and_plot(tmp_path, capsys):

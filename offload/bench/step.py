@@ -73,6 +73,7 @@ class StepBench:
     headline_only: bool = False  # only the headline variant (and, for nvme, the host one beside it): a smoke run
     stages: tuple[int, ...] = (3,)  # ZeRO stages; more than stage 3 alone: one variant per stage (see the docstring)
     checkpointing: str = "none"  # activation checkpointing of every block in every variant: none, device or cpu
+    only: tuple[str, ...] = ()  # run only these variants (by name, the first one is the headline); (): all
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -91,6 +92,10 @@ class StepBench:
             raise ValueError(f"accum and unit_bytes must be >= 1, got {self.accum} and {self.unit_bytes}")
         if self.offload == "none" and self.stages == (3,):
             raise ValueError("offload none compares stages only: pass stages (e.g. --stage 0,1,2,3)")
+        unknown = [name for name in self.only if name not in self._all_variants()]
+        if unknown:
+            raise ValueError(f"no variant {', '.join(map(repr, unknown))} with offload {self.offload}: choose from "
+                             + ", ".join(self._all_variants()))
 
     @property
     def compares_stages(self) -> bool:
@@ -98,6 +103,10 @@ class StepBench:
 
     def variants(self) -> dict[str, dict[str, Any]]:
         """Offload configurations compared in this run, by name: the first one is the headline."""
+        every = self._all_variants()
+        return {name: every[name] for name in self.only} if self.only else every
+
+    def _all_variants(self) -> dict[str, dict[str, Any]]:
         if self.compares_stages:
             out = {}
             for stage in self.stages:
@@ -108,10 +117,16 @@ class StepBench:
                 out[f"stage{stage}"] = variant
             return out
         if self.headline_only:
-            every = StepBench(offload=self.offload).variants()
+            every = StepBench(offload=self.offload)._all_variants()
             return {k: v for k, v in every.items() if k in ("host", "nvme")}
         if self.offload == "cpu":
             return {"host": {"device": "cpu"}, "host-no-prefetch": {"device": "cpu", "prefetch": 0},
+                    # Clipping (max norm 1.0) gates the update: Adam after backward, or speculated during it with
+                    # the unclipped factor, kept where clipping does not fire (max norm 1e9) and recomputed where
+                    # it does (1e-9).
+                    "clip-after": {"device": "cpu", "speculative": "off"},
+                    "clip-speculative-kept": {"device": "cpu", "clip": 1e9, "speculative": "on"},
+                    "clip-speculative-recomputed": {"device": "cpu", "clip": 1e-9, "speculative": "on"},
                     # Without clipping the step can overlap backward; the same config with overlap off is its pair.
                     "noclip-overlap": {"device": "cpu", "clip": 0.0, "overlap": "on"},
                     "noclip-after": {"device": "cpu", "clip": 0.0, "overlap": "off"},
@@ -179,6 +194,7 @@ def engine_config(b: StepBench, variant: dict[str, Any]) -> dict[str, Any]:
                                     "stage3_prefetch_bucket_size": variant.get("prefetch", 50_000_000)},
               "offload": {"unit_bytes": b.unit_bytes, "overlap_step": variant.get("overlap", "auto"),
                           "early_step": variant.get("early", "auto"),
+                          "speculative_step": variant.get("speculative", "auto"),
                           "checkpoint_blocks": b.checkpointing != "none"},
               "activation_checkpointing": {"cpu_checkpointing": b.checkpointing == "cpu"}}
     return config
@@ -222,8 +238,8 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
                         if k not in ("total", "peak", "budget", "gathered_now", "activations_now"))
               for tier, parts in engine.memory_summary().items()}
     engine.close()
-    return {"times": times, "seconds": snap.seconds, "bytes": snap.bytes, "overlap": overlap, "peak": peak,
-            "memory": memory}
+    return {"times": times, "seconds": snap.seconds, "bytes": snap.bytes, "counts": snap.counts, "overlap": overlap,
+            "peak": peak, "memory": memory}
 
 
 def _profiler(b: StepBench) -> torch.profiler.profile:
@@ -311,6 +327,9 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
                          "copies_hidden": statistics.mean(run["overlap"] for run in runs[name])
                          if all(run["overlap"] is not None for run in runs[name]) else -1.0,
                          "nvme_wait_s": per_step(name, "nvme_wait"),
+                         "speculative_s": per_step(name, "optimizer_speculative"),
+                         "speculation_kept": per_step(name, "speculation_kept", "counts"),
+                         "speculation_recomputed": per_step(name, "speculation_recomputed", "counts"),
                          "param_wait_s": per_step(name, "param_wait"),
                          "param_read_s": per_step(name, "param_read"),
                          "optimizer_io_s": per_step(name, "optimizer_io"),
@@ -326,6 +345,12 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
         if b.compares_stages:
             plot_stages(result, out_path.with_name("stages.png"))
     return result
+
+
+def speculation_hidden(row: dict[str, float], after: dict[str, float]) -> float:
+    """Share of the after-backward step's optimizer time that the speculative step took off the step (negative:
+    it made the step longer)."""
+    return (after["step_s"] - row["step_s"]) / after["optimizer_s"] if after["optimizer_s"] else 0.0
 
 
 def optimizer_io_hidden(row: dict[str, float], base: dict[str, float]) -> float:
@@ -404,6 +429,18 @@ def print_table(result: StepResult, out: TextIO) -> None:
         print(f"  without clipping: step after backward {v['noclip-after']['step_s'] * 1e3:.1f} ms, overlapped with "
               f"backward {v['noclip-overlap']['step_s'] * 1e3:.1f} ms; overlap's gain "
               f"{v['noclip-after']['step_s'] / v['noclip-overlap']['step_s']:.2f}x", file=out)
+    if "clip-after" in v:
+        after = v["clip-after"]
+        print(f"  with clipping: Adam after backward {after['step_s'] * 1e3:.1f} ms/step (optimizer phase "
+              f"{after['optimizer_s'] * 1e3:.1f} ms); speculated during backward:", file=out)
+        for name in ("host", "clip-speculative-kept", "clip-speculative-recomputed"):
+            if name in v and (v[name]["speculation_kept"] or v[name]["speculation_recomputed"]):
+                row = v[name]
+                off_thread = 1 - row["optimizer_s"] / after["optimizer_s"] if after["optimizer_s"] else 0.0
+                print(f"    {name:28s} {row['step_s'] * 1e3:8.1f} ms/step, {row['speculation_kept']:.0f} kept / "
+                      f"{row['speculation_recomputed']:.0f} recomputed per step; of the optimizer's time "
+                      f"{speculation_hidden(row, after):.0%} off the step, {off_thread:.0%} off the training "
+                      "thread", file=out)
     if "params-host-early" in v:
         print(f"  parameters on the host: step() whole {v['params-host']['step_s'] * 1e3:.1f} ms/step, returning "
               f"before Adam {v['params-host-early']['step_s'] * 1e3:.1f} ms/step; the early step's gain "
