@@ -132,7 +132,7 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     device, host, nvme = est.tiers["device"], est.tiers["host"], est.tiers["nvme"]
     param_dev = zero.offload_param.device
     dtype = torch.float16 if config.fp16.enabled is True else torch.bfloat16 if item == 2 else torch.float32
-    why_not = speculation_unwanted(config, dtype, discrete)
+    why_not = speculation_unwanted(config, dtype)
     placement = plan(sizes, {i for i, _ in sizes}, config, item, parts=parts,  # the engine's own plan
                      resident_params=stage.resident_params,
                      whole_grads=0 if stage.reduce_every_micro_batch else est.params, discrete=discrete,
@@ -149,6 +149,14 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     host.update(placement.host)
     if activations is not None:
         add_activations(est, activations, config)
+    if placement.state_on_device:
+        on_device = sum(g.numel for g in placement.groups if g.tier == "device")
+        est.notes.append(f"offload_optimizer.ratio {zero.offload_optimizer.ratio}: the optimizer state of "
+                         f"{len(placement.state_on_device)} of {len(sizes)} units ({on_device:,} of "
+                         f"{sum(n for _, n in sizes):,} elements) stays on the device and is stepped there")
+    elif placement.state_fits_device and zero.offload_optimizer.device != "none":
+        est.notes.append("the whole optimizer state would fit on the device: offload_optimizer.ratio \"auto\" "
+                         "keeps it there, where it steps faster")
     if why_not is None and placement.speculative_why:
         est.notes.append(f"the step does not speculate: {placement.speculative_why}")
     for problem in placement.problems:  # the limits initialize holds every tier to

@@ -138,6 +138,7 @@ def test_a_host_budget_without_room_for_the_second_slot_steps_after_backward_and
 
 @pytest.mark.parametrize("change,reason", [
     ({"gradient_clipping": 0.0}, None),  # nothing to speculate on: the exact overlapped step runs
+    ({"offload": {"unit_bytes": 8192, "speculative_step": "auto"}}, "'auto' speculates nowhere yet"),
     ({"offload": {"unit_bytes": 8192, "speculative_step": False}}, "offload.speculative_step is off"),
     ({"offload": {"unit_bytes": 8192, "overlap_step": "off"}}, "offload.overlap_step is off"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
@@ -152,11 +153,13 @@ def test_the_engine_says_why_it_does_not_speculate(change, reason):
 
 
 def test_the_estimate_counts_the_second_slot_where_the_engine_would_take_it():
-    config = Config.load(spec_config(1, 1, 1.0, "auto")).resolve(world_size=1)
+    config = Config.load(spec_config(1, 1, 1.0, "on")).resolve(world_size=1)
     units = [50_000] * 4
     on_cpu = estimate(units, config, 1, discrete=False).tiers["host"]
     assert on_cpu[SPECULATIVE_SLOT] == on_cpu["optimizer state"]
-    assert SPECULATIVE_SLOT not in estimate(units, config, 1, discrete=True).tiers["host"]  # auto: off on a GPU
+    assert SPECULATIVE_SLOT in estimate(units, config, 1, discrete=True).tiers["host"]  # "on" is on on a GPU too
+    auto = Config.load(spec_config(1, 1, 1.0, "auto")).resolve(world_size=1)
+    assert SPECULATIVE_SLOT not in estimate(units, auto, 1, discrete=False).tiers["host"]  # auto: off for now
     tight = Config.load({**spec_config(1, 1, 1.0, "on"),
                          "offload": {"speculative_step": "on", "unit_bytes": 8192,
                                      "budgets": {"host": sum(on_cpu.values()) - on_cpu[SPECULATIVE_SLOT] // 2}}}

@@ -165,7 +165,8 @@ class Config:
 
         ``values`` maps dotted key paths to what the training script knows (as Hugging Face
         fills "auto" from its TrainingArguments); ``hidden_size`` sizes the ZeRO buckets as
-        Hugging Face does. Anything else "auto" takes the field's documented default.
+        Hugging Face does. Anything else "auto" takes the field's documented default, except the keys the
+        engine decides at start-up (``RUNTIME_AUTO``), which stay "auto".
         """
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ConfigError("", f"world size must be a positive whole number, got {world_size!r}")
@@ -177,6 +178,8 @@ class Config:
         raw = self.to_dict()
         notes = list(self.notes)
         for path in self.auto_paths():
+            if path in RUNTIME_AUTO and path not in values:
+                continue  # the engine decides it at start-up, from what the device holds
             if path in values:
                 value = values[path]
             elif path in _HIDDEN_DERIVED and hidden_size is not None:
@@ -197,6 +200,8 @@ class Config:
 # ------------------------------------------------------------------------- helpers
 
 _VARIANTS = {"scheduler.params": tuple(SCHEDULER_PARAMS.values())}
+# Keys whose "auto" the engine decides at start-up; resolve leaves them "auto".
+RUNTIME_AUTO = ("zero_optimization.offload_optimizer.ratio",)
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _HIDDEN_DERIVED = {
     # Hugging Face's integration sizes these from the model's hidden size.

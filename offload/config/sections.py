@@ -234,11 +234,12 @@ class OffloadOptimizerConfig:
     fast_init: bool = setting(False, "Initialise NVMe optimizer state without a round trip through the accelerator.",
                               support=NO_EFFECT, note="NVMe optimizer state is always written straight from host "
                                                       "memory, never through the accelerator.")
-    ratio: float = setting(1.0, "Fraction of the optimizer state that is offloaded (the rest stays on the "
-                                "accelerator).",
-                           ge=0, le=1, support=REFUSED,
-                           note="Partial optimizer offload is not implemented yet: use 1.0 (all of it offloaded) or "
-                                "device 'none' (all of it on the accelerator).")
+    ratio: float | Auto = setting(
+        1.0, "Fraction of the optimizer state that is offloaded (DeepSpeed's meaning); the rest, the units the "
+             "next forward needs first, stays on the compute device and is stepped there. auto: as much as the "
+             "device budget (or half the memory free at start, after the resident state and gathers) holds, in "
+             "that order; the rest offloaded. Below 1 needs offload_param.device none.",
+        ge=0, le=1, auto=True)
 
     def check(self, path: str) -> None:
         check_nvme_path(self.nvme_path, self.device, path)
@@ -486,7 +487,8 @@ class OffloadExtConfig:
                                              "clipping did not fire and recomputed with the real factor when it did "
                                              "(bitwise the ordinary step either way; the second slot takes 12 bytes "
                                              "per host-resident parameter from the host budget); off: step after "
-                                             "backward; auto: on when the compute device is the CPU.",
+                                             "backward; auto: off for now (on a 2-core CPU it measured slower, "
+                                             "Adam and backward sharing the cores; not yet measured on a GPU).",
                                     choices=("auto", "on", "off"))
     accumulate_on_device: bool = setting(True, "With gradient accumulation and the optimizer offloaded, keep each "
                                                "unit's fp32 gradient sum on the device while room allows (the device "

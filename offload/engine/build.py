@@ -118,12 +118,19 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         undo.callback(swaps.close)
         whole_grads = 0 if stage.reduce_every_micro_batch else sum(
             s.numel for p in plans for s in p.slots if s.param.requires_grad)
-        speculative_why = step_mode.speculation_unwanted(config, compute_dtype, discrete=not accel.host_is_device)
+        speculative_why = step_mode.speculation_unwanted(config, compute_dtype)
         placement = plan_placement(shard_sizes, trained, config, compute_dtype.itemsize, parts=parts,
                                    resident_params=stage.resident_params, whole_grads=whole_grads,
                                    discrete=not accel.host_is_device, device_free=accel.free_bytes(),
                                    speculative=speculative_why is None)
         nvme_params = placement.nvme_params
+        ratio = zero.offload_optimizer.ratio
+        if zero.offload_optimizer.device != "none" and placement.state_fits_device and ratio == 1.0:
+            logger.info("rank %d: the whole optimizer state would fit on the device beside the rest, where it steps "
+                        "faster than on the host: offload_optimizer.ratio \"auto\" keeps it there", group.rank)
+        if placement.state_on_device:
+            logger.info("rank %d: offload_optimizer.ratio %s keeps the optimizer state of %d of %d units on the "
+                        "device", group.rank, ratio, len(placement.state_on_device), len(trained))
         if zero.offload_param.device == "nvme":
             logger.info("rank %d: %s", group.rank, describe_placement(shard_sizes, nvme_params, zero.offload_param))
         placement.check()  # every budget, before anything is allocated
@@ -199,7 +206,7 @@ def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, sta
     if not fresh:  # see [Note: reading a checkpoint into shards]
         start, stop = (0, unit.padded) if unit.keeps_full else (unit.shard_start, unit.shard_start + unit.shard_numel)
         values = pretrained.read_flat(plan, unit.padded, start, stop)
-    unit.load_initial(values, host_copy=group_of is not None and optimizer.offload, start=start)
+    unit.load_initial(values, host_copy=group_of is not None and optimizer.steps_on_host(plan.index), start=start)
     if group_of is not None:
         optimizer.add_shard(unit.index, unit.name, unit.shard_of(values, start),
                             shard_segments(unit.slots, unit.shard_start, unit.shard_numel, group_of))

@@ -35,20 +35,22 @@ class MemoryAccount:
 
     def device_parts(self) -> dict[str, int]:
         """What stays on the device between uses: parameters (stage 3: this rank's shards), the whole gradients
-        stages 0-1 keep in .grad until the last micro-batch, and the optimizer state and fp32 gradient
-        accumulators when the optimizer is not offloaded (when it is, the accumulators placed on the device)."""
+        stages 0-1 keep in .grad until the last micro-batch, the optimizer state and fp32 gradient accumulators
+        of the units stepped on the device, and an offloaded optimizer's accumulators placed on the device."""
         parts = {"parameters" if self.stage.resident_params else "shards": sum(
             u.full.numel() * u.full.element_size() if u.resident else self.params.device_nbytes(u.index)
             for u in self.units)}
         if not self.stage.reduce_every_micro_batch:
             parts["gradients (whole, in .grad)"] = self.compute_dtype.itemsize * sum(
                 s.numel for u in self.units for s in u.slots if s.param.requires_grad)
-        if not self.optimizer.offload:
-            parts["optimizer state"] = sum(g.nbytes for g in self.optimizer.store.groups)
-            parts["gradient accumulators"] = sum(st.grad.numel() * 4 for st in self.optimizer.shards.values())
-        elif on_device := sum(st.on_device.numel() * 4 for st in self.optimizer.shards.values()
-                              if st.on_device is not None):
-            parts["gradient accumulators"] = on_device  # an offloaded optimizer's, with gradient accumulation
+        optimizer = self.optimizer
+        if state := sum(g.nbytes for g in optimizer.store.groups if g.tier == "device"):
+            parts["optimizer state"] = state  # all of it, or a partial offload's share
+        # fp32 accumulators of the units stepped on the device, and an offloaded optimizer's kept on the device
+        accumulators = sum(st.grad.numel() * 4 for i, st in optimizer.shards.items() if not optimizer.steps_on_host(i))
+        accumulators += sum(st.on_device.numel() * 4 for st in optimizer.shards.values() if st.on_device is not None)
+        if accumulators:
+            parts["gradient accumulators"] = accumulators
         return parts
 
     def device_resident_bytes(self) -> int:

@@ -85,6 +85,15 @@ reached. The next backward's gradients queue behind the step on the same worker,
 none lands in an accumulator Adam still reads; every other reader of the optimizer state
 drains the worker first. Same kernel, same values: bitwise the step after backward.
 
+[Note: a partial offload] With offload_optimizer.ratio below 1 (or auto), the first
+units' sub-groups stay on the compute device (offload/store/placement.py chooses them:
+the ones the next forward needs first). Those units are treated as without an offload:
+their gradients add up in an fp32 accumulator on the device, their norm is taken there,
+and Adam steps them there (torch's ops on a GPU, the native kernel on a CPU device),
+writing the new shard straight into the device home; the rest take the offloaded paths
+above. With the early step the device units step on the training thread before it
+returns (in stream order, so the next forward needs no wait for them).
+
 [Note: parameter return] The step writes each new compute-dtype shard where the
 parameter store says (offload/store/param_store.py: [Note: the step's target]); a shard
 homed on the device is then copied back by the store, whose event the next gather of
@@ -261,6 +270,9 @@ class ShardedAdam(torch.optim.Optimizer):
         self.host = plan.host
         self.params = params
         self._nvme_units = {i for i, _ in sizes if params.home(i) is Home.NVME}
+        # A partial offload's units stepped on the device (see [Note: a partial offload]).
+        self._device_state = frozenset(m.unit for g in plan.groups if g.tier == "device" for m in g.members
+                                       ) if self.offload else frozenset()
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
         # Gradients leave the device on a stream of their own (no D2H when host memory is the device's), and the
@@ -277,16 +289,20 @@ class ShardedAdam(torch.optim.Optimizer):
         self._overlap: Overlap | None = None
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         if self.offload and sizes:
-            self._reserve_host(sizes, plan.step_buffers)
+            self._reserve_host(plan.step_buffers)
         self.store = OptimizerStateStore(plan.groups, accel=accel, host=plan.host, nvme=plan.nvme,
                                          buffer_count=plan.buffer_count, swap=plan.swap, rank=plan.rank,
                                          telemetry=self.telemetry, spare=plan.speculative)
 
-    def _reserve_host(self, sizes: list[tuple[int, int]], parts: dict[str, int]) -> None:
+    def _reserve_host(self, parts: dict[str, int]) -> None:
         """Account the host bytes of accumulators, copies and landing buffers (the plan sized them and checked
         they fit)."""
         for what, nbytes in parts.items():
             self.host.take(nbytes, what)
+
+    def steps_on_host(self, index: int) -> bool:
+        """Whether unit ``index``'s optimizer state is offloaded (its step writes a host copy of the shard)."""
+        return self.offload and index not in self._device_state
 
     def _host_tensor(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return self.accel.host_buffer(n, dtype)[0]
@@ -302,7 +318,7 @@ class ShardedAdam(torch.optim.Optimizer):
         n = master.numel()
         landing, grad = None, None  # an offloaded shard's accumulator: made on first use
         on_device = None
-        if self.offload:
+        if self.steps_on_host(index):
             if index in self._on_device:  # the sum comes down once, in fp32
                 landing = self._host_tensor(n, torch.float32)
                 on_device = torch.empty(n, dtype=torch.float32, device=self.accel.device)
@@ -342,7 +358,7 @@ class ShardedAdam(torch.optim.Optimizer):
         reduction) completes; ``keep`` (its input) stays referenced until then. Called by backward's hooks: it
         never blocks the calling thread (see [Note: gradients land])."""
         state = self.shards.get(index)
-        if state is None or not self.offload:  # no optimizer state, or the state is on the compute device
+        if state is None or not self.steps_on_host(index):  # no optimizer state, or the state is on the device
             self.accel.compute_wait(ready)
             if state is not None:
                 _accumulate(state, shard_grad, scale, self.threads)
@@ -478,7 +494,7 @@ class ShardedAdam(torch.optim.Optimizer):
         (see [Note: gradients read where they land]). ``guess``: with ``overlap``, speculate that the step's factor
         is this (see [Note: speculative step])."""
         self._final = True
-        self._in_place = only and self.offload and all(g.tier == "host" for g in self.store.groups)
+        self._in_place = only and self.offload and all(g.tier in ("host", "device") for g in self.store.groups)
         self._sent_in_place.clear()
         self.store.read_ahead()
         if overlap:
@@ -570,7 +586,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._end_accumulation()
         for index, state in self.shards.items():
             self.accel.schedule.work("hook_step", index)
-            if self.offload and state.phase is not ShardPhase.STEPPED:
+            if self.steps_on_host(index) and state.phase is not ShardPhase.STEPPED:
                 self._compute_done = self.accel.compute_event(into=self._compute_done)
                 self.params.copy_back(index, after=self._compute_done)
             state.empty()
@@ -580,7 +596,7 @@ class ShardedAdam(torch.optim.Optimizer):
     def can_return_early(self) -> bool:
         """Whether ``apply_early`` may run this optimizer's step: all its state is host memory and no parameter
         shard is homed on NVMe, so nothing in the step can fail after engine.step() returned."""
-        return self.offload and not self._nvme_units and all(g.tier == "host" for g in self.store.groups)
+        return self.offload and not self._nvme_units and all(g.tier in ("host", "device") for g in self.store.groups)
 
     def apply_early(self, grad_scale: float) -> None:
         """``apply``, handed to the landing worker: returns at once (see [Note: early step])."""
@@ -591,6 +607,11 @@ class ShardedAdam(torch.optim.Optimizer):
         # Last step's copies back read the host copies this step rewrites.
         self._land.run(lambda: self.params.wait_copies_back())
         for group in self.store.step_pass():
+            if group.tier == "device":  # on the compute stream, before step() returns
+                for member in group.members:
+                    self._step_shard(member.unit, group.views(member), step, hypers, grad_scale)
+                    self.shards[member.unit].empty()
+                continue
             for member in group.members:
                 self.accel.schedule.work("hook_step", member.unit)
                 self._land.run(lambda g=group, m=member: self._step_early(g, m, step, hypers, grad_scale, after))
@@ -623,7 +644,7 @@ class ShardedAdam(torch.optim.Optimizer):
         state = self.shards[index]
         master, exp_avg, exp_avg_sq = views
         empty = state.phase is ShardPhase.EMPTY  # no gradient reached this unit since the last step: Adam sees zeros
-        out = self.params.step_target(index) if self.offload else None
+        out = self.params.step_target(index) if self.steps_on_host(index) else None
         if index in self._nvme_units:  # a fresh write buffer: what the step does not write keeps its value
             assert out is not None
             for start, end in state.gaps:
@@ -662,7 +683,7 @@ class ShardedAdam(torch.optim.Optimizer):
         if speculative:
             return frozenset(u for u, (g, _) in self.store.by_unit.items()
                              if g.tier == "host" and g.spare is not None and u not in self._nvme_units)
-        return frozenset(self.store.by_unit)
+        return frozenset(u for u, (g, _) in self.store.by_unit.items() if g.tier != "device")
 
     def begin_overlap(self, guess: float | None = None) -> None:
         """The coming backward is the last of the accumulation and nothing global gates the update (or

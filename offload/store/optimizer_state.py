@@ -114,12 +114,15 @@ class SubGroup:
         self.in_spare ^= {member.unit}
 
 
-def plan_sub_groups(sizes: list[tuple[int, int]], sub_group_size: int) -> list[SubGroup]:
-    """Consecutive units' shards packed up to ``sub_group_size`` elements (a larger unit is one alone)."""
+def plan_sub_groups(sizes: list[tuple[int, int]], sub_group_size: int,
+                    on_device: frozenset[int] = frozenset()) -> list[SubGroup]:
+    """Consecutive units' shards packed up to ``sub_group_size`` elements (a larger unit is one alone); the units
+    ``on_device`` (the first ones: see offload/store/placement.py) form sub-groups of their own, on the device."""
     groups: list[SubGroup] = []
     for unit, numel in sizes:
-        if not groups or groups[-1].numel + numel > sub_group_size:
-            groups.append(SubGroup(len(groups), [], 0))
+        device = unit in on_device
+        if not groups or groups[-1].numel + numel > sub_group_size or (groups[-1].tier == "device") != device:
+            groups.append(SubGroup(len(groups), [], 0, tier="device" if device else "host"))
         g = groups[-1]
         g.members.append(Member(unit, g.numel, numel))
         g.numel += numel
@@ -135,6 +138,7 @@ def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buff
         for g in groups:
             g.tier = "device"
         return
+    groups = [g for g in groups if g.tier != "device"]  # kept on the device by a partial offload (ratio < 1)
     if device == "cpu":
         need = sum(g.nbytes for g in groups)
         left = None if host.limit is None else host.limit - host.used

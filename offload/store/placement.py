@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from offload.buffers import round_up
-from offload.config import ConfigError
+from offload.config import AUTO, ConfigError
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import (SPECULATIVE_SLOT, SubGroup, nvme_buffers, place_sub_groups,
                                           plan_sub_groups)
@@ -53,6 +53,8 @@ class Placement:
     device: dict[str, int] = field(default_factory=dict)  # bytes kept on the device between uses, by part
     gather_room: int | None = None  # elements the device budget leaves for gathered units (None: no budget)
     device_accumulated: frozenset[int] = frozenset()  # units whose fp32 gradient accumulator is on the device
+    state_on_device: frozenset[int] = frozenset()  # offloaded optimizer, units whose state stays on the device
+    state_fits_device: bool = False  # the whole optimizer state would fit in the device's room
     speculative: bool = False  # host sub-groups have the speculative step's second slot
     speculative_why: str = ""  # why not, when it was asked for
     problems: list[ConfigError] = field(default_factory=list)  # in the order start-up meets them
@@ -85,9 +87,12 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     trained_sizes = [(i, n) for i, n in shard_sizes if i in trained]
     out = Placement(homes, nvme_params, plan_sub_groups(trained_sizes, int(zero.sub_group_size)), False)
     _plan_device_resident(out, shard_sizes, trained_sizes, config, item, parts, resident_params, whole_grads)
+    if opt.device != "none" and trained_sizes:
+        _plan_state_on_device(out, shard_sizes, trained_sizes, config, item, parts, device_free)
+    offloaded_sizes = [(i, n) for i, n in trained_sizes if i not in out.state_on_device]
     if (opt.device != "none" and discrete and (config.gradient_accumulation_steps or 1) > 1 and not whole_grads
-            and config.offload.accumulate_on_device):
-        _plan_device_accumulators(out, shard_sizes, trained_sizes, config, item, parts, device_free)
+            and config.offload.accumulate_on_device and offloaded_sizes):
+        _plan_device_accumulators(out, shard_sizes, offloaded_sizes, config, item, parts, device_free)
 
     if nvme_params:
         shards, file_bytes = plan_homes(nvme_params, item)
@@ -106,11 +111,11 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         out.nvme["parameter shards (two slots per unit)"] = file_bytes
         out.host["parameter NVMe buffers"] = buffers
 
-    if opt.device != "none" and trained_sizes:
+    if opt.device != "none" and offloaded_sizes:
         # Read in place, a device home's host copy is the device shard, unless NVMe state keeps copies apart.
         in_place = set() if discrete or opt.device == "nvme" else {i for i, h in homes.items() if h is Home.DEVICE}
         accumulates = config.gradient_accumulation_steps != 1 or opt.device != "cpu"
-        step_buffers = out.step_buffers = host_parts(trained_sizes, {i for i, _ in nvme_params} | in_place, item,
+        step_buffers = out.step_buffers = host_parts(offloaded_sizes, {i for i, _ in nvme_params} | in_place, item,
                                                      landing=discrete, accumulators=accumulates,
                                                      on_device=out.device_accumulated)
         if host_limit is not None and sum(step_buffers.values()) > host_limit:
@@ -128,7 +133,8 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         out.problems.append(e)
     if out.placed:
         _plan_optimizer_state(out, nvme_limit, opt.buffer_count)
-    _plan_host_params(out, shard_sizes, trained if opt.device != "none" else set(), item, host_limit)
+    _plan_host_params(out, shard_sizes, trained - out.state_on_device if opt.device != "none" else set(), item,
+                      host_limit)
     if speculative and out.placed:  # last: it is the one part that may be left out
         _plan_speculative_slot(out, host_limit)
     _check_device(out, shard_sizes, config, item, parts, resident_params)
@@ -201,22 +207,71 @@ def _plan_device_resident(out: Placement, shard_sizes: list[tuple[int, int]], tr
         out.device["gradient accumulators"] = 4 * sum(n for _, n in trained_sizes)
 
 
+def _device_room(out: Placement, shard_sizes: list[tuple[int, int]], config: Any, item: int, parts: int,
+                 device_free: int | None) -> int | None:
+    """Bytes the device can give to optimizer state and gradient accumulators: the device budget less what is
+    planned there and the gathers (twice the largest unit and a prefetch bucket), or without a budget half of
+    what was free at start less those (the rest is the activations'); None: nothing bounds it (a CPU device
+    without a budget)."""
+    budget = config.offload.budgets.device
+    if budget is None and device_free is None:
+        return None
+    # Two units may be gathered at once besides the prefetched ones (a tied embedding stays through backward).
+    bucket = min(int(config.zero_optimization.stage3_prefetch_bucket_size), parts * sum(n for _, n in shard_sizes))
+    gathers = 2 * max(n for _, n in shard_sizes) * parts + bucket
+    taken = sum(out.device.values()) + gathers * item
+    return budget - taken if budget is not None else (device_free - taken) // 2
+
+
+def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], trained_sizes: list[tuple[int, int]],
+                          config: Any, item: int, parts: int, device_free: int | None) -> None:
+    """A partial optimizer offload (offload_optimizer.ratio below 1, or auto): the optimizer state of the first
+    units, the ones the next forward needs first, stays on the device with an fp32 gradient accumulator each, and
+    is stepped there. ratio r keeps the units nearest (1 - r) of the elements; auto as many as the device's
+    room holds (none where nothing bounds it: a CPU device's memory is the host's)."""
+    zero = config.zero_optimization
+    ratio, params_home = zero.offload_optimizer.ratio, zero.offload_param.device
+    room = _device_room(out, shard_sizes, config, item, parts, device_free)
+    cost = [(i, n, round_up(12 * n) + 4 * n) for i, n in trained_sizes]  # state (a sub-group each at worst), grads
+    out.state_fits_device = room is not None and sum(c for *_, c in cost) <= room
+    chosen: list[tuple[int, int]] = []
+    if ratio is AUTO:
+        if params_home != "none" or room is None:
+            return  # device-homed parameters only; and a CPU device without a budget gains nothing
+        used = 0
+        for i, n, c in cost:
+            if used + c > room:
+                break
+            chosen.append((i, n))
+            used += c
+    elif ratio < 1:
+        if params_home != "none":
+            out.problems.append(ConfigError(
+                "zero_optimization.offload_optimizer.ratio", f"{ratio:g} keeps part of the optimizer state on the "
+                f"device, which steps the parameters homed there; offload_param.device is {params_home!r}: set it "
+                "to none, or ratio to 1"))
+            return
+        target, total = (1 - ratio) * sum(n for _, n in trained_sizes), 0
+        for i, n in trained_sizes:  # the prefix whose size is nearest the target
+            if total + n / 2 > target:
+                break
+            chosen.append((i, n))
+            total += n
+    if not chosen:
+        return
+    out.state_on_device = frozenset(i for i, _ in chosen)
+    out.groups = plan_sub_groups(trained_sizes, int(zero.sub_group_size), out.state_on_device)
+    out.device["optimizer state"] = sum(g.nbytes for g in out.groups if g.tier == "device")
+    out.device["gradient accumulators"] = 4 * sum(n for _, n in chosen)
+
+
 def _plan_device_accumulators(out: Placement, shard_sizes: list[tuple[int, int]],
                               trained_sizes: list[tuple[int, int]], config: Any, item: int, parts: int,
                               device_free: int | None) -> None:
-    """With gradient accumulation, an offloaded optimizer's fp32 accumulators go on the device, in unit order,
-    as far as room allows: the device budget less the resident state and the gathers (twice the largest unit
-    and a prefetch bucket), or without a budget half of what was free at start less those (the rest is the
-    activations'). The other units accumulate on the host (see [Note: gradients accumulated on the device] in
-    offload/optim/sharded.py)."""
-    budget = config.offload.budgets.device
-    room = None
-    if budget is not None or device_free is not None:
-        # Two units may be gathered at once besides the prefetched ones (a tied embedding stays through backward).
-        bucket = int(config.zero_optimization.stage3_prefetch_bucket_size)
-        gathers = 2 * max(n for _, n in shard_sizes) * parts + bucket
-        taken = sum(out.device.values()) + gathers * item
-        room = budget - taken if budget is not None else (device_free - taken) // 2
+    """With gradient accumulation, an offloaded optimizer's fp32 accumulators (``trained_sizes``: the units whose
+    state is offloaded) go on the device, in unit order, as far as its room allows (``_device_room``). The other
+    units accumulate on the host (see [Note: gradients accumulated on the device] in offload/optim/sharded.py)."""
+    room = _device_room(out, shard_sizes, config, item, parts, device_free)
     chosen: set[int] = set()
     used = 0
     for i, n in trained_sizes:
@@ -226,7 +281,7 @@ def _plan_device_accumulators(out: Placement, shard_sizes: list[tuple[int, int]]
         used += 4 * n
     out.device_accumulated = frozenset(chosen)
     if used:
-        out.device["gradient accumulators"] = used
+        out.device["gradient accumulators"] = out.device.get("gradient accumulators", 0) + used
 
 
 def _check_device(out: Placement, shard_sizes: list[tuple[int, int]], config: Any, item: int, parts: int,

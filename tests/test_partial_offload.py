@@ -1,0 +1,110 @@
+"""offload_optimizer.ratio: part of the optimizer state stays on the compute device and is stepped there (see
+[Note: a partial offload] in offload/optim/sharded.py). On this CPU the device tier is host memory with its own
+budget, so the split, its accounting and its results are all checked here."""
+
+import pytest
+import torch
+
+import offload
+from engine_cases import base_config, check_parity, describe_engine, make_model, train_engine, train_reference
+from offload.config import AUTO, Config
+from offload.estimate import estimate, model_units
+from offload.launch import run_ranks
+
+
+def ratio_config(world, accum, ratio, device_budget=None, **offload_section):
+    config = base_config(2, accum, world)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "ratio": ratio}
+    config["offload"].update(offload_section)
+    if device_budget is not None:
+        config["offload"]["budgets"] = {"device": device_budget}
+    return config
+
+
+def device_state(raw, world=1):
+    """Elements of optimizer state the engine's own plan keeps on the device, and all of them."""
+    config = Config.load(raw).resolve(world_size=world)
+    est = estimate(model_units(make_model("gpt"), config), config, world, discrete=False)
+    everything = estimate(model_units(make_model("gpt"), config), Config.load(
+        ratio_config(world, 1, 0.0)).resolve(world_size=world), world, discrete=False)
+    return est.tiers["device"].get("optimizer state", 0), everything.tiers["device"]["optimizer state"]
+
+
+def splitting_budget(world=1):
+    """A device budget under which auto keeps about half the optimizer state on the device (found by bisection
+    over the engine's own plan)."""
+    lo, hi = 0, 1 << 26
+    _, full = device_state(ratio_config(world, 1, "auto", hi), world)
+    while hi - lo > 1024:
+        mid = (lo + hi) // 2
+        kept, _ = device_state(ratio_config(world, 1, "auto", mid), world)
+        lo, hi = (mid, hi) if kept < full // 2 else (lo, mid)
+    return hi
+
+
+@pytest.mark.parametrize("world,accum", [(1, 1), (2, 4)])
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0, "auto"])
+def test_every_split_trains_as_plain_pytorch(world, accum, ratio):
+    budget = splitting_budget(world) if ratio == "auto" else None
+    config = ratio_config(world, accum, ratio, budget)
+    results = run_ranks(train_engine, world, name="gpt", config=config, steps=3, micro=2, accum=accum)
+    memory = results[0]["memory"]
+    on_device = memory["device"].get("optimizer state", 0)
+    on_host = memory["host"].get("optimizer state", 0)
+    if ratio == 0.0:
+        assert on_device > 0 and on_host == 0
+    elif ratio == 1.0:
+        assert on_device == 0 and on_host > 0
+    else:  # a split, the device's share where the plan put it (the budget held it)
+        assert on_device > 0 and on_host > 0
+        assert on_device == device_state(config, world)[0]
+        if budget is not None:
+            resident = {k: v for k, v in memory["device"].items() if k != "budget" and not k.startswith("gathered")}
+            assert sum(resident.values()) <= budget
+    check_parity(results, train_reference("gpt", 3, 2 * accum * world, 2, world=world))
+
+
+def test_ratio_keeps_the_units_the_forward_needs_first_nearest_the_fraction():
+    kept, full = device_state(ratio_config(1, 1, 0.5))
+    assert 0.3 * full < kept < 0.7 * full
+    assert device_state(ratio_config(1, 1, 0.75))[0] < kept < device_state(ratio_config(1, 1, 0.25))[0]
+
+
+@pytest.mark.parametrize("mode", ["early", "speculative"])
+def test_a_split_keeps_the_early_and_speculative_steps_bitwise(mode):
+    """The device's units step on the training thread (early step) or after backward (speculation runs for the
+    host's units only); the results are bitwise those of the plain step after backward."""
+    on = {"early": {"early_step": "on"}, "speculative": {"speculative_step": "on"}}[mode]
+    off = {"early_step": "off", "speculative_step": "off"}
+    runs = {name: run_ranks(train_engine, 1, name="gpt", steps=3, micro=2, accum=1,
+                            config=ratio_config(1, 1, 0.5, **section)) for name, section in (("on", on), ("off", off))}
+    counts = runs["on"][0]["counts"]
+    assert counts.get("optimizer_early" if mode == "early" else "optimizer_speculative", 0) > 0
+    for key, value in runs["off"][0]["state"].items():
+        assert torch.equal(runs["on"][0]["state"][key], value), key
+
+
+def test_a_partial_offload_beside_offloaded_parameters_is_refused_with_what_to_do():
+    config = ratio_config(1, 1, 0.5)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    with pytest.raises(offload.ConfigError, match=r"offload_optimizer.ratio: 0.5 keeps part of the optimizer state "
+                                                  r"on the device.*offload_param.device is 'cpu': set it to none, "
+                                                  r"or ratio to 1"):
+        offload.initialize(model=make_model("gpt"), config=config)
+
+
+def test_auto_stays_auto_through_resolve_and_keeps_nothing_on_a_cpu_without_a_device_budget():
+    config = Config.load(ratio_config(1, 1, "auto")).resolve(world_size=1)
+    assert config.zero_optimization.offload_optimizer.ratio is AUTO
+    plan = run_ranks(describe_engine, 1, config=ratio_config(1, 1, "auto"))[0]
+    assert "optimizer state" not in plan["memory"]["device"] and plan["memory"]["host"]["optimizer state"] > 0
+
+
+def test_the_estimate_says_what_stays_on_the_device_and_when_all_of_it_would_fit():
+    config = Config.load(ratio_config(1, 1, 0.5)).resolve(world_size=1)
+    est = estimate(model_units(make_model("gpt"), config), config, 1, discrete=False)
+    assert any("offload_optimizer.ratio 0.5: the optimizer state of" in n and "stays on the device" in n
+               for n in est.notes)
+    roomy = Config.load(ratio_config(1, 1, 1.0, 1 << 30)).resolve(world_size=1)
+    est = estimate(model_units(make_model("gpt"), roomy), roomy, 1, discrete=False)
+    assert any("the whole optimizer state would fit on the device" in n for n in est.notes)
