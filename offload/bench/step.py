@@ -47,6 +47,9 @@ from offload.launch import run_ranks
 from offload.telemetry import BACKGROUND, FOREGROUND
 
 
+NAMED_ONLY = ("ratio-auto", "ratio-half")  # variants that run only when --variants names them
+
+
 @dataclass(kw_only=True)
 class StepBench:
     hidden: int = 256
@@ -104,7 +107,9 @@ class StepBench:
     def variants(self) -> dict[str, dict[str, Any]]:
         """Offload configurations compared in this run, by name: the first one is the headline."""
         every = self._all_variants()
-        return {name: every[name] for name in self.only} if self.only else every
+        if self.only:
+            return {name: every[name] for name in self.only}
+        return {name: v for name, v in every.items() if name not in NAMED_ONLY}
 
     def _all_variants(self) -> dict[str, dict[str, Any]]:
         if self.compares_stages:
@@ -127,6 +132,8 @@ class StepBench:
                     "clip-after": {"device": "cpu", "speculative": "off"},
                     "clip-speculative-kept": {"device": "cpu", "clip": 1e9, "speculative": "on"},
                     "clip-speculative-recomputed": {"device": "cpu", "clip": 1e-9, "speculative": "on"},
+                    # Run only when named (--variants): part of the optimizer state on the device.
+                    "ratio-auto": {"device": "cpu", "ratio": "auto"}, "ratio-half": {"device": "cpu", "ratio": 0.5},
                     # Without clipping the step can overlap backward; the same config with overlap off is its pair.
                     "noclip-overlap": {"device": "cpu", "clip": 0.0, "overlap": "on"},
                     "noclip-after": {"device": "cpu", "clip": 0.0, "overlap": "off"},
@@ -178,7 +185,7 @@ def batches(b: StepBench, n: int, rows: int) -> list[torch.Tensor]:
 
 def engine_config(b: StepBench, variant: dict[str, Any]) -> dict[str, Any]:
     """The engine config of one variant (its keys as ``StepBench.variants`` gives them)."""
-    optimizer = {"device": variant["device"]}
+    optimizer = {"device": variant["device"], "ratio": variant.get("ratio", 1.0)}
     if variant["device"] == "nvme":
         optimizer.update(nvme_path=b.nvme_path, buffer_count=variant["buffer_count"])
     param = {"device": variant.get("params", "none")}
@@ -441,6 +448,12 @@ def print_table(result: StepResult, out: TextIO) -> None:
                       f"{row['speculation_recomputed']:.0f} recomputed per step; of the optimizer's time "
                       f"{speculation_hidden(row, after):.0%} off the step, {off_thread:.0%} off the training "
                       "thread", file=out)
+    for name in NAMED_ONLY:
+        if name in v:
+            mem = result.memory.get(name, {})
+            print(f"  {name}: {v[name]['step_s'] * 1e3:.1f} ms/step = {v[name]['step_s'] / result.torch_step_s:.2f}x "
+                  f"torch; device {mem.get('device', 0) / 2**20:.1f} MiB, host {mem.get('host', 0) / 2**20:.1f} MiB",
+                  file=out)
     if "params-host-early" in v:
         print(f"  parameters on the host: step() whole {v['params-host']['step_s'] * 1e3:.1f} ms/step, returning "
               f"before Adam {v['params-host-early']['step_s'] * 1e3:.1f} ms/step; the early step's gain "
