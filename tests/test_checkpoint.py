@@ -33,6 +33,10 @@ def ckpt_config(world, optimizer="cpu", path=None):
     if optimizer == "params-on-nvme":  # offload_param nvme, every shard: a resume reads them back from NVMe
         config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(path / "params"),
                                                         "max_in_cpu": 0}
+    if optimizer == "speculative":  # saved after an odd number of steps: the current state is in the second slot
+        config["offload"]["speculative_step"] = "on"
+    if optimizer == "ratio-half":  # half the optimizer state on the device, stepped there
+        config["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
     return config
 
 
@@ -71,7 +75,8 @@ def straight_w1(tmp_path_factory):
     return run_ranks(train, 1, config=ckpt_config(1), save_dir=tmp_path_factory.mktemp("unused"), stop=CRASH_STOP)[0]
 
 
-@pytest.mark.parametrize("world,optimizer", [(2, "cpu"), (1, "split"), (1, "params-on-host"), (1, "params-on-nvme")])
+@pytest.mark.parametrize("world,optimizer", [(2, "cpu"), (1, "split"), (1, "params-on-host"), (1, "params-on-nvme"),
+                                             (1, "speculative"), (2, "ratio-half")])
 def test_a_resumed_run_equals_the_run_that_never_stopped(tmp_path, world, optimizer):
     config = ckpt_config(world, optimizer, tmp_path)
     straight = run_ranks(train, world, config=config, save_dir=tmp_path / "a")
