@@ -108,3 +108,16 @@ def test_the_estimate_says_what_stays_on_the_device_and_when_all_of_it_would_fit
     roomy = Config.load(ratio_config(1, 1, 1.0, 1 << 30)).resolve(world_size=1)
     est = estimate(model_units(make_model("gpt"), roomy), roomy, 1, discrete=False)
     assert any("the whole optimizer state would fit on the device" in n for n in est.notes)
+
+
+def test_a_split_on_an_emulated_gpu_trains_as_plain_pytorch():
+    """The GPU's paths on this CPU: the offloaded units' gradients land in buffers of their own after an emulated
+    copy delay (and add up on the device with accumulation), the device units' never leave it."""
+    env = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
+    for accum in (1, 2):
+        config = ratio_config(1, accum, 0.5, early_step="on")
+        results = run_ranks(train_engine, 1, env=env, name="gpt", config=config, steps=3, micro=2, accum=accum)
+        memory = results[0]["memory"]
+        assert memory["device"]["optimizer state"] > 0 and memory["host"]["optimizer state"] > 0
+        assert "gradient landing" in memory["host"]  # the offloaded units' gradients crossed to the host
+        check_parity(results, train_reference("gpt", 3, 2 * accum, 2, world=1))
