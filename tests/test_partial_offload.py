@@ -121,3 +121,12 @@ def test_a_split_on_an_emulated_gpu_trains_as_plain_pytorch():
         assert memory["device"]["optimizer state"] > 0 and memory["host"]["optimizer state"] > 0
         assert "gradient landing" in memory["host"]  # the offloaded units' gradients crossed to the host
         check_parity(results, train_reference("gpt", 3, 2 * accum, 2, world=1))
+
+
+def test_a_split_between_the_device_and_nvme_trains_as_plain_pytorch(tmp_path):
+    config = ratio_config(1, 2, 0.5)
+    config["zero_optimization"]["offload_optimizer"].update(device="nvme", nvme_path=str(tmp_path))
+    config["zero_optimization"]["sub_group_size"] = 3000
+    results = run_ranks(train_engine, 1, name="gpt", config=config, steps=3, micro=2, accum=2)
+    assert set(results[0]["tiers"]) == {"device", "nvme"}
+    check_parity(results, train_reference("gpt", 3, 4, 2, world=1))
