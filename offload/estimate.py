@@ -136,7 +136,8 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     placement = plan(sizes, {i for i, _ in sizes}, config, item, parts=parts,  # the engine's own plan
                      resident_params=stage.resident_params,
                      whole_grads=0 if stage.reduce_every_micro_batch else est.params, discrete=discrete,
-                     device_free=device_free, speculative=why_not is None)
+                     device_free=device_free, speculative=why_not is None,
+                     delayed=config.offload.delayed_update.warmup_steps is not None)
     device.update(placement.device)
     if not stage.resident_params:
         largest_unit = max((n * parts for _, n in sizes), default=0)

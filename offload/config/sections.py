@@ -451,6 +451,15 @@ class BudgetsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class DelayedUpdateConfig:
+    warmup_steps: int | None = setting(
+        None, "Opt-in delayed parameter update (ZeRO-Offload's DPU), which changes results by design: after this many "
+              "exact steps, each step's Adam runs on a worker while the next forward and backward use the "
+              "parameters from before it, and its new parameters are applied at the next step() (one step late). "
+              "null: off. Needs ZeRO stage 3 with the optimizer state and parameters off NVMe.", ge=0)
+
+
+@dataclass(kw_only=True, slots=True)
 class HostMallocConfig:
     mmap_threshold: int | None = setting(
         None, "Fix glibc's mmap threshold (bytes; it caps at 32 MiB): allocations this large or larger get their own "
@@ -490,6 +499,7 @@ class OffloadExtConfig:
                                              "backward; auto: off for now (on a 2-core CPU it measured slower, "
                                              "Adam and backward sharing the cores; not yet measured on a GPU).",
                                     choices=("auto", "on", "off"))
+    delayed_update: DelayedUpdateConfig = section(DelayedUpdateConfig, "The delayed parameter update (opt-in).")
     accumulate_on_device: bool = setting(True, "With gradient accumulation and the optimizer offloaded, keep each "
                                                "unit's fp32 gradient sum on the device while room allows (the device "
                                                "budget, or half the memory free at start, after the resident state "

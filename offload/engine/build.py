@@ -122,7 +122,8 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         placement = plan_placement(shard_sizes, trained, config, compute_dtype.itemsize, parts=parts,
                                    resident_params=stage.resident_params, whole_grads=whole_grads,
                                    discrete=not accel.host_is_device, device_free=accel.free_bytes(),
-                                   speculative=speculative_why is None)
+                                   speculative=speculative_why is None,
+                                   delayed=config.offload.delayed_update.warmup_steps is not None)
         nvme_params = placement.nvme_params
         ratio = zero.offload_optimizer.ratio
         if zero.offload_optimizer.device != "none" and placement.state_fits_device and ratio == 1.0:
@@ -149,6 +150,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
                            step_buffers=placement.step_buffers,
                            buffer_count=zero.offload_optimizer.buffer_count, host=host_budget, nvme=nvme_budget,
                            device_accumulated=placement.device_accumulated, speculative=placement.speculative,
+                           delayed=config.offload.delayed_update.warmup_steps is not None,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))
         units = [_shard_unit(model, plan, partition, group, stage, accel, compute_dtype, params, optimizer,

@@ -177,6 +177,7 @@ class Engine:
         self.optimizer.send_held()  # device-accumulated sums the last micro-batch did not send
         with self.telemetry.span("grad_wait"):
             self.optimizer.drain()
+        self.optimizer.publish()  # the last delayed update reaches the parameters (see [Note: delayed update])
         sum_sq, nonfinite = self._global_grad_sq_norm()
         scale = self.loss_scaler.scale
         self.global_steps += 1
@@ -194,8 +195,9 @@ class Engine:
         behind: ParamSwapError | None = None
         try:
             with self.telemetry.span("optimizer", "adam"):
-                if self._mode.early:
-                    self.optimizer.apply_early(grad_scale)
+                delayed = self._mode.delayed_after is not None and self.global_steps > self._mode.delayed_after
+                if delayed or self._mode.early:
+                    self.optimizer.apply_early(grad_scale, delayed=delayed)
                 else:
                     self.optimizer.apply(grad_scale)
         except ParamSwapError as e:
@@ -300,6 +302,7 @@ class Engine:
         """Rank 0 writes the gathered compute-dtype weights (torch.save, or safetensors by the file's name); a
         collective. Returns whether it saved (see weights.save_16bit_model)."""
         self._check_open()
+        self.optimizer.publish()  # a delayed update's last step goes out with the model
         self.optimizer.drain()
         self._repair_params()
         return weights.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
@@ -310,6 +313,7 @@ class Engine:
         """The gathered compute-dtype weights into one file whatever stage3_gather_16bit_weights_on_model_save
         says (rank 0 writes, unit by unit; a collective): what offload.hf.Trainer.save_model writes."""
         self._check_open()
+        self.optimizer.publish()
         self.optimizer.drain()
         self._repair_params()
         weights.write_weights(self, save_dir, save_filename)
@@ -319,6 +323,7 @@ class Engine:
         """Write a checkpoint, all or nothing (a collective); returns its path. ``tag``: ``global_step<N>``."""
         self._check_open()
         self.accumulation.check_save()
+        self.optimizer.publish()  # the checkpoint holds parameters and masters of the same step
         self.optimizer.drain()
         self._repair_params()
         with self.telemetry.span("checkpoint", "save"):
@@ -332,6 +337,7 @@ class Engine:
         with self.telemetry.span("checkpoint", "load"):
             path, client_state = saving.load(self, load_dir, tag, load_optimizer_states,
                                              load_lr_scheduler_states, load_module_only)
+        self.optimizer.drop_pending()  # a delayed update staged before the load is not the loaded state's
         return str(path), client_state
 
     def train_state(self) -> dict[str, Any]:

@@ -7,7 +7,9 @@ Three independent choices, each exact (the same values as stepping after backwar
   (clipping does not fire) into a second slot, kept or recomputed once the norm is known
   ([Note: speculative step] there);
 - early: engine.step() returns before Adam and the next forward waits per unit
-  ([Note: early step] there).
+  ([Note: early step] there);
+- delayed (opt-in, not exact): after warm-up, Adam runs while the next forward and backward
+  use the parameters from before it ([Note: delayed update] there).
 ``StepMode.describe`` is what ``engine.step_mode`` says, reasons included.
 """
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.accelerator import Accelerator
-from offload.config import Config
+from offload.config import Config, ConfigError
 from offload.optim.sharded import ShardedAdam
 from offload.zero.stage import Stage
 
@@ -30,8 +32,13 @@ class StepMode:
     early: bool
     after_why: str = ""  # why Adam does not overlap backward (neither mode)
     early_why: str = ""
+    delayed_after: int | None = None  # exact steps before the delayed update begins (None: never)
 
     def describe(self) -> str:
+        if self.delayed_after is not None:
+            return (f"delayed update after {self.delayed_after} exact steps: each step's Adam runs while the next "
+                    "forward and backward use the parameters from before it, which change one step late (results "
+                    "differ from an exact step by design)")
         if self.speculative:
             during = ("speculative: Adam runs during the last micro-batch's backward with clip factor 1 into a "
                       "second slot, kept when clipping does not fire, recomputed when it does")
@@ -58,6 +65,8 @@ def speculation_unwanted(config: Config, compute_dtype: torch.dtype) -> str | No
     mode = config.offload.speculative_step
     if mode == "off":
         return "offload.speculative_step is off"
+    if config.offload.delayed_update.warmup_steps is not None:
+        return "the delayed update steps after backward"
     if config.offload.overlap_step == "off":
         return "offload.overlap_step is off"
     if not gated(config, compute_dtype):
@@ -96,6 +105,18 @@ def decide(config: Config, compute_dtype: torch.dtype, stage: Stage, optimizer: 
     elif gated(config, compute_dtype) and speculative_why:
         reasons.append(f"not speculative: {speculative_why}")
     early, early_why = _early_step(config, stage, optimizer, accel)
+    delayed = config.offload.delayed_update.warmup_steps
+    if delayed is not None:
+        if stage.resident_params or not optimizer.can_return_early or optimizer.partial:
+            raise ConfigError("offload.delayed_update.warmup_steps", "the delayed update needs ZeRO stage 3 with "
+                              "all of the optimizer state on the host and no parameters on NVMe (its "
+                              f"Adam runs on a worker beside the next forward); this config has stage "
+                              f"{stage.number}, optimizer {config.zero_optimization.offload_optimizer.device} "
+                              f"(ratio {config.zero_optimization.offload_optimizer.ratio}), parameters "
+                              f"{config.zero_optimization.offload_param.device}: remove the section, or offload "
+                              "all of the optimizer state to the host")
+        return StepMode(overlap=False, speculative=False, early=early, after_why="the delayed update",
+                        early_why=early_why, delayed_after=delayed)
     return StepMode(overlap=not reasons and not speculative, speculative=speculative, early=early,
                     after_why="; ".join(reasons), early_why=early_why)
 

@@ -94,6 +94,16 @@ writing the new shard straight into the device home; the rest take the offloaded
 above. With the early step the device units step on the training thread before it
 returns (in stream order, so the next forward needs no wait for them).
 
+[Note: delayed update] Opt-in (offload.delayed_update), and not exact by design: ZeRO-Offload's
+delayed parameter update. The step is the early step's, on the landing worker in unit order,
+but each new 16-bit shard goes to a staging buffer of its own instead of the step's target,
+and nothing waits for it: the next forward and backward read the parameters from before the
+update. The next engine.step() first ``publish``es it (drains the worker, copies each staged
+shard's segments to its target and starts its copy back), then runs its own; so update t
+reaches the parameters at step t + 1. Everything that writes the model out (checkpoints, 16-bit
+saves) publishes first; readers of the master weights see the newest update, as they would
+after any step. A loaded checkpoint drops what was staged.
+
 [Note: parameter return] The step writes each new compute-dtype shard where the
 parameter store says (offload/store/param_store.py: [Note: the step's target]); a shard
 homed on the device is then copied back by the store, whose event the next gather of
@@ -247,6 +257,7 @@ class StatePlan:
     rank: int = 0
     device_accumulated: frozenset[int] = frozenset()  # units with an fp32 accumulator on the compute device
     speculative: bool = False  # host sub-groups have a second slot (see [Note: speculative step])
+    delayed: bool = False  # the delayed update stages new shards (see [Note: delayed update])
 
 
 class ShardedAdam(torch.optim.Optimizer):
@@ -287,6 +298,10 @@ class ShardedAdam(torch.optim.Optimizer):
         self.deferred_copies = 0  # gradients that found their landing buffer busy (the worker copied them)
         self._compute_done: Event | None = None  # where the step orders copies after compute (re-recorded)
         self._overlap: Overlap | None = None
+        # The delayed update's staged shards, by unit, and the units whose staged shard is not yet published.
+        self._staged: dict[int, torch.Tensor] = {}
+        self._delayed = plan.delayed
+        self._pending: set[int] = set()
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         if self.offload and sizes:
             self._reserve_host(plan.step_buffers)
@@ -299,6 +314,11 @@ class ShardedAdam(torch.optim.Optimizer):
         they fit)."""
         for what, nbytes in parts.items():
             self.host.take(nbytes, what)
+
+    @property
+    def partial(self) -> bool:
+        """Part of the optimizer state stays on the device (see [Note: a partial offload])."""
+        return bool(self._device_state)
 
     def steps_on_host(self, index: int) -> bool:
         """Whether unit ``index``'s optimizer state is offloaded (its step writes a host copy of the shard)."""
@@ -326,6 +346,8 @@ class ShardedAdam(torch.optim.Optimizer):
                 landing = self._host_tensor(n, self.compute_dtype)
         else:
             grad = torch.zeros(n, dtype=torch.float32, device=self.accel.device)
+        if self._delayed and self.steps_on_host(index):
+            self._staged[index] = torch.empty(n, dtype=self.compute_dtype)  # written before it is read
         self.shards[index] = ShardState(index, name, grad, segments, _gaps(segments, n), numel=n, landing=landing,
                                         on_device=on_device)
         self.store.init_member(index, master)
@@ -598,9 +620,10 @@ class ShardedAdam(torch.optim.Optimizer):
         shard is homed on NVMe, so nothing in the step can fail after engine.step() returned."""
         return self.offload and not self._nvme_units and all(g.tier in ("host", "device") for g in self.store.groups)
 
-    def apply_early(self, grad_scale: float) -> None:
-        """``apply``, handed to the landing worker: returns at once (see [Note: early step])."""
-        assert self.can_return_early and self._land is not None
+    def apply_early(self, grad_scale: float, delayed: bool = False) -> None:
+        """``apply``, handed to the landing worker: returns at once (see [Note: early step]); ``delayed``: the new
+        shards are staged until the next ``publish`` (see [Note: delayed update])."""
+        assert self.can_return_early and self._land is not None and (not delayed or self._delayed)
         hypers = [self.hyper(i) for i in range(len(self.param_groups))]
         step = self.adam_steps + 1
         after = self._compute_done = self.accel.compute_event(into=self._compute_done)  # the shards' last reads
@@ -614,37 +637,67 @@ class ShardedAdam(torch.optim.Optimizer):
                 continue
             for member in group.members:
                 self.accel.schedule.work("hook_step", member.unit)
-                self._land.run(lambda g=group, m=member: self._step_early(g, m, step, hypers, grad_scale, after))
+                self._land.run(lambda g=group, m=member: self._step_early(g, m, step, hypers, grad_scale, after,
+                                                                          delayed))
                 state = self.shards[member.unit]
-                state.stepped = self._land.record(into=state.stepped)
                 state.free = self._land.record(into=state.free)  # a gradient read where it landed is read by now
-                self.params.step_pending(member.unit, state.stepped)
+                if delayed:  # nothing reads the staged shard before publish() drains the worker
+                    self._pending.add(member.unit)
+                else:
+                    state.stepped = self._land.record(into=state.stepped)
+                    self.params.step_pending(member.unit, state.stepped)
         self.adam_steps = step
         self._overlap = None
         self._final = self._in_place = False
         self._end_accumulation()
 
     def _step_early(self, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper], grad_scale: float,
-                    after: Event) -> None:
+                    after: Event, delayed: bool = False) -> None:
         index = member.unit
         state = self.shards[index]
         if state.phase is not ShardPhase.STEPPED:
-            with self.telemetry.span("optimizer_early", state.name):
+            with self.telemetry.span("optimizer_delayed" if delayed else "optimizer_early", state.name):
                 if state.phase is ShardPhase.SPECULATED:
                     self._settle_speculation(group, member, step, hypers, grad_scale)
                 else:
-                    self._step_shard(index, group.views(member), step, hypers, grad_scale)
-            self.params.copy_back(index, after=after)
+                    self._step_shard(index, group.views(member), step, hypers, grad_scale,
+                                     target=self._staged[index] if delayed else None)
+            if not delayed:
+                self.params.copy_back(index, after=after)
         state.empty()
+
+    def publish(self) -> None:
+        """The last delayed step's new shards reach the parameters (see [Note: delayed update])."""
+        if not self._pending:
+            return
+        self.drain()
+        self.params.wait_copies_back()  # the last publish's copies back read the targets rewritten here
+        after = self._compute_done = self.accel.compute_event(into=self._compute_done)
+        with self.telemetry.span("publish"):
+            for index in sorted(self._pending):
+                out, staged = self.params.step_target(index), self._staged[index]
+                for seg in self.shards[index].segments:
+                    out[seg.start:seg.end].copy_(staged[seg.start:seg.end])
+                self.params.wrote(index)
+                self.params.copy_back(index, after=after)
+        self._pending.clear()
+
+    def drop_pending(self) -> None:
+        """What the delayed update staged will never be published (a checkpoint was loaded over it)."""
+        self.drain_quietly()
+        self._pending.clear()
 
     def _step_shard(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
                     hypers: list[AdamHyper], grad_scale: float,
-                    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        """One shard's Adam, in place or (``into``: host state) into another slot."""
+                    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    target: torch.Tensor | None = None) -> None:
+        """One shard's Adam, in place or (``into``: host state) into another slot; the new shard goes to the
+        parameter store's target, or to ``target`` (the delayed update's staging)."""
         state = self.shards[index]
         master, exp_avg, exp_avg_sq = views
         empty = state.phase is ShardPhase.EMPTY  # no gradient reached this unit since the last step: Adam sees zeros
-        out = self.params.step_target(index) if self.steps_on_host(index) else None
+        out = target if target is not None else (
+            self.params.step_target(index) if self.steps_on_host(index) else None)
         if index in self._nvme_units:  # a fresh write buffer: what the step does not write keeps its value
             assert out is not None
             for start, end in state.gaps:
@@ -671,7 +724,8 @@ class ShardedAdam(torch.optim.Optimizer):
             if out16 is None:
                 for seg in state.segments:
                     out[seg.start:seg.end].copy_(master[seg.start:seg.end])
-            self.params.wrote(index)
+            if target is None:
+                self.params.wrote(index)
 
     # ----------------------------------------------------------------- the step overlapped with backward
 

@@ -67,7 +67,7 @@ class Placement:
 
 def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, item: int, *, parts: int = 1,
          resident_params: bool = False, whole_grads: int = 0, discrete: bool = True,
-         device_free: int | None = None, speculative: bool = False) -> Placement:
+         device_free: int | None = None, speculative: bool = False, delayed: bool = False) -> Placement:
     """The placement of one rank's units (``shard_sizes``: (unit, shard elements) in unit order; ``trained``:
     the units the optimizer steps) under ``config``, whose compute dtype has ``item`` bytes. The ZeRO stage's
     part: each unit is split in ``parts``; ``resident_params``, every unit stays whole on the device (stages 0-2);
@@ -76,7 +76,8 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     gradients need no landing buffers and device-homed shards no host copies (see [Note: host memory is the
     device's] in offload/store/param_store.py). ``device_free``: bytes free on the device at start, which bound
     the gradient accumulators kept there when no device budget is set (None: no bound). ``speculative``: the
-    step wants a second slot of the host optimizer state, where the host budget holds it. Raises only for a
+    step wants a second slot of the host optimizer state, where the host budget holds it; ``delayed``: the
+    delayed update stages each new shard in a host buffer of its own. Raises only for a
     setting that no budget could fix (offload_param.buffer_size below a shard)."""
     zero = config.zero_optimization
     host_limit, nvme_limit = config.offload.budgets.host, config.offload.budgets.nvme
@@ -118,6 +119,8 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         step_buffers = out.step_buffers = host_parts(offloaded_sizes, {i for i, _ in nvme_params} | in_place, item,
                                                      landing=discrete, accumulators=accumulates,
                                                      on_device=out.device_accumulated)
+        if delayed:
+            step_buffers["delayed update copies"] = item * sum(n for _, n in offloaded_sizes)
         if host_limit is not None and sum(step_buffers.values()) > host_limit:
             out.problems.append(ConfigError(
                 "offload.budgets.host", f"{host_limit:,} bytes cannot hold this rank's gradient accumulators and "
