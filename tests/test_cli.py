@@ -153,9 +153,9 @@ def test_bench_step_runs_only_the_variants_named_and_refuses_unknown_ones(tmp_pa
     out = tmp_path / "step.json"
     tiny = ["--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "1", "--rounds", "1",
             "--world", "1"]
-    assert main(["bench", "step", *tiny, "--variants", "clip-after,host,ratio-half", "--out", str(out)]) == 0
+    assert main(["bench", "step", *tiny, "--variants", "clip-after,host,ratio-half,delayed", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert list(report["variants"]) == ["clip-after", "host", "ratio-half"]
+    assert list(report["variants"]) == ["clip-after", "host", "ratio-half", "delayed"]
     assert report["memory"]["ratio-half"]["device"] > report["memory"]["host"]["device"]  # half the state there
     assert "ratio-half:" in capsys.readouterr().out
     assert report["offload_step_s"] == report["variants"]["clip-after"]["step_s"]  # the first is the headline

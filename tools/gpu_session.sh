@@ -9,7 +9,8 @@
 # back at most 8 files); on the H100 on 2026-11-24 they took 320, 350 and over 470 s:
 #   tools/gpu_session.sh install cuda-tests bench-pcie bench-adam bench-step bench-step-default
 #   tools/gpu_session.sh bench-step-1p3b profile bench-deepspeed sanitizer
-#   tools/gpu_session.sh bench-step-placement (the speculative step and offload_optimizer.ratio: not run yet)
+#   tools/gpu_session.sh bench-step-placement (the speculative step, offload_optimizer.ratio, the delayed update:
+#   not run yet)
 #   tools/gpu_session.sh suite
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
 # prediction beside what was measured.
@@ -80,7 +81,7 @@ for s in "$@"; do
     bench-adam) stage bench-adam $PY -m offload bench adam --sizes 156M --out "$OUT/adam.json" ;;
     bench-step) stage bench-step $PY -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 4 --rounds 2 --out "$OUT/step-4mi/step.json" ;;
     bench-step-default) stage bench-step-default $PY -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-64mi/step.json" ;;
-    bench-step-placement) stage bench-step-placement $PY -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,clip-after,clip-speculative-kept,clip-speculative-recomputed,ratio-auto,ratio-half --out "$OUT/step-placement/step.json" ;;
+    bench-step-placement) stage bench-step-placement $PY -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,clip-after,clip-speculative-kept,clip-speculative-recomputed,ratio-auto,ratio-half,delayed --out "$OUT/step-placement/step.json" ;;
     bench-step-1p3b) stage bench-step-1p3b $PY -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --headline-only --out "$OUT/step-1p3b/step.json" ;;
     # torch's profiler over three steps of the headline variant: kernels per stream, the engine's phases per thread.
     profile) stage profile $PY -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 3 --rounds 1 --headline-only --profile --out "$OUT/profile/step.json" ;;

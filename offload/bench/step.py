@@ -47,7 +47,7 @@ from offload.launch import run_ranks
 from offload.telemetry import BACKGROUND, FOREGROUND
 
 
-NAMED_ONLY = ("ratio-auto", "ratio-half")  # variants that run only when --variants names them
+NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed")  # variants that run only when --variants names them
 
 
 @dataclass(kw_only=True)
@@ -134,6 +134,8 @@ class StepBench:
                     "clip-speculative-recomputed": {"device": "cpu", "clip": 1e-9, "speculative": "on"},
                     # Run only when named (--variants): part of the optimizer state on the device.
                     "ratio-auto": {"device": "cpu", "ratio": "auto"}, "ratio-half": {"device": "cpu", "ratio": 0.5},
+                    # ... and the delayed update after one exact step (not exact: results differ by design).
+                    "delayed": {"device": "cpu", "delayed": 1},
                     # Without clipping the step can overlap backward; the same config with overlap off is its pair.
                     "noclip-overlap": {"device": "cpu", "clip": 0.0, "overlap": "on"},
                     "noclip-after": {"device": "cpu", "clip": 0.0, "overlap": "off"},
@@ -202,6 +204,7 @@ def engine_config(b: StepBench, variant: dict[str, Any]) -> dict[str, Any]:
               "offload": {"unit_bytes": b.unit_bytes, "overlap_step": variant.get("overlap", "auto"),
                           "early_step": variant.get("early", "auto"),
                           "speculative_step": variant.get("speculative", "auto"),
+                          "delayed_update": {"warmup_steps": variant.get("delayed")},
                           "checkpoint_blocks": b.checkpointing != "none"},
               "activation_checkpointing": {"cpu_checkpointing": b.checkpointing == "cpu"}}
     return config
