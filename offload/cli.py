@@ -128,11 +128,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             if args.accum != 1:
                 raise UsageError("--baseline deepspeed times one micro-batch a step (its phases are forward, backward "
                                  "and step): leave --accum at 1")
+            try:
+                chosen = versus.variants(bench, _names(args.variants))
+            except ValueError as e:
+                raise UsageError(str(e)) from None
             if versus.deepspeed_version() is None:
                 raise UsageError(versus.INSTALL)
-            print(f"offload bench step --baseline deepspeed: {', '.join(versus.variants(bench))} beside DeepSpeed "
+            print(f"offload bench step --baseline deepspeed: {', '.join(chosen)} beside DeepSpeed "
                   "and plain PyTorch, alternating rounds", flush=True)
-            result = versus.run(bench, out.parent, log=sys.stdout)
+            result = versus.run(bench, out.parent, log=sys.stdout, names=tuple(chosen))
             versus.print_table(result, sys.stdout)
             print(f"wrote {out.parent / 'step-vs-deepspeed.json'}")
             return 0
@@ -183,7 +187,11 @@ def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
                           sub_group_size=args.sub_group_size, trace_dir=str(out.parent), device=args.device,
                           stages=_stages(args.stage), checkpointing=args.checkpointing, profile=args.profile,
                           headline_only=args.headline_only,
-                          only=tuple(v for v in (args.variants or "").split(",") if v))
+                          only=() if args.baseline == "deepspeed" else _names(args.variants))
+
+
+def _names(listed: str | None) -> tuple[str, ...]:
+    return tuple(v for v in (listed or "").split(",") if v)
 
 
 def _directory(path: str, flag: str) -> Path:
@@ -474,8 +482,10 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                    help="where both sides compute (cuda: torch on the GPU beside offload with W=1)")
     b.add_argument("--headline-only", action="store_true", help="only the headline variant (and, for nvme, the host "
                                                                  "one beside it)")
-    b.add_argument("--variants", default=None, help="only these offload variants, comma-separated (the first is the "
-                                                    "headline), e.g. clip-after,clip-speculative-kept")
+    b.add_argument("--variants", default=None, help="only these variants, comma-separated (the first is the "
+                                                    "headline), e.g. clip-after,clip-speculative-kept; with "
+                                                    "--baseline deepspeed: host, nvme, optimizer-host, "
+                                                    "optimizer-host-torch-adam, ratio-half, device")
     b.add_argument("--profile", action="store_true", help="rank 0 of the headline variant's timed steps under torch's "
                                                            "profiler: profile-<variant>.json beside --out (Chrome "
                                                            "trace: kernels per stream on a GPU, offload's phases)")

@@ -34,6 +34,26 @@ def test_the_shared_config_is_deepspeed_format_and_offload_runs_it_as_written(wh
     assert list(versus.variants(bench)) == (["host", "nvme"] if where == "nvme" else ["host"])
 
 
+@pytest.mark.parametrize("name", list(versus.PLACEMENTS))
+def test_every_placement_is_one_config_that_offload_reads_as_deepspeed_does(name, tmp_path):
+    bench = StepBench(nvme_path=str(tmp_path), world=1)
+    place = versus.PLACEMENTS[name]
+    raw = versus.shared_config(bench, place)
+    assert "offload" not in raw
+    config = Config.load(json.loads(json.dumps(raw))).resolve(world_size=1)
+    zero = config.zero_optimization
+    assert (zero.offload_param.device, zero.offload_optimizer.device) == (place.params, place.optimizer)
+    assert zero.offload_optimizer.ratio == place.ratio
+    assert config.optimizer.params.torch_adam is place.torch_adam  # DeepSpeed's switch; offload's Adam either way
+    assert raw.get("zero_force_ds_cpu_optimizer", True) is not place.torch_adam
+
+
+def test_an_unknown_deepspeed_variant_is_a_usage_error(capsys, tmp_path):
+    assert main(["bench", "step", "--baseline", "deepspeed", *TINY, "--variants", "host,gpu-only",
+                 "--out", str(tmp_path / "s.json")]) == 2
+    assert "no DeepSpeed variant 'gpu-only': choose from host, nvme, optimizer-host" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(versus.deepspeed_version() is None, reason="DeepSpeed is not installed (./dev.sh deepspeed)")
 @pytest.mark.parametrize("world", ["1", "2"])
 def test_side_by_side_runs_all_three_from_one_config_file(tmp_path, capsys, world):

@@ -48,20 +48,53 @@ def deepspeed_version() -> str | None:
         return None
 
 
-def variants(b: StepBench) -> dict[str, str]:
-    """Variant name -> where params and optimizer state live (the same place for both engines)."""
-    return {"host": "cpu"} | ({"nvme": "nvme"} if b.offload == "nvme" else {})
+@dataclass(frozen=True)
+class Placement:
+    """Where one variant puts parameters and optimizer state, the same for both engines."""
+
+    params: str
+    optimizer: str
+    ratio: float = 1.0  # offload_optimizer.ratio: the fraction of the optimizer state offloaded
+    torch_adam: bool = False  # DeepSpeed steps with torch's Adam instead of its CPU Adam (offload: no effect)
 
 
-def shared_config(b: StepBench, where: str) -> dict[str, Any]:
+# The first two run by default (nvme with --offload nvme); the rest when --variants names them.
+PLACEMENTS = {"host": Placement("cpu", "cpu"), "nvme": Placement("nvme", "nvme"),
+              "optimizer-host": Placement("none", "cpu"),  # ZeRO-Offload's classic setting
+              "optimizer-host-torch-adam": Placement("none", "cpu", torch_adam=True),
+              "ratio-half": Placement("none", "cpu", ratio=0.5),  # half the optimizer state stays on the device
+              "device": Placement("none", "none")}  # nothing offloaded
+
+
+def variants(b: StepBench, names: tuple[str, ...] = ()) -> dict[str, Placement]:
+    """Variant name -> placement (ValueError: a name that is not one)."""
+    unknown = [n for n in names if n not in PLACEMENTS]
+    if unknown:
+        raise ValueError(f"no DeepSpeed variant {', '.join(map(repr, unknown))}: choose from {', '.join(PLACEMENTS)}")
+    if names:
+        return {n: PLACEMENTS[n] for n in names}
+    return {"host": PLACEMENTS["host"]} | ({"nvme": PLACEMENTS["nvme"]} if b.offload == "nvme" else {})
+
+
+def shared_config(b: StepBench, where: Placement | str) -> dict[str, Any]:
     """The one config both engines read: DeepSpeed's keys only, so neither runs anything the other was not told."""
-    param: dict[str, Any] = {"device": where}
-    optimizer: dict[str, Any] = {"device": where}
-    if where == "nvme":
+    place = where if isinstance(where, Placement) else Placement(where, where)
+    param: dict[str, Any] = {"device": place.params}
+    optimizer: dict[str, Any] = {"device": place.optimizer}
+    if place.params == "nvme":
         param.update(nvme_path=b.nvme_path, buffer_count=b.param_buffers)
+    if place.optimizer == "nvme":
         optimizer.update(nvme_path=b.nvme_path, buffer_count=b.buffer_count)
-    return {"train_micro_batch_size_per_gpu": b.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    if place.ratio != 1.0:
+        optimizer["ratio"] = place.ratio
+    adam: dict[str, Any] = {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}
+    extra: dict[str, Any] = {}
+    if place.torch_adam:
+        adam["torch_adam"] = True
+        extra["zero_force_ds_cpu_optimizer"] = False  # DeepSpeed refuses a non-DeepSpeed optimizer with offload
+    return extra | {
+            "train_micro_batch_size_per_gpu": b.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": adam},
             "bf16": {"enabled": b.dtype == "bf16"},
             "zero_optimization": {"stage": 3, "offload_param": param, "offload_optimizer": optimizer,
                                   "sub_group_size": b.sub_group_size,
@@ -169,8 +202,9 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
                           start_s, name))
 
 
-def run(b: StepBench, out_dir: Path, log: TextIO | None = None) -> VersusResult:
-    """Alternating rounds of torch, offload and DeepSpeed per variant; raises RuntimeError without DeepSpeed."""
+def run(b: StepBench, out_dir: Path, log: TextIO | None = None, names: tuple[str, ...] = ()) -> VersusResult:
+    """Alternating rounds of torch, offload and DeepSpeed per variant (``names``: these, see ``PLACEMENTS``);
+    raises RuntimeError without DeepSpeed."""
     version = deepspeed_version()
     if version is None:
         raise RuntimeError(INSTALL)
@@ -178,7 +212,7 @@ def run(b: StepBench, out_dir: Path, log: TextIO | None = None) -> VersusResult:
     threads = max(1, (os.cpu_count() or 1) // b.world)
     env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""} if b.device == "cpu" else {}
     configs = {}
-    for name, where in variants(b).items():
+    for name, where in variants(b, names).items():
         path = out_dir / f"config-{name}.json"
         path.write_text(json.dumps(shared_config(b, where), indent=2))
         configs[name] = str(path)
