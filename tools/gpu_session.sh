@@ -9,8 +9,8 @@
 # back at most 8 files); on the H100 on 2026-11-24 they took 320, 350 and over 470 s:
 #   tools/gpu_session.sh install cuda-tests bench-pcie bench-adam bench-step bench-step-default
 #   tools/gpu_session.sh bench-step-1p3b profile bench-deepspeed sanitizer
-#   tools/gpu_session.sh bench-step-placement (the speculative step, offload_optimizer.ratio, the delayed update:
-#   not run yet)
+#   tools/gpu_session.sh bench-step-placement bench-deepspeed-placements (the speculative step,
+#   offload_optimizer.ratio, the delayed update, DeepSpeed's other placements: not run yet)
 #   tools/gpu_session.sh suite
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
 # prediction beside what was measured.
@@ -68,10 +68,19 @@ deepspeed_side_by_side() {
   $PY -m offload bench step --baseline deepspeed "${M156[@]}" --steps 4 --rounds 2 --out "$OUT/deepspeed/step.json"
 }
 
+# DeepSpeed's other placements beside offload's (#20): params on the GPU with the optimizer on the host (its CPU Adam,
+# and torch's Adam), half the optimizer state on the GPU (offload_optimizer.ratio 0.5), nothing offloaded.
+deepspeed_placements() {
+  if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here"; return 2; fi
+  $PY -m offload bench step --baseline deepspeed "${M156[@]}" --steps 4 --rounds 2 \
+    --variants optimizer-host,optimizer-host-torch-adam,ratio-half,device --out "$OUT/deepspeed-placements/step.json"
+}
+
 for s in "$@"; do
   case "$s" in
     wheels) stage wheels wheels ;;
     install) stage install install ;;
+    bench-deepspeed-placements) stage bench-deepspeed-placements deepspeed_placements ;;
     cuda-tests) stage cuda-tests $PY -m pytest -q -x tests/test_engine_cuda.py tests/test_cli.py -k "cuda or gpu or pcie" ;;
     # The CUDA tests under torch's stream sanitizer: a kernel that reads what another stream writes without a wait fails.
     sanitizer) TORCH_CUDA_SANITIZER=1 stage sanitizer $PY -m pytest -q tests/test_engine_cuda.py ;;
