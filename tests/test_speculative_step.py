@@ -177,3 +177,51 @@ def test_a_switch_takes_json_true_and_false_as_on_and_off():
         Config.load({**raw, "offload": {"speculative_step": 3}})
     with pytest.raises(ConfigError, match=r"offload.aio_engine.*True is not one of 'auto', 'io_uring', 'threads'"):
         Config.load({**raw, "offload": {"aio_engine": True}})
+
+
+def nvme_spec_config(path, speculative, clip, host=None):
+    config = spec_config(1, 1, clip, speculative)
+    config["zero_optimization"]["sub_group_size"] = 3000
+    config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(path), "buffer_count": 2}
+    if host is not None:  # the first sub-groups (and, speculating, their second slots) on the host, the rest NVMe
+        config["offload"]["budgets"] = {"host": host}
+    return config
+
+
+@pytest.mark.parametrize("clip,outcome", [(1e6, "kept"), (1e-3, "recomputed")])
+@pytest.mark.parametrize("host", [None, 700_000], ids=["nvme", "host-and-nvme"])
+def test_nvme_sub_groups_speculate_in_their_read_buffers_bitwise(tmp_path, clip, outcome, host):
+    """The swap file's second slot is the speculation's: kept, the pass goes on; wrong, it is run again."""
+    steps = 3
+    runs = {mode: run_ranks(train_engine, 1, name="gpt", steps=steps, micro=2, accum=1,
+                            config=nvme_spec_config(tmp_path / mode, mode, clip, host)) for mode in ("on", "off")}
+    spec, plain = runs["on"][0], runs["off"][0]
+    assert spec["mode"].startswith("speculative") and "nvme" in spec["tiers"]
+    assert ("host" in spec["tiers"]) is (host is not None)
+    counts = spec["counts"]
+    assert counts["optimizer_speculative"] == steps * spec["units"] == counts[f"speculation_{outcome}"]
+    assert_bitwise(runs["on"], runs["off"])
+
+
+def _nvme_dropped(rank, world, path, speculative):
+    config = {**nvme_spec_config(path, speculative, 1e6), "fp16": {"enabled": True, "initial_scale_power": 8}}
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    for step, tokens in enumerate(batches(4, 2)):
+        loss = loss_of(engine, "gpt", tokens)
+        engine.backward(loss * math.inf if step == 1 else loss)  # step 1 overflows: the speculation is dropped
+        if step == 2:
+            engine.full_state_dict()  # a reader between backward and step drops it too (the step then runs whole)
+        engine.step()
+    out = {"state": engine.full_state_dict(), "skipped": engine.skipped_steps,
+           "counts": engine.telemetry.snapshot().counts}
+    engine.close()
+    return out
+
+
+def test_a_dropped_nvme_speculation_leaves_the_last_step_on_disk_and_in_the_weights(tmp_path):
+    runs = {mode: run_ranks(_nvme_dropped, 1, path=str(tmp_path / mode), speculative=mode)[0] for mode in ("on", "off")}
+    spec = runs["on"]
+    assert spec["skipped"] == runs["off"]["skipped"] == 1 and spec["counts"]["optimizer_speculative"] > 0
+    assert spec["counts"].get("speculation_kept", 0) > 0  # the steps nothing dropped kept their guesses
+    for key, value in runs["off"]["state"].items():
+        assert torch.equal(spec["state"][key], value), key

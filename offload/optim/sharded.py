@@ -73,7 +73,12 @@ current slot with the real factor into the other slot, then flips: the same kern
 same values either way, so bitwise the step after backward. A step that does not happen
 (fp16 overflow, a failed backward, ``zero_grad``) drops the speculation and rewrites the
 target from the current master (what the last step wrote there: the kernel's rounding of the
-same value). Units homed on NVMe, and NVMe sub-groups, step after backward as before.
+same value). An NVMe sub-group needs no second slot in memory: its swap file has two, and
+the pass writes the one that is not current (see the store's [Note: NVMe sub-groups stepped
+during backward]), so it is stepped in its read buffer with the guess once all its units'
+gradients are in; a wrong guess aborts the pass (nothing flips) and the step runs it again
+from the current slots; a dropped speculation aborts it and reads each master back for the
+target. Units whose parameters are homed on NVMe step after backward.
 
 [Note: early step] With the state on the host (no NVMe transfer can fail half way) and
 ZeRO stage 3, ``apply_early`` hands the step to the landing worker and returns: Adam runs
@@ -362,14 +367,15 @@ class ShardedAdam(torch.optim.Optimizer):
         keeps its new state (like a host shard stepped during backward); a sub-group whose write failed is
         stepped again by the next step."""
         self.drain_quietly()
+        self._unspeculate_nvme()  # a speculated sub-group's new state is not this step's yet
         self._unstep(self.store.drop_read_ahead())
 
     def _unstep(self, groups: list[SubGroup]) -> None:
         for g in groups:
             for m in g.members:
                 state = self.shards[m.unit]
-                if state.phase is ShardPhase.STEPPED:
-                    state.phase = ShardPhase.HOLDING
+                if state.phase in (ShardPhase.STEPPED, ShardPhase.SPECULATED):
+                    state.phase, state.guessed = ShardPhase.HOLDING, None
 
     # ----------------------------------------------------------------- gradients in
 
@@ -591,6 +597,7 @@ class ShardedAdam(torch.optim.Optimizer):
             if self._nvme_error is not None:  # an NVMe transfer failed during backward
                 error, self._nvme_error = self._nvme_error, None
                 raise error
+            self._settle_nvme_speculation(step, hypers, grad_scale)
             for group in self.store.step_pass():
                 for member in group.members:
                     phase = self.shards[member.unit].phase
@@ -734,9 +741,9 @@ class ShardedAdam(torch.optim.Optimizer):
         stepped a whole sub-group at a time); ``speculative``: on the host, with their parameters off NVMe."""
         if not self.offload:
             return frozenset()
-        if speculative:
+        if speculative:  # a host sub-group with its second slot, or an NVMe one (its file has two)
             return frozenset(u for u, (g, _) in self.store.by_unit.items()
-                             if g.tier == "host" and g.spare is not None and u not in self._nvme_units)
+                             if (g.spare is not None or g.tier == "nvme") and u not in self._nvme_units)
         return frozenset(u for u, (g, _) in self.store.by_unit.items() if g.tier != "device")
 
     def begin_overlap(self, guess: float | None = None) -> None:
@@ -771,7 +778,7 @@ class ShardedAdam(torch.optim.Optimizer):
             return
         hypers, step = overlap.hypers, overlap.step
         group, member = self.store.by_unit[index]
-        if overlap.guess is not None:
+        if overlap.guess is not None and group.tier != "nvme":
             self._speculate(group, member, overlap)
             return
         if group.tier != "nvme":
@@ -782,7 +789,10 @@ class ShardedAdam(torch.optim.Optimizer):
         try:
             for ready in self.store.arrive(index):
                 for m in ready.members:
-                    self._step_overlapped(m.unit, ready.views(m), hypers, step)
+                    if overlap.guess is not None:  # in the read buffer: the file's current slot stays intact
+                        self._speculate_in_place(m.unit, ready.views(m), overlap)
+                    else:
+                        self._step_overlapped(m.unit, ready.views(m), hypers, step)
         except Exception as e:  # noqa: BLE001 - a failed transfer: engine.step() raises it, and can be retried
             self._nvme_error = e
 
@@ -814,6 +824,50 @@ class ShardedAdam(torch.optim.Optimizer):
         state.guessed = Guess(overlap.guess, tuple(overlap.hypers), overlap.step)
         state.phase = ShardPhase.SPECULATED
 
+    def _speculate_in_place(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                            overlap: Overlap) -> None:
+        """On the landing worker: an NVMe sub-group's shard stepped with the guess in its read buffer."""
+        state = self.shards[index]
+        if state.phase is not ShardPhase.HOLDING:
+            return
+        assert overlap.guess is not None
+        with self.telemetry.span("optimizer_speculative", state.name):
+            self._step_shard(index, views, overlap.step, overlap.hypers, overlap.guess)
+        state.guessed = Guess(overlap.guess, tuple(overlap.hypers), overlap.step)
+        state.phase = ShardPhase.SPECULATED
+
+    def _nvme_speculated(self) -> list[ShardState]:
+        return [s for i, s in self.shards.items()
+                if s.phase is ShardPhase.SPECULATED and self.store.by_unit[i][0].tier == "nvme"]
+
+    def _settle_nvme_speculation(self, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
+        """Before the step's pass goes on: keep the speculated NVMe sub-groups (their new slots flip with the
+        pass), or, if the guess was wrong for them, abort the pass so that it steps every one again."""
+        speculated = self._nvme_speculated()
+        if not speculated:
+            return
+        kept = all(s.guessed == Guess(grad_scale, tuple(hypers), step) for s in speculated)
+        for state in speculated:
+            with self.telemetry.span("speculation_kept" if kept else "speculation_recomputed", state.name):
+                pass
+        if not kept:
+            self._unstep(self.store.abort_pass())
+
+    def _unspeculate_nvme(self) -> None:
+        """No step follows (or something else needs the buffers first): the speculated NVMe sub-groups' new
+        slots are dropped with the pass, and each of their targets gets the current master's value back."""
+        speculated = self._nvme_speculated()
+        if not speculated:
+            return
+        self._unstep(self.store.abort_pass())
+        for state in speculated:
+            self._restore_target(state.index, self.store.read_master(state.index))
+
+    def _restore_target(self, index: int, master: torch.Tensor) -> None:
+        out, segments = self.params.step_target(index), self.shards[index].segments
+        for seg in segments:
+            out[seg.start:seg.end].copy_(master[seg.start:seg.end])
+
     def _settle_speculation(self, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper],
                             grad_scale: float) -> None:
         """The step's factor is known: keep the speculated slot, or recompute it with that factor."""
@@ -834,10 +888,8 @@ class ShardedAdam(torch.optim.Optimizer):
         for index, state in self.shards.items():
             if state.phase is not ShardPhase.SPECULATED:
                 continue
-            group, member = self.store.by_unit[index]
-            master, out = group.views(member)[0], self.params.step_target(index)
-            for seg in state.segments:
-                out[seg.start:seg.end].copy_(master[seg.start:seg.end])
+            group, member = self.store.by_unit[index]  # a host one (NVMe ones: ``_unspeculate_nvme``)
+            self._restore_target(index, group.views(member)[0])
             state.phase, state.guessed = phase, None
             if phase is ShardPhase.EMPTY:
                 state.empty()

@@ -129,10 +129,12 @@ def plan_sub_groups(sizes: list[tuple[int, int]], sub_group_size: int,
     return groups
 
 
-def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buffer_count: int) -> None:
+def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buffer_count: int,
+                     spare: bool = False) -> None:
     """Choose each sub-group's home tier within the host budget (what ``host.used`` holds is already planned):
     ``device`` is offload_optimizer.device. With nvme the host keeps the first sub-groups that fit beside the
-    NVMe buffers, and NVMe the rest. A plan that cannot fit is a ConfigError naming the budget."""
+    NVMe buffers (with ``spare``, each with its speculative second slot: see [Note: the speculative slot]), and
+    NVMe the rest. A plan that cannot fit is a ConfigError naming the budget."""
     from offload.config import ConfigError
     if device == "none":
         for g in groups:
@@ -165,8 +167,9 @@ def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buff
                           f"{host.used:,} for gradients and copies; raise the budget or lower "
                           "zero_optimization.sub_group_size or offload_optimizer.buffer_count")
     for g in groups:
-        if g.nbytes <= left:
-            g.tier, left = "host", left - g.nbytes
+        cost = g.nbytes * (2 if spare else 1)
+        if cost <= left:
+            g.tier, left = "host", left - cost
         else:
             g.tier = "nvme"
 

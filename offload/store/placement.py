@@ -130,7 +130,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
 
     budget = TierBudget("host", host_limit, used=sum(out.host.values()))
     try:
-        place_sub_groups(out.groups, opt.device, budget, opt.buffer_count)
+        place_sub_groups(out.groups, opt.device, budget, opt.buffer_count, spare=speculative)
         out.placed = True
     except ConfigError as e:
         out.problems.append(e)
@@ -165,16 +165,17 @@ def _plan_optimizer_state(out: Placement, nvme_limit: int | None, buffer_count: 
 
 def _plan_speculative_slot(out: Placement, host_limit: int | None) -> None:
     """The speculative step's second slot of every host sub-group, if the host budget holds it beside the rest
-    (else the step says why it does not speculate)."""
+    (else the step says why it does not speculate); NVMe sub-groups have theirs in the swap file."""
     on_host = [g for g in out.groups if g.tier == "host"]
     need, used = sum(g.nbytes for g in on_host), sum(out.host.values())
-    if not on_host:
-        out.speculative_why = "no optimizer state is on the host"
+    if not any(g.tier in ("host", "nvme") for g in out.groups):
+        out.speculative_why = "no optimizer state is offloaded"
     elif host_limit is not None and used + need > host_limit:
         out.speculative_why = (f"offload.budgets.host ({host_limit:,} bytes) cannot hold its second slot of the "
                                f"optimizer state ({need:,} bytes beside {used:,} planned); raise it to speculate")
-    else:
-        out.host[SPECULATIVE_SLOT] = need
+    else:  # NVMe sub-groups use their swap file's second slot
+        if need:
+            out.host[SPECULATIVE_SLOT] = need
         out.speculative = True
 
 
