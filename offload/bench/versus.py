@@ -57,6 +57,13 @@ class Placement:
     ratio: float = 1.0  # offload_optimizer.ratio: the fraction of the optimizer state offloaded
     torch_adam: bool = False  # DeepSpeed steps with torch's Adam instead of its CPU Adam (offload: no effect)
 
+    def describe(self) -> str:
+        where = {"none": "the device", "cpu": "the host", "nvme": "NVMe"}
+        optimizer = where[self.optimizer] + (f" ({self.ratio:g} of it; the rest on the device)" if self.ratio != 1.0
+                                             else "")
+        return (f"params on {where[self.params]}, optimizer state on {optimizer}"
+                + ("; DeepSpeed steps with torch's Adam" if self.torch_adam else ""))
+
 
 # The first two run by default (nvme with --offload nvme); the rest when --variants names them.
 PLACEMENTS = {"host": Placement("cpu", "cpu"), "nvme": Placement("nvme", "nvme"),
@@ -182,7 +189,7 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
         else:
             import offload
             engine, optimizer, _, _ = offload.initialize(model=model, config=config_path)
-            name = f"offload native Adam ({engine.step_mode})"
+            name = f"offload native Adam ({engine.step_mode.split(' (')[0].split(':')[0]})"
         device = str(engine.device) if side == "deepspeed" else str(engine.accel.device)
 
         def forward(rows: torch.Tensor) -> None:
@@ -274,7 +281,7 @@ def print_table(result: VersusResult, out: TextIO) -> None:
           f"micro-batch {b['micro']}), {b['dtype']}, W = {b['world']}, {b['device']}; DeepSpeed {result.deepspeed}; "
           f"median of {b['repeats']} rounds x {b['steps']} steps (min-max)", file=out)
     for name, sides in result.table.items():
-        print(f"\n{name}: params and optimizer on {'NVMe' if name == 'nvme' else 'the host'} "
+        print(f"\n{name}: {PLACEMENTS[name].describe() if name in PLACEMENTS else name} "
               f"(both read {result.configs[name]})", file=out)
         print(f"  {'side':10s} {'step s':>8s} {'min-max':>15s} {'forward':>8s} {'backward':>8s} {'step':>7s} "
               f"{'peak RSS':>9s} {'start s':>8s}  optimizer", file=out)
