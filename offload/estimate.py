@@ -150,6 +150,8 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     host.update(placement.host)
     if activations is not None:
         add_activations(est, activations, config)
+    if zero.offload_optimizer.device != "none" and placement.placed:
+        est.notes.append(step_traffic(placement.groups, item))
     if placement.state_on_device:
         on_device = sum(g.numel for g in placement.groups if g.tier == "device")
         est.notes.append(f"offload_optimizer.ratio {zero.offload_optimizer.ratio}: the optimizer state of "
@@ -172,6 +174,25 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     est.notes.append(("not counted: " if activations is not None else "not counted: activations, ")
                      + "the CUDA context and allocator slack")
     return est
+
+
+ADAM_BYTES = 28  # per element of one Adam step: fp32 master, moments and gradient read, master and moments written
+
+
+def step_traffic(groups: list[Any], item: int) -> str:
+    """What one optimizer step moves on each tier its state lives on, per rank: the cost of each tier's share at
+    the bandwidths `offload bench adam` (memory) and `offload tune-nvme` (disk) measure."""
+    per_tier: dict[str, int] = {}
+    for g in groups:
+        per_tier[g.tier] = per_tier.get(g.tier, 0) + g.numel
+    parts = []
+    for tier, n in per_tier.items():
+        memory = "device memory" if tier == "device" else "host memory"
+        part = f"{tier}: {n:,} elements, {n * (ADAM_BYTES + item) / 1e9:.2f} GB through {memory}"
+        if tier == "nvme":
+            part += f" and {n * 24 / 1e9:.2f} GB read and written on NVMe"
+        parts.append(part)
+    return "optimizer step traffic per rank and step, by where the state lives: " + "; ".join(parts)
 
 
 # ----------------------------------------------------------------------------- models

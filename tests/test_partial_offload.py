@@ -105,6 +105,8 @@ def test_the_estimate_says_what_stays_on_the_device_and_when_all_of_it_would_fit
     est = estimate(model_units(make_model("gpt"), config), config, 1, discrete=False)
     assert any("offload_optimizer.ratio 0.5: the optimizer state of" in n and "stays on the device" in n
                for n in est.notes)
+    traffic = next(n for n in est.notes if n.startswith("optimizer step traffic"))
+    assert "device: " in traffic and "host: " in traffic and "GB through host memory" in traffic
     roomy = Config.load(ratio_config(1, 1, 1.0, 1 << 30)).resolve(world_size=1)
     est = estimate(model_units(make_model("gpt"), roomy), roomy, 1, discrete=False)
     assert any("the whole optimizer state would fit on the device" in n for n in est.notes)
