@@ -75,3 +75,33 @@ def test_side_by_side_runs_all_three_from_one_config_file(tmp_path, capsys, worl
     ratios = result["ratios"]["host"]
     assert ratios["offload/deepspeed"] == pytest.approx(sides["offload"]["step_s"] / sides["deepspeed"]["step_s"])
     assert "offload/deepspeed" in printed and path in printed
+
+
+def _deepspeed_whose_cpu_adam_fails(rank, world, config_path):
+    """DeepSpeed's first initialize fails as its op builder does without a CUDA toolkit (the injected fault)."""
+    import deepspeed
+    real, calls = deepspeed.initialize, []
+
+    def initialize(**kwargs):
+        calls.append(kwargs["config"])
+        if len(calls) == 1:
+            raise RuntimeError("Error building extension 'cpu_adam': nvcc not found")
+        return real(**kwargs)
+    deepspeed.initialize = initialize
+    import torch
+    from offload.models import GPT
+    bench = StepBench(world=1, hidden=64, layers=2, seq=32, vocab=512, micro=2)
+    torch.manual_seed(0)
+    engine, name = versus._deepspeed_engine(GPT(bench.model_config()), bench, config_path)
+    return name, calls[1]
+
+
+@pytest.mark.skipif(versus.deepspeed_version() is None, reason="DeepSpeed is not installed (./dev.sh deepspeed)")
+def test_where_deepspeeds_cpu_adam_does_not_build_it_runs_torchs_adam_and_says_so(tmp_path):
+    from offload.launch import run_ranks
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(versus.shared_config(StepBench(world=1, micro=2), "cpu")))
+    name, config = run_ranks(_deepspeed_whose_cpu_adam_fails, 1, env={"DS_ACCELERATOR": "cpu"},
+                             config_path=str(path))[0]
+    assert "torch_adam: DeepSpeed's cpu_adam did not build: Error building extension 'cpu_adam'" in name
+    assert config["optimizer"]["params"]["torch_adam"] is True and config["zero_force_ds_cpu_optimizer"] is False

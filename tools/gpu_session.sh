@@ -62,9 +62,9 @@ install() {
 deepspeed_side_by_side() {
   if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here (tools/gpu_session.sh wheels, then install)"; return 2; fi
   # DeepSpeed builds its cpu_adam op by JIT on first use; with CUDA visible its builder wants the CUDA toolkit
-  # (nvcc, CUDA_HOME). Whether that is on the lent machine is not known yet: the log says, and the table names the
-  # optimizer DeepSpeed ran.
-  command -v nvcc || echo "no nvcc here: DeepSpeed's cpu_adam build may fail"
+  # (nvcc, CUDA_HOME; the H100 image of 2026-11-24 had it). Where the build fails the bench runs DeepSpeed with
+  # torch's Adam (its torch_adam switch) and the table's optimizer column says so.
+  command -v nvcc || echo "no nvcc here: DeepSpeed's cpu_adam build may fail (then torch_adam, named in the table)"
   $PY -m offload bench step --baseline deepspeed "${M156[@]}" --steps 4 --rounds 2 --out "$OUT/deepspeed/step.json"
 }
 

@@ -11,7 +11,9 @@ outside (synchronised on a GPU), the same way for every side; each figure is a m
 over rounds x steps, with its spread. Peak RSS is the largest rank's.
 
 DeepSpeed builds its ``cpu_adam`` (and, for NVMe, ``async_io``) ops by JIT on first
-use, outside the timed steps; the start-up time is reported so users know its cost.
+use, outside the timed steps; the start-up time is reported so users know its cost. Where
+``cpu_adam`` does not build (a GPU without the CUDA toolkit its builder wants), DeepSpeed
+runs the same config with its ``torch_adam`` switch, and the optimizer column says so.
 """
 
 from __future__ import annotations
@@ -181,11 +183,7 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
         device = b.device
     else:
         if side == "deepspeed":
-            import deepspeed
-            deepspeed.init_distributed(dist_backend="gloo" if b.device == "cpu" else "nccl")
-            engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                           config=config_path)
-            name = type(getattr(optimizer, "optimizer", optimizer)).__name__
+            engine, name = _deepspeed_engine(model, b, config_path)
         else:
             import offload
             engine, optimizer, _, _ = offload.initialize(model=model, config=config_path)
@@ -207,6 +205,35 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
         engine.close()  # its swap files go with it
     return asdict(SideRun(steps, phases, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak_device,
                           start_s, name))
+
+
+# What DeepSpeed's op builder says when it cannot build cpu_adam (no CUDA toolkit beside a visible GPU, say).
+OP_BUILD_FAILURES = ("cpu_adam", "CUDA_HOME", "nvcc", "Error building extension")
+
+
+def _deepspeed_engine(model: Any, b: StepBench, config_path: str) -> tuple[Any, str]:
+    """DeepSpeed's engine from the shared config, and the name of the optimizer it steps with. Where its
+    cpu_adam op does not build, the same config with DeepSpeed's own switch to torch's Adam (a key offload reads
+    as no effect), and the name says so."""
+    import deepspeed
+    from offload.models import GPT
+    deepspeed.init_distributed(dist_backend="gloo" if b.device == "cpu" else "nccl")
+    try:
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                       config=config_path)
+        return engine, type(getattr(optimizer, "optimizer", optimizer)).__name__
+    except Exception as e:  # noqa: BLE001 - DeepSpeed's op builds raise what their tools raise
+        if not any(word in str(e) for word in OP_BUILD_FAILURES):
+            raise
+        reason = str(e).strip().splitlines()[-1][:120] if str(e).strip() else type(e).__name__
+    config = json.loads(Path(config_path).read_text())
+    config["optimizer"]["params"]["torch_adam"] = True
+    config["zero_force_ds_cpu_optimizer"] = False
+    torch.manual_seed(0)  # a fresh model: the failed initialize may have partitioned the first
+    fresh = GPT(b.model_config())
+    engine, optimizer, _, _ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=config)
+    name = type(getattr(optimizer, "optimizer", optimizer)).__name__
+    return engine, f"{name} (torch_adam: DeepSpeed's cpu_adam did not build: {reason})"
 
 
 def run(b: StepBench, out_dir: Path, log: TextIO | None = None, names: tuple[str, ...] = ()) -> VersusResult:
