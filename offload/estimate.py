@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from offload.config import Config, ConfigError
-from offload.engine.step_mode import speculation_unwanted
+from offload.engine.step_mode import speculation_scope
 from offload.models.catalog import MODELS, ModelError, build_model
 from offload.store.param_swap import describe_placement
 from offload.store.placement import plan
@@ -132,11 +132,11 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     device, host, nvme = est.tiers["device"], est.tiers["host"], est.tiers["nvme"]
     param_dev = zero.offload_param.device
     dtype = torch.float16 if config.fp16.enabled is True else torch.bfloat16 if item == 2 else torch.float32
-    why_not = speculation_unwanted(config, dtype)
+    scope, why_not = speculation_scope(config, dtype)
     placement = plan(sizes, {i for i, _ in sizes}, config, item, parts=parts,  # the engine's own plan
                      resident_params=stage.resident_params,
                      whole_grads=0 if stage.reduce_every_micro_batch else est.params, discrete=discrete,
-                     device_free=device_free, speculative=why_not is None,
+                     device_free=device_free, speculative=scope,
                      delayed=config.offload.delayed_update.warmup_steps is not None)
     device.update(placement.device)
     if not stage.resident_params:
@@ -160,7 +160,7 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     elif placement.state_fits_device and zero.offload_optimizer.device != "none":
         est.notes.append("the whole optimizer state would fit on the device: offload_optimizer.ratio \"auto\" "
                          "keeps it there, where it steps faster")
-    if why_not is None and placement.speculative_why:
+    if scope and placement.speculative_why:
         est.notes.append(f"the step does not speculate: {placement.speculative_why}")
     for problem in placement.problems:  # the limits initialize holds every tier to
         est.notes.append(f"over {problem.path}: initialize would refuse this plan ({problem.reason})")

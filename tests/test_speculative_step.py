@@ -138,7 +138,7 @@ def test_a_host_budget_without_room_for_the_second_slot_steps_after_backward_and
 
 @pytest.mark.parametrize("change,reason", [
     ({"gradient_clipping": 0.0}, None),  # nothing to speculate on: the exact overlapped step runs
-    ({"offload": {"unit_bytes": 8192, "speculative_step": "auto"}}, "'auto' speculates nowhere yet"),
+    ({"offload": {"unit_bytes": 8192, "speculative_step": "auto"}}, "'auto' speculates only on NVMe sub-groups"),
     ({"offload": {"unit_bytes": 8192, "speculative_step": False}}, "offload.speculative_step is off"),
     ({"offload": {"unit_bytes": 8192, "overlap_step": "off"}}, "offload.overlap_step is off"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
@@ -227,3 +227,20 @@ def test_a_dropped_nvme_speculation_leaves_the_last_step_on_disk_and_in_the_weig
     assert spec["counts"].get("speculation_kept", 0) > 0  # the steps nothing dropped kept their guesses
     for key, value in runs["off"]["state"].items():
         assert torch.equal(spec["state"][key], value), key
+
+
+@pytest.mark.parametrize("clip", [1e6, 1e-3])
+def test_auto_speculates_on_nvme_sub_groups_while_the_last_step_did_not_clip(tmp_path, clip):
+    """Clipping never firing: every step speculates and keeps. Always firing: the first step speculates and
+    recomputes, and then none does (the last step clipped). Bitwise the step after backward either way."""
+    steps = 3
+    runs = {mode: run_ranks(train_engine, 1, name="gpt", steps=steps, micro=2, accum=1,
+                            config=nvme_spec_config(tmp_path / mode, mode, clip)) for mode in ("auto", "off")}
+    auto = runs["auto"][0]
+    assert "on the NVMe sub-groups, while the last step's clipping did not fire" in auto["mode"]
+    counts, units = auto["counts"], auto["units"]
+    if clip > 1:
+        assert counts["optimizer_speculative"] == steps * units == counts["speculation_kept"]
+    else:
+        assert counts["optimizer_speculative"] == units == counts["speculation_recomputed"]
+    assert_bitwise(runs["auto"], runs["off"])

@@ -47,7 +47,8 @@ from offload.launch import run_ranks
 from offload.telemetry import BACKGROUND, FOREGROUND
 
 
-NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed")  # variants that run only when --variants names them
+NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "nvme-optimizer-speculative",
+              "nvme-optimizer-speculative-kept")  # variants that run only when --variants names them
 
 
 @dataclass(kw_only=True)
@@ -151,7 +152,12 @@ class StepBench:
                 # Without clipping the optimizer's NVMe sub-groups step during backward; all-host is its baseline.
                 "nvme-optimizer-overlap": {"device": "nvme", "buffer_count": self.buffer_count, "params": "cpu",
                                            "clip": 0.0, "overlap": "on"},
-                "host-overlap": {"device": "cpu", "params": "cpu", "clip": 0.0, "overlap": "on"}}
+                "host-overlap": {"device": "cpu", "params": "cpu", "clip": 0.0, "overlap": "on"},
+                # With clipping, the optimizer's NVMe sub-groups speculated during backward (run when named).
+                "nvme-optimizer-speculative": {"device": "nvme", "buffer_count": self.buffer_count,
+                                               "params": "cpu", "speculative": "on"},
+                "nvme-optimizer-speculative-kept": {"device": "nvme", "buffer_count": self.buffer_count,
+                                                    "params": "cpu", "speculative": "on", "clip": 1e9}}
 
     def model_config(self) -> Any:
         from offload.models import GPTConfig

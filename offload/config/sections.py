@@ -496,8 +496,11 @@ class OffloadExtConfig:
                                              "clipping did not fire and recomputed with the real factor when it did "
                                              "(bitwise the ordinary step either way; the second slot takes 12 bytes "
                                              "per host-resident parameter from the host budget); off: step after "
-                                             "backward; auto: off for now (on a 2-core CPU it measured slower, "
-                                             "Adam and backward sharing the cores; not yet measured on a GPU).",
+                                             "backward; auto: only the NVMe sub-groups (their swap files have the "
+                                             "second slot), and only after a step whose clipping did not fire: "
+                                             "their I/O then hides under backward (on a 2-core CPU, speculating "
+                                             "host sub-groups measured slower, Adam and backward sharing the "
+                                             "cores).",
                                     choices=("auto", "on", "off"))
     delayed_update: DelayedUpdateConfig = section(DelayedUpdateConfig, "The delayed parameter update (opt-in).")
     accumulate_on_device: bool = setting(True, "With gradient accumulation and the optimizer offloaded, keep each "

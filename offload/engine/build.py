@@ -118,11 +118,11 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         undo.callback(swaps.close)
         whole_grads = 0 if stage.reduce_every_micro_batch else sum(
             s.numel for p in plans for s in p.slots if s.param.requires_grad)
-        speculative_why = step_mode.speculation_unwanted(config, compute_dtype)
+        scope, speculative_why = step_mode.speculation_scope(config, compute_dtype)
         placement = plan_placement(shard_sizes, trained, config, compute_dtype.itemsize, parts=parts,
                                    resident_params=stage.resident_params, whole_grads=whole_grads,
                                    discrete=not accel.host_is_device, device_free=accel.free_bytes(),
-                                   speculative=speculative_why is None,
+                                   speculative=scope,
                                    delayed=config.offload.delayed_update.warmup_steps is not None)
         nvme_params = placement.nvme_params
         ratio = zero.offload_optimizer.ratio
@@ -149,7 +149,8 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
             plan=StatePlan(device=zero.offload_optimizer.device, groups=placement.groups,
                            step_buffers=placement.step_buffers,
                            buffer_count=zero.offload_optimizer.buffer_count, host=host_budget, nvme=nvme_budget,
-                           device_accumulated=placement.device_accumulated, speculative=placement.speculative,
+                           device_accumulated=placement.device_accumulated,
+                           speculative=placement.speculative and scope == "all",
                            delayed=config.offload.delayed_update.warmup_steps is not None,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))
@@ -172,7 +173,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         activations = _activation_store(model, config, accel, host_budget, telemetry)
         undo.callback(checkpointing.reset)
         mode = step_mode.decide(config, compute_dtype, stage, optimizer, accel, placement.speculative,
-                                speculative_why or placement.speculative_why)
+                                speculative_why or placement.speculative_why, adaptive=scope == "nvme")
         logger.info("ZeRO %s; optimizer step: %s", stage.describe(), mode.describe())
         if config.scheduler is not None:
             if lr_scheduler is not None:

@@ -71,6 +71,7 @@ class Engine:
         self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory
         self.telemetry, self._swaps, self._trained_names = parts.telemetry, parts.swaps, parts.trained_names
         self._mode, self.lr_scheduler = parts.step, parts.lr_scheduler
+        self._clipped_last = False  # the last step's clipping fired (or fp16 overflowed): see StepMode.adaptive
         self.step_mode = self._mode.describe()
         self._phases = PhaseReport(self.telemetry) if config.wall_clock_breakdown else None
         if config.dump_state:
@@ -123,11 +124,13 @@ class Engine:
         self.accel.schedule.mark("backward")
         scale = self.loss_scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
         last_micro = self.accumulation.next_is_last()
-        overlapped = (self._mode.overlap or self._mode.speculative) and last_micro
+        # Speculating, Adam guesses the factor of a step whose clipping does not fire (see gradient_factor);
+        # adaptively, only after a step whose clipping did not fire (the norm changes slowly).
+        speculate = self._mode.speculative and not (self._mode.adaptive and self._clipped_last)
+        overlapped = (self._mode.overlap or speculate) and last_micro
         self.runtime.reduce_grads = last_micro or self.stage.reduce_every_micro_batch
         if last_micro:
-            # Speculating, Adam guesses the factor of a step whose clipping does not fire (see gradient_factor).
-            guess = unclipped_factor(self.loss_scaler.scale) if self._mode.speculative else None
+            guess = unclipped_factor(self.loss_scaler.scale) if speculate else None
             self.optimizer.last_backward_begins(overlap=overlapped, only=self.accumulation.pending == 0, guess=guess)
         try:
             with self.telemetry.span("backward"):
@@ -182,6 +185,7 @@ class Engine:
         scale = self.loss_scaler.scale
         self.global_steps += 1
         if nonfinite > 0 and self.compute_dtype == torch.float16:
+            self._clipped_last = True
             self.skipped_steps += 1
             self.last_grad_norm = math.inf
             self.loss_scaler.update(overflow=True)
@@ -191,6 +195,7 @@ class Engine:
             self._report_every_steps_per_print()
             return
         self.last_grad_norm, grad_scale = gradient_factor(sum_sq, nonfinite, scale, self.gradient_clipping)
+        self._clipped_last = grad_scale != unclipped_factor(scale)
         self.runtime.reshard_all()
         behind: ParamSwapError | None = None
         try:

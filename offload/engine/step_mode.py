@@ -30,6 +30,7 @@ class StepMode:
     overlap: bool  # the exact overlapped step
     speculative: bool  # the speculative step (never with ``overlap``: it is for the updates something gates)
     early: bool
+    adaptive: bool = False  # speculate (on NVMe sub-groups) only while the last step's clipping did not fire
     after_why: str = ""  # why Adam does not overlap backward (neither mode)
     early_why: str = ""
     delayed_after: int | None = None  # exact steps before the delayed update begins (None: never)
@@ -42,6 +43,9 @@ class StepMode:
         if self.speculative:
             during = ("speculative: Adam runs during the last micro-batch's backward with clip factor 1 into a "
                       "second slot, kept when clipping does not fire, recomputed when it does")
+            if self.adaptive:
+                during += (" (on the NVMe sub-groups, while the last step's clipping did not fire: their I/O hides "
+                           "under backward)")
         elif self.overlap:
             during = "overlapped with the last micro-batch's backward"
         else:
@@ -60,8 +64,17 @@ def gated(config: Config, compute_dtype: torch.dtype) -> list[str]:
     return reasons
 
 
-def speculation_unwanted(config: Config, compute_dtype: torch.dtype) -> str | None:
-    """Why the speculative step is off before any budget is looked at (None: wanted, if its slot fits)."""
+def speculation_scope(config: Config, compute_dtype: torch.dtype) -> tuple[str, str]:
+    """Which sub-groups the speculative step would run on before any budget is looked at ("all": host ones with
+    their second slot and NVMe ones; "nvme": NVMe ones only, while the last step's clipping did not fire; "":
+    none), and if none, why."""
+    why = _speculation_unwanted(config, compute_dtype)
+    if why is not None:
+        return "", why
+    return ("nvme" if config.offload.speculative_step == "auto" else "all"), ""
+
+
+def _speculation_unwanted(config: Config, compute_dtype: torch.dtype) -> str | None:
     mode = config.offload.speculative_step
     if mode == "off":
         return "offload.speculative_step is off"
@@ -75,16 +88,17 @@ def speculation_unwanted(config: Config, compute_dtype: torch.dtype) -> str | No
         return "the optimizer state is on the compute device"
     if not config.zero_optimization.ignore_unused_parameters:
         return "ignore_unused_parameters false checks every gradient first"
-    if mode == "auto":
-        # Measured on a 2-core Xeon (GPT-2-small, fp32, W = 1, 2026-11-25): 1.05x the step after backward when
-        # kept, 1.08x when recomputed; Adam and backward share the cores there. Not yet measured on a GPU.
-        return ("'auto' speculates nowhere yet: on a CPU it measured slower (Adam and backward share the cores) "
-                "and it is not measured on a GPU; set offload.speculative_step to \"on\" to speculate")
+    if mode == "auto" and config.zero_optimization.offload_optimizer.device != "nvme":
+        # Measured on a 2-core Xeon (GPT-2-small, fp32, W = 1, 2026-11-25): host sub-groups speculated made the
+        # step 1.05x (kept) and 1.08x (recomputed) the step after backward, Adam and backward sharing the cores.
+        return ("'auto' speculates only on NVMe sub-groups (on a CPU, host ones measured slower: Adam and "
+                "backward share the cores; not measured on a GPU); set offload.speculative_step to \"on\" to "
+                "speculate on the host's too")
     return None
 
 
 def decide(config: Config, compute_dtype: torch.dtype, stage: Stage, optimizer: ShardedAdam, accel: Accelerator,
-           speculative: bool, speculative_why: str) -> StepMode:
+           speculative: bool, speculative_why: str, adaptive: bool = False) -> StepMode:
     """The step's schedule; ``speculative`` and ``speculative_why`` are the placement's verdict (the second
     slot needs host memory)."""
     reasons = gated(config, compute_dtype)
@@ -117,8 +131,8 @@ def decide(config: Config, compute_dtype: torch.dtype, stage: Stage, optimizer: 
                               "all of the optimizer state to the host")
         return StepMode(overlap=False, speculative=False, early=early, after_why="the delayed update",
                         early_why=early_why, delayed_after=delayed)
-    return StepMode(overlap=not reasons and not speculative, speculative=speculative, early=early,
-                    after_why="; ".join(reasons), early_why=early_why)
+    return StepMode(overlap=not reasons and not speculative, speculative=speculative, adaptive=adaptive,
+                    early=early, after_why="; ".join(reasons), early_why=early_why)
 
 
 def _early_step(config: Config, stage: Stage, optimizer: ShardedAdam, accel: Accelerator) -> tuple[bool, str]:

@@ -55,7 +55,7 @@ class Placement:
     device_accumulated: frozenset[int] = frozenset()  # units whose fp32 gradient accumulator is on the device
     state_on_device: frozenset[int] = frozenset()  # offloaded optimizer, units whose state stays on the device
     state_fits_device: bool = False  # the whole optimizer state would fit in the device's room
-    speculative: bool = False  # host sub-groups have the speculative step's second slot
+    speculative: bool = False  # the step speculates (host sub-groups with a second slot, NVMe ones, or both)
     speculative_why: str = ""  # why not, when it was asked for
     problems: list[ConfigError] = field(default_factory=list)  # in the order start-up meets them
 
@@ -67,7 +67,7 @@ class Placement:
 
 def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, item: int, *, parts: int = 1,
          resident_params: bool = False, whole_grads: int = 0, discrete: bool = True,
-         device_free: int | None = None, speculative: bool = False, delayed: bool = False) -> Placement:
+         device_free: int | None = None, speculative: str = "", delayed: bool = False) -> Placement:
     """The placement of one rank's units (``shard_sizes``: (unit, shard elements) in unit order; ``trained``:
     the units the optimizer steps) under ``config``, whose compute dtype has ``item`` bytes. The ZeRO stage's
     part: each unit is split in ``parts``; ``resident_params``, every unit stays whole on the device (stages 0-2);
@@ -75,8 +75,9 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     ``discrete``: the compute device has memory of its own (a GPU); a CPU device reads host memory in place, so
     gradients need no landing buffers and device-homed shards no host copies (see [Note: host memory is the
     device's] in offload/store/param_store.py). ``device_free``: bytes free on the device at start, which bound
-    the gradient accumulators kept there when no device budget is set (None: no bound). ``speculative``: the
-    step wants a second slot of the host optimizer state, where the host budget holds it; ``delayed``: the
+    the gradient accumulators kept there when no device budget is set (None: no bound). ``speculative``: which
+    sub-groups the step speculates on ("all": the host's too, with a second slot of their state where the host
+    budget holds it; "nvme": the NVMe ones, whose swap files have theirs; "": none); ``delayed``: the
     delayed update stages each new shard in a host buffer of its own. Raises only for a
     setting that no budget could fix (offload_param.buffer_size below a shard)."""
     zero = config.zero_optimization
@@ -130,7 +131,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
 
     budget = TierBudget("host", host_limit, used=sum(out.host.values()))
     try:
-        place_sub_groups(out.groups, opt.device, budget, opt.buffer_count, spare=speculative)
+        place_sub_groups(out.groups, opt.device, budget, opt.buffer_count, spare=speculative == "all")
         out.placed = True
     except ConfigError as e:
         out.problems.append(e)
@@ -139,7 +140,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     _plan_host_params(out, shard_sizes, trained - out.state_on_device if opt.device != "none" else set(), item,
                       host_limit)
     if speculative and out.placed:  # last: it is the one part that may be left out
-        _plan_speculative_slot(out, host_limit)
+        _plan_speculative_slot(out, host_limit, spare=speculative == "all")
     _check_device(out, shard_sizes, config, item, parts, resident_params)
     return out
 
@@ -163,13 +164,13 @@ def _plan_optimizer_state(out: Placement, nvme_limit: int | None, buffer_count: 
         out.host["optimizer NVMe buffers"] = count * size
 
 
-def _plan_speculative_slot(out: Placement, host_limit: int | None) -> None:
+def _plan_speculative_slot(out: Placement, host_limit: int | None, spare: bool) -> None:
     """The speculative step's second slot of every host sub-group, if the host budget holds it beside the rest
     (else the step says why it does not speculate); NVMe sub-groups have theirs in the swap file."""
-    on_host = [g for g in out.groups if g.tier == "host"]
+    on_host = [g for g in out.groups if g.tier == "host"] if spare else []
     need, used = sum(g.nbytes for g in on_host), sum(out.host.values())
-    if not any(g.tier in ("host", "nvme") for g in out.groups):
-        out.speculative_why = "no optimizer state is offloaded"
+    if not any(g.tier == "nvme" or (spare and g.tier == "host") for g in out.groups):
+        out.speculative_why = "no optimizer state is offloaded" if spare else "no optimizer state is on NVMe"
     elif host_limit is not None and used + need > host_limit:
         out.speculative_why = (f"offload.budgets.host ({host_limit:,} bytes) cannot hold its second slot of the "
                                f"optimizer state ({need:,} bytes beside {used:,} planned); raise it to speculate")
