@@ -136,7 +136,9 @@ class ZeroRuntime:
                 self.release(unit)
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                if tensors:
+                if len(tensors) == 1:  # the common case, without the multi-hook's per-graph-task bookkeeping
+                    tensors[0].register_hook(lambda _grad: self._pre_backward(units))
+                elif tensors:
                     torch.autograd.graph.register_multi_grad_hook(
                         tensors, lambda _grad: self._pre_backward(units), mode="any")
         return hook

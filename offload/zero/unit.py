@@ -191,13 +191,22 @@ class Unit:
     # ----------------------------------------------------------------- gradients
 
     def take_flat_grad(self) -> torch.Tensor:
-        """The parameters' gradients as one padded flat buffer; the per-parameter ``.grad`` are dropped."""
-        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.full.device)
+        """The parameters' gradients as one padded flat buffer; the per-parameter ``.grad`` are dropped.
+
+        The slots tile ``[0, numel)`` in order, so when every parameter has a gradient the buffer is one
+        concatenation (a single op: this runs once per unit in every backward, on autograd's thread)."""
+        grads = [s.param.grad for s in self.slots]
         for s in self.slots:
-            g = s.param.grad
+            s.param.grad = None
+        if all(g is not None for g in grads):
+            parts = [g.reshape(-1) for g in grads]  # type: ignore[union-attr]
+            if self.padded > self.numel:
+                parts.append(torch.zeros(self.padded - self.numel, dtype=self.dtype, device=self.full.device))
+            return torch.cat(parts)
+        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.full.device)
+        for s, g in zip(self.slots, grads):
             if g is not None:
                 flat[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
-                s.param.grad = None
         return flat
 
     def __repr__(self) -> str:
