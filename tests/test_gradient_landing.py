@@ -204,3 +204,31 @@ def test_a_device_sum_without_a_gradient_in_the_last_micro_batch_comes_over_when
     optimizer.accumulate(index, torch.full((n,), 2.0), 1.0)  # a new step's first gradient starts a new sum
     assert torch.equal(state.on_device, torch.full((n,), 2.0))
     engine.close()
+
+
+@pytest.mark.parametrize("host,accum,in_place", [(10**9, 1, True), (550_000, 1, False), (10**9, 2, False)],
+                         ids=["nvme-all-on-host", "nvme-split", "nvme-accumulating"])
+def test_the_placement_alone_says_whether_gradients_are_read_where_they_land(tmp_path, host, accum, in_place):
+    """offload_optimizer.device nvme whose host budget keeps every sub-group on the host reads gradients where
+    they land (as device cpu does) and counts no accumulator; a split, or accumulation, makes the accumulators
+    the budget counted, byte for byte."""
+    import offload
+    config = base_config(2, accum, 1, clip=0.5, sub_group_size=3000)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config["offload"].update(budgets={"host": host}, speculative_step="off")
+    engine = offload.initialize(model=make_model("gpt"), config=config, device="cpu")[0]
+    try:
+        optimizer = engine.optimizer
+        tiers = {g.tier for g in optimizer.store.groups}
+        assert tiers == ({"host"} if host > 10**6 else {"host", "nvme"})
+        for rows in batches(accum, 2):
+            engine.backward(loss_of(engine, "gpt", rows))
+        optimizer.drain()
+        shards = list(optimizer.shards.values())
+        made = sum(4 * s.numel for s in shards if s.grad is not None)
+        counted = engine.memory_summary()["host"].get("gradient accumulators", 0)
+        assert optimizer._reads_in_place is in_place
+        assert (made == 0) is in_place and made == counted
+        engine.step()
+    finally:
+        engine.close()

@@ -150,6 +150,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
                            step_buffers=placement.step_buffers,
                            buffer_count=zero.offload_optimizer.buffer_count, host=host_budget, nvme=nvme_budget,
                            device_accumulated=placement.device_accumulated,
+                           grads_read_where_they_land=placement.grads_read_where_they_land,
                            speculative=placement.speculative and scope == "all",
                            delayed=config.offload.delayed_update.warmup_steps is not None,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)

@@ -32,7 +32,9 @@ Adam has read it: the early step re-records the buffer's ``free`` event after ea
 step. A unit whose gradient lands twice in one backward (none known today) has the first
 added into its accumulator before the second is copied in. The fp32 accumulators are made
 on first use, so a run that never accumulates never holds them (4 bytes per element of host
-memory; they are plain memory: no copy engine reads them).
+memory; they are plain memory: no copy engine reads them). The placement decides whether
+gradients are read where they land (``Placement.grads_read_where_they_land``, offload/store/
+placement.py), and its budget counts the accumulators exactly when they are not.
 
 [Note: gradients accumulated on the device] With several micro-batches per step on a GPU,
 adding each 16-bit gradient into a host accumulator costs a D2H copy per micro-batch and
@@ -261,6 +263,7 @@ class StatePlan:
     swap: tuple[SwapDir, Engine] | None = None
     rank: int = 0
     device_accumulated: frozenset[int] = frozenset()  # units with an fp32 accumulator on the compute device
+    grads_read_where_they_land: bool = False  # the placement's (see [Note: gradients read where they land])
     speculative: bool = False  # host sub-groups have a second slot (see [Note: speculative step])
     delayed: bool = False  # the delayed update stages new shards (see [Note: delayed update])
 
@@ -297,6 +300,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._land = accel.host_queue("grad-land") if self.offload else None
         self._final = False  # the gradients now landing are the last micro-batch's: their norm is taken as they land
         self._in_place = False  # ... and each unit's only one: read where it lands (see [Note: gradients read ...])
+        self._reads_in_place = plan.grads_read_where_they_land  # where the plan counted no accumulators
         self._sent_in_place: set[int] = set()  # units whose gradient this backward left in its landing buffer
         self._on_device = plan.device_accumulated if self._d2h is not None else frozenset()
         self._held: set[int] = set()  # device-accumulated units holding gradients not yet sent down
@@ -522,7 +526,7 @@ class ShardedAdam(torch.optim.Optimizer):
         (see [Note: gradients read where they land]). ``guess``: with ``overlap``, speculate that the step's factor
         is this (see [Note: speculative step])."""
         self._final = True
-        self._in_place = only and self.offload and all(g.tier in ("host", "device") for g in self.store.groups)
+        self._in_place = only and self._reads_in_place
         self._sent_in_place.clear()
         self.store.read_ahead()
         if overlap:

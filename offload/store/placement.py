@@ -54,6 +54,10 @@ class Placement:
     gather_room: int | None = None  # elements the device budget leaves for gathered units (None: no budget)
     device_accumulated: frozenset[int] = frozenset()  # units whose fp32 gradient accumulator is on the device
     state_on_device: frozenset[int] = frozenset()  # offloaded optimizer, units whose state stays on the device
+    # One micro-batch a step and the offloaded state all on the host (or the device): the optimizer reads each
+    # gradient where it lands and makes no fp32 accumulators (offload/optim/sharded.py: [Note: gradients read
+    # where they land]). The plan owns this fact: the budget counts accumulators exactly when it is false.
+    grads_read_where_they_land: bool = False
     state_fits_device: bool = False  # the whole optimizer state would fit in the device's room
     speculative: bool = False  # the step speculates (host sub-groups with a second slot, NVMe ones, or both)
     speculative_why: str = ""  # why not, when it was asked for
@@ -116,9 +120,12 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     if opt.device != "none" and offloaded_sizes:
         # Read in place, a device home's host copy is the device shard, unless NVMe state keeps copies apart.
         in_place = set() if discrete or opt.device == "nvme" else {i for i, h in homes.items() if h is Home.DEVICE}
-        accumulates = config.gradient_accumulation_steps != 1 or opt.device != "cpu"
+        # With the state offloaded to the host it all stays there; on NVMe, whether any of it does is known only
+        # once the sub-groups are placed (below), and until then the accumulators are counted.
+        out.grads_read_where_they_land = (config.gradient_accumulation_steps or 1) == 1 and opt.device == "cpu"
         step_buffers = out.step_buffers = host_parts(offloaded_sizes, {i for i, _ in nvme_params} | in_place, item,
-                                                     landing=discrete, accumulators=accumulates,
+                                                     landing=discrete,
+                                                     accumulators=not out.grads_read_where_they_land,
                                                      on_device=out.device_accumulated)
         if delayed:
             step_buffers["delayed update copies"] = item * sum(n for _, n in offloaded_sizes)
@@ -135,6 +142,12 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         out.placed = True
     except ConfigError as e:
         out.problems.append(e)
+    if (opt.device == "nvme" and out.placed and offloaded_sizes and (config.gradient_accumulation_steps or 1) == 1
+            and all(g.tier != "nvme" for g in out.groups)):
+        # offload_optimizer.device nvme with every sub-group kept on the host: no accumulator is made after all.
+        out.grads_read_where_they_land = True
+        out.host.pop("gradient accumulators", None)
+        out.step_buffers.pop("gradient accumulators", None)
     if out.placed:
         _plan_optimizer_state(out, nvme_limit, opt.buffer_count)
     _plan_host_params(out, shard_sizes, trained - out.state_on_device if opt.device != "none" else set(), item,
