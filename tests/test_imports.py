@@ -206,3 +206,11 @@ def test_nothing_below_the_engine_imports_the_engine_or_what_drives_it():
 def test_known_exceptions_still_exist():
     written = {(importer, w) for importer, _, w, _ in edges()}
     assert set(KNOWN) - written == set(), "these imports are gone: remove them from KNOWN in tests/test_imports.py"
+
+
+def test_the_installed_version_is_the_packages_own():
+    """pyproject.toml reads the version from offload/version.py at build time: one owner, never two that drift."""
+    import importlib.metadata
+
+    import offload
+    assert importlib.metadata.version("offload") == offload.__version__
