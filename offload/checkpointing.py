@@ -94,6 +94,8 @@ class ActivationStore:
     _free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = field(default_factory=dict)
     _live: list[Saved] = field(default_factory=list)  # in save (forward) order
     _copy: CopyStream | None = None
+    _events: list[Event] = field(default_factory=list)  # released inputs' copy events, re-recorded by later ones
+    _compute_done: Event | None = None  # where the copy stream waits for compute (re-recorded)
 
     @property
     def partitions(self) -> int:
@@ -112,10 +114,10 @@ class ActivationStore:
             self._reap()  # at most one copy out in flight: the device keeps at most one input beyond the running one
             host = self._host_tensor(data.numel(), data.dtype)
             stream = self._stream()
-            stream.wait_event(self.accel.compute_event())
+            stream.wait_event(self._after_compute())
             src = data.reshape(-1)
             stream.run(lambda: host.copy_(src, non_blocking=True))
-            saved.host, saved.copied, saved.source = host, stream.record(), src
+            saved.host, saved.copied, saved.source = host, stream.record(into=self._event()), src
             saved.nbytes = host.numel() * host.element_size()
             self._count_device(data.numel() * data.element_size())  # until the copy out is done
             self.host_bytes += saved.nbytes
@@ -153,13 +155,25 @@ class ActivationStore:
                 "the micro-batch, or turn cpu_checkpointing off") from e
         return self.accel.host_buffer(numel, dtype)[0]
 
+    def _after_compute(self) -> Event:
+        """An event after the compute issued so far, for the copy stream to wait on (the store's, re-recorded:
+        a stream's wait takes the record of the moment it is issued)."""
+        self._compute_done = self.accel.compute_event(into=self._compute_done)
+        return self._compute_done
+
+    def _event(self) -> Event | None:
+        """An event to re-record for a saved input's copies, from those released inputs gave back (None: the
+        stream makes one; after the first forward there are enough)."""
+        return self._events.pop() if self._events else None
+
     def _reap(self) -> None:
-        """Wait for the copies out still in flight and drop their device tensors (the memory goes back to the
-        allocator). A copy issued a whole block's compute ago is normally done: the wait is the bound on how far
-        copies may fall behind."""
+        """Order compute after the copies out still in flight and drop their device tensors (the memory goes back
+        to the allocator, for compute that now runs after the copy). A copy issued a whole block's compute ago is
+        normally done: the wait is the bound on how far copies may fall behind, and a stream wait on a GPU (the
+        host never blocks: see [Note: sync ledger] in offload/sync_ledger.py)."""
         for saved in self._live:
             if saved.source is not None and saved.copied is not None:
-                saved.copied.synchronize()
+                self.accel.compute_wait(saved.copied)
                 self._count_device(-saved.source.numel() * saved.source.element_size())
                 saved.source = None
 
@@ -204,10 +218,10 @@ class ActivationStore:
         assert saved.host is not None
         stream = self._stream()
         device = torch.empty(saved.host.numel(), dtype=saved.dtype, device=saved.device)
-        stream.wait_event(self.accel.compute_event())  # the buffer may reuse memory compute just freed
+        stream.wait_event(self._after_compute())  # the buffer may reuse memory compute just freed
         host = saved.host
         stream.run(lambda: device.copy_(host, non_blocking=True))
-        saved.fetched, saved.copied = device, stream.record()
+        saved.fetched, saved.copied = device, stream.record(into=saved.copied or self._event())
         self._count_device(device.numel() * device.element_size())
 
     def _fetch(self, saved: Saved) -> torch.Tensor:
@@ -231,7 +245,9 @@ class ActivationStore:
         if saved.host is not None:
             self.host_bytes -= saved.nbytes
             self._free.setdefault((saved.host.numel(), saved.host.dtype), []).append(saved.host)
-        saved.tensor = saved.host = saved.fetched = saved.source = None
+        if saved.copied is not None:  # its copies are done and waited for: the next saved input re-records it
+            self._events.append(saved.copied)
+        saved.tensor = saved.host = saved.fetched = saved.source = saved.copied = None
 
     def discard(self) -> None:
         """Forget the inputs of a forward whose backward will not run (eval, a failed backward)."""

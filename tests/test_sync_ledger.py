@@ -53,6 +53,20 @@ def test_a_steady_step_never_blocks_autograd_or_the_forward_reads_one_scalar_and
         assert got["events_made"] == {}, got["summary"]
 
 
+@pytest.mark.parametrize("cpu", [True, False], ids=["inputs-on-the-host", "inputs-on-the-device"])
+def test_checkpointed_blocks_keep_the_promise_and_reuse_their_events(cpu):
+    """Activation checkpointing, its inputs copied out to the host during forward and back during backward: no
+    host-blocking wait in forward or on autograd's thread (the bound on copies in flight is a stream wait), and
+    the copies' events are re-recorded, not made afresh each step."""
+    config = base_config(2, 1, 1)
+    config["offload"]["checkpoint_blocks"] = True
+    config["activation_checkpointing"] = {"cpu_checkpointing": cpu}
+    got = run_ranks(ledger_of_a_step, 1, env={"OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}, config=config, accum=1)[0]
+    assert got["backward"] == {}, got["summary"]
+    assert got["forward"] == {}, got["summary"]
+    assert got["events_made"] == {}, got["summary"]
+
+
 def test_the_ledger_counts_by_the_waiting_threads_role():
     import torch
     from offload.accelerator import WorkerStream
