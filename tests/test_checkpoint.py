@@ -321,3 +321,43 @@ def test_ranks_saving_under_different_tags(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "rank0-tag"]
     assert sorted(p.name for p in (tmp_path / "rank0-tag").iterdir()) == [
         "meta.json", "rank0.bin", "rank0.json", "rank0.pt", "rank1.bin", "rank1.json", "rank1.pt"]
+
+
+def _save_with_a_full_disk_on_rank_1(rank, world, save_dir):
+    """A good save, then one whose rank 1 runs out of disk mid-file, then a load and a step."""
+    import errno
+    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, world))[0]
+    _steps(engine, 1)
+    engine.save_checkpoint(save_dir, tag="good")
+    _steps(engine, 1)
+    real = checkpoint.RankWriter.add
+    calls = [0]
+
+    def add(self, unit, kind, t):
+        calls[0] += 1
+        if calls[0] > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, unit, kind, t)
+
+    if rank == 1:
+        checkpoint.RankWriter.add = add
+    try:
+        engine.save_checkpoint(save_dir, tag="bad")
+        error = None
+    except (OSError, CheckpointError) as e:
+        error = f"{type(e).__name__}: {e}"
+    checkpoint.RankWriter.add = real
+    path, _ = engine.load_checkpoint(save_dir)
+    _steps(engine, 1)
+    engine.close()
+    return error, os.path.basename(path)
+
+
+def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_the_last_checkpoint_stays(tmp_path):
+    (error0, loaded0), (error1, loaded1) = run_ranks(_save_with_a_full_disk_on_rank_1, 2, timeout=150,
+                                                     save_dir=str(tmp_path))
+    assert error1.startswith("OSError") and "No space left on device" in error1  # its own error
+    assert error0.startswith("CheckpointError") and "rank 0: another rank could not write" in error0
+    assert "'bad'" in error0 and "the last checkpoint is intact" in error0
+    assert (tmp_path / "latest").read_text() == "good" and loaded0 == loaded1 == "good"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "good", "latest"]  # the load cleared the rest

@@ -116,6 +116,51 @@ def _save_16bit(rank, world, save_dir, gather):
     return saved, state
 
 
+def _save_16bit_disk_full(rank, world, save_dir, name, after):
+    """Rank 0's disk fills after ``after`` tensors: every rank must raise (none left in a gather), and the engine
+    must still save once there is room."""
+    import errno
+
+    import offload
+    from offload import weights_file
+    config = base_config(2, 1, world)
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    real = {cls: cls.write for cls in (weights_file.SafetensorsStream, weights_file.TorchStream)}
+    written = [0]
+
+    def full_disk(cls):
+        def write(self, key, tensor):
+            if written[0] >= after:
+                raise OSError(errno.ENOSPC, "No space left on device", str(self.tmp))
+            written[0] += 1
+            real[cls](self, key, tensor)
+        return write
+
+    if rank == 0:
+        for cls in real:
+            cls.write = full_disk(cls)
+    try:
+        engine.save_16bit_model(save_dir, name)
+        error = None
+    except OSError as e:
+        error = (e.errno, str(e))
+    for cls, write in real.items():
+        cls.write = write
+    again = engine.save_16bit_model(save_dir, name)  # the room is back
+    engine.close()
+    return error, again
+
+
+@pytest.mark.parametrize("name,after", [("model.safetensors", 3), ("pytorch_model.bin", 0)])
+def test_a_full_disk_on_rank_0_fails_the_16bit_save_on_every_rank_and_leaves_no_file(tmp_path, name, after):
+    errors = run_ranks(_save_16bit_disk_full, 2, timeout=120, save_dir=str(tmp_path), name=name, after=after)
+    (own, again0), (other, again1) = errors
+    assert own[0] == 28 and "No space left" in own[1]  # rank 0: its own error
+    assert "rank 1: rank 0 could not write" in other[1] and name in other[1]
+    assert again0 and again1 and sorted(p.name for p in tmp_path.iterdir()) == [name]  # no .tmp left behind
+
+
 def test_save_16bit_model_writes_the_gathered_compute_weights_only_when_the_config_asks(tmp_path):
     from safetensors.torch import load_file
     saved, full = run_ranks(_save_16bit, 2, save_dir=str(tmp_path), gather=True)[0]

@@ -23,7 +23,7 @@ from offload.checkpoint_files import (FORMAT, LATEST, CheckpointError, RankWrite
                                       writer_lock)
 from offload.engine.weights import state_dict_layout
 from offload.version import __version__
-from offload.zero.collectives import all_reduce_sum
+from offload.zero.collectives import all_ok
 
 logger = logging.getLogger("offload.checkpoint")
 
@@ -86,13 +86,6 @@ def _gather_objects(obj: Any, group: Any) -> list[Any]:
     return out
 
 
-def _all_ok(ok: bool, engine: Any) -> bool:
-    """Whether every rank says ok (so no rank is left waiting in a collective when one of them fails)."""
-    flag = torch.tensor([0.0 if ok else 1.0], device=engine.accel.device)
-    all_reduce_sum(flag, engine.group)
-    return float(flag) == 0.0
-
-
 def save(engine: Any, save_dir: str | os.PathLike[str], tag: str | None, client_state: dict[str, Any] | None,
          save_latest: bool = True) -> Path:
     """Every rank calls it; see the module docstring for what lands where."""
@@ -135,6 +128,39 @@ def _save_locked(engine: Any, root: Path, tag: str, client_state: dict[str, Any]
                  save_latest: bool) -> Path:
     group, rank = engine.group, engine.group.rank
     tmp = tmp_dir(root, tag)
+    layout, buffers = state_dict_layout(engine) if rank == 0 else ([], {})
+    error: BaseException | None = None
+    try:
+        files = _write_rank_files(engine, tmp, client_state, buffers)
+    except Exception as e:  # noqa: BLE001 - raised once every rank knows (see all_ok)
+        error, files = e, {}
+    # A rank whose write failed (a full disk) says so before the next collective, so none is left waiting in it;
+    # nothing is published, and the last checkpoint stays what `latest` names.
+    if not all_ok(error is None, group, engine.accel.device):
+        raise error or CheckpointError(f"rank {rank}: another rank could not write its part of checkpoint {tag!r} "
+                                       f"under {root} (its error says why); nothing was published, the last "
+                                       "checkpoint is intact")
+    every = _gather_objects(files, group)
+    if rank == 0:
+        train = engine.train_state()
+        params = [[key, unit, slot.offset, list(slot.shape)] for key, unit, slot in layout]
+        meta = {"format": FORMAT, "version": __version__, "tag": tag, "world_size": group.world,
+                "partitions": engine.partition.world,
+                "global_steps": train["global_steps"], "skipped_steps": train["skipped_steps"],
+                "micro_steps": train["micro_steps"], "adam_steps": engine.optimizer.adam_steps,
+                "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
+                "params": params,
+                "config": engine.config.to_dict(), "files": {k: v for f in every for k, v in f.items()}}
+        publish(root, tag, meta, update_latest=save_latest)
+    _barrier(group)
+    return root / tag
+
+
+def _write_rank_files(engine: Any, tmp: Path, client_state: dict[str, Any] | None, buffers: dict[str, Any]
+                      ) -> dict[str, str]:
+    """This rank's files of a checkpoint into ``tmp`` (rank-local: no collective; rank 0's holds the model's
+    ``buffers``); returns name -> checksum."""
+    rank = engine.group.rank
     files: dict[str, str] = {}
     if rank < engine.partition.world:  # stage 0: every rank holds the same state; rank 0 writes it
         writer = RankWriter(tmp, rank)
@@ -152,8 +178,6 @@ def _save_locked(engine: Any, root: Path, tag: str, client_state: dict[str, Any]
     small: dict[str, Any] = {"rng": _rng_state(engine.accel.is_cuda)}
     if rank == 0:
         scheduler = engine.lr_scheduler
-        layout, buffers = state_dict_layout(engine)
-        params = [[key, unit, slot.offset, list(slot.shape)] for key, unit, slot in layout]
         train = engine.train_state()
         small.update(client_state=client_state or {}, loss_scaler=train["loss_scaler"], buffers=buffers,
                      lr_scheduler=scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
@@ -161,18 +185,7 @@ def _save_locked(engine: Any, root: Path, tag: str, client_state: dict[str, Any]
                                    for g in engine.optimizer.param_groups])
     files[f"rank{rank}.pt"] = save_small(tmp / f"rank{rank}.pt", small)
     phase("rank-files-written")
-    every = _gather_objects(files, group)
-    if rank == 0:
-        meta = {"format": FORMAT, "version": __version__, "tag": tag, "world_size": group.world,
-                "partitions": engine.partition.world,
-                "global_steps": train["global_steps"], "skipped_steps": train["skipped_steps"],
-                "micro_steps": train["micro_steps"], "adam_steps": engine.optimizer.adam_steps,
-                "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
-                "params": params,
-                "config": engine.config.to_dict(), "files": {k: v for f in every for k, v in f.items()}}
-        publish(root, tag, meta, update_latest=save_latest)
-    _barrier(group)
-    return root / tag
+    return files
 
 
 def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool = True,
@@ -210,7 +223,7 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
         verify(path, meta, names)
     except CheckpointError as e:
         error = e
-    if not _all_ok(error is None, engine):
+    if not all_ok(error is None, engine.group, engine.accel.device):
         raise error or CheckpointError(f"{path}: another rank found a damaged or missing file (see its error)")
     if old_parts != parts.world:
         logger.info("loading %s cut into %d partitions into %d: each rank reads its ranges from the old ones", path,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from offload.weights_file import TensorSpec, stream_for
-from offload.zero.collectives import all_gather
+from offload.zero.collectives import all_gather, all_ok
 
 logger = logging.getLogger("offload.engine")
 
@@ -85,33 +85,70 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
 def write_weights(engine: Any, save_dir: str | os.PathLike[str], save_filename: str,
                   exclude_frozen_parameters: bool = False) -> None:
     """Rank 0 streams the gathered compute-dtype weights to one file (torch.save, or safetensors by the file's
-    name), unit by unit: it never holds the whole state dict. A collective."""
+    name), unit by unit: it never holds the whole state dict. A collective: when rank 0's write fails (a full
+    disk), it keeps taking part in the gathers, and every rank then raises, none is left waiting."""
     layout, buffers = state_dict_layout(engine)
     by_unit: dict[int, list[tuple[str, Any]]] = {}
     for key, index, slot in layout:
         if not (exclude_frozen_parameters and not slot.param.requires_grad):
             by_unit.setdefault(index, []).append((key, slot))
     dtype, device = engine.compute_dtype, engine.accel.device
-    stream = None
-    if engine.group.rank == 0:
+    path = Path(save_dir) / save_filename
+    writer = _RankZeroWriter(path) if engine.group.rank == 0 else None
+    if writer is not None:
         specs = [TensorSpec(key, dtype, tuple(slot.shape)) for unit in engine.units
                  for key, slot in by_unit.get(unit.index, ())]
         specs += [TensorSpec(key, t.dtype, tuple(t.shape)) for key, t in buffers.items()]
-        Path(save_dir).mkdir(parents=True, exist_ok=True)
         written = {s.key for s in specs}
         order = [key for key in engine.module.state_dict(keep_vars=True) if key in written]
-        stream = stream_for(Path(save_dir) / save_filename, specs, metadata={"format": "pt"}, key_order=order)
-    with stream if stream is not None else contextlib.nullcontext():
-        for unit in engine.units:  # one unit gathered at a time
-            full = torch.empty(unit.padded, dtype=dtype, device=device)
-            all_gather(full, engine.params.read(unit.index).to(device), unit.group)
-            if stream is not None:
-                full = full.cpu()
-                for key, s in by_unit.get(unit.index, ()):
-                    stream.write(key, full[s.offset:s.offset + s.numel].view(s.shape))
-            del full
-        if stream is not None:
-            for key, t in buffers.items():
-                stream.write(key, t)
+        writer.attempt(lambda: writer.open(specs, order))
+    for unit in engine.units:  # one unit gathered at a time
+        full = torch.empty(unit.padded, dtype=dtype, device=device)
+        all_gather(full, engine.params.read(unit.index).to(device), unit.group)
+        if writer is not None:
+            host = full.cpu()
+            writer.attempt(lambda: [writer.write(key, host[s.offset:s.offset + s.numel].view(s.shape))
+                                    for key, s in by_unit.get(unit.index, ())])
+        del full
+    if writer is not None:
+        writer.attempt(lambda: [writer.write(key, t) for key, t in buffers.items()])
+        writer.finish()
+    if not all_ok(writer is None or writer.error is None, engine.group, device):
+        if writer is not None and writer.error is not None:
+            raise writer.error
+        raise OSError(f"rank {engine.group.rank}: rank 0 could not write {path} (its error says why); nothing was "
+                      "written")
     if engine.group.pg is not None:
         dist.barrier(group=engine.group.pg)
+
+
+class _RankZeroWriter:
+    """Rank 0's side of ``write_weights``: the file stream and the first error, after which it writes nothing
+    more (the gathers go on, so the other ranks reach the check that tells them) and the partial file goes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.stream: Any = None
+        self.error: BaseException | None = None
+
+    def open(self, specs: list[TensorSpec], order: list[str]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.stream = stream_for(self.path, specs, metadata={"format": "pt"}, key_order=order)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        self.stream.write(key, tensor)
+
+    def attempt(self, work: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - raised on this rank once every rank knows
+            self.error = e
+
+    def finish(self) -> None:
+        """Close the file (renamed into place) if all went well, else remove what was written."""
+        if self.error is None:
+            self.attempt(self.stream.close)
+        if self.error is not None and self.stream is not None:
+            self.stream.abort()

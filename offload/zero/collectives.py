@@ -59,6 +59,14 @@ def all_reduce_sum(t: torch.Tensor, group: Group, async_op: bool = False) -> dis
     return dist.all_reduce(t, group=group.pg, async_op=async_op)
 
 
+def all_ok(ok: bool, group: Group, device: torch.device) -> bool:
+    """Whether every rank says ok: how one rank's failure between collectives (a write that failed) reaches the
+    others, which would otherwise wait for it in the next collective until the process group times out."""
+    flag = torch.tensor([0.0 if ok else 1.0], device=device)
+    all_reduce_sum(flag, group)
+    return float(flag) == 0.0
+
+
 def broadcast(t: torch.Tensor, group: Group, src: int = 0) -> None:
     if group.pg is not None:
         dist.broadcast(t, src=src, group=group.pg)
