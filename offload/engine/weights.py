@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from offload.weights_file import TensorSpec, stream_for
@@ -100,30 +99,29 @@ def write_weights(engine: Any, save_dir: str | os.PathLike[str], save_filename: 
                  for key, slot in by_unit.get(unit.index, ())]
         specs += [TensorSpec(key, t.dtype, tuple(t.shape)) for key, t in buffers.items()]
         written = {s.key for s in specs}
-        order = [key for key in engine.module.state_dict(keep_vars=True) if key in written]
-        writer.attempt(lambda: writer.open(specs, order))
+        writer.open(specs, [key for key in engine.module.state_dict(keep_vars=True) if key in written])
     for unit in engine.units:  # one unit gathered at a time
         full = torch.empty(unit.padded, dtype=dtype, device=device)
         all_gather(full, engine.params.read(unit.index).to(device), unit.group)
-        if writer is not None:
+        if writer is not None and writer.error is None:
             host = full.cpu()
-            writer.attempt(lambda: [writer.write(key, host[s.offset:s.offset + s.numel].view(s.shape))
-                                    for key, s in by_unit.get(unit.index, ())])
+            for key, s in by_unit.get(unit.index, ()):
+                writer.write(key, host[s.offset:s.offset + s.numel].view(s.shape))
         del full
     if writer is not None:
-        writer.attempt(lambda: [writer.write(key, t) for key, t in buffers.items()])
+        for key, t in buffers.items():
+            writer.write(key, t)
         writer.finish()
+    # Also what keeps the other ranks from returning before rank 0's file is in place.
     if not all_ok(writer is None or writer.error is None, engine.group, device):
         if writer is not None and writer.error is not None:
             raise writer.error
         raise OSError(f"rank {engine.group.rank}: rank 0 could not write {path} (its error says why); nothing was "
                       "written")
-    if engine.group.pg is not None:
-        dist.barrier(group=engine.group.pg)
 
 
 class _RankZeroWriter:
-    """Rank 0's side of ``write_weights``: the file stream and the first error, after which it writes nothing
+    """Rank 0's side of ``write_weights``: the file stream and its first error, after which it writes nothing
     more (the gathers go on, so the other ranks reach the check that tells them) and the partial file goes."""
 
     def __init__(self, path: Path) -> None:
@@ -131,24 +129,27 @@ class _RankZeroWriter:
         self.stream: Any = None
         self.error: BaseException | None = None
 
-    def open(self, specs: list[TensorSpec], order: list[str]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.stream = stream_for(self.path, specs, metadata={"format": "pt"}, key_order=order)
-
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        self.stream.write(key, tensor)
-
-    def attempt(self, work: Any) -> None:
-        if self.error is not None:
-            return
+    @contextlib.contextmanager
+    def _first_error(self) -> Iterator[None]:
         try:
-            work()
+            yield
         except Exception as e:  # noqa: BLE001 - raised on this rank once every rank knows
             self.error = e
+
+    def open(self, specs: list[TensorSpec], order: list[str]) -> None:
+        with self._first_error():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.stream = stream_for(self.path, specs, metadata={"format": "pt"}, key_order=order)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        if self.error is None:
+            with self._first_error():
+                self.stream.write(key, tensor)
 
     def finish(self) -> None:
         """Close the file (renamed into place) if all went well, else remove what was written."""
         if self.error is None:
-            self.attempt(self.stream.close)
+            with self._first_error():
+                self.stream.close()
         if self.error is not None and self.stream is not None:
             self.stream.abort()
