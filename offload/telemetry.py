@@ -22,9 +22,9 @@ import os
 import threading
 import time
 from collections import defaultdict
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
