@@ -85,6 +85,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     delayed update stages each new shard in a host buffer of its own. Raises only for a
     setting that no budget could fix (offload_param.buffer_size below a shard)."""
     zero = config.zero_optimization
+    one_micro_batch = (config.gradient_accumulation_steps or 1) == 1  # a step's gradients are each unit's only ones
     host_limit, nvme_limit = config.offload.budgets.host, config.offload.budgets.nvme
     param, opt = zero.offload_param, zero.offload_optimizer
     nvme_params = place_params(shard_sizes, param) if param.device == "nvme" else []
@@ -96,7 +97,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     if opt.device != "none" and trained_sizes:
         _plan_state_on_device(out, shard_sizes, trained_sizes, config, item, parts, device_free)
     offloaded_sizes = [(i, n) for i, n in trained_sizes if i not in out.state_on_device]
-    if (opt.device != "none" and discrete and (config.gradient_accumulation_steps or 1) > 1 and not whole_grads
+    if (opt.device != "none" and discrete and not one_micro_batch and not whole_grads
             and config.offload.accumulate_on_device and offloaded_sizes):
         _plan_device_accumulators(out, shard_sizes, offloaded_sizes, config, item, parts, device_free)
 
@@ -122,7 +123,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         in_place = set() if discrete or opt.device == "nvme" else {i for i, h in homes.items() if h is Home.DEVICE}
         # With the state offloaded to the host it all stays there; on NVMe, whether any of it does is known only
         # once the sub-groups are placed (below), and until then the accumulators are counted.
-        out.grads_read_where_they_land = (config.gradient_accumulation_steps or 1) == 1 and opt.device == "cpu"
+        out.grads_read_where_they_land = one_micro_batch and opt.device == "cpu"
         step_buffers = out.step_buffers = host_parts(offloaded_sizes, {i for i, _ in nvme_params} | in_place, item,
                                                      landing=discrete,
                                                      accumulators=not out.grads_read_where_they_land,
@@ -142,7 +143,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         out.placed = True
     except ConfigError as e:
         out.problems.append(e)
-    if (opt.device == "nvme" and out.placed and offloaded_sizes and (config.gradient_accumulation_steps or 1) == 1
+    if (opt.device == "nvme" and out.placed and offloaded_sizes and one_micro_batch
             and all(g.tier != "nvme" for g in out.groups)):
         # offload_optimizer.device nvme with every sub-group kept on the host: no accumulator is made after all.
         out.grads_read_where_they_land = True
