@@ -103,5 +103,37 @@ def test_where_deepspeeds_cpu_adam_does_not_build_it_runs_torchs_adam_and_says_s
     path.write_text(json.dumps(versus.shared_config(StepBench(world=1, micro=2), "cpu")))
     name, config = run_ranks(_deepspeed_whose_cpu_adam_fails, 1, env={"DS_ACCELERATOR": "cpu"},
                              config_path=str(path))[0]
-    assert "torch_adam: DeepSpeed's cpu_adam did not build: Error building extension 'cpu_adam'" in name
+    assert "torch_adam: DeepSpeed's Adam op did not build: RuntimeError: Error building extension 'cpu_adam'" in name
     assert config["optimizer"]["params"]["torch_adam"] is True and config["zero_force_ds_cpu_optimizer"] is False
+
+
+def test_an_error_raised_inside_deepspeeds_op_builder_counts_as_a_failed_build():
+    # On torch 2.11 + CUDA 13 (the H100 of 2026-11-25) the builder's sort of the arch list raised a bare
+    # ValueError: invalid literal for int() with base 10: '0a'. Code compiled under the builder's file name
+    # raises the same here.
+    where = "/site-packages/deepspeed/ops/op_builder/builder.py"
+    builder = compile("def compute_capability_args():\n    return int('0a')\n", where, "exec")
+    namespace: dict = {}
+    exec(builder, namespace)
+    with pytest.raises(ValueError) as inside:
+        namespace["compute_capability_args"]()
+    assert versus._op_build_failed(inside.value)
+    with pytest.raises(ValueError) as elsewhere:
+        int("0a")
+    assert not versus._op_build_failed(elsewhere.value)  # a ValueError of the model's own is DeepSpeed's to raise
+
+
+def test_deepspeed_reads_the_arch_list_without_the_arch_specific_suffixes():
+    assert versus.deepspeed_arch_list("9.0a") == "9.0"
+    assert versus.deepspeed_arch_list("8.0;9.0a;10.0f+PTX") == "8.0;9.0;10.0+PTX"
+    assert versus.deepspeed_arch_list("8.6 9.0") == "8.6 9.0"
+
+
+def test_the_optimizer_column_names_the_adam_that_offload_ran():
+    def config(device, ratio=None):
+        where = {"device": device} if ratio is None else {"device": device, "ratio": ratio}
+        return {"zero_optimization": {"offload_optimizer": where}}
+    mode = "early: Adam after the step returns (...)"
+    assert versus._offload_optimizer_name(config("cpu"), mode) == "offload native Adam (early)"
+    assert versus._offload_optimizer_name(config("none"), mode) == "offload Adam in torch ops on the device (early)"
+    assert "host, torch ops on the device" in versus._offload_optimizer_name(config("cpu", 0.5), mode)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import resource
 import statistics
 import time
@@ -187,7 +188,7 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
         else:
             import offload
             engine, optimizer, _, _ = offload.initialize(model=model, config=config_path)
-            name = f"offload native Adam ({engine.step_mode.split(' (')[0].split(':')[0]})"
+            name = _offload_optimizer_name(json.loads(Path(config_path).read_text()), engine.step_mode)
         device = str(engine.device) if side == "deepspeed" else str(engine.accel.device)
 
         def forward(rows: torch.Tensor) -> None:
@@ -207,8 +208,40 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
                           start_s, name))
 
 
-# What DeepSpeed's op builder says when it cannot build cpu_adam (no CUDA toolkit beside a visible GPU, say).
+def _offload_optimizer_name(config: dict[str, Any], step_mode: str) -> str:
+    """Which Adam offload ran: its native kernel for host state, torch ops for state on the device."""
+    zero = config.get("zero_optimization", {})
+    where = zero.get("offload_optimizer", {}).get("device", "none")
+    ratio = zero.get("offload_optimizer", {}).get("ratio", 1.0)
+    mode = step_mode.split(" (")[0].split(":")[0]
+    if where == "none" or ratio == 0:
+        return f"offload Adam in torch ops on the device ({mode})"
+    if ratio != 1.0:
+        return f"offload native Adam on the host, torch ops on the device ({mode})"
+    return f"offload native Adam ({mode})"
+
+
+# What DeepSpeed's op builder says when it cannot build an op (no CUDA toolkit beside a visible GPU, say).
 OP_BUILD_FAILURES = ("cpu_adam", "CUDA_HOME", "nvcc", "Error building extension")
+
+
+def deepspeed_arch_list(archs: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's JIT builder parses it: without the arch-specific suffixes
+    ("9.0a", "10.0f") that CUDA 12.8+ images set and its version sort cannot read."""
+    return re.sub(r"(\d+\.\d+)[af]", r"\1", archs)
+
+
+def _op_build_failed(e: BaseException) -> bool:
+    """Whether ``e`` came out of DeepSpeed's op builder: its message names the build, or it was raised inside the
+    builder (on torch 2.11 with CUDA 13 the builder's parsing of the arch "9.0a" raises a bare ValueError)."""
+    if any(word in str(e) for word in OP_BUILD_FAILURES):
+        return True
+    tb = e.__traceback__
+    while tb is not None:
+        if "op_builder" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _deepspeed_engine(model: Any, b: StepBench, config_path: str) -> tuple[Any, str]:
@@ -217,15 +250,17 @@ def _deepspeed_engine(model: Any, b: StepBench, config_path: str) -> tuple[Any, 
     as no effect), and the name says so."""
     import deepspeed
     from offload.models import GPT
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):  # this is DeepSpeed's own process: its builder reads it
+        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     deepspeed.init_distributed(dist_backend="gloo" if b.device == "cpu" else "nccl")
     try:
         engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                        config=config_path)
         return engine, type(getattr(optimizer, "optimizer", optimizer)).__name__
     except Exception as e:  # noqa: BLE001 - DeepSpeed's op builds raise what their tools raise
-        if not any(word in str(e) for word in OP_BUILD_FAILURES):
+        if not _op_build_failed(e):
             raise
-        reason = str(e).strip().splitlines()[-1][:120] if str(e).strip() else type(e).__name__
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:120] if str(e).strip() else ''}"
     config = json.loads(Path(config_path).read_text())
     config["optimizer"]["params"]["torch_adam"] = True
     config["zero_force_ds_cpu_optimizer"] = False
@@ -233,7 +268,7 @@ def _deepspeed_engine(model: Any, b: StepBench, config_path: str) -> tuple[Any, 
     fresh = GPT(b.model_config())
     engine, optimizer, _, _ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=config)
     name = type(getattr(optimizer, "optimizer", optimizer)).__name__
-    return engine, f"{name} (torch_adam: DeepSpeed's cpu_adam did not build: {reason})"
+    return engine, f"{name} (torch_adam: DeepSpeed's Adam op did not build: {reason})"
 
 
 def run(b: StepBench, out_dir: Path, log: TextIO | None = None, names: tuple[str, ...] = ()) -> VersusResult:
