@@ -83,6 +83,20 @@ def test_a_lagging_worker_changes_nothing():
         assert torch.equal(runs[0]["state"][key], value), key
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_next_backward_lands_beside_a_lagging_delayed_adam_and_changes_nothing(accum):
+    """On a discrete device (emulated) each gradient comes down into a landing buffer. The delayed Adam runs on a
+    thread of its own, lagging here, while the next backward's gradients land: each unit's landing waits until
+    that Adam has read the unit's last gradient (a missing wait lands the new gradient under it)."""
+    slow = {"OFFLOAD_EMULATED_COPY_DELAY_S": "0.001", "OFFLOAD_EMULATED_HOST_DELAY_S": "0.03"}
+    runs = [run_ranks(train_engine, 1, env=env, name="gpt", config=delayed_config(1, accum, warmup=1), steps=4,
+                      micro=2, accum=accum)[0] for env in (slow, {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"})]
+    assert runs[0]["counts"]["optimizer_delayed"] == 3 * runs[0]["units"]
+    assert runs[0]["losses"] == runs[1]["losses"]
+    for key, value in runs[1]["state"].items():
+        assert torch.equal(runs[0]["state"][key], value), key
+
+
 def _saved_parameters(rank, world, tmp):
     engine, *_ = offload.initialize(model=make_model("gpt"), config=delayed_config(1, 1, warmup=0))
     for tokens in batches(3, 2):

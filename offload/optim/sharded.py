@@ -102,10 +102,13 @@ above. With the early step the device units step on the training thread before i
 returns (in stream order, so the next forward needs no wait for them).
 
 [Note: delayed update] Opt-in (offload.delayed_update), and not exact by design: ZeRO-Offload's
-delayed parameter update. The step is the early step's, on the landing worker in unit order,
-but each new 16-bit shard goes to a staging buffer of its own instead of the step's target,
-and nothing waits for it: the next forward and backward read the parameters from before the
-update. The next engine.step() first ``publish``es it (drains the worker, copies each staged
+delayed parameter update. The step is the early step's, but on a host thread of its own, in
+backward's unit order, and each new 16-bit shard goes to a staging buffer of its own instead of
+the step's target, and nothing waits for it: the next forward and backward read the parameters
+from before the update. The next backward's gradients land on the landing worker beside it (on
+one thread they queued behind the whole pass: on an H100 that was a 22 ms gradient wait a step);
+each unit's landing first waits for the update to have read that unit's last gradient
+(``adam_read``), and backward's order makes that the first unit stepped. The next engine.step() first ``publish``es it (drains the worker, copies each staged
 shard's segments to its target and starts its copy back), then runs its own; so update t
 reaches the parameters at step t + 1. Everything that writes the model out (checkpoints, 16-bit
 saves) publishes first; readers of the master weights see the newest update, as they would
@@ -218,6 +221,7 @@ class ShardState:
     # Re-recorded each time (see [Note: events re-recorded] in accelerator.py):
     copied: Event | None = None  # the last gradient's copy into the landing buffer
     stepped: Event | None = None  # the last early step of this shard
+    adam_read: Event | None = None  # the delayed update's Adam has read this shard's gradient (optimizer thread)
     norm: list[native.SqNorm] | None = None  # the final gradient's norm per segment, taken as it landed
     # This step's only gradient, read in its landing buffer with its factor (see [Note: gradients read where they
     # land]); None while the accumulator holds the gradient.
@@ -298,6 +302,9 @@ class ShardedAdam(torch.optim.Optimizer):
         # landing worker adds them up (see [Note: gradients land]).
         self._d2h = accel.copy_stream("d2h") if self.offload and not accel.host_is_device else None
         self._land = accel.host_queue("grad-land") if self.offload else None
+        # The delayed update's Adam runs on a thread of its own, so the next backward's gradients land beside it
+        # (see [Note: delayed update]).
+        self._adam = accel.host_queue("delayed-adam") if self.offload and plan.delayed else None
         self._final = False  # the gradients now landing are the last micro-batch's: their norm is taken as they land
         self._in_place = False  # ... and each unit's only one: read where it lands (see [Note: gradients read ...])
         self._reads_in_place = plan.grads_read_where_they_land  # where the plan counted no accumulators
@@ -399,6 +406,9 @@ class ShardedAdam(torch.optim.Optimizer):
         # Decided now, on the calling thread: the worker may still be adding an earlier micro-batch's gradients
         # when the last one's backward begins, and those are neither final nor stepped.
         final, overlap = self._final, self._overlap
+        adam_busy = state.adam_read is not None and not state.adam_read.query()
+        if adam_busy:  # the delayed Adam still reads the last gradient: nothing of this unit lands before it has
+            self._land.wait_event(state.adam_read)
         if state.on_device is not None:
             self._add_on_device(state, shard_grad, scale, ready)
             if final:
@@ -418,7 +428,7 @@ class ShardedAdam(torch.optim.Optimizer):
         else:
             assert state.landing is not None
             landing = state.landing[:shard_grad.numel()]
-            if state.free.query() and not again:  # the worker is done with what last landed here: copy now
+            if state.free.query() and not again and not adam_busy:  # what last landed here is read: copy now
                 copied = self._copy_down(state, landing, shard_grad, ready)
                 self._land.run(lambda: self._landed(state, landing, copied, scale, final, overlap, refs, in_place))
             else:  # still busy: the worker copies after it is done with the buffer (it runs in order)
@@ -446,6 +456,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self._held.discard(state.index)
         if not state.free.query():  # the worker still reads what landed here before (a second sum this backward)
             self.accel.wait(state.free, "a device-accumulated gradient's landing buffer")
+        if state.adam_read is not None and not state.adam_read.query():  # the delayed Adam still reads it
+            self.accel.wait(state.adam_read, "a landing buffer the delayed update reads")
         copied = self._copy_down(state, state.landing, state.on_device, state.added)
         refs: list[Any] = []
         self._land.run(lambda: self._landed(state, state.landing, copied, 1.0, True, overlap, refs, in_place=True))
@@ -533,9 +545,12 @@ class ShardedAdam(torch.optim.Optimizer):
             self.begin_overlap(guess)
 
     def drain(self) -> None:
-        """Wait until every gradient sent so far is in its accumulator (re-raises a failed copy)."""
+        """Wait until every gradient sent so far is in its accumulator and every step handed to a host thread has
+        run (re-raises a failed copy or step)."""
         if self._land is not None:
             self.accel.drain(self._land, "gradients drained")
+        if self._adam is not None:
+            self.accel.drain(self._adam, "the delayed update drained")
 
     def clear_grads(self) -> None:
         self.drain()
@@ -638,25 +653,31 @@ class ShardedAdam(torch.optim.Optimizer):
         hypers = [self.hyper(i) for i in range(len(self.param_groups))]
         step = self.adam_steps + 1
         after = self._compute_done = self.accel.compute_event(into=self._compute_done)  # the shards' last reads
+        lane = self._adam if delayed else self._land
+        assert lane is not None
         # Last step's copies back read the host copies this step rewrites.
-        self._land.run(lambda: self.params.wait_copies_back())
+        lane.run(lambda: self.params.wait_copies_back())
+        on_host: list[tuple[SubGroup, Member]] = []
         for group in self.store.step_pass():
             if group.tier == "device":  # on the compute stream, before step() returns
                 for member in group.members:
                     self._step_shard(member.unit, group.views(member), step, hypers, grad_scale)
                     self.shards[member.unit].empty()
                 continue
-            for member in group.members:
-                self.accel.schedule.work("hook_step", member.unit)
-                self._land.run(lambda g=group, m=member: self._step_early(g, m, step, hypers, grad_scale, after,
-                                                                          delayed))
-                state = self.shards[member.unit]
-                state.free = self._land.record(into=state.free)  # a gradient read where it landed is read by now
-                if delayed:  # nothing reads the staged shard before publish() drains the worker
-                    self._pending.add(member.unit)
-                else:
-                    state.stepped = self._land.record(into=state.stepped)
-                    self.params.step_pending(member.unit, state.stepped)
+            on_host.extend((group, member) for member in group.members)
+        if delayed:  # in backward's order: the next backward's first gradients wait for the first shards stepped
+            on_host.reverse()
+        for group, member in on_host:
+            self.accel.schedule.work("hook_step", member.unit)
+            lane.run(lambda g=group, m=member: self._step_early(g, m, step, hypers, grad_scale, after, delayed))
+            state = self.shards[member.unit]
+            if delayed:  # nothing reads the staged shard before publish() drains the thread
+                state.adam_read = lane.record(into=state.adam_read)
+                self._pending.add(member.unit)
+            else:
+                state.free = lane.record(into=state.free)  # a gradient read where it landed is read by now
+                state.stepped = lane.record(into=state.stepped)
+                self.params.step_pending(member.unit, state.stepped)
         self.adam_steps = step
         self._overlap = None
         self._final = self._in_place = False
