@@ -10,7 +10,8 @@
 #   tools/gpu_session.sh install cuda-tests bench-pcie bench-adam bench-step bench-step-default
 #   tools/gpu_session.sh bench-step-1p3b profile bench-deepspeed sanitizer
 #   tools/gpu_session.sh bench-step-placement bench-deepspeed-placements (the speculative step,
-#   offload_optimizer.ratio, the delayed update, DeepSpeed's other placements: not run yet)
+#   offload_optimizer.ratio, the delayed update, DeepSpeed's other placements; 149 and 232 s on 2026-11-25)
+#   tools/gpu_session.sh bench-step-1p3b-auto bench-step-delayed
 #   tools/gpu_session.sh suite
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
 # prediction beside what was measured.
@@ -91,6 +92,9 @@ for s in "$@"; do
     bench-step) stage bench-step $PY -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 4 --rounds 2 --out "$OUT/step-4mi/step.json" ;;
     bench-step-default) stage bench-step-default $PY -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-64mi/step.json" ;;
     bench-step-placement) stage bench-step-placement $PY -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,clip-after,clip-speculative-kept,clip-speculative-recomputed,ratio-auto,ratio-half,delayed --out "$OUT/step-placement/step.json" ;;
+    # The 1.3B model with the optimizer state where it is fastest (auto fills the GPU first) beside all on the host.
+    bench-step-1p3b-auto) stage bench-step-1p3b-auto $PY -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants host,ratio-auto --out "$OUT/step-1p3b-auto/step.json" ;;
+    bench-step-delayed) stage bench-step-delayed $PY -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,delayed --out "$OUT/step-delayed/step.json" ;;
     bench-step-1p3b) stage bench-step-1p3b $PY -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --headline-only --out "$OUT/step-1p3b/step.json" ;;
     # torch's profiler over three steps of the headline variant: kernels per stream, the engine's phases per thread.
     profile) stage profile $PY -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 3 --rounds 1 --headline-only --profile --out "$OUT/profile/step.json" ;;
