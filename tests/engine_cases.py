@@ -172,6 +172,7 @@ def check_parity(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
 def describe_engine(rank: int, world: int, config: dict[str, Any], device: str | None = None) -> dict[str, Any]:
     """What initialize decided for the test GPT: step mode, optimizer state per tier, memory per tier."""
     engine, optimizer, _, _ = offload.initialize(model=make_model("gpt"), config=config, device=device)
-    out = {"mode": engine.step_mode, "tiers": dict(optimizer.store.placement.tiers), "memory": engine.memory_summary()}
+    out = {"mode": engine.step_mode, "tiers": dict(optimizer.store.placement.tiers), "memory": engine.memory_summary(),
+           "staged": sum(t.numel() for t in getattr(optimizer, "_staged", {}).values())}
     engine.close()
     return out

@@ -47,10 +47,13 @@ def one_step_late_reference(steps, rows, micro, warmup, clip=1.0):
     return {"losses": losses, "state": {k: v.clone() for k, v in master.state_dict().items()}}
 
 
-@pytest.mark.parametrize("world,accum", [(1, 1), (2, 2)])
-def test_the_delayed_update_trains_as_the_one_step_late_reference(world, accum):
-    results = run_ranks(train_engine, world, name="gpt", config=delayed_config(world, accum), steps=STEPS, micro=2,
-                        accum=accum)
+# On a discrete device (emulated) a device home's new shard is written into its host copy at once and only the copy
+# back waits; elsewhere it waits in a staging buffer.
+@pytest.mark.parametrize("world,accum,discrete", [(1, 1, False), (2, 2, False), (1, 1, True), (1, 2, True)])
+def test_the_delayed_update_trains_as_the_one_step_late_reference(world, accum, discrete):
+    env = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"} if discrete else None
+    results = run_ranks(train_engine, world, env=env, name="gpt", config=delayed_config(world, accum), steps=STEPS,
+                        micro=2, accum=accum)
     late = one_step_late_reference(STEPS, 2 * accum * world, 2, WARMUP)
     exact = train_reference("gpt", STEPS, 2 * accum * world, 2, world=world)
     for rank in results:
@@ -134,3 +137,6 @@ def test_the_estimate_and_the_engine_count_the_staging_copies():
     plan = run_ranks(describe_engine, 1, config=delayed_config(1, 1))[0]
     host = plan["memory"]["host"]
     assert abs(host["delayed update copies"] - host["optimizer state"] / 3) < 4096  # fp32: 4 of the state's 12 bytes
+    # On a discrete device every home here is the device's: the new shards go into their host copies, none staged.
+    plan = run_ranks(describe_engine, 1, env={"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"}, config=delayed_config(1, 1))[0]
+    assert "delayed update copies" not in plan["memory"]["host"] and plan["staged"] == 0

@@ -153,6 +153,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
                            grads_read_where_they_land=placement.grads_read_where_they_land,
                            speculative=placement.speculative and scope == "all",
                            delayed=config.offload.delayed_update.warmup_steps is not None,
+                           staged=placement.staged,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))
         units = [_shard_unit(model, plan, partition, group, stage, accel, compute_dtype, params, optimizer,

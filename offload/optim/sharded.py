@@ -103,16 +103,18 @@ returns (in stream order, so the next forward needs no wait for them).
 
 [Note: delayed update] Opt-in (offload.delayed_update), and not exact by design: ZeRO-Offload's
 delayed parameter update. The step is the early step's, but on a host thread of its own, in
-backward's unit order, and each new 16-bit shard goes to a staging buffer of its own instead of
-the step's target, and nothing waits for it: the next forward and backward read the parameters
-from before the update. The next backward's gradients land on the landing worker beside it (on
-one thread they queued behind the whole pass: on an H100 that was a 22 ms gradient wait a step);
-each unit's landing first waits for the update to have read that unit's last gradient
-(``adam_read``), and backward's order makes that the first unit stepped. The next engine.step() first ``publish``es it (drains the worker, copies each staged
-shard's segments to its target and starts its copy back), then runs its own; so update t
-reaches the parameters at step t + 1. Everything that writes the model out (checkpoints, 16-bit
-saves) publishes first; readers of the master weights see the newest update, as they would
-after any step. A loaded checkpoint drops what was staged.
+backward's unit order, and nothing waits for it: the next forward and backward read the
+parameters from before the update. Where compute reads the step's target (a host home, a CPU
+device) each new 16-bit shard goes to a staging buffer of its own; a device home's separate
+host copy is written in place, and only its copy back waits. The next backward's gradients
+land on the landing worker beside it (on one thread they queued behind the whole pass: on an
+H100 that was a 22 ms gradient wait a step); each unit's landing first waits for the update
+to have read that unit's last gradient (``adam_read``), and backward's order makes that the
+first unit stepped. The next engine.step() first ``publish``es it (drains both threads,
+copies each staged shard's segments to its target, starts every copy back), then runs its
+own; so update t reaches the parameters at step t + 1. Everything that writes the model out
+(checkpoints, 16-bit saves) publishes first; readers of the master weights see the newest
+update, as they would after any step. A loaded checkpoint drops what was staged.
 
 [Note: parameter return] The step writes each new compute-dtype shard where the
 parameter store says (offload/store/param_store.py: [Note: the step's target]); a shard
@@ -269,7 +271,8 @@ class StatePlan:
     device_accumulated: frozenset[int] = frozenset()  # units with an fp32 accumulator on the compute device
     grads_read_where_they_land: bool = False  # the placement's (see [Note: gradients read where they land])
     speculative: bool = False  # host sub-groups have a second slot (see [Note: speculative step])
-    delayed: bool = False  # the delayed update stages new shards (see [Note: delayed update])
+    delayed: bool = False  # the delayed update runs (see [Note: delayed update])
+    staged: frozenset[int] = frozenset()  # ... and these units' new shards wait in staging buffers (the placement's)
 
 
 class ShardedAdam(torch.optim.Optimizer):
@@ -317,6 +320,7 @@ class ShardedAdam(torch.optim.Optimizer):
         # The delayed update's staged shards, by unit, and the units whose staged shard is not yet published.
         self._staged: dict[int, torch.Tensor] = {}
         self._delayed = plan.delayed
+        self._staged_units = plan.staged
         self._pending: set[int] = set()
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         if self.offload and sizes:
@@ -362,7 +366,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 landing = self._host_tensor(n, self.compute_dtype)
         else:
             grad = torch.zeros(n, dtype=torch.float32, device=self.accel.device)
-        if self._delayed and self.steps_on_host(index):
+        if self._delayed and index in self._staged_units:
             self._staged[index] = torch.empty(n, dtype=self.compute_dtype)  # written before it is read
         self.shards[index] = ShardState(index, name, grad, segments, _gaps(segments, n), numel=n, landing=landing,
                                         on_device=on_device)
@@ -693,7 +697,7 @@ class ShardedAdam(torch.optim.Optimizer):
                     self._settle_speculation(group, member, step, hypers, grad_scale)
                 else:
                     self._step_shard(index, group.views(member), step, hypers, grad_scale,
-                                     target=self._staged[index] if delayed else None)
+                                     target=self._staged.get(index) if delayed else None)
             if not delayed:
                 self.params.copy_back(index, after=after)
         state.empty()
@@ -707,9 +711,10 @@ class ShardedAdam(torch.optim.Optimizer):
         after = self._compute_done = self.accel.compute_event(into=self._compute_done)
         with self.telemetry.span("publish"):
             for index in sorted(self._pending):
-                out, staged = self.params.step_target(index), self._staged[index]
-                for seg in self.shards[index].segments:
-                    out[seg.start:seg.end].copy_(staged[seg.start:seg.end])
+                if index in self._staged:
+                    out, staged = self.params.step_target(index), self._staged[index]
+                    for seg in self.shards[index].segments:
+                        out[seg.start:seg.end].copy_(staged[seg.start:seg.end])
                 self.params.wrote(index)
                 self.params.copy_back(index, after=after)
         self._pending.clear()

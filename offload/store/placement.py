@@ -54,6 +54,9 @@ class Placement:
     gather_room: int | None = None  # elements the device budget leaves for gathered units (None: no budget)
     device_accumulated: frozenset[int] = frozenset()  # units whose fp32 gradient accumulator is on the device
     state_on_device: frozenset[int] = frozenset()  # offloaded optimizer, units whose state stays on the device
+    # The delayed update's units whose new shard waits in a staging buffer: compute reads (or gathers from) the
+    # step's target. A device home's separate host copy is written in place; only its copy back waits.
+    staged: frozenset[int] = frozenset()
     # One micro-batch a step and the offloaded state all on the host (or the device): the optimizer reads each
     # gradient where it lands and makes no fp32 accumulators (offload/optim/sharded.py: [Note: gradients read
     # where they land]). The plan owns this fact: the budget counts accumulators exactly when it is false.
@@ -129,7 +132,9 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
                                                      accumulators=not out.grads_read_where_they_land,
                                                      on_device=out.device_accumulated)
         if delayed:
-            step_buffers["delayed update copies"] = item * sum(n for _, n in offloaded_sizes)
+            out.staged = frozenset(i for i, _ in offloaded_sizes if not (discrete and homes[i] is Home.DEVICE))
+            if out.staged:
+                step_buffers["delayed update copies"] = item * sum(n for i, n in offloaded_sizes if i in out.staged)
         if host_limit is not None and sum(step_buffers.values()) > host_limit:
             out.problems.append(ConfigError(
                 "offload.budgets.host", f"{host_limit:,} bytes cannot hold this rank's gradient accumulators and "
