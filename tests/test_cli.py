@@ -137,6 +137,9 @@ def test_bench_step_splits_the_step_and_compares_with_torch(tmp_path, capsys):
     assert units > 0 and variants["clip-speculative-kept"]["speculation_recomputed"] == 0
     assert variants["clip-speculative-recomputed"]["speculation_recomputed"] == units
     assert variants["clip-after"]["speculation_kept"] == variants["clip-after"]["speculation_recomputed"] == 0
+    # Adam's time wherever it ran: on the training thread for the whole step, on the worker for the early one.
+    assert variants["clip-after"]["adam_s"] == variants["clip-after"]["optimizer_s"]
+    assert variants["params-host-early"]["adam_s"] > variants["params-host-early"]["optimizer_s"]
     text = capsys.readouterr().out
     assert "x torch" in text and "the early step's gain" in text
     assert "with clipping: Adam after backward" in text and "clip-speculative-recomputed" in text
@@ -242,3 +245,11 @@ def test_bench_step_profile_writes_a_torch_trace_with_the_engines_phases(tmp_pat
     assert {"offload::forward", "offload::backward"} <= names and any(n.startswith("aten::mm") for n in names)
     with pytest.raises(ValueError, match="trace_dir"):
         step.StepBench(profile=True)
+
+
+def test_the_speculative_steps_share_is_of_adams_time_wherever_it_ran():
+    from offload.bench.step import speculation_hidden
+    # An early-returning step: 2 ms of Adam on the training thread, 40 on the worker; speculation took 21 ms off.
+    after = {"step_s": 0.060, "optimizer_s": 0.002, "adam_s": 0.042}
+    assert speculation_hidden({"step_s": 0.039}, after) == pytest.approx(0.5)
+    assert speculation_hidden({"step_s": 0.081}, after) == pytest.approx(-0.5)  # slower: negative
