@@ -133,7 +133,7 @@ from typing import Any
 import torch
 
 from offload import native
-from offload.accelerator import Accelerator, DoneEvent, Event
+from offload.accelerator import Accelerator, DoneEvent, Event, WorkerStream
 from offload.optim.adam import AdamHyper, adam_step
 from offload.schedule import COMPUTE
 from offload.telemetry import Telemetry
@@ -661,31 +661,37 @@ class ShardedAdam(torch.optim.Optimizer):
         assert lane is not None
         # Last step's copies back read the host copies this step rewrites.
         lane.run(lambda: self.params.wait_copies_back())
-        on_host: list[tuple[SubGroup, Member]] = []
+        later: list[tuple[SubGroup, Member]] = []  # the delayed update's, handed over in backward's order
         for group in self.store.step_pass():
-            if group.tier == "device":  # on the compute stream, before step() returns
-                for member in group.members:
+            for member in group.members:
+                if group.tier == "device":  # on the compute stream, before step() returns
                     self._step_shard(member.unit, group.views(member), step, hypers, grad_scale)
                     self.shards[member.unit].empty()
-                continue
-            on_host.extend((group, member) for member in group.members)
-        if delayed:  # in backward's order: the next backward's first gradients wait for the first shards stepped
-            on_host.reverse()
-        for group, member in on_host:
-            self.accel.schedule.work("hook_step", member.unit)
-            lane.run(lambda g=group, m=member: self._step_early(g, m, step, hypers, grad_scale, after, delayed))
-            state = self.shards[member.unit]
-            if delayed:  # nothing reads the staged shard before publish() drains the thread
-                state.adam_read = lane.record(into=state.adam_read)
-                self._pending.add(member.unit)
-            else:
-                state.free = lane.record(into=state.free)  # a gradient read where it landed is read by now
-                state.stepped = lane.record(into=state.stepped)
-                self.params.step_pending(member.unit, state.stepped)
+                elif delayed:
+                    later.append((group, member))
+                else:
+                    self._hand_over(lane, group, member, step, hypers, grad_scale, after)
+        # The next backward's first gradients wait for the first shards the delayed update steps.
+        for group, member in reversed(later):
+            self._hand_over(lane, group, member, step, hypers, grad_scale, after, delayed=True)
         self.adam_steps = step
         self._overlap = None
         self._final = self._in_place = False
         self._end_accumulation()
+
+    def _hand_over(self, lane: WorkerStream, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper],
+                   grad_scale: float, after: Event, delayed: bool = False) -> None:
+        """One shard's early (or delayed) step queued on ``lane``, and the events its next readers wait for."""
+        self.accel.schedule.work("hook_step", member.unit)
+        lane.run(lambda: self._step_early(group, member, step, hypers, grad_scale, after, delayed))
+        state = self.shards[member.unit]
+        if delayed:  # nothing reads the staged shard before publish() drains the thread
+            state.adam_read = lane.record(into=state.adam_read)
+            self._pending.add(member.unit)
+        else:
+            state.free = lane.record(into=state.free)  # a gradient read where it landed is read by now
+            state.stepped = lane.record(into=state.stepped)
+            self.params.step_pending(member.unit, state.stepped)
 
     def _step_early(self, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper], grad_scale: float,
                     after: Event, delayed: bool = False) -> None:
