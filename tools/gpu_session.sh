@@ -6,7 +6,9 @@
 #   tools/gpu_session.sh wheels
 # On the lent GPU machine (no network; torch with CUDA already there), three back-to-back calls of the run tool, each
 # with OUT pointed at a folder of its own and that folder tarred into the tool's $OUT at the end (the tool brings
-# back at most 8 files); on the H100 on 2026-11-24 they took 320, 350 and over 470 s:
+# back at most 8 files); on the H100 on 2026-11-24 they took 320, 350 and over 470 s (2026-11-25: the first
+# call with bench-step-placement instead of bench-pcie, bench-adam, bench-step: 329 s; bench-deepspeed,
+# bench-deepspeed-placements and bench-step-1p3b: 498 s; profile and sanitizer: 57 s):
 #   tools/gpu_session.sh install cuda-tests bench-pcie bench-adam bench-step bench-step-default
 #   tools/gpu_session.sh bench-step-1p3b profile bench-deepspeed sanitizer
 #   tools/gpu_session.sh bench-step-placement bench-deepspeed-placements (the speculative step,
