@@ -410,14 +410,14 @@ class ShardedAdam(torch.optim.Optimizer):
         # Decided now, on the calling thread: the worker may still be adding an earlier micro-batch's gradients
         # when the last one's backward begins, and those are neither final nor stepped.
         final, overlap = self._final, self._overlap
-        adam_busy = state.adam_read is not None and not state.adam_read.query()
-        if adam_busy:  # the delayed Adam still reads the last gradient: nothing of this unit lands before it has
-            self._land.wait_event(state.adam_read)
-        if state.on_device is not None:
+        if state.on_device is not None:  # its sum's send waits for the delayed Adam, if need be
             self._add_on_device(state, shard_grad, scale, ready)
             if final:
                 self._send_sum(state, overlap)
             return
+        adam_busy = state.adam_read is not None and not state.adam_read.query()
+        if adam_busy:  # the delayed Adam still reads the last gradient: nothing of this unit lands before it has
+            self._land.wait_event(state.adam_read)
         refs = [shard_grad, keep]  # the device gradient lives until its copy (or, read in place, its add) is done
         # A unit's second gradient in this backward: its first, left where it landed, is added up first, and every
         # later one is added (the unit stays in the set until the next last backward).
@@ -460,7 +460,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self._held.discard(state.index)
         if not state.free.query():  # the worker still reads what landed here before (a second sum this backward)
             self.accel.wait(state.free, "a device-accumulated gradient's landing buffer")
-        if state.adam_read is not None and not state.adam_read.query():  # the delayed Adam still reads it
+        if state.adam_read is not None and not state.adam_read.query():  # the delayed Adam still reads it (rare:
+            # the last micro-batch's sum, sent while the last step's Adam has not reached this unit)
             self.accel.wait(state.adam_read, "a landing buffer the delayed update reads")
         copied = self._copy_down(state, state.landing, state.on_device, state.added)
         refs: list[Any] = []
