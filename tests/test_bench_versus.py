@@ -130,10 +130,7 @@ def test_deepspeed_reads_the_arch_list_without_the_arch_specific_suffixes():
 
 
 def test_the_optimizer_column_names_the_adam_that_offload_ran():
-    def config(device, ratio=None):
-        where = {"device": device} if ratio is None else {"device": device, "ratio": ratio}
-        return {"zero_optimization": {"offload_optimizer": where}}
-    mode = "early: Adam after the step returns (...)"
-    assert versus._offload_optimizer_name(config("cpu"), mode) == "offload native Adam (early)"
-    assert versus._offload_optimizer_name(config("none"), mode) == "offload Adam in torch ops on the device (early)"
-    assert "host, torch ops on the device" in versus._offload_optimizer_name(config("cpu", 0.5), mode)
+    mode = "early: Adam after the step returns (...)"  # where the state is: on the host, on the device
+    assert versus._offload_optimizer_name(True, False, mode) == "offload native Adam (early)"
+    assert versus._offload_optimizer_name(False, True, mode) == "offload Adam in torch ops on the device (early)"
+    assert "host, torch ops on the device" in versus._offload_optimizer_name(True, True, mode)

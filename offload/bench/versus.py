@@ -188,7 +188,9 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
         else:
             import offload
             engine, optimizer, _, _ = offload.initialize(model=model, config=config_path)
-            name = _offload_optimizer_name(json.loads(Path(config_path).read_text()), engine.step_mode)
+            opt = engine.optimizer  # where the state is, as the engine placed it ("auto" included)
+            on_host = any(opt.steps_on_host(i) for i in opt.shards)
+            name = _offload_optimizer_name(on_host, not opt.offload or opt.partial, engine.step_mode)
         device = str(engine.device) if side == "deepspeed" else str(engine.accel.device)
 
         def forward(rows: torch.Tensor) -> None:
@@ -208,15 +210,12 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
                           start_s, name))
 
 
-def _offload_optimizer_name(config: dict[str, Any], step_mode: str) -> str:
-    """Which Adam offload ran: its native kernel for host state, torch ops for state on the device."""
-    zero = config.get("zero_optimization", {})
-    where = zero.get("offload_optimizer", {}).get("device", "none")
-    ratio = zero.get("offload_optimizer", {}).get("ratio", 1.0)
+def _offload_optimizer_name(on_host: bool, on_device: bool, step_mode: str) -> str:
+    """Which Adam offload ran: its native kernel for state on the host, torch ops for state on the device."""
     mode = step_mode.split(" (")[0].split(":")[0]
-    if where == "none" or ratio == 0:
+    if not on_host:
         return f"offload Adam in torch ops on the device ({mode})"
-    if ratio != 1.0:
+    if on_device:
         return f"offload native Adam on the host, torch ops on the device ({mode})"
     return f"offload native Adam ({mode})"
 

@@ -366,7 +366,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 landing = self._host_tensor(n, self.compute_dtype)
         else:
             grad = torch.zeros(n, dtype=torch.float32, device=self.accel.device)
-        if self._delayed and index in self._staged_units:
+        if index in self._staged_units:  # the placement stages only for the delayed update
             self._staged[index] = torch.empty(n, dtype=self.compute_dtype)  # written before it is read
         self.shards[index] = ShardState(index, name, grad, segments, _gaps(segments, n), numel=n, landing=landing,
                                         on_device=on_device)
