@@ -132,5 +132,7 @@ def test_deepspeed_reads_the_arch_list_without_the_arch_specific_suffixes():
 def test_the_optimizer_column_names_the_adam_that_offload_ran():
     mode = "early: Adam after the step returns (...)"  # where the state is: on the host, on the device
     assert versus._offload_optimizer_name(True, False, mode) == "offload native Adam (early)"
-    assert versus._offload_optimizer_name(False, True, mode) == "offload Adam in torch ops on the device (early)"
-    assert "host, torch ops on the device" in versus._offload_optimizer_name(True, True, mode)
+    assert versus._offload_optimizer_name(False, True, mode) == "offload torch fused Adam on the device (early)"
+    assert "host, torch fused Adam on the device" in versus._offload_optimizer_name(True, True, mode)
+    assert versus._offload_optimizer_name(True, True, mode, discrete=False) == (
+        "offload native Adam on the host and the device (early)")

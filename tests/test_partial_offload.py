@@ -10,6 +10,7 @@ from engine_cases import base_config, check_parity, describe_engine, make_model,
 from offload.config import AUTO, Config
 from offload.estimate import estimate, model_units
 from offload.launch import run_ranks
+from offload.optim import sharded
 
 
 def ratio_config(world, accum, ratio, device_budget=None, **offload_section):
@@ -132,3 +133,17 @@ def test_a_split_between_the_device_and_nvme_trains_as_plain_pytorch(tmp_path):
     results = run_ranks(train_engine, 1, name="gpt", config=config, steps=3, micro=2, accum=2)
     assert set(results[0]["tiers"]) == {"device", "nvme"}
     check_parity(results, train_reference("gpt", 3, 4, 2, world=1))
+
+
+@pytest.mark.parametrize("discrete", [False, True])
+def test_the_device_tier_steps_with_torchs_fused_kernel_on_a_discrete_device_only(monkeypatch, discrete):
+    """[Note: Adam on a discrete device]: a GPU's state (here the emulated one) takes torch's fused kernel; on a CPU
+    device the device tier is host memory and keeps the native kernel, bitwise the host tier's."""
+    if discrete:
+        monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
+    calls = []
+    fused = sharded.device_adam_step
+    monkeypatch.setattr(sharded, "device_adam_step", lambda *args, **kw: (calls.append(args[4]), fused(*args, **kw)))
+    results = train_engine(0, 1, name="gpt", config=ratio_config(1, 1, 0.0), steps=2, micro=2, accum=1)
+    assert sorted(set(calls)) == ([1, 2] if discrete else [])
+    check_parity([results], train_reference("gpt", 2, 2, 2, world=1))

@@ -190,7 +190,8 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
             engine, optimizer, _, _ = offload.initialize(model=model, config=config_path)
             opt = engine.optimizer  # where the state is, as the engine placed it ("auto" included)
             on_host = any(opt.steps_on_host(i) for i in opt.shards)
-            name = _offload_optimizer_name(on_host, not opt.offload or opt.partial, engine.step_mode)
+            name = _offload_optimizer_name(on_host, not opt.offload or opt.partial, engine.step_mode,
+                                           discrete=not engine.accel.host_is_device)
         device = str(engine.device) if side == "deepspeed" else str(engine.accel.device)
 
         def forward(rows: torch.Tensor) -> None:
@@ -210,13 +211,17 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
                           start_s, name))
 
 
-def _offload_optimizer_name(on_host: bool, on_device: bool, step_mode: str) -> str:
-    """Which Adam offload ran: its native kernel for state on the host, torch ops for state on the device."""
+def _offload_optimizer_name(on_host: bool, on_device: bool, step_mode: str, discrete: bool = True) -> str:
+    """Which Adam offload ran: its native kernel for state on the host, torch's fused kernel for state on a
+    discrete device (on a CPU device, the native kernel there too)."""
     mode = step_mode.split(" (")[0].split(":")[0]
+    if on_device and not discrete:
+        where = "on the host and the device" if on_host else "on the device"
+        return f"offload native Adam {where} ({mode})"
     if not on_host:
-        return f"offload Adam in torch ops on the device ({mode})"
+        return f"offload torch fused Adam on the device ({mode})"
     if on_device:
-        return f"offload native Adam on the host, torch ops on the device ({mode})"
+        return f"offload native Adam on the host, torch fused Adam on the device ({mode})"
     return f"offload native Adam ({mode})"
 
 

@@ -1,4 +1,14 @@
-"""The flat-buffer Adam step the engine calls per sub-group, and its hyperparameters."""
+"""The flat-buffer Adam step the engine calls per sub-group, and its hyperparameters.
+
+[Note: Adam on a discrete device] State kept on a GPU (a partial offload, or no offload) is
+stepped there with torch's fused Adam/AdamW, one multi-tensor kernel over a shard's segments:
+what plain PyTorch runs there with ``fused=True``, reading each element once. (It used to be
+torch's unfused ops, seven kernels and three temporaries per segment: 48 ms a step for the
+state of a 1.3B model on an H100.) The clip/unscale factor multiplies the gradient first, as
+``clip_grad_norm_`` does before torch's optimizer runs. torch's kernels always correct for
+bias, so ``bias_correction: false`` takes the unfused ops. Host state and a CPU compute
+device keep the native kernel (``adam_step``), so their tiers stay bitwise alike.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +16,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.optim.adam import adam as torch_adam
+from torch.optim.adamw import adamw as torch_adamw
 
 from offload import native
 
@@ -29,6 +41,42 @@ class AdamHyper:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
                 raise ValueError(f"invalid Adam {name}: {value!r} (lr >= 0, eps > 0, weight_decay >= 0, "
                                  "0 <= betas < 1)")
+
+
+def device_adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                     exp_avg_sqs: list[torch.Tensor], step: int, hyper: AdamHyper, grad_scale: float = 1.0) -> None:
+    """One Adam step over flat fp32 buffers on the compute device, in place (see [Note: Adam on a discrete
+    device]); ``step`` counts from 1."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be a whole number >= 1 (the step being taken), got {step!r}")
+    if not params:
+        return
+    if grad_scale != 1.0:
+        grads = torch._foreach_mul(grads, grad_scale)
+    if not hyper.bias_correction:
+        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+            _unfused_adam(p, g, m, v, step, hyper)
+        return
+    # The kernel counts the step itself: it reads these after adding one.
+    steps = list(torch.full((len(params),), float(step - 1), dtype=torch.float32, device=params[0].device).unbind())
+    functional = torch_adamw if hyper.adamw_mode else torch_adam
+    functional(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, amsgrad=False, beta1=hyper.betas[0],
+               beta2=hyper.betas[1], lr=hyper.lr, weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=False)
+
+
+def _unfused_adam(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
+                  h: AdamHyper) -> None:
+    """The native kernel's update in torch ops, for what torch's fused kernel cannot do (no bias correction)."""
+    beta1, beta2 = h.betas
+    if not h.adamw_mode and h.weight_decay:
+        g = g.add(p, alpha=h.weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc1 = 1 - beta1 ** step if h.bias_correction else 1.0
+    bc2 = 1 - beta2 ** step if h.bias_correction else 1.0
+    if h.adamw_mode and h.weight_decay:
+        p.mul_(1 - h.lr * h.weight_decay)
+    p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(h.eps), value=-h.lr / bc1)
 
 
 def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

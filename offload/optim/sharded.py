@@ -96,7 +96,8 @@ drains the worker first. Same kernel, same values: bitwise the step after backwa
 units' sub-groups stay on the compute device (offload/store/placement.py chooses them:
 the ones the next forward needs first). Those units are treated as without an offload:
 their gradients add up in an fp32 accumulator on the device, their norm is taken there,
-and Adam steps them there (torch's ops on a GPU, the native kernel on a CPU device),
+and Adam steps them there (torch's fused kernel on a GPU, the native kernel on a CPU device:
+see [Note: Adam on a discrete device] in offload/optim/adam.py),
 writing the new shard straight into the device home; the rest take the offloaded paths
 above. With the early step the device units step on the training thread before it
 returns (in stream order, so the next forward needs no wait for them).
@@ -125,7 +126,6 @@ that unit waits for. The optimizer knows shards by unit index only, never the un
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,7 +134,7 @@ import torch
 
 from offload import native
 from offload.accelerator import Accelerator, DoneEvent, Event, WorkerStream
-from offload.optim.adam import AdamHyper, adam_step
+from offload.optim.adam import AdamHyper, adam_step, device_adam_step
 from offload.schedule import COMPUTE
 from offload.telemetry import Telemetry
 from offload.aio.base import Engine
@@ -751,15 +751,19 @@ class ShardedAdam(torch.optim.Optimizer):
         # Master, moments read and written, the gradient read, the new shard written.
         self.accel.schedule.work("adam", index, nbytes=master.numel() * (24 + grad.element_size() + (
             out.element_size() if out is not None else 0)), lane=COMPUTE if master.device.type != "cpu" else None)
-        for seg in state.segments:
-            s = slice(seg.start, seg.end)
-            if master.device.type == "cpu":
+        if out is None and not self.accel.host_is_device:  # state on a discrete device: torch's fused kernel
+            assert into is None and pre_scale == 1.0  # neither speculated nor read where it landed: host state only
+            for group, segs in _by_group(state.segments).items():
+                slices = [slice(seg.start, seg.end) for seg in segs]
+                device_adam_step([master[s] for s in slices], [grad[s] for s in slices],
+                                 [exp_avg[s] for s in slices], [exp_avg_sq[s] for s in slices], step, hypers[group],
+                                 grad_scale)
+        else:
+            for seg in state.segments:
+                s = slice(seg.start, seg.end)
                 adam_step(master[s], grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
                           grad_scale, out16=out16[s] if out16 is not None else None, threads=self.threads,
                           pre_scale=pre_scale, into=None if into is None else (into[0][s], into[1][s], into[2][s]))
-            else:
-                _torch_adam(master[s], grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
-                            grad_scale)
         if into is not None:
             master = into[0]
         if out is None:  # state on the compute device: the shard is written straight away
@@ -940,6 +944,14 @@ class ShardedAdam(torch.optim.Optimizer):
         self.shards.clear()
 
 
+def _by_group(segments: list[Segment]) -> dict[int, list[Segment]]:
+    """A shard's segments by parameter group (one fused call each: a group has one set of hyperparameters)."""
+    groups: dict[int, list[Segment]] = {}
+    for seg in segments:
+        groups.setdefault(seg.group, []).append(seg)
+    return groups
+
+
 def _gaps(segments: list[Segment], n: int) -> list[tuple[int, int]]:
     gaps, at = [], 0
     for seg in segments:
@@ -969,19 +981,3 @@ def add_into(acc: torch.Tensor, grad: torch.Tensor, scale: float, *, overwrite: 
             acc.mul_(scale)
     else:
         acc.add_(grad, alpha=scale)
-
-
-def _torch_adam(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, h: AdamHyper,
-                grad_scale: float) -> None:
-    """The same update as the native kernel in torch ops, for state that lives on a GPU."""
-    beta1, beta2 = h.betas
-    g = g * grad_scale
-    if not h.adamw_mode and h.weight_decay:
-        g = g.add(p, alpha=h.weight_decay)
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bc1 = 1 - beta1 ** step if h.bias_correction else 1.0
-    bc2 = 1 - beta2 ** step if h.bias_correction else 1.0
-    if h.adamw_mode and h.weight_decay:
-        p.mul_(1 - h.lr * h.weight_decay)
-    p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(h.eps), value=-h.lr / bc1)
