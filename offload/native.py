@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import psutil
 import torch
+from torch.utils.dlpack import to_dlpack
 
 try:
     from offload import _native
@@ -68,6 +69,12 @@ class SqNorm(NamedTuple):
         return self.sum_sq ** 0.5
 
 
+def _dl(t: torch.Tensor | None) -> object:
+    """A checked buffer as the DLPack capsule the extension reads: torch's ``Tensor.__dlpack__``, which the binding
+    would call otherwise, costs about 3 us of Python a tensor, more than a small shard's whole kernel."""
+    return None if t is None else to_dlpack(t)
+
+
 def _check_buffer(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...] | None = KERNEL_DTYPES) -> torch.Tensor:
     """A dense CPU tensor of one of ``dtypes`` (any dtype when None), detached for DLPack."""
     if not isinstance(t, torch.Tensor):
@@ -90,7 +97,7 @@ def grad_sq_norm(grad: torch.Tensor, threads: int | None = None, scale: float = 
     n_threads = default_threads() if threads is None else int(threads)
     if n_threads < 1:
         raise NativeError(f"threads must be >= 1, got {threads}")
-    sum_sq, nonfinite = _native.sq_norm(grad, n_threads, float(scale))
+    sum_sq, nonfinite = _native.sq_norm(_dl(grad), n_threads, float(scale))
     return SqNorm(sum_sq, nonfinite)
 
 
@@ -124,8 +131,9 @@ def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     n_threads = default_threads() if threads is None else int(threads)
     if n_threads < 1:
         raise NativeError(f"threads must be >= 1, got {threads}")
-    _native.adam(checked["param"], checked["grad"], checked["exp_avg"], checked["exp_avg_sq"], checked.get("out16"),
-                 checked.get("param_out"), checked.get("exp_avg_out"), checked.get("exp_avg_sq_out"), pre_scale,
+    _native.adam(_dl(checked["param"]), _dl(checked["grad"]), _dl(checked["exp_avg"]), _dl(checked["exp_avg_sq"]),
+                 _dl(checked.get("out16")), _dl(checked.get("param_out")), _dl(checked.get("exp_avg_out")),
+                 _dl(checked.get("exp_avg_sq_out")), pre_scale,
                  grad_scale, decay, l2, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size, n_threads)
 
 
@@ -142,7 +150,7 @@ def axpy_(a: torch.Tensor, b: torch.Tensor, s: float, threads: int | None = None
         raise NativeError("axpy_ takes float32 tensors")
     if a_.numel() != b_.numel():
         raise NativeError(f"a has {a_.numel()} elements but b has {b_.numel()}")
-    _native.accumulate(a_, b_, float(s), False, default_threads() if threads is None else int(threads))
+    _native.accumulate(_dl(a_), _dl(b_), float(s), False, default_threads() if threads is None else int(threads))
     return a
 
 
@@ -156,7 +164,7 @@ def accumulate_(acc: torch.Tensor, grad: torch.Tensor, scale: float, overwrite: 
         raise NativeError(f"acc must be float32, got {acc_.dtype}")
     if acc_.numel() != grad_.numel():
         raise NativeError(f"acc has {acc_.numel()} elements but grad has {grad_.numel()}")
-    _native.accumulate(acc_, grad_, float(scale), bool(overwrite),
+    _native.accumulate(_dl(acc_), _dl(grad_), float(scale), bool(overwrite),
                        default_threads() if threads is None else int(threads))
     return acc
 
