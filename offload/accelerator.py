@@ -122,6 +122,7 @@ class ThreadEvent:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._generation = 0  # of the latest record: an earlier one reached later completes nothing
+        self._stream: WorkerStream | None = None  # whose records these are: held ones go out before a wait
 
     def _rearm(self) -> int:
         """A new record of this event: pending until the worker reaches it (returns its generation)."""
@@ -139,6 +140,8 @@ class ThreadEvent:
             self._done.set()
 
     def synchronize(self) -> None:
+        if self._stream is not None and not self._done.is_set():
+            self._stream.flush()  # its latest record may be held back (see [Note: held hand-offs])
         self._done.wait()
         if self._error is not None:
             raise StreamError(f"work before this event failed: {self._error}") from self._error
@@ -152,6 +155,16 @@ class WorkerStream:
 
     After a failure the stream runs nothing more; every later event carries the error,
     so whoever waits learns of it, and nothing downstream uses a half-done copy.
+
+    [Note: held hand-offs] Waking the thread costs the enqueuing thread more than the
+    hand-off itself: on a 2-core VM about 60 us a wake-up, most of it the GIL passing to the
+    woken thread and back while autograd's next hook waits for it (measured with `offload
+    bench hooks`: 64 tiny units' landings, each waking the landing worker once). So a caller
+    that hands over many small pieces of work (backward's hooks, one unit's landing each)
+    may enqueue them ``held``: they wait in order, without waking the thread, until
+    ``flush`` sends them as one batch. Anything enqueued not held first sends what is held,
+    so the order is kept, and waiting for one of the stream's events sends it too, so no
+    wait can hang on work that was never sent; a held record's event reads as pending.
     """
 
     def __init__(self, name: str, delay_s: float = 0.0, ledger: SyncLedger | None = None,
@@ -163,6 +176,8 @@ class WorkerStream:
         self._synced: ThreadEvent | None = None  # synchronize()'s event, re-recorded
         # (kind, what, where it was issued in a recorded schedule, or None)
         self._queue: queue.SimpleQueue[tuple[str, object, Any]] = queue.SimpleQueue()
+        self._held: list[tuple[str, object, Any]] = []  # enqueued held, not yet sent (see [Note: held hand-offs])
+        self._held_lock = threading.Lock()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=f"offload-{name}", daemon=True)
         self._thread.start()
@@ -178,53 +193,78 @@ class WorkerStream:
             kind, item, recorded = self._queue.get()
             if kind == "stop":
                 return
-            if kind == "record":
-                event, generation = item  # type: ignore[misc]
+            if kind == "batch":
+                for held in item:  # type: ignore[attr-defined]
+                    self._handle(*held)
+            else:
+                self._handle(kind, item, recorded)
+
+    def _handle(self, kind: str, item: object, recorded: Any) -> None:
+        if kind == "record":
+            event, generation = item  # type: ignore[misc]
+            if recorded is not None and self._schedule is not None:
+                rid, issued = recorded
+                self._schedule.add(Item("record", record=rid, issued=issued))
+            event._complete(self._error, generation)
+            return
+        if self._error is not None:
+            return
+        try:
+            if self._delay_s:
+                time.sleep(self._delay_s)
+            if kind == "wait":
                 if recorded is not None and self._schedule is not None:
                     rid, issued = recorded
-                    self._schedule.add(Item("record", record=rid, issued=issued))
-                event._complete(self._error, generation)
-                continue
-            if self._error is not None:
-                continue
-            try:
-                if self._delay_s:
-                    time.sleep(self._delay_s)
-                if kind == "wait":
-                    if recorded is not None and self._schedule is not None:
-                        rid, issued = recorded
-                        self._schedule.add(Item("wait", waits=[rid] if rid is not None else [], issued=issued))
-                    item.synchronize()  # type: ignore[attr-defined]
-                else:
-                    with running_as(recorded):
-                        item()  # type: ignore[operator]
-            except BaseException as e:  # noqa: BLE001 - carried to the waiter
-                self._error = e
+                    self._schedule.add(Item("wait", waits=[rid] if rid is not None else [], issued=issued))
+                item.synchronize()  # type: ignore[attr-defined]
+            else:
+                with running_as(recorded):
+                    item()  # type: ignore[operator]
+        except BaseException as e:  # noqa: BLE001 - carried to the waiter
+            self._error = e
 
     def _recording(self) -> Schedule | None:
         return self._schedule if self._schedule is not None and self._schedule.on else None
 
-    def run(self, fn: Callable[[], None]) -> None:
-        schedule = self._recording()
-        self._queue.put(("run", fn, schedule.issue_point() if schedule else None))
+    def _put(self, item: tuple[str, object, Any], held: bool) -> None:
+        with self._held_lock:  # under the lock, so what was held goes out before anything enqueued after it
+            if held:
+                self._held.append(item)
+                return
+            if self._held:
+                self._queue.put(("batch", self._held, None))
+                self._held = []
+            self._queue.put(item)
 
-    def record(self, into: Event | None = None) -> ThreadEvent:
+    def flush(self) -> None:
+        """Send what was enqueued held (see [Note: held hand-offs]) as one batch."""
+        with self._held_lock:
+            if self._held:
+                self._queue.put(("batch", self._held, None))
+                self._held = []
+
+    def run(self, fn: Callable[[], None], held: bool = False) -> None:
+        schedule = self._recording()
+        self._put(("run", fn, schedule.issue_point() if schedule else None), held)
+
+    def record(self, into: Event | None = None, held: bool = False) -> ThreadEvent:
         if isinstance(into, ThreadEvent):
             event = into
         else:
             event = ThreadEvent()
             if self._ledger is not None:
                 self._ledger.event_made(self.name)
+        event._stream = self
         schedule = self._recording()
         recorded = (schedule.new_record(event), schedule.issue_point()) if schedule else None
-        self._queue.put(("record", (event, event._rearm()), recorded))
+        self._put(("record", (event, event._rearm()), recorded), held)
         return event
 
-    def wait_event(self, event: Event) -> None:
+    def wait_event(self, event: Event, held: bool = False) -> None:
         schedule = self._recording()
         recorded = (schedule.record_of(event), schedule.issue_point()) if schedule else None
         if not isinstance(event, DoneEvent) or recorded is not None:  # a marked one still orders the schedule
-            self._queue.put(("wait", event, recorded))
+            self._put(("wait", event, recorded), held)
 
     def synchronize(self) -> None:
         self._synced = self.record(self._synced)
@@ -234,7 +274,7 @@ class WorkerStream:
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._queue.put(("stop", None, None))
+            self._put(("stop", None, None), held=False)
             self._thread.join()
 
 
@@ -397,6 +437,8 @@ class Accelerator:
     def wait(self, event: Event, what: str) -> None:
         """Block the calling thread until ``event`` completes; ``what`` names it in the ledger. Every host-blocking
         wait of the engine goes through here, so the ledger sees it (see [Note: sync ledger])."""
+        if event is DONE:  # work of a synchronous stream (CPU compute): already done, nothing to wait for
+            return
         self.ledger.block(what)
         if self.schedule.on:
             self.schedule.wait(event)

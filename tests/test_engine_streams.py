@@ -82,6 +82,65 @@ def test_an_event_waited_on_by_another_stream_orders_them():
     second.close()
 
 
+def test_held_work_waits_for_a_flush_and_keeps_its_place_in_the_order():
+    """[Note: held hand-offs]: held items do not run (their event reads pending) until sent; anything enqueued
+    unheld sends them first, so the order is the order of enqueueing."""
+    import time
+    stream = WorkerStream("test")
+    order = []
+    stream.run(lambda: order.append("held 1"), held=True)
+    held_event = stream.record(held=True)
+    stream.run(lambda: order.append("held 2"), held=True)
+    time.sleep(0.05)
+    assert order == [] and not held_event.query()
+    stream.flush()
+    stream.run(lambda: order.append("unheld"))
+    stream.run(lambda: order.append("held 3"), held=True)
+    stream.run(lambda: order.append("unheld, after"))  # sends "held 3" before itself
+    stream.synchronize()
+    assert order == ["held 1", "held 2", "unheld", "held 3", "unheld, after"] and held_event.query()
+    stream.close()
+
+
+def test_waiting_for_a_held_record_sends_it_from_any_thread():
+    """No wait can hang on held work: the event's wait sends what its stream holds, whichever thread waits (here
+    another stream's worker)."""
+    first, second = WorkerStream("first"), WorkerStream("second")
+    order = []
+    first.run(lambda: order.append("landed"), held=True)
+    event = first.record(held=True)
+    second.wait_event(event)
+    second.run(lambda: order.append("stepped"))
+    second.synchronize()  # second's worker waited for event: that sent first's held work
+    assert order == ["landed", "stepped"]
+    first.run(lambda: order.append("held"), held=True)
+    again = first.record(held=True)
+    again.synchronize()  # this thread waits: the same
+    assert order[-1] == "held"
+    first.close()
+    second.close()
+
+
+def test_backward_hands_its_held_landings_over_when_it_ends():
+    """[Note: landings handed over in batches]: the test model's units are far below the batch size, so every
+    landing is held until backward's end sends them; then the worker lands them with nobody waiting."""
+    import time
+
+    import offload
+    from engine_cases import batches, loss_of, make_model
+    from offload.optim.sharded import LANDING_BATCH_BYTES
+    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))[0]
+    optimizer = engine.optimizer
+    assert all(s.numel * 4 < LANDING_BATCH_BYTES for s in optimizer.shards.values())
+    engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
+    deadline = time.monotonic() + 30
+    while not all(s.free.query() for s in optimizer.shards.values()) and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling, not waiting: a wait would send the held work itself
+    assert all(s.free.query() for s in optimizer.shards.values())
+    engine.step()
+    engine.close()
+
+
 def test_weights_saved_right_after_a_step_are_the_stepped_ones(tmp_path, monkeypatch):
     """The new shards reach the device on a copy stream after the step; a save straight after must wait for them
     (it read the previous values before the parameter store's read waited for the copy back)."""

@@ -170,7 +170,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
                               grad_sink=lambda unit, shard, ready, keep: optimizer.accumulate(
                                   unit.index, shard, post, ready, keep), grad_predivide=pre, telemetry=telemetry,
                               prefetch_elements=int(zero.stage3_prefetch_bucket_size), stage=stage,
-                              overlap_comm=zero.overlap_comm_effective)
+                              overlap_comm=zero.overlap_comm_effective, grads_sent=optimizer.gradients_sent)
         undo.callback(runtime.close)
         activations = _activation_store(model, config, accel, host_budget, telemetry)
         undo.callback(checkpointing.reset)

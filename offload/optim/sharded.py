@@ -19,6 +19,16 @@ takes the shard's share of the global norm as it lands (the native norm over the
 segments, combined in unit order after backward, so bitwise what a pass after backward
 gives). ``drain`` waits for all of it before the step reads the accumulators.
 
+[Note: landings handed over in batches] Waking the landing worker once per unit costs
+backward more than the landing itself where units are small: on a 2-core VM about 60 us a
+unit on autograd's thread, most of it the GIL going to the woken worker and back. So
+backward's hooks hand their landings over held (see [Note: held hand-offs] in
+accelerator.py) and send them once LANDING_BATCH_BYTES of gradient is waiting, and at the
+end of backward (``gradients_sent``): a unit of that size or more goes at once, as before,
+smaller ones a few at a time. The D2H copies are not held: the hook issues each at once on
+its stream. Waiting for any of the worker's events sends what is held first, so nothing
+waits on a landing that was never handed over.
+
 [Note: gradients read where they land] With one micro-batch per step (and the optimizer
 state in host memory) a unit's gradient is its only one, so nothing needs adding up: the
 landing worker leaves it where it landed (the landing buffer; on a CPU device the reduced
@@ -142,6 +152,11 @@ from offload.store.budget import TierBudget
 from offload.store.optimizer_state import Member, OptimizerStateStore, SubGroup
 from offload.store.param_store import Home, ParamStore
 from offload.store.swapdir import SwapDir
+
+
+# Gradient bytes whose landings are handed to the worker together (see [Note: landings handed over in batches]):
+# at a norm's 10-20 GB/s, 4 MiB is 200-400 us of landing work, several times a wake-up's cost.
+LANDING_BATCH_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -315,6 +330,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._on_device = plan.device_accumulated if self._d2h is not None else frozenset()
         self._held: set[int] = set()  # device-accumulated units holding gradients not yet sent down
         self.deferred_copies = 0  # gradients that found their landing buffer busy (the worker copied them)
+        self._unsent = 0  # bytes of gradient whose landing is held back (see [Note: landings handed over in batches])
         self._compute_done: Event | None = None  # where the step orders copies after compute (re-recorded)
         self._overlap: Overlap | None = None
         # The delayed update's staged shards, by unit, and the units whose staged shard is not yet published.
@@ -415,9 +431,10 @@ class ShardedAdam(torch.optim.Optimizer):
             if final:
                 self._send_sum(state, overlap)
             return
+        land = self._land
         adam_busy = state.adam_read is not None and not state.adam_read.query()
         if adam_busy:  # the delayed Adam still reads the last gradient: nothing of this unit lands before it has
-            self._land.wait_event(state.adam_read)
+            land.wait_event(state.adam_read, held=True)
         refs = [shard_grad, keep]  # the device gradient lives until its copy (or, read in place, its add) is done
         # A unit's second gradient in this backward: its first, left where it landed, is added up first, and every
         # later one is added (the unit stays in the set until the next last backward).
@@ -426,21 +443,37 @@ class ShardedAdam(torch.optim.Optimizer):
         if in_place:
             self._sent_in_place.add(index)
         if again:
-            self._land.run(lambda: self._materialize(state))
+            land.run(lambda: self._materialize(state), held=True)
+        nbytes = shard_grad.numel() * shard_grad.element_size()
         if self._d2h is None:  # host memory is the device's: the worker reads the reduced shard where it lies
-            self._land.run(lambda: self._landed(state, shard_grad, ready, scale, final, overlap, refs, in_place))
+            land.run(lambda: self._landed(state, shard_grad, ready, scale, final, overlap, refs, in_place), held=True)
         else:
             assert state.landing is not None
             landing = state.landing[:shard_grad.numel()]
             if state.free.query() and not again and not adam_busy:  # what last landed here is read: copy now
                 copied = self._copy_down(state, landing, shard_grad, ready)
-                self._land.run(lambda: self._landed(state, landing, copied, scale, final, overlap, refs, in_place))
+                land.run(lambda: self._landed(state, landing, copied, scale, final, overlap, refs, in_place),
+                         held=True)
             else:  # still busy: the worker copies after it is done with the buffer (it runs in order)
                 self.deferred_copies += 1
-                self._land.run(lambda: self._landed(state, landing, self._copy_down(state, landing, shard_grad, ready),
-                                                    scale, final, overlap, refs, in_place))
-            self.telemetry.add_bytes("d2h", shard_grad.numel() * shard_grad.element_size())
-        state.free = self._land.record(into=state.free)
+                land.run(lambda: self._landed(state, landing, self._copy_down(state, landing, shard_grad, ready),
+                                              scale, final, overlap, refs, in_place), held=True)
+            self.telemetry.add_bytes("d2h", nbytes)
+        state.free = land.record(into=state.free, held=True)
+        self._hand_over_landings(nbytes)
+
+    def _hand_over_landings(self, nbytes: int) -> None:
+        """``nbytes`` more of gradient is held for landing: the worker gets the batch once it is big enough."""
+        self._unsent += nbytes
+        if self._unsent >= LANDING_BATCH_BYTES:
+            self.gradients_sent()
+
+    def gradients_sent(self) -> None:
+        """The landings held back so far go to the worker (see [Note: landings handed over in batches]); backward's
+        end calls this."""
+        if self._land is not None:
+            self._unsent = 0
+            self._land.flush()
 
     def _add_on_device(self, state: ShardState, shard_grad: torch.Tensor, scale: float, ready: Event | None) -> None:
         """On the compute stream, after the reduction and after the last sum's copy down read the accumulator."""
@@ -465,9 +498,11 @@ class ShardedAdam(torch.optim.Optimizer):
             self.accel.wait(state.adam_read, "a landing buffer the delayed update reads")
         copied = self._copy_down(state, state.landing, state.on_device, state.added)
         refs: list[Any] = []
-        self._land.run(lambda: self._landed(state, state.landing, copied, 1.0, True, overlap, refs, in_place=True))
-        state.free = self._land.record(into=state.free)
+        self._land.run(lambda: self._landed(state, state.landing, copied, 1.0, True, overlap, refs, in_place=True),
+                       held=True)
+        state.free = self._land.record(into=state.free, held=True)
         self.telemetry.add_bytes("d2h", state.on_device.numel() * 4)
+        self._hand_over_landings(state.on_device.numel() * 4)
 
     def send_held(self) -> None:
         """Device-accumulated units that got no gradient in the last micro-batch send their sums now (the step

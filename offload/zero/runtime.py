@@ -65,7 +65,7 @@ class ZeroRuntime:
     def __init__(self, model: nn.Module, units: list[Unit], group: Group, accel: Accelerator, *,
                  limit: LiveLimit, persistence_threshold: int, grad_sink: GradSink, grad_predivide: float,
                  telemetry: Telemetry, prefetch_elements: int = 0, stage: Stage = Stage(3),
-                 overlap_comm: bool = True) -> None:
+                 overlap_comm: bool = True, grads_sent: Callable[[], None] | None = None) -> None:
         self.model = model
         self.stage = stage
         self.overlap_comm = overlap_comm  # false: each reduction completes before backward goes on (DeepSpeed's)
@@ -75,6 +75,7 @@ class ZeroRuntime:
         self.schedule = accel.schedule
         self.limit = limit
         self.grad_sink = grad_sink
+        self.grads_sent = grads_sent  # backward is over: what the sink holds back goes on now
         self.got_grad: set[int] = set()  # ids of the parameters whose gradient landed since the last step
         self.grad_predivide = grad_predivide
         self.telemetry = telemetry
@@ -191,6 +192,8 @@ class ZeroRuntime:
                 slot.param.grad = None
             if unit.holders == 0 and not unit.persistent:
                 self._reshard(unit)
+        if self.grads_sent is not None:
+            self.grads_sent()
 
     def _end_of_backward(self) -> None:
         for unit in self.units:
@@ -203,6 +206,8 @@ class ZeroRuntime:
             if unit.holders == 0 and not unit.persistent:
                 self._reshard(unit)
         self._in_backward = False
+        if self.grads_sent is not None:
+            self.grads_sent()
 
     def _reduce_or_keep(self, unit: Unit) -> None:
         if self.reduce_grads:
