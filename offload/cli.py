@@ -438,8 +438,8 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
     b.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="compute dtype (default bf16)")
     b.add_argument("--params", choices=["none", "cpu"], default="none",
                    help="offload_param.device: none (device-homed shards) or cpu (host-homed)")
-    b.add_argument("--early", choices=["off", "on"], default="off", help="the early-returning step (needs --params "
-                                                                          "cpu)")
+    b.add_argument("--early", choices=["off", "on"], default="off", help="the early-returning step (on a GPU "
+                                                                          "the default with the state on the host)")
     b.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (default 1.0)")
     b.add_argument("--unit-bytes", type=positive_size, default="4Mi", help="offload.unit_bytes (default 4Mi)")
     b.add_argument("--steps", type=positive_int, default=2, help="steps recorded after one warm-up (default 2)")

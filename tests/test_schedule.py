@@ -189,5 +189,3 @@ def test_replay_refuses_what_is_not_a_schedule(tmp_path, capsys):
     assert "is not a schedule recorded by offload" in capsys.readouterr().err
     assert main(["bench", "replay", str(tmp_path / "missing.json")]) == 2
     assert "no such file" in capsys.readouterr().err
-    assert main(["bench", "schedule", "--early", "on"]) == 2
-    assert "needs parameters homed on the host" in capsys.readouterr().err

@@ -15,6 +15,10 @@
 #   offload_optimizer.ratio, the delayed update, DeepSpeed's other placements; 149 and 232 s on 2026-11-25)
 #   tools/gpu_session.sh bench-step-1p3b-auto bench-step-delayed
 #   tools/gpu_session.sh suite
+# What the next GPU session should run first (not yet measured there: torch's fused Adam for state on the GPU, the
+# all-on-GPU DeepSpeed variant after its arch-list fix, the 1.3B auto split's second round; then the 156M steps):
+#   tools/gpu_session.sh install cuda-tests bench-step-1p3b-auto bench-deepspeed-placements
+#   tools/gpu_session.sh bench-step-placement bench-step-default sanitizer
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
 # prediction beside what was measured.
 set -uo pipefail
