@@ -297,8 +297,10 @@ class ZeroConfig:
         aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"))
     stage3_module_granularity_threshold: int = setting(0, "DeepSpeed's leaf-module grouping threshold.", ge=0,
                                                        support=NO_EFFECT, note="units are sized by offload.unit_bytes.")
-    ignore_unused_parameters: bool = setting(True, "Tolerate trainable parameters that receive no gradient in a step; "
-                                                   "false makes step() an error naming them.")
+    ignore_unused_parameters: bool = setting(True, "Tolerate trainable parameters that receive no gradient in a step "
+                                                   "(stepped with a zero gradient, as DeepSpeed does: weight decay "
+                                                   "and the moments still move them, unlike torch.optim); false "
+                                                   "makes step() an error naming them.")
     round_robin_gradients: bool = setting(False, "Stage 1-2 gradient copy ordering.", support=NO_EFFECT,
                                           note="gradients go to the optimizer unit by unit as backward finishes them.")
     use_multi_rank_bucket_allreduce: bool = setting(True, "DeepSpeed's bucketed all-reduce switch.", support=NO_EFFECT,

@@ -29,4 +29,5 @@ def unused_parameters(rank: int, names: list[str]) -> EngineError:
     return EngineError(f"rank {rank}: {len(names)} trainable parameter(s) received no gradient this step "
                        f"({', '.join(names[:5])}{' ...' if len(names) > 5 else ''}), and zero_optimization."
                        "ignore_unused_parameters is false; the step's gradients were dropped. Set it to true (they "
-                       "then keep their values), freeze them (requires_grad=False), or use them in the forward")
+                       "are then stepped with a zero gradient, as DeepSpeed does: weight decay and Adam's moments "
+                       "still move them), freeze them (requires_grad=False), or use them in the forward")
