@@ -137,13 +137,17 @@ def test_a_split_between_the_device_and_nvme_trains_as_plain_pytorch(tmp_path):
 
 @pytest.mark.parametrize("discrete", [False, True])
 def test_the_device_tier_steps_with_torchs_fused_kernel_on_a_discrete_device_only(monkeypatch, discrete):
-    """[Note: Adam on a discrete device]: a GPU's state (here the emulated one) takes torch's fused kernel; on a CPU
-    device the device tier is host memory and keeps the native kernel, bitwise the host tier's."""
+    """[Note: Adam on a discrete device]: a GPU's state (here the emulated one) takes torch's fused kernel and one
+    multi-tensor norm; on a CPU device the device tier is host memory and keeps the native kernels, bitwise the host
+    tier's."""
     if discrete:
         monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
-    calls = []
-    fused = sharded.device_adam_step
+    calls, norms = [], []
+    fused, total_norm = sharded.device_adam_step, torch.nn.utils.get_total_norm
     monkeypatch.setattr(sharded, "device_adam_step", lambda *args, **kw: (calls.append(args[4]), fused(*args, **kw)))
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm",
+                        lambda *args, **kw: (norms.append(1), total_norm(*args, **kw))[1])
     results = train_engine(0, 1, name="gpt", config=ratio_config(1, 1, 0.0), steps=2, micro=2, accum=1)
     assert sorted(set(calls)) == ([1, 2] if discrete else [])
+    assert len(norms) == (2 if discrete else 0)  # one multi-tensor norm a step over the device's gradients
     check_parity([results], train_reference("gpt", 2, 2, 2, world=1))

@@ -6,8 +6,11 @@ what plain PyTorch runs there with ``fused=True``, reading each element once. (I
 torch's unfused ops, seven kernels and three temporaries per segment: 48 ms a step for the
 state of a 1.3B model on an H100.) The clip/unscale factor multiplies the gradient first, as
 ``clip_grad_norm_`` does before torch's optimizer runs. torch's kernels always correct for
-bias, so ``bias_correction: false`` takes the unfused ops. Host state and a CPU compute
-device keep the native kernel (``adam_step``), so their tiers stay bitwise alike.
+bias, so ``bias_correction: false`` takes the unfused ops. The gradients' norm there is
+likewise one multi-tensor kernel in float32, as ``clip_grad_norm_`` takes it
+(``ShardedAdam.device_grad_sq_norm``; it was a float64 copy of every segment). Host state
+and a CPU compute device keep the native kernels (``adam_step``), so their tiers stay
+bitwise alike.
 """
 
 from __future__ import annotations

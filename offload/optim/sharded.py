@@ -615,7 +615,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 continue
             parts = state.norm
             values, factor = state.gradient()
-            if parts is None and values.device.type == "cpu":
+            if parts is None and not self._on_discrete_device(state.index):
                 self.accel.schedule.work("norm", state.index, nbytes=values.numel() * values.element_size())
                 parts = [native.grad_sq_norm(values[seg.start:seg.end], threads=self.threads, scale=factor)
                          for seg in state.segments]
@@ -625,19 +625,21 @@ class ShardedAdam(torch.optim.Optimizer):
         return total, nonfinite
 
     def device_grad_sq_norm(self) -> torch.Tensor | None:
-        """With the state on the compute device: [sum of squares, non-finite count] as a float64 tensor there, so
-        the step reads it once (None when the gradients are on the host)."""
-        on_device = [s for s in self.shards.values() if s.phase is not ShardPhase.EMPTY and s.grad is not None
-                     and s.grad.device.type != "cpu"]
-        if not on_device:
+        """With state on a discrete device: [sum of squares, count of non-finite segments] as a float64 tensor there,
+        so the step reads it once (None when no gradient is there). One multi-tensor norm over the segments, in
+        float32 as plain PyTorch's ``clip_grad_norm_`` takes it; the host's parts are float64 sums."""
+        grads = [state.gradient()[0][seg.start:seg.end] for state in self.shards.values()
+                 if state.phase is not ShardPhase.EMPTY and self._on_discrete_device(state.index)
+                 for seg in state.segments]
+        if not grads:
             return None
-        totals = torch.zeros(2, dtype=torch.float64, device=self.accel.device)
-        for state in on_device:
-            for seg in state.segments:
-                g = state.grad[seg.start:seg.end]
-                totals[0] += g.double().square().sum()
-                totals[1] += (~torch.isfinite(g)).sum()
-        return totals
+        norm = torch.nn.utils.get_total_norm(grads, 2.0).double()
+        return torch.stack([norm.square(), (~norm.isfinite()).double()])
+
+    def _on_discrete_device(self, index: int) -> bool:
+        """Whether unit ``index``'s state lives on a device apart from the host (a GPU, or the emulated one): its
+        norm and Adam run in torch's kernels there (see [Note: Adam on a discrete device] in optim/adam.py)."""
+        return not self.steps_on_host(index) and not self.accel.host_is_device
 
     def hyper(self, group: int) -> AdamHyper:
         g = self.param_groups[group]
@@ -786,7 +788,7 @@ class ShardedAdam(torch.optim.Optimizer):
         # Master, moments read and written, the gradient read, the new shard written.
         self.accel.schedule.work("adam", index, nbytes=master.numel() * (24 + grad.element_size() + (
             out.element_size() if out is not None else 0)), lane=COMPUTE if master.device.type != "cpu" else None)
-        if out is None and not self.accel.host_is_device:  # state on a discrete device: torch's fused kernel
+        if out is None and self._on_discrete_device(index):  # torch's fused kernel
             assert into is None and pre_scale == 1.0  # neither speculated nor read where it landed: host state only
             for group, segs in _by_group(state.segments).items():
                 slices = [slice(seg.start, seg.end) for seg in segs]
