@@ -19,6 +19,20 @@ def test_cuda_engine_matches_torch_on_the_gpu():
         torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_state_on_the_gpu_is_stepped_there_and_matches_torch(ratio):
+    """[Note: Adam on a discrete device]: the device tier's norm and Adam are torch's multi-tensor kernels on the
+    GPU; all of the state there, or half beside the host's."""
+    config = base_config(2, 2, 1)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "ratio": ratio}
+    ours = train_engine(0, 1, name="gpt", config=config, steps=10, micro=2, accum=2)
+    assert ours["memory"]["device"]["optimizer state"] > 0
+    ref = train_reference("gpt", 10, 4, 2, world=1)
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-4)
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=1e-5)
+
+
 def test_master_state_lives_in_pinned_host_memory():
     engine, optimizer, _, _ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
     assert engine.accel.is_cuda and engine.params.read(0).is_cuda
