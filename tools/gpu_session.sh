@@ -18,7 +18,7 @@
 # What the next GPU session should run first (not yet measured there: torch's fused Adam for state on the GPU, the
 # all-on-GPU DeepSpeed variant after its arch-list fix, the 1.3B auto split's second round; then the 156M steps):
 #   tools/gpu_session.sh install cuda-tests bench-step-1p3b-auto bench-deepspeed-placements
-#   tools/gpu_session.sh bench-step-placement bench-step-default sanitizer
+#   tools/gpu_session.sh bench-step-placement bench-step-default bench-hooks sanitizer
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
 # prediction beside what was measured.
 set -uo pipefail
@@ -92,6 +92,7 @@ for s in "$@"; do
     # The CUDA tests under torch's stream sanitizer: a kernel that reads what another stream writes without a wait fails.
     sanitizer) TORCH_CUDA_SANITIZER=1 stage sanitizer $PY -m pytest -q tests/test_engine_cuda.py ;;
     suite) FAIL_LOG=$OUT/failures.log PYTHONPATH=tools TAIL=30 stage suite timeout "${SUITE_S:-420}" $PY -m pytest -n 14 -q -p pytest_failures_now -p no:cacheprovider -p no:benchmark --timeout 150 ${SUITE_ARGS:-tests} ;;
+    bench-hooks) stage bench-hooks $PY -m offload bench hooks --out "$OUT/hooks.json" ;;  # that host's Python per hook
     bench-pcie) stage bench-pcie $PY -m offload bench pcie --out "$OUT/pcie.json" ;;
     # CPU Adam over the 156M model's elements beside torch's AdamW and the host's measured bandwidth ceiling.
     bench-adam) stage bench-adam $PY -m offload bench adam --sizes 156M --out "$OUT/adam.json" ;;
