@@ -231,17 +231,19 @@ class WorkerStream:
             if held:
                 self._held.append(item)
                 return
-            if self._held:
-                self._queue.put(("batch", self._held, None))
-                self._held = []
+            self._send_held()
             self._queue.put(item)
 
     def flush(self) -> None:
         """Send what was enqueued held (see [Note: held hand-offs]) as one batch."""
         with self._held_lock:
-            if self._held:
-                self._queue.put(("batch", self._held, None))
-                self._held = []
+            self._send_held()
+
+    def _send_held(self) -> None:
+        """Under ``_held_lock``: what is held goes on the queue as one batch."""
+        if self._held:
+            self._queue.put(("batch", self._held, None))
+            self._held = []
 
     def run(self, fn: Callable[[], None], held: bool = False) -> None:
         schedule = self._recording()

@@ -174,7 +174,8 @@ def touch3_(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     bufs = {name: _check_buffer(t, name) for name, t in (("p", p), ("m", m), ("v", v), ("g", g))}
     if any(t.dtype != torch.float32 or t.numel() != p.numel() for t in bufs.values()):
         raise NativeError("touch3_ takes four float32 tensors of one length")
-    _native.touch3(bufs["p"], bufs["m"], bufs["v"], bufs["g"], default_threads() if threads is None else int(threads))
+    _native.touch3(_dl(bufs["p"]), _dl(bufs["m"]), _dl(bufs["v"]), _dl(bufs["g"]),
+                   default_threads() if threads is None else int(threads))
 
 
 def crc32c_blocks(data: torch.Tensor, block: int, threads: int | None = None) -> np.ndarray:
@@ -185,7 +186,7 @@ def crc32c_blocks(data: torch.Tensor, block: int, threads: int | None = None) ->
     nbytes = data.numel() * data.element_size()
     out = np.zeros(max(1, -(-nbytes // block)), dtype=np.uint32)
     if nbytes:
-        _native.crc32c_blocks(data.view(torch.uint8) if data.dtype != torch.uint8 else data, block, out,
+        _native.crc32c_blocks(_dl(data.view(torch.uint8) if data.dtype != torch.uint8 else data), block, out,
                               default_threads() if threads is None else int(threads))
     return out[: -(-nbytes // block)]
 

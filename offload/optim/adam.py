@@ -46,19 +46,25 @@ class AdamHyper:
                                  "0 <= betas < 1)")
 
 
+def _check_step(step: int, grad_scale: float) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be a whole number >= 1 (the step being taken), got {step!r}")
+    if not math.isfinite(grad_scale):
+        raise ValueError(f"grad_scale must be finite, got {grad_scale!r}")
+
+
 def device_adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                      exp_avg_sqs: list[torch.Tensor], step: int, hyper: AdamHyper, grad_scale: float = 1.0) -> None:
     """One Adam step over flat fp32 buffers on the compute device, in place (see [Note: Adam on a discrete
     device]); ``step`` counts from 1."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step must be a whole number >= 1 (the step being taken), got {step!r}")
+    _check_step(step, grad_scale)
     if not params:
         return
     if grad_scale != 1.0:
         grads = torch._foreach_mul(grads, grad_scale)
     if not hyper.bias_correction:
         for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-            _unfused_adam(p, g, m, v, step, hyper)
+            _uncorrected_adam(p, g, m, v, hyper)
         return
     # The kernel counts the step itself: it reads these after adding one.
     steps = list(torch.full((len(params),), float(step - 1), dtype=torch.float32, device=params[0].device).unbind())
@@ -67,19 +73,16 @@ def device_adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_
                beta2=hyper.betas[1], lr=hyper.lr, weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=False)
 
 
-def _unfused_adam(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
-                  h: AdamHyper) -> None:
-    """The native kernel's update in torch ops, for what torch's fused kernel cannot do (no bias correction)."""
+def _uncorrected_adam(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamHyper) -> None:
+    """The native kernel's update without bias correction, in torch ops (torch's fused kernel always corrects)."""
     beta1, beta2 = h.betas
     if not h.adamw_mode and h.weight_decay:
         g = g.add(p, alpha=h.weight_decay)
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bc1 = 1 - beta1 ** step if h.bias_correction else 1.0
-    bc2 = 1 - beta2 ** step if h.bias_correction else 1.0
     if h.adamw_mode and h.weight_decay:
         p.mul_(1 - h.lr * h.weight_decay)
-    p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(h.eps), value=-h.lr / bc1)
+    p.addcdiv_(m, v.sqrt().add_(h.eps), value=-h.lr)
 
 
 def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -94,10 +97,7 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     ``step`` counts from 1, as torch's optimizers do after incrementing. Scalars are computed here
     in double and rounded once, the way torch.optim.Adam passes Python floats to its kernels.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step must be a whole number >= 1 (the step being taken), got {step!r}")
-    if not math.isfinite(grad_scale):
-        raise ValueError(f"grad_scale must be finite, got {grad_scale!r}")
+    _check_step(step, grad_scale)
     beta1, beta2 = hyper.betas
     bc1 = 1.0 - beta1 ** step if hyper.bias_correction else 1.0
     bc2 = 1.0 - beta2 ** step if hyper.bias_correction else 1.0
