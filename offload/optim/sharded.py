@@ -787,7 +787,7 @@ class ShardedAdam(torch.optim.Optimizer):
         grad, pre_scale = (torch.zeros_like(master), 1.0) if empty else state.gradient()
         # Master, moments read and written, the gradient read, the new shard written.
         self.accel.schedule.work("adam", index, nbytes=master.numel() * (24 + grad.element_size() + (
-            out.element_size() if out is not None else 0)), lane=COMPUTE if master.device.type != "cpu" else None)
+            out.element_size() if out is not None else 0)), lane=COMPUTE if self._on_discrete_device(index) else None)
         if out is None and self._on_discrete_device(index):  # torch's fused kernel
             assert into is None and pre_scale == 1.0  # neither speculated nor read where it landed: host state only
             for group, segs in _by_group(state.segments).items():
