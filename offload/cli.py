@@ -20,6 +20,7 @@ from offload.cli_types import (directory_problem, non_negative_float, non_negati
                                positive_size, positive_sizes)
 from offload.config import Config, ConfigError
 from offload.engine import EngineError
+from offload.launch import RankError
 
 
 class UsageError(ValueError):
@@ -128,6 +129,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             if args.accum != 1:
                 raise UsageError("--baseline deepspeed times one micro-batch a step (its phases are forward, backward "
                                  "and step): leave --accum at 1")
+            if args.device_budget is not None:
+                raise UsageError("--device-budget bounds offload's device memory only (DeepSpeed has no such budget, "
+                                 "and both sides read one config): drop it, or run without --baseline deepspeed")
             try:
                 chosen = versus.variants(bench, _names(args.variants))
             except ValueError as e:
@@ -141,7 +145,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"wrote {out.parent / 'step-vs-deepspeed.json'}")
             return 0
         print(f"offload bench step: ZeRO stage {args.stage} beside plain PyTorch, alternating rounds", flush=True)
-        step.print_table(step.run(bench, out, log=sys.stdout), sys.stdout)
+        try:
+            result = step.run(bench, out, log=sys.stdout)
+        except RankError as e:
+            if isinstance(e.cause, ConfigError):  # a variant's config the engine refused (e.g. --device-budget)
+                raise e.cause from None
+            raise
+        step.print_table(result, sys.stdout)
         print(f"wrote {out}")
     return 0
 
@@ -186,7 +196,7 @@ def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
                           repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload, nvme_path=args.path,
                           sub_group_size=args.sub_group_size, trace_dir=str(out.parent), device=args.device,
                           stages=_stages(args.stage), checkpointing=args.checkpointing, profile=args.profile,
-                          headline_only=args.headline_only,
+                          headline_only=args.headline_only, device_budget=args.device_budget,
                           only=() if args.baseline == "deepspeed" else _names(args.variants))
 
 
@@ -489,6 +499,10 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
     b.add_argument("--profile", action="store_true", help="rank 0 of the headline variant's timed steps under torch's "
                                                            "profiler: profile-<variant>.json beside --out (Chrome "
                                                            "trace: kernels per stream on a GPU, offload's phases)")
+    b.add_argument("--device-budget", type=positive_size, default=None, metavar="SIZE",
+                   help="offload.budgets.device of offload's variants, e.g. 12Gi (default: what is free at start); "
+                        "below the optimizer state's size, ratio-auto splits the state as on a smaller GPU (plain "
+                        "PyTorch is not bounded)")
     b.add_argument("--baseline", choices=["torch", "deepspeed"], default="torch",
                    help="deepspeed: the same model, batch and config (written once, read by both) through "
                         "DeepSpeed's ZeRO-3 with params and optimizer on the host (and on NVMe with --offload nvme), "

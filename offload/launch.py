@@ -26,7 +26,12 @@ def _free_port() -> int:
 
 
 class RankError(RuntimeError):
-    """A rank failed or hung; the message carries its traceback."""
+    """A rank failed or hung; the message carries its traceback, ``cause`` the first failed rank's exception
+    itself where it crossed the process boundary (so a caller can tell a user's config error from a crash)."""
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 def _context() -> Any:
@@ -54,11 +59,21 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[s
         # Plain pickle bytes: torch's queue reductions would share tensors through file
         # descriptors that vanish when this process exits before the parent reads them.
         out.put((rank, "ok", pickle.dumps(fn(rank, world, **kwargs))))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        out.put((rank, "error", traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out.put((rank, "error", (traceback.format_exc(), _pickled(e))))
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _pickled(error: BaseException) -> bytes | None:
+    """The exception as bytes the parent can load, or None where it does not survive the round trip."""
+    try:
+        data = pickle.dumps(error)
+        pickle.loads(data)
+    except Exception:  # noqa: BLE001 - an exception whose arguments do not rebuild it stays text only
+        return None
+    return data
 
 
 def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 180.0, env: dict[str, str] | None = None,
@@ -81,6 +96,7 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 180.0, env: d
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    cause: BaseException | None = None
     deadline = time.monotonic() + timeout
     try:
         while len(results) < world and not errors:
@@ -99,12 +115,14 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 180.0, env: d
             if status == "ok":
                 results[rank] = pickle.loads(value)
             else:
-                errors.append(f"rank {rank} failed:\n{value}")
+                text, pickled = value
+                errors.append(f"rank {rank} failed:\n{text}")
+                cause = pickle.loads(pickled) if pickled is not None else None
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
                 p.kill()
     if errors:
-        raise RankError("\n".join(errors))
+        raise RankError("\n".join(errors), cause)
     return [results[r] for r in range(world)]

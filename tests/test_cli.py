@@ -253,3 +253,23 @@ def test_the_speculative_steps_share_is_of_adams_time_wherever_it_ran():
     after = {"step_s": 0.060, "optimizer_s": 0.002, "adam_s": 0.042}
     assert speculation_hidden({"step_s": 0.039}, after) == pytest.approx(0.5)
     assert speculation_hidden({"step_s": 0.081}, after) == pytest.approx(-0.5)  # slower: negative
+
+
+def test_bench_step_device_budget_splits_auto_state_and_a_budget_too_small_is_a_clear_error(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    tiny = ["--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "1", "--rounds", "1",
+            "--world", "1", "--unit-bytes", "64Ki", "--variants", "host,ratio-auto"]
+    # 10 MiB holds the shards, the gathers and the embedding's state, not the blocks' too: auto splits the state.
+    assert main(["bench", "step", *tiny, "--device-budget", "10Mi", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["bench"]["device_budget"] == 10 << 20
+    auto, host = report["memory"]["ratio-auto"], report["memory"]["host"]
+    assert host["device"] < auto["device"] <= 10 << 20
+    assert 0 < auto["host"] < host["host"]  # part of the state stayed on the host
+    assert "device budget (offload.budgets.device): 10 MiB" in capsys.readouterr().out
+    # A budget below the shards and one gathered unit: the engine's own message, exit 2, no rank traceback.
+    assert main(["bench", "step", *tiny, "--device-budget", "1Mi", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "offload.budgets.device: 1,048,576 bytes cannot hold" in err and "Traceback" not in err
+    assert main(["bench", "step", "--device-budget", "1Gi", "--baseline", "deepspeed"]) == 2
+    assert "DeepSpeed has no such budget" in capsys.readouterr().err

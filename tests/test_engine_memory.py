@@ -94,6 +94,26 @@ def test_a_device_budget_below_shards_plus_one_unit_fails_at_initialize():
         run_ranks(_budget_run, 1, budget=50_000)
 
 
+def test_a_ranks_config_error_reaches_the_parent_whole():
+    from offload.config import ConfigError
+    with pytest.raises(RankError) as failed:
+        run_ranks(_budget_run, 1, budget=50_000)
+    # The exception itself crosses the process boundary, so a command can tell the user's config from a crash.
+    assert isinstance(failed.value.cause, ConfigError) and failed.value.cause.path == "offload.budgets.device"
+    with pytest.raises(RankError, match="rank 0 failed") as failed:
+        run_ranks(_unpicklable_failure, 1)
+    assert failed.value.cause is None and "_Unpicklable: no" in str(failed.value)  # text only, still whole
+
+
+class _Unpicklable(RuntimeError):
+    def __init__(self, a, b):
+        super().__init__(f"{a} {b}")
+
+
+def _unpicklable_failure(rank, world):
+    raise _Unpicklable("no", "way")
+
+
 def _plan_and_measure(rank, world, stage, optimizer, params):
     import offload
     from engine_cases import make_model

@@ -19,6 +19,7 @@
 # all-on-GPU DeepSpeed variant after its arch-list fix, the 1.3B auto split's second round; then the 156M steps):
 #   tools/gpu_session.sh install cuda-tests bench-step-1p3b-auto bench-deepspeed-placements
 #   tools/gpu_session.sh bench-step-placement bench-step-default bench-hooks sanitizer
+#   tools/gpu_session.sh bench-step-1p3b-split (the auto split under a device budget the state does not fit)
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
 # prediction beside what was measured.
 set -uo pipefail
@@ -101,6 +102,10 @@ for s in "$@"; do
     bench-step-placement) stage bench-step-placement $PY -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,clip-after,clip-speculative-kept,clip-speculative-recomputed,ratio-auto,ratio-half,delayed --out "$OUT/step-placement/step.json" ;;
     # The 1.3B model with the optimizer state where it is fastest (auto fills the GPU first) beside all on the host.
     bench-step-1p3b-auto) stage bench-step-1p3b-auto $PY -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants host,ratio-auto --out "$OUT/step-1p3b-auto/step.json" ;;
+    # #22's "state that does not fit on the GPU": the same 1.3B model with offload held to a 12 GiB device budget (its
+    # 21 GB of optimizer state and fp32 gradients cannot fit, about half does): the split auto chooses beside all on
+    # the host. Plain PyTorch runs unbounded beside them.
+    bench-step-1p3b-split) stage bench-step-1p3b-split $PY -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants host,ratio-auto --device-budget 12Gi --out "$OUT/step-1p3b-split/step.json" ;;
     bench-step-delayed) stage bench-step-delayed $PY -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,delayed --out "$OUT/step-delayed/step.json" ;;
     bench-step-1p3b) stage bench-step-1p3b $PY -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --headline-only --out "$OUT/step-1p3b/step.json" ;;
     # torch's profiler over three steps of the headline variant: kernels per stream, the engine's phases per thread.

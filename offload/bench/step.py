@@ -78,6 +78,9 @@ class StepBench:
     stages: tuple[int, ...] = (3,)  # ZeRO stages; more than stage 3 alone: one variant per stage (see the docstring)
     checkpointing: str = "none"  # activation checkpointing of every block in every variant: none, device or cpu
     only: tuple[str, ...] = ()  # run only these variants (by name, the first one is the headline); (): all
+    # offload.budgets.device of offload's variants (None: what is free at start). A budget below the optimizer
+    # state's size makes ratio "auto" split it as it would on a smaller GPU; plain PyTorch is not bounded.
+    device_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -94,6 +97,8 @@ class StepBench:
             raise ValueError("profile writes its trace into trace_dir: give one")
         if self.accum < 1 or self.unit_bytes < 1:
             raise ValueError(f"accum and unit_bytes must be >= 1, got {self.accum} and {self.unit_bytes}")
+        if self.device_budget is not None and self.device_budget < 1:
+            raise ValueError(f"device_budget must be a positive number of bytes, got {self.device_budget}")
         if self.offload == "none" and self.stages == (3,):
             raise ValueError("offload none compares stages only: pass stages (e.g. --stage 0,1,2,3)")
         unknown = [name for name in self.only if name not in self._all_variants()]
@@ -211,7 +216,8 @@ def engine_config(b: StepBench, variant: dict[str, Any]) -> dict[str, Any]:
                           "early_step": variant.get("early", "auto"),
                           "speculative_step": variant.get("speculative", "auto"),
                           "delayed_update": {"warmup_steps": variant.get("delayed")},
-                          "checkpoint_blocks": b.checkpointing != "none"},
+                          "checkpoint_blocks": b.checkpointing != "none",
+                          "budgets": {"device": b.device_budget}},
               "activation_checkpointing": {"cpu_checkpointing": b.checkpointing == "cpu"}}
     return config
 
@@ -461,6 +467,9 @@ def print_table(result: StepResult, out: TextIO) -> None:
                       f"{row['speculation_recomputed']:.0f} recomputed per step; of the optimizer's time "
                       f"{speculation_hidden(row, after):.0%} off the step, {off_thread:.0%} off the training "
                       "thread", file=out)
+    if b.get("device_budget"):
+        print(f"  offload's device budget (offload.budgets.device): {b['device_budget'] / 2**20:.0f} MiB; plain "
+              "PyTorch unbounded", file=out)
     for name in NAMED_ONLY:
         if name in v:
             mem = result.memory.get(name, {})

@@ -31,6 +31,9 @@ class ConfigError(ValueError):
         self.reason = message
         super().__init__(f"{path}: {message}" if path else message)
 
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:  # crosses from a rank's process whole
+        return ConfigError, (self.path, self.reason)
+
 
 class Auto:
     """The value "auto": filled in from the model and world at initialize (:meth:`Config.resolve`)."""
