@@ -19,7 +19,8 @@
 # all-on-GPU DeepSpeed variant after its arch-list fix, the 1.3B auto split's second round; then the 156M steps):
 #   tools/gpu_session.sh install cuda-tests bench-step-1p3b-auto bench-deepspeed-placements
 #   tools/gpu_session.sh bench-step-placement bench-step-default bench-hooks sanitizer
-#   tools/gpu_session.sh bench-step-1p3b-split (the auto split under a device budget the state does not fit)
+#   tools/gpu_session.sh bench-step-1p3b-split bench-deepspeed-1p3b bench-step-nvme (the auto split under a device
+#   budget the state does not fit; DeepSpeed on the 1.3B model; params and optimizer state on the lent machine's disk)
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
 # prediction beside what was measured.
 set -uo pipefail
@@ -84,6 +85,14 @@ deepspeed_placements() {
     --variants optimizer-host,optimizer-host-torch-adam,ratio-half,device --out "$OUT/deepspeed-placements/step.json"
 }
 
+# #20 on the 1.3B model: DeepSpeed beside offload with the optimizer on the host (params on the GPU, and both on the
+# host). One micro-batch a step (the side-by-side times forward, backward and step), so --accum 1 here.
+deepspeed_1p3b() {
+  if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here"; return 2; fi
+  $PY -m offload bench step --baseline deepspeed "${M1P3B[@]}" --accum 1 --steps 3 --rounds 2 \
+    --variants optimizer-host,host --out "$OUT/deepspeed-1p3b/step.json"
+}
+
 for s in "$@"; do
   case "$s" in
     wheels) stage wheels wheels ;;
@@ -111,6 +120,9 @@ for s in "$@"; do
     # torch's profiler over three steps of the headline variant: kernels per stream, the engine's phases per thread.
     profile) stage profile $PY -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 3 --rounds 1 --headline-only --profile --out "$OUT/profile/step.json" ;;
     bench-deepspeed) stage bench-deepspeed deepspeed_side_by_side ;;
+    bench-deepspeed-1p3b) stage bench-deepspeed-1p3b deepspeed_1p3b ;;
+    # Params and optimizer state on NVMe (the lent machine's local disk under /tmp) beside both on the host.
+    bench-step-nvme) stage bench-step-nvme $PY -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-nvme/step.json" ;;
     *) echo "unknown stage $s" ;;
   esac
 done
