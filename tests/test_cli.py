@@ -273,3 +273,27 @@ def test_bench_step_device_budget_splits_auto_state_and_a_budget_too_small_is_a_
     assert "offload.budgets.device: 1,048,576 bytes cannot hold" in err and "Traceback" not in err
     assert main(["bench", "step", "--device-budget", "1Gi", "--baseline", "deepspeed"]) == 2
     assert "DeepSpeed has no such budget" in capsys.readouterr().err
+
+
+def test_bench_step_goes_on_when_plain_pytorch_does_not_fit(tmp_path, capsys, monkeypatch):
+    """A model offload is for may not fit on the GPU without it: the variants still run and compare, and the table
+    says why torch has no time (the out-of-memory error is injected: this machine has no GPU to fill)."""
+    from offload.bench import step
+    calls = []
+
+    def out_of_memory(b):
+        calls.append(b)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore detail")
+
+    monkeypatch.setattr(step, "_torch_timed", out_of_memory)
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "1",
+                 "--rounds", "2", "--world", "1", "--variants", "host,ratio-half", "--out", str(out)]) == 0
+    assert len(calls) == 1  # not tried again in the second round
+    report = json.loads(out.read_text())
+    assert report["torch_step_s"] is None and report["ratio"] is None and report["samples"]["torch"] == []
+    assert report["torch_note"] == ("plain PyTorch ran out of cpu memory (CUDA out of memory. Tried to allocate "
+                                    "20.00 GiB)")
+    assert all(len(report["samples"][v]) == 2 and report["variants"][v]["step_s"] > 0 for v in ("host", "ratio-half"))
+    text = capsys.readouterr().out
+    assert "the offload variants run without it" in text and "= torch did not fit" in text

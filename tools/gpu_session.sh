@@ -21,6 +21,7 @@
 #   tools/gpu_session.sh bench-step-placement bench-step-default bench-hooks sanitizer
 #   tools/gpu_session.sh bench-step-1p3b-split bench-deepspeed-1p3b bench-step-nvme (the auto split under a device
 #   budget the state does not fit; DeepSpeed on the 1.3B model; params and optimizer state on the lent machine's disk)
+#   tools/gpu_session.sh bench-step-4p5b (alone: a model whose state does not fit on the GPU, auto beside all on host)
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
 # prediction beside what was measured.
 set -uo pipefail
@@ -32,6 +33,10 @@ PY=${PY:-python3}
 M156=(--device cuda --world 1 --dtype bf16 --hidden 1024 --layers 12 --seq 512 --vocab 4096 --micro 8)
 # A 1.3B GPT (24 x 2048, GPT-2's vocabulary) at seq 2048, accumulation 4, clipping on: plain PyTorch fits there.
 M1P3B=(--device cuda --world 1 --dtype bf16 --hidden 2048 --layers 24 --seq 2048 --vocab 50304 --micro 1 --accum 4)
+
+# A 4.5B GPT (28 x 3584): its optimizer state and gradients (about 72 GB with the bf16 parameters) do not fit on an
+# 80 GB GPU beside its activations, nor does plain PyTorch (the bench then says so and compares the variants alone).
+M4P5B=(--device cuda --world 1 --dtype bf16 --hidden 3584 --layers 28 --seq 2048 --vocab 50304 --micro 1)
 
 stage() {  # name, command...: run one stage, log it, never stop the others
   local name=$1; shift
@@ -115,6 +120,8 @@ for s in "$@"; do
     # 21 GB of optimizer state and fp32 gradients cannot fit, about half does): the split auto chooses beside all on
     # the host. Plain PyTorch runs unbounded beside them.
     bench-step-1p3b-split) stage bench-step-1p3b-split $PY -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants host,ratio-auto --device-budget 12Gi --out "$OUT/step-1p3b-split/step.json" ;;
+    # The same question on a model whose state does not fit the GPU at all (host memory: about 85 of 128 GiB).
+    bench-step-4p5b) stage bench-step-4p5b $PY -m offload bench step "${M4P5B[@]}" --unit-bytes 64Mi --steps 2 --rounds 2 --variants ratio-auto,host --out "$OUT/step-4p5b/step.json" ;;
     bench-step-delayed) stage bench-step-delayed $PY -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,delayed --out "$OUT/step-delayed/step.json" ;;
     bench-step-1p3b) stage bench-step-1p3b $PY -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --headline-only --out "$OUT/step-1p3b/step.json" ;;
     # torch's profiler over three steps of the headline variant: kernels per stream, the engine's phases per thread.

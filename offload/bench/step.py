@@ -174,9 +174,9 @@ class StepBench:
 class StepResult:
     bench: dict[str, Any]
     params: int
-    torch_step_s: float
+    torch_step_s: float | None  # None: plain PyTorch did not fit on the device (torch_note says so)
     offload_step_s: float
-    ratio: float
+    ratio: float | None
     phases_s: dict[str, float] = field(default_factory=dict)  # per step, training thread
     background_s: dict[str, float] = field(default_factory=dict)  # per step, copy/host threads
     bytes_per_step: dict[str, float] = field(default_factory=dict)
@@ -184,6 +184,10 @@ class StepResult:
     variants: dict[str, dict[str, float]] = field(default_factory=dict)  # per variant: step, optimizer, NVMe stall
     peak_device_bytes: dict[str, int] = field(default_factory=dict)  # on a GPU: torch's and each variant's high water
     memory: dict[str, dict[str, int]] = field(default_factory=dict)  # per variant: rank 0's bytes per tier (accounting)
+    torch_note: str = ""  # why plain PyTorch has no time ("": it ran)
+
+    def vs_torch(self, seconds: float) -> str:
+        return f"{seconds / self.torch_step_s:.2f}x torch" if self.torch_step_s else "torch did not fit"
 
 
 def sync(device: str) -> None:
@@ -273,7 +277,21 @@ def _profiler(b: StepBench) -> torch.profiler.profile:
     return torch.profiler.profile(activities=activities)
 
 
-def _torch_steps(b: StepBench) -> tuple[list[float], int]:
+def _torch_steps(b: StepBench) -> tuple[list[float], int, str]:
+    """Step times of plain PyTorch and its GPU memory high water, or no times and why: a model offload is for may
+    not fit on the GPU without it, and the offload variants still compare with each other."""
+    try:
+        return (*_torch_timed(b), "")
+    except torch.OutOfMemoryError as e:
+        why = str(e).splitlines()[0] if str(e) else "out of memory"
+    # Outside the handler: the traceback, and the model and optimizer its frames hold, are gone.
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [], 0, f"plain PyTorch ran out of {b.device} memory ({why})"
+
+
+def _torch_timed(b: StepBench) -> tuple[list[float], int]:
     """Step times of plain PyTorch (model and AdamW on ``b.device``) and, on a GPU, its memory high water.
 
     With bf16 the baseline is what a PyTorch user runs: fp32 parameters, bf16 autocast, and the fused AdamW."""
@@ -317,9 +335,15 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
     peaks: dict[str, int] = {}
     # A CPU comparison keeps a GPU out of it: the one-rank child would otherwise pick it up.
     env = {"CUDA_VISIBLE_DEVICES": ""} if b.device == "cpu" else {}
+    torch_note = ""
     for r in range(b.repeats):
-        torch_run, peaks["torch"] = _torch_steps(b)
-        torch_times += torch_run
+        if not torch_note:
+            torch_run, peak, torch_note = _torch_steps(b)
+            torch_times += torch_run
+            if not torch_note:
+                peaks["torch"] = peak
+            if torch_note and log:
+                print(f"  {torch_note}: the offload variants run without it", file=log, flush=True)
         for name, variant in variants.items():
             ranks = run_ranks(_engine_rank, b.world, timeout=1800, threads=max(1, cores // b.world),
                               env=env, bench=asdict(b), variant={**variant, "name": name})
@@ -327,7 +351,8 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
             times[name] += [max(ts) for ts in zip(*(rank["times"] for rank in ranks))]  # a step ends on the last rank
             runs[name].append(ranks[0])
         if log:
-            print(f"  round {r + 1}/{b.repeats}: torch {statistics.median(torch_times):.3f} s/step, " + ", ".join(
+            mine = f"{statistics.median(torch_times):.3f} s/step" if torch_times else "did not fit"
+            print(f"  round {r + 1}/{b.repeats}: torch {mine}, " + ", ".join(
                 f"offload {n} {statistics.median(t):.3f}" for n, t in times.items()), file=log, flush=True)
     steps = b.steps * b.repeats
 
@@ -335,12 +360,13 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
         return sum(run[what].get(key, 0.0) for run in runs[name]) / steps
 
     head = next(iter(variants))
-    t_off, t_torch = statistics.median(times[head]), statistics.median(torch_times)
+    t_off = statistics.median(times[head])
+    t_torch = statistics.median(torch_times) if torch_times else None
     phases = {k: per_step(head, k) for k in FOREGROUND}  # nested inside forward/backward or after them
     phases["compute"] = max(0.0, t_off - sum(phases.values()))
     result = StepResult(
         bench=asdict(b), params=b.model_config().num_parameters, torch_step_s=t_torch, offload_step_s=t_off,
-        ratio=t_off / t_torch, phases_s=phases, background_s={k: per_step(head, k) for k in BACKGROUND},
+        ratio=t_off / t_torch if t_torch else None, phases_s=phases, background_s={k: per_step(head, k) for k in BACKGROUND},
         bytes_per_step={k: per_step(head, k, "bytes") for k in ("all_gather", "reduce_scatter", "all_reduce", "d2h",
                                                                   "h2d", "nvme_read", "nvme_write")},
         samples={"torch": torch_times, **times},
@@ -363,7 +389,7 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
                                                  for k in ("all_gather", "reduce_scatter", "all_reduce"))}
                   for name in variants},
         peak_device_bytes=peaks if b.device == "cuda" else {},
-        memory={name: runs[name][-1]["memory"] for name in variants})
+        memory={name: runs[name][-1]["memory"] for name in variants}, torch_note=torch_note)
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(asdict(result), indent=2))
@@ -395,7 +421,8 @@ def plot_stages(result: StepResult, path: Path) -> None:
     names = list(result.variants)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.bar(names, [result.variants[n]["step_s"] * 1e3 for n in names], color="tab:blue")
-    left.axhline(result.torch_step_s * 1e3, color="tab:red", linestyle="--", label="plain torch")
+    if result.torch_step_s:
+        left.axhline(result.torch_step_s * 1e3, color="tab:red", linestyle="--", label="plain torch")
     left.set_ylabel("ms per step")
     left.set_title("step time")
     left.legend()
@@ -424,18 +451,19 @@ def print_table(result: StepResult, out: TextIO) -> None:
                                                  f"{'host' if checkpointing == 'cpu' else 'device'}; torch without)"),
           file=out)
     where = "on the GPU" if b.get("device") == "cuda" else "1 process"
-    print(f"  plain torch, {where}:       {result.torch_step_s * 1e3:8.1f} ms/step", file=out)
+    print(f"  plain torch, {where}:       " + (f"{result.torch_step_s * 1e3:8.1f} ms/step" if result.torch_step_s
+                                                 else result.torch_note), file=out)
     if tuple(b.get("stages", (3,))) != (3,):  # a list once read back from JSON
         print(f"  ZeRO stages, W={b['world']} (per rank: device / host / nvme bytes from the engine's accounting; "
               "collective bytes received per step):", file=out)
         for name, row in result.variants.items():
             mem = result.memory.get(name, {})
-            print(f"    {name:7s} {row['step_s'] * 1e3:8.1f} ms/step = {row['step_s'] / result.torch_step_s:5.2f}x "
-                  f"torch   " + " / ".join(f"{mem.get(t, 0) / 2**20:7.1f}" for t in ("device", "host", "nvme"))
+            print(f"    {name:7s} {row['step_s'] * 1e3:8.1f} ms/step = {result.vs_torch(row['step_s']):>11s}   "
+                  + " / ".join(f"{mem.get(t, 0) / 2**20:7.1f}" for t in ("device", "host", "nvme"))
                   + f" MiB   {row['collective_bytes'] / 2**20:7.1f} MiB", file=out)
         return
     print(f"  offload ZeRO-3, W={b['world']}: {result.offload_step_s * 1e3:8.1f} ms/step  "
-          f"= {result.ratio:.2f}x torch", file=out)
+          f"= {result.vs_torch(result.offload_step_s)}", file=out)
     if result.peak_device_bytes:
         print("  GPU memory high water: " + ", ".join(
             f"{k} {v / 2**20:.0f} MiB" for k, v in result.peak_device_bytes.items()), file=out)
@@ -473,8 +501,7 @@ def print_table(result: StepResult, out: TextIO) -> None:
     for name in NAMED_ONLY:
         if name in v:
             mem = result.memory.get(name, {})
-            print(f"  {name}: {v[name]['step_s'] * 1e3:.1f} ms/step = {v[name]['step_s'] / result.torch_step_s:.2f}x "
-                  f"torch; device {mem.get('device', 0) / 2**20:.1f} MiB, host {mem.get('host', 0) / 2**20:.1f} MiB",
+            print(f"  {name}: {v[name]['step_s'] * 1e3:.1f} ms/step = {result.vs_torch(v[name]['step_s'])}; device {mem.get('device', 0) / 2**20:.1f} MiB, host {mem.get('host', 0) / 2**20:.1f} MiB",
                   file=out)
     if "params-host-early" in v:
         print(f"  parameters on the host: step() whole {v['params-host']['step_s'] * 1e3:.1f} ms/step, returning "

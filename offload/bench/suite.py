@@ -80,7 +80,9 @@ def run_all(path: Path, out_dir: Path, quick: bool, stream: TextIO) -> SuiteResu
         res = step.run(bench, out_dir / f"step-{where}.json", log=stream)
         step.print_table(res, stream)
         suite.results[f"step_{where}"] = asdict(res)
-        suite.headlines.append(Headline("step", f"offload {where} / torch step time", res.ratio, "plain PyTorch"))
+        if res.ratio is not None:  # plain PyTorch ran (it may not fit on a GPU)
+            suite.headlines.append(Headline("step", f"offload {where} / torch step time", res.ratio,
+                                            "plain PyTorch"))
     if versus.deepspeed_version() is not None:
         section("step: offload beside DeepSpeed ZeRO-3, params and optimizer on the host and on NVMe")
         small = dict(hidden=128, layers=2, seq=64, micro=2, steps=2, repeats=1) if quick else {}
