@@ -21,7 +21,7 @@ import json
 import os
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ AUTOGRAD_THREAD = "autograd"
 COMPUTE = ("forward", "backward")  # spans of the training thread that contain the model's compute
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TraceEvent:
     phase: str
     label: str | None
@@ -63,12 +63,15 @@ class Telemetry:
             self._seconds: dict[str, float] = defaultdict(float)
             self._counts: dict[str, int] = defaultdict(int)
             self._bytes: dict[str, int] = defaultdict(int)
-            self._events: list[TraceEvent] = []
+            # Bounded: a long traced run drops its oldest events, each in constant time.
+            self._events: deque[TraceEvent] = deque(maxlen=self._max_events or None)
 
     def start_trace(self, max_events: int = 200_000) -> None:
         """Keep every span as an event from now on (the oldest beyond ``max_events`` are dropped)."""
+        if max_events < 1:
+            raise ValueError(f"max_events must be at least 1, got {max_events}")
         with self._lock:
-            self._events = []
+            self._events = deque(maxlen=max_events)
             self._max_events = max_events
 
     def stop_trace(self) -> None:
@@ -87,8 +90,6 @@ class Telemetry:
             self._counts[phase] += 1
             if self._max_events:
                 self._events.append(TraceEvent(phase, label, thread or _thread_name(), start, end))
-                if len(self._events) > self._max_events:
-                    del self._events[:len(self._events) - self._max_events]
 
     def add_bytes(self, link: str, n: int) -> None:
         with self._lock:

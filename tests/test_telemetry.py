@@ -4,6 +4,8 @@ import json
 import threading
 import time
 
+import pytest
+
 import offload
 from engine_cases import base_config, batches, loss_of, make_model
 from offload.telemetry import AUTOGRAD_THREAD, Telemetry, TraceEvent
@@ -35,7 +37,13 @@ def test_spans_from_threads_add_up_and_the_trace_is_bounded():
         t.join()
     snap = tel.snapshot()
     assert snap.counts["d2h"] == 8 and snap.seconds["d2h"] >= 0.008
-    assert len(tel.events()) == 5
+    kept = tel.events()
+    assert len(kept) == 5 and kept[-1].end == max(e.end for e in kept)  # the oldest were dropped, in order
+    with tel.span("h2d"):
+        pass
+    assert len(tel.events()) == 5 and tel.events()[-1].phase == "h2d" and tel.events()[0] == kept[1]
+    with pytest.raises(ValueError, match="max_events must be at least 1, got 0"):
+        tel.start_trace(max_events=0)
 
 
 def test_engine_timeline_has_every_thread_and_opens_as_chrome_trace(tmp_path, monkeypatch):
