@@ -24,7 +24,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,8 +36,10 @@ AUTOGRAD_THREAD = "autograd"
 COMPUTE = ("forward", "backward")  # spans of the training thread that contain the model's compute
 
 
-@dataclass(frozen=True, slots=True)
-class TraceEvent:
+class TraceEvent(NamedTuple):
+    """One kept span. A tuple: cheap to make on every hook call, and the garbage collector stops tracking it (its
+    fields are strings and floats), so a long trace does not lengthen every collection."""
+
     phase: str
     label: str | None
     thread: str
