@@ -240,9 +240,14 @@ class WorkerStream:
             self._send_held()
 
     def _send_held(self) -> None:
-        """Under ``_held_lock``: what is held goes on the queue as one batch."""
+        """Under ``_held_lock``: what is held goes on the queue as one batch. In a recorded schedule it is issued
+        here, by the sender (held work could not start before it was sent), not where it was enqueued."""
         if self._held:
-            self._queue.put(("batch", self._held, None))
+            held, schedule = self._held, self._recording()
+            if schedule is not None:
+                point = schedule.issue_point()
+                held = [(kind, item, _issued_at(kind, recorded, point)) for kind, item, recorded in held]
+            self._queue.put(("batch", held, None))
             self._held = []
 
     def run(self, fn: Callable[[], None], held: bool = False) -> None:
@@ -278,6 +283,14 @@ class WorkerStream:
         if self._thread.is_alive():
             self._put(("stop", None, None), held=False)
             self._thread.join()
+
+
+def _issued_at(kind: str, recorded: Any, point: tuple[str, int]) -> Any:
+    """A queued item's schedule stamp with its issue point moved to ``point`` (a run's stamp is the point itself; a
+    record's or a wait's is (record id, point))."""
+    if recorded is None:
+        return None
+    return point if kind == "run" else (recorded[0], point)
 
 
 # [Note: streams at exit] A script may end without closing its engine while a stream still has work queued

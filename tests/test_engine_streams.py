@@ -102,6 +102,30 @@ def test_held_work_waits_for_a_flush_and_keeps_its_place_in_the_order():
     stream.close()
 
 
+def test_a_recorded_schedule_issues_held_work_where_it_was_sent():
+    """Held work cannot start before it is sent: in a recorded schedule its issue point is the flush's (two host
+    items later here), not the enqueue's; unheld work keeps its own."""
+    from offload.schedule import HOST, Schedule
+    schedule = Schedule()
+    schedule.start()
+    stream = WorkerStream("land", schedule=schedule)
+    stream.run(lambda: schedule.work("accumulate", 0, nbytes=4), held=True)
+    event = stream.record(held=True)
+    schedule.work("hook_backward", 1, lane=HOST)
+    schedule.work("hook_backward", 2, lane=HOST)
+    stream.flush()  # host lane at 2 items
+    stream.run(lambda: schedule.work("accumulate", 3, nbytes=4))  # unheld: issued at once, also at 2
+    schedule.work("hook_backward", 4, lane=HOST)
+    stream.run(lambda: schedule.work("accumulate", 5, nbytes=4))  # at 3
+    event.synchronize()
+    stream.synchronize()
+    lane = schedule.lanes["land"]
+    issued = {i.unit: i.issued for i in lane if i.kind == "accumulate"}
+    assert issued == {0: (HOST, 2), 3: (HOST, 2), 5: (HOST, 3)}
+    assert next(i for i in lane if i.kind == "record").issued == (HOST, 2)
+    stream.close()
+
+
 def test_waiting_for_a_held_record_sends_it_from_any_thread():
     """No wait can hang on held work: the event's wait sends what its stream holds, whichever thread waits (here
     another stream's worker)."""
