@@ -16,8 +16,8 @@ import torch
 import offload
 from offload import native
 from offload.checkpoint_files import CheckpointError
-from offload.cli_types import (directory_problem, non_negative_float, non_negative_int, positive_int, positive_ints,
-                               positive_size, positive_sizes)
+from offload.cli_types import (directory_problem, non_negative_float, non_negative_int, positive_float, positive_int,
+                               positive_ints, positive_size, positive_sizes)
 from offload.config import Config, ConfigError
 from offload.engine import EngineError
 from offload.launch import RankError
@@ -365,6 +365,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--model: activation checkpointing of every block, inputs kept on the device or in host "
                         "memory (default: the config's)")
     p.add_argument("--nvme-path", default="offload-swap", help="where NVMe swap would go (its free space counts)")
+    from offload.bench.replay import MACHINES
+    p.add_argument("--machine", default="h100", choices=sorted(MACHINES), help="the bandwidths the optimizer "
+                   "step's cost per tier is estimated at: a preset of `offload bench replay` (default h100)")
+    p.add_argument("--device-gbps", type=positive_float, default=None, help="device memory GB/s instead of the "
+                                                                            "preset's")
+    p.add_argument("--host-gbps", type=positive_float, default=None, help="host memory GB/s as Adam streams it "
+                                                                          "(`offload bench adam` measures it)")
+    p.add_argument("--nvme-gbps", type=positive_float, default=None, help="the swap path's GB/s, reads and writes "
+                                                                          "together (`offload tune-nvme`); without "
+                                                                          "it an NVMe tier's cost is not estimated")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=_cmd_estimate)
 

@@ -44,6 +44,7 @@ positive_int = _checked(int, lambda v: v > 0, "a positive whole number")
 non_negative_int = _checked(int, lambda v: v >= 0, "a whole number >= 0")
 positive_size = _checked(parse_size, lambda v: v > 0, "a positive size (e.g. 8Mi, 1Gi, 10M)")
 non_negative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 
 
 def directory_problem(path: str | os.PathLike[str]) -> str | None:

@@ -45,6 +45,7 @@ class Estimate:
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> part -> bytes, per rank
     notes: list[str] = field(default_factory=list)
     stage: int = 3
+    step_ms: dict[str, float] = field(default_factory=dict)  # tier -> its share of Adam's time a step, at ``rates``
 
     def total(self, tier: str) -> int:
         return sum(self.tiers.get(tier, {}).values())
@@ -116,9 +117,19 @@ def add_activations(est: Estimate, shape: ActivationShape, config: Config) -> No
     est.notes.append(f"activations: checkpointed blocks ({where}) plus one block recomputing")
 
 
+@dataclass(frozen=True)
+class StepRates:
+    """What a step's Adam streams through each tier, GB/s (None: not known, bytes only), and where they came from."""
+
+    device_gbps: float | None = None  # device memory
+    host_gbps: float | None = None  # host memory, as Adam streams it (`offload bench adam`)
+    nvme_gbps: float | None = None  # the swap path, reads and writes together (`offload tune-nvme`)
+    source: str = ""
+
+
 def estimate(unit_numels: list[int], config: Config, world: int,
              activations: ActivationShape | None = None, *, discrete: bool = True,
-             device_free: int | None = None) -> Estimate:
+             device_free: int | None = None, rates: StepRates | None = None) -> Estimate:
     """Bytes per tier of one rank for a model whose units hold ``unit_numels`` elements (all trained);
     activations too when their shape is given. ``discrete``: trained on a GPU (the default), not on a CPU compute
     device, whose engine reads host memory in place and so reserves less; ``device_free``: the device memory free
@@ -151,7 +162,8 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     if activations is not None:
         add_activations(est, activations, config)
     if zero.offload_optimizer.device != "none" and placement.placed:
-        est.notes.append(step_traffic(placement.groups, item))
+        note, est.step_ms = step_traffic(placement.groups, item, rates or StepRates())
+        est.notes.append(note)
     if placement.state_on_device:
         on_device = sum(g.numel for g in placement.groups if g.tier == "device")
         est.notes.append(f"offload_optimizer.ratio {zero.offload_optimizer.ratio}: the optimizer state of "
@@ -179,20 +191,37 @@ def estimate(unit_numels: list[int], config: Config, world: int,
 ADAM_BYTES = 28  # per element of one Adam step: fp32 master, moments and gradient read, master and moments written
 
 
-def step_traffic(groups: list[Any], item: int) -> str:
-    """What one optimizer step moves on each tier its state lives on, per rank: the cost of each tier's share at
-    the bandwidths `offload bench adam` (memory) and `offload tune-nvme` (disk) measure."""
+def step_traffic(groups: list[Any], item: int, rates: StepRates) -> tuple[str, dict[str, float]]:
+    """What one optimizer step moves on each tier its state lives on, per rank, and what that costs in ms at
+    ``rates`` (the bandwidths `offload bench adam` and `offload tune-nvme` measure): a tier on NVMe costs its
+    disk time or its host-memory time, whichever is longer (they overlap). The tiers step side by side (device
+    Adam on the GPU beside the host's), so the longest is what the step waits for."""
     per_tier: dict[str, int] = {}
     for g in groups:
         per_tier[g.tier] = per_tier.get(g.tier, 0) + g.numel
-    parts = []
+    parts, cost_ms = [], {}
     for tier, n in per_tier.items():
+        memory_gb = n * (ADAM_BYTES + item) / 1e9
         memory = "device memory" if tier == "device" else "host memory"
-        part = f"{tier}: {n:,} elements, {n * (ADAM_BYTES + item) / 1e9:.2f} GB through {memory}"
+        part = f"{tier}: {n:,} elements, {memory_gb:.2f} GB through {memory}"
+        rate = rates.device_gbps if tier == "device" else rates.host_gbps
+        times = [memory_gb / rate * 1e3] if rate else []
         if tier == "nvme":
-            part += f" and {n * 24 / 1e9:.2f} GB read and written on NVMe"
+            disk_gb = n * 24 / 1e9
+            part += f" and {disk_gb:.2f} GB read and written on NVMe"
+            # Without the disk's rate its share is unknown, and so is the tier's cost: bytes only.
+            times = times + [disk_gb / rates.nvme_gbps * 1e3] if rates.nvme_gbps else []
+        if times:
+            cost_ms[tier] = max(times)
+            part += f", about {cost_ms[tier]:,.0f} ms"
         parts.append(part)
-    return "optimizer step traffic per rank and step, by where the state lives: " + "; ".join(parts)
+    note = "optimizer step traffic per rank and step, by where the state lives: " + "; ".join(parts)
+    if cost_ms:
+        note += f", at {rates.source}" if rates.source else ""
+        if len(cost_ms) > 1:
+            slowest = max(cost_ms, key=cost_ms.__getitem__)
+            note += f"; the tiers step side by side, so the {slowest}'s {cost_ms[slowest]:,.0f} ms is the step's"
+    return note, cost_ms
 
 
 # ----------------------------------------------------------------------------- models
@@ -400,6 +429,24 @@ def build_config(path: str | None, overrides: dict[str, Any], nvme_path: str, st
     return raw
 
 
+def step_rates(args: Any) -> StepRates:
+    """The bandwidths the step's cost is estimated at: a machine preset of `offload bench replay`, each rate
+    overridable (--host-gbps with what `offload bench adam` measured on yours)."""
+    from offload.bench.replay import MACHINES
+    preset = MACHINES[args.machine]
+    chosen = [(name, given or default, "given" if given else f"{preset.name} preset")
+              for name, given, default in (("device", args.device_gbps, preset.device_gbps),
+                                           ("host", args.host_gbps, preset.host_gbps),
+                                           ("NVMe", args.nvme_gbps, None)) if given or default]
+    by_origin: dict[str, list[str]] = {}
+    for name, gbps, origin in chosen:
+        by_origin.setdefault(origin, []).append(f"{name} {gbps:g}")
+    source = ", ".join(f"{' and '.join(names)} GB/s from the {origin}" if origin != "given" else
+                       f"{' and '.join(names)} GB/s as given" for origin, names in by_origin.items())
+    rate = {name: gbps for name, gbps, _ in chosen}
+    return StepRates(rate["device"], rate["host"], rate.get("NVMe"), source)
+
+
 def run_cli(args: Any) -> int:
     import sys
     try:
@@ -428,7 +475,7 @@ def run_cli(args: Any) -> int:
     except (ModelError, ConfigError) as e:
         print(f"offload estimate: {e}", file=sys.stderr)
         return 2
-    est = estimate(units, config, args.world, shape)
+    est = estimate(units, config, args.world, shape, rates=step_rates(args))
     print(format_estimate(est, config))
     stages = compare_stages(units, raw, args.world, hidden_size, shape)
     print(format_stages(stages, raw))

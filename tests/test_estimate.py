@@ -110,6 +110,36 @@ def test_cli_prints_tiers_and_the_largest_models_and_writes_json(tmp_path, capsy
     assert "activation checkpoints" in text and "checkpointed blocks (block inputs in host memory)" in text
 
 
+def test_the_estimate_prices_each_tiers_share_of_the_step(tmp_path, capsys):
+    """#22: the split and what each tier's Adam costs a step: bytes over the tier's bandwidth (a machine preset's,
+    or the ones given); an NVMe tier costs the longer of its disk and host-memory time; without the disk's rate,
+    bytes only."""
+    out = tmp_path / "estimate.json"
+    config = tmp_path / "split.json"
+    config.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}))
+    assert main(["estimate", "--params", "1e9", "--config", str(config), "--host-gbps", "100", "--json",
+                 str(out)]) == 0
+    traffic = next(line for line in capsys.readouterr().out.splitlines() if "optimizer step traffic" in line)
+    ms = json.loads(out.read_text())["estimate"]["step_ms"]
+    assert set(ms) == {"device", "host"}
+    # 30 bytes an element (Adam's 28 and the 16-bit copy written back), half the elements on each side.
+    assert ms["host"] == pytest.approx(0.5e9 * 30 / 100e9 * 1e3, rel=0.02)
+    assert ms["device"] == pytest.approx(0.5e9 * 30 / 2500e9 * 1e3, rel=0.02)  # the h100 preset's HBM
+    assert "device 2500 GB/s from the h100 preset, host 100 GB/s as given" in traffic
+    assert f"the host's {ms['host']:,.0f} ms is the step's" in traffic
+    assert main(["estimate", "--params", "1e9", "--offload-optimizer", "nvme", "--nvme-path", str(tmp_path),
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["estimate"]["step_ms"] == {}  # the disk's rate unknown: bytes only
+    assert main(["estimate", "--params", "1e9", "--offload-optimizer", "nvme", "--nvme-path", str(tmp_path),
+                 "--host-gbps", "100", "--nvme-gbps", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["estimate"]["step_ms"]["nvme"] == pytest.approx(1e9 * 24 / 2e9 * 1e3,
+                                                                                        rel=0.02)  # the disk's
+    with pytest.raises(SystemExit) as refused:
+        main(["estimate", "--params", "1e9", "--host-gbps", "-1"])
+    assert refused.value.code == 2 and "'-1' is not a finite number > 0" in capsys.readouterr().err
+
+
 def test_nvme_placement_is_said_and_the_nvme_budget_checked(tmp_path, caplog):
     """max_in_cpu holding every parameter shard in host memory is said with the numbers, by the estimate and by
     initialize; a plan over offload.budgets.nvme is named, as initialize refuses it."""
