@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine_cases import base_config, train_engine, train_reference
+from engine_cases import base_config, check_parity, train_engine, train_reference
 from offload.launch import RankError, run_ranks
 
 STEPS = 3
@@ -48,14 +48,33 @@ def test_high_water_mark_stays_under_max_live_and_training_is_unchanged():
 
 
 def test_persistent_units_are_gathered_once_per_step():
-    persistent = _run(1, stage3_param_persistence_threshold=10**9)[0]
+    # Host-homed shards: at W = 1 a device home is read where it lives and never gathered (the test below).
+    persistent = _run(1, stage3_param_persistence_threshold=10**9, offload_param={"device": "cpu"})[0]
     # Gathered once per step (each update makes the gathered copy stale) and once for the final evaluation.
     assert persistent["gathers"] == persistent["units"] * (STEPS + 1)
 
 
+@pytest.mark.parametrize("early", ["off", "on"])
+def test_one_rank_reads_device_homes_where_they_live_and_trains_the_same(early):
+    """[Note: reading the home]: at W = 1 on a discrete device, a unit homed on the device is never gathered,
+    copied or released, and training is bitwise the reference's (the early step's copies back are waited for on
+    the compute stream; the emulated copy delay makes a missing wait read stale values)."""
+    config = base_config(2, 1, 1)
+    config["offload"]["early_step"] = early
+    env = {**DISCRETE, "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
+    got = run_ranks(train_engine, 1, env=env, name="gpt", config=config, steps=STEPS, micro=2, accum=1)[0]
+    assert got["gathers"] == 0 and got["peak_live"] == 0
+    check_parity([got], train_reference("gpt", STEPS, 2, 2, world=1))
+    # The same arithmetic as on a CPU device, which reads every shard in place: bitwise its result.
+    cpu = run_ranks(train_engine, 1, name="gpt", config=config, steps=STEPS, micro=2, accum=1)[0]
+    assert got["losses"] == cpu["losses"]
+    for key, value in cpu["state"].items():
+        torch.testing.assert_close(got["state"][key], value, rtol=0, atol=0)
+
+
 def test_a_limit_below_one_unit_is_a_clear_error():
     with pytest.raises(RankError, match="stage3_max_live_parameters=1000.*Raise stage3_max_live_parameters"):
-        _run(1, stage3_max_live_parameters=1000)
+        _run(1, stage3_max_live_parameters=1000, offload_param={"device": "cpu"})  # host homes are gathered
 
 
 def _budget_run(rank, world, budget):

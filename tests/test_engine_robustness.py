@@ -175,8 +175,9 @@ class ReadsChildWeight(nn.Module):
 
 
 def test_reading_a_child_weight_outside_its_forward_is_a_clear_error_and_atomic_modules_fixes_it(monkeypatch):
-    monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")  # units are released (a CPU at W = 1 reads in place)
-    engine, *_ = offload.initialize(model=ReadsChildWeight(), config=_config())
+    # Host-homed shards on a discrete device are gathered and released (a device home at W = 1 is read in place).
+    monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
+    engine, *_ = offload.initialize(model=ReadsChildWeight(), config=_config(offload_param={"device": "cpu"}))
     with pytest.raises(offload.EngineError, match="read while its unit was released.*offload.atomic_modules"):
         engine(torch.randint(0, 64, (2, 5)))
     engine.close()

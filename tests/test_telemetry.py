@@ -48,7 +48,9 @@ def test_spans_from_threads_add_up_and_the_trace_is_bounded():
 
 def test_engine_timeline_has_every_thread_and_opens_as_chrome_trace(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")  # the copies and gathers a GPU run makes
-    engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
+    # Host-homed shards, so each use gathers (a device home at W = 1 is read where it lives).
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1,
+                                                                                offload_param={"device": "cpu"}))
     engine.telemetry.start_trace()
     for tokens in batches(2, 2):
         engine.backward(loss_of(engine, "gpt", tokens))

@@ -206,7 +206,7 @@ def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, sta
     else:
         give_memory(plan)  # the checkpoint fills them: no initialiser runs
     unit = Unit(plan, partition, dtype, accel.device, params, resident=stage.resident_params,
-                in_place=not stage.resident_params and partition.world == 1 and params.in_place(plan.index))
+                in_place=not stage.resident_params and partition.world == 1 and params.compute_reads_home(plan.index))
     start = 0
     if not fresh:  # see [Note: reading a checkpoint into shards]
         start, stop = (0, unit.padded) if unit.keeps_full else (unit.shard_start, unit.shard_start + unit.shard_numel)

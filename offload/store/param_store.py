@@ -22,6 +22,14 @@ writes it in place; ``copy_back`` has nothing to do), and a unit that needs no g
 (W = 1) reads its shard in place (``in_place``: the ZeRO side aliases its flat buffer to
 it). The step writes a unit's shard only when no compute reads it: after backward, or
 during it once the unit's gradients are in.
+
+[Note: reading the home] On a discrete device too, a unit that needs no gather (W = 1)
+whose shard is homed on the device reads that shard where it lives: the unit's flat
+buffer is the shard's memory, so it is never gathered or released and costs no memory
+beyond the shard (``compute_reads_home``). The step still writes the shard's host copy;
+the copy back rewrites the device shard once the compute stream's last reads of the old
+values are done (``copy_back``'s ``after``), and each use first waits for that copy on
+the compute stream (``await_home``), as a gather from the shard would.
 """
 
 from __future__ import annotations
@@ -134,6 +142,20 @@ class ParamStore:
         device, or a device home there unless it keeps a host copy of its own (``keep_host_copies``)."""
         home = self.homes[index]
         return self.host_is_device and (home is Home.HOST or (home is Home.DEVICE and not self.keep_host_copies))
+
+    def compute_reads_home(self, index: int) -> bool:
+        """Compute can read the shard where it lives, so a unit needing no gather (W = 1) aliases it instead of
+        copying it (see [Note: reading the home]): ``in_place``, or a device home on a discrete device, where the
+        step writes a host copy and the copy back rewrites the shard."""
+        return self.in_place(index) or (not self.host_is_device and self.homes[index] is Home.DEVICE)
+
+    def await_home(self, index: int) -> None:
+        """Before compute reads a shard where it lives: the early step writing it has run, and the compute stream
+        waits for the copy back that last rewrote a device home (a stream wait on a GPU, not the host's)."""
+        self.wait_step(index)
+        shard = self.shards[index]
+        if shard.home is Home.DEVICE:
+            self.accel.compute_wait(shard.ready)
 
     def device_nbytes(self, index: int) -> int:
         """Bytes the shard holds on the compute device between uses."""

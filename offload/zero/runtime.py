@@ -254,8 +254,8 @@ class ZeroRuntime:
 
     def _unshard(self, unit: Unit) -> None:
         """Make ``unit`` gathered for use now, then fetch ahead what the trace says comes next."""
-        if unit.in_place:  # compute reads the shard itself: an early step may still be writing it
-            unit.params.wait_step(unit.index)
+        if unit.in_place:  # compute reads the shard itself: an early step or its copy back may still be writing it
+            unit.params.await_home(unit.index)
         if unit.state is not UnitState.UNSHARDED or unit.prefetched:
             upcoming = self.prefetch.needed(unit.index)
         else:

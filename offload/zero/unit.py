@@ -37,9 +37,10 @@ class Unit:
 
         ``params`` holds this rank's shard (the unit hands it over in ``load_initial``). ``resident`` (ZeRO stages
         0-2): ``full`` keeps its memory for good and the shard is a view into it, so the unit is never released
-        and the optimizer writes this rank's partition in place. ``in_place`` (W = 1, where the store reads the
-        shard in place: ``ParamStore.in_place``): ``full`` is the shard's own memory, so there is nothing to
-        gather or release and no memory beyond the shard's (see [Note: host memory is the device's])."""
+        and the optimizer writes this rank's partition in place. ``in_place`` (W = 1, where compute can read the
+        shard where it lives: ``ParamStore.compute_reads_home``): ``full`` is the shard's own memory, so there is
+        nothing to gather or release and no memory beyond the shard's (see [Note: host memory is the device's] and
+        [Note: reading the home])."""
         self.plan = plan
         self.index = plan.index
         self.name = plan.name
