@@ -114,6 +114,17 @@ class WorkEvent:
         return bool(self.work.is_completed())  # type: ignore[attr-defined]
 
 
+_HELD_RECHECK_S = 0.05  # how often a waiter sends its stream's held work again while its event is pending
+
+
+def send_held_for(event: Event | None) -> None:
+    """What ``event``'s stream holds goes out now: before a recorded schedule notes a wait for it, so the held work
+    is issued before the wait, not after it (see [Note: held hand-offs])."""
+    stream = getattr(event, "_stream", None)
+    if stream is not None and not event.query():  # type: ignore[union-attr]
+        stream.flush()
+
+
 class ThreadEvent:
     """Completes when the worker reaches its latest record; carries the worker's failure, if any."""
 
@@ -140,9 +151,14 @@ class ThreadEvent:
             self._done.set()
 
     def synchronize(self) -> None:
-        if self._stream is not None and not self._done.is_set():
-            self._stream.flush()  # its latest record may be held back (see [Note: held hand-offs])
-        self._done.wait()
+        # Its latest record may be held back (see [Note: held hand-offs]), and may be re-armed held by another
+        # thread while this one waits: send what is held again whenever the wait wakes without it.
+        while not self._done.is_set():
+            if self._stream is None:
+                self._done.wait()
+                break
+            self._stream.flush()
+            self._done.wait(_HELD_RECHECK_S)
         if self._error is not None:
             raise StreamError(f"work before this event failed: {self._error}") from self._error
 
@@ -213,6 +229,7 @@ class WorkerStream:
             if self._delay_s:
                 time.sleep(self._delay_s)
             if kind == "wait":
+                send_held_for(item)  # type: ignore[arg-type]
                 if recorded is not None and self._schedule is not None:
                     rid, issued = recorded
                     self._schedule.add(Item("wait", waits=[rid] if rid is not None else [], issued=issued))
@@ -446,6 +463,7 @@ class Accelerator:
             torch.cuda.current_stream(self.device).wait_event(event.event)
         else:
             if self.schedule.on:
+                send_held_for(event)
                 self.schedule.wait(event, COMPUTE)
             event.synchronize()  # a WorkEvent on CUDA: Work.wait makes the current stream wait
 
@@ -456,6 +474,7 @@ class Accelerator:
             return
         self.ledger.block(what)
         if self.schedule.on:
+            send_held_for(event)
             self.schedule.wait(event)
         event.synchronize()
 

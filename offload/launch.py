@@ -76,6 +76,16 @@ def _pickled(error: BaseException) -> bytes | None:
     return data
 
 
+def _unpickled(data: bytes | None) -> BaseException | None:
+    """A rank's exception, where the parent can rebuild it (it may name a class only the child imported)."""
+    if data is None:
+        return None
+    try:
+        return pickle.loads(data)
+    except Exception:  # noqa: BLE001 - the traceback text still says what happened
+        return None
+
+
 def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 180.0, env: dict[str, str] | None = None,
               threads: int = 1, **kwargs: Any) -> list[Any]:
     """``[fn(rank, world, **kwargs) for rank in range(world)]``, each in its own process with ``threads``
@@ -117,7 +127,7 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 180.0, env: d
             else:
                 text, pickled = value
                 errors.append(f"rank {rank} failed:\n{text}")
-                cause = pickle.loads(pickled) if pickled is not None else None
+                cause = _unpickled(pickled) if cause is None else cause
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)

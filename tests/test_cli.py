@@ -281,19 +281,28 @@ def test_bench_step_goes_on_when_plain_pytorch_does_not_fit(tmp_path, capsys, mo
     from offload.bench import step
     calls = []
 
-    def out_of_memory(b):
+    def out_of_memory(b):  # fits in the first round (a fake time), not in the second
         calls.append(b)
+        if len(calls) == 1:
+            return [0.001], 0
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore detail")
 
     monkeypatch.setattr(step, "_torch_timed", out_of_memory)
     out = tmp_path / "step.json"
     assert main(["bench", "step", "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "1",
-                 "--rounds", "2", "--world", "1", "--variants", "host,ratio-half", "--out", str(out)]) == 0
-    assert len(calls) == 1  # not tried again in the second round
+                 "--rounds", "3", "--world", "1", "--variants", "host,ratio-half", "--out", str(out)]) == 0
+    assert len(calls) == 2  # and not again once it did not fit
     report = json.loads(out.read_text())
     assert report["torch_step_s"] is None and report["ratio"] is None and report["samples"]["torch"] == []
     assert report["torch_note"] == ("plain PyTorch ran out of cpu memory (CUDA out of memory. Tried to allocate "
                                     "20.00 GiB)")
-    assert all(len(report["samples"][v]) == 2 and report["variants"][v]["step_s"] > 0 for v in ("host", "ratio-half"))
+    assert all(len(report["samples"][v]) == 3 and report["variants"][v]["step_s"] > 0 for v in ("host", "ratio-half"))
+    # cuBLAS's failed allocations are RuntimeErrors and count too; any other error is no "did not fit".
+    monkeypatch.setattr(step, "_torch_timed", lambda b: (_ for _ in ()).throw(
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")))
+    assert step._torch_steps(step.StepBench(world=1))[2].startswith("plain PyTorch ran out of cpu memory")
+    monkeypatch.setattr(step, "_torch_timed", lambda b: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        step._torch_steps(step.StepBench(world=1))
     text = capsys.readouterr().out
     assert "the offload variants run without it" in text and "= torch did not fit" in text

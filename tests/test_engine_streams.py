@@ -8,6 +8,7 @@ gather, it would read stale or half-written buffers and the parity check would f
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,45 @@ def test_a_recorded_schedule_issues_held_work_where_it_was_sent():
     assert issued == {0: (HOST, 2), 3: (HOST, 2), 5: (HOST, 3)}
     assert next(i for i in lane if i.kind == "record").issued == (HOST, 2)
     stream.close()
+
+
+def test_a_waiter_is_not_stranded_when_its_event_is_re_recorded_held():
+    """A thread blocked on an event's sent record, which another thread then records again held: the worker's
+    reaching the old record completes nothing (the event names its latest), so the waiter must send the held one."""
+    import threading
+    stream, gate, done = WorkerStream("land"), threading.Event(), threading.Event()
+    stream.run(gate.wait)  # the worker is busy
+    event = stream.record()
+
+    def waiter():
+        event.synchronize()
+        done.set()
+
+    threading.Thread(target=waiter, daemon=True).start()
+    time.sleep(0.1)  # the waiter has sent what was held (nothing) and blocks
+    stream.record(into=event, held=True)  # re-armed, held: nobody else will flush
+    gate.set()
+    assert done.wait(5.0), "the waiter hung on a record nobody sent"
+    stream.close()
+
+
+def test_a_recorded_wait_for_a_held_record_replays(monkeypatch):
+    """The schedule notes a wait only after the held record it waits for is issued (held work is issued where it
+    is sent), so the recorded graph can finish."""
+    monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
+    from offload.accelerator import Accelerator
+    from offload.bench import replay as R
+    accel = Accelerator("cpu")
+    land = accel.host_queue("grad-land")
+    accel.start_schedule()
+    accel.schedule.work("hook_backward")
+    land.run(lambda: accel.schedule.work("accumulate", 0, nbytes=1 << 20), held=True)
+    accel.wait(land.record(held=True), "a held record")
+    accel.synchronize()
+    data = accel.schedule.to_json()
+    data["meta"] = {"world": 1, "tokens": 1}
+    assert R.replay(data, R.MACHINES["h100"]).total_ms > 0  # "cannot finish" before the fix
+    accel.close()
 
 
 def test_waiting_for_a_held_record_sends_it_from_any_thread():

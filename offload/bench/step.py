@@ -282,13 +282,19 @@ def _torch_steps(b: StepBench) -> tuple[list[float], int, str]:
     not fit on the GPU without it, and the offload variants still compare with each other."""
     try:
         return (*_torch_timed(b), "")
-    except torch.OutOfMemoryError as e:
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # cuBLAS's failed allocations are RuntimeErrors
+        if not isinstance(e, torch.OutOfMemoryError) and not _out_of_memory(str(e)):
+            raise
         why = str(e).splitlines()[0] if str(e) else "out of memory"
     # Outside the handler: the traceback, and the model and optimizer its frames hold, are gone.
     import gc
     gc.collect()
     torch.cuda.empty_cache()
     return [], 0, f"plain PyTorch ran out of {b.device} memory ({why})"
+
+
+def _out_of_memory(message: str) -> bool:
+    return "out of memory" in message.lower() or "ALLOC_FAILED" in message
 
 
 def _torch_timed(b: StepBench) -> tuple[list[float], int]:
@@ -342,8 +348,11 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
             torch_times += torch_run
             if not torch_note:
                 peaks["torch"] = peak
-            if torch_note and log:
-                print(f"  {torch_note}: the offload variants run without it", file=log, flush=True)
+            else:  # no times at all then, not some rounds': a baseline that fits only sometimes is none
+                torch_times.clear()
+                peaks.pop("torch", None)
+                if log:
+                    print(f"  {torch_note}: the offload variants run without it", file=log, flush=True)
         for name, variant in variants.items():
             ranks = run_ranks(_engine_rank, b.world, timeout=1800, threads=max(1, cores // b.world),
                               env=env, bench=asdict(b), variant={**variant, "name": name})
