@@ -16,8 +16,8 @@ import torch
 import offload
 from offload import native
 from offload.checkpoint_files import CheckpointError
-from offload.cli_types import (directory_problem, non_negative_float, non_negative_int, positive_float, positive_int,
-                               positive_ints, positive_size, positive_sizes)
+from offload.cli_types import (directory_problem, non_negative_float, non_negative_int, output_file_problem,
+                               positive_float, positive_int, positive_ints, positive_size, positive_sizes)
 from offload.config import Config, ConfigError
 from offload.engine import EngineError
 from offload.launch import RankError
@@ -93,7 +93,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if what == "all":
         from offload.bench.suite import run_all
         print("offload bench all: every benchmark this machine supports, each beside its baseline", flush=True)
-        run_all(Path(args.path), Path(args.out) if args.out else Path("bench-results"), args.quick, sys.stdout)
+        run_all(_directory(args.path, "--path"), Path(args.out) if args.out else Path("bench-results"), args.quick,
+                sys.stdout)
         return 0
     out = Path(args.out) if args.out else Path("bench-results") / f"{what}.json"
     if what == "pcie":
@@ -519,9 +520,37 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                         "beside offload and plain PyTorch, in alternating rounds")
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every file or directory the command will write can be written, before any work starts: a long run must not
+    end by failing to save what it measured."""
+    files, directories = [], []
+    if args.command == "bench":
+        if args.what == "all":
+            directories.append(("--out", args.out or "bench-results"))
+        else:
+            files.append(("--out", args.out or f"bench-results/{args.what}.json"))
+    elif args.command == "estimate" and args.json:
+        files.append(("--json", args.json))
+    elif args.command == "demo" and args.trace:
+        files.append(("--trace", args.trace))
+    elif args.command == "tune-nvme":
+        directories.append(("--out", args.out or "offload-tune-nvme"))
+    elif args.command == "export-weights":
+        directories.append(("the output directory", args.out))
+    for flag, path in files:
+        problem = output_file_problem(path)
+        if problem is not None:
+            raise UsageError(f"{flag} {path}: {problem}; choose another path")
+    for flag, path in directories:
+        problem = directory_problem(path)
+        if problem is not None:
+            raise UsageError(f"{flag} {path}: {problem}; choose another directory")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_outputs(args)
         return args.func(args)
     except BrokenPipeError:  # `offload inspect ... | head`: the reader has gone, which is no error of ours
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,7 +58,21 @@ def directory_problem(path: str | os.PathLike[str]) -> str | None:
         return f"{probe} is a file" + ("" if probe == Path(path) else ", so the directory cannot be created there")
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{probe} is not writable, so nothing could be saved there"
+    try:  # permissions can pass where no file can be made (/proc, a read-only mount, a full inode table)
+        with tempfile.TemporaryFile(dir=probe, prefix=".offload-probe-"):
+            pass
+    except OSError as e:
+        return f"no file can be created in {probe} ({e.strerror or e})"
     return None
+
+
+def output_file_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why a file cannot be written at ``path`` (it is a directory, or its directory cannot be one to write into),
+    or None."""
+    target = Path(path)
+    if target.is_dir():
+        return f"{target} is a directory, not a file"
+    return directory_problem(target.parent if str(target.parent) else Path("."))
 
 
 def positive_sizes(text: str) -> list[int]:

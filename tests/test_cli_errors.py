@@ -59,6 +59,17 @@ CASES = [  # (argv with {placeholders}, exit code, a fragment of the message)
     (["bench", "adam", "--sizes", "0"], 2, "is not a positive size"),
     (["bench", "adam", "--world", "2"], 2, "unrecognized arguments: --world"),  # another benchmark's flag
     (["inspect", "{tmp}/none"], 2, "holds no complete checkpoint"),
+    # Outputs that cannot be written are said before any work: a directory where a file goes, a file in the way
+    # of a directory, and a directory where permissions pass but nothing can be created (/proc).
+    (["bench", "step", "--out", "{tmp}", "--world", "1"], 2, "is a directory, not a file"),
+    (["bench", "adam", "--out", "/proc/adam.json"], 2, "--out /proc/adam.json: no file can be created in /proc"),
+    (["bench", "nvme", "--path", "/proc"], 2, "--path /proc: no file can be created in /proc"),
+    (["bench", "all", "--quick", "--out", "{a-file}/results"], 2, "is a file, so the directory cannot be created"),
+    (["estimate", "--params", "1e8", "--json", "{a-file}/x.json"], 2, "a-file is a file; choose another path"),
+    (["demo", "--trace", "/proc/trace.json"], 2, "--trace /proc/trace.json: no file can be created in /proc"),
+    (["tune-nvme", "--path", "{tmp}/swap", "--out", "/proc/tuned"], 2, "no file can be created in /proc"),
+    (["export-weights", "{tmp}/none", "/proc/exported"], 2, "the output directory /proc/exported: no file can be"),
+    (["train", "--out", "/proc/run"], 2, "--out /proc/run: no file can be created in /proc"),
 ]
 
 
