@@ -78,3 +78,21 @@ def test_bad_loss_and_closed_engine():
         engine(tokens)
 
 
+
+
+def test_a_float_input_to_a_16_bit_model_says_to_cast_it():
+    """The engine moves inputs to the device but casts floating ones only with fp16.auto_cast (as DeepSpeed):
+    torch's dtype error then carries a note saying what to do; cast, the same batch trains."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    config = base_config(2, 1, 1)
+    config["bf16"] = {"enabled": True}
+    engine, *_ = offload.initialize(model=model, config=config)
+    batch = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="same dtype") as failed:
+        engine(batch)
+    assert failed.value.__notes__ == ["offload: the model's parameters are bfloat16 (the config's precision), and "
+                                      "floating inputs are not cast to it (here float32): cast them, e.g. "
+                                      "batch.to(torch.bfloat16)"]
+    engine.backward(engine(batch.to(torch.bfloat16)).float().sum())
+    engine.step()
+    engine.close()

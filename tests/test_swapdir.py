@@ -51,6 +51,30 @@ def test_a_killed_run_leaves_a_directory_that_is_reported_not_deleted(tmp_path, 
     assert os.path.isdir(left_path)  # still there: deleting is the user's call
 
 
+def test_a_run_that_never_closes_its_engine_removes_its_swap_files_at_exit_and_a_fork_does_not(tmp_path):
+    """A script whose last line is its last step (no engine.close()) ends cleanly: its swap directory goes with
+    it, so the next run finds no leftover; a forked child that exits leaves its parent's live directory alone."""
+    code = ("import os, sys, offload, torch; from engine_cases import base_config, make_model\n"
+            "config = base_config(2, 1, 1, offload_optimizer={'device': 'nvme', 'nvme_path': sys.argv[1]})\n"
+            "engine, *_ = offload.initialize(model=make_model('gpt'), config=config)\n"
+            "swap = next(p for p in os.listdir(sys.argv[1]) if p.startswith('offload-swap-'))\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    sys.exit(0)  # a forked child's normal exit runs its atexit hooks\n"
+            "os.waitpid(pid, 0)\n"
+            "assert os.path.isdir(os.path.join(sys.argv[1], swap)), 'the child removed the live directory'\n"
+            "tokens = torch.randint(0, 64, (2, 17))\n"
+            "engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))\n"
+            "engine.step()\n"
+            "print(swap)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().startswith("offload-swap-")
+    assert list(tmp_path.iterdir()) == [] and find_leftovers(tmp_path) == []
+
+
 def test_a_live_run_is_not_reported_as_a_leftover(tmp_path):
     with SwapDir(tmp_path) as d:
         d.reserve("x.bin", 4096)

@@ -96,7 +96,8 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward; tensors in the inputs (also inside lists, tuples and dicts) that sit on
-        another device are moved to the compute device first, as FSDP does, so a CPU batch just works."""
+        another device are moved to the compute device first, as FSDP does, so a CPU batch just works (floating
+        ones keep their dtype unless fp16.auto_cast)."""
         self._check_open()
         self.accel.schedule.mark("forward")
         self._repair_params()
@@ -107,9 +108,12 @@ class Engine:
             with self.telemetry.span("forward"), acting_as(Role.FORWARD):
                 return self.module(*args, **kwargs)
         except RuntimeError as e:
-            if "storage of size 0" not in str(e) and "data is not allocated" not in str(e):
-                raise
-            raise errors.released_parameter_read([u.name for u in self.units]) from e
+            if "storage of size 0" in str(e) or "data is not allocated" in str(e):
+                raise errors.released_parameter_read([u.name for u in self.units]) from e
+            hint = errors.input_dtype_hint(str(e), self.compute_dtype, (args, kwargs))
+            if hint and hasattr(e, "add_note"):  # Python 3.11+: the error stays torch's, with what to do
+                e.add_note(hint)
+            raise
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` scaled by loss_scale / gradient_accumulation_steps (``scale_wrt_gas`` false: by

@@ -1,5 +1,12 @@
 """The engine's one error type, apart so that every engine room can raise it."""
 
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
 
 class EngineError(RuntimeError):
     """The engine was used in a way it cannot honour; the message says what to do instead."""
@@ -11,6 +18,22 @@ def released_parameter_read(units: list[str]) -> EngineError:
         "module without calling that module (e.g. F.linear(x, self.child.weight)), or code reads parameters "
         "outside forward. Name the reading module's class in offload.atomic_modules so it is never split from its "
         "children, or call the child module instead. Units: " + ", ".join(units))
+
+
+def input_dtype_hint(message: str, compute: torch.dtype, inputs: Any) -> str | None:
+    """What to do when a forward failed on a dtype clash between a floating input and the (16-bit) parameters:
+    the engine moves inputs to the device but casts them only with fp16.auto_cast, as DeepSpeed does."""
+    if compute == torch.float32 or not any(w in message for w in ("same dtype", "expected scalar type",
+                                                                  "should be the same")):
+        return None
+    floats = sorted({str(t.dtype).removeprefix("torch.") for t in tree_flatten(inputs)[0]
+                     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != compute})
+    if not floats:
+        return None
+    name = str(compute).removeprefix("torch.")
+    return (f"offload: the model's parameters are {name} (the config's precision), and floating inputs are not "
+            f"cast to it (here {', '.join(floats)}): cast them, e.g. batch.to(torch.{name})"
+            + (", or set fp16.auto_cast" if compute == torch.float16 else ""))
 
 
 def half_applied_step() -> EngineError:

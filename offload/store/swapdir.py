@@ -5,7 +5,10 @@ swap files. The lock is an flock held for the life of the run, so a second job (
 second engine in one job) that is handed the same directory fails at once instead of
 overwriting live state. Directories whose lock nobody holds are a crashed run's
 leftovers: they are reported with their size and never deleted silently (a
-directory on a network file system may still be live on another host).
+directory on a network file system may still be live on another host). A run that ends
+without closing its engine (a script's last line, an exception) still removes its own
+directory when the interpreter exits or the directory's owner is collected: what it
+held dies with the process; only a killed process leaves one behind.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import shutil
 import socket
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +69,13 @@ def find_leftovers(nvme_path: str | os.PathLike[str]) -> list[Leftover]:
     return found
 
 
+def _remove_dir(path: Path, lock_fd: int, owner: int) -> None:
+    if os.getpid() != owner:  # a forked child exiting: the directory is its parent's, still live
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(lock_fd)
+
+
 class SwapDir:
     """Owns one run's swap directory; use as a context manager, or call close()."""
 
@@ -94,6 +105,8 @@ class SwapDir:
         os.pwrite(self._lock_fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self._files: dict[str, SwapFile] = {}
         self._closed = False
+        # At interpreter exit, or when collected unclosed: the directory goes (the open files' data with it).
+        self._remove = weakref.finalize(self, _remove_dir, self.path, self._lock_fd, os.getpid())
 
     def reserve(self, name: str, nbytes: int) -> SwapFile:
         """A swap file of nbytes (rounded up to 4 KiB) with its blocks allocated now, so a full
@@ -123,8 +136,7 @@ class SwapDir:
         for f in self._files.values():
             f.close()
         self._files.clear()
-        shutil.rmtree(self.path, ignore_errors=True)
-        os.close(self._lock_fd)
+        self._remove()
         self._closed = True
 
     def __enter__(self) -> SwapDir:
