@@ -218,7 +218,9 @@ def test_bench_all_quick_runs_every_benchmark_and_writes_one_json_and_a_plot(tmp
     assert set(report["results"]["step_nvme"]["variants"]) == {"nvme", "host"}
     assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "summary (ratio against each benchmark's baseline)" in printed and "vs plain PyTorch" in printed
+    assert "summary (ratio against each benchmark's baseline): --quick, a smoke run, not figures to quote" in printed
+    assert "vs plain PyTorch (lower is better)" in printed and "(higher is better)" in printed
+    assert "caution: " in printed  # its tiny steps are the machine's noise as much as the engine's
 
 
 def test_bench_step_accumulates_micro_batches_on_both_sides(tmp_path, capsys):

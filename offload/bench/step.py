@@ -47,6 +47,7 @@ from offload.launch import run_ranks
 from offload.telemetry import BACKGROUND, FOREGROUND
 
 
+NOISE_FLOOR_S = 0.05  # CPU steps shorter than this time mostly the machine's noise (thread wake-ups, other tenants)
 NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "nvme-optimizer-speculative",
               "nvme-optimizer-speculative-kept")  # variants that run only when --variants names them
 
@@ -459,6 +460,12 @@ def print_table(result: StepResult, out: TextIO) -> None:
           + ("" if checkpointing == "none" else f", offload with every block checkpointed (inputs on the "
                                                  f"{'host' if checkpointing == 'cpu' else 'device'}; torch without)"),
           file=out)
+    samples = len(result.samples.get(next(iter(result.variants), ""), []))
+    fastest = min([result.torch_step_s or float("inf")] + [v["step_s"] for v in result.variants.values()])
+    if b.get("device") != "cuda" and (fastest < NOISE_FLOOR_S or samples < 3):
+        print(f"  caution: {samples} timed step(s) of as little as {fastest * 1e3:.1f} ms: a shared CPU's threads "
+              f"and clock move such steps by several times; quote ratios of steps over {NOISE_FLOOR_S * 1e3:.0f} "
+              "ms, several of them (--steps, --rounds, a larger --hidden)", file=out)
     where = "on the GPU" if b.get("device") == "cuda" else "1 process"
     print(f"  plain torch, {where}:       " + (f"{result.torch_step_s * 1e3:8.1f} ms/step" if result.torch_step_s
                                                  else result.torch_note), file=out)

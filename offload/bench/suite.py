@@ -99,9 +99,11 @@ def run_all(path: Path, out_dir: Path, quick: bool, stream: TextIO) -> SuiteResu
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "all.json").write_text(json.dumps(asdict(suite), indent=2))
     plot(suite, out_dir / "summary.png")
-    section("summary (ratio against each benchmark's baseline)")
+    section("summary (ratio against each benchmark's baseline)" + (": --quick, a smoke run, not figures to quote"
+                                                                      if quick else ""))
     for h in suite.headlines:
-        print(f"  {h.bench:5s} {h.what:38s} {h.ratio:6.2f}x  vs {h.baseline}", file=stream)
+        better = "lower is better" if h.bench == "step" else "higher is better"
+        print(f"  {h.bench:5s} {h.what:38s} {h.ratio:6.2f}x  vs {h.baseline} ({better})", file=stream)
     print(f"wrote {out_dir / 'all.json'} and {out_dir / 'summary.png'}", file=stream)
     return suite
 
