@@ -216,8 +216,11 @@ def _directory(path: str, flag: str) -> Path:
 def _cmd_tune_nvme(args: argparse.Namespace) -> int:
     from offload.bench import tune
     out = Path(args.out) if args.out else Path("offload-tune-nvme")
-    tune.run(_directory(args.path, "--path"), out, quick=args.quick, size=args.file_size, with_fio=not args.no_fio,
-             stream=sys.stdout)
+    try:
+        tune.run(_directory(args.path, "--path"), out, quick=args.quick, size=args.file_size,
+                 with_fio=not args.no_fio, stream=sys.stdout)
+    except ValueError as e:  # a file too small for the grid
+        raise UsageError(str(e)) from None
     return 0
 
 

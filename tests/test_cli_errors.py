@@ -54,6 +54,8 @@ CASES = [  # (argv with {placeholders}, exit code, a fragment of the message)
     (["estimate", "--params", "abc"], 2, "'abc' is not a positive size"),
     (["estimate", "--params", "1e15"], 2, "units of"),
     (["tune-nvme", "--path", "{a-file}"], 2, "is a file; give a directory"),
+    (["tune-nvme", "--path", "{tmp}/swap", "--quick", "--file-size", "1000"], 2, "smaller than this grid's largest "
+                                                                                 "block (8 MiB)"),
     (["bench", "step", "--world", "0"], 2, "argument --world"),
     (["bench", "step", "--stage", "5"], 2, "give ZeRO stages 0-3"),
     (["bench", "adam", "--sizes", "0"], 2, "is not a positive size"),

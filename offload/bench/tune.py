@@ -54,6 +54,12 @@ def sweep(path: Path, quick: bool = False, size: int | None = None, with_fio: bo
           stream: TextIO = sys.stderr) -> list[Cell]:
     grid = QUICK if quick else FULL
     size = size or grid["size"]
+    # Each cell moves the whole file in blocks of its size: a file below the largest block times no transfer there.
+    least = max(grid["blocks"])
+    if size < least:
+        raise ValueError(f"a {size:,}-byte file is smaller than this grid's largest block ({least >> 20} MiB): its "
+                         f"cells would time no transfer; give --file-size {least >> 20}Mi or more (the default, "
+                         f"{grid['size'] >> 20} MiB, keeps every depth busy)")
     points = [(b, d) for b in grid["blocks"] for d in grid["depths"]]
     contenders = {(e, t): Contender(e, t) for e in engines_here(path)
                   for t in (grid["threads"] if e == "threads" else (1,))}
