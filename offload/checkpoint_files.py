@@ -218,8 +218,10 @@ def resolve(load_dir: Path, tag: str | None) -> Path:
     if tag is None:
         pointer = load_dir / LATEST
         if not pointer.is_file():
-            raise CheckpointError(f"{pointer} does not exist: {load_dir} holds no complete checkpoint (pass tag= "
-                                  "to load a specific one)")
+            where = (f"{load_dir} holds no complete checkpoint" if load_dir.is_dir() else
+                     f"{load_dir} does not exist, so it holds no complete checkpoint")
+            raise CheckpointError(f"{pointer} does not exist: {where} (name one by its tag to load a specific "
+                                  "one: tag= in Python, --tag on the command line)")
         tag = pointer.read_text().strip()
     path = load_dir / tag
     if not (path / "meta.json").is_file():

@@ -73,7 +73,8 @@ def local_checkpoint(path: str | os.PathLike[str]) -> Path:
     if not where.is_dir():
         raise PretrainedError(
             f"{path}: not a local directory. offload reads checkpoints from disk and never downloads; fetch it "
-            "first (for example `huggingface-cli download NAME --local-dir DIR`) and pass that directory")
+            "first (for example `hf download NAME --local-dir DIR`, `huggingface-cli download` in older "
+            "huggingface_hub) and pass that directory")
     if not (where / SINGLE_FILE).is_file() and not (where / INDEX_FILE).is_file():
         others = sorted(p.name for p in where.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
         hint = (f"; it has {', '.join(others[:3])}: convert it to safetensors (save_pretrained with "
