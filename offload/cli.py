@@ -60,8 +60,19 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     print(f"  batch: {resolved.train_batch_size} = micro {resolved.train_micro_batch_size_per_gpu} x accumulation "
           f"{resolved.gradient_accumulation_steps} x world {args.world_size}")
     print(f"  precision: {precision}; gradient clipping: {resolved.gradient_clipping or 'off'}")
-    print(f"  zero stage {zero.stage}: params on {zero.offload_param.device}, optimizer on "
-          f"{zero.offload_optimizer.device}")
+    print(f"  zero stage {zero.stage}: {zero.placement_words()}")
+    budgets = resolved.offload.budgets
+    bounded = [f"{tier} {value / 2**30:,.2f} GiB" for tier, value in
+               (("device", budgets.device), ("host", budgets.host), ("nvme", budgets.nvme)) if value is not None]
+    print(f"  budgets: {', '.join(bounded) if bounded else 'none set (what is free at start)'}")
+    if zero.offload_param.device == "nvme":
+        print(f"  parameter shards kept in host memory (offload_param.max_in_cpu): "
+              f"{int(zero.offload_param.max_in_cpu):,} elements")
+    if resolved.scheduler:
+        print(f"  scheduler: {resolved.scheduler.type}")
+    if resolved.offload.checkpoint_blocks:
+        where = "host" if resolved.activation_checkpointing.cpu_checkpointing else "device"
+        print(f"  activation checkpointing: every block, inputs kept on the {where}")
     if resolved.optimizer:
         p = resolved.optimizer.params
         print(f"  optimizer: {resolved.optimizer.type} lr {p.lr} betas {p.betas} eps {p.eps} "

@@ -365,9 +365,8 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
     cfg = engine.config
     micro, accum = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
     say(f"model {args.model}: {params:,} parameters in {len(engine.units)} units on {engine.accel.device}, "
-        f"world {engine.group.world}; ZeRO stage {cfg.zero_optimization.stage}, optimizer on "
-        f"{cfg.zero_optimization.offload_optimizer.device}, parameters on "
-        f"{cfg.zero_optimization.offload_param.device}; step {engine.step_mode}")
+        f"world {engine.group.world}; ZeRO stage {cfg.zero_optimization.stage}, "
+        f"{cfg.zero_optimization.placement_words()}; step {engine.step_mode}")
     record = TrainRecord(args=asdict(args), params=params, world=engine.group.world, device=str(engine.accel.device),
                          step_mode=engine.step_mode, first_step=first_step - len(history), losses=list(history))
     gen = torch.Generator()

@@ -31,7 +31,12 @@ def test_config_check_reports_the_resolved_batch(capsys):
     assert main(["config", "check", str(REPO / "configs/zero3_fp16.json"), "--world-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "batch: 64 = micro 8 x accumulation 4 x world 2" in out
-    assert "zero stage 3: params on cpu, optimizer on cpu" in out
+    assert "zero stage 3: parameters on the host, optimizer state on the host" in out
+    assert "budgets: none set (what is free at start)" in out and "scheduler: WarmupDecayLR" in out
+    assert main(["config", "check", str(REPO / "configs/zero3_nvme_offload.json")]) == 0
+    out = capsys.readouterr().out
+    assert "parameters on NVMe (/tmp/offload_nvme), optimizer state on NVMe (/tmp/offload_nvme)" in out
+    assert "budgets: host 16.00 GiB" in out and "offload_param.max_in_cpu): 1,000,000,000 elements" in out
 
 
 def test_config_check_prints_resolved_json(capsys):

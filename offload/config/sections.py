@@ -331,6 +331,18 @@ class ZeroConfig:
     def overlap_comm_effective(self) -> bool:
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
 
+    def placement_words(self) -> str:
+        """Where the parameters and the optimizer state live, in words ("none" means the compute device)."""
+        def where(device: str, path: str | None) -> str:
+            return {"none": "the device", "cpu": "the host"}.get(device, f"NVMe ({path})")
+        state = where(self.offload_optimizer.device, self.offload_optimizer.nvme_path)
+        ratio = self.offload_optimizer.ratio
+        if self.offload_optimizer.device != "none" and ratio != 1.0:
+            state += (" (the device keeps as much as it holds: offload_optimizer.ratio auto)" if isinstance(ratio, Auto)
+                      else f" ({1 - ratio:g} of it stays on the device: offload_optimizer.ratio {ratio:g})")
+        return (f"parameters on {where(self.offload_param.device, self.offload_param.nvme_path)}, optimizer state "
+                f"on {state}")
+
     def check(self, path: str) -> None:
         if self.offload_param.device != "none" and self.stage < 3:
             raise ConfigError(f"{path}.offload_param.device",
