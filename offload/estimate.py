@@ -180,9 +180,10 @@ def estimate(unit_numels: list[int], config: Config, world: int,
         return est
     buffers = host.get("optimizer NVMe buffers", 0)
     if buffers > est.total("host") // 4:
+        smaller = int(zero.sub_group_size) // 10
         est.notes.append(f"each optimizer NVMe buffer holds a whole sub-group (sub_group_size "
                          f"{int(zero.sub_group_size):,} elements): {buffers / 2**30:.2f} GiB of buffers; a smaller "
-                         "sub_group_size (e.g. 1e8) shrinks them")
+                         f"sub_group_size (e.g. {smaller:.0e}) shrinks them")
     est.notes.append(("not counted: " if activations is not None else "not counted: activations, ")
                      + "the CUDA context and allocator slack")
     return est
@@ -332,11 +333,14 @@ def largest_trainable(base: dict[str, Any], machine: Machine, world: int = 1) ->
 # ----------------------------------------------------------------------------- report
 
 
+def _count(params: int) -> str:
+    return f"{params / 1e9:,.2f}B" if params >= 1e9 else f"{params / 1e6:,.1f}M"
+
+
 def format_estimate(est: Estimate, config: Config) -> str:
     zero = config.zero_optimization
-    lines = [f"{est.params / 1e6:,.1f}M parameters in {est.units} units, W={est.world}, ZeRO stage {est.stage}: "
-             "params on "
-             f"{zero.offload_param.device}, optimizer on {zero.offload_optimizer.device} (bytes per rank)"]
+    lines = [f"{_count(est.params)} parameters in {est.units} units, W={est.world}, ZeRO stage {est.stage}: "
+             f"{zero.placement_words()} (bytes per rank)"]
     for tier in TIERS:
         parts = est.tiers[tier]
         if not parts:
@@ -372,7 +376,7 @@ def compare_stages(unit_numels: list[int], raw: dict[str, Any], world: int, hidd
 def format_stages(stages: dict[int, Estimate], raw: dict[str, Any]) -> str:
     first = next(iter(stages.values()))
     n, w = first.params, first.world
-    lines = [f"per rank by ZeRO stage ({n / 1e6:,.1f}M parameters, W={w}); the ZeRO formula counts 16-bit "
+    lines = [f"per rank by ZeRO stage ({_count(n)} parameters, W={w}); the ZeRO formula counts 16-bit "
              "gradients where offload keeps fp32 accumulators:",
              f"  {'stage':5s} {'device':>10s} {'host':>10s} {'nvme':>10s} {'model states':>13s} {'ZeRO formula':>13s}"
              "  offload"]

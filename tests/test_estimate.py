@@ -102,7 +102,7 @@ def test_cli_prints_tiers_and_the_largest_models_and_writes_json(tmp_path, capsy
     assert stage0["model_states"] > stage3["model_states"]
     assert stage0["zero_formula"] == 2 * stage3["zero_formula"]  # 16N against 16N/W, W=2
     assert main(["estimate", "--params", "2e9", "--offload-optimizer", "cpu"]) == 0
-    assert "2,000.0M parameters" in capsys.readouterr().out
+    assert "2.00B parameters" in capsys.readouterr().out
     assert main(["estimate", "--model", "nope"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
     assert main(["estimate", "--model", "gpt2-tiny", "--micro", "2", "--checkpointing", "cpu"]) == 0
