@@ -139,7 +139,9 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
         r = Row(n, what, impl, seconds, n / seconds, gbs, gbs / ceiling, None if base is None else base / seconds)
         ratio = f"  {r.ratio_vs_baseline:4.2f}x vs torch" if base is not None else ""
         say(f"  {n:>11,}  {what:<10} {impl:<48} {seconds * 1e3:8.1f} ms  {n / seconds / 1e9:5.2f} G params/s  "
-            f"{gbs:5.1f} GB/s ({gbs / ceiling:4.0%} of ceiling){ratio}")
+            f"{gbs:5.1f} GB/s ({gbs / ceiling:4.0%} of ceiling){ratio}"
+            + ("  (above the ceiling probed just before: the machine's bandwidth moved between them)"
+               if gbs > 1.05 * ceiling else ""))
         rows.append(r)
         return r
 

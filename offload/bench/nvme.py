@@ -55,7 +55,8 @@ def run(directory: Path, size: int = 1 << 30, blocks: tuple[int, ...] = (1 << 20
     # The best engine with CRC-32C on every block: the cost of never reading back wrong.
     contenders[engines[-1] + CRC] = Contender(engines[-1], threads, checksums=True)
     rows: list[NvmeRow] = []
-    say(f"offload bench nvme: {size / 2**30:.2f} GiB file in {directory}, engines {', '.join(engines)}"
+    file = f"{size / 2**30:.2f} GiB" if size >= 1 << 30 else f"{size / 2**20:.0f} MiB"
+    say(f"offload bench nvme: {file} file in {directory}, engines {', '.join(engines)}"
         f"{', fio' if shutil.which('fio') else ' (fio not installed)'}, median of {rounds} interleaved rounds")
     grid = [(block, depth) for block in blocks for depth in depths]
     for m in sweep_grid(directory / "offload-bench-nvme.bin", size, grid, contenders, rounds):
