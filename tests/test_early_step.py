@@ -39,10 +39,17 @@ def test_the_early_step_trains_bitwise_as_the_whole_step(world, params, env):
         assert torch.equal(early["eval_logits"], whole["eval_logits"])
 
 
-def test_readers_right_after_an_early_step_see_the_stepped_weights(monkeypatch, tmp_path):
+@pytest.mark.parametrize("params,discrete", [("cpu", False), ("none", True)], ids=["host-in-place", "gpu-alias"])
+def test_readers_right_after_an_early_step_see_the_stepped_weights(monkeypatch, tmp_path, params, discrete):
+    """Also a discrete device's device homes at W = 1, which units read where they live: the reader waits for
+    the copy back too (lagging here), not only for Adam."""
     import offload
     monkeypatch.setenv("OFFLOAD_EMULATED_HOST_DELAY_S", "0.02")
-    engine = offload.initialize(model=make_model("gpt"), config=early_config(1, "on", accum=1))[0]
+    if discrete:
+        monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
+        monkeypatch.setenv("OFFLOAD_EMULATED_COPY_DELAY_S", "0.02")
+    engine = offload.initialize(model=make_model("gpt"), config=early_config(1, "on", params, accum=1))[0]
+    assert all(u.in_place for u in engine.units)
     engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
     engine.step()  # returns with Adam queued behind the lagging worker
     with engine.gathered_parameters() as module:

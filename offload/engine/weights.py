@@ -44,6 +44,8 @@ def gathered_parameters(engine: Any) -> Iterator[nn.Module]:
     engine.runtime.reshard_all()
     for unit in engine.units:
         unit.unshard(engine.runtime.h2d)
+        if unit.in_place:  # the flat buffer is the shard: a copy back may still be writing it (on a GPU)
+            engine.params.await_home(unit.index)
     try:
         yield engine.module
     finally:
