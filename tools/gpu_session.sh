@@ -16,7 +16,8 @@
 #   tools/gpu_session.sh bench-step-1p3b-auto bench-step-delayed
 #   tools/gpu_session.sh suite
 # What the next GPU session should run first (not yet measured there: torch's fused Adam for state on the GPU, the
-# all-on-GPU DeepSpeed variant after its arch-list fix, the 1.3B auto split's second round; then the 156M steps):
+# all-on-GPU DeepSpeed variant after its arch-list fix, the 1.3B auto split's second round, device-homed units read
+# where they live at W = 1 (no gathers: the 1.3B model re-gathered ~500 units a step); then the 156M steps):
 #   tools/gpu_session.sh install cuda-tests bench-step-1p3b-auto bench-deepspeed-placements
 #   tools/gpu_session.sh bench-step-placement bench-step-default bench-hooks sanitizer
 #   tools/gpu_session.sh bench-step-1p3b-split bench-deepspeed-1p3b bench-step-nvme (the auto split under a device
