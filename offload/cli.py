@@ -256,8 +256,9 @@ def _stages(text: str) -> tuple[int, ...]:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
+    from offload.bench.replay import MACHINES
     from offload.estimate import run_cli
-    return run_cli(args)
+    return run_cli(args, MACHINES[args.machine])
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -299,8 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = csub.add_parser("docs", help="print the config reference (docs/CONFIG.md)")
     c.set_defaults(func=_cmd_config_docs)
 
-    p = sub.add_parser("demo", help="a walk-through of the engine's own loop (initialize, forward, backward, step) on the embedded "
-                                     "default config; the main job is `offload train`")
+    p = sub.add_parser("demo", help="a walk-through of the engine's own loop (initialize, forward, backward, step) "
+                                     "on the embedded default config; the main job is `offload train`")
     p.add_argument("--config", default=None, help="a JSON config instead of the embedded default")
     p.add_argument("--steps", type=positive_int, default=150)
     p.add_argument("--trace", default=None, help="write a Chrome-trace timeline of the run to this path")

@@ -433,11 +433,10 @@ def build_config(path: str | None, overrides: dict[str, Any], nvme_path: str, st
     return raw
 
 
-def step_rates(args: Any) -> StepRates:
-    """The bandwidths the step's cost is estimated at: a machine preset of `offload bench replay`, each rate
-    overridable (--host-gbps with what `offload bench adam` measured on yours)."""
-    from offload.bench.replay import MACHINES
-    preset = MACHINES[args.machine]
+def step_rates(args: Any, preset: Any) -> StepRates:
+    """The bandwidths the step's cost is estimated at: ``preset`` (a machine of `offload bench replay`, with a
+    name, device_gbps and host_gbps), each rate overridable (--host-gbps with what `offload bench adam` measured on
+    yours)."""
     chosen = [(name, given or default, "given" if given else f"{preset.name} preset")
               for name, given, default in (("device", args.device_gbps, preset.device_gbps),
                                            ("host", args.host_gbps, preset.host_gbps),
@@ -451,7 +450,7 @@ def step_rates(args: Any) -> StepRates:
     return StepRates(rate["device"], rate["host"], rate.get("NVMe"), source)
 
 
-def run_cli(args: Any) -> int:
+def run_cli(args: Any, preset: Any) -> int:
     import sys
     try:
         raw = build_config(args.config, {"offload_optimizer": args.offload_optimizer,
@@ -479,7 +478,7 @@ def run_cli(args: Any) -> int:
     except (ModelError, ConfigError) as e:
         print(f"offload estimate: {e}", file=sys.stderr)
         return 2
-    est = estimate(units, config, args.world, shape, rates=step_rates(args))
+    est = estimate(units, config, args.world, shape, rates=step_rates(args, preset))
     print(format_estimate(est, config))
     stages = compare_stages(units, raw, args.world, hidden_size, shape)
     print(format_stages(stages, raw))

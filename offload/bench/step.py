@@ -376,7 +376,8 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
     phases["compute"] = max(0.0, t_off - sum(phases.values()))
     result = StepResult(
         bench=asdict(b), params=b.model_config().num_parameters, torch_step_s=t_torch, offload_step_s=t_off,
-        ratio=t_off / t_torch if t_torch else None, phases_s=phases, background_s={k: per_step(head, k) for k in BACKGROUND},
+        ratio=t_off / t_torch if t_torch else None, phases_s=phases,
+        background_s={k: per_step(head, k) for k in BACKGROUND},
         bytes_per_step={k: per_step(head, k, "bytes") for k in ("all_gather", "reduce_scatter", "all_reduce", "d2h",
                                                                   "h2d", "nvme_read", "nvme_write")},
         samples={"torch": torch_times, **times},
@@ -517,7 +518,8 @@ def print_table(result: StepResult, out: TextIO) -> None:
     for name in NAMED_ONLY:
         if name in v:
             mem = result.memory.get(name, {})
-            print(f"  {name}: {v[name]['step_s'] * 1e3:.1f} ms/step = {result.vs_torch(v[name]['step_s'])}; device {mem.get('device', 0) / 2**20:.1f} MiB, host {mem.get('host', 0) / 2**20:.1f} MiB",
+            print(f"  {name}: {v[name]['step_s'] * 1e3:.1f} ms/step = {result.vs_torch(v[name]['step_s'])}; "
+                  f"device {mem.get('device', 0) / 2**20:.1f} MiB, host {mem.get('host', 0) / 2**20:.1f} MiB",
                   file=out)
     if "params-host-early" in v:
         print(f"  parameters on the host: step() whole {v['params-host']['step_s'] * 1e3:.1f} ms/step, returning "
