@@ -72,6 +72,8 @@ def output_file_problem(path: str | os.PathLike[str]) -> str | None:
     target = Path(path)
     if target.is_dir():
         return f"{target} is a directory, not a file"
+    if target.exists() and not os.access(target, os.W_OK):
+        return f"{target} exists and is not writable"
     return directory_problem(target.parent if str(target.parent) else Path("."))
 
 

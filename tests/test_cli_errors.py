@@ -190,3 +190,15 @@ def test_a_damaged_or_foreign_checkpoint_and_an_uncreatable_export_are_user_erro
     assert main(["export-weights", str(checkpoint), str(tmp_path / "a-file" / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("offload export-weights: ") and "Traceback" not in err
+
+
+def test_an_existing_output_file_that_cannot_be_written_is_said_before_any_work(tmp_path, capsys, monkeypatch):
+    """A read-only result file from an earlier run (this test runs as root, for whom every file is writable: the
+    permission is the injected fault)."""
+    from offload import cli_types
+    old = tmp_path / "adam.json"
+    old.write_text("{}")
+    real = os.access
+    monkeypatch.setattr(cli_types.os, "access", lambda p, mode: False if str(p) == str(old) else real(p, mode))
+    assert main(["bench", "adam", "--out", str(old)]) == 2
+    assert f"--out {old}: {old} exists and is not writable" in capsys.readouterr().err

@@ -193,6 +193,10 @@ class ParamStore:
         """Make ``values`` (any float dtype) the shard now, in every copy it has (a checkpoint load, a repair)."""
         self.wait_step(index)
         shard = self.shards[index]
+        # A copy back (or a fetch) still in flight reads the host copy written here, or lands after this write.
+        for copy in (shard.ready, shard.fetched):
+            if copy is not None:
+                self.accel.wait(copy, "a shard's copy before it is overwritten")
         if shard.host is not None:
             shard.host.copy_(values)
         if shard.home is Home.NVME:
