@@ -150,11 +150,12 @@ def estimate(unit_numels: list[int], config: Config, world: int,
                      device_free=device_free, speculative=scope,
                      delayed=config.offload.delayed_update.warmup_steps is not None)
     device.update(placement.device)
-    if not stage.resident_params:
-        largest_unit = max((n * parts for _, n in sizes), default=0)
+    gathered = [n for i, n in sizes if i not in placement.aliased]  # one rank's device homes on a GPU: none
+    if not stage.resident_params and gathered:
+        largest_unit = max(n * parts for n in gathered)
         device["gathered (at most)"] = item * min(int(zero.stage3_max_live_parameters),
                                                   largest_unit + int(zero.stage3_prefetch_bucket_size),
-                                                  parts * sum(n for _, n in sizes))
+                                                  parts * sum(gathered))
     if param_dev == "nvme":
         est.notes.append(describe_placement(sizes, placement.nvme_params, zero.offload_param))
     nvme.update(placement.nvme)

@@ -176,3 +176,21 @@ def test_with_gradient_accumulation_on_a_gpu_the_estimate_puts_the_sums_on_the_d
     parts = {k: v for k, v in measured["host"].items() if k not in ("total", "peak", "budget")}
     assert est.tiers["host"] == parts and "gradient accumulators" not in parts  # fp32 landing buffers instead
     assert parts["gradient landing"] == measured["device"]["gradient accumulators"]
+
+
+def test_one_ranks_device_homes_on_a_gpu_need_no_gather_room():
+    """[Note: reading the home]: at W = 1 on a GPU a device-homed unit is never gathered, so the plan reserves no
+    gather room for it (the estimate shows none, and a device budget of the shards alone is enough); host homes
+    and two ranks still gather."""
+    model = make_model("gpt")
+    for world, params, gathers in ((1, "none", False), (1, "cpu", True), (2, "none", True)):
+        config = Config.load(base_config(2, 1, world, offload_param={"device": params})).resolve(world_size=world)
+        est = estimate(model_units(model, config), config, world)
+        assert ("gathered (at most)" in est.tiers["device"]) == gathers, (world, params)
+    config = Config.load(base_config(2, 1, 1)).resolve(world_size=1)
+    shards = estimate(model_units(model, config), config, 1).tiers["device"]["shards"]
+    tight = base_config(2, 1, 1)
+    tight["offload"]["budgets"] = {"device": shards}
+    config = Config.load(tight).resolve(world_size=1)
+    assert not any(n.startswith("over offload.budgets.device") for n in estimate(model_units(model, config), config,
+                                                                                  1).notes)

@@ -54,6 +54,9 @@ class Placement:
     gather_room: int | None = None  # elements the device budget leaves for gathered units (None: no budget)
     device_accumulated: frozenset[int] = frozenset()  # units whose fp32 gradient accumulator is on the device
     state_on_device: frozenset[int] = frozenset()  # offloaded optimizer, units whose state stays on the device
+    # Units compute reads where their shard lives, never gathered: one rank's device homes on a GPU ([Note: reading
+    # the home] in offload/store/param_store.py). They need no gather room.
+    aliased: frozenset[int] = frozenset()
     # The delayed update's units whose new shard waits in a staging buffer: compute reads (or gathers from) the
     # step's target. A device home's separate host copy is written in place; only its copy back waits.
     staged: frozenset[int] = frozenset()
@@ -96,6 +99,8 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     homes = {i: off_device for i, _ in shard_sizes} | {i: Home.NVME for i, _ in nvme_params}
     trained_sizes = [(i, n) for i, n in shard_sizes if i in trained]
     out = Placement(homes, nvme_params, plan_sub_groups(trained_sizes, int(zero.sub_group_size)), False)
+    if parts == 1 and discrete and not resident_params:
+        out.aliased = frozenset(i for i, h in homes.items() if h is Home.DEVICE)
     _plan_device_resident(out, shard_sizes, trained_sizes, config, item, parts, resident_params, whole_grads)
     if opt.device != "none" and trained_sizes:
         _plan_state_on_device(out, shard_sizes, trained_sizes, config, item, parts, device_free)
@@ -240,11 +245,18 @@ def _device_room(out: Placement, shard_sizes: list[tuple[int, int]], config: Any
     budget = config.offload.budgets.device
     if budget is None and device_free is None:
         return None
-    # Two units may be gathered at once besides the prefetched ones (a tied embedding stays through backward).
-    bucket = min(int(config.zero_optimization.stage3_prefetch_bucket_size), parts * sum(n for _, n in shard_sizes))
-    gathers = 2 * max(n for _, n in shard_sizes) * parts + bucket
-    taken = sum(out.device.values()) + gathers * item
+    taken = sum(out.device.values()) + gather_bytes(out, shard_sizes, config, item, parts)
     return budget - taken if budget is not None else (device_free - taken) // 2
+
+
+def gather_bytes(out: Placement, shard_sizes: list[tuple[int, int]], config: Any, item: int, parts: int) -> int:
+    """Device room the gathers may take at once: two units besides a prefetch bucket (a tied embedding stays
+    through backward), over the units that are gathered at all (not ``out.aliased``)."""
+    gathered = [n for i, n in shard_sizes if i not in out.aliased]
+    if not gathered:
+        return 0
+    bucket = min(int(config.zero_optimization.stage3_prefetch_bucket_size), parts * sum(gathered))
+    return (2 * max(gathered) * parts + bucket) * item
 
 
 def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], trained_sizes: list[tuple[int, int]],
@@ -325,12 +337,12 @@ def _check_device(out: Placement, shard_sizes: list[tuple[int, int]], config: An
                 "the device); raise it, offload the optimizer (stages 1-2), or use stage 3, which partitions the "
                 "parameters"))
         return
-    largest = max(n for _, n in shard_sizes) * parts * item
-    if budget - resident < largest:
+    largest = max((n for i, n in shard_sizes if i not in out.aliased), default=0) * parts * item
+    if resident > budget or budget - resident < largest:
         out.problems.append(ConfigError(
             "offload.budgets.device", f"{budget:,} bytes cannot hold this rank's resident state ({resident:,} bytes: "
-            f"shards{optimizer}) plus the largest unit gathered ({largest:,} bytes); raise it to at least "
-            f"{resident + largest:,}, offload the optimizer (offload_optimizer.device: cpu), use more ranks, or "
-            "lower offload.unit_bytes"))
+            f"shards{optimizer})" + (f" plus the largest unit gathered ({largest:,} bytes)" if largest else "")
+            + f"; raise it to at least {resident + largest:,}, offload the optimizer (offload_optimizer.device: "
+            "cpu), use more ranks, or lower offload.unit_bytes"))
         return
     out.gather_room = (budget - resident) // item
