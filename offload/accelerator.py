@@ -229,8 +229,8 @@ class WorkerStream:
             if self._delay_s:
                 time.sleep(self._delay_s)
             if kind == "wait":
-                send_held_for(item)  # type: ignore[arg-type]
                 if recorded is not None and self._schedule is not None:
+                    send_held_for(item)  # type: ignore[arg-type]
                     rid, issued = recorded
                     self._schedule.add(Item("wait", waits=[rid] if rid is not None else [], issued=issued))
                 item.synchronize()  # type: ignore[attr-defined]

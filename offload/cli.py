@@ -104,10 +104,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if what == "all":
         from offload.bench.suite import run_all
         print("offload bench all: every benchmark this machine supports, each beside its baseline", flush=True)
-        run_all(_directory(args.path, "--path"), Path(args.out) if args.out else Path("bench-results"), args.quick,
-                sys.stdout)
+        run_all(_directory(args.path, "--path"), _output(args), args.quick, sys.stdout)
         return 0
-    out = Path(args.out) if args.out else Path("bench-results") / f"{what}.json"
+    out = _output(args)
     if what == "pcie":
         if not torch.cuda.is_available():
             raise UsageError("needs a GPU (torch.cuda.is_available() is False on this machine)")
@@ -182,7 +181,7 @@ def _cmd_schedule(args: argparse.Namespace, out: Path) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.what == "schedule":
-        path = Path(args.out) if args.out else Path("bench-results") / "schedule.json"
+        path = out
         print(f"offload bench schedule: recording {args.steps} step(s) of a {args.layers} x {args.hidden} GPT on this "
               "CPU as a discrete device", flush=True)
         data = replay.record(bench, path, log=sys.stdout)
@@ -226,7 +225,7 @@ def _directory(path: str, flag: str) -> Path:
 
 def _cmd_tune_nvme(args: argparse.Namespace) -> int:
     from offload.bench import tune
-    out = Path(args.out) if args.out else Path("offload-tune-nvme")
+    out = _output(args)
     try:
         tune.run(_directory(args.path, "--path"), out, quick=args.quick, size=args.file_size,
                  with_fio=not args.no_fio, stream=sys.stdout)
@@ -536,21 +535,28 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                         "beside offload and plain PyTorch, in alternating rounds")
 
 
+def _output(args: argparse.Namespace) -> Path:
+    """Where a bench or tune-nvme command writes: --out, or its default (a file per benchmark, a directory for
+    bench all and tune-nvme)."""
+    if args.out:
+        return Path(args.out)
+    if args.command == "tune-nvme":
+        return Path("offload-tune-nvme")
+    return Path("bench-results") if args.what == "all" else Path("bench-results") / f"{args.what}.json"
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     """Every file or directory the command will write can be written, before any work starts: a long run must not
     end by failing to save what it measured."""
     files, directories = [], []
     if args.command == "bench":
-        if args.what == "all":
-            directories.append(("--out", args.out or "bench-results"))
-        else:
-            files.append(("--out", args.out or f"bench-results/{args.what}.json"))
+        (directories if args.what == "all" else files).append(("--out", _output(args)))
     elif args.command == "estimate" and args.json:
         files.append(("--json", args.json))
     elif args.command == "demo" and args.trace:
         files.append(("--trace", args.trace))
     elif args.command == "tune-nvme":
-        directories.append(("--out", args.out or "offload-tune-nvme"))
+        directories.append(("--out", _output(args)))
     elif args.command == "export-weights":
         directories.append(("the output directory", args.out))
     for flag, path in files:

@@ -150,7 +150,7 @@ def estimate(unit_numels: list[int], config: Config, world: int,
                      device_free=device_free, speculative=scope,
                      delayed=config.offload.delayed_update.warmup_steps is not None)
     device.update(placement.device)
-    gathered = [n for i, n in sizes if i not in placement.aliased]  # one rank's device homes on a GPU: none
+    gathered = placement.gathered(sizes)  # one rank's device homes on a GPU: none
     if not stage.resident_params and gathered:
         largest_unit = max(n * parts for n in gathered)
         device["gathered (at most)"] = item * min(int(zero.stage3_max_live_parameters),

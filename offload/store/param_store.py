@@ -210,10 +210,9 @@ class ParamStore:
         """The shard on the compute device, ready for the compute stream (which waits for the copy, or for the
         one that last wrote a device home). An NVMe shard waits for its read, which read-ahead has usually done;
         a failed read raises here, before the caller changes anything."""
-        self.wait_step(index)
+        self.await_home(index)
         shard = self.shards[index]
         if shard.home is Home.DEVICE:
-            self.accel.compute_wait(shard.ready)
             return shard.device
         if shard.home is Home.HOST and self.host_is_device:
             assert shard.host is not None

@@ -69,6 +69,10 @@ class Placement:
     speculative_why: str = ""  # why not, when it was asked for
     problems: list[ConfigError] = field(default_factory=list)  # in the order start-up meets them
 
+    def gathered(self, shard_sizes: list[tuple[int, int]]) -> list[int]:
+        """Shard elements of the units that are gathered around their use (all but ``aliased``)."""
+        return [n for i, n in shard_sizes if i not in self.aliased]
+
     def check(self) -> None:
         """Raise the first budget the plan does not fit (what initialize refuses)."""
         if self.problems:
@@ -252,7 +256,7 @@ def _device_room(out: Placement, shard_sizes: list[tuple[int, int]], config: Any
 def gather_bytes(out: Placement, shard_sizes: list[tuple[int, int]], config: Any, item: int, parts: int) -> int:
     """Device room the gathers may take at once: two units besides a prefetch bucket (a tied embedding stays
     through backward), over the units that are gathered at all (not ``out.aliased``)."""
-    gathered = [n for i, n in shard_sizes if i not in out.aliased]
+    gathered = out.gathered(shard_sizes)
     if not gathered:
         return 0
     bucket = min(int(config.zero_optimization.stage3_prefetch_bucket_size), parts * sum(gathered))
@@ -337,7 +341,7 @@ def _check_device(out: Placement, shard_sizes: list[tuple[int, int]], config: An
                 "the device); raise it, offload the optimizer (stages 1-2), or use stage 3, which partitions the "
                 "parameters"))
         return
-    largest = max((n for i, n in shard_sizes if i not in out.aliased), default=0) * parts * item
+    largest = max(out.gathered(shard_sizes), default=0) * parts * item
     if resident > budget or budget - resident < largest:
         out.problems.append(ConfigError(
             "offload.budgets.device", f"{budget:,} bytes cannot hold this rank's resident state ({resident:,} bytes: "
