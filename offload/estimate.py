@@ -30,6 +30,7 @@ import torch
 from offload.config import Config, ConfigError
 from offload.engine.step_mode import speculation_scope
 from offload.models.catalog import MODELS, ModelError, build_model
+from offload.store.optimizer_state import unpipelined_note
 from offload.store.param_swap import describe_placement
 from offload.store.placement import plan
 from offload.zero.stage import Stage
@@ -180,7 +181,10 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     if not placement.placed:
         return est
     buffers = host.get("optimizer NVMe buffers", 0)
-    if buffers > est.total("host") // 4:
+    unpipelined = unpipelined_note(placement.groups, int(zero.sub_group_size))
+    if unpipelined:
+        est.notes.append(unpipelined)
+    elif buffers > est.total("host") // 4:
         smaller = int(zero.sub_group_size) // 10
         est.notes.append(f"each optimizer NVMe buffer holds a whole sub-group (sub_group_size "
                          f"{int(zero.sub_group_size):,} elements): {buffers / 2**30:.2f} GiB of buffers; a smaller "

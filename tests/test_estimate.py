@@ -166,6 +166,37 @@ def test_nvme_placement_is_said_and_the_nvme_budget_checked(tmp_path, caplog):
         offload.initialize(model=make_model("gpt"), config=raw)
 
 
+def test_optimizer_state_on_nvme_in_one_large_sub_group_is_said_with_the_size_that_pipelines(tmp_path, caplog,
+                                                                                              monkeypatch):
+    """DeepSpeed's default sub_group_size (1e9) puts a model's whole NVMe state in one sub-group: nothing of its step
+    pipelines. The estimate and initialize say so, with a size that would; several sub-groups draw no such note."""
+    import logging
+
+    import offload
+    from offload.store import optimizer_state
+    monkeypatch.setattr(optimizer_state, "PIPELINE_WORTH", 1000)  # the test model's state counts as large
+    raw = placement(tmp_path, "none", "nvme")
+    raw["zero_optimization"]["sub_group_size"] = 10**9
+    units = model_units(make_model("gpt"), Config.load(raw).resolve(world_size=1))
+    notes = estimate(units, Config.load(raw).resolve(world_size=1), 1).notes
+    said = [n for n in notes if "is one sub-group of" in n]
+    assert len(said) == 1 and "(sub_group_size 1,000,000,000)" in said[0]
+    suggested = int(said[0].split("zero_optimization.sub_group_size ")[1].split(" ")[0].replace(",", ""))
+    with caplog.at_level(logging.WARNING, logger="offload.engine"):
+        offload.initialize(model=make_model("gpt"), config=raw)[0].close()
+    assert sum("is one sub-group of" in r.getMessage() for r in caplog.records) == 1
+
+    raw["zero_optimization"]["sub_group_size"] = suggested  # the suggestion: several sub-groups, no note
+    caplog.clear()
+    notes = estimate(units, Config.load(raw).resolve(world_size=1), 1).notes
+    assert not any("is one sub-group of" in n for n in notes)
+    with caplog.at_level(logging.WARNING, logger="offload.engine"):
+        engine = offload.initialize(model=make_model("gpt"), config=raw)[0]
+    assert len([g for g in engine.optimizer.store.groups if g.tier == "nvme"]) > 1
+    engine.close()
+    assert not any("is one sub-group of" in r.getMessage() for r in caplog.records)
+
+
 def test_with_gradient_accumulation_on_a_gpu_the_estimate_puts_the_sums_on_the_device_as_the_engine_does():
     raw = base_config(2, 2, 2, offload_param={"device": "cpu"})
     raw["offload"]["speculative_step"] = "off"  # 'auto' is off on a GPU, on for the CPU's emulated one

@@ -32,6 +32,7 @@ from offload.optim.sharded import ShardedAdam, StatePlan, shard_segments
 from offload.pretrained import PretrainedWeights
 from offload.store.budget import TierBudget
 from offload.store.param_store import ParamStore
+from offload.store.optimizer_state import unpipelined_note
 from offload.store.param_swap import ParamSwap, describe_placement
 from offload.store.placement import plan as plan_placement
 from offload.store.swapdir import PREFIX, SwapDir
@@ -135,6 +136,9 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         if zero.offload_param.device == "nvme":
             logger.info("rank %d: %s", group.rank, describe_placement(shard_sizes, nvme_params, zero.offload_param))
         placement.check()  # every budget, before anything is allocated
+        unpipelined = unpipelined_note(placement.groups, int(zero.sub_group_size))
+        if unpipelined:
+            logger.warning("rank %d: %s", group.rank, unpipelined)
         param_swap = ParamSwap(nvme_params, compute_dtype, swap=swaps.at(zero.offload_param.nvme_path),
                                rank=group.rank, host=host_budget, nvme=nvme_budget,
                                buffer_count=zero.offload_param.buffer_count, pin=accel.is_cuda,

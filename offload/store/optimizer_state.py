@@ -174,6 +174,24 @@ def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buff
             g.tier = "nvme"
 
 
+PIPELINE_WORTH = 16_000_000  # elements of NVMe state below which one sub-group's serial pass costs little
+
+
+def unpipelined_note(groups: list[SubGroup], sub_group_size: int) -> str | None:
+    """What to say when all of a rank's NVMe optimizer state is one large sub-group: its Adam and write then wait
+    for the last gradient and run one after the other, and its one buffer is as large as the state."""
+    nvme = [g for g in groups if g.tier == "nvme"]
+    if len(nvme) != 1 or nvme[0].numel < PIPELINE_WORTH:
+        return None
+    n = nvme[0].numel
+    suggest = float(f"{n / 8:.0e}")
+    return (f"the optimizer state on NVMe is one sub-group of {n:,} elements (sub_group_size {sub_group_size:,}): "
+            f"its Adam and write wait for backward's last gradient and run one after the other (only its read hides "
+            f"under backward), and its buffer takes "
+            f"{nvme[0].nbytes / 2**30:.2f} GiB; zero_optimization.sub_group_size {int(suggest):,} would make about 8 "
+            "sub-groups that pipeline")
+
+
 def nvme_buffers(nvme_groups: list[SubGroup], buffer_count: int) -> tuple[int, int]:
     """(count, bytes each) of the host buffers the step pipelines NVMe sub-groups through: each holds the
     largest sub-group's state."""
