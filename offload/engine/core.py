@@ -293,12 +293,21 @@ class Engine:
     # ----------------------------------------------------------------- whole weights (offload/engine/weights.py)
 
     @contextlib.contextmanager
-    def gathered_parameters(self) -> Iterator[nn.Module]:
-        """Every unit gathered inside the block, for inspection (it ignores stage3_max_live_parameters)."""
+    def gathered_parameters(self, modifier_rank: int | None = None) -> Iterator[nn.Module]:
+        """Every unit gathered inside the block (it ignores stage3_max_live_parameters); a collective. Read-only
+        unless ``modifier_rank`` names the rank whose writes are kept (DeepSpeed's GatheredParameters), masters
+        included."""
         self._check_open()
         self._repair_params()
-        with weights.gathered_parameters(self) as module:
+        with weights.gathered_parameters(self, modifier_rank) as module:
             yield module
+
+    def load_full_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> tuple[list[str], list[str]]:
+        """Whole weights (as ``full_state_dict`` gives them) into the engine, masters included; every rank passes
+        the same dict (a collective). Returns (missing, unexpected) keys."""
+        self._check_open()
+        self._repair_params()
+        return weights.load_full_state_dict(self, state_dict, strict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict on the CPU, fp32 masters for trained parameters (a collective)."""

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from offload.engine.errors import EngineError
 from offload.weights_file import TensorSpec, stream_for
-from offload.zero.collectives import all_gather, all_ok
+from offload.zero.collectives import all_gather, all_ok, broadcast
 
 logger = logging.getLogger("offload.engine")
 
@@ -37,20 +38,80 @@ def state_dict_layout(engine: Any) -> tuple[list[tuple[str, int, Any]], dict[str
 
 
 @contextlib.contextmanager
-def gathered_parameters(engine: Any) -> Iterator[nn.Module]:
+def gathered_parameters(engine: Any, modifier_rank: int | None = None) -> Iterator[nn.Module]:
     """Every unit gathered (full compute-dtype parameters readable on the module) inside the block; units start
-    and end sharded, so the runtime's count of gathered elements is untouched."""
+    and end sharded, so the runtime's count of gathered elements is untouched. With ``modifier_rank`` what that rank
+    wrote inside the block is kept on every rank (see [Note: writing through gathered parameters])."""
+    if modifier_rank is not None and not 0 <= modifier_rank < engine.group.world:
+        raise ValueError(f"modifier_rank {modifier_rank} is not a rank of this group (0 to {engine.group.world - 1})")
+    if modifier_rank is not None:
+        engine.optimizer.publish()  # the parameters a delayed update holds back would be written back as edits
     engine.optimizer.drain()  # an early step still writing shards (in-place units read them directly)
     engine.runtime.reshard_all()
     for unit in engine.units:
         unit.unshard(engine.runtime.h2d)
         if unit.in_place:  # the flat buffer is the shard: a copy back may still be writing it (on a GPU)
             engine.params.await_home(unit.index)
+    # Units that keep their buffer have their shard inside it: what the block writes there is compared with this.
+    before = {u.index: engine.params.read(u.index).clone() for u in engine.units
+              if modifier_rank is not None and u.keeps_full}
+    edits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     try:
         yield engine.module
+        if modifier_rank is not None:
+            edits = _edits(engine, modifier_rank, before)
+    except BaseException:
+        for unit in engine.units:  # the block failed: its writes into shards are undone, none is kept
+            if unit.index in before:
+                unit.full[unit.shard_start:unit.shard_start + unit.shard_numel].copy_(before[unit.index])
+        raise
     finally:
         for unit in engine.units:
             unit.reshard()
+    if edits:
+        _apply_edits(engine, edits)
+
+
+# [Note: writing through gathered parameters]
+# As DeepSpeed's GatheredParameters(modifier_rank=r), what rank r wrote into the gathered parameters is kept on
+# every rank; here in the fp32 master weights as well as the compute copies. At the block's end rank r's buffers are
+# broadcast, and each rank compares its shard of them with the shard as it was (bit for bit): only the elements
+# that differ are written, into the fp32 master (trained units) and the compute copy. An element nobody wrote keeps
+# its fp32 master, so a bf16 model's masters are not rounded by passing through the block; Adam's moments and the
+# step count stay. A block that raises keeps nothing.
+
+
+def _edits(engine: Any, modifier_rank: int, before: dict[int, torch.Tensor]
+           ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each unit's written elements of this rank's shard: (positions, new values in fp32)."""
+    edits = {}
+    for unit in engine.units:  # a collective: every rank, the same units in the same order
+        broadcast(unit.full, engine.group, src=modifier_rank)
+        new = unit.full[unit.shard_start:unit.shard_start + unit.shard_numel]
+        old = before[unit.index] if unit.index in before else engine.params.read(unit.index).to(new.device)
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]
+        where = (new.view(bits) != old.to(new.device).view(bits)).nonzero().flatten()
+        if where.numel():
+            edits[unit.index] = (where.cpu(), new[where].float().cpu())
+    return edits
+
+
+def _apply_edits(engine: Any, edits: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for g in engine.optimizer.store.one_at_a_time(read=True, write=True):
+        for m in g.members:
+            if m.unit in edits:
+                where, values = edits[m.unit]
+                master = g.views(m)[0]
+                master[where.to(master.device)] = values.to(master.device)
+                engine.params.overwrite(m.unit, master)
+    for unit in engine.units:
+        if unit.index in edits and unit.index not in engine.optimizer.shards:
+            where, values = edits[unit.index]
+            shard = engine.params.read(unit.index).float().cpu().clone()
+            shard[where] = values
+            engine.params.overwrite(unit.index, shard)
+    if engine.stage.resident_params:
+        engine.runtime.spread_partitions()
 
 
 def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
@@ -68,6 +129,79 @@ def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     # keep_vars: the entries are the Parameter objects themselves (their storage may be empty now).
     return {key: values[id(t)] if id(t) in values else t.detach().cpu().clone()
             for key, t in engine.module.state_dict(keep_vars=True).items()}
+
+
+def load_full_state_dict(engine: Any, state_dict: dict[str, Any], strict: bool = True) -> tuple[list[str], list[str]]:
+    """Whole weights into a live engine, the inverse of ``full_state_dict``: each rank cuts its shards out of the
+    same full state dict; trained parameters' fp32 masters take the values (Adam's moments and step count stay),
+    the compute copies follow. Checked first on every rank (keys with ``strict``, shapes, types), then written, so
+    a bad dict changes nothing. Returns (missing, unexpected) keys, as ``nn.Module.load_state_dict`` does."""
+    live = engine.module.state_dict(keep_vars=True)
+    where = {id(s.param): (u, s) for u in engine.units for s in u.slots}
+    missing = [k for k in live if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in live]
+    problems = []
+    if strict and missing:
+        problems.append(f"missing keys: {_some(missing)}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys: {_some(unexpected)}")
+    for key, t in live.items():
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        shape = tuple(where[id(t)][1].shape) if id(t) in where else tuple(t.shape)
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"{key} is a {type(value).__name__}, not a tensor")
+        elif tuple(value.shape) != shape:
+            problems.append(f"{key} has shape {tuple(value.shape)}, the model's is {shape}")
+    if not all_ok(not problems, engine.group, engine.accel.device):
+        raise EngineError("the state dict does not fit the model: " + "; ".join(problems) if problems else
+                          "another rank's state dict does not fit the model (see its error); nothing was loaded")
+    engine.optimizer.publish()  # a delayed update's parameters first, so units the dict leaves out have theirs
+    engine.optimizer.drain()
+    given = {id(t) for key, t in live.items() if key in state_dict}
+    keys = {id(t): key for key, t in live.items() if key in state_dict}  # a tied parameter: its last key, as torch
+    shards: dict[int, torch.Tensor] = {}  # this rank's new shard of each unit the dict covers, fp32 on the host
+    for unit in engine.units:
+        if not any(id(s.param) in given for s in unit.slots):
+            continue
+        flat = torch.zeros(unit.padded, dtype=torch.float32)
+        if not all(id(s.param) in given for s in unit.slots):  # the parameters the dict leaves out keep their values
+            flat[unit.shard_start:unit.shard_start + unit.shard_numel] = (
+                engine.optimizer.master_of(unit.index) if unit.index in engine.optimizer.shards
+                else engine.params.read(unit.index).float()).cpu()
+        for s in unit.slots:
+            if id(s.param) in given:
+                flat[s.offset:s.offset + s.numel] = state_dict[keys[id(s.param)]].detach().reshape(-1).float().cpu()
+        shards[unit.index] = flat[unit.shard_start:unit.shard_start + unit.shard_numel].clone()
+    engine.runtime.reshard_all()
+    try:
+        for g in engine.optimizer.store.one_at_a_time(read=True, write=True):
+            for m in g.members:
+                values = shards.get(m.unit)
+                if values is not None:
+                    master = g.views(m)[0]
+                    master.copy_(values.to(master.device))
+                    engine.params.overwrite(m.unit, master)
+        for unit in engine.units:
+            values = shards.get(unit.index) if unit.index not in engine.optimizer.shards else None
+            if values is not None:
+                engine.params.overwrite(unit.index, values)
+        with torch.no_grad():
+            for key, t in live.items():
+                if key in state_dict and id(t) not in where:
+                    t.copy_(state_dict[key])
+        if engine.stage.resident_params:
+            engine.runtime.spread_partitions()
+    except BaseException as e:
+        engine.close()
+        raise EngineError(f"loading the state dict failed part-way ({e}); the engine's weights are half replaced, "
+                          "so it was closed: create a new engine and load again") from e
+    return missing, unexpected
+
+
+def _some(keys: list[str], most: int = 8) -> str:
+    return ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
 
 def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filename: str,
