@@ -49,7 +49,7 @@ from offload.telemetry import BACKGROUND, FOREGROUND
 
 NOISE_FLOOR_S = 0.05  # CPU steps shorter than this time mostly the machine's noise (thread wake-ups, other tenants)
 NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "nvme-optimizer-speculative",
-              "nvme-optimizer-speculative-kept")  # variants that run only when --variants names them
+              "nvme-optimizer-speculative-kept", "nvme-optimizer-early")  # variants that run only when --variants names them
 
 
 @dataclass(kw_only=True)
@@ -163,7 +163,10 @@ class StepBench:
                 "nvme-optimizer-speculative": {"device": "nvme", "buffer_count": self.buffer_count,
                                                "params": "cpu", "speculative": "on"},
                 "nvme-optimizer-speculative-kept": {"device": "nvme", "buffer_count": self.buffer_count,
-                                                    "params": "cpu", "speculative": "on", "clip": 1e9}}
+                                                    "params": "cpu", "speculative": "on", "clip": 1e9},
+                # ... and its pass run beside the next forward and backward, after step() returned (run when named).
+                "nvme-optimizer-early": {"device": "nvme", "buffer_count": self.buffer_count, "params": "cpu",
+                                         "early": "on"}}
 
     def model_config(self) -> Any:
         from offload.models import GPTConfig

@@ -71,6 +71,7 @@ class Engine:
         self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory
         self.telemetry, self._swaps, self._trained_names = parts.telemetry, parts.swaps, parts.trained_names
         self._mode, self.lr_scheduler = parts.step, parts.lr_scheduler
+        self._stepped_in_backward = False  # the last backward stepped shards as they landed (overlap, speculation)
         self._clipped_last = False  # the last step's clipping fired (or fp16 overflowed): see StepMode.adaptive
         self.step_mode = self._mode.describe()
         self._phases = PhaseReport(self.telemetry) if config.wall_clock_breakdown else None
@@ -135,7 +136,9 @@ class Engine:
         self.runtime.reduce_grads = last_micro or self.stage.reduce_every_micro_batch
         if last_micro:
             guess = unclipped_factor(self.loss_scaler.scale) if speculate else None
-            self.optimizer.last_backward_begins(overlap=overlapped, only=self.accumulation.pending == 0, guess=guess)
+            self.optimizer.last_backward_begins(overlap=overlapped, only=self.accumulation.pending == 0, guess=guess,
+                                                early=self._mode.early)
+            self._stepped_in_backward = overlapped
         try:
             with self.telemetry.span("backward"):
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
@@ -205,7 +208,10 @@ class Engine:
         try:
             with self.telemetry.span("optimizer", "adam"):
                 delayed = self._mode.delayed_after is not None and self.global_steps > self._mode.delayed_after
-                if delayed or self._mode.early:
+                # An NVMe pass that began in backward (backward's order) finishes in the step (see [Note: the
+                # early step on NVMe] in offload/optim/sharded.py).
+                early = self._mode.early and not (self._mode.early_nvme and self._stepped_in_backward)
+                if delayed or early:
                     self.optimizer.apply_early(grad_scale, delayed=delayed)
                 else:
                     self.optimizer.apply(grad_scale)

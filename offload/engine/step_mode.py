@@ -30,6 +30,7 @@ class StepMode:
     overlap: bool  # the exact overlapped step
     speculative: bool  # the speculative step (never with ``overlap``: it is for the updates something gates)
     early: bool
+    early_nvme: bool = False  # ... with the optimizer state's NVMe pass (see [Note: the early step on NVMe])
     adaptive: bool = False  # speculate (on NVMe sub-groups) only while the last step's clipping did not fire
     after_why: str = ""  # why Adam does not overlap backward (neither mode)
     early_why: str = ""
@@ -50,8 +51,11 @@ class StepMode:
             during = "overlapped with the last micro-batch's backward"
         else:
             during = f"after backward ({self.after_why})"
-        return during + "; " + ("step() returns before Adam, the next forward waits per unit" if self.early else
-                                f"step() returns after Adam ({self.early_why})")
+        early = "step() returns before Adam, the next forward waits per unit"
+        if self.early_nvme:
+            early += (" (the optimizer state's NVMe reads, Adam and writes run beside the next forward and backward, "
+                      "on steps whose backward did not step them; a transfer that fails then loses the step)")
+        return during + "; " + (early if self.early else f"step() returns after Adam ({self.early_why})")
 
 
 def gated(config: Config, compute_dtype: torch.dtype) -> list[str]:
@@ -133,7 +137,8 @@ def decide(config: Config, compute_dtype: torch.dtype, stage: Stage, optimizer: 
         return StepMode(overlap=False, speculative=False, early=early, after_why="the delayed update",
                         early_why=early_why, delayed_after=delayed)
     return StepMode(overlap=not reasons and not speculative, speculative=speculative, adaptive=adaptive,
-                    early=early, after_why="; ".join(reasons), early_why=early_why)
+                    early=early, early_nvme=early and not optimizer.can_return_early,
+                    after_why="; ".join(reasons), early_why=early_why)
 
 
 def _early_step(config: Config, stage: Stage, optimizer: ShardedAdam, accel: Accelerator) -> tuple[bool, str]:
@@ -143,8 +148,12 @@ def _early_step(config: Config, stage: Stage, optimizer: ShardedAdam, accel: Acc
         return False, "offload.early_step is off"
     if stage.resident_params:
         return False, f"ZeRO stage {stage.number} spreads the new partitions right after the step"
-    if not optimizer.can_return_early:
+    if not optimizer.can_return_early and not optimizer.can_return_early_with_nvme:
         return False, "the optimizer state or some parameter shards are on NVMe or the device"
+    if not optimizer.can_return_early and mode == "auto":
+        return False, ("'auto' keeps a step whose optimizer state is on NVMe whole, so that a failed transfer "
+                       "leaves the last step intact and the step can be retried; set offload.early_step to \"on\" to "
+                       "return early anyway (the state's reads, Adam and writes then run beside the next forward)")
     if mode == "auto" and not accel.is_cuda:
         return False, "'auto' keeps the step whole on a CPU, where Adam and the forward share the cores; set " \
                       "offload.early_step to \"on\" to return early anyway"

@@ -112,6 +112,20 @@ writing the new shard straight into the device home; the rest take the offloaded
 above. With the early step the device units step on the training thread before it
 returns (in stream order, so the next forward needs no wait for them).
 
+[Note: the early step on NVMe] With optimizer state on NVMe (and no parameter shard homed there), the early step
+runs the step's NVMe pass on the landing worker too, in the forward's order: a sub-group is taken once its read
+completes, its shards stepped and each new shard copied back at once (the forward waits per unit, as above), and
+its write to the other slot starts; the last write's completion flips the slots. The pass's first reads start when
+the last backward does, in that order, queued behind the last step's pass on the same worker. So the reads, Adam
+and the writes of the state all run beside the next forward and backward instead of between them, which on a
+machine where they are mostly I/O takes the disk off the step. It runs only on steps whose backward did not step
+the NVMe sub-groups itself (overlapped or speculated: those passes run in backward's order and finish in the step).
+What it gives up: a transfer that fails after step() returned cannot leave the last step intact, since some units'
+new parameters already reached the forward; the pass stops (no slot flips: the swap file keeps the state of the
+step before), the rest of the step is dropped and every later drain (the next step, a checkpoint, close) raises
+``EarlyStepLost`` saying so, and the engine must be rebuilt from the last checkpoint. Hence ``early_step: auto``
+leaves a step with NVMe state whole (a failed transfer there is retried), and ``on`` opts in.
+
 [Note: delayed update] Opt-in (offload.delayed_update), and not exact by design: ZeRO-Offload's
 delayed parameter update. The step is the early step's, but on a host thread of its own, in
 backward's unit order, and nothing waits for it: the next forward and backward read the
@@ -136,7 +150,8 @@ that unit waits for. The optimizer knows shards by unit index only, never the un
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,14 +164,20 @@ from offload.schedule import COMPUTE
 from offload.telemetry import Telemetry
 from offload.aio.base import Engine
 from offload.store.budget import TierBudget
-from offload.store.optimizer_state import Member, OptimizerStateStore, SubGroup
+from offload.store.optimizer_state import Member, NvmePass, OptimizerStateStore, SubGroup
 from offload.store.param_store import Home, ParamStore
 from offload.store.swapdir import SwapDir
 
 
+logger = logging.getLogger("offload.optim")
+
 # Gradient bytes whose landings are handed to the worker together (see [Note: landings handed over in batches]):
 # at a norm's 10-20 GB/s, 4 MiB is 200-400 us of landing work, several times a wake-up's cost.
 LANDING_BATCH_BYTES = 4 << 20
+
+
+class EarlyStepLost(RuntimeError):
+    """An NVMe transfer of a step that had returned early failed (see [Note: the early step on NVMe])."""
 
 
 @dataclass(frozen=True)
@@ -339,6 +360,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self._staged_units = plan.staged
         self._pending: set[int] = set()
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
+        self._early_lost: EarlyStepLost | None = None  # ... of an early step: sticky (see [Note: the early step ...])
+        self._early_nvme = False  # an early step's NVMe pass may still run on the landing worker
         if self.offload and sizes:
             self._reserve_host(plan.step_buffers)
         self.store = OptimizerStateStore(plan.groups, accel=accel, host=plan.host, nvme=plan.nvme,
@@ -570,17 +593,23 @@ class ShardedAdam(torch.optim.Optimizer):
         state.landed, state.phase = None, ShardPhase.EMPTY
         _accumulate(state, landed, scale, self.threads)
 
-    def last_backward_begins(self, overlap: bool, only: bool = False, guess: float | None = None) -> None:
+    def last_backward_begins(self, overlap: bool, only: bool = False, guess: float | None = None,
+                             early: bool = False) -> None:
         """The coming backward is the last micro-batch's: its gradients are final as they land, so their norm is
         taken then; the step's first NVMe reads start (see the store's [Note: reads ahead of the step]); with
         ``overlap``, each shard's Adam runs as its gradient lands (see [Note: overlapped step]). ``only``: it is
         the step's only micro-batch, so its gradients are read where they land where the state is all on the host
         (see [Note: gradients read where they land]). ``guess``: with ``overlap``, speculate that the step's factor
-        is this (see [Note: speculative step])."""
+        is this (see [Note: speculative step]). ``early``: the step will return early, so the NVMe reads go in the
+        forward's order (see [Note: the early step on NVMe])."""
         self._final = True
         self._in_place = only and self._reads_in_place
         self._sent_in_place.clear()
-        self.store.read_ahead()
+        forward = early and not overlap
+        if self._early_nvme and self._land is not None:  # the last step's pass may still hold the buffers
+            self._land.run(lambda: self.store.read_ahead(forward))
+        else:
+            self.store.read_ahead(forward)
         if overlap:
             self.begin_overlap(guess)
 
@@ -591,6 +620,8 @@ class ShardedAdam(torch.optim.Optimizer):
             self.accel.drain(self._land, "gradients drained")
         if self._adam is not None:
             self.accel.drain(self._adam, "the delayed update drained")
+        if self._early_lost is not None:
+            raise self._early_lost
 
     def clear_grads(self) -> None:
         self.drain()
@@ -688,10 +719,17 @@ class ShardedAdam(torch.optim.Optimizer):
         shard is homed on NVMe, so nothing in the step can fail after engine.step() returned."""
         return self.offload and not self._nvme_units and all(g.tier in ("host", "device") for g in self.store.groups)
 
+    @property
+    def can_return_early_with_nvme(self) -> bool:
+        """Whether ``apply_early`` may run this step with the optimizer state (partly) on NVMe: no parameter shard
+        is homed there (see [Note: the early step on NVMe])."""
+        return self.offload and not self._nvme_units and any(g.tier == "nvme" for g in self.store.groups)
+
     def apply_early(self, grad_scale: float, delayed: bool = False) -> None:
         """``apply``, handed to the landing worker: returns at once (see [Note: early step]); ``delayed``: the new
         shards are staged until the next ``publish`` (see [Note: delayed update])."""
-        assert self.can_return_early and self._land is not None and (not delayed or self._delayed)
+        assert self._land is not None and (not delayed or self._delayed)
+        assert self.can_return_early or (self.can_return_early_with_nvme and not delayed)
         hypers = [self.hyper(i) for i in range(len(self.param_groups))]
         step = self.adam_steps + 1
         after = self._compute_done = self.accel.compute_event(into=self._compute_done)  # the shards' last reads
@@ -700,7 +738,14 @@ class ShardedAdam(torch.optim.Optimizer):
         # Last step's copies back read the host copies this step rewrites.
         lane.run(lambda: self.params.wait_copies_back())
         later: list[tuple[SubGroup, Member]] = []  # the delayed update's, handed over in backward's order
-        for group in self.store.step_pass():
+        run = self.store.detach_pass()  # the NVMe pass, in the forward's order (see [Note: the early step on NVMe])
+        if run is not None:
+            self._early_nvme = True
+        for group in (self.store.groups if run is not None else self.store.step_pass()):
+            if group.tier == "nvme":
+                assert run is not None
+                self._hand_over_sub_group(lane, run, group, step, hypers, grad_scale, after)
+                continue
             for member in group.members:
                 if group.tier == "device":  # on the compute stream, before step() returns
                     self._step_shard(member.unit, group.views(member), step, hypers, grad_scale)
@@ -709,6 +754,8 @@ class ShardedAdam(torch.optim.Optimizer):
                     later.append((group, member))
                 else:
                     self._hand_over(lane, group, member, step, hypers, grad_scale, after)
+        if run is not None:
+            lane.run(lambda: self._early_io(run, step, run.finish))
         # The next backward's first gradients wait for the first shards the delayed update steps.
         for group, member in reversed(later):
             self._hand_over(lane, group, member, step, hypers, grad_scale, after, delayed=True)
@@ -731,10 +778,46 @@ class ShardedAdam(torch.optim.Optimizer):
             state.stepped = lane.record(into=state.stepped)
             self.params.step_pending(member.unit, state.stepped)
 
+    def _hand_over_sub_group(self, lane: WorkerStream, run: NvmePass, group: SubGroup, step: int,
+                             hypers: list[AdamHyper], grad_scale: float, after: Event) -> None:
+        """An NVMe sub-group's part of the early step, queued on ``lane``: taken once read, its shards stepped
+        (each with its events, as a host shard's), then written to the other slot."""
+        def take() -> None:
+            taken = run.take()
+            assert taken is group, f"the NVMe pass took sub-group {taken.index}, the early step expected {group.index}"
+
+        lane.run(lambda: self._early_io(run, step, take))
+        for member in group.members:
+            self._hand_over(lane, group, member, step, hypers, grad_scale, after)
+        lane.run(lambda: self._early_io(run, step, lambda: run.release(group)))
+
+    def _early_io(self, run: NvmePass, step: int, transfer: Callable[[], None]) -> None:
+        """On the landing worker: one of the early NVMe pass's transfers; a failure stops the pass and loses the
+        step (see [Note: the early step on NVMe])."""
+        if self._early_lost is not None:
+            return
+        try:
+            transfer()
+            if not run.remaining() and not run.taken and not run.released:
+                self._early_nvme = False  # finished: the buffers are free
+        except Exception as e:  # noqa: BLE001 - said by every later drain
+            self._early_lost = EarlyStepLost(
+                f"an NVMe transfer of step {step}'s optimizer state failed after step() had returned ({e}): the swap "
+                f"file still holds the optimizer state of step {step - 1}, but some parameters had already taken "
+                f"step {step}'s values and the rest of that step was dropped, so this engine cannot go on; build a new "
+                "one and load the last checkpoint (offload.early_step \"auto\" or \"off\" keeps a step with its "
+                "optimizer state on NVMe whole, and a failed transfer then leaves it retryable)")
+            self._early_lost.__cause__ = e
+            run.abort()
+            self._early_nvme = False
+
     def _step_early(self, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper], grad_scale: float,
                     after: Event, delayed: bool = False) -> None:
         index = member.unit
         state = self.shards[index]
+        if self._early_lost is not None:  # the step is lost (see [Note: the early step on NVMe])
+            state.empty()
+            return
         if state.phase is not ShardPhase.STEPPED:
             with self.telemetry.span("optimizer_delayed" if delayed else "optimizer_early", state.name):
                 if state.phase is ShardPhase.SPECULATED:
@@ -973,7 +1056,10 @@ class ShardedAdam(torch.optim.Optimizer):
                 state.empty()
 
     def close(self) -> None:
-        self.drain()
+        try:
+            self.drain()
+        except EarlyStepLost as e:  # said at every drain since; closing still releases what the engine holds
+            logger.error("closing after a lost step: %s", e)
         if self._d2h is not None:
             self._d2h.synchronize()
         self.params.wait_copies_back()

@@ -324,14 +324,28 @@ class OptimizerStateStore:
             if g.tier != "nvme":
                 yield g
 
-    def read_ahead(self) -> int:
-        """Start this step's NVMe pass now, its first reads in flight (see [Note: reads ahead of the step]);
-        returns how many reads it issued."""
+    def read_ahead(self, forward: bool = False) -> int:
+        """Start this step's NVMe pass now, its first reads in flight (see [Note: reads ahead of the step]), in
+        backward's order or (``forward``: for a step that returns early) the forward's; returns how many reads it
+        issued."""
         if self._file is None or self._pass is not None:
             return 0
-        self._pass = self._new_pass()
+        self._pass = self._new_pass(forward)
         self.reads_ahead += self._pass.reads
         return self._pass.reads
+
+    def detach_pass(self) -> NvmePass | None:
+        """This step's NVMe pass, in the forward's order (the one read ahead, or a new one), handed to the caller,
+        who runs it to its end (``take``/``release``/``finish``) or ``abort``s it, on one thread: the early step
+        (see [Note: the early step on NVMe] in offload/optim/sharded.py). None without NVMe sub-groups. Until the
+        caller is done nothing else may use the buffers: every other user drains the early step first."""
+        if self._file is None:
+            return None
+        run, self._pass = self._pass, None
+        if run is not None and not run.forward:  # read ahead for a step that did not return early: start over
+            run.settle()
+            run = None
+        return run or self._new_pass(forward=True)
 
     def arrive(self, unit: int) -> Iterator[SubGroup]:
         """On the host thread in an overlapped backward, once ``unit``'s last gradient is accumulated: yield each
@@ -360,10 +374,12 @@ class OptimizerStateStore:
         run, self._pass = self._pass, None
         return run.settle() if run is not None else []
 
-    def _new_pass(self) -> NvmePass:
+    def _new_pass(self, forward: bool = False) -> NvmePass:
         assert self._file is not None
-        nvme = [g for g in reversed(self.groups) if g.tier == "nvme"]  # backward's order: last units first
-        return NvmePass(self._file, nvme, self._buffers, self.telemetry, self.accel.ledger)
+        nvme = [g for g in self.groups if g.tier == "nvme"]
+        if not forward:
+            nvme.reverse()  # backward's order: last units first
+        return NvmePass(self._file, nvme, self._buffers, self.telemetry, self.accel.ledger, forward=forward)
 
     # ----------------------------------------------------------------- lifetime
 
@@ -387,8 +403,10 @@ class NvmePass:
     A buffer is read into again only after its write has completed."""
 
     def __init__(self, file: TwoSlotFile, groups: list[SubGroup], buffers: list[AlignedBuffer],
-                 telemetry: Telemetry, ledger: SyncLedger) -> None:
+                 telemetry: Telemetry, ledger: SyncLedger, forward: bool = False) -> None:
         self.file, self.tel, self.ledger = file, telemetry, ledger
+        self.forward = forward  # the forward's order (first units first), for the early step
+        self.order = list(groups)
         self.upcoming: deque[SubGroup] = deque(groups)
         self.reading: deque[tuple[SubGroup, AlignedBuffer, object]] = deque()
         self.free: deque[tuple[AlignedBuffer, RequestGroup | None]] = deque((b, None) for b in buffers)

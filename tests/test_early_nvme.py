@@ -1,0 +1,114 @@
+"""The early step with the optimizer state on NVMe (see [Note: the early step on NVMe] in offload/optim/sharded.py):
+the state's reads, Adam and writes run on the landing worker after engine.step() returned, in the forward's order.
+
+Bitwise the whole step, with the worker lagging far behind (``OFFLOAD_EMULATED_HOST_DELAY_S``) so that a forward
+reading a unit before its Adam, a read ahead starting before the last pass let go of the buffers, or a reader that
+did not drain would see other values; and a transfer that fails after step() returned is said, never hidden."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import offload
+from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine
+from offload.launch import run_ranks
+from offload.optim.sharded import EarlyStepLost
+
+HOST_LAG = {"OFFLOAD_EMULATED_HOST_DELAY_S": "0.003"}
+
+
+def nvme_config(path, world: int = 1, accum: int = 1, early: str = "on", speculative: str = "auto",
+                host: int | None = None, clip: float = 1.0) -> dict:
+    config = base_config(2, accum, world, clip=clip, sub_group_size=3000)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(path), "buffer_count": 2}
+    config["offload"].update(early_step=early, speculative_step=speculative, aio_engine="threads",
+                             budgets={"host": host})
+    return config
+
+
+@pytest.mark.parametrize("world,accum,speculative", [(1, 1, "off"), (1, 2, "auto"), (2, 1, "auto")],
+                         ids=["W1-after-backward", "W1-accum2-adaptive", "W2-adaptive"])
+def test_the_early_nvme_step_trains_bitwise_as_the_whole_step(tmp_path, world, accum, speculative):
+    """``auto`` speculation on NVMe runs only after a step whose clipping did not fire: with clipping at 0.05 some
+    steps speculate (their pass runs in backward and finishes in the step) and the others return early."""
+    runs = {early: run_ranks(train_engine, world, env=HOST_LAG, name="gpt", steps=5, micro=2, accum=accum,
+                             config=nvme_config(tmp_path / early, world, accum, early, speculative, clip=0.05))
+            for early in ("on", "off")}
+    assert "NVMe reads, Adam and writes run beside the next forward" in runs["on"][0]["mode"]
+    assert "step() returns after Adam" in runs["off"][0]["mode"]
+    assert runs["on"][0]["counts"].get("optimizer_early", 0) > 0 and "optimizer_early" not in runs["off"][0]["counts"]
+    for early, whole in zip(runs["on"], runs["off"]):
+        assert early["losses"] == whole["losses"]
+        for key, value in whole["state"].items():
+            assert torch.equal(early["state"][key], value), key
+        assert torch.equal(early["eval_logits"], whole["eval_logits"])
+
+
+def test_host_and_nvme_sub_groups_step_early_in_the_forwards_order(tmp_path, monkeypatch):
+    """A host budget keeps the first sub-groups on the host and the rest on NVMe: the early step walks both in unit
+    order, and a reader right after step() (here the whole state dict) sees the finished step."""
+    monkeypatch.setenv("OFFLOAD_EMULATED_HOST_DELAY_S", "0.003")
+    probe = describe_engine(0, 1, nvme_config(tmp_path / "probe", early="off"))
+    host = probe["memory"]["host"]["total"] + 60_000
+
+    def run(early: str) -> tuple[dict, dict, list[float]]:
+        engine, optimizer, *_ = offload.initialize(model=make_model("gpt"),
+                                                   config=nvme_config(tmp_path / early, early=early, host=host))
+        tiers = dict(optimizer.store.placement.tiers)
+        losses, states = [], []
+        for tokens in batches(4, 2):
+            losses.append(engine.backward(loss_of(engine, "gpt", tokens)).item())
+            engine.step()
+            states.append(engine.full_state_dict())
+        engine.close()
+        return tiers, states, losses
+
+    tiers, early_states, early_losses = run("on")
+    assert tiers.get("host", 0) > 0 and tiers.get("nvme", 0) > 0
+    _, whole_states, whole_losses = run("off")
+    assert early_losses == whole_losses
+    for early, whole in zip(early_states, whole_states):
+        for key, value in whole.items():
+            assert torch.equal(early[key], value), key
+
+
+def test_auto_keeps_a_step_with_nvme_state_whole_and_says_why(tmp_path):
+    mode = run_ranks(describe_engine, 1, config=nvme_config(tmp_path, early="auto"), device="cpu")[0]["mode"]
+    assert "step() returns after Adam" in mode and "'auto' keeps a step whose optimizer state is on NVMe" in mode
+
+
+def test_a_write_that_fails_after_step_returned_loses_the_step_and_says_so(tmp_path, monkeypatch):
+    import offload.aio.base as base
+    engine, optimizer, *_ = offload.initialize(model=make_model("gpt"), config=nvme_config(tmp_path))
+    tokens = batches(3, 2)
+    engine.backward(loss_of(engine, "gpt", tokens[0]))
+    engine.step()
+    engine.optimizer.drain()
+    before = {u: optimizer.store.read_master(u) for u in optimizer.store.by_unit}
+    real = os.pwritev
+    calls = {"n": 0}
+
+    def failing(fd, bufs, off):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second write piece: an earlier sub-group's write went through
+            raise OSError(5, os.strerror(5))
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(base.os, "pwritev", failing)
+    engine.backward(loss_of(engine, "gpt", tokens[1]))
+    engine.step()  # returns before its NVMe pass has written anything
+    engine.backward(loss_of(engine, "gpt", tokens[2]))  # the pass fails beside this backward
+    monkeypatch.undo()
+    with pytest.raises(EarlyStepLost, match=r"step 2's optimizer state failed after step\(\) had returned .*"
+                                            r"holds the optimizer state of step 1.*load the last checkpoint"):
+        engine.step()
+    with pytest.raises(EarlyStepLost):  # every later reader is told too: nothing half-stepped is saved
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    assert calls["n"] >= 2
+    for unit, master in before.items():  # no slot flipped: the swap file holds step 1's state
+        assert torch.equal(optimizer.store.read_master(unit), master), unit
+    engine.close()
+    assert not list(tmp_path.glob("**/*.swap")), "close() still removes the swap files"
