@@ -29,17 +29,25 @@ def nvme_config(path, world: int = 1, accum: int = 1, early: str = "on", specula
     return config
 
 
-@pytest.mark.parametrize("world,accum,speculative", [(1, 1, "off"), (1, 2, "auto"), (2, 1, "auto")],
-                         ids=["W1-after-backward", "W1-accum2-adaptive", "W2-adaptive"])
-def test_the_early_nvme_step_trains_bitwise_as_the_whole_step(tmp_path, world, accum, speculative):
-    """``auto`` speculation on NVMe runs only after a step whose clipping did not fire: with clipping at 0.05 some
-    steps speculate (their pass runs in backward and finishes in the step) and the others return early."""
+@pytest.mark.parametrize("world,accum,speculative,clip", [(1, 1, "off", 1.0), (1, 1, "auto", 2.0),
+                                                           (1, 2, "auto", 1.0), (2, 1, "auto", 1.0)],
+                         ids=["W1-after-backward", "W1-adaptive-mixed", "W1-accum2-adaptive", "W2-adaptive"])
+def test_the_early_nvme_step_trains_bitwise_as_the_whole_step(tmp_path, world, accum, speculative, clip):
+    """``auto`` speculation on NVMe runs only after a step whose clipping did not fire (and on the first), so the
+    first step speculates and recomputes (it clips) and the next returns early; at W = 1 with a max norm of 2.0
+    the later steps do not clip, so they speculate and keep, their pass run in backward and finished in the
+    step."""
     runs = {early: run_ranks(train_engine, world, env=HOST_LAG, name="gpt", steps=5, micro=2, accum=accum,
-                             config=nvme_config(tmp_path / early, world, accum, early, speculative, clip=0.05))
+                             config=nvme_config(tmp_path / early, world, accum, early, speculative, clip=clip))
             for early in ("on", "off")}
     assert "NVMe reads, Adam and writes run beside the next forward" in runs["on"][0]["mode"]
     assert "step() returns after Adam" in runs["off"][0]["mode"]
-    assert runs["on"][0]["counts"].get("optimizer_early", 0) > 0 and "optimizer_early" not in runs["off"][0]["counts"]
+    counts = runs["on"][0]["counts"]
+    assert counts.get("optimizer_early", 0) > 0 and "optimizer_early" not in runs["off"][0]["counts"]
+    if speculative == "auto":
+        assert counts.get("speculation_recomputed", 0) > 0, counts
+    if clip == 2.0:
+        assert counts.get("speculation_kept", 0) > 0, counts
     for early, whole in zip(runs["on"], runs["off"]):
         assert early["losses"] == whole["losses"]
         for key, value in whole["state"].items():

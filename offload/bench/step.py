@@ -48,8 +48,9 @@ from offload.telemetry import BACKGROUND, FOREGROUND
 
 
 NOISE_FLOOR_S = 0.05  # CPU steps shorter than this time mostly the machine's noise (thread wake-ups, other tenants)
+# Variants that run only when --variants names them.
 NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "nvme-optimizer-speculative",
-              "nvme-optimizer-speculative-kept", "nvme-optimizer-early")  # variants that run only when --variants names them
+              "nvme-optimizer-speculative-kept", "nvme-optimizer-early")
 
 
 @dataclass(kw_only=True)
