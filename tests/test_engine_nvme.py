@@ -73,8 +73,9 @@ def test_budgets_that_cannot_work_fail_at_initialize_with_the_numbers(tmp_path):
 
 
 def test_the_steps_first_reads_start_when_the_last_backward_does(tmp_path):
-    """They are issued ahead (one per buffer) and taken over by the step; a master read in between waits for them
-    and drops them (the step reads again), and the training is bitwise the same either way."""
+    """They are issued ahead (one per buffer here: the sub-groups are of one size) and taken over by the step; a
+    master read in between waits for them and drops them (the step reads again), and the training is bitwise the
+    same either way."""
     def run(interleave: bool) -> tuple[dict, int, int]:
         engine, optimizer, *_ = offload.initialize(model=make_model("gpt"), config=nvme_config(tmp_path, buffers=3))
         groups = sum(g.tier == "nvme" for g in optimizer.store.groups)

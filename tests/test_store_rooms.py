@@ -577,10 +577,10 @@ def masters(seed: int) -> dict[int, torch.Tensor]:
     return {unit: values(n, seed * 100 + unit, torch.float32) for unit, n in OPT_UNITS}
 
 
-def built(rooms, **kw) -> tuple[OptimizerStateStore, dict[int, torch.Tensor]]:
+def built(rooms, units=OPT_UNITS, **kw) -> tuple[OptimizerStateStore, dict[int, torch.Tensor]]:
     """A store whose state is the masters of seed 1 with zero moments; returns it and each sub-group's state."""
-    store = rooms.optimizer(OPT_UNITS, 1000, **kw)
-    m = masters(1)
+    store = rooms.optimizer(units, 1000, **kw)
+    m = {unit: values(n, 100 + unit, torch.float32) for unit, n in units}
     for unit, master in m.items():
         store.init_member(unit, master)
     state = {}
@@ -672,6 +672,34 @@ def test_optimizer_failed_transfer_then_abort_pass_keeps_the_last_completed_step
     assert_state(store, state)  # bitwise the last completed step
     assert run_pass(store, 2) == [3, 2, 1, 0]  # the retry
     assert_state(store, stepped(state, 2))
+
+
+# One large unit (an embedding's) and small ones: sub-groups of 5000, 700, 800 and 300 elements, whose states take
+# 61440, 12288, 12288 and 4096 bytes on the wire; each buffer holds the largest.
+PACKED_UNITS = [(0, 5000), (1, 700), (2, 800), (3, 300)]
+
+
+@pytest.mark.parametrize("buffers, ahead", [(2, 4), (1, 3)])
+def test_optimizer_small_sub_groups_pack_into_buffers_the_large_one_sizes(rooms, buffers, ahead):
+    """Backward's order reads 300, 800 and 700 into the first buffer together (28672 of its 61440 bytes) and the
+    5000 into the second; with one buffer, the 5000 waits until the three small ones are written. Every step
+    reads back bitwise, and a transfer that fails mid-pass leaves the last completed step."""
+    store, state = built(rooms, PACKED_UNITS, buffer_count=buffers)
+    assert [g.numel for g in store.groups] == [5000, 700, 800, 300]
+    rooms.engine.hold()
+    assert store.read_ahead() == ahead  # one per buffer without packing: 2 and 1
+    rooms.engine.release()
+    for k in (1, 2):
+        assert run_pass(store, k) == [3, 2, 1, 0]
+        state = stepped(state, k)
+        assert_state(store, state)
+    rooms.engine.fail("write", file=OPTIMIZER, skip=2)
+    with pytest.raises(SwapIOError):
+        run_pass(store, 3)
+    store.abort_pass()
+    assert_state(store, state)
+    assert run_pass(store, 3) == [3, 2, 1, 0]
+    assert_state(store, stepped(state, 3))
 
 
 def test_optimizer_corrupted_slot_is_caught_by_the_checksum(rooms):

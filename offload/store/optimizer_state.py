@@ -17,10 +17,11 @@ completed. Host sub-groups are processed after every NVMe write has completed.
 ``NvmePass`` holds one step's pass and its states.
 
 [Note: reads ahead of the step] The step's first reads do not depend on the gradients,
-so ``read_ahead`` issues them (one per buffer, in the pass's order) when the last
-micro-batch's backward begins, and the pass takes them over: with up to buffer_count
-NVMe sub-groups (DeepSpeed's defaults, sub_group_size 1e9 and 4 buffers, cover 4B
-parameters per rank) every read of the step hides under backward. Anything else that
+so ``read_ahead`` issues them (as many as the buffers hold, in the pass's order: see
+[Note: sub-groups packed into the buffers]) when the last micro-batch's backward begins,
+and the pass takes them over: with up to buffer_count NVMe sub-groups (DeepSpeed's
+defaults, sub_group_size 1e9 and 4 buffers, cover 4B parameters per rank), or small ones
+that fit together, every read of the step hides under backward. Anything else that
 uses the buffers (a master read, a checkpoint, building) first waits for them and drops
 them; nothing writes a current slot while they are in flight.
 
@@ -396,11 +397,27 @@ class OptimizerStateStore:
             g.resident = None
 
 
+@dataclass
+class _Space:
+    """One NVMe buffer as the pass fills it (see [Note: sub-groups packed into the buffers])."""
+
+    buffer: AlignedBuffer
+    used: int = 0  # bytes placed since it was last emptied
+    holding: int = 0  # sub-groups placed in it and not released yet
+    writes: list[RequestGroup] = field(default_factory=list)  # of the released ones placed since it was emptied
+
+
 class NvmePass:
-    """One step's pass over the NVMe sub-groups, in a fixed order. A sub-group goes upcoming -> reading (a
-    buffer's read in flight) -> resident (taken: the caller steps it) -> writing (released: its new state
+    """One step's pass over the NVMe sub-groups, in a fixed order. A sub-group goes upcoming -> reading (its
+    read into a buffer in flight) -> resident (taken: the caller steps it) -> writing (released: its new state
     goes to the other slot) -> committed (``finish``: every write completed, the new slots become current).
-    A buffer is read into again only after its write has completed."""
+
+    [Note: sub-groups packed into the buffers] Each buffer holds the largest sub-group, and a model with one
+    large unit (an embedding of 50k x 768 is 39M elements, 463 MB of state) would leave every other buffer
+    mostly empty with one small sub-group in it. So the pass packs sub-groups into the buffers by bytes, in its
+    order: it fills one buffer, then the next, and comes back to a buffer only once every sub-group placed in it
+    was released and its writes completed. With uniform sub-groups that is one per buffer, as before; with one
+    large unit most of the step's reads go ahead of it (under backward) in the same memory."""
 
     def __init__(self, file: TwoSlotFile, groups: list[SubGroup], buffers: list[AlignedBuffer],
                  telemetry: Telemetry, ledger: SyncLedger, forward: bool = False) -> None:
@@ -408,9 +425,11 @@ class NvmePass:
         self.forward = forward  # the forward's order (first units first), for the early step
         self.order = list(groups)
         self.upcoming: deque[SubGroup] = deque(groups)
-        self.reading: deque[tuple[SubGroup, AlignedBuffer, object]] = deque()
-        self.free: deque[tuple[AlignedBuffer, RequestGroup | None]] = deque((b, None) for b in buffers)
-        self.taken: dict[int, tuple[SubGroup, AlignedBuffer]] = {}  # resident, not released yet
+        # (sub-group, its buffer, its bytes there, the read)
+        self.reading: deque[tuple[SubGroup, _Space, torch.Tensor, object]] = deque()
+        self.spaces = [_Space(b) for b in buffers]
+        self._at = 0  # the buffer being filled
+        self.taken: dict[int, tuple[SubGroup, _Space, torch.Tensor]] = {}  # resident, not released yet
         self.released: dict[int, tuple[SubGroup, object]] = {}  # written (or being written), not committed
         self._transfers: list[object] = []  # every read and write, for the time the pass had I/O in flight
         self._arrived: dict[int, set[int]] = {}
@@ -431,21 +450,22 @@ class NvmePass:
     def take(self) -> SubGroup:
         """The next sub-group, resident once its read has completed."""
         self._fill()
-        g, buf, read = self.reading.popleft()
-        self.taken[g.index] = (g, buf)
+        g, space, memory, read = self.reading.popleft()
+        self.taken[g.index] = (g, space, memory)
         with self.tel.span("nvme_wait", "read"):
             self.ledger.block("optimizer state read")
             read.wait()  # type: ignore[attr-defined]
-        g.resident = buf.view(torch.float32, KINDS * g.numel).view(KINDS, g.numel)
+        g.resident = memory.view(torch.float32)[:KINDS * g.numel].view(KINDS, g.numel)
         return g
 
     def release(self, g: SubGroup) -> None:
         """The caller is done with ``g``: write its state to the slot that is not current."""
-        _, buf = self.taken.pop(g.index)
+        _, space, memory = self.taken.pop(g.index)
         g.resident = None
-        write = self.file.write_next(g.index, buf.tensor)
+        write = self.file.write_next(g.index, memory)
         self._transfers.append(write)
-        self.free.append((buf, write))
+        space.holding -= 1
+        space.writes.append(write)
         self.released[g.index] = (g, write)
         self.tel.add_bytes("nvme_write", g.nbytes)
 
@@ -464,7 +484,7 @@ class NvmePass:
     def abort(self) -> list[SubGroup]:
         """Let every transfer finish (buffers are reused after) and flip nothing; returns the sub-groups it
         handed out (their new state is discarded)."""
-        for _, _, read in self.reading:
+        for *_, read in self.reading:
             _quiet_wait(read)
         for _, write in self.released.values():
             _quiet_wait(write)
@@ -475,7 +495,7 @@ class NvmePass:
     def settle(self) -> list[SubGroup]:
         """Stop early: reads are dropped, released sub-groups whose write completed are committed (their step
         is kept); returns those whose new state is lost (a failed write, or never released)."""
-        for _, _, read in self.reading:
+        for *_, read in self.reading:
             _quiet_wait(read)
         lost = []
         for g, write in self.released.values():
@@ -487,24 +507,35 @@ class NvmePass:
         return lost + self._drop_taken()
 
     def _drop_taken(self) -> list[SubGroup]:
-        taken = [g for g, _ in self.taken.values()]
+        taken = [g for g, *_ in self.taken.values()]
         for g in taken:
             g.resident = None
         self.taken.clear()
         return taken
 
     def _fill(self) -> None:
-        """Reads into every free buffer, in the pass's order (a buffer's write completes first)."""
-        while self.upcoming and self.free:
-            buf, write = self.free.popleft()
-            if write is not None:
+        """Reads into the buffers' free room, in the pass's order (see [Note: sub-groups packed into the
+        buffers]); a buffer is filled again once all it held was released and written."""
+        while self.upcoming:
+            g, space = self.upcoming[0], self.spaces[self._at]
+            if space.used + g.nbytes > space.buffer.capacity:
+                following = self.spaces[(self._at + 1) % len(self.spaces)]
+                if following.holding:  # still read into or stepped: no room until it is released
+                    return
                 with self.tel.span("nvme_wait", "write"):
-                    self.ledger.block("optimizer state written")
-                    write.wait()
-            g = self.upcoming.popleft()
-            read = self.file.read(g.index, buf.tensor)
+                    for write in following.writes:
+                        self.ledger.block("optimizer state written")
+                        write.wait()
+                following.used, following.writes = 0, []
+                self._at = (self._at + 1) % len(self.spaces)
+                continue
+            self.upcoming.popleft()
+            memory = space.buffer.tensor[space.used:space.used + g.nbytes]
+            space.used += g.nbytes
+            space.holding += 1
+            read = self.file.read(g.index, memory)
             self._transfers.append(read)
-            self.reading.append((g, buf, read))
+            self.reading.append((g, space, memory, read))
             self.tel.add_bytes("nvme_read", g.nbytes)
 
 
