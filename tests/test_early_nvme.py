@@ -64,13 +64,18 @@ def test_host_and_nvme_sub_groups_step_early_in_the_forwards_order(tmp_path, mon
 
     def run(early: str) -> tuple[dict, dict, list[float]]:
         engine, optimizer, *_ = offload.initialize(model=make_model("gpt"),
-                                                   config=nvme_config(tmp_path / early, early=early, host=host))
+                                                   config=nvme_config(tmp_path / early, early=early, host=host,
+                                                                      speculative="off"))
         tiers = dict(optimizer.store.placement.tiers)
         losses, states = [], []
         for tokens in batches(4, 2):
             losses.append(engine.backward(loss_of(engine, "gpt", tokens)).item())
             engine.step()
             states.append(engine.full_state_dict())
+        if early == "on":  # the reads went ahead (in the forward's order) and each sub-group was read once a step
+            state_bytes = sum(g.nbytes for g in optimizer.store.groups if g.tier == "nvme")
+            assert optimizer.store.reads_ahead > 0
+            assert engine.telemetry.snapshot().bytes["nvme_read"] == 4 * state_bytes
         engine.close()
         return tiers, states, losses
 
@@ -88,35 +93,60 @@ def test_auto_keeps_a_step_with_nvme_state_whole_and_says_why(tmp_path):
     assert "step() returns after Adam" in mode and "'auto' keeps a step whose optimizer state is on NVMe" in mode
 
 
-def test_a_write_that_fails_after_step_returned_loses_the_step_and_says_so(tmp_path, monkeypatch):
+def _count_calls(monkeypatch, module, name: str, fail_at: int | None = None, error: BaseException | None = None
+                 ) -> dict[str, int]:
+    """Count ``module.name``'s calls; the ``fail_at``-th raises ``error``."""
+    real, calls = getattr(module, name), {"n": 0}
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("what", ["first write", "last write", "a read", "Adam"])
+def test_a_failure_after_step_returned_loses_the_step_and_says_so(tmp_path, monkeypatch, what):
+    """The last write fails in the pass's final wait, a read in the pass itself, Adam (out of memory, say) outside
+    any transfer: each is the same lost step, said by the next step and by a checkpoint, and close() still
+    releases everything."""
     import offload.aio.base as base
+    from offload.aio.base import SwapIOError
+    from offload.optim.sharded import ShardedAdam
     engine, optimizer, *_ = offload.initialize(model=make_model("gpt"), config=nvme_config(tmp_path))
     tokens = batches(3, 2)
     engine.backward(loss_of(engine, "gpt", tokens[0]))
     engine.step()
-    engine.optimizer.drain()
-    before = {u: optimizer.store.read_master(u) for u in optimizer.store.by_unit}
-    real = os.pwritev
-    calls = {"n": 0}
-
-    def failing(fd, bufs, off):
-        calls["n"] += 1
-        if calls["n"] == 2:  # the second write piece: an earlier sub-group's write went through
-            raise OSError(5, os.strerror(5))
-        return real(fd, bufs, off)
-
-    monkeypatch.setattr(base.os, "pwritev", failing)
+    writes = _count_calls(monkeypatch, base.os, "pwritev")  # one step's write pieces, counted on a clean step
     engine.backward(loss_of(engine, "gpt", tokens[1]))
-    engine.step()  # returns before its NVMe pass has written anything
-    engine.backward(loss_of(engine, "gpt", tokens[2]))  # the pass fails beside this backward
+    engine.step()
+    engine.optimizer.drain()
     monkeypatch.undo()
-    with pytest.raises(EarlyStepLost, match=r"step 2's optimizer state failed after step\(\) had returned .*"
-                                            r"holds the optimizer state of step 1.*load the last checkpoint"):
+    before = {u: optimizer.store.read_master(u) for u in optimizer.store.by_unit}  # step 2's, now current
+    io = OSError(5, os.strerror(5))
+    if what == "first write":
+        _count_calls(monkeypatch, base.os, "pwritev", 1, io)
+    elif what == "last write":
+        _count_calls(monkeypatch, base.os, "pwritev", writes["n"], io)
+    elif what == "a read":  # the first of the step's reads, issued ahead when its backward begins
+        _count_calls(monkeypatch, base.os, "preadv", 1, io)
+    else:
+        _count_calls(monkeypatch, ShardedAdam, "_step_shard", 3, MemoryError("no memory for Adam"))
+    engine.backward(loss_of(engine, "gpt", tokens[2]))
+    engine.step()  # returns before its pass has run
+    engine.backward(loss_of(engine, "gpt", tokens[0]))  # the pass fails beside this backward
+    monkeypatch.undo()
+    with pytest.raises(EarlyStepLost, match=r"step 3's optimizer state failed after step\(\) had returned .*"
+                                            r"holds the optimizer state of step 2.*load the last checkpoint") as e:
         engine.step()
+    assert isinstance(e.value.__cause__, MemoryError if what == "Adam" else SwapIOError), e.value.__cause__
     with pytest.raises(EarlyStepLost):  # every later reader is told too: nothing half-stepped is saved
         engine.save_checkpoint(str(tmp_path / "ckpt"))
-    assert calls["n"] >= 2
-    for unit, master in before.items():  # no slot flipped: the swap file holds step 1's state
+    assert all(g.resident is None for g in optimizer.store.groups if g.tier == "nvme")
+    for unit, master in before.items():  # no slot flipped: the swap file holds step 2's state
         assert torch.equal(optimizer.store.read_master(unit), master), unit
     engine.close()
     assert not list(tmp_path.glob("**/*.swap")), "close() still removes the swap files"

@@ -120,11 +120,13 @@ the last backward does, in that order, queued behind the last step's pass on the
 and the writes of the state all run beside the next forward and backward instead of between them, which on a
 machine where they are mostly I/O takes the disk off the step. It runs only on steps whose backward did not step
 the NVMe sub-groups itself (overlapped or speculated: those passes run in backward's order and finish in the step).
-What it gives up: a transfer that fails after step() returned cannot leave the last step intact, since some units'
-new parameters already reached the forward; the pass stops (no slot flips: the swap file keeps the state of the
-step before), the rest of the step is dropped and every later drain (the next step, a checkpoint, close) raises
-``EarlyStepLost`` saying so, and the engine must be rebuilt from the last checkpoint. Hence ``early_step: auto``
-leaves a step with NVMe state whole (a failed transfer there is retried), and ``on`` opts in.
+What it gives up: a transfer that fails after step() returned (or anything else in the pass: every task of such a
+step runs guarded, so the worker itself goes on) cannot leave the last step intact, since some units' new parameters
+already reached the forward; the pass stops (no slot flips: the swap file keeps the state of the step before), the
+rest of the step is dropped with its gradients, and every later drain (the next step, a checkpoint) raises
+``EarlyStepLost`` saying so; close() still releases everything. The engine must be rebuilt from the last checkpoint.
+At W > 1 only the failing rank raises (as with any failed step); the others wait in the next collective. Hence
+``early_step: auto`` leaves a step with NVMe state whole (a failed transfer there is retried), and ``on`` opts in.
 
 [Note: delayed update] Opt-in (offload.delayed_update), and not exact by design: ZeRO-Offload's
 delayed parameter update. The step is the early step's, but on a host thread of its own, in
@@ -361,7 +363,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._pending: set[int] = set()
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         self._early_lost: EarlyStepLost | None = None  # ... of an early step: sticky (see [Note: the early step ...])
-        self._early_nvme = False  # an early step's NVMe pass may still run on the landing worker
+        self._early_run: NvmePass | None = None  # an early step's NVMe pass, until the landing worker finished it
         if self.offload and sizes:
             self._reserve_host(plan.step_buffers)
         self.store = OptimizerStateStore(plan.groups, accel=accel, host=plan.host, nvme=plan.nvme,
@@ -606,12 +608,21 @@ class ShardedAdam(torch.optim.Optimizer):
         self._in_place = only and self._reads_in_place
         self._sent_in_place.clear()
         forward = early and not overlap
-        if self._early_nvme and self._land is not None:  # the last step's pass may still hold the buffers
-            self._land.run(lambda: self.store.read_ahead(forward))
+        if early and self.can_return_early_with_nvme and self._land is not None:
+            # Queued behind the last step's pass, which may still hold the buffers (the queue orders the two).
+            self._land.run(lambda: self._read_ahead_quietly(forward))
         else:
             self.store.read_ahead(forward)
         if overlap:
             self.begin_overlap(guess)
+
+    def _read_ahead_quietly(self, forward: bool) -> None:
+        """On the landing worker: the step's first reads; one that fails is dropped here (the worker goes on) and
+        read again by the step, which says so."""
+        try:
+            self.store.read_ahead(forward)
+        except Exception:  # noqa: BLE001
+            self.store.drop_read_ahead()
 
     def drain(self) -> None:
         """Wait until every gradient sent so far is in its accumulator and every step handed to a host thread has
@@ -738,22 +749,24 @@ class ShardedAdam(torch.optim.Optimizer):
         # Last step's copies back read the host copies this step rewrites.
         lane.run(lambda: self.params.wait_copies_back())
         later: list[tuple[SubGroup, Member]] = []  # the delayed update's, handed over in backward's order
-        run = self.store.detach_pass()  # the NVMe pass, in the forward's order (see [Note: the early step on NVMe])
-        if run is not None:
-            self._early_nvme = True
-        for group in (self.store.groups if run is not None else self.store.step_pass()):
+        for group in self.store.groups:  # on the compute stream, before step() returns (and before the NVMe pass)
+            if group.tier == "device":
+                for member in group.members:
+                    self._step_shard(member.unit, group.views(member), step, hypers, grad_scale)
+                    self.shards[member.unit].empty()
+        # The NVMe pass in the forward's order; from here on only the landing worker touches it, and every task of
+        # this step runs guarded by it (see [Note: the early step on NVMe]).
+        run = self._early_run = self.store.detach_pass()
+        for group in self.store.groups:
             if group.tier == "nvme":
                 assert run is not None
                 self._hand_over_sub_group(lane, run, group, step, hypers, grad_scale, after)
-                continue
-            for member in group.members:
-                if group.tier == "device":  # on the compute stream, before step() returns
-                    self._step_shard(member.unit, group.views(member), step, hypers, grad_scale)
-                    self.shards[member.unit].empty()
-                elif delayed:
-                    later.append((group, member))
-                else:
-                    self._hand_over(lane, group, member, step, hypers, grad_scale, after)
+            elif group.tier != "device":
+                for member in group.members:
+                    if delayed:
+                        later.append((group, member))
+                    else:
+                        self._hand_over(lane, group, member, step, hypers, grad_scale, after, run=run)
         if run is not None:
             lane.run(lambda: self._early_io(run, step, run.finish))
         # The next backward's first gradients wait for the first shards the delayed update steps.
@@ -765,10 +778,15 @@ class ShardedAdam(torch.optim.Optimizer):
         self._end_accumulation()
 
     def _hand_over(self, lane: WorkerStream, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper],
-                   grad_scale: float, after: Event, delayed: bool = False) -> None:
-        """One shard's early (or delayed) step queued on ``lane``, and the events its next readers wait for."""
+                   grad_scale: float, after: Event, delayed: bool = False, run: NvmePass | None = None) -> None:
+        """One shard's early (or delayed) step queued on ``lane``, and the events its next readers wait for;
+        ``run``: the step's NVMe pass, which a failure stops (see [Note: the early step on NVMe])."""
         self.accel.schedule.work("hook_step", member.unit)
-        lane.run(lambda: self._step_early(group, member, step, hypers, grad_scale, after, delayed))
+        if run is None:
+            lane.run(lambda: self._step_early(group, member, step, hypers, grad_scale, after, delayed))
+        else:
+            lane.run(lambda: self._early_io(run, step, lambda: self._step_early(group, member, step, hypers,
+                                                                                 grad_scale, after)))
         state = self.shards[member.unit]
         if delayed:  # nothing reads the staged shard before publish() drains the thread
             state.adam_read = lane.record(into=state.adam_read)
@@ -788,18 +806,18 @@ class ShardedAdam(torch.optim.Optimizer):
 
         lane.run(lambda: self._early_io(run, step, take))
         for member in group.members:
-            self._hand_over(lane, group, member, step, hypers, grad_scale, after)
+            self._hand_over(lane, group, member, step, hypers, grad_scale, after, run=run)
         lane.run(lambda: self._early_io(run, step, lambda: run.release(group)))
 
-    def _early_io(self, run: NvmePass, step: int, transfer: Callable[[], None]) -> None:
-        """On the landing worker: one of the early NVMe pass's transfers; a failure stops the pass and loses the
-        step (see [Note: the early step on NVMe])."""
-        if self._early_lost is not None:
+    def _early_io(self, run: NvmePass, step: int, work: Callable[[], None]) -> None:
+        """On the landing worker: one task of an early step with an NVMe pass (a transfer, a shard's Adam); any
+        failure stops the pass and loses the step, and the worker goes on (see [Note: the early step on NVMe])."""
+        if self._early_lost is not None:  # the step is lost: the rest of its tasks do nothing
             return
         try:
-            transfer()
+            work()
             if not run.remaining() and not run.taken and not run.released:
-                self._early_nvme = False  # finished: the buffers are free
+                self._early_run = None  # finished: the buffers are free
         except Exception as e:  # noqa: BLE001 - said by every later drain
             self._early_lost = EarlyStepLost(
                 f"an NVMe transfer of step {step}'s optimizer state failed after step() had returned ({e}): the swap "
@@ -809,7 +827,10 @@ class ShardedAdam(torch.optim.Optimizer):
                 "optimizer state on NVMe whole, and a failed transfer then leaves it retryable)")
             self._early_lost.__cause__ = e
             run.abort()
-            self._early_nvme = False
+            self._early_run = None
+            for state in self.shards.values():  # the rest of the step is dropped with its gradients
+                if state.phase is ShardPhase.HOLDING:
+                    state.empty()
 
     def _step_early(self, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper], grad_scale: float,
                     after: Event, delayed: bool = False) -> None:
@@ -1056,15 +1077,25 @@ class ShardedAdam(torch.optim.Optimizer):
                 state.empty()
 
     def close(self) -> None:
+        error: BaseException | None = None
         try:
             self.drain()
         except EarlyStepLost as e:  # said at every drain since; closing still releases what the engine holds
             logger.error("closing after a lost step: %s", e)
-        if self._d2h is not None:
-            self._d2h.synchronize()
-        self.params.wait_copies_back()
-        self.store.close()
-        self.shards.clear()
+        except Exception as e:  # noqa: BLE001 - raised once everything is released
+            error = e
+        run, self._early_run = self._early_run, None
+        if run is not None:  # a worker that failed outside the pass's guard left it running: its I/O ends first
+            run.abort()
+        try:
+            if self._d2h is not None:
+                self._d2h.synchronize()
+            self.params.wait_copies_back()
+        finally:
+            self.store.close()
+            self.shards.clear()
+        if error is not None:
+            raise error
 
 
 def _by_group(segments: list[Segment]) -> dict[int, list[Segment]]:

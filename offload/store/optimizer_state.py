@@ -343,8 +343,9 @@ class OptimizerStateStore:
         if self._file is None:
             return None
         run, self._pass = self._pass, None
-        if run is not None and not run.forward:  # read ahead for a step that did not return early: start over
-            run.settle()
+        if run is not None and not run.forward:  # read ahead in backward's order: only its reads are dropped
+            assert not (run.taken or run.released), "an NVMe pass that stepped during backward finishes in step()"
+            run.abort()
             run = None
         return run or self._new_pass(forward=True)
 
