@@ -768,7 +768,7 @@ class ShardedAdam(torch.optim.Optimizer):
                     else:
                         self._hand_over(lane, group, member, step, hypers, grad_scale, after, run=run)
         if run is not None:
-            lane.run(lambda: self._early_io(run, step, run.finish))
+            lane.run(lambda: self._early_task(run, step, lambda: self._finish_early(run)))
         # The next backward's first gradients wait for the first shards the delayed update steps.
         for group, member in reversed(later):
             self._hand_over(lane, group, member, step, hypers, grad_scale, after, delayed=True)
@@ -785,7 +785,7 @@ class ShardedAdam(torch.optim.Optimizer):
         if run is None:
             lane.run(lambda: self._step_early(group, member, step, hypers, grad_scale, after, delayed))
         else:
-            lane.run(lambda: self._early_io(run, step, lambda: self._step_early(group, member, step, hypers,
+            lane.run(lambda: self._early_task(run, step, lambda: self._step_early(group, member, step, hypers,
                                                                                  grad_scale, after)))
         state = self.shards[member.unit]
         if delayed:  # nothing reads the staged shard before publish() drains the thread
@@ -804,20 +804,23 @@ class ShardedAdam(torch.optim.Optimizer):
             taken = run.take()
             assert taken is group, f"the NVMe pass took sub-group {taken.index}, the early step expected {group.index}"
 
-        lane.run(lambda: self._early_io(run, step, take))
+        lane.run(lambda: self._early_task(run, step, take))
         for member in group.members:
             self._hand_over(lane, group, member, step, hypers, grad_scale, after, run=run)
-        lane.run(lambda: self._early_io(run, step, lambda: run.release(group)))
+        lane.run(lambda: self._early_task(run, step, lambda: run.release(group)))
 
-    def _early_io(self, run: NvmePass, step: int, work: Callable[[], None]) -> None:
+    def _finish_early(self, run: NvmePass) -> None:
+        """The early pass's last writes completed and its slots flipped: the buffers are free."""
+        run.finish()
+        self._early_run = None
+
+    def _early_task(self, run: NvmePass, step: int, work: Callable[[], None]) -> None:
         """On the landing worker: one task of an early step with an NVMe pass (a transfer, a shard's Adam); any
         failure stops the pass and loses the step, and the worker goes on (see [Note: the early step on NVMe])."""
         if self._early_lost is not None:  # the step is lost: the rest of its tasks do nothing
             return
         try:
             work()
-            if not run.remaining() and not run.taken and not run.released:
-                self._early_run = None  # finished: the buffers are free
         except Exception as e:  # noqa: BLE001 - said by every later drain
             self._early_lost = EarlyStepLost(
                 f"an NVMe transfer of step {step}'s optimizer state failed after step() had returned ({e}): the swap "
@@ -836,9 +839,6 @@ class ShardedAdam(torch.optim.Optimizer):
                     after: Event, delayed: bool = False) -> None:
         index = member.unit
         state = self.shards[index]
-        if self._early_lost is not None:  # the step is lost (see [Note: the early step on NVMe])
-            state.empty()
-            return
         if state.phase is not ShardPhase.STEPPED:
             with self.telemetry.span("optimizer_delayed" if delayed else "optimizer_early", state.name):
                 if state.phase is ShardPhase.SPECULATED:

@@ -424,7 +424,6 @@ class NvmePass:
                  telemetry: Telemetry, ledger: SyncLedger, forward: bool = False) -> None:
         self.file, self.tel, self.ledger = file, telemetry, ledger
         self.forward = forward  # the forward's order (first units first), for the early step
-        self.order = list(groups)
         self.upcoming: deque[SubGroup] = deque(groups)
         # (sub-group, its buffer, its bytes there, the read)
         self.reading: deque[tuple[SubGroup, _Space, torch.Tensor, object]] = deque()
