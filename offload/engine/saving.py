@@ -21,7 +21,7 @@ import torch
 from offload.checkpoint_files import (FORMAT, LATEST, CheckpointError, RankWriter, ShardReader, partitions, phase,
                                       publish, read_meta, resolve, save_small, sweep_stale, tmp_dir, verify,
                                       writer_lock)
-from offload.engine.weights import state_dict_layout
+from offload.engine.weights import rewrite_units, state_dict_layout
 from offload.version import __version__
 from offload.zero.collectives import all_ok
 
@@ -240,22 +240,17 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
     # zero_optimization.load_from_fp32_weights false: the master weights are rebuilt from the checkpoint's
     # compute-dtype weights (rounded), as DeepSpeed does from its 16-bit ones.
     rounded = None if engine.config.zero_optimization.load_from_fp32_weights else getattr(torch, meta["compute_dtype"])
+    def load_state(index: int, views: tuple[torch.Tensor, ...]) -> bool:
+        master, exp_avg, exp_avg_sq = views
+        saved = take(units[index], "master")
+        master.copy_(saved if rounded is None else saved.to(rounded).float())
+        if moments:
+            exp_avg.copy_(take(units[index], "exp_avg"))
+            exp_avg_sq.copy_(take(units[index], "exp_avg_sq"))
+        return True
+
     try:
-        for g in engine.optimizer.store.one_at_a_time(read=not moments, write=True):
-            for m in g.members:
-                unit = units[m.unit]
-                master, exp_avg, exp_avg_sq = g.views(m)
-                saved = take(unit, "master")
-                master.copy_(saved if rounded is None else saved.to(rounded).float())
-                if moments:
-                    exp_avg.copy_(take(unit, "exp_avg"))
-                    exp_avg_sq.copy_(take(unit, "exp_avg_sq"))
-                engine.params.overwrite(unit.index, master)
-        for unit in engine.units:
-            if unit.index not in engine.optimizer.shards:
-                engine.params.overwrite(unit.index, take(unit, "shard"))
-        if engine.stage.resident_params:
-            engine.runtime.spread_partitions()
+        rewrite_units(engine, read=not moments, state=load_state, shard=lambda index: take(units[index], "shard"))
     except BaseException as e:
         engine.close()
         raise CheckpointError(f"loading {path} failed part-way ({e}); the engine's state is half replaced, so it "

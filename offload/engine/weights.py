@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,22 +96,44 @@ def _edits(engine: Any, modifier_rank: int, before: dict[int, torch.Tensor]
     return edits
 
 
-def _apply_edits(engine: Any, edits: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for g in engine.optimizer.store.one_at_a_time(read=True, write=True):
+def rewrite_units(engine: Any, *, read: bool, state: Callable[[int, tuple[torch.Tensor, ...]], bool],
+                  shard: Callable[[int], torch.Tensor | None]) -> None:
+    """New weights into a live engine, one sub-group of optimizer state in memory at a time: ``state`` writes a
+    trained unit's (master, exp_avg, exp_avg_sq) views (``read``: as they were first) and says whether it did,
+    then the unit's compute copy follows its master; ``shard`` gives an untrained unit's new compute shard (None:
+    it keeps its own); the partitions are spread again where the stage keeps them. For checkpoint and state-dict
+    loads and kept edits; the caller has drained the optimizer and resharded the units."""
+    for g in engine.optimizer.store.one_at_a_time(read=read, write=True):
         for m in g.members:
-            if m.unit in edits:
-                where, values = edits[m.unit]
-                master = g.views(m)[0]
-                master[where.to(master.device)] = values.to(master.device)
-                engine.params.overwrite(m.unit, master)
+            views = g.views(m)
+            if state(m.unit, views):
+                engine.params.overwrite(m.unit, views[0])
     for unit in engine.units:
-        if unit.index in edits and unit.index not in engine.optimizer.shards:
-            where, values = edits[unit.index]
-            shard = engine.params.read(unit.index).float().cpu().clone()
-            shard[where] = values
-            engine.params.overwrite(unit.index, shard)
+        if unit.index not in engine.optimizer.shards:
+            values = shard(unit.index)
+            if values is not None:
+                engine.params.overwrite(unit.index, values)
     if engine.stage.resident_params:
         engine.runtime.spread_partitions()
+
+
+def _apply_edits(engine: Any, edits: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def edit_master(unit: int, views: tuple[torch.Tensor, ...]) -> bool:
+        if unit not in edits:
+            return False
+        where, values = edits[unit]
+        views[0][where.to(views[0].device)] = values.to(views[0].device)
+        return True
+
+    def edited_shard(unit: int) -> torch.Tensor | None:
+        if unit not in edits:
+            return None
+        where, values = edits[unit]
+        shard = engine.params.read(unit).float().cpu().clone()
+        shard[where] = values
+        return shard
+
+    rewrite_units(engine, read=True, state=edit_master, shard=edited_shard)
 
 
 def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
@@ -174,25 +196,19 @@ def load_full_state_dict(engine: Any, state_dict: dict[str, Any], strict: bool =
             if id(s.param) in given:
                 flat[s.offset:s.offset + s.numel] = state_dict[keys[id(s.param)]].detach().reshape(-1).float().cpu()
         shards[unit.index] = flat[unit.shard_start:unit.shard_start + unit.shard_numel].clone()
+    def load_master(unit: int, views: tuple[torch.Tensor, ...]) -> bool:
+        values = shards.get(unit)
+        if values is not None:
+            views[0].copy_(values.to(views[0].device))
+        return values is not None
+
     engine.runtime.reshard_all()
     try:
-        for g in engine.optimizer.store.one_at_a_time(read=True, write=True):
-            for m in g.members:
-                values = shards.get(m.unit)
-                if values is not None:
-                    master = g.views(m)[0]
-                    master.copy_(values.to(master.device))
-                    engine.params.overwrite(m.unit, master)
-        for unit in engine.units:
-            values = shards.get(unit.index) if unit.index not in engine.optimizer.shards else None
-            if values is not None:
-                engine.params.overwrite(unit.index, values)
-        with torch.no_grad():
+        with torch.no_grad():  # the module's tensors outside the units (buffers)
             for key, t in live.items():
                 if key in state_dict and id(t) not in where:
                     t.copy_(state_dict[key])
-        if engine.stage.resident_params:
-            engine.runtime.spread_partitions()
+        rewrite_units(engine, read=True, state=load_master, shard=shards.get)
     except BaseException as e:
         engine.close()
         raise EngineError(f"loading the state dict failed part-way ({e}); the engine's weights are half replaced, "
