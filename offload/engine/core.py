@@ -9,6 +9,23 @@ all-reduce), skips the step on an fp16 overflow, and otherwise runs Adam with th
 unscale and the clip folded into one gradient factor. What the stage changes is in
 offload/zero/stage.py; what the engine is made of, in build.py beside this file; where
 it stands between steps, in accumulation.py.
+
+[Note: one rank's failed step] With several ranks, one whose step fails must neither
+leave the others waiting in a collective it will never join nor let them commit a step
+it could not. Two agreements carry it. (1) What the step waits for before the norm (the
+gradients landing, the last step's work on host threads: an early NVMe pass that was
+lost, a delayed update) may fail on one rank: that rank still joins the norm's
+all-reduce, with a flag in it instead of its norm, and then every rank raises (it, its
+error; the others, an EngineError saying another rank failed, after dropping the step's
+gradients). This costs nothing: the all-reduce happens anyway. (2) With the optimizer
+state on NVMe, a transfer may fail inside the step. Every rank votes once at the
+commit point (every write done, no slot current yet, no host state touched): yes
+there, no from its failure path (offload/zero/collectives.py's ``Vote``). A refused
+vote aborts the pass as the rank's own failure would, so every rank keeps its last
+step and this step's gradients, and step() called again on every rank retries it.
+That is one more scalar all-reduce per step, only with NVMe state and several ranks.
+The other collectives that follow a drain (checkpoints, state dicts, gathered
+parameters) agree on it with one all_ok first.
 """
 
 from __future__ import annotations
@@ -37,7 +54,7 @@ from offload.pretrained import PretrainedWeights
 from offload.store.param_swap import ParamSwapError
 from offload.sync_ledger import Role, acting_as
 from offload.telemetry import PhaseReport
-from offload.zero.collectives import Group, all_reduce_sum
+from offload.zero.collectives import Group, Vote, all_ok, all_reduce_sum
 from offload.zero.stage import Stage
 
 logger = logging.getLogger("offload.engine")
@@ -184,11 +201,20 @@ class Engine:
                 raise errors.unused_parameters(self.group.rank, unused)
         self.runtime.got_grad.clear()
         self.activations.discard()  # inputs saved by a forward whose backward never ran
-        self.optimizer.send_held()  # device-accumulated sums the last micro-batch did not send
-        with self.telemetry.span("grad_wait"):
-            self.optimizer.drain()
-        self.optimizer.publish()  # the last delayed update reaches the parameters (see [Note: delayed update])
-        sum_sq, nonfinite = self._global_grad_sq_norm()
+        failed: Exception | None = None
+        try:
+            self.optimizer.send_held()  # device-accumulated sums the last micro-batch did not send
+            with self.telemetry.span("grad_wait"):
+                self.optimizer.drain()
+            self.optimizer.publish()  # the last delayed update reaches the parameters (see [Note: delayed update])
+        except Exception as e:  # noqa: BLE001 - raised once every rank knows (see [Note: one rank's failed step])
+            failed = e
+        sum_sq, nonfinite, peers_failed = self._global_grad_sq_norm(failed is not None)
+        if failed is not None:
+            raise failed
+        if peers_failed:
+            self.zero_grad()  # as the failed rank's step, this one's is gone; the next backward starts afresh
+            raise errors.peer_step_failed(self.group.rank, self.global_steps + 1, retryable=False)
         scale = self.loss_scaler.scale
         self.global_steps += 1
         if nonfinite > 0 and self.compute_dtype == torch.float16:
@@ -214,7 +240,7 @@ class Engine:
                 if delayed or early:
                     self.optimizer.apply_early(grad_scale, delayed=delayed)
                 else:
-                    self.optimizer.apply(grad_scale)
+                    self.optimizer.apply(grad_scale, self._commit_vote())
         except ParamSwapError as e:
             # The optimizer state moved on; only some 16-bit copies on NVMe are behind (stale), and they are
             # rewritten from the master weights before anything reads them: the step counts.
@@ -239,17 +265,44 @@ class Engine:
             raise errors.params_behind(self.global_steps, behind.strerror) from behind
         self.runtime.read_ahead_first()
 
-    def _global_grad_sq_norm(self) -> tuple[float, int]:
-        """The sum of squared gradients and the count of non-finite ones over every partition."""
+    def _global_grad_sq_norm(self, failed: bool = False) -> tuple[float, int, bool]:
+        """The sum of squared gradients and the count of non-finite ones over every partition, and whether another
+        rank ``failed`` before its norm (see [Note: one rank's failed step]); a rank that failed adds nothing."""
         with self.telemetry.span("optimizer", "norm"):
-            sum_sq, nonfinite = self.optimizer.grad_sq_norm()  # host shards' parts, mostly taken as they landed
-            totals = torch.tensor([sum_sq, float(nonfinite)], dtype=torch.float64, device=self.accel.device)
-            on_device = self.optimizer.device_grad_sq_norm()
-            if on_device is not None:
-                totals += on_device
+            totals = torch.zeros(3, dtype=torch.float64, device=self.accel.device)
+            if failed:
+                totals[2] = 1.0
+            else:
+                sum_sq, nonfinite = self.optimizer.grad_sq_norm()  # host shards' parts, mostly taken as they landed
+                totals[0], totals[1] = sum_sq, float(nonfinite)
+                on_device = self.optimizer.device_grad_sq_norm()
+                if on_device is not None:
+                    totals[:2] += on_device
             all_reduce_sum(totals, self.partition)  # stage 0: every rank holds the whole gradient already
-            sum_sq, nonfinite = self.accel.read_scalars(totals, "global gradient norm")  # the step's one sync
-            return sum_sq, int(nonfinite)
+            sum_sq, nonfinite, failures = self.accel.read_scalars(totals, "global gradient norm")  # the one sync
+            return sum_sq, int(nonfinite), failures > 0
+
+    def _commit_vote(self) -> Vote | None:
+        """The ranks' vote at the step's commit point, where a step can fail before it (optimizer state on NVMe)
+        and there are other ranks (see [Note: one rank's failed step])."""
+        if self.partition.world == 1 or self.config.zero_optimization.offload_optimizer.device != "nvme":
+            return None
+        rank, step = self.group.rank, self.global_steps
+        return Vote(self.partition, self.accel.device, lambda: errors.peer_step_failed(rank, step, retryable=True))
+
+    def _drain(self, before: str) -> None:
+        """Every gradient landed and every step handed to a host thread done, agreed by every rank (see [Note: one
+        rank's failed step]); ``before``: the collective a rank that failed here would leave the others in."""
+        if self.group.world == 1 or not self.optimizer.offload:  # nothing of it can fail on one rank alone
+            self.optimizer.drain()
+            return
+        error: Exception | None = None
+        try:
+            self.optimizer.drain()
+        except Exception as e:  # noqa: BLE001 - raised once every rank knows
+            error = e
+        if not all_ok(error is None, self.group, self.accel.device):
+            raise error or errors.peer_failed_before(self.group.rank, before)
 
     def _report_every_steps_per_print(self) -> None:
         """wall_clock_breakdown and memory_breakdown: one log line each every steps_per_print steps."""
@@ -304,6 +357,7 @@ class Engine:
         unless ``modifier_rank`` names the rank whose writes are kept (DeepSpeed's GatheredParameters), masters
         included."""
         self._check_open()
+        self._drain("gathering the parameters")
         self._repair_params()
         with weights.gathered_parameters(self, modifier_rank) as module:
             yield module
@@ -312,13 +366,14 @@ class Engine:
         """Whole weights (as ``full_state_dict`` gives them) into the engine, masters included; every rank passes
         the same dict (a collective). Returns (missing, unexpected) keys."""
         self._check_open()
+        self._drain("loading the state dict")
         self._repair_params()
         return weights.load_full_state_dict(self, state_dict, strict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict on the CPU, fp32 masters for trained parameters (a collective)."""
         self._check_open()
-        self.optimizer.drain()
+        self._drain("gathering the state dict")
         return weights.full_state_dict(self)
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
@@ -327,7 +382,7 @@ class Engine:
         collective. Returns whether it saved (see weights.save_16bit_model)."""
         self._check_open()
         self.optimizer.publish()  # a delayed update's last step goes out with the model
-        self.optimizer.drain()
+        self._drain("saving the 16-bit model")
         self._repair_params()
         return weights.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
@@ -338,7 +393,7 @@ class Engine:
         says (rank 0 writes, unit by unit; a collective): what offload.hf.Trainer.save_model writes."""
         self._check_open()
         self.optimizer.publish()
-        self.optimizer.drain()
+        self._drain("writing the weights")
         self._repair_params()
         weights.write_weights(self, save_dir, save_filename)
 
@@ -348,7 +403,7 @@ class Engine:
         self._check_open()
         self.accumulation.check_save()
         self.optimizer.publish()  # the checkpoint holds parameters and masters of the same step
-        self.optimizer.drain()
+        self._drain("saving the checkpoint")
         self._repair_params()
         with self.telemetry.span("checkpoint", "save"):
             return str(saving.save(self, save_dir, tag, client_state, save_latest))
@@ -358,6 +413,7 @@ class Engine:
                         load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
         """Resume from ``load_dir``'s ``latest`` (or ``tag``): ``(path, client_state)``, checksums first."""
         self._check_open()
+        self._drain("loading the checkpoint")
         with self.telemetry.span("checkpoint", "load"):
             path, client_state = saving.load(self, load_dir, tag, load_optimizer_states,
                                              load_lr_scheduler_states, load_module_only)

@@ -54,3 +54,20 @@ def unused_parameters(rank: int, names: list[str]) -> EngineError:
                        "ignore_unused_parameters is false; the step's gradients were dropped. Set it to true (they "
                        "are then stepped with a zero gradient, as DeepSpeed does: weight decay and Adam's moments "
                        "still move them), freeze them (requires_grad=False), or use them in the forward")
+
+
+def peer_step_failed(rank: int, step: int, retryable: bool) -> EngineError:
+    """Raised where this rank's step was ready but another rank's failed (see [Note: one rank's failed step])."""
+    if retryable:
+        return EngineError(f"rank {rank}: step {step} was not applied because another rank's step failed (its error "
+                           "says why); every rank kept its last step and this step's gradients, so once the cause is "
+                           "fixed call step() again on every rank")
+    return EngineError(f"rank {rank}: step {step} was not applied because another rank's gradients or its last step "
+                       "did not complete (its error says why); this rank dropped this step's gradients. If that "
+                       "rank's error says a step was lost, rebuild every rank from the last checkpoint")
+
+
+def peer_failed_before(rank: int, what: str) -> EngineError:
+    return EngineError(f"rank {rank}: {what} did not start because another rank's gradients or its last step did not "
+                       "complete (its error says why); if it says a step was lost, rebuild every rank from the last "
+                       "checkpoint")

@@ -155,7 +155,7 @@ import enum
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -311,6 +311,14 @@ class StatePlan:
     speculative: bool = False  # host sub-groups have a second slot (see [Note: speculative step])
     delayed: bool = False  # the delayed update runs (see [Note: delayed update])
     staged: frozenset[int] = frozenset()  # ... and these units' new shards wait in staging buffers (the placement's)
+
+
+class StepVote(Protocol):
+    """Every rank's agreement at the step's commit point (offload/zero/collectives.py's ``Vote``)."""
+
+    def commit(self) -> None: ...
+
+    def fail(self) -> None: ...
 
 
 class ShardedAdam(torch.optim.Optimizer):
@@ -689,10 +697,11 @@ class ShardedAdam(torch.optim.Optimizer):
                          weight_decay=float(g["weight_decay"]), adamw_mode=self.adamw_mode,
                          bias_correction=self.bias_correction)
 
-    def apply(self, grad_scale: float) -> None:
+    def apply(self, grad_scale: float, vote: StepVote | None = None) -> None:
         """One Adam step on every shard with gradients scaled by ``grad_scale``; new params go back to the device
         only after every sub-group's step succeeded (a failed NVMe transfer leaves the last step intact).
-        Shards already stepped during backward (see ``begin_overlap``) are skipped."""
+        Shards already stepped during backward (see ``begin_overlap``) are skipped. ``vote``: the ranks' agreement
+        at the commit point (see [Note: one rank's failed step] in offload/engine/core.py)."""
         self.params.wait_copies_back()  # last step's copies read the host copies, which this step rewrites
         hypers = [self.hyper(i) for i in range(len(self.param_groups))]
         step = self.adam_steps + 1
@@ -701,7 +710,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 error, self._nvme_error = self._nvme_error, None
                 raise error
             self._settle_nvme_speculation(step, hypers, grad_scale)
-            for group in self.store.step_pass():
+            for group in self.store.step_pass(vote.commit if vote is not None else None):
                 for member in group.members:
                     phase = self.shards[member.unit].phase
                     if phase is ShardPhase.SPECULATED:
@@ -709,6 +718,8 @@ class ShardedAdam(torch.optim.Optimizer):
                     elif phase is not ShardPhase.STEPPED:
                         self._step_shard(member.unit, group.views(member), step, hypers, grad_scale)
         except BaseException:
+            if vote is not None:
+                vote.fail()  # before anything slow: the other ranks wait in their vote
             self._unstep(self.store.abort_pass())  # NVMe sub-groups stepped during backward are stepped again
             self.params.abort()
             raise

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -309,18 +309,22 @@ class OptimizerStateStore:
 
     # ----------------------------------------------------------------- the step
 
-    def step_pass(self) -> Iterator[SubGroup]:
+    def step_pass(self, commit: Callable[[], None] | None = None) -> Iterator[SubGroup]:
         """Yield every sub-group this step's pass has not handed out yet, resident in memory: NVMe ones
         pipelined (see [Note: the step pipeline]), and every NVMe sub-group's new slot becomes current once all
-        writes completed; then the host/device ones. After a failure, ``abort_pass``."""
+        writes completed; then the host/device ones. ``commit`` is called once, when every write completed and
+        before anything becomes current or host state is touched; it raises to stop the step there (another
+        rank's failed: see [Note: one rank's failed step]). After a failure, ``abort_pass``."""
         if self._file is not None:
             run = self._pass = self._pass or self._new_pass()
             while run.remaining():
                 g = run.take()
                 yield g
                 run.release(g)
-            run.finish()
+            run.finish(commit)
             self._pass = None
+        elif commit is not None:
+            commit()
         for g in self.groups:
             if g.tier != "nvme":
                 yield g
@@ -469,12 +473,15 @@ class NvmePass:
         self.released[g.index] = (g, write)
         self.tel.add_bytes("nvme_write", g.nbytes)
 
-    def finish(self) -> None:
-        """Wait for every write; the written slots become current."""
+    def finish(self, commit: Callable[[], None] | None = None) -> None:
+        """Wait for every write, then ``commit`` (which may raise: nothing flips), then the written slots become
+        current."""
         with self.tel.span("nvme_wait", "write"):
             for _, write in self.released.values():
                 self.ledger.block("optimizer state written")
                 write.wait()  # type: ignore[attr-defined]
+        if commit is not None:
+            commit()
         for g, _ in self.released.values():
             self.file.flip(g.index)
         self.released.clear()
