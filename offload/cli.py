@@ -151,9 +151,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 raise UsageError(versus.INSTALL)
             print(f"offload bench step --baseline deepspeed: {', '.join(chosen)} beside DeepSpeed "
                   "and plain PyTorch, alternating rounds", flush=True)
-            result = versus.run(bench, out.parent, log=sys.stdout, names=tuple(chosen))
+            result = versus.run(bench, out, log=sys.stdout, names=tuple(chosen))
             versus.print_table(result, sys.stdout)
-            print(f"wrote {out.parent / 'step-vs-deepspeed.json'}")
+            print(f"wrote {out} (the configs both sides read beside it)")
             return 0
         print(f"offload bench step: ZeRO stage {args.stage} beside plain PyTorch, alternating rounds", flush=True)
         try:
@@ -542,6 +542,8 @@ def _output(args: argparse.Namespace) -> Path:
         return Path(args.out)
     if args.command == "tune-nvme":
         return Path("offload-tune-nvme")
+    if args.what == "step" and args.baseline == "deepspeed":
+        return Path("bench-results") / "step-vs-deepspeed.json"
     return Path("bench-results") if args.what == "all" else Path("bench-results") / f"{args.what}.json"
 
 

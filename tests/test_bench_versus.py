@@ -61,7 +61,8 @@ def test_side_by_side_runs_all_three_from_one_config_file(tmp_path, capsys, worl
     args = [*TINY[:TINY.index("--world")], "--world", world, *TINY[TINY.index("--world") + 2:]]
     assert main(["bench", "step", "--baseline", "deepspeed", *args, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    result = json.loads((tmp_path / "step-vs-deepspeed.json").read_text())
+    result = json.loads(out.read_text())  # where --out says
+    assert f"wrote {out}" in printed
     assert not result["errors"], result["errors"]
     path = result["configs"]["host"]
     bench = StepBench(**{k: tuple(v) if k == "stages" else v for k, v in result["bench"].items()})

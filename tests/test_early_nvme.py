@@ -150,6 +150,8 @@ def test_a_failure_after_step_returned_loses_the_step_and_says_so(tmp_path, monk
         engine.step()  # the fault stays armed until here: the pass may still run when the backward ends
     monkeypatch.undo()
     assert isinstance(e.value.__cause__, MemoryError if what == "Adam" else SwapIOError), e.value.__cause__
+    said = "the update (MemoryError) of" if what == "Adam" else "an NVMe transfer of"  # what failed, by its kind
+    assert str(e.value).startswith(said + " step 3's"), str(e.value)
     with pytest.raises(EarlyStepLost):  # every later reader is told too: nothing half-stepped is saved
         engine.save_checkpoint(str(tmp_path / "ckpt"))
     assert all(g.resident is None for g in optimizer.store.groups if g.tier == "nvme")

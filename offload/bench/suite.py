@@ -87,7 +87,7 @@ def run_all(path: Path, out_dir: Path, quick: bool, stream: TextIO) -> SuiteResu
         section("step: offload beside DeepSpeed ZeRO-3, params and optimizer on the host and on NVMe")
         small = dict(hidden=128, layers=2, seq=64, micro=2, steps=2, repeats=1) if quick else {}
         bench = step.StepBench(offload="nvme", nvme_path=str(path), world=1, **small)
-        vs = versus.run(bench, out_dir / "versus", log=stream)
+        vs = versus.run(bench, out_dir / "versus" / "step-vs-deepspeed.json", log=stream)
         versus.print_table(vs, stream)
         suite.results["step_vs_deepspeed"] = asdict(vs)
         for name, ratios in vs.ratios.items():

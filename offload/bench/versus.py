@@ -275,12 +275,13 @@ def _deepspeed_engine(model: Any, b: StepBench, config_path: str) -> tuple[Any, 
     return engine, f"{name} (torch_adam: DeepSpeed's Adam op did not build: {reason})"
 
 
-def run(b: StepBench, out_dir: Path, log: TextIO | None = None, names: tuple[str, ...] = ()) -> VersusResult:
-    """Alternating rounds of torch, offload and DeepSpeed per variant (``names``: these, see ``PLACEMENTS``);
-    raises RuntimeError without DeepSpeed."""
+def run(b: StepBench, out: Path, log: TextIO | None = None, names: tuple[str, ...] = ()) -> VersusResult:
+    """Alternating rounds of torch, offload and DeepSpeed per variant (``names``: these, see ``PLACEMENTS``), the
+    result in ``out`` and the config each variant's sides read beside it; raises RuntimeError without DeepSpeed."""
     version = deepspeed_version()
     if version is None:
         raise RuntimeError(INSTALL)
+    out_dir = out.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // b.world)
     env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""} if b.device == "cpu" else {}
@@ -337,7 +338,7 @@ def run(b: StepBench, out_dir: Path, log: TextIO | None = None, names: tuple[str
                                if "offload" in t and s in t}
         if "deepspeed" in t and "torch" in t:
             result.ratios[name]["deepspeed/torch"] = t["deepspeed"] / t["torch"]
-    (out_dir / "step-vs-deepspeed.json").write_text(json.dumps(asdict(result), indent=2))
+    out.write_text(json.dumps(asdict(result), indent=2))
     return result
 
 

@@ -179,7 +179,7 @@ LANDING_BATCH_BYTES = 4 << 20
 
 
 class EarlyStepLost(RuntimeError):
-    """An NVMe transfer of a step that had returned early failed (see [Note: the early step on NVMe])."""
+    """Work of a step that had returned early (an NVMe transfer, Adam) failed (see [Note: the early step on NVMe])."""
 
 
 @dataclass(frozen=True)
@@ -833,8 +833,9 @@ class ShardedAdam(torch.optim.Optimizer):
         try:
             work()
         except Exception as e:  # noqa: BLE001 - said by every later drain
+            what = "an NVMe transfer" if isinstance(e, OSError) else f"the update ({type(e).__name__})"
             self._early_lost = EarlyStepLost(
-                f"an NVMe transfer of step {step}'s optimizer state failed after step() had returned ({e}): the swap "
+                f"{what} of step {step}'s optimizer state failed after step() had returned ({e}): the swap "
                 f"file still holds the optimizer state of step {step - 1}, but some parameters had already taken "
                 f"step {step}'s values and the rest of that step was dropped, so this engine cannot go on; build a new "
                 "one and load the last checkpoint (offload.early_step \"auto\" or \"off\" keeps a step with its "
