@@ -126,3 +126,36 @@ def test_a_lost_early_step_on_one_rank_is_said_on_every_rank_by_the_next_step_an
                                    "rank's"), peer["save"]
     assert peer["gathered"].startswith("EngineError: rank 0: gathering the state dict did not start"), peer["gathered"]
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("global_step*"))
+
+
+class SometimesUsed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.extra = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        y = self.used(x)
+        return (self.extra(y) if use_extra else y).pow(2).mean()
+
+
+def _unused_on_rank_1(rank: int, world: int) -> dict:
+    config = base_config(2, 1, world, clip=0.0, unit_bytes=4096)
+    config["zero_optimization"]["ignore_unused_parameters"] = False
+    torch.manual_seed(0)
+    engine = offload.initialize(model=SometimesUsed(), config=config)[0]
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x, use_extra=rank == 0))
+    out = {"error": _error(engine.step), "steps": engine.global_steps}
+    engine.backward(engine(x, use_extra=True))  # every rank uses everything: the next step runs on both
+    engine.step()
+    out["after"] = engine.global_steps
+    engine.close()
+    return out
+
+
+def test_a_parameter_unused_on_one_rank_fails_the_step_on_every_rank_and_the_next_one_runs():
+    used, unused = run_ranks(_unused_on_rank_1, WORLD, timeout=120)
+    assert unused["error"].startswith("EngineError: rank 1: 2 trainable parameter(s) received no gradient"), unused
+    assert used["error"].startswith("EngineError: rank 0: step 1 was not applied because another rank's "), used
+    assert used["steps"] == unused["steps"] == 0 and used["after"] == unused["after"] == 1

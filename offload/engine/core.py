@@ -12,8 +12,9 @@ it stands between steps, in accumulation.py.
 
 [Note: one rank's failed step] With several ranks, one whose step fails must neither
 leave the others waiting in a collective it will never join nor let them commit a step
-it could not. Two agreements carry it. (1) What the step waits for before the norm (the
-gradients landing, the last step's work on host threads: an early NVMe pass that was
+it could not. Two agreements carry it. (1) What the step checks and waits for before
+the norm (a gradient for every trained parameter, unless ignore_unused_parameters; the
+gradients landing; the last step's work on host threads: an early NVMe pass that was
 lost, a delayed update) may fail on one rank: that rank still joins the norm's
 all-reduce, with a flag in it instead of its norm, and then every rank raises (it, its
 error; the others, an EngineError saying another rank failed, after dropping the step's
@@ -194,15 +195,15 @@ class Engine:
         if not self.accumulation.take():
             return
         self.accel.schedule.mark("step")
-        if not self.config.zero_optimization.ignore_unused_parameters:  # as DeepSpeed, before anything applies
-            unused = [name for key, name in self._trained_names.items() if key not in self.runtime.got_grad]
-            if unused:
-                self.zero_grad()
-                raise errors.unused_parameters(self.group.rank, unused)
-        self.runtime.got_grad.clear()
-        self.activations.discard()  # inputs saved by a forward whose backward never ran
         failed: Exception | None = None
         try:
+            if not self.config.zero_optimization.ignore_unused_parameters:  # as DeepSpeed, before anything applies
+                unused = [name for key, name in self._trained_names.items() if key not in self.runtime.got_grad]
+                if unused:
+                    self.zero_grad()
+                    raise errors.unused_parameters(self.group.rank, unused)
+            self.runtime.got_grad.clear()
+            self.activations.discard()  # inputs saved by a forward whose backward never ran
             self.optimizer.send_held()  # device-accumulated sums the last micro-batch did not send
             with self.telemetry.span("grad_wait"):
                 self.optimizer.drain()
