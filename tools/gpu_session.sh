@@ -81,7 +81,7 @@ deepspeed_side_by_side() {
   # (nvcc, CUDA_HOME; the H100 image of 2026-11-24 had it). Where the build fails the bench runs DeepSpeed with
   # torch's Adam (its torch_adam switch) and the table's optimizer column says so.
   command -v nvcc || echo "no nvcc here: DeepSpeed's cpu_adam build may fail (then torch_adam, named in the table)"
-  $PY -m offload bench step --baseline deepspeed "${M156[@]}" --steps 4 --rounds 2 --out "$OUT/deepspeed/step.json"
+  $PY -m offload bench step --baseline deepspeed "${M156[@]}" --steps 4 --rounds 2 --out "$OUT/deepspeed/step-vs-deepspeed.json"
 }
 
 # DeepSpeed's other placements beside offload's (#20): params on the GPU with the optimizer on the host (its CPU Adam,
@@ -89,7 +89,7 @@ deepspeed_side_by_side() {
 deepspeed_placements() {
   if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here"; return 2; fi
   $PY -m offload bench step --baseline deepspeed "${M156[@]}" --steps 4 --rounds 2 \
-    --variants optimizer-host,optimizer-host-torch-adam,ratio-half,device --out "$OUT/deepspeed-placements/step.json"
+    --variants optimizer-host,optimizer-host-torch-adam,ratio-half,device --out "$OUT/deepspeed-placements/step-vs-deepspeed.json"
 }
 
 # #20 on the 1.3B model: DeepSpeed beside offload with the optimizer on the host (params on the GPU, and both on the
@@ -97,7 +97,7 @@ deepspeed_placements() {
 deepspeed_1p3b() {
   if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here"; return 2; fi
   $PY -m offload bench step --baseline deepspeed "${M1P3B[@]}" --accum 1 --steps 3 --rounds 2 \
-    --variants optimizer-host,host --out "$OUT/deepspeed-1p3b/step.json"
+    --variants optimizer-host,host --out "$OUT/deepspeed-1p3b/step-vs-deepspeed.json"
 }
 
 for s in "$@"; do
