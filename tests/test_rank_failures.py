@@ -159,3 +159,50 @@ def test_a_parameter_unused_on_one_rank_fails_the_step_on_every_rank_and_the_nex
     assert unused["error"].startswith("EngineError: rank 1: 2 trainable parameter(s) received no gradient"), unused
     assert used["error"].startswith("EngineError: rank 0: step 1 was not applied because another rank's "), used
     assert used["steps"] == unused["steps"] == 0 and used["after"] == unused["after"] == 1
+
+
+def _forward_fails_on_rank_1(rank: int, world: int) -> dict:
+    """ZeRO-3 with params on the host: rank 1's fourth shard read inside forward fails; every rank then tries to go
+    on."""
+    from offload.store.param_store import ParamStore
+    config = base_config(2, 1, world)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    real, calls = ParamStore.to_device, {"n": 0}
+
+    def failing(self, index, h2d):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise OSError(errno.EIO, "read failed")
+        return real(self, index, h2d)
+
+    if rank == 1:
+        ParamStore.to_device = failing
+    tokens = batches(1, 2 * world)[0][2 * rank:2 * rank + 2]
+    out: dict = {}
+    try:
+        engine.backward(loss_of(engine, "gpt", tokens))
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        out["forward"] = f"{type(e).__name__}: {e}"
+        out["notes"] = list(getattr(e, "__notes__", []))
+    ParamStore.to_device = real
+    for what, call in (("step", engine.step), ("again", lambda: engine(tokens)),
+                       ("state", engine.full_state_dict)):
+        out[what] = _error(call)
+    engine.close()  # still releases everything
+    out["closed"] = engine._closed
+    return out
+
+
+def test_a_forward_that_fails_part_way_on_one_rank_takes_no_more_work_there_and_says_why():
+    """Rank 1's next collective would pair with one rank 0 is already in (a crash on a size mismatch, or, where
+    the sizes agree, one unit's shards handed to another); so rank 1 refuses everything, and rank 0's waiting
+    gather fails once rank 1 is gone rather than pairing with anything."""
+    waiting, failed = run_ranks(_forward_fails_on_rank_1, WORLD, timeout=120)
+    assert failed["forward"] == "OSError: [Errno 5] read failed"
+    assert any("rank 1: forward raised part way" in n and "out of step" in n for n in failed["notes"]), failed
+    for what in ("step", "again", "state"):
+        assert failed[what].startswith("EngineError: rank 1: forward raised part way (OSError"), (what, failed)
+        assert "resume from the last checkpoint" in failed[what]
+    assert failed["closed"] and waiting["closed"]
+    assert waiting["forward"] is not None  # its gather lost its peer: an error, not a pairing with another

@@ -27,6 +27,19 @@ step and this step's gradients, and step() called again on every rank retries it
 That is one more scalar all-reduce per step, only with NVMe state and several ranks.
 The other collectives that follow a drain (checkpoints, state dicts, gathered
 parameters) agree on it with one all_ok first.
+
+[Note: one rank's failed pass] A forward or backward that raises on one rank part way
+(a parameter read from NVMe failed, a batch only this rank has broke the model) is
+different: the other ranks are inside the same pass, in or on their way to its
+collectives (ZeRO-3's gathers, backward's reductions), and the failed rank's next
+collective would pair with one of theirs. Gloo then fails on a size mismatch or, where
+the sizes agree (transformer blocks are alike), hands one unit's shards to another:
+wrong weights, silently. So with other ranks and collectives in the pass, the engine
+takes no more work after such a failure (every call but close() raises, saying why),
+and the error itself carries a note that says so; the job restarts every rank from the
+last checkpoint (torchrun tears the others down when this one exits). With one rank,
+or a pass without collectives (stages 0-2's forward, a backward that only accumulates),
+the engine stays usable, as before.
 """
 
 from __future__ import annotations
@@ -80,6 +93,7 @@ class Engine:
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self.global_steps = self.skipped_steps = 0
         self._closed = False
+        self._out_of_step: str | None = None  # why this rank's collectives are out of step with the others'
         self.last_grad_norm: float | None = None
         parts = build(model, config, param_groups, adamw_mode=adamw_mode, bias_correction=bias_correction,
                       group=group, stage=self.stage, accel=accel, compute_dtype=self.compute_dtype,
@@ -126,7 +140,10 @@ class Engine:
         try:
             with self.telemetry.span("forward"), acting_as(Role.FORWARD):
                 return self.module(*args, **kwargs)
-        except RuntimeError as e:
+        except BaseException as e:
+            self._left_collectives("forward", e, collectives=not self.stage.resident_params)
+            if not isinstance(e, RuntimeError):
+                raise
             if "storage of size 0" in str(e) or "data is not allocated" in str(e):
                 raise errors.released_parameter_read([u.name for u in self.units]) from e
             hint = errors.input_dtype_hint(str(e), self.compute_dtype, (args, kwargs))
@@ -161,6 +178,8 @@ class Engine:
             with self.telemetry.span("backward"):
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         except BaseException as e:
+            self._left_collectives("backward", e,
+                                   collectives=not self.stage.resident_params or self.runtime.reduce_grads)
             self.runtime.abort_backward()
             self.activations.discard()
             if not self.stage.reduce_every_micro_batch and self.accumulation.pending:
@@ -451,9 +470,21 @@ class Engine:
         self.accel.close()
         self._closed = True
 
+    def _left_collectives(self, where: str, error: BaseException, collectives: bool) -> None:
+        """``where`` raised on this rank: with other ranks and collectives in that pass, the others go on without
+        it, so the ranks' collectives are out of step and the engine takes no more work (see [Note: one rank's
+        failed pass])."""
+        if self.group.world == 1 or not collectives or self._out_of_step is not None:
+            return
+        self._out_of_step = errors.out_of_step(self.group.rank, where, error)
+        if hasattr(error, "add_note"):
+            error.add_note(f"offload: {self._out_of_step}")
+
     def _check_open(self) -> None:
         if self._closed:
             raise EngineError("this engine was closed; create a new one with offload.initialize")
+        if self._out_of_step is not None:
+            raise EngineError(self._out_of_step)
 
     def __enter__(self) -> Engine:
         return self

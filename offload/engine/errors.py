@@ -71,3 +71,10 @@ def peer_failed_before(rank: int, what: str) -> EngineError:
     return EngineError(f"rank {rank}: {what} did not start because another rank's gradients or its last step did not "
                        "complete (its error says why); if it says a step was lost, rebuild every rank from the last "
                        "checkpoint")
+
+
+def out_of_step(rank: int, where: str, error: BaseException) -> str:
+    return (f"rank {rank}: {where} raised part way ({type(error).__name__}: {error}) while the other ranks went on "
+            "with that pass's collectives, so this rank's collectives are out of step with theirs and this engine "
+            "takes no more work (pairing mismatched collectives gives a hang or wrong weights); stop every rank and "
+            "resume from the last checkpoint (close() still releases this rank's memory)")
