@@ -499,12 +499,12 @@ class OffloadExtConfig:
                                 choices=("auto", "on", "off"))
     early_step: str = setting("auto", "on: engine.step() returns once the update is decided (norm, clipping, fp16 "
                                       "skip) and Adam runs on a worker thread in unit order while the next forward "
-                                      "begins, each unit waiting only for its own shard (exact; needs ZeRO stage 3 "
-                                      "and no parameter shard on NVMe; with the optimizer state on NVMe its reads "
-                                      "and writes run beside the next forward too, and a transfer failing then "
-                                      "loses the step, so auto leaves that step whole); off: the step finishes "
-                                      "before step() returns; auto: on where the compute device is a GPU and the "
-                                      "optimizer state is off NVMe.",
+                                      "begins, each unit waiting only for its own shard (exact; needs ZeRO stage "
+                                      "3; with the optimizer state or parameters on NVMe their reads and writes "
+                                      "run beside the next forward too, and a state transfer failing then loses "
+                                      "the step, a parameter write the forward that needs it, so auto leaves that "
+                                      "step whole); off: the step finishes before step() returns; auto: on where "
+                                      "the compute device is a GPU and nothing of the model is on NVMe.",
                               choices=("auto", "on", "off"))
     speculative_step: str = setting("auto", "on: when gradient clipping or fp16 makes the update wait for the global "
                                              "norm, each host-resident shard's Adam still runs during the last "

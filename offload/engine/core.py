@@ -338,6 +338,9 @@ class Engine:
         """Rewrite NVMe parameter shards a failed write left behind their master weights (see
         [Note: parameter slots] in offload/store/param_swap.py)."""
         stale = self.params.stale()
+        if stale:  # an early step may still be writing other units through the same buffers: let it finish
+            self.optimizer.drain()
+            stale = self.params.stale()
         for unit in self.units:
             if unit.index in stale:
                 self.params.overwrite(unit.index, self.optimizer.master_of(unit.index))

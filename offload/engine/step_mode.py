@@ -53,8 +53,9 @@ class StepMode:
             during = f"after backward ({self.after_why})"
         early = "step() returns before Adam, the next forward waits per unit"
         if self.early_nvme:
-            early += (" (the optimizer state's NVMe reads, Adam and writes run beside the next forward and backward, "
-                      "on steps whose backward did not step them; a transfer that fails then loses the step)")
+            early += (" (NVMe reads, Adam and writes run beside the next forward and backward, on steps whose "
+                      "backward did not step them; an optimizer state transfer that fails then loses the step, a "
+                      "parameter write fails the forward that needs it)")
         return during + "; " + (early if self.early else f"step() returns after Adam ({self.early_why})")
 
 
@@ -151,9 +152,9 @@ def _early_step(config: Config, stage: Stage, optimizer: ShardedAdam, accel: Acc
     if not optimizer.can_return_early and not optimizer.can_return_early_with_nvme:
         return False, "the optimizer state or some parameter shards are on NVMe or the device"
     if not optimizer.can_return_early and mode == "auto":
-        return False, ("'auto' keeps a step whose optimizer state is on NVMe whole, so that a failed transfer "
-                       "leaves the last step intact and the step can be retried; set offload.early_step to \"on\" to "
-                       "return early anyway (the state's reads, Adam and writes then run beside the next forward)")
+        return False, ("'auto' keeps a step whose optimizer state or parameters are on NVMe whole, so that a failed "
+                       "transfer leaves the last step intact and the step can be retried; set offload.early_step to "
+                       "\"on\" to return early anyway (NVMe reads, Adam and writes then run beside the next forward)")
     if mode == "auto" and not accel.is_cuda:
         return False, "'auto' keeps the step whole on a CPU, where Adam and the forward share the cores; set " \
                       "offload.early_step to \"on\" to return early anyway"

@@ -112,7 +112,7 @@ writing the new shard straight into the device home; the rest take the offloaded
 above. With the early step the device units step on the training thread before it
 returns (in stream order, so the next forward needs no wait for them).
 
-[Note: the early step on NVMe] With optimizer state on NVMe (and no parameter shard homed there), the early step
+[Note: the early step on NVMe] With optimizer state on NVMe, the early step
 runs the step's NVMe pass on the landing worker too, in the forward's order: a sub-group is taken once its read
 completes, its shards stepped and each new shard copied back at once (the forward waits per unit, as above), and
 its write to the other slot starts; the last write's completion flips the slots. The pass's first reads start when
@@ -125,8 +125,11 @@ step runs guarded, so the worker itself goes on) cannot leave the last step inta
 already reached the forward; the pass stops (no slot flips: the swap file keeps the state of the step before), the
 rest of the step is dropped with its gradients, and every later drain (the next step, a checkpoint) raises
 ``EarlyStepLost`` saying so; close() still releases everything. The engine must be rebuilt from the last checkpoint.
-At W > 1 only the failing rank raises (as with any failed step); the others wait in the next collective. Hence
+At W > 1 the next step says it on every rank (see [Note: one rank's failed step] in offload/engine/core.py). Hence
 ``early_step: auto`` leaves a step with NVMe state whole (a failed transfer there is retried), and ``on`` opts in.
+Parameter shards homed on NVMe step early the same way, each made current on its own once written (see [Note: an
+early step's parameter writes] in offload/store/param_swap.py); a parameter write that fails then fails the forward
+that needs that unit, and the next forward rewrites it from its master (the step stands).
 
 [Note: delayed update] Opt-in (offload.delayed_update), and not exact by design: ZeRO-Offload's
 delayed parameter update. The step is the early step's, but on a host thread of its own, in
@@ -737,15 +740,16 @@ class ShardedAdam(torch.optim.Optimizer):
 
     @property
     def can_return_early(self) -> bool:
-        """Whether ``apply_early`` may run this optimizer's step: all its state is host memory and no parameter
-        shard is homed on NVMe, so nothing in the step can fail after engine.step() returned."""
+        """Whether ``apply_early`` may run this optimizer's step with nothing in it able to fail after engine.step()
+        returned: all its state is host memory and no parameter shard is homed on NVMe."""
         return self.offload and not self._nvme_units and all(g.tier in ("host", "device") for g in self.store.groups)
 
     @property
     def can_return_early_with_nvme(self) -> bool:
-        """Whether ``apply_early`` may run this step with the optimizer state (partly) on NVMe: no parameter shard
-        is homed there (see [Note: the early step on NVMe])."""
-        return self.offload and not self._nvme_units and any(g.tier == "nvme" for g in self.store.groups)
+        """Whether ``apply_early`` may run this step with the optimizer state (partly) or parameter shards on NVMe
+        (see [Note: the early step on NVMe], and [Note: an early step's parameter writes] in
+        offload/store/param_swap.py)."""
+        return self.offload and not self.can_return_early
 
     def apply_early(self, grad_scale: float, delayed: bool = False) -> None:
         """``apply``, handed to the landing worker: returns at once (see [Note: early step]); ``delayed``: the new
@@ -759,6 +763,7 @@ class ShardedAdam(torch.optim.Optimizer):
         assert lane is not None
         # Last step's copies back read the host copies this step rewrites.
         lane.run(lambda: self.params.wait_copies_back())
+        self.params.forget_reads(self._nvme_units)  # what the read buffers hold of them is the step before
         later: list[tuple[SubGroup, Member]] = []  # the delayed update's, handed over in backward's order
         for group in self.store.groups:  # on the compute stream, before step() returns (and before the NVMe pass)
             if group.tier == "device":
@@ -860,6 +865,7 @@ class ShardedAdam(torch.optim.Optimizer):
                                      target=self._staged.get(index) if delayed else None)
             if not delayed:
                 self.params.copy_back(index, after=after)
+                self.params.commit_early(index)  # an NVMe shard becomes current once written
         state.empty()
 
     def publish(self) -> None:

@@ -171,7 +171,7 @@ class ParamStore:
 
     def stale(self) -> set[int]:
         """NVMe-homed units whose last write failed (see [Note: parameter slots] in param_swap.py)."""
-        return set(self.swap.stats.stale) if self.swap is not None else set()
+        return self.swap.stale_units() if self.swap is not None else set()
 
     # ----------------------------------------------------------------- reads and overwrites
 
@@ -295,6 +295,29 @@ class ParamStore:
         if shard.stepped is not None:
             self.accel.wait(shard.stepped, "a unit's early step")
             shard.stepped = None
+
+    def stepping(self) -> set[int]:
+        """NVMe-homed units an early step has not finished writing: not to be read ahead yet (see [Note: an early
+        step's parameter writes] in param_swap.py)."""
+        if self.swap is None:
+            return set()
+        busy = set()
+        for index in self.swap.homes:
+            done = self.shards[index].stepped
+            if done is not None and not done.query():
+                busy.add(index)
+        return busy
+
+    def forget_reads(self, units: set[int]) -> None:
+        """An early step will write ``units``' NVMe shards: drop what the read buffers hold of them."""
+        if self.swap is not None and units:
+            self.swap.forget(units)
+
+    def commit_early(self, index: int) -> None:
+        """On the early step's thread: the unit's new NVMe shard, written, becomes current on its own."""
+        if self.homes[index] is Home.NVME:
+            assert self.swap is not None
+            self.swap.commit_unit(index)
 
     def wait_copies_back(self) -> None:
         """Every copy back has run (the next step rewrites the host copies they read)."""

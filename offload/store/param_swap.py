@@ -24,6 +24,16 @@ read, never a wrong value). Which units are read ahead is rank-local: the gather
 
 The step's new shards go through write buffers of their own, so a step overlapped with
 backward (on the host thread) never waits for a buffer that the training thread holds.
+
+[Note: an early step's parameter writes] With an early step (``offload.early_step: on``)
+the landing worker steps the units after engine.step() returned, in the forward's order,
+and each unit's new shard becomes current alone once written (``commit_unit``), before
+the unit's step event fires. Before returning, the training thread ``forget``s what the
+read buffers hold of the units being stepped; a gather of a unit waits for its step
+first, and read-ahead skips units whose step has not run yet (the runtime asks the
+parameter store), so no read ever sees the slot the step is replacing. A write that
+fails leaves that unit stale: the forward that needs it raises saying so, and the next
+forward rewrites it from its master weights (the step itself stands).
 """
 
 from __future__ import annotations
@@ -235,8 +245,9 @@ class ParamSwap:
     def start(self, unit: int) -> ReadBuffer:
         """Make sure the unit's read is in flight (it is needed now: waits for a buffer if it must)."""
         if unit in self.stats.stale:
-            raise RuntimeError(f"unit {unit}'s parameter shard on NVMe is stale (its last write failed); the engine "
-                               "rewrites it from the master weights before the next forward")
+            raise RuntimeError(f"unit {unit}'s parameter shard on NVMe is stale (its last write failed, perhaps "
+                               "after an early step returned); the engine rewrites it from the master weights before "
+                               "the next forward, so run the forward again")
         b = self._holding(unit)
         if b is None:
             b = self._take(wait=True)
@@ -355,6 +366,34 @@ class ParamSwap:
             first = next(iter(failed.values()))
             raise ParamSwapError(first.errno or 0, first.path, first.offset, first.length, "write",
                                  f"{os.strerror(first.errno or 0)} ({len(failed)} unit shard(s) not written)")
+
+    def forget(self, units: set[int]) -> None:
+        """An early step will write ``units``' new shards: what the read buffers hold of them is old (see [Note: an
+        early step's parameter writes]). On the training thread, before the step returns."""
+        self._invalidate(units)
+
+    def commit_unit(self, unit: int) -> None:
+        """An early step wrote ``unit``'s new shard: once written it becomes current on its own; a write that
+        failed leaves the unit stale (its master is ahead), for the forward to say and the engine to rewrite."""
+        pending = None
+        with self._lock:
+            for i, (memory, written, request) in enumerate(self._writes):
+                if written == unit and request is not None:
+                    pending, self._writes[i] = request, (memory, None, None)
+        if pending is not None:
+            self._settle(unit, pending)
+        with self._lock:
+            self._written.remove(unit)
+            error = self._failed.pop(unit, None)
+            if error is not None:
+                self.stats.stale.add(unit)  # the training thread may be copying the set
+                return
+        self.file.flip(unit)
+
+    def stale_units(self) -> set[int]:
+        """Units whose last write failed (see [Note: parameter slots])."""
+        with self._lock:
+            return set(self.stats.stale)
 
     def abort(self) -> None:
         """The step failed before its optimizer state was committed: forget what it wrote."""

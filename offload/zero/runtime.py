@@ -82,7 +82,8 @@ class ZeroRuntime:
         # Brings host- and NVMe-homed shards (offload_param: cpu, nvme) to the device before their gather; on a
         # GPU its own stream so the copies can be issued ahead of use.
         self.h2d = accel.copy_stream("param-h2d") if any(u.off_device for u in units) else None
-        self.swap = units[0].params.swap if units else None  # the NVMe-homed shards' reads, run ahead of gathers
+        self.params = units[0].params if units else None  # every unit's shards (one store)
+        self.swap = self.params.swap if self.params is not None else None  # NVMe shards' reads, run ahead of gathers
         self.prefetch = PrefetchTrace(prefetch_elements)
         self.prefetched_gathers = 0  # gathers issued ahead of use
         self.live = sum(u.padded for u in units if u.resident)  # elements gathered now (or being gathered)
@@ -264,10 +265,11 @@ class ZeroRuntime:
         if self.swap is not None:
             # NVMe reads run further ahead than gathers: this unit's first, then the trace's next ones.
             if unit.on_nvme and unit.state is UnitState.SHARDED:
+                unit.params.wait_step(unit.index)  # an early step's new shard first (see [Note: an early step's ...])
                 self.swap.start(unit.index)
             if upcoming:
                 gathered = {i for i in upcoming if self.units[i].state is not UnitState.SHARDED}
-                self.swap.read_ahead(upcoming, skip=gathered)
+                self.swap.read_ahead(upcoming, skip=gathered | self._stepping())
         if unit.state is UnitState.GATHERING:
             with self.telemetry.span("gather_wait", unit.name):
                 unit.finish_unshard()
@@ -317,7 +319,12 @@ class ZeroRuntime:
         """After a step: start reading the units the next iteration needs first (rank-local, no collective)."""
         order = self.prefetch.recording or self.prefetch.trace  # the iteration that just ended comes again
         if self.swap is not None and order:
-            self.swap.read_ahead(list(dict.fromkeys(order)))
+            self.swap.read_ahead(list(dict.fromkeys(order)), skip=self._stepping())
+
+    def _stepping(self) -> set[int]:
+        """Units an early step is still writing: read ahead once it has (see [Note: an early step's parameter
+        writes] in offload/store/param_swap.py)."""
+        return self.params.stepping() if self.params is not None else set()
 
     def _count_gather(self, unit: Unit) -> None:
         if unit.off_device:
