@@ -23,7 +23,8 @@
 #   tools/gpu_session.sh bench-step-1p3b-split bench-deepspeed-1p3b bench-step-nvme (the auto split under a device
 #   budget the state does not fit; DeepSpeed on the 1.3B model; params and optimizer state on the lent machine's disk)
 #   tools/gpu_session.sh bench-step-4p5b (alone: a model whose state does not fit on the GPU, auto beside all on host)
-#   tools/gpu_session.sh bench-step-nvme-early (the optimizer state's NVMe pass after step() returned, early_step on)
+#   tools/gpu_session.sh bench-step-nvme-early (the optimizer state's NVMe pass, and the parameters' NVMe writes,
+#   after step() returned: early_step on)
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
 # prediction beside what was measured.
 set -uo pipefail
@@ -133,7 +134,7 @@ for s in "$@"; do
     # Params and optimizer state on NVMe (the lent machine's local disk under /tmp) beside both on the host.
     bench-step-nvme) stage bench-step-nvme $PY -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-nvme/step.json" ;;
     # The optimizer state on NVMe stepped whole beside its pass run after step() returned (early_step on).
-    bench-step-nvme-early) stage bench-step-nvme-early $PY -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,nvme-optimizer,nvme-optimizer-early --out "$OUT/step-nvme-early/step.json" ;;
+    bench-step-nvme-early) stage bench-step-nvme-early $PY -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,nvme-optimizer,nvme-optimizer-early,nvme,nvme-early --out "$OUT/step-nvme-early/step.json" ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -50,7 +50,7 @@ from offload.telemetry import BACKGROUND, FOREGROUND
 NOISE_FLOOR_S = 0.05  # CPU steps shorter than this time mostly the machine's noise (thread wake-ups, other tenants)
 # Variants that run only when --variants names them.
 NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "nvme-optimizer-speculative",
-              "nvme-optimizer-speculative-kept", "nvme-optimizer-early")
+              "nvme-optimizer-speculative-kept", "nvme-optimizer-early", "nvme-early")
 
 
 @dataclass(kw_only=True)
@@ -167,7 +167,10 @@ class StepBench:
                                                     "params": "cpu", "speculative": "on", "clip": 1e9},
                 # ... and its pass run beside the next forward and backward, after step() returned (run when named).
                 "nvme-optimizer-early": {"device": "nvme", "buffer_count": self.buffer_count, "params": "cpu",
-                                         "early": "on"}}
+                                         "early": "on"},
+                # ... with the parameter shards on NVMe too, written after step() returned (run when named).
+                "nvme-early": {"device": "nvme", "buffer_count": self.buffer_count, "params": "nvme",
+                               "early": "on"}}
 
     def model_config(self) -> Any:
         from offload.models import GPTConfig
