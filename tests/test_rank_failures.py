@@ -206,3 +206,74 @@ def test_a_forward_that_fails_part_way_on_one_rank_takes_no_more_work_there_and_
         assert "resume from the last checkpoint" in failed[what]
     assert failed["closed"] and waiting["closed"]
     assert waiting["forward"] is not None  # its gather lost its peer: an error, not a pairing with another
+
+
+def test_a_failed_step_is_retried_with_ignore_unused_parameters_false(tmp_path):
+    """The retry's check of unused parameters sees the gradients the failed step had (it saw none before, and
+    dropped them as unused)."""
+    config = nvme_config(str(tmp_path), early="off")
+    config["train_micro_batch_size_per_gpu"], config["train_batch_size"] = 2, 2
+    config["zero_optimization"]["ignore_unused_parameters"] = False
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    tokens = batches(1, 2)[0]
+    engine.backward(loss_of(engine, "gpt", tokens))
+    undo = _fail_writes(2)
+    error = _error(engine.step)
+    undo()
+    assert error is not None and error.startswith("SwapIOError"), error
+    engine.step()  # the retry
+    assert engine.global_steps == 1
+    engine.close()
+
+
+def _stage0_unused_on_rank_1(rank: int, world: int) -> dict:
+    config = base_config(2, 1, world, clip=0.0, unit_bytes=4096, stage=0)
+    config["zero_optimization"].update(ignore_unused_parameters=False, offload_optimizer={"device": "none"})
+    torch.manual_seed(0)
+    engine = offload.initialize(model=SometimesUsed(), config=config)[0]
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x, use_extra=rank == 0))
+    out = {"error": _error(engine.step), "steps": engine.global_steps}
+    out["state"] = engine.full_state_dict()
+    engine.close()
+    return out
+
+
+def test_at_stage_0_a_parameter_unused_on_one_rank_fails_the_step_on_every_rank():
+    """Stage 0's norm needs no all-reduce (every rank holds the whole gradient), so the flag goes over the group:
+    otherwise rank 0 stepped alone and the replicas differed."""
+    used, unused = run_ranks(_stage0_unused_on_rank_1, WORLD, timeout=120)
+    assert unused["error"].startswith("EngineError: rank 1: 2 trainable parameter(s) received no gradient"), unused
+    assert used["error"].startswith("EngineError: rank 0: step 1 was not applied because another rank's "), used
+    assert used["steps"] == unused["steps"] == 0
+    for key, value in used["state"].items():
+        assert torch.equal(unused["state"][key], value), key
+
+
+def _drain_fails_on_rank_1_with_overlap(rank: int, world: int) -> dict:
+    config = base_config(2, 1, world, clip=0.0)
+    config["offload"]["overlap_step"] = "on"  # no clipping: shards step during backward
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    tokens = batches(1, 2 * world)[0][2 * rank:2 * rank + 2]
+    engine.backward(loss_of(engine, "gpt", tokens))
+    if rank == 1:
+        real = engine.optimizer.drain
+
+        def failing() -> None:
+            engine.optimizer.drain = real
+            raise RuntimeError("a gradient did not land")
+
+        engine.optimizer.drain = failing
+    out = {"error": _error(engine.step), "mode": engine.step_mode}
+    engine.close()
+    return out
+
+
+def test_a_peers_failure_after_this_ranks_overlapped_backward_says_the_step_is_half_applied():
+    """Shards stepped during backward moved on and cannot be undone: saying 'not applied' would be false."""
+    waiting, failed = run_ranks(_drain_fails_on_rank_1_with_overlap, WORLD, timeout=120)
+    assert "overlapped with the last micro-batch's backward" in waiting["mode"], waiting["mode"]
+    assert failed["error"] == "RuntimeError: a gradient did not land"
+    assert waiting["error"].startswith("EngineError: rank 0: another rank's gradients or its last step did not "
+                                       "complete"), waiting["error"]
+    assert "its step is half applied: rebuild every rank from the last checkpoint" in waiting["error"]

@@ -502,7 +502,7 @@ class OffloadExtConfig:
                                       "begins, each unit waiting only for its own shard (exact; needs ZeRO stage "
                                       "3; with the optimizer state or parameters on NVMe their reads and writes "
                                       "run beside the next forward too, and a state transfer failing then loses "
-                                      "the step, a parameter write the forward that needs it, so auto leaves that "
+                                      "the step (a parameter write is redone from its master), so auto leaves that "
                                       "step whole); off: the step finishes before step() returns; auto: on where "
                                       "the compute device is a GPU and nothing of the model is on NVMe.",
                               choices=("auto", "on", "off"))

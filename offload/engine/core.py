@@ -18,7 +18,10 @@ gradients landing; the last step's work on host threads: an early NVMe pass that
 lost, a delayed update) may fail on one rank: that rank still joins the norm's
 all-reduce, with a flag in it instead of its norm, and then every rank raises (it, its
 error; the others, an EngineError saying another rank failed, after dropping the step's
-gradients). This costs nothing: the all-reduce happens anyway. (2) With the optimizer
+gradients; where this rank had already stepped shards during backward, overlapped, it
+says its step is half applied instead). This costs nothing: the all-reduce happens anyway
+(at stage 0, whose norm needs none, the flag takes an all_ok of its own, only with
+ignore_unused_parameters false, the one failure possible there). (2) With the optimizer
 state on NVMe, a transfer may fail inside the step. Every rank votes once at the
 commit point (every write done, no slot current yet, no host state touched): yes
 there, no from its failure path (offload/zero/collectives.py's ``Vote``). A refused
@@ -103,6 +106,7 @@ class Engine:
         self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory
         self.telemetry, self._swaps, self._trained_names = parts.telemetry, parts.swaps, parts.trained_names
         self._mode, self.lr_scheduler = parts.step, parts.lr_scheduler
+        self.params.repair = self._repair_params  # a stale NVMe shard met inside a forward is rewritten there
         self._stepped_in_backward = False  # the last backward stepped shards as they landed (overlap, speculation)
         self._clipped_last = False  # the last step's clipping fired (or fp16 overflowed): see StepMode.adaptive
         self.step_mode = self._mode.describe()
@@ -221,7 +225,6 @@ class Engine:
                 if unused:
                     self.zero_grad()
                     raise errors.unused_parameters(self.group.rank, unused)
-            self.runtime.got_grad.clear()
             self.activations.discard()  # inputs saved by a forward whose backward never ran
             self.optimizer.send_held()  # device-accumulated sums the last micro-batch did not send
             with self.telemetry.span("grad_wait"):
@@ -230,11 +233,17 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - raised once every rank knows (see [Note: one rank's failed step])
             failed = e
         sum_sq, nonfinite, peers_failed = self._global_grad_sq_norm(failed is not None)
+        if self.partition.world < self.group.world and not self.config.zero_optimization.ignore_unused_parameters:
+            # Stage 0: the norm's all-reduce is this rank's alone, and a parameter unused here fails only this rank.
+            peers_failed = not all_ok(failed is None, self.group, self.accel.device)
         if failed is not None:
             raise failed
         if peers_failed:
+            # Shards stepped during backward (overlap) moved on: this rank's step is half applied, not undone.
+            half = self._stepped_in_backward and self.optimizer.abandon_overlap() > 0
             self.zero_grad()  # as the failed rank's step, this one's is gone; the next backward starts afresh
-            raise errors.peer_step_failed(self.group.rank, self.global_steps + 1, retryable=False)
+            raise errors.peer_step_failed(self.group.rank, self.global_steps + 1, retryable=False,
+                                          half_applied=half)
         scale = self.loss_scaler.scale
         self.global_steps += 1
         if nonfinite > 0 and self.compute_dtype == torch.float16:
@@ -245,6 +254,7 @@ class Engine:
             logger.info("step %d: fp16 gradients overflowed; step skipped, loss scale now %g", self.global_steps,
                         self.loss_scaler.scale)
             self.optimizer.clear_grads()
+            self.runtime.got_grad.clear()
             self._report_every_steps_per_print()
             return
         self.last_grad_norm, grad_scale = gradient_factor(sum_sq, nonfinite, scale, self.gradient_clipping)
@@ -269,8 +279,9 @@ class Engine:
             # The state of the last completed step is intact (see the store's notes); so are the accumulated
             # gradients, so fixing the cause (a full disk, say) and calling step() again retries this step.
             self.global_steps -= 1
-            self.accumulation.retry()
+            self.accumulation.retry()  # got_grad is kept: the retry's check of unused parameters sees the same
             raise
+        self.runtime.got_grad.clear()
         if self.stage.resident_params:
             self.runtime.spread_partitions()
         self.loss_scaler.update(overflow=False)
@@ -310,14 +321,19 @@ class Engine:
         rank, step = self.group.rank, self.global_steps
         return Vote(self.partition, self.accel.device, lambda: errors.peer_step_failed(rank, step, retryable=True))
 
-    def _drain(self, before: str) -> None:
-        """Every gradient landed and every step handed to a host thread done, agreed by every rank (see [Note: one
-        rank's failed step]); ``before``: the collective a rank that failed here would leave the others in."""
+    def _drain(self, before: str, publish: bool = False) -> None:
+        """Every gradient landed and every step handed to a host thread done (``publish``: and the last delayed
+        update published), agreed by every rank (see [Note: one rank's failed step]); ``before``: the collective
+        a rank that failed here would leave the others in."""
         if self.group.world == 1 or not self.optimizer.offload:  # nothing of it can fail on one rank alone
+            if publish:
+                self.optimizer.publish()
             self.optimizer.drain()
             return
         error: Exception | None = None
         try:
+            if publish:
+                self.optimizer.publish()
             self.optimizer.drain()
         except Exception as e:  # noqa: BLE001 - raised once every rank knows
             error = e
@@ -404,8 +420,7 @@ class Engine:
         """Rank 0 writes the gathered compute-dtype weights (torch.save, or safetensors by the file's name); a
         collective. Returns whether it saved (see weights.save_16bit_model)."""
         self._check_open()
-        self.optimizer.publish()  # a delayed update's last step goes out with the model
-        self._drain("saving the 16-bit model")
+        self._drain("saving the 16-bit model", publish=True)  # a delayed update's last step goes out with it
         self._repair_params()
         return weights.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
@@ -415,8 +430,7 @@ class Engine:
         """The gathered compute-dtype weights into one file whatever stage3_gather_16bit_weights_on_model_save
         says (rank 0 writes, unit by unit; a collective): what offload.hf.Trainer.save_model writes."""
         self._check_open()
-        self.optimizer.publish()
-        self._drain("writing the weights")
+        self._drain("writing the weights", publish=True)
         self._repair_params()
         weights.write_weights(self, save_dir, save_filename)
 
@@ -425,8 +439,7 @@ class Engine:
         """Write a checkpoint, all or nothing (a collective); returns its path. ``tag``: ``global_step<N>``."""
         self._check_open()
         self.accumulation.check_save()
-        self.optimizer.publish()  # the checkpoint holds parameters and masters of the same step
-        self._drain("saving the checkpoint")
+        self._drain("saving the checkpoint", publish=True)  # parameters and masters of the same step
         self._repair_params()
         with self.telemetry.span("checkpoint", "save"):
             return str(saving.save(self, save_dir, tag, client_state, save_latest))

@@ -56,8 +56,13 @@ def unused_parameters(rank: int, names: list[str]) -> EngineError:
                        "still move them), freeze them (requires_grad=False), or use them in the forward")
 
 
-def peer_step_failed(rank: int, step: int, retryable: bool) -> EngineError:
+def peer_step_failed(rank: int, step: int, retryable: bool, half_applied: bool = False) -> EngineError:
     """Raised where this rank's step was ready but another rank's failed (see [Note: one rank's failed step])."""
+    if half_applied:
+        return EngineError(f"rank {rank}: another rank's gradients or its last step did not complete (its error says "
+                           f"why), but this rank had already stepped some shards of step {step} during backward, so "
+                           "its step is half applied: rebuild every rank from the last checkpoint (offload."
+                           "overlap_step \"off\" keeps every step all-or-nothing)")
     if retryable:
         return EngineError(f"rank {rank}: step {step} was not applied because another rank's step failed (its error "
                            "says why); every rank kept its last step and this step's gradients, so once the cause is "

@@ -55,7 +55,7 @@ class StepMode:
         if self.early_nvme:
             early += (" (NVMe reads, Adam and writes run beside the next forward and backward, on steps whose "
                       "backward did not step them; an optimizer state transfer that fails then loses the step, a "
-                      "parameter write fails the forward that needs it)")
+                      "parameter write that fails is redone from the master by the forward that needs it)")
         return during + "; " + (early if self.early else f"step() returns after Adam ({self.early_why})")
 
 

@@ -128,8 +128,8 @@ rest of the step is dropped with its gradients, and every later drain (the next 
 At W > 1 the next step says it on every rank (see [Note: one rank's failed step] in offload/engine/core.py). Hence
 ``early_step: auto`` leaves a step with NVMe state whole (a failed transfer there is retried), and ``on`` opts in.
 Parameter shards homed on NVMe step early the same way, each made current on its own once written (see [Note: an
-early step's parameter writes] in offload/store/param_swap.py); a parameter write that fails then fails the forward
-that needs that unit, and the next forward rewrites it from its master (the step stands).
+early step's parameter writes] in offload/store/param_swap.py); a parameter write that fails then leaves the unit
+stale, and the forward that needs it rewrites it from its master first (the step stands).
 
 [Note: delayed update] Opt-in (offload.delayed_update), and not exact by design: ZeRO-Offload's
 delayed parameter update. The step is the early step's, but on a host thread of its own, in

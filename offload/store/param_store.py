@@ -35,6 +35,7 @@ the compute stream (``await_home``), as a gather from the shard would.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,9 @@ class ParamStore:
         self._compute_done: Event | None = None  # before each copy to the device (re-recorded)
         self.host_is_device = accel.host_is_device  # see [Note: host memory is the device's]
         self.keep_host_copies = keep_host_copies
+        # Rewrites every stale NVMe shard from its master (the engine's), so a read never meets one that an early
+        # step's failed write left behind (see [Note: an early step's parameter writes] in param_swap.py).
+        self.repair: Callable[[], None] | None = None
 
     def add(self, index: int, name: str, values: torch.Tensor, *, device_view: torch.Tensor | None = None,
             host_copy: bool = False) -> None:
@@ -218,6 +222,10 @@ class ParamStore:
             assert shard.host is not None
             return shard.host
         assert h2d is not None, "a shard homed off the device needs a copy stream to come over"
+        if shard.home is Home.NVME:
+            self.repair_if_stale(index)
+        if shard.home is Home.NVME:
+            self.repair_if_stale(index)
         read = self.swap.fetch(index) if shard.home is Home.NVME and self.swap is not None else None
         source = self.swap.view(read) if self.swap is not None and read is not None else shard.host
         assert source is not None
@@ -295,6 +303,11 @@ class ParamStore:
         if shard.stepped is not None:
             self.accel.wait(shard.stepped, "a unit's early step")
             shard.stepped = None
+
+    def repair_if_stale(self, index: int) -> None:
+        """Before reading an NVMe shard: if a failed write left it stale, have it rewritten first (rank-local)."""
+        if self.swap is not None and self.repair is not None and index in self.swap.stats.stale:
+            self.repair()
 
     def stepping(self) -> set[int]:
         """NVMe-homed units an early step has not finished writing: not to be read ahead yet (see [Note: an early

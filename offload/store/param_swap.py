@@ -32,8 +32,9 @@ the unit's step event fires. Before returning, the training thread ``forget``s w
 read buffers hold of the units being stepped; a gather of a unit waits for its step
 first, and read-ahead skips units whose step has not run yet (the runtime asks the
 parameter store), so no read ever sees the slot the step is replacing. A write that
-fails leaves that unit stale: the forward that needs it raises saying so, and the next
-forward rewrites it from its master weights (the step itself stands).
+fails leaves that unit stale, and the read that meets it first has the engine rewrite it
+from its master weights (``ParamStore.repair``; on this rank alone, no collective, after
+the step's other writes), so the step stands and the forward goes on.
 """
 
 from __future__ import annotations

@@ -266,6 +266,7 @@ class ZeroRuntime:
             # NVMe reads run further ahead than gathers: this unit's first, then the trace's next ones.
             if unit.on_nvme and unit.state is UnitState.SHARDED:
                 unit.params.wait_step(unit.index)  # an early step's new shard first (see [Note: an early step's ...])
+                unit.params.repair_if_stale(unit.index)
                 self.swap.start(unit.index)
             if upcoming:
                 gathered = {i for i in upcoming if self.units[i].state is not UnitState.SHARDED}
