@@ -5,6 +5,7 @@ retryable step is retried on every rank to the values of a run that never failed
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 import os
 
 import pytest
@@ -277,3 +278,35 @@ def test_a_peers_failure_after_this_ranks_overlapped_backward_says_the_step_is_h
     assert waiting["error"].startswith("EngineError: rank 0: another rank's gradients or its last step did not "
                                        "complete"), waiting["error"]
     assert "its step is half applied: rebuild every rank from the last checkpoint" in waiting["error"]
+
+
+def _delayed_update_fails_on_rank_1(rank: int, world: int, path: str) -> dict:
+    config = base_config(2, 1, world)
+    config["offload"]["delayed_update"] = {"warmup_steps": 0}
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    data = batches(2, 2 * world)
+    engine.backward(loss_of(engine, "gpt", data[0][2 * rank:2 * rank + 2]))
+    engine.step()
+    engine.full_state_dict()
+    if rank == 1:
+        def failing(*args, **kwargs):
+            raise RuntimeError("delayed Adam failed")
+
+        engine.optimizer._step_shard = failing
+    engine.backward(loss_of(engine, "gpt", data[1][2 * rank:2 * rank + 2]))
+    engine.step()  # the delayed update's Adam runs on its thread, and fails there on rank 1
+    out = {"save": _error(lambda: engine.save_checkpoint(path))}
+    out["close"] = _error(engine.close)  # releases everything, and says the failure once more
+    return out
+
+
+def test_a_delayed_update_that_failed_on_one_rank_fails_a_save_on_every_rank():
+    """A save publishes the delayed update first; publishing is part of the agreed drain, so the failing rank does
+    not leave the others in the agreement (they waited there until it exited)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as path:
+        waiting, failed = run_ranks(_delayed_update_fails_on_rank_1, WORLD, timeout=60, path=path)
+        assert not any(p.name.startswith("global_step") for p in Path(path).iterdir())
+    assert "delayed Adam failed" in failed["save"], failed
+    assert waiting["save"].startswith("EngineError: rank 0: saving the checkpoint did not start because another "
+                                      "rank's"), waiting
