@@ -169,6 +169,16 @@ def check_parity(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
         torch.testing.assert_close(rank["eval_logits"], ref["eval_logits"])
 
 
+def check_bitwise(results: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
+    """Two train_engine runs (one result per rank) trained alike bit for bit: losses, state and evaluation logits;
+    for schedules that promise the same values (an early step against the whole one)."""
+    for run, ref in zip(results, reference, strict=True):
+        assert run["losses"] == ref["losses"]
+        for key, value in ref["state"].items():
+            assert torch.equal(run["state"][key], value), key
+        assert torch.equal(run["eval_logits"], ref["eval_logits"])
+
+
 def describe_engine(rank: int, world: int, config: dict[str, Any], device: str | None = None) -> dict[str, Any]:
     """What initialize decided for the test GPT: step mode, optimizer state per tier, memory per tier."""
     engine, optimizer, _, _ = offload.initialize(model=make_model("gpt"), config=config, device=device)

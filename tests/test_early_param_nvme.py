@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import offload
-from engine_cases import batches, loss_of, make_model, train_engine
+from engine_cases import batches, check_bitwise, loss_of, make_model, train_engine
 from offload.launch import run_ranks
 from test_engine_param_nvme import _steps, param_config
 
@@ -36,11 +36,7 @@ def test_the_early_step_with_parameters_on_nvme_trains_bitwise_as_the_whole_step
     assert "NVMe reads, Adam and writes run beside the next forward" in runs["on"][0]["mode"]
     assert "step() returns after Adam" in runs["off"][0]["mode"]
     assert runs["on"][0]["counts"].get("optimizer_early", 0) > 0
-    for early, whole in zip(runs["on"], runs["off"]):
-        assert early["losses"] == whole["losses"]
-        for key, value in whole["state"].items():
-            assert torch.equal(early["state"][key], value), key
-        assert torch.equal(early["eval_logits"], whole["eval_logits"])
+    check_bitwise(runs["on"], runs["off"])
 
 
 def test_reads_still_run_ahead_once_each_units_step_has_run(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine
+from engine_cases import base_config, batches, check_bitwise, describe_engine, loss_of, make_model, train_engine
 from offload.launch import run_ranks
 from test_sync_ledger import ledger_of_a_step
 
@@ -32,11 +32,7 @@ def test_the_early_step_trains_bitwise_as_the_whole_step(world, params, env):
     assert "step() returns before Adam" in runs["on"][0]["mode"]
     assert "step() returns after Adam" in runs["off"][0]["mode"]
     assert runs["on"][0]["counts"].get("optimizer_early", 0) > 0 and "optimizer_early" not in runs["off"][0]["counts"]
-    for early, whole in zip(runs["on"], runs["off"]):
-        assert early["losses"] == whole["losses"]
-        for key, value in whole["state"].items():
-            assert torch.equal(early["state"][key], value), key
-        assert torch.equal(early["eval_logits"], whole["eval_logits"])
+    check_bitwise(runs["on"], runs["off"])
 
 
 @pytest.mark.parametrize("params,discrete", [("cpu", False), ("none", True)], ids=["host-in-place", "gpu-alias"])
