@@ -96,6 +96,7 @@ class ParamStore:
         # Rewrites every stale NVMe shard from its master (the engine's), so a read never meets one that an early
         # step's failed write left behind (see [Note: an early step's parameter writes] in param_swap.py).
         self.repair: Callable[[], None] | None = None
+        self._nvme_stepping: set[int] = set()  # NVMe-homed units with an early step not waited for (the hot path's)
 
     def add(self, index: int, name: str, values: torch.Tensor, *, device_view: torch.Tensor | None = None,
             host_copy: bool = False) -> None:
@@ -224,8 +225,6 @@ class ParamStore:
         assert h2d is not None, "a shard homed off the device needs a copy stream to come over"
         if shard.home is Home.NVME:
             self.repair_if_stale(index)
-        if shard.home is Home.NVME:
-            self.repair_if_stale(index)
         read = self.swap.fetch(index) if shard.home is Home.NVME and self.swap is not None else None
         source = self.swap.view(read) if self.swap is not None and read is not None else shard.host
         assert source is not None
@@ -296,6 +295,8 @@ class ParamStore:
         """An early step writes the shard (and starts its copy back) by the time ``done`` completes (see
         [Note: early step] in offload/optim/sharded.py)."""
         self.shards[index].stepped = done
+        if self.homes[index] is Home.NVME:
+            self._nvme_stepping.add(index)
 
     def wait_step(self, index: int) -> None:
         """Before anything reads the shard: wait for an early step still writing it."""
@@ -303,6 +304,7 @@ class ParamStore:
         if shard.stepped is not None:
             self.accel.wait(shard.stepped, "a unit's early step")
             shard.stepped = None
+            self._nvme_stepping.discard(index)
 
     def repair_if_stale(self, index: int) -> None:
         """Before reading an NVMe shard: if a failed write left it stale, have it rewritten first (rank-local)."""
@@ -312,10 +314,8 @@ class ParamStore:
     def stepping(self) -> set[int]:
         """NVMe-homed units an early step has not finished writing: not to be read ahead yet (see [Note: an early
         step's parameter writes] in param_swap.py)."""
-        if self.swap is None:
-            return set()
         busy = set()
-        for index in self.swap.homes:
+        for index in self._nvme_stepping:
             done = self.shards[index].stepped
             if done is not None and not done.query():
                 busy.add(index)

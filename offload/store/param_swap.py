@@ -375,7 +375,7 @@ class ParamSwap:
 
     def commit_unit(self, unit: int) -> None:
         """An early step wrote ``unit``'s new shard: once written it becomes current on its own; a write that
-        failed leaves the unit stale (its master is ahead), for the forward to say and the engine to rewrite."""
+        failed leaves the unit stale (its master is ahead), for the engine to rewrite before it is read."""
         pending = None
         with self._lock:
             for i, (memory, written, request) in enumerate(self._writes):
