@@ -1,30 +1,33 @@
 #!/usr/bin/env bash
 # Every GPU measurement and test the open issues name, in stages, each logged to $OUT/<stage>.log.
 #
-# Here (with network), once: build the wheels the lent machine lacks into .whl/ (git ignores it; it travels with
-# the working tree as `carry: [".whl"]`, about 10 MiB):
+# Here (with network), once per session that is lent a GPU: build the wheels the lent machine lacks into .whl/ (git
+# ignores it; it travels with the working tree as `carry: [".whl"]`, about 10 MiB):
 #   tools/gpu_session.sh wheels
-# On the lent GPU machine (no network; torch with CUDA already there), three back-to-back calls of the run tool, each
-# with OUT pointed at a folder of its own and that folder tarred into the tool's $OUT at the end (the tool brings
-# back at most 8 files); on the H100 on 2026-11-24 they took 320, 350 and over 470 s (2026-11-25: the first
-# call with bench-step-placement instead of bench-pcie, bench-adam, bench-step: 329 s; bench-deepspeed,
-# bench-deepspeed-placements and bench-step-1p3b: 498 s; profile and sanitizer: 57 s):
-#   tools/gpu_session.sh install cuda-tests bench-pcie bench-adam bench-step bench-step-default
-#   tools/gpu_session.sh bench-step-1p3b profile bench-deepspeed sanitizer
-#   tools/gpu_session.sh bench-step-placement bench-deepspeed-placements (the speculative step,
-#   offload_optimizer.ratio, the delayed update, DeepSpeed's other placements; 149 and 232 s on 2026-11-25)
-#   tools/gpu_session.sh bench-step-1p3b-auto bench-step-delayed
-#   tools/gpu_session.sh suite
-# What the next GPU session should run first (not yet measured there: torch's fused Adam for state on the GPU, the
-# all-on-GPU DeepSpeed variant after its arch-list fix, the 1.3B auto split's second round, device-homed units read
-# where they live at W = 1 (no gathers: the 1.3B model re-gathered ~500 units a step); then the 156M steps):
-#   tools/gpu_session.sh install cuda-tests bench-step-1p3b-auto bench-deepspeed-placements
-#   tools/gpu_session.sh bench-step-placement bench-step-default bench-hooks sanitizer
-#   tools/gpu_session.sh bench-step-1p3b-split bench-deepspeed-1p3b bench-step-nvme (the auto split under a device
-#   budget the state does not fit; DeepSpeed on the 1.3B model; params and optimizer state on the lent machine's disk)
-#   tools/gpu_session.sh bench-step-4p5b (alone: a model whose state does not fit on the GPU, auto beside all on host)
-#   tools/gpu_session.sh bench-step-nvme-early (the optimizer state's NVMe pass, and the parameters' NVMe writes,
-#   after step() returned: early_step on)
+#
+# A lent task has 15 minutes of device time in all (start-ups and idle waits counted), and the machine goes back after
+# 30 s idle: two back-to-back calls of the run tool, the second issued the moment the first returns, with
+# timeout_s 420 and 330. Each stage is cut at STAGE_S seconds (default 300) so one cannot eat the call, and the work
+# folder is re-tarred into $BUNDLE after every stage, so a call cut at its limit still brings back what finished:
+#   run(carry=[".whl"], timeout_s=420, command='OUT=/tmp/gs BUNDLE=$OUT/plan1.tgz tools/gpu_session.sh plan1')
+#   run(carry=[".whl"], timeout_s=330, command='OUT=/tmp/gs BUNDLE=$OUT/plan2.tgz tools/gpu_session.sh plan2')
+# plan1 (about 6 minutes): install, the CUDA tests, the 156M step at the default units (#21's headline), the 1.3B
+#   model with the state where auto puts it beside all on the host (#21's 1.4x target, torch's fused Adam on the GPU
+#   never measured), that host's Python cost per hook.
+# plan2 (about 5 minutes, on the same warm machine, so no install): DeepSpeed beside offload with the optimizer on
+#   the host and with nothing offloaded (its FusedAdam after the arch-list fix: never run), the CUDA tests under
+#   torch's stream sanitizer, the NVMe early step (params and state on the lent machine's disk).
+# If the first call finds the machine cold again for the second (more than 30 s between them), plan2 needs
+# `install` first: `tools/gpu_session.sh install plan2`.
+#
+# Every stage by name (timings from the H100 of 2026-11-24/25: install + cuda-tests + bench-step-default about 180 s;
+# bench-step-placement 149 s; bench-deepspeed-placements 232 s; bench-deepspeed + bench-deepspeed-placements +
+# bench-step-1p3b 498 s; profile + sanitizer 57 s):
+#   install cuda-tests bench-pcie bench-adam bench-hooks bench-step bench-step-default bench-step-placement
+#   bench-step-delayed bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
+#   bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b profile sanitizer suite
+# bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
+# a call of its own (SUITE_S, default 420 s, 14 workers).
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
 # prediction beside what was measured.
 set -uo pipefail
@@ -41,14 +44,20 @@ M1P3B=(--device cuda --world 1 --dtype bf16 --hidden 2048 --layers 24 --seq 2048
 # 80 GB GPU beside its activations, nor does plain PyTorch (the bench then says so and compares the variants alone).
 M4P5B=(--device cuda --world 1 --dtype bf16 --hidden 3584 --layers 28 --seq 2048 --vocab 50304 --micro 1)
 
+# Each Python command is cut at STAGE_S seconds, with the processes it started (timeout signals its process group).
+py() { timeout -k 15 "${STAGE_S:-300}" "$PY" "$@"; }
+
 stage() {  # name, command...: run one stage, log it, never stop the others
   local name=$1; shift
   echo "== $name: $*"
   local t0=$SECONDS
   "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s$([ $rc = 124 ] && echo " (cut at STAGE_S=${STAGE_S:-300} s)")"
   tail -n "${TAIL:-25}" "$OUT/$name.log"
+  if [ -n "${BUNDLE:-}" ]; then  # what finished so far comes back even if the call is cut later
+    tar czf "$OUT.tgz.part" -C "$OUT" . && mv "$OUT.tgz.part" "$BUNDLE"
+  fi
 }
 
 wheels() {  # here: what the lent machine (Python 3.12, no network) lacks. liburing 2024.5.3 has no binary wheels
@@ -82,14 +91,14 @@ deepspeed_side_by_side() {
   # (nvcc, CUDA_HOME; the H100 image of 2026-11-24 had it). Where the build fails the bench runs DeepSpeed with
   # torch's Adam (its torch_adam switch) and the table's optimizer column says so.
   command -v nvcc || echo "no nvcc here: DeepSpeed's cpu_adam build may fail (then torch_adam, named in the table)"
-  $PY -m offload bench step --baseline deepspeed "${M156[@]}" --steps 4 --rounds 2 --out "$OUT/deepspeed/step-vs-deepspeed.json"
+  py -m offload bench step --baseline deepspeed "${M156[@]}" --steps 4 --rounds 2 --out "$OUT/deepspeed/step-vs-deepspeed.json"
 }
 
 # DeepSpeed's other placements beside offload's (#20): params on the GPU with the optimizer on the host (its CPU Adam,
 # and torch's Adam), half the optimizer state on the GPU (offload_optimizer.ratio 0.5), nothing offloaded.
 deepspeed_placements() {
   if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here"; return 2; fi
-  $PY -m offload bench step --baseline deepspeed "${M156[@]}" --steps 4 --rounds 2 \
+  py -m offload bench step --baseline deepspeed "${M156[@]}" --steps 4 --rounds 2 \
     --variants optimizer-host,optimizer-host-torch-adam,ratio-half,device --out "$OUT/deepspeed-placements/step-vs-deepspeed.json"
 }
 
@@ -97,44 +106,61 @@ deepspeed_placements() {
 # host). One micro-batch a step (the side-by-side times forward, backward and step), so --accum 1 here.
 deepspeed_1p3b() {
   if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here"; return 2; fi
-  $PY -m offload bench step --baseline deepspeed "${M1P3B[@]}" --accum 1 --steps 3 --rounds 2 \
+  py -m offload bench step --baseline deepspeed "${M1P3B[@]}" --accum 1 --steps 3 --rounds 2 \
     --variants optimizer-host,host --out "$OUT/deepspeed-1p3b/step-vs-deepspeed.json"
 }
 
+# #20 on the GPU where it was never run: nothing offloaded (DeepSpeed's FusedAdam after the arch-list fix), beside
+# params and optimizer on the host.
+deepspeed_device() {
+  if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here"; return 2; fi
+  py -m offload bench step --baseline deepspeed "${M156[@]}" --steps 4 --rounds 2 \
+    --variants host,device --out "$OUT/deepspeed-device/step-vs-deepspeed.json"
+}
+
+stages=()
 for s in "$@"; do
   case "$s" in
+    plan1) stages+=(install cuda-tests bench-step-default bench-step-1p3b-auto bench-hooks) ;;
+    plan2) stages+=(bench-deepspeed-device sanitizer bench-step-nvme-early) ;;
+    *) stages+=("$s") ;;
+  esac
+done
+for s in "${stages[@]}"; do
+  case "$s" in
+    bench-deepspeed-device) stage bench-deepspeed-device deepspeed_device ;;
     wheels) stage wheels wheels ;;
     install) stage install install ;;
     bench-deepspeed-placements) stage bench-deepspeed-placements deepspeed_placements ;;
-    cuda-tests) stage cuda-tests $PY -m pytest -q -x tests/test_engine_cuda.py tests/test_cli.py -k "cuda or gpu or pcie" ;;
+    cuda-tests) stage cuda-tests py -m pytest -q -x tests/test_engine_cuda.py tests/test_cli.py -k "cuda or gpu or pcie" ;;
     # The CUDA tests under torch's stream sanitizer: a kernel that reads what another stream writes without a wait fails.
-    sanitizer) TORCH_CUDA_SANITIZER=1 stage sanitizer $PY -m pytest -q tests/test_engine_cuda.py ;;
+    sanitizer) TORCH_CUDA_SANITIZER=1 stage sanitizer py -m pytest -q tests/test_engine_cuda.py ;;
     suite) FAIL_LOG=$OUT/failures.log PYTHONPATH=tools TAIL=30 stage suite timeout "${SUITE_S:-420}" $PY -m pytest -n 14 -q -p pytest_failures_now -p no:cacheprovider -p no:benchmark --timeout 150 ${SUITE_ARGS:-tests} ;;
-    bench-hooks) stage bench-hooks $PY -m offload bench hooks --out "$OUT/hooks.json" ;;  # that host's Python per hook
-    bench-pcie) stage bench-pcie $PY -m offload bench pcie --out "$OUT/pcie.json" ;;
+    bench-hooks) stage bench-hooks py -m offload bench hooks --out "$OUT/hooks.json" ;;  # that host's Python per hook
+    bench-pcie) stage bench-pcie py -m offload bench pcie --out "$OUT/pcie.json" ;;
     # CPU Adam over the 156M model's elements beside torch's AdamW and the host's measured bandwidth ceiling.
-    bench-adam) stage bench-adam $PY -m offload bench adam --sizes 156M --out "$OUT/adam.json" ;;
-    bench-step) stage bench-step $PY -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 4 --rounds 2 --out "$OUT/step-4mi/step.json" ;;
-    bench-step-default) stage bench-step-default $PY -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-64mi/step.json" ;;
-    bench-step-placement) stage bench-step-placement $PY -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,clip-after,clip-speculative-kept,clip-speculative-recomputed,ratio-auto,ratio-half,delayed --out "$OUT/step-placement/step.json" ;;
+    bench-adam) stage bench-adam py -m offload bench adam --sizes 156M --out "$OUT/adam.json" ;;
+    bench-step) stage bench-step py -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 4 --rounds 2 --out "$OUT/step-4mi/step.json" ;;
+    bench-step-default) stage bench-step-default py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-64mi/step.json" ;;
+    bench-step-placement) stage bench-step-placement py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,clip-after,clip-speculative-kept,clip-speculative-recomputed,ratio-auto,ratio-half,delayed --out "$OUT/step-placement/step.json" ;;
     # The 1.3B model with the optimizer state where it is fastest (auto fills the GPU first) beside all on the host.
-    bench-step-1p3b-auto) stage bench-step-1p3b-auto $PY -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants host,ratio-auto --out "$OUT/step-1p3b-auto/step.json" ;;
+    bench-step-1p3b-auto) stage bench-step-1p3b-auto py -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants host,ratio-auto --out "$OUT/step-1p3b-auto/step.json" ;;
     # #22's "state that does not fit on the GPU": the same 1.3B model with offload held to a 12 GiB device budget (its
     # 21 GB of optimizer state and fp32 gradients cannot fit, about half does): the split auto chooses beside all on
     # the host. Plain PyTorch runs unbounded beside them.
-    bench-step-1p3b-split) stage bench-step-1p3b-split $PY -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants host,ratio-auto --device-budget 12Gi --out "$OUT/step-1p3b-split/step.json" ;;
+    bench-step-1p3b-split) stage bench-step-1p3b-split py -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants host,ratio-auto --device-budget 12Gi --out "$OUT/step-1p3b-split/step.json" ;;
     # The same question on a model whose state does not fit the GPU at all (host memory: about 85 of 128 GiB).
-    bench-step-4p5b) stage bench-step-4p5b $PY -m offload bench step "${M4P5B[@]}" --unit-bytes 64Mi --steps 2 --rounds 2 --variants ratio-auto,host --out "$OUT/step-4p5b/step.json" ;;
-    bench-step-delayed) stage bench-step-delayed $PY -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,delayed --out "$OUT/step-delayed/step.json" ;;
-    bench-step-1p3b) stage bench-step-1p3b $PY -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --headline-only --out "$OUT/step-1p3b/step.json" ;;
+    bench-step-4p5b) stage bench-step-4p5b py -m offload bench step "${M4P5B[@]}" --unit-bytes 64Mi --steps 2 --rounds 2 --variants ratio-auto,host --out "$OUT/step-4p5b/step.json" ;;
+    bench-step-delayed) stage bench-step-delayed py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,delayed --out "$OUT/step-delayed/step.json" ;;
+    bench-step-1p3b) stage bench-step-1p3b py -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --headline-only --out "$OUT/step-1p3b/step.json" ;;
     # torch's profiler over three steps of the headline variant: kernels per stream, the engine's phases per thread.
-    profile) stage profile $PY -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 3 --rounds 1 --headline-only --profile --out "$OUT/profile/step.json" ;;
+    profile) stage profile py -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 3 --rounds 1 --headline-only --profile --out "$OUT/profile/step.json" ;;
     bench-deepspeed) stage bench-deepspeed deepspeed_side_by_side ;;
     bench-deepspeed-1p3b) stage bench-deepspeed-1p3b deepspeed_1p3b ;;
     # Params and optimizer state on NVMe (the lent machine's local disk under /tmp) beside both on the host.
-    bench-step-nvme) stage bench-step-nvme $PY -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-nvme/step.json" ;;
-    # The optimizer state on NVMe stepped whole beside its pass run after step() returned (early_step on).
-    bench-step-nvme-early) stage bench-step-nvme-early $PY -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,nvme-optimizer,nvme-optimizer-early,nvme,nvme-early --out "$OUT/step-nvme-early/step.json" ;;
+    bench-step-nvme) stage bench-step-nvme py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-nvme/step.json" ;;
+    # Params and optimizer state on NVMe, stepped whole beside their NVMe passes run after step() returned (early on).
+    bench-step-nvme-early) stage bench-step-nvme-early py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants nvme,nvme-early --out "$OUT/step-nvme-early/step.json" ;;
     *) echo "unknown stage $s" ;;
   esac
 done
