@@ -7,10 +7,12 @@
 #
 # A lent task has 15 minutes of device time in all (start-ups and idle waits counted), and the machine goes back after
 # 30 s idle: two back-to-back calls of the run tool, the second issued the moment the first returns, with
-# timeout_s 420 and 330. Each stage is cut at STAGE_S seconds (default 300) so one cannot eat the call, and the work
-# folder is re-tarred into $BUNDLE after every stage, so a call cut at its limit still brings back what finished:
-#   run(carry=[".whl"], timeout_s=420, command='OUT=/tmp/gs BUNDLE=$OUT/plan1.tgz tools/gpu_session.sh plan1')
-#   run(carry=[".whl"], timeout_s=330, command='OUT=/tmp/gs BUNDLE=$OUT/plan2.tgz tools/gpu_session.sh plan2')
+# timeout_s 450 and 300 (with a start-up of 1-2 minutes: about 14 minutes). Each Python command is cut at STAGE_S
+# seconds (default 300) so one stage cannot eat the call, and the work folder is re-tarred into $BUNDLE after every
+# stage (BUNDLE before OUT: the tool's $OUT, expanded before OUT is set), so a call cut at its limit still brings
+# back what finished:
+#   run(carry=[".whl"], timeout_s=450, command='BUNDLE=$OUT/plan1.tgz OUT=/tmp/gs tools/gpu_session.sh plan1')
+#   run(carry=[".whl"], timeout_s=300, command='BUNDLE=$OUT/plan2.tgz OUT=/tmp/gs tools/gpu_session.sh plan2')
 # plan1 (about 6 minutes): install, the CUDA tests, the 156M step at the default units (#21's headline), the 1.3B
 #   model with the state where auto puts it beside all on the host (#21's 1.4x target, torch's fused Adam on the GPU
 #   never measured), that host's Python cost per hook.
