@@ -195,3 +195,47 @@ def test_on_a_cpu_at_w1_units_are_read_in_place_and_nothing_is_copied(params):
     for key, value in ref["state"].items():
         torch.testing.assert_close(state[key], value)
     assert losses == pytest.approx(ref["losses"], rel=1e-5)
+
+
+def _chain_gathers(rank, world, anchors_per_unit):
+    """Gathers per training step of a chain of 12 equal Linear layers cut into units of ``anchors_per_unit``
+    siblings each, and its parameters after three steps beside plain PyTorch's."""
+    import copy
+
+    import offload
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(12)])
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "cpu"},
+                                    "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0},
+              "offload": {"unit_bytes": 1056 * 4 * anchors_per_unit}}
+    engine, *_ = offload.initialize(model=model, config=config)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    counts = []
+    for step in range(3):
+        x = torch.randn(2 * world, 32, generator=torch.Generator().manual_seed(step))
+        before = engine.runtime.gathers
+        engine.backward(engine(x[rank * 2:rank * 2 + 2]).square().mean())
+        engine.step()
+        counts.append(engine.runtime.gathers - before)
+        reference(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    anchors = [len(u.plan.anchors) for u in engine.units]
+    state = engine.full_state_dict()
+    engine.close()
+    return counts, anchors, state, reference.state_dict()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_unit_of_several_siblings_is_gathered_once_per_forward(world):
+    """[Note: when a unit is gathered]: a run of small siblings shares a unit; released between its anchors it was
+    gathered once per anchor (three times per forward here), its whole size over PCIe or the network each time."""
+    counts, anchors, state, reference = run_ranks(_chain_gathers, world, env=DISCRETE, anchors_per_unit=3)[0]
+    assert anchors == [3, 3, 3, 3]
+    assert counts == [2 * len(anchors)] * 3, "once for the forward and once for the backward"
+    for key, value in reference.items():
+        torch.testing.assert_close(state[key], value)

@@ -4,6 +4,11 @@
 - forward: each anchor (and borrower) module's pre-forward hook acquires the unit
   (gathering it if it is sharded) and its post-forward hook releases it; a unit is
   resharded when no forward inside one of its anchors is running, unless persistent.
+  A unit anchored at several modules (a run of small siblings: two transformer blocks,
+  the two embeddings) stays gathered from its first anchor's forward to its last one's:
+  released between them it would be gathered once per anchor, each time its whole size
+  over PCIe or the network. If the last anchor never runs (a branch not taken), the unit
+  is idle and gathered: the next gather that needs room, or the step, reshards it.
 - backward: a hook on the module's outputs gathers the unit again when the first
   gradient reaches that module (its "pre-backward"). A unit is resharded once every
   trainable parameter in it has had its gradient accumulated: every autograd node
@@ -93,6 +98,9 @@ class ZeroRuntime:
         self._in_backward = False
         self._acquired: dict[int, list[list[Unit]]] = {}  # per module: the units each running forward holds
         self._handles: list[RemovableHandle] = []
+        # Per module: the units for which its forward is not the last of their anchors' (see [Note: when a unit is
+        # gathered]); their release after it keeps them gathered.
+        self._keep_after: dict[int, frozenset[int]] = {}
         self._reduced: dict[int, Event] = {}  # per unit: its last reduction's event (re-recorded)
         for unit in units:
             unit.persistent = unit.keeps_full or unit.numel <= persistence_threshold
@@ -109,6 +117,10 @@ class ZeroRuntime:
                 entry = users.setdefault(id(module), (module, []))
                 if unit not in entry[1]:
                     entry[1].append(unit)
+        for unit in self.units:
+            for name in unit.plan.anchors[:-1]:
+                key = id(by_name[name])
+                self._keep_after[key] = self._keep_after.get(key, frozenset()) | {unit.index}
         for module, units in users.values():
             self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(units)))
             self._handles.append(module.register_forward_hook(self._post_forward_hook(units), always_call=True))
@@ -134,8 +146,9 @@ class ZeroRuntime:
             if self.schedule.on:
                 self.schedule.work("hook_forward", lane=HOST)
             stack = self._acquired.get(id(module))
+            keep = self._keep_after.get(id(module), frozenset())
             for unit in stack.pop() if stack else ():
-                self.release(unit)
+                self.release(unit, keep=unit.index in keep)
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 if len(tensors) == 1:  # the common case, without the multi-hook's per-graph-task bookkeeping
@@ -165,9 +178,10 @@ class ZeroRuntime:
         self._unshard(unit)
         unit.holders += 1
 
-    def release(self, unit: Unit) -> None:
+    def release(self, unit: Unit, keep: bool = False) -> None:
+        """``keep``: a later anchor of the unit is about to run (see [Note: when a unit is gathered])."""
         unit.holders -= 1
-        if unit.holders == 0 and not unit.persistent and not self._in_backward:
+        if unit.holders == 0 and not unit.persistent and not self._in_backward and not keep:
             self._reshard(unit)
 
     # ----------------------------------------------------------------- backward
