@@ -488,10 +488,12 @@ class Accelerator:
         self.ledger.scalar_read(what)
         return [float(v) for v in values.tolist()]
 
-    def host_buffer(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, AlignedBuffer]:
-        """Page-aligned host memory, pinned when a GPU is the compute device (async copies need it); it lives
-        until close(). The buffer comes back too, for its capacity (what budgets account)."""
-        buf = AlignedBuffer(max(1, numel) * dtype.itemsize, pin=self.is_cuda)
+    def host_buffer(self, numel: int, dtype: torch.dtype, dma: bool = True) -> tuple[torch.Tensor, AlignedBuffer]:
+        """Page-aligned host memory, pinned when a GPU is the compute device and copies to or from it are
+        asynchronous (``dma``); memory only host threads read (the optimizer's master weights and moments) stays
+        pageable: pinning it would only lock its pages and slow the start. It lives until close(). The buffer comes
+        back too, for its capacity (what budgets account)."""
+        buf = AlignedBuffer(max(1, numel) * dtype.itemsize, pin=self.is_cuda and dma)
         self._host_buffers.append(buf)
         return buf.view(dtype, numel), buf
 

@@ -5,7 +5,7 @@ A rank's optimizer state is cut into sub-groups of whole units' shards, up to
 buffer [3, n] whose home is a tier:
 - ``device``: the compute device (no optimizer offload);
 - ``host``: host memory, updated in place, no copies at all;
-- ``nvme``: a swap file, read into one of ``buffer_count`` pinned buffers for the step.
+- ``nvme``: a swap file, read into one of ``buffer_count`` host buffers for the step.
 With ``offload_optimizer.device: nvme`` and a host budget, the host keeps the first
 sub-groups that fit in what the budget leaves and the rest go to NVMe.
 
@@ -164,7 +164,7 @@ def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buff
     if left < 0:
         raise ConfigError("offload.budgets.host",
                           f"{host.limit:,} bytes cannot hold the {min(buffer_count, len(groups))} "
-                          f"pinned NVMe buffers of {largest:,} bytes (one sub-group's state) beside "
+                          f"NVMe buffers of {largest:,} bytes (one sub-group's state) beside "
                           f"{host.used:,} for gradients and copies; raise the budget or lower "
                           "zero_optimization.sub_group_size or offload_optimizer.buffer_count")
     for g in groups:
@@ -232,12 +232,13 @@ class OptimizerStateStore:
             if g.tier == "device":
                 g.resident = torch.zeros(KINDS, g.numel, dtype=torch.float32, device=accel.device)
             elif g.tier == "host":
-                t, buf = accel.host_buffer(KINDS * g.numel, torch.float32)
+                # Read and written by host threads only (Adam, checkpoints): no copy engine touches it.
+                t, buf = accel.host_buffer(KINDS * g.numel, torch.float32, dma=False)
                 host.take(buf.capacity, "optimizer state")
                 g.resident = t.view(KINDS, g.numel)
                 g.resident.zero_()
                 if spare:  # written before it is read (the speculative step fills every element it flips)
-                    t, buf = accel.host_buffer(KINDS * g.numel, torch.float32)
+                    t, buf = accel.host_buffer(KINDS * g.numel, torch.float32, dma=False)
                     host.take(buf.capacity, SPECULATIVE_SLOT)
                     g.spare = t.view(KINDS, g.numel)
         nvme_groups = [g for g in self.groups if g.tier == "nvme"]
@@ -248,7 +249,8 @@ class OptimizerStateStore:
             nvme.take(layout(sizes)[1], "optimizer state (two slots per sub-group)")
             self._file = TwoSlotFile(engine, swap_dir, f"optimizer-rank{rank}.swap", sizes)
             count, size = nvme_buffers(nvme_groups, buffer_count)
-            self._pool = BufferPool(count * size, pin=accel.is_cuda, name="optimizer NVMe buffers")
+            # Between the disk (O_DIRECT needs alignment, not pinning) and host Adam: never a device copy's end.
+            self._pool = BufferPool(count * size, pin=False, name="optimizer NVMe buffers")
             self._buffers = [self._pool.acquire(size) for _ in range(count)]
             host.take(count * size, "optimizer NVMe buffers")
         logger.info("optimizer state: %s", ", ".join(f"{t} {n:,} elements" for t, n in self.placement.tiers.items()))
