@@ -1,6 +1,7 @@
 """`offload bench step --baseline deepspeed`: one config read by both engines, a clear exit without DeepSpeed, and
 the whole side-by-side run on a tiny model where DeepSpeed is installed (`./dev.sh deepspeed` installs it)."""
 
+import io
 import json
 
 import pytest
@@ -137,3 +138,23 @@ def test_the_optimizer_column_names_the_adam_that_offload_ran():
     assert "host, torch fused Adam on the device" in versus._offload_optimizer_name(True, True, mode)
     assert versus._offload_optimizer_name(True, True, mode, discrete=False) == (
         "offload native Adam on the host and the device (early)")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_on_a_gpu_the_table_shows_each_sides_gpu_high_water_mark(device):
+    """#20 asks for the GPU memory high-water mark beside the step; on a CPU there is none to show."""
+    row = {"step_s": 1.0, "spread_s": [0.9, 1.1], "forward_s": 0.3, "backward_s": 0.6, "optimizer_s": 0.1,
+           "peak_rss": 3 << 30, "start_s": 2.0, "optimizer": "x"}
+    table = {"host": {"torch": {**row, "peak_device": 5 << 30}, "offload": {**row, "peak_device": 2 << 30},
+                      "deepspeed": {**row, "peak_device": 3 << 29}}}
+    bench = {"layers": 2, "hidden": 64, "vocab": 128, "seq": 16, "micro": 2, "dtype": "bf16", "world": 1,
+             "device": device, "repeats": 1, "steps": 1}
+    out = io.StringIO()
+    versus.print_table(versus.VersusResult(bench, 10**6, "0.19.8", {"host": "config-host.json"}, table), out)
+    text = out.getvalue()
+    if device == "cuda":
+        assert "GPU peak" in text
+        assert [line.split()[7] for line in text.splitlines() if line.startswith("  ") and "G " in line] == [
+            "5.00G", "2.00G", "1.50G"]
+    else:
+        assert "GPU peak" not in text

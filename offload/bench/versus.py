@@ -350,12 +350,14 @@ def print_table(result: VersusResult, out: TextIO) -> None:
     for name, sides in result.table.items():
         print(f"\n{name}: {PLACEMENTS[name].describe() if name in PLACEMENTS else name} "
               f"(both read {result.configs[name]})", file=out)
+        gpu = b["device"] == "cuda"  # the GPU memory high-water mark, beside the host's peak RSS
         print(f"  {'side':10s} {'step s':>8s} {'min-max':>15s} {'forward':>8s} {'backward':>8s} {'step':>7s} "
-              f"{'peak RSS':>9s} {'start s':>8s}  optimizer", file=out)
+              f"{'peak RSS':>9s}{'  GPU peak' if gpu else ''} {'start s':>8s}  optimizer", file=out)
         for side, row in sides.items():
             lo, hi = row["spread_s"]
+            device = f" {row.get('peak_device', 0) / 2**30:9.2f}G" if gpu else ""
             print(f"  {side:10s} {row['step_s']:8.3f} {f'{lo:.3f}-{hi:.3f}':>15s} {row['forward_s']:8.3f} "
-                  f"{row['backward_s']:8.3f} {row['optimizer_s']:7.3f} {row['peak_rss'] / 2**30:8.2f}G "
+                  f"{row['backward_s']:8.3f} {row['optimizer_s']:7.3f} {row['peak_rss'] / 2**30:8.2f}G{device} "
                   f"{row['start_s']:8.1f}  {row['optimizer']}", file=out)
         ratios = result.ratios.get(name, {})
         if ratios:
