@@ -77,6 +77,9 @@ def test_numbers_as_real_configs_write_them():
     assert cfg.optimizer.params.betas == (0.9, 0.95)
     assert cfg.offload.budgets.host == 24 * 2**30 and cfg.offload.budgets.nvme == 1_500_000_000_000
     assert cfg.offload.unit_bytes == 32 * 2**20
+    # The command line's spelling (--device-budget 12Gi) means the same in a config file.
+    assert Config.load({"offload": {"budgets": {"device": "12Gi"}, "unit_bytes": "64Mi"}}).offload.budgets.device \
+        == 12 * 2**30
 
 
 HF_STYLE = {

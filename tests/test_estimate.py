@@ -225,3 +225,14 @@ def test_one_ranks_device_homes_on_a_gpu_need_no_gather_room():
     config = Config.load(tight).resolve(world_size=1)
     assert not any(n.startswith("over offload.budgets.device") for n in estimate(model_units(model, config), config,
                                                                                   1).notes)
+
+
+def test_the_split_note_names_ratio_auto_as_the_config_says_it(tmp_path, capsys):
+    """The note once printed the sentinel's repr ("ratio AUTO"), a value no config file can hold."""
+    config = tmp_path / "auto.json"
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": "auto"}}
+    config.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": zero,
+                                  "offload": {"budgets": {"device": "4Gi"}}}))
+    assert main(["estimate", "--params", "1e9", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "offload_optimizer.ratio auto: the optimizer state of" in out and "AUTO" not in out

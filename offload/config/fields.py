@@ -48,6 +48,9 @@ class Auto:
     def __repr__(self) -> str:
         return "AUTO"
 
+    def __str__(self) -> str:  # what a config file says, in messages and notes
+        return "auto"
+
     def __reduce__(self) -> str:
         return "AUTO"
 
@@ -114,7 +117,8 @@ def public_fields(cls_or_obj: Any) -> list[dataclasses.Field]:
 # --------------------------------------------------------------------------- values
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}  # the command line's spelling (12Gi) too
 _SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
