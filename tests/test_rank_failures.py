@@ -310,3 +310,89 @@ def test_a_delayed_update_that_failed_on_one_rank_fails_a_save_on_every_rank():
     assert "delayed Adam failed" in failed["save"], failed
     assert waiting["save"].startswith("EngineError: rank 0: saving the checkpoint did not start because another "
                                       "rank's"), waiting
+
+
+class _Halves(torch.nn.Module):
+    """A Linear(32, 32) in two halves of weight: ``skip`` leaves the second out of the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(16, 32) * 0.1)
+        self.w2 = torch.nn.Parameter(torch.randn(16, 32) * 0.1)
+        self.bias = torch.nn.Parameter(torch.zeros(32))
+        self.skip = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        second = torch.zeros(h.shape[0], 16) if self.skip else h @ self.w2.T
+        return torch.cat([h @ self.w1.T, second], 1) + self.bias
+
+
+class _TwoUnits(torch.nn.Module):
+    """Two units of equal size: a Linear, then the halves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(32, 32)
+        self.b = _Halves()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.b(self.a(x)) + x).square().mean()
+
+
+def _train_two_units(rank: int, world: int, stage: int, skipping: int | None) -> dict:
+    """With ``skipping``, a first step where that rank leaves w2 unused, so its second unit lands at backward's
+    end, after the first, where the other rank's lands before it; then (or alone) a step using every weight."""
+    torch.manual_seed(0)
+    model = _TwoUnits()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              # Persistent units (stage 3) are not gathered again in backward: only the reductions are collectives.
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10**6},
+              "offload": {"unit_bytes": 1056 * 4}}
+    engine = offload.initialize(model=model, config=config)[0]
+    assert [u.numel for u in engine.units] == [1056, 1056]
+    errors = []
+    for step in (0, 1) if skipping is not None else (1,):
+        model.b.skip = step == 0 and rank == skipping
+        x = torch.randn(2, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+        errors.append(_error(lambda: (engine.backward(engine(x)), engine.step())))
+    out = {"errors": errors, "state": engine.full_state_dict()}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ranks_that_reduce_in_different_orders_say_so_and_apply_nothing(stage):
+    """[Note: gradient reduction order]: the reductions paired unit a's gradients on one rank with unit b's on the
+    other (equal sizes, so gloo cannot tell). Every rank raises and drops the step; the next step, with every
+    weight used on every rank, trains as if the bad one had never been run."""
+    got = run_ranks(_train_two_units, WORLD, stage=stage, skipping=1)
+    for rank, out in enumerate(got):
+        assert out["errors"][0] is not None and "reduced step 1's gradients in different orders" in out["errors"][0]
+        assert out["errors"][0].startswith(f"EngineError: rank {rank}:") and "not applied" in out["errors"][0]
+        assert out["errors"][1] is None
+    clean = run_ranks(_train_two_units, WORLD, stage=stage, skipping=None)  # the good step alone
+    for out, ref in zip(got, clean):
+        for key, value in ref["state"].items():
+            assert torch.equal(out["state"][key], value), key
+
+
+def test_the_order_check_tells_equal_hashes_from_unequal_ones_by_their_sums():
+    """W x sum(h^2) == sum(h)^2 holds only when every h is equal; exact in float64 for the hashes' range."""
+    from offload.zero.collectives import ReductionOrder
+
+    def summed(*orders: list[int]) -> list[float]:
+        values = []
+        for order in orders:
+            r = ReductionOrder()
+            for index in order:
+                r.add(index)
+            values.append(r.take())
+        return [sum(v[i] for v in values) for i in range(ReductionOrder.WIDTH)]
+
+    assert ReductionOrder.agreed(summed([3, 2, 1, 0], [3, 2, 1, 0], [3, 2, 1, 0]), 3)
+    assert not ReductionOrder.agreed(summed([3, 2, 1, 0], [3, 2, 0, 1], [3, 2, 1, 0]), 3)
+    assert not ReductionOrder.agreed(summed([1, 0], [0, 1]), 2)
+    assert ReductionOrder.agreed(summed([], []), 2) and ReductionOrder.agreed(summed([5]), 1)
+    r = ReductionOrder()
+    r.add(7)
+    assert r.take() != [0.0] * 4 and r.take() == [0.0] * 4, "take starts the next step afresh"

@@ -20,8 +20,9 @@ all-reduce, with a flag in it instead of its norm, and then every rank raises (i
 error; the others, an EngineError saying another rank failed, after dropping the step's
 gradients; where this rank had already stepped shards during backward, overlapped, it
 says its step is half applied instead). This costs nothing: the all-reduce happens anyway
-(at stage 0, whose norm needs none, the flag takes an all_ok of its own, only with
-ignore_unused_parameters false, the one failure possible there). (2) With the optimizer
+(at stage 0, whose norm needs none, the flag takes an all-reduce of its own, with the
+order check of [Note: gradient reduction order] in offload/zero/runtime.py, which the
+norm's all-reduce carries at the other stages). (2) With the optimizer
 state on NVMe, a transfer may fail inside the step. Every rank votes once at the
 commit point (every write done, no slot current yet, no host state touched): yes
 there, no from its failure path (offload/zero/collectives.py's ``Vote``). A refused
@@ -71,7 +72,7 @@ from offload.pretrained import PretrainedWeights
 from offload.store.param_swap import ParamSwapError
 from offload.sync_ledger import Role, acting_as
 from offload.telemetry import PhaseReport
-from offload.zero.collectives import Group, Vote, all_ok, all_reduce_sum
+from offload.zero.collectives import Group, ReductionOrder, Vote, all_ok, all_reduce_sum
 from offload.zero.stage import Stage
 
 logger = logging.getLogger("offload.engine")
@@ -218,6 +219,7 @@ class Engine:
         if not self.accumulation.take():
             return
         self.accel.schedule.mark("step")
+        order = self.runtime.order.take()  # before anything below can drop the gradients (zero_grad)
         failed: Exception | None = None
         try:
             if not self.config.zero_optimization.ignore_unused_parameters:  # as DeepSpeed, before anything applies
@@ -232,18 +234,21 @@ class Engine:
             self.optimizer.publish()  # the last delayed update reaches the parameters (see [Note: delayed update])
         except Exception as e:  # noqa: BLE001 - raised once every rank knows (see [Note: one rank's failed step])
             failed = e
-        sum_sq, nonfinite, peers_failed = self._global_grad_sq_norm(failed is not None)
-        if self.partition.world < self.group.world and not self.config.zero_optimization.ignore_unused_parameters:
-            # Stage 0: the norm's all-reduce is this rank's alone, and a parameter unused here fails only this rank.
-            peers_failed = not all_ok(failed is None, self.group, self.accel.device)
+        sum_sq, nonfinite, peers_failed, in_order = self._global_grad_sq_norm(failed is not None, order)
+        if self.partition.world < self.group.world:
+            # Stage 0: the norm's all-reduce is this rank's alone; the failure flag (a parameter unused here fails
+            # only this rank) and the reductions' order take one of their own.
+            peers_failed, in_order = self._agree(failed is not None, order, self.group)
         if failed is not None:
             raise failed
-        if peers_failed:
+        if peers_failed or not in_order:
             # Shards stepped during backward (overlap) moved on: this rank's step is half applied, not undone.
             half = self._stepped_in_backward and self.optimizer.abandon_overlap() > 0
             self.zero_grad()  # as the failed rank's step, this one's is gone; the next backward starts afresh
-            raise errors.peer_step_failed(self.group.rank, self.global_steps + 1, retryable=False,
-                                          half_applied=half)
+            if peers_failed:
+                raise errors.peer_step_failed(self.group.rank, self.global_steps + 1, retryable=False,
+                                              half_applied=half)
+            raise errors.reductions_out_of_order(self.group.rank, self.global_steps + 1, half_applied=half)
         scale = self.loss_scaler.scale
         self.global_steps += 1
         if nonfinite > 0 and self.compute_dtype == torch.float16:
@@ -296,11 +301,22 @@ class Engine:
             raise errors.params_behind(self.global_steps, behind.strerror) from behind
         self.runtime.read_ahead_first()
 
-    def _global_grad_sq_norm(self, failed: bool = False) -> tuple[float, int, bool]:
-        """The sum of squared gradients and the count of non-finite ones over every partition, and whether another
-        rank ``failed`` before its norm (see [Note: one rank's failed step]); a rank that failed adds nothing."""
+    def _agree(self, failed: bool, order: list[float], group: Group) -> tuple[bool, bool]:
+        """Whether another rank failed, and whether every rank reduced in the same order, in one all-reduce."""
+        flags = torch.tensor([1.0 if failed else 0.0, *order], dtype=torch.float64, device=self.accel.device)
+        all_reduce_sum(flags, group)
+        failures, *summed = self.accel.read_scalars(flags, "step agreement")
+        return failures > 0, ReductionOrder.agreed(summed, group.world)
+
+    def _global_grad_sq_norm(self, failed: bool = False, order: list[float] | None = None
+                             ) -> tuple[float, int, bool, bool]:
+        """The sum of squared gradients and the count of non-finite ones over every partition, whether another
+        rank ``failed`` before its norm (see [Note: one rank's failed step]; a rank that failed adds nothing to the
+        norm), and whether every rank issued its reductions in the same ``order`` (``ReductionOrder.take``)."""
         with self.telemetry.span("optimizer", "norm"):
-            totals = torch.zeros(3, dtype=torch.float64, device=self.accel.device)
+            totals = torch.zeros(3 + ReductionOrder.WIDTH, dtype=torch.float64, device=self.accel.device)
+            if order is not None:
+                totals[3:] = torch.tensor(order, dtype=torch.float64)
             if failed:
                 totals[2] = 1.0
             else:
@@ -310,8 +326,9 @@ class Engine:
                 if on_device is not None:
                     totals[:2] += on_device
             all_reduce_sum(totals, self.partition)  # stage 0: every rank holds the whole gradient already
-            sum_sq, nonfinite, failures = self.accel.read_scalars(totals, "global gradient norm")  # the one sync
-            return sum_sq, int(nonfinite), failures > 0
+            sum_sq, nonfinite, failures, *summed = self.accel.read_scalars(totals, "global gradient norm")  # one sync
+            in_order = order is None or ReductionOrder.agreed(summed, self.partition.world)
+            return sum_sq, int(nonfinite), failures > 0, in_order
 
     def _commit_vote(self) -> Vote | None:
         """The ranks' vote at the step's commit point, where a step can fail before it (optimizer state on NVMe)
@@ -367,6 +384,7 @@ class Engine:
         self.optimizer.clear_grads()
         self.runtime.clear_param_grads()
         self.runtime.got_grad.clear()
+        self.runtime.order.take()
         self.accumulation.clear()
 
     def train(self, mode: bool = True) -> Engine:

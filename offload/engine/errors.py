@@ -72,6 +72,19 @@ def peer_step_failed(rank: int, step: int, retryable: bool, half_applied: bool =
                        "rank's error says a step was lost, rebuild every rank from the last checkpoint")
 
 
+def reductions_out_of_order(rank: int, step: int, half_applied: bool) -> EngineError:
+    """Raised on every rank when their gradient reductions since the last step differ in order (see [Note:
+    gradient reduction order] in offload/zero/runtime.py)."""
+    outcome = ("this rank had already stepped some shards during backward, so the step is half applied: rebuild "
+               "every rank from the last checkpoint" if half_applied else
+               "the step was not applied and its gradients were dropped")
+    return EngineError(f"rank {rank}: the ranks reduced step {step}'s gradients in different orders, so reductions "
+                       f"summed one unit's gradients with another's: {outcome}. Every rank must use the "
+                       "same modules in the same order each step: a module used on some ranks and not others (a "
+                       "branch the data chooses, an expert no token reached, an early exit) breaks that. Make every "
+                       "rank use it (add 0 * its output to the loss where it is skipped)")
+
+
 def peer_failed_before(rank: int, what: str) -> EngineError:
     return EngineError(f"rank {rank}: {what} did not start because another rank's gradients or its last step did not "
                        "complete (its error says why); if it says a step was lost, rebuild every rank from the last "

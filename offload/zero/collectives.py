@@ -60,6 +60,37 @@ def all_reduce_sum(t: torch.Tensor, group: Group, async_op: bool = False) -> dis
     return dist.all_reduce(t, group=group.pg, async_op=async_op)
 
 
+class ReductionOrder:
+    """The order of this rank's gradient reductions since the last step, as two small hashes whose sums over the
+    ranks (in the norm's all-reduce) tell whether every rank issued the same reductions in the same order (see
+    [Note: gradient reduction order] in offload/zero/runtime.py). Collectives pair by issue order, so ranks that
+    differ summed one unit's gradients with another's: where the sizes agree nothing else would say so."""
+
+    MOD = 4093  # a prime: each hash below it, so world x the sum of squares stays exact in float64
+    WIDTH = 4  # the values take() gives: each hash and its square
+
+    def __init__(self) -> None:
+        self._a = self._b = 0
+
+    def add(self, index: int) -> None:
+        self._a = (self._a * 31 + index + 1) % self.MOD
+        self._b = (self._b * 37 + 2 * index + 1) % self.MOD
+
+    def take(self) -> list[float]:
+        """This rank's values for the sum, and a fresh start for the next step."""
+        a, b = float(self._a), float(self._b)
+        self._a = self._b = 0
+        return [a, a * a, b, b * b]
+
+    @staticmethod
+    def agreed(summed: list[float], world: int) -> bool:
+        """Whether every rank's hashes were equal, from their sums: W x sum(h^2) == sum(h)^2 only then."""
+        if world < 2 or world > 20_000:  # beyond that the products leave float64's exact integers: no verdict
+            return True
+        a, a2, b, b2 = summed
+        return world * a2 == a * a and world * b2 == b * b
+
+
 def all_ok(ok: bool, group: Group, device: torch.device) -> bool:
     """Whether every rank says ok: how one rank's failure between collectives (a write that failed) reaches the
     others, which would otherwise wait for it in the next collective until the process group times out."""

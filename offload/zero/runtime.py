@@ -26,7 +26,13 @@ the whole flat gradient, the others reduce-scatter it.
 issue them in the same order. They are issued when a unit's last gradient lands,
 which is the same on every rank running the same graph, and the leftovers at the end
 of backward go in unit order. Data-dependent control flow that uses a parameter on
-one rank but not on another is therefore not supported (DeepSpeed has the same rule).
+one rank but not on another is therefore not supported (DeepSpeed and FSDP have the
+same rule). What it would do is checked where it can be: each rank hashes the order
+of its reductions since the last step (``ReductionOrder``), the step's norm all-reduce
+carries the hashes, and ranks that differ raise before anything is applied (the
+reductions paired one unit's gradients with another's; where their sizes agree,
+nothing else would have said so). A rank that skips a whole unit issues fewer
+reductions than the others: they wait in one until the process group times out.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from offload.accelerator import Accelerator, Event, WorkEvent
 from offload.prefetch import PrefetchTrace
 from offload.schedule import COMPUTE, HOST
 from offload.telemetry import Telemetry
-from offload.zero.collectives import Group, all_reduce_sum, reduce_scatter
+from offload.zero.collectives import Group, ReductionOrder, all_reduce_sum, reduce_scatter
 from offload.zero.stage import Stage
 from offload.zero.unit import Unit, UnitState
 
@@ -102,6 +108,7 @@ class ZeroRuntime:
         # gathered]); their release after it keeps them gathered.
         self._keep_after: dict[int, frozenset[int]] = {}
         self._reduced: dict[int, Event] = {}  # per unit: its last reduction's event (re-recorded)
+        self.order = ReductionOrder()  # this rank's reductions since the last step (see [Note: gradient ...])
         for unit in units:
             unit.persistent = unit.keeps_full or unit.numel <= persistence_threshold
         self._install(model)
@@ -200,6 +207,7 @@ class ZeroRuntime:
         """Backward raised: autograd will not run the end-of-backward callback, so undo its state here.
         Gradients of the failed pass are dropped; units are released; the next backward starts clean."""
         self._in_backward = False
+        self.order.take()  # the engine takes no more collective work after this at W > 1 (see [Note: one ...])
         for unit in self.units:
             unit.backward_active = False
             unit.grads_seen.clear()
@@ -235,6 +243,7 @@ class ZeroRuntime:
         all-reduce of the whole) and hand it to the sink, which copies it to the host once the collective is done
         (backward goes on meanwhile)."""
         kind = "all_reduce" if self.stage.all_reduce else "reduce_scatter"
+        self.order.add(unit.index)
         with self.telemetry.span(kind, unit.name):
             flat = unit.take_flat_grad()
             if self.grad_predivide != 1.0:
