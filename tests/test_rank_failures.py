@@ -360,7 +360,7 @@ def _train_two_units(rank: int, world: int, stage: int, skipping: int | None) ->
     return out
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_ranks_that_reduce_in_different_orders_say_so_and_apply_nothing(stage):
     """[Note: gradient reduction order]: the reductions paired unit a's gradients on one rank with unit b's on the
     other (equal sizes, so gloo cannot tell). Every rank raises and drops the step; the next step, with every

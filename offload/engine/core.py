@@ -20,9 +20,9 @@ all-reduce, with a flag in it instead of its norm, and then every rank raises (i
 error; the others, an EngineError saying another rank failed, after dropping the step's
 gradients; where this rank had already stepped shards during backward, overlapped, it
 says its step is half applied instead). This costs nothing: the all-reduce happens anyway
-(at stage 0, whose norm needs none, the flag takes an all-reduce of its own, with the
-order check of [Note: gradient reduction order] in offload/zero/runtime.py, which the
-norm's all-reduce carries at the other stages). (2) With the optimizer
+(at stage 0, whose norm needs no sum over the ranks, the same all-reduce sums the flag
+alone, with the order check of [Note: gradient reduction order] in
+offload/zero/runtime.py, which it carries at every stage). (2) With the optimizer
 state on NVMe, a transfer may fail inside the step. Every rank votes once at the
 commit point (every write done, no slot current yet, no host state touched): yes
 there, no from its failure path (offload/zero/collectives.py's ``Vote``). A refused
@@ -235,10 +235,6 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - raised once every rank knows (see [Note: one rank's failed step])
             failed = e
         sum_sq, nonfinite, peers_failed, in_order = self._global_grad_sq_norm(failed is not None, order)
-        if self.partition.world < self.group.world:
-            # Stage 0: the norm's all-reduce is this rank's alone; the failure flag (a parameter unused here fails
-            # only this rank) and the reductions' order take one of their own.
-            peers_failed, in_order = self._agree(failed is not None, order, self.group)
         if failed is not None:
             raise failed
         if peers_failed or not in_order:
@@ -301,13 +297,6 @@ class Engine:
             raise errors.params_behind(self.global_steps, behind.strerror) from behind
         self.runtime.read_ahead_first()
 
-    def _agree(self, failed: bool, order: list[float], group: Group) -> tuple[bool, bool]:
-        """Whether another rank failed, and whether every rank reduced in the same order, in one all-reduce."""
-        flags = torch.tensor([1.0 if failed else 0.0, *order], dtype=torch.float64, device=self.accel.device)
-        all_reduce_sum(flags, group)
-        failures, *summed = self.accel.read_scalars(flags, "step agreement")
-        return failures > 0, ReductionOrder.agreed(summed, group.world)
-
     def _global_grad_sq_norm(self, failed: bool = False, order: list[float] | None = None
                              ) -> tuple[float, int, bool, bool]:
         """The sum of squared gradients and the count of non-finite ones over every partition, whether another
@@ -325,9 +314,14 @@ class Engine:
                 on_device = self.optimizer.device_grad_sq_norm()
                 if on_device is not None:
                     totals[:2] += on_device
-            all_reduce_sum(totals, self.partition)  # stage 0: every rank holds the whole gradient already
+            if self.partition.world < self.group.world:
+                # Stage 0: every rank holds the whole gradient already, so only the failure flag (a parameter
+                # unused here fails only this rank) and the reductions' order are summed over the ranks.
+                all_reduce_sum(totals[2:], self.group)
+            else:
+                all_reduce_sum(totals, self.partition)
             sum_sq, nonfinite, failures, *summed = self.accel.read_scalars(totals, "global gradient norm")  # one sync
-            in_order = order is None or ReductionOrder.agreed(summed, self.partition.world)
+            in_order = order is None or ReductionOrder.agreed(summed, self.group.world)
             return sum_sq, int(nonfinite), failures > 0, in_order
 
     def _commit_vote(self) -> Vote | None:
