@@ -354,9 +354,11 @@ def _record_cuda(stream: torch.cuda.Stream, into: Event | None, ledger: SyncLedg
 
 
 class _CudaStream:
-    def __init__(self, name: str, device: torch.device, ledger: SyncLedger | None = None) -> None:
+    def __init__(self, name: str, device: torch.device, ledger: SyncLedger | None = None,
+                 urgent: bool = False) -> None:
         self.name = name
-        self.stream = torch.cuda.Stream(device=device)
+        # torch's priorities: lower is sooner; -1 is the highest one torch exposes.
+        self.stream = torch.cuda.Stream(device=device, priority=-1 if urgent else 0)
         self._ledger = ledger
 
     def run(self, fn: Callable[[], None]) -> None:
@@ -421,9 +423,11 @@ class Accelerator:
     def dist_backend(self) -> str:
         return "nccl" if self.is_cuda else "gloo"
 
-    def copy_stream(self, name: str) -> CopyStream:
-        """A new copy stream (CUDA) or its emulation (CPU: see [Note: emulated streams])."""
-        stream: CopyStream = _CudaStream(name, self.device, self.ledger) if self.is_cuda else WorkerStream(
+    def copy_stream(self, name: str, urgent: bool = False) -> CopyStream:
+        """A new copy stream (CUDA) or its emulation (CPU: see [Note: emulated streams]). ``urgent``: the forward
+        waits for its copies (parameters coming in), so on a GPU its kernels go before those of normal streams
+        (gradients going out) when both are queued."""
+        stream: CopyStream = _CudaStream(name, self.device, self.ledger, urgent) if self.is_cuda else WorkerStream(
             name, self._delay_s, self.ledger, self.schedule)
         self.schedule.declare(name, "copy")
         self._streams.append(stream)

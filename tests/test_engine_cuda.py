@@ -49,6 +49,16 @@ def test_only_what_copies_touch_is_pinned():
     engine.close()
 
 
+def test_parameters_coming_in_go_before_gradients_going_out():
+    """The forward waits for the parameters' H2D copies; the D2H of gradients can wait: on a GPU the H2D streams
+    have the higher priority (lower number)."""
+    config = base_config(2, 1, 1)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    engine, optimizer, _, _ = offload.initialize(model=make_model("gpt"), config=config)
+    assert engine.runtime.h2d.stream.priority < optimizer._d2h.stream.priority
+    engine.close()
+
+
 def test_gradients_summed_on_the_gpu_train_bitwise_as_summed_on_the_host():
     """[Note: gradients accumulated on the device]: torch's kernels round the sum as the native kernel does (a
     product, then a fused multiply-add), so the fp32 sum brought over once equals the host's, bit for bit."""

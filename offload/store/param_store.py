@@ -276,7 +276,7 @@ class ParamStore:
         if shard.home is not Home.DEVICE or shard.host is None or shard.host is shard.device:
             return None
         if self._h2d is None:
-            self._h2d = self.accel.copy_stream("h2d")
+            self._h2d = self.accel.copy_stream("h2d", urgent=True)
         if after is not None:
             self._h2d.wait_event(after)
         source, target, tel, schedule = shard.host, shard.device, self.telemetry, self.accel.schedule

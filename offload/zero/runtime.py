@@ -92,7 +92,7 @@ class ZeroRuntime:
         self.telemetry = telemetry
         # Brings host- and NVMe-homed shards (offload_param: cpu, nvme) to the device before their gather; on a
         # GPU its own stream so the copies can be issued ahead of use.
-        self.h2d = accel.copy_stream("param-h2d") if any(u.off_device for u in units) else None
+        self.h2d = accel.copy_stream("param-h2d", urgent=True) if any(u.off_device for u in units) else None
         self.params = units[0].params if units else None  # every unit's shards (one store)
         self.swap = self.params.swap if self.params is not None else None  # NVMe shards' reads, run ahead of gathers
         self.prefetch = PrefetchTrace(prefetch_elements)
