@@ -16,6 +16,7 @@ from test_sync_ledger import ledger_of_a_step
 
 HOST_LAG = {"OFFLOAD_EMULATED_HOST_DELAY_S": "0.01"}  # the device stays the host's memory: units read in place
 LAG = {"OFFLOAD_EMULATED_COPY_DELAY_S": "0.003"}  # a discrete device: gathers and copies back too
+DISCRETE = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"}  # the copies a GPU needs, without a copy delay
 
 
 def early_config(world: int, early: str, params: str = "cpu", accum: int = 2) -> dict:
@@ -56,12 +57,27 @@ def test_readers_right_after_an_early_step_see_the_stepped_weights(monkeypatch, 
     engine.close()
 
 
-def test_the_forward_waits_only_for_units_whose_step_is_running():
-    config = early_config(1, "on", accum=1)
-    got = run_ranks(ledger_of_a_step, 1, env=HOST_LAG, config=config, accum=1)[0]
-    assert got["backward"] == {}, got["summary"]
-    assert set(got["forward"]) <= {"a unit's early step"}, got["summary"]
-    assert got["scalar_reads"] == {"training/global gradient norm": 1}, got["summary"]
+@pytest.mark.parametrize("world,accum,params,env", [
+    (1, 1, "cpu", HOST_LAG), (1, 4, "cpu", HOST_LAG), (1, 1, "none", {**HOST_LAG, **DISCRETE}),
+    (2, 1, "none", LAG), (2, 4, "cpu", LAG),
+], ids=["W1-in-place", "W1-accum4", "W1-discrete-device-homes", "W2-discrete", "W2-accum4-discrete"])
+def test_the_forward_waits_only_for_units_whose_step_is_running(world, accum, params, env):
+    """The sync ledger's promise (see [Note: sync ledger]) with the early step: the forward's only host-blocking
+    waits are the units Adam has not reached, autograd's thread never blocks (the next backward's gradients queue
+    behind the step, also between micro-batches), the step waits once and reads one scalar, and no event is made
+    afresh. On a discrete device a copy back or a gather is a stream wait, never the host's. Three warm-up steps:
+    a discrete device's copy-back stream makes its synchronize event the first time a step waits for it, one step
+    later than without the early step."""
+    config = early_config(world, "on", params, accum=accum)
+    results = run_ranks(ledger_of_a_step, world, env=env, config=config, accum=accum, warmup=3)
+    for rank, got in enumerate(results):
+        assert got["backward"] == {}, f"rank {rank}: autograd's thread blocked:\n{got['summary']}"
+        assert set(got["forward"]) <= {"a unit's early step"}, f"rank {rank}:\n{got['summary']}"
+        assert got["scalar_reads"] == {"training/global gradient norm": 1}, got["summary"]
+        # One wait on the training thread, at the step's start: the gradients, queued behind the last step's Adam.
+        # step() waits for nothing after handing its own Adam over.
+        assert got["training"] == {"gradients drained": 1}, got["summary"]
+        assert got["events_made"] == {}, got["summary"]
 
 
 @pytest.mark.parametrize("change,reason", [

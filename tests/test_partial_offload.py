@@ -2,6 +2,8 @@
 [Note: a partial offload] in offload/optim/sharded.py). On this CPU the device tier is host memory with its own
 budget, so the split, its accounting and its results are all checked here."""
 
+import logging
+
 import pytest
 import torch
 
@@ -29,6 +31,19 @@ def device_state(raw, world=1):
     everything = estimate(model_units(make_model("gpt"), config), Config.load(
         ratio_config(world, 1, 0.0)).resolve(world_size=world), world, discrete=False)
     return est.tiers["device"].get("optimizer state", 0), everything.tiers["device"]["optimizer state"]
+
+
+def fitting_budget(world=1):
+    """The smallest device budget (to 1 KiB) under which auto keeps all the optimizer state on the device, none
+    on the host (by bisection over the engine's own plan; the device's bytes alone would not tell, as a last
+    small unit can share the page another unit rounds up to)."""
+    lo, hi = 0, 1 << 26
+    while hi - lo > 1024:
+        mid = (lo + hi) // 2
+        config = Config.load(ratio_config(world, 1, "auto", mid)).resolve(world_size=world)
+        est = estimate(model_units(make_model("gpt"), config), config, world, discrete=False)
+        lo, hi = (mid, hi) if est.tiers["host"].get("optimizer state", 0) else (lo, mid)
+    return hi
 
 
 def splitting_budget(world=1):
@@ -111,6 +126,23 @@ def test_the_estimate_says_what_stays_on_the_device_and_when_all_of_it_would_fit
     roomy = Config.load(ratio_config(1, 1, 1.0, 1 << 30)).resolve(world_size=1)
     est = estimate(model_units(make_model("gpt"), roomy), roomy, 1, discrete=False)
     assert any("the whole optimizer state would fit on the device" in n for n in est.notes)
+
+
+@pytest.mark.parametrize("ratio,budget,said", [(1.0, "fits", True), (1.0, "1 KiB short", False),
+                                               (1.0, None, False), ("auto", "fits", False)],
+                         ids=["fits", "short", "no-device-budget", "auto"])
+def test_start_up_says_when_the_whole_optimizer_state_would_fit_on_the_device(caplog, ratio, budget, said):
+    """With the state offloaded whole (ratio 1) and room for all of it on the device, start-up says ratio auto
+    would keep it there. The room is the plan's own (at its boundary); not said when the state is 1 KiB short of
+    it, when nothing bounds the device (a CPU without a device budget), or when auto keeps it there already."""
+    fits = fitting_budget()
+    bytes_ = {"fits": fits, "1 KiB short": fits - 1024, None: None}[budget]
+    with caplog.at_level(logging.INFO, logger="offload.engine"):
+        engine = offload.initialize(model=make_model("gpt"), config=ratio_config(1, 1, ratio, bytes_), device="cpu")[0]
+        engine.close()
+    lines = [r.getMessage() for r in caplog.records if "would fit on the device" in r.getMessage()]
+    assert len(lines) == said, lines
+    assert all('offload_optimizer.ratio "auto" keeps it there' in line for line in lines)
 
 
 def test_a_split_on_an_emulated_gpu_trains_as_plain_pytorch():

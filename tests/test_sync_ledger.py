@@ -16,14 +16,14 @@ from offload.launch import run_ranks
 from offload.sync_ledger import Role, SyncLedger, acting_as, current_role
 
 
-def ledger_of_a_step(rank: int, world: int, config: dict[str, Any], accum: int) -> dict[str, Any]:
-    """Two warm-up steps, then the ledger of the third (its forward, backward and step)."""
+def ledger_of_a_step(rank: int, world: int, config: dict[str, Any], accum: int, warmup: int = 2) -> dict[str, Any]:
+    """``warmup`` steps, then the ledger of the next one (its forward, backward and step)."""
     import offload
     engine = offload.initialize(model=make_model("gpt"), config=config)[0]
-    data = batches(3 * accum, 2 * world)
+    data = batches((warmup + 1) * accum, 2 * world)
     ledger = engine.accel.ledger
-    for step in range(3):
-        if step == 2:
+    for step in range(warmup + 1):
+        if step == warmup:
             ledger.reset()
         for micro in range(accum):
             rows = data[step * accum + micro][2 * rank:2 * rank + 2]
