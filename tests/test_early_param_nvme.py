@@ -58,6 +58,22 @@ def test_reads_still_run_ahead_once_each_units_step_has_run(tmp_path):
     engine.close()
 
 
+def test_read_ahead_keeps_a_buffer_for_each_unit_whose_step_is_still_running(tmp_path, monkeypatch):
+    """Read-ahead after an early step used to skip the units still being stepped and read later ones into the
+    buffers those units then needed: each such read was dropped (a wait on the forward's path the ledger did not
+    see, and the read wasted; 55 in 3 steps with one buffer). A unit still stepping now keeps a buffer free."""
+    monkeypatch.setenv("OFFLOAD_EMULATED_HOST_DELAY_S", "0.003")  # the worker lags: units are still stepping
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=early_config(tmp_path, buffers=1))
+    swap, ledger = engine.params.swap, engine.accel.ledger
+    _steps(engine, 0, 3)
+    wasted = swap.stats.wasted_reads
+    ledger.reset()
+    _steps(engine, 3, 6)
+    assert swap.stats.wasted_reads == wasted
+    assert "parameter read dropped" not in ledger.summary()
+    engine.close()
+
+
 def _write_fails_after_an_early_step(rank: int, world: int, path: str, optimizer: str, failing: int | None,
                                      lag: bool = False) -> dict:
     """Four steps; step 3's first three parameter writes fail on rank ``failing`` after step() returned (``lag``:

@@ -31,7 +31,9 @@ and each unit's new shard becomes current alone once written (``commit_unit``), 
 the unit's step event fires. Before returning, the training thread ``forget``s what the
 read buffers hold of the units being stepped; a gather of a unit waits for its step
 first, and read-ahead skips units whose step has not run yet (the runtime asks the
-parameter store), so no read ever sees the slot the step is replacing. A write that
+parameter store), so no read ever sees the slot the step is replacing; each such unit
+keeps a read buffer free for itself (a read of a later unit taking it would be dropped
+when the skipped one is needed, its wait and its read wasted). A write that
 fails leaves that unit stale, and the read that meets it first has the engine rewrite it
 from its master weights (``ParamStore.repair``; on this rank alone, no collective, after
 the step's other writes), so the step stands and the forward goes on.
@@ -207,6 +209,11 @@ class ParamSwap:
         self._drop(b)
         return self._claim(b)
 
+    def _free_now(self) -> int:
+        """Buffers a read could take now without waiting or dropping anything."""
+        return sum(1 for b in self._reads if b.state is BufferState.FREE or (
+            b.state is BufferState.COPYING and b.copied is not None and b.copied.query()))
+
     def _claim(self, b: ReadBuffer) -> ReadBuffer:
         self._taken += 1
         b.state, b.unit, b.request, b.copied, b.order = BufferState.FREE, None, None, None, self._taken
@@ -214,6 +221,7 @@ class ParamSwap:
 
     def _drop(self, b: ReadBuffer) -> None:
         if b.state is BufferState.READING and b.request is not None:
+            self.ledger.block("parameter read dropped")  # a read-ahead guessed wrong: its buffer is needed now
             _quiet_wait(b.request)
         if b.state in (BufferState.READING, BufferState.READY):
             self.stats.wasted_reads += 1
@@ -225,16 +233,24 @@ class ParamSwap:
         b.request = self.file.read(unit, b.memory.tensor)
         self.telemetry.add_bytes("nvme_read", home.nbytes)
 
-    def read_ahead(self, units: list[int], skip: set[int] | frozenset[int] = frozenset()) -> int:
+    def read_ahead(self, units: list[int], skip: set[int] | frozenset[int] = frozenset(),
+                   later: set[int] | frozenset[int] = frozenset()) -> int:
         """Start reads for ``units`` (the upcoming order; those homed here, not in ``skip`` and not already held)
-        while buffers are free now, never evicting values needed sooner; never waits. Returns how many."""
+        while buffers are free now, never evicting values needed sooner; never waits. Returns how many. A unit in
+        ``later`` (an early step is still writing it) cannot be read yet but will need a buffer before the units
+        after it: each keeps one free, or its read, when it comes, drops a read of a unit needed after it."""
         self._next_use = {}
         for position, unit in enumerate(units):
             self._next_use.setdefault(unit, position)
-        started = 0
+        started = reserved = 0
         for position, unit in enumerate(units):
             if unit not in self.homes or unit in skip or unit in self.stats.stale or self._holding(unit) is not None:
                 continue
+            if unit in later:
+                reserved += 1
+                continue
+            if reserved and self._free_now() <= reserved:
+                break
             b = self._take(wait=False, before=position)
             if b is None:
                 break

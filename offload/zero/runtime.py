@@ -32,7 +32,8 @@ of its reductions since the last step (``ReductionOrder``), the step's norm all-
 carries the hashes, and ranks that differ raise before anything is applied (the
 reductions paired one unit's gradients with another's; where their sizes agree,
 nothing else would have said so). A rank that skips a whole unit issues fewer
-reductions than the others: they wait in one until the process group times out.
+reductions, and under ZeRO-3 fewer gathers, than the others: they wait in one until the
+process group times out.
 """
 
 from __future__ import annotations
@@ -293,7 +294,7 @@ class ZeroRuntime:
                 self.swap.start(unit.index)
             if upcoming:
                 gathered = {i for i in upcoming if self.units[i].state is not UnitState.SHARDED}
-                self.swap.read_ahead(upcoming, skip=gathered | self._stepping())
+                self.swap.read_ahead(upcoming, skip=gathered, later=self._stepping())
         if unit.state is UnitState.GATHERING:
             with self.telemetry.span("gather_wait", unit.name):
                 unit.finish_unshard()
@@ -343,7 +344,7 @@ class ZeroRuntime:
         """After a step: start reading the units the next iteration needs first (rank-local, no collective)."""
         order = self.prefetch.recording or self.prefetch.trace  # the iteration that just ended comes again
         if self.swap is not None and order:
-            self.swap.read_ahead(list(dict.fromkeys(order)), skip=self._stepping())
+            self.swap.read_ahead(list(dict.fromkeys(order)), later=self._stepping())
 
     def _stepping(self) -> set[int]:
         """Units an early step is still writing: read ahead once it has (see [Note: an early step's parameter
