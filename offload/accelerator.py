@@ -516,6 +516,9 @@ class Accelerator:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def synchronize(self) -> None:
+        """Block until every stream's work has run: a whole-device wait, counted as one (a user's
+        synchronize_checkpoint_boundary, benchmarks' timing)."""
+        self.ledger.block("device synchronized")
         for stream in self._streams:
             stream.synchronize()
         if self.is_cuda:

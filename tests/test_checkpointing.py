@@ -154,3 +154,19 @@ def test_two_engines_keep_their_saved_inputs_apart():
     assert first.activations.device_bytes == second.activations.host_bytes == 0
     first.close()
     second.close()
+
+
+@pytest.mark.parametrize("boundary", [False, True])
+def test_synchronize_checkpoint_boundary_syncs_at_each_block_and_the_ledger_counts_it(boundary):
+    """DeepSpeed's key: a whole-device sync as each checkpointed block runs forward and is recomputed. It acts, and
+    as every host-blocking wait, it is counted (it was the one wait the sync ledger did not see)."""
+    from offload.sync_ledger import Role
+    engine = offload.initialize(model=GPT(GPTConfig(vocab_size=64, context=16, hidden_size=32, layers=3, heads=2)),
+                                config=ac_config(1, 3, False, synchronize_checkpoint_boundary=boundary))[0]
+    engine.accel.ledger.reset()
+    tokens = batches(1, MICRO)[0]
+    engine.backward(loss_of(engine, "gpt", tokens))
+    forward = engine.accel.ledger.waits_by(Role.FORWARD).get("device synchronized", 0)
+    backward = engine.accel.ledger.waits_by(Role.BACKWARD).get("device synchronized", 0)
+    assert (forward, backward) == ((3, 3) if boundary else (0, 0))
+    engine.close()

@@ -49,7 +49,8 @@ ALLOWED = {
     ("offload/checkpointing.py", "ActivationStore.discard", ".synchronize()"): "only inputs of a forward whose "
         "backward never ran (a forward with grad outside training, a failed backward): a steady step has none",
     ("offload/checkpointing.py", "_Checkpoint.forward", ".synchronize()"): "activation_checkpointing."
-        "synchronize_checkpoint_boundary: a sync the user asks for at each block (DeepSpeed's), off by default",
+        "synchronize_checkpoint_boundary: a sync the user asks for at each block (DeepSpeed's), off by default; "
+        "Accelerator.synchronize counts it",
     ("offload/checkpointing.py", "_Checkpoint.backward", ".synchronize()"): "activation_checkpointing."
         "synchronize_checkpoint_boundary, as in forward",
 }
