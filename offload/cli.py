@@ -201,7 +201,10 @@ def _cmd_schedule(args: argparse.Namespace, out: Path) -> int:
 
 def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
     """The step benchmark the command line asks for (ValueError: what is wrong with it)."""
-    return step.StepBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64), vocab=args.vocab,
+    # A catalog model keeps its own size where no flag overrides it (0); the built-in GPT has the bench's defaults.
+    hidden = args.hidden or (0 if args.model else 256)
+    return step.StepBench(model=args.model or "", hidden=hidden, layers=args.layers or (0 if args.model else 4),
+                          heads=max(1, hidden // 64) if hidden else 0, vocab=args.vocab,
                           seq=args.seq, micro=args.micro, accum=args.accum, unit_bytes=args.unit_bytes,
                           world=args.world, steps=args.steps,
                           repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload, nvme_path=args.path,
@@ -416,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench_parsers(p: argparse.ArgumentParser) -> None:
     """Each benchmark its own flags (a flag of another benchmark is an error, not silently ignored)."""
+    from offload.models.catalog import MODELS
     bsub = p.add_subparsers(dest="what", required=True, metavar="{adam,all,hooks,nvme,pcie,replay,schedule,step}")
 
     def bench(name: str, help: str, out: str = "JSON path (default bench-results/<benchmark>.json)"
@@ -492,8 +496,11 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
     b = bench("step", "a ZeRO training step on W gloo ranks beside plain PyTorch, split into its phases")
     b.add_argument("--path", default="/tmp/offload-bench", help="directory on the drive to use for NVMe")
     b.add_argument("--rounds", type=positive_int, default=None, help="interleaved rounds (default 2)")
-    b.add_argument("--hidden", type=positive_int, default=256, help="GPT width (default 256)")
-    b.add_argument("--layers", type=positive_int, default=4, help="GPT blocks (default 4)")
+    b.add_argument("--model", default=None, choices=list(MODELS), metavar="NAME",
+                   help=f"a model as in `offload train` ({', '.join(MODELS)}) at its own size, which --hidden and "
+                        "--layers override; every side trains it (default: the built-in GPT at --hidden x --layers)")
+    b.add_argument("--hidden", type=positive_int, default=None, help="width (default 256, or --model's)")
+    b.add_argument("--layers", type=positive_int, default=None, help="blocks (default 4, or --model's)")
     b.add_argument("--seq", type=positive_int, default=128, help="tokens per sample (default 128)")
     b.add_argument("--vocab", type=positive_int, default=4096, help="vocabulary (default 4096; GPT-2: 50304)")
     b.add_argument("--micro", type=positive_int, default=4, help="samples per rank per step (default 4)")

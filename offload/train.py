@@ -292,12 +292,8 @@ def _windows(tokens: torch.Tensor, seq: int, rows: int, gen: torch.Generator) ->
 
 
 def _loss(engine: Any, batch: torch.Tensor) -> torch.Tensor:
-    from offload.models import GPT
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    if isinstance(engine.module, GPT):
-        return engine(inputs, targets)
-    logits = engine(input_ids=inputs).logits  # a Hugging Face causal LM
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    from offload.models.catalog import lm_loss
+    return lm_loss(engine.module, engine, batch)
 
 
 def _mib(n: float) -> str:

@@ -56,10 +56,15 @@ def test_an_unknown_deepspeed_variant_is_a_usage_error(capsys, tmp_path):
 
 
 @pytest.mark.skipif(versus.deepspeed_version() is None, reason="DeepSpeed is not installed (./dev.sh deepspeed)")
-@pytest.mark.parametrize("world", ["1", "2"])
-def test_side_by_side_runs_all_three_from_one_config_file(tmp_path, capsys, world):
+@pytest.mark.parametrize("world,model", [("1", None), ("2", None), ("1", "gpt2-tiny")])
+def test_side_by_side_runs_all_three_from_one_config_file(tmp_path, capsys, world, model):
+    """The same model on every side: the built-in GPT, or a Hugging Face GPT-2 (--model), one config for both."""
+    if model is not None:
+        pytest.importorskip("transformers")
     out = tmp_path / "step.json"
     args = [*TINY[:TINY.index("--world")], "--world", world, *TINY[TINY.index("--world") + 2:]]
+    if model is not None:
+        args += ["--model", model]
     assert main(["bench", "step", "--baseline", "deepspeed", *args, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())  # where --out says
@@ -77,6 +82,8 @@ def test_side_by_side_runs_all_three_from_one_config_file(tmp_path, capsys, worl
     ratios = result["ratios"]["host"]
     assert ratios["offload/deepspeed"] == pytest.approx(sides["offload"]["step_s"] / sides["deepspeed"]["step_s"])
     assert "offload/deepspeed" in printed and path in printed
+    if model is not None:
+        assert result["bench"]["model"] == model and printed.count(f"{model} ") >= 1
 
 
 def _deepspeed_whose_cpu_adam_fails(rank, world, config_path):

@@ -172,6 +172,27 @@ def test_bench_step_runs_only_the_variants_named_and_refuses_unknown_ones(tmp_pa
     assert "no variant 'clip-later' with offload cpu: choose from host, " in capsys.readouterr().err
 
 
+def test_bench_step_trains_a_named_model_on_every_side(tmp_path, capsys):
+    """#20's question is asked of the user's model: a model of the catalog (a Hugging Face GPT-2 here) at its own
+    size, which --layers overrides, trained by plain PyTorch and by offload alike."""
+    pytest.importorskip("transformers")
+    from offload.models.catalog import build_model
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--model", "gpt2-tiny", "--layers", "1", "--seq", "16", "--micro", "2", "--steps",
+                 "1", "--rounds", "1", "--world", "1", "--variants", "host", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["bench"]["model"] == "gpt2-tiny" and report["bench"]["layers"] == 1
+    assert report["bench"]["hidden"] == 0  # its own width
+    model = build_model("gpt2-tiny", 4096, 16, layers=1)
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    assert report["params"] == sum(p.numel() for p in model.parameters())
+    assert report["torch_step_s"] > 0 and report["variants"]["host"]["step_s"] > 0
+    assert f"gpt2-tiny {report['params'] / 1e6:.1f}M (layers 1), seq 16" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "step", "--model", "gpt5"])
+    assert refused.value.code == 2 and "invalid choice: 'gpt5'" in capsys.readouterr().err
+
+
 def test_bench_step_compares_zero_stages_in_one_table_and_plot(tmp_path, capsys):
     out = tmp_path / "step.json"
     assert main(["bench", "step", "--stage", "0,2,3", "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2",

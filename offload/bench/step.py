@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from torch import nn
 
 from offload.launch import run_ranks
 from offload.telemetry import BACKGROUND, FOREGROUND
@@ -55,6 +56,9 @@ NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "nvme-optimizer-speculative
 
 @dataclass(kw_only=True)
 class StepBench:
+    # A model of offload/models/catalog.py by name (gpt2, llama-1b, ...) at its own size, which hidden, layers
+    # and heads override where they are not 0; "": the built-in GPT at hidden x layers.
+    model: str = ""
     hidden: int = 256
     layers: int = 4
     heads: int = 4
@@ -85,6 +89,12 @@ class StepBench:
     device_budget: int | None = None
 
     def __post_init__(self) -> None:
+        if self.model:
+            from offload.models.catalog import require
+            require(self.model)  # ModelError is a ValueError: the command line's usage error
+        elif not (self.hidden and self.layers and self.heads):
+            raise ValueError(f"the built-in GPT needs hidden, layers and heads, got {self.hidden}, {self.layers}, "
+                             f"{self.heads}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -177,6 +187,34 @@ class StepBench:
         return GPTConfig(vocab_size=self.vocab, context=self.seq, hidden_size=self.hidden, layers=self.layers,
                          heads=self.heads)
 
+    def build_model(self) -> nn.Module:
+        """The model every side trains, freshly initialised (the caller seeds torch first)."""
+        if not self.model:
+            from offload.models import GPT
+            return GPT(self.model_config())
+        from offload.models.catalog import build_model
+        return build_model(self.model, self.vocab, self.seq, self.layers or None, self.hidden or None,
+                           self.heads or None)
+
+    def loss(self, model: nn.Module, call: Any, rows: torch.Tensor) -> torch.Tensor:
+        """The next-token loss of ``rows`` through ``call`` (``model`` or an engine around it)."""
+        from offload.models.catalog import lm_loss
+        return lm_loss(model, call, rows)
+
+    def num_parameters(self) -> int:
+        if not self.model:
+            return self.model_config().num_parameters
+        with torch.device("meta"):  # a size, not a model: no memory, no initialisation
+            return sum(p.numel() for p in self.build_model().parameters())
+
+
+def describe_model(bench: dict[str, Any], params: int) -> str:
+    """A run's model (``asdict`` of its StepBench) in a table's title, its parenthesis left open."""
+    if not bench.get("model"):
+        return f"GPT {params / 1e6:.1f}M ({bench['layers']} x {bench['hidden']}"
+    size = ", ".join(f"{k} {bench[k]}" for k in ("layers", "hidden") if bench[k])
+    return f"{bench['model']} {params / 1e6:.1f}M ({size or 'its own size'}"
+
 
 @dataclass
 class StepResult:
@@ -236,10 +274,9 @@ def engine_config(b: StepBench, variant: dict[str, Any]) -> dict[str, Any]:
 
 def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str, Any]) -> dict[str, Any]:
     import offload
-    from offload.models import GPT
     b = StepBench(**bench)
     torch.manual_seed(0)
-    model = GPT(b.model_config())
+    model = b.build_model()
     engine, *_ = offload.initialize(model=model, config=engine_config(b, variant))
     profiler = _profiler(b) if b.profile and rank == 0 and variant["name"] == next(iter(b.variants())) else None
     times = []
@@ -254,7 +291,7 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
         for a in range(b.accum):  # micro-batch a of the step: this rank's rows of it
             first = (a * world + rank) * b.micro
             rows = tokens[first:first + b.micro].to(engine.accel.device)
-            engine.backward(engine(rows[:, :-1], rows[:, 1:]))
+            engine.backward(b.loss(model, engine, rows))
             engine.step()
         sync(b.device)
         if i >= b.warmup:
@@ -309,9 +346,8 @@ def _torch_timed(b: StepBench) -> tuple[list[float], int]:
     """Step times of plain PyTorch (model and AdamW on ``b.device``) and, on a GPU, its memory high water.
 
     With bf16 the baseline is what a PyTorch user runs: fp32 parameters, bf16 autocast, and the fused AdamW."""
-    from offload.models import GPT
     torch.manual_seed(0)
-    model = GPT(b.model_config()).to(b.device)
+    model = b.build_model().to(b.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     autocast = torch.autocast(b.device, dtype=torch.bfloat16, enabled=b.dtype == "bf16")
     if b.device == "cuda":
@@ -325,7 +361,7 @@ def _torch_timed(b: StepBench) -> tuple[list[float], int]:
         for a in range(b.accum):  # the step's micro-batches, every rank's rows at once
             part = tokens[a * rows:(a + 1) * rows]
             with autocast:
-                loss = model(part[:, :-1], part[:, 1:])
+                loss = b.loss(model, model, part)
             (loss / b.accum if b.accum > 1 else loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -382,7 +418,7 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
     phases = {k: per_step(head, k) for k in FOREGROUND}  # nested inside forward/backward or after them
     phases["compute"] = max(0.0, t_off - sum(phases.values()))
     result = StepResult(
-        bench=asdict(b), params=b.model_config().num_parameters, torch_step_s=t_torch, offload_step_s=t_off,
+        bench=asdict(b), params=b.num_parameters(), torch_step_s=t_torch, offload_step_s=t_off,
         ratio=t_off / t_torch if t_torch else None, phases_s=phases,
         background_s={k: per_step(head, k) for k in BACKGROUND},
         bytes_per_step={k: per_step(head, k, "bytes") for k in ("all_gather", "reduce_scatter", "all_reduce", "d2h",
@@ -464,7 +500,7 @@ def plot_stages(result: StepResult, path: Path) -> None:
 def print_table(result: StepResult, out: TextIO) -> None:
     b = result.bench
     checkpointing = b.get("checkpointing", "none")
-    print(f"GPT {result.params / 1e6:.1f}M params, {b['layers']} layers x {b['hidden']}, seq {b['seq']}, "
+    print(f"{describe_model(b, result.params)}), seq {b['seq']}, "
           f"global batch {b['micro'] * b['world']} ({b['dtype']})"
           + ("" if checkpointing == "none" else f", offload with every block checkpointed (inputs on the "
                                                  f"{'host' if checkpointing == 'cpu' else 'device'}; torch without)"),

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 import torch
 
-from offload.bench.step import StepBench, batches, sync
+from offload.bench.step import StepBench, batches, describe_model, sync
 from offload.launch import RankError, run_ranks
 
 INSTALL = ("DeepSpeed is not installed in this environment. Install it beside the torch already here (its own "
@@ -157,11 +157,10 @@ def _timed(forward: Any, backward: Any, step: Any, b: StepBench, world: int, ran
 
 
 def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_path: str) -> dict[str, Any]:
-    """One rank of one side: build the GPT (seed 0), the engine from ``config_path``, time the steps."""
-    from offload.models import GPT
+    """One rank of one side: build the model (seed 0), the engine from ``config_path``, time the steps."""
     b = StepBench(**bench)
     torch.manual_seed(0)
-    model = GPT(b.model_config())
+    model = b.build_model()
     started = time.perf_counter()
     loss: list[torch.Tensor] = []
     if side == "torch":
@@ -172,7 +171,7 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
 
         def forward(rows: torch.Tensor) -> None:
             with autocast:
-                loss[:] = [model(rows[:, :-1], rows[:, 1:])]
+                loss[:] = [b.loss(model, model, rows)]
 
         def backward() -> None:
             loss[0].backward()
@@ -195,7 +194,7 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
         device = str(engine.device) if side == "deepspeed" else str(engine.accel.device)
 
         def forward(rows: torch.Tensor) -> None:
-            loss[:] = [engine(rows[:, :-1], rows[:, 1:])]
+            loss[:] = [b.loss(model, engine, rows)]
 
         def backward() -> None:
             engine.backward(loss[0])
@@ -253,7 +252,6 @@ def _deepspeed_engine(model: Any, b: StepBench, config_path: str) -> tuple[Any, 
     cpu_adam op does not build, the same config with DeepSpeed's own switch to torch's Adam (a key offload reads
     as no effect), and the name says so."""
     import deepspeed
-    from offload.models import GPT
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):  # this is DeepSpeed's own process: its builder reads it
         os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     deepspeed.init_distributed(dist_backend="gloo" if b.device == "cpu" else "nccl")
@@ -269,7 +267,7 @@ def _deepspeed_engine(model: Any, b: StepBench, config_path: str) -> tuple[Any, 
     config["optimizer"]["params"]["torch_adam"] = True
     config["zero_force_ds_cpu_optimizer"] = False
     torch.manual_seed(0)  # a fresh model: the failed initialize may have partitioned the first
-    fresh = GPT(b.model_config())
+    fresh = b.build_model()
     engine, optimizer, _, _ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=config)
     name = type(getattr(optimizer, "optimizer", optimizer)).__name__
     return engine, f"{name} (torch_adam: DeepSpeed's Adam op did not build: {reason})"
@@ -290,7 +288,7 @@ def run(b: StepBench, out: Path, log: TextIO | None = None, names: tuple[str, ..
         path = out_dir / f"config-{name}.json"
         path.write_text(json.dumps(shared_config(b, where), indent=2))
         configs[name] = str(path)
-    result = VersusResult(asdict(b), b.model_config().num_parameters, version, configs)
+    result = VersusResult(asdict(b), b.num_parameters(), version, configs)
     torch_runs: list[dict[str, Any]] = []  # one torch run per round serves every variant: it has no placement
     runs = {v: {"torch": torch_runs, "offload": [], "deepspeed": []} for v in configs}
     for r in range(b.repeats):
@@ -344,7 +342,7 @@ def run(b: StepBench, out: Path, log: TextIO | None = None, names: tuple[str, ..
 
 def print_table(result: VersusResult, out: TextIO) -> None:
     b = result.bench
-    print(f"GPT {result.params / 1e6:.1f}M ({b['layers']} x {b['hidden']}, vocabulary {b['vocab']}, seq {b['seq']}, "
+    print(f"{describe_model(b, result.params)}, vocabulary {b['vocab']}, seq {b['seq']}, "
           f"micro-batch {b['micro']}), {b['dtype']}, W = {b['world']}, {b['device']}; DeepSpeed {result.deepspeed}; "
           f"median of {b['repeats']} rounds x {b['steps']} steps (min-max)", file=out)
     for name, sides in result.table.items():
