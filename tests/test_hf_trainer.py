@@ -43,7 +43,9 @@ def logged(trainer, key="loss"):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
 def test_trains_as_the_plain_trainer_does(tmp_path, checkpointing):
     path = save(tiny("llama"), tmp_path / "ckpt")
-    kw = {"gradient_checkpointing": checkpointing}  # transformers' own recompute, through the engine's hooks
+    # transformers' own recompute, through the engine's hooks; renamed activation_checkpointing in transformers 5.2x
+    renamed = "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__
+    kw = {"activation_checkpointing" if renamed else "gradient_checkpointing": checkpointing}
     ref = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
                                args=arguments(tmp_path / "ref", **kw), train_dataset=data())
     ref.train()
