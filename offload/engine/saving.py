@@ -73,6 +73,46 @@ def _same_model(layout: list[dict[str, Any]]) -> list[tuple[str, int, bool]]:
     return [(u["name"], u["numel"], u["trained"]) for u in layout]
 
 
+def _saved_params(engine: Any, meta: dict[str, Any], path: Path) -> dict[str, tuple[int, int]]:
+    """Where the checkpoint holds each of this engine's parameters (saved unit, element offset in it), when its
+    units are cut differently; CheckpointError where the parameters themselves differ."""
+    saved = {key: (unit, offset, tuple(shape)) for key, unit, offset, shape in meta["params"]}
+    trained = {i for i, u in enumerate(meta["units"]) if u["trained"]}
+    units = {u.index: u for u in engine.units}
+    ours = {key: (units[index], slot) for key, index, slot in state_dict_layout(engine)[0]}  # tied: every key
+    problems = [f"{k}: not in the checkpoint" for k in ours if k not in saved]
+    problems += [f"{k}: in the checkpoint, not in this model" for k in saved if k not in ours]
+    problems += [f"{k}: {list(saved[k][2])} in the checkpoint, {list(slot.shape)} here"
+                 for k, (_, slot) in ours.items() if k in saved and saved[k][2] != tuple(slot.shape)]
+    problems += [f"{k}: frozen in the checkpoint (no optimizer state saved), trained here"
+                 for k, (unit, _) in ours.items() if k in saved and unit.index in engine.optimizer.shards
+                 and saved[k][0] not in trained]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointError(f"{path} does not fit this model: {shown}")
+    logger.info("loading %s: its units are cut differently (another offload.unit_bytes or compute dtype); each "
+                "rank reads its ranges parameter by parameter", path)
+    return {k: (v[0], v[1]) for k, v in saved.items()}
+
+
+def _read_relaid(reader: ShardReader, meta: dict[str, Any], saved_at: dict[str, tuple[int, int]], unit: Any,
+                 kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's range of ``unit``'s ``kind`` array, gathered from the saved units that hold its parameters
+    (zeros in the padding): ``master`` and the moments in fp32, ``shard`` in this engine's compute dtype (from a
+    unit the checkpoint trained, its master rounded, which is what its compute copy held)."""
+    lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
+    out = torch.zeros(hi - lo, dtype=dtype if kind == "shard" else torch.float32)
+    for slot in unit.slots:
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a >= b:
+            continue
+        index, offset = saved_at[slot.name]
+        source = kind if kind != "shard" or not meta["units"][index]["trained"] else "master"
+        values = reader.read(index, source, offset + a - slot.offset, offset + b - slot.offset)
+        out[a - lo:b - lo] = values.to(getattr(torch, meta["compute_dtype"])) if source != kind else values
+    return out
+
+
 def _barrier(group: Any) -> None:
     if group.pg is not None:
         torch.distributed.barrier(group=group.pg)
@@ -207,12 +247,9 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
         raise CheckpointError(f"{path / 'meta.json'} has format {meta.get('format')!r}; this offload reads {FORMAT}")
     old_world, old_parts, parts = meta["world_size"], partitions(meta), engine.partition
     ours = _layout(engine)
-    if _same_model(meta["units"]) != _same_model(ours):
-        diff = next((f"{a} in the checkpoint, {b} here" for a, b in zip(_same_model(meta["units"]),
-                                                                          _same_model(ours)) if a != b),
-                    f"{len(meta['units'])} units in the checkpoint, {len(ours)} here")
-        raise CheckpointError(f"{path} does not fit this model and config: the units differ ({diff}); build the "
-                              "same model with the same offload.unit_bytes and compute dtype")
+    # Units cut another way (another offload.unit_bytes or compute dtype, another offload version's plan): each
+    # unit's ranges are read parameter by parameter from where the checkpoint put them.
+    saved_at = None if _same_model(meta["units"]) == _same_model(ours) else _saved_params(engine, meta, path)
     # Same partitioning: this rank's own files. Another: a rank's range may lie in any old partition's file.
     sources = [parts.rank] if old_parts == parts.world else list(range(old_parts))
     small_from = rank % old_world
@@ -233,6 +270,8 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
     reader = ShardReader(path, meta)
 
     def take(unit: Any, kind: str) -> torch.Tensor:
+        if saved_at is not None:
+            return _read_relaid(reader, meta, saved_at, unit, kind, engine.compute_dtype)
         return reader.read(unit.index, kind, unit.shard_start, unit.shard_start + unit.shard_numel)
 
     units = {u.index: u for u in engine.units}
