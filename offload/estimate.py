@@ -236,8 +236,10 @@ def step_traffic(groups: list[Any], item: int, rates: StepRates) -> tuple[str, d
 def model_units(model: torch.nn.Module, config: Config) -> list[int]:
     """The engine's units of ``model`` (built on the meta device: no memory needed)."""
     from offload.zero.plan import plan_units
+    threshold = config.zero_optimization.stage3_param_persistence_threshold  # "auto" unresolved: no hidden size
     plans = plan_units(model, config.offload.unit_bytes, compute_bytes(config),
-                       atomic=tuple(config.offload.atomic_modules or ()))
+                       atomic=tuple(config.offload.atomic_modules or ()),
+                       fold_below=threshold if isinstance(threshold, int) else 0)
     return [p.numel for p in plans]
 
 

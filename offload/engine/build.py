@@ -106,7 +106,8 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
                        len(untracked), ", ".join(untracked[:5]) + (" ..." if len(untracked) > 5 else ""))
 
     plans = plan_units(model, config.offload.unit_bytes, compute_dtype.itemsize,
-                       atomic=tuple(config.offload.atomic_modules or ()))
+                       atomic=tuple(config.offload.atomic_modules or ()),
+                       fold_below=int(config.zero_optimization.stage3_param_persistence_threshold))
     telemetry = Telemetry()
     trained = {plan.index for plan in plans if any(id(s.param) in group_of for s in plan.slots)}
     parts = partition.world

@@ -8,6 +8,13 @@ anchor. A parameter shared by several modules (tied embeddings) belongs to the f
 unit that reaches it; every other module that holds it directly "borrows" that unit,
 so the unit is gathered around that module's forward too.
 
+A run of small children that is tiny beside a unit (at most ``fold_below`` elements and a
+sixteenth of the target: a LayerNorm between two large layers) is not a unit of its own:
+it folds into the next unit made (its first anchors), or, at the end of its parent's
+children, into the last unit its parent made (its last anchors). A unit costs hooks,
+reductions, copies and an optimizer call per step whatever its size; the tiny ones were a
+third of the units of a GPT cut at 4 MiB.
+
 Some modules read their children's parameters in their own forward without calling
 the children (``nn.MultiheadAttention`` reads ``out_proj.weight``; the fast path of
 ``nn.TransformerEncoderLayer`` reads every child's). Such a module is *atomic*: it is
@@ -50,12 +57,14 @@ class UnitPlan:
 
 
 def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
-               atomic: tuple[type[nn.Module] | str, ...] = ()) -> list[UnitPlan]:
+               atomic: tuple[type[nn.Module] | str, ...] = (), fold_below: int = 0) -> list[UnitPlan]:
     """Units in module order; every parameter of ``model`` lands in exactly one.
 
-    ``atomic`` adds module classes (or class names) that must not be split.
+    ``atomic`` adds module classes (or class names) that must not be split; runs of at most ``fold_below``
+    elements (and a sixteenth of a unit) fold into a neighbouring unit (0: none do).
     """
     target = max(1, unit_bytes // element_bytes)  # in elements
+    fold = min(fold_below, target // 16)
     atomic_names = {a for a in atomic if isinstance(a, str)} | set(getattr(model, "_no_split_modules", None) or ())
     atomic_types = ATOMIC_MODULES + tuple(a for a in atomic if isinstance(a, type))
 
@@ -63,6 +72,7 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
         return isinstance(module, atomic_types) or type(module).__name__ in atomic_names
     claimed: set[int] = set()
     units: list[UnitPlan] = []
+    held: tuple[list[str], list[tuple[str, nn.Parameter]]] = ([], [])  # a tiny run waiting for the next unit
 
     def unclaimed(module: nn.Module, prefix: str, recurse: bool) -> list[tuple[str, nn.Parameter]]:
         out, seen = [], set()
@@ -78,6 +88,11 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
             unique.setdefault(id(p), (name, p))
         if not unique:
             return
+        if held[0]:  # a tiny run before this one folds into it (see the module docstring)
+            anchors = held[0] + [a for a in anchors if a not in held[0]]
+            unique = {**{id(p): (n, p) for n, p in held[1]}, **unique}
+            held[0].clear()
+            held[1].clear()
         slots, offset = [], 0
         for name, p in unique.values():
             claimed.add(id(p))
@@ -86,11 +101,36 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
         label = anchors[0] if len(anchors) == 1 else f"{anchors[0]}..{anchors[-1]}"
         units.append(UnitPlan(len(units), label or "<root>", slots, list(anchors)))
 
+    def add_run(anchors: list[str], params: list[tuple[str, nn.Parameter]], made_from: int, last: bool) -> None:
+        """A run of small children: its own unit, or folded into a neighbour when tiny. ``made_from``: the first
+        unit its parent made; ``last``: no sibling follows."""
+        size = sum(p.numel() for _, p in params)
+        if not anchors or not fold or size > fold or held[0]:
+            add(anchors, params)
+            return
+        if last and len(units) > made_from:  # the parent's last unit takes it, as its last anchors
+            before = units[-1]
+            offset = before.numel
+            for name, p in params:
+                if id(p) not in claimed:
+                    claimed.add(id(p))
+                    before.slots.append(ParamSlot(name, p, offset, p.numel(), tuple(p.shape)))
+                    offset += p.numel()
+            before.anchors.extend(anchors)
+            before.name = f"{before.anchors[0]}..{before.anchors[-1]}"
+            return
+        if last:
+            add(anchors, params)
+            return
+        held[0].extend(anchors)
+        held[1].extend(params)
+
     def visit(module: nn.Module, name: str) -> None:
         params = unclaimed(module, name, recurse=True)
         if sum(p.numel() for _, p in params) <= target or is_atomic(module):
             add([name], params)
             return
+        made_from = len(units)
         add([name], unclaimed(module, name, recurse=False))
         run: list[str] = []
         run_params: list[tuple[str, nn.Parameter]] = []
@@ -102,16 +142,21 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
                 continue
             alone = size > target or is_atomic(child) and size > target // 2
             if alone or sum(p.numel() for _, p in run_params) + size > target:
-                add(run, run_params)
+                add_run(run, run_params, made_from, last=False)
                 run, run_params = [], []
             if alone:
                 visit(child, full)
             else:
                 run.append(full)
                 run_params.extend(child_params)
-        add(run, run_params)
+        add_run(run, run_params, made_from, last=True)
 
     visit(model, "")
+    if held[0]:  # nothing came after it
+        anchors, params = list(held[0]), list(held[1])
+        held[0].clear()
+        held[1].clear()
+        add(anchors, params)
     _find_borrowers(model, units)
     return units
 
