@@ -55,6 +55,7 @@ ALLOWED = {
         "synchronize_checkpoint_boundary, as in forward",
 }
 
+
 def syncing_calls(path: str, root: pathlib.Path = REPO) -> set[tuple[str, str, str]]:
     """(room, enclosing qualname, call) for every call in ``path`` that may read a device tensor into the host."""
     tree = ast.parse((root / path).read_text())

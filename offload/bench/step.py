@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from offload.launch import run_ranks
+from offload.models.catalog import lm_loss
 from offload.telemetry import BACKGROUND, FOREGROUND
 
 
@@ -196,11 +197,6 @@ class StepBench:
         return build_model(self.model, self.vocab, self.seq, self.layers or None, self.hidden or None,
                            self.heads or None)
 
-    def loss(self, model: nn.Module, call: Any, rows: torch.Tensor) -> torch.Tensor:
-        """The next-token loss of ``rows`` through ``call`` (``model`` or an engine around it)."""
-        from offload.models.catalog import lm_loss
-        return lm_loss(model, call, rows)
-
     def num_parameters(self) -> int:
         if not self.model:
             return self.model_config().num_parameters
@@ -291,7 +287,7 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
         for a in range(b.accum):  # micro-batch a of the step: this rank's rows of it
             first = (a * world + rank) * b.micro
             rows = tokens[first:first + b.micro].to(engine.accel.device)
-            engine.backward(b.loss(model, engine, rows))
+            engine.backward(lm_loss(model, engine, rows))
             engine.step()
         sync(b.device)
         if i >= b.warmup:
@@ -361,7 +357,7 @@ def _torch_timed(b: StepBench) -> tuple[list[float], int]:
         for a in range(b.accum):  # the step's micro-batches, every rank's rows at once
             part = tokens[a * rows:(a + 1) * rows]
             with autocast:
-                loss = b.loss(model, model, part)
+                loss = lm_loss(model, model, part)
             (loss / b.accum if b.accum > 1 else loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

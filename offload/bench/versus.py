@@ -33,6 +33,7 @@ import torch
 
 from offload.bench.step import StepBench, batches, describe_model, sync
 from offload.launch import RankError, run_ranks
+from offload.models.catalog import lm_loss
 
 INSTALL = ("DeepSpeed is not installed in this environment. Install it beside the torch already here (its own "
            "requirements minus torch), then run again:\n"
@@ -171,7 +172,7 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
 
         def forward(rows: torch.Tensor) -> None:
             with autocast:
-                loss[:] = [b.loss(model, model, rows)]
+                loss[:] = [lm_loss(model, model, rows)]
 
         def backward() -> None:
             loss[0].backward()
@@ -194,7 +195,7 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
         device = str(engine.device) if side == "deepspeed" else str(engine.accel.device)
 
         def forward(rows: torch.Tensor) -> None:
-            loss[:] = [b.loss(model, engine, rows)]
+            loss[:] = [lm_loss(model, engine, rows)]
 
         def backward() -> None:
             engine.backward(loss[0])

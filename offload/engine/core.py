@@ -297,18 +297,14 @@ class Engine:
             raise errors.params_behind(self.global_steps, behind.strerror) from behind
         self.runtime.read_ahead_first()
 
-    def _global_grad_sq_norm(self, failed: bool = False, order: list[float] | None = None
-                             ) -> tuple[float, int, bool, bool]:
+    def _global_grad_sq_norm(self, failed: bool, order: list[float]) -> tuple[float, int, bool, bool]:
         """The sum of squared gradients and the count of non-finite ones over every partition, whether another
         rank ``failed`` before its norm (see [Note: one rank's failed step]; a rank that failed adds nothing to the
         norm), and whether every rank issued its reductions in the same ``order`` (``ReductionOrder.take``)."""
         with self.telemetry.span("optimizer", "norm"):
-            totals = torch.zeros(3 + ReductionOrder.WIDTH, dtype=torch.float64, device=self.accel.device)
-            if order is not None:
-                totals[3:] = torch.tensor(order, dtype=torch.float64)
-            if failed:
-                totals[2] = 1.0
-            else:
+            totals = torch.tensor([0.0, 0.0, 1.0 if failed else 0.0, *order], dtype=torch.float64,
+                                  device=self.accel.device)
+            if not failed:
                 sum_sq, nonfinite = self.optimizer.grad_sq_norm()  # host shards' parts, mostly taken as they landed
                 totals[0], totals[1] = sum_sq, float(nonfinite)
                 on_device = self.optimizer.device_grad_sq_norm()
@@ -321,7 +317,7 @@ class Engine:
             else:
                 all_reduce_sum(totals, self.partition)
             sum_sq, nonfinite, failures, *summed = self.accel.read_scalars(totals, "global gradient norm")  # one sync
-            in_order = order is None or ReductionOrder.agreed(summed, self.group.world)
+            in_order = ReductionOrder.agreed(summed, self.group.world)
             return sum_sq, int(nonfinite), failures > 0, in_order
 
     def _commit_vote(self) -> Vote | None:

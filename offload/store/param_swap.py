@@ -190,8 +190,7 @@ class ParamSwap:
     def _take(self, wait: bool, before: float = math.inf) -> ReadBuffer | None:
         """A buffer to read into. Without ``wait`` only one free now whose values are not needed before position
         ``before`` of the upcoming order; with it, waits for a copy or drops a read-ahead if it must."""
-        usable = [b for b in self._reads if b.state is BufferState.FREE or (
-            b.state is BufferState.COPYING and b.copied is not None and b.copied.query())]
+        usable = [b for b in self._reads if self._usable(b)]
         if usable:
             b = max(usable, key=self._distance)
             if wait or self._distance(b) > before:
@@ -209,10 +208,11 @@ class ParamSwap:
         self._drop(b)
         return self._claim(b)
 
-    def _free_now(self) -> int:
-        """Buffers a read could take now without waiting or dropping anything."""
-        return sum(1 for b in self._reads if b.state is BufferState.FREE or (
-            b.state is BufferState.COPYING and b.copied is not None and b.copied.query()))
+    @staticmethod
+    def _usable(b: ReadBuffer) -> bool:
+        """Whether a read could take ``b`` now without waiting or dropping anything."""
+        return b.state is BufferState.FREE or (
+            b.state is BufferState.COPYING and b.copied is not None and b.copied.query())
 
     def _claim(self, b: ReadBuffer) -> ReadBuffer:
         self._taken += 1
@@ -249,7 +249,7 @@ class ParamSwap:
             if unit in later:
                 reserved += 1
                 continue
-            if reserved and self._free_now() <= reserved:
+            if reserved and sum(map(self._usable, self._reads)) <= reserved:
                 break
             b = self._take(wait=False, before=position)
             if b is None:

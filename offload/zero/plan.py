@@ -108,16 +108,9 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
         if not anchors or not fold or size > fold or held[0]:
             add(anchors, params)
             return
-        if last and len(units) > made_from:  # the parent's last unit takes it, as its last anchors
-            before = units[-1]
-            offset = before.numel
-            for name, p in params:
-                if id(p) not in claimed:
-                    claimed.add(id(p))
-                    before.slots.append(ParamSlot(name, p, offset, p.numel(), tuple(p.shape)))
-                    offset += p.numel()
-            before.anchors.extend(anchors)
-            before.name = f"{before.anchors[0]}..{before.anchors[-1]}"
+        if last and len(units) > made_from:  # the parent's last unit takes it, as its last anchors: made again
+            before = units.pop()
+            add(before.anchors + anchors, [(s.name, s.param) for s in before.slots] + params)
             return
         if last:
             add(anchors, params)
