@@ -1,8 +1,10 @@
 """The command line: what the README tells users to run."""
 
+import io
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -110,7 +112,7 @@ def test_bench_step_on_the_gpu_reports_both_high_waters(tmp_path, capsys):
                  "16", "--micro", "2", "--steps", "2", "--rounds", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["bench"]["device"] == "cuda"
-    assert set(report["peak_device_bytes"]) == {"torch", *StepBench(device="cuda").variants()}
+    assert set(report["peak_device_bytes"]) == {"torch", *StepBench(device="cuda", world=1).variants()}
     assert all(v > 0 for v in report["peak_device_bytes"].values())
     assert "GPU memory high water" in capsys.readouterr().out
 
@@ -281,6 +283,27 @@ def test_the_speculative_steps_share_is_of_adams_time_wherever_it_ran():
     after = {"step_s": 0.060, "optimizer_s": 0.002, "adam_s": 0.042}
     assert speculation_hidden({"step_s": 0.039}, after) == pytest.approx(0.5)
     assert speculation_hidden({"step_s": 0.081}, after) == pytest.approx(-0.5)  # slower: negative
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_bench_step_prints_any_subset_of_its_variants(offload):
+    """--variants picks any of them (the GPU plan ran nvme,nvme-early without host): each comparison line needs
+    only its own pair."""
+    from offload.bench import step
+    names = list(step.StepBench(offload=offload, world=1)._all_variants())
+    row = {k: 0.01 for k in ("step_s", "optimizer_s", "adam_s", "gather_s", "nvme_wait_s", "speculative_s",
+                             "param_wait_s", "param_read_s", "optimizer_io_s", "collective_bytes")}
+    row |= {"copies_hidden": 0.5, "speculation_kept": 1.0, "speculation_recomputed": 0.0, "nvme_bytes": 2**20,
+            "early": 1.0}
+    bench = asdict(step.StepBench(offload=offload, world=1))
+    for first in names:
+        for second in names:
+            chosen = dict.fromkeys([first, second])
+            result = step.StepResult(bench, 10**6, 0.01, 0.01, 1.0, variants={n: dict(row) for n in chosen},
+                                     samples={n: [0.01] * 3 for n in chosen})
+            out = io.StringIO()
+            step.print_table(result, out)
+            assert "offload ZeRO-3" in out.getvalue()
 
 
 def test_bench_step_device_budget_splits_auto_state_and_a_budget_too_small_is_a_clear_error(tmp_path, capsys):

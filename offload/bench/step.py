@@ -533,10 +533,10 @@ def print_table(result: StepResult, out: TextIO) -> None:
     print("  bytes per step per rank: " + ", ".join(
         f"{k} {v / 2**20:.1f} MiB" for k, v in result.bytes_per_step.items() if v), file=out)
     v = result.variants
-    if "host-no-prefetch" in v:
+    if "host-no-prefetch" in v and "host" in v:
         print(f"  without prefetch: {v['host-no-prefetch']['step_s'] * 1e3:.1f} ms/step; prefetch's gain "
               f"{v['host-no-prefetch']['step_s'] / v['host']['step_s']:.2f}x", file=out)
-    if "noclip-overlap" in v:
+    if "noclip-overlap" in v and "noclip-after" in v:
         print(f"  without clipping: step after backward {v['noclip-after']['step_s'] * 1e3:.1f} ms, overlapped with "
               f"backward {v['noclip-overlap']['step_s'] * 1e3:.1f} ms; overlap's gain "
               f"{v['noclip-after']['step_s'] / v['noclip-overlap']['step_s']:.2f}x", file=out)
@@ -561,11 +561,11 @@ def print_table(result: StepResult, out: TextIO) -> None:
             print(f"  {name}: {v[name]['step_s'] * 1e3:.1f} ms/step = {result.vs_torch(v[name]['step_s'])}; "
                   f"device {mem.get('device', 0) / 2**20:.1f} MiB, host {mem.get('host', 0) / 2**20:.1f} MiB",
                   file=out)
-    if "params-host-early" in v:
+    if "params-host-early" in v and "params-host" in v:
         print(f"  parameters on the host: step() whole {v['params-host']['step_s'] * 1e3:.1f} ms/step, returning "
               f"before Adam {v['params-host-early']['step_s'] * 1e3:.1f} ms/step; the early step's gain "
               f"{v['params-host']['step_s'] / v['params-host-early']['step_s']:.2f}x", file=out)
-    if "nvme" in v:
+    if any(name.startswith("nvme") for name in v):
         print("  optimizer state placement (step / optimizer phase / of which NVMe stall, per step):", file=out)
         for name, row in v.items():
             early = row.get("early", 0.0) == 1.0  # its NVMe pass runs after step() returned
@@ -574,16 +574,17 @@ def print_table(result: StepResult, out: TextIO) -> None:
                     else f"  ({gbps:.2f} GB/s through the optimizer phase)" if gbps else "")
             print(f"    {name:12s} {row['step_s'] * 1e3:8.1f} ms  {row['optimizer_s'] * 1e3:8.1f} ms  "
                   f"{row['nvme_wait_s'] * 1e3:8.1f} ms" + note, file=out)
-        print(f"  the disk's cost: nvme/host step {v['nvme']['step_s'] / v['host']['step_s']:.2f}x", file=out)
-        if "nvme-serial" in v:
+        if "nvme" in v and "host" in v:
+            print(f"  the disk's cost: nvme/host step {v['nvme']['step_s'] / v['host']['step_s']:.2f}x", file=out)
+        if "nvme-serial" in v and "nvme-optimizer" in v:
             print(f"  pipelining's gain: serial/pipelined optimizer phase "
                   f"{v['nvme-serial']['optimizer_s'] / v['nvme-optimizer']['optimizer_s']:.2f}x", file=out)
-        for name in ("nvme", "nvme-no-readahead")[:2 if "nvme-no-readahead" in v else 1]:
+        for name in [n for n in ("nvme", "nvme-no-readahead", "nvme-early") if n in v]:
             row = v[name]
             hidden = 1 - row["param_wait_s"] / row["param_read_s"] if row["param_read_s"] else 0.0
             print(f"  parameter reads ({name}): {row['param_read_s'] * 1e3:.1f} ms in flight, the training thread "
                   f"waited {row['param_wait_s'] * 1e3:.1f} ms: {max(0.0, hidden):.0%} hidden", file=out)
-        if "nvme-no-readahead" in v:
+        if "nvme-no-readahead" in v and "nvme" in v:
             print(f"  read-ahead's gain: {v['nvme-no-readahead']['step_s'] / v['nvme']['step_s']:.2f}x", file=out)
         for name, base in (("nvme-optimizer", "host"), ("nvme-optimizer-overlap", "host-overlap")):
             if name in v and base in v:
@@ -591,7 +592,7 @@ def print_table(result: StepResult, out: TextIO) -> None:
                 print(f"  optimizer state transfers ({name}): {v[name]['optimizer_io_s'] * 1e3:.1f} ms in flight per "
                       f"step, the step {(v[name]['step_s'] - v[base]['step_s']) * 1e3:+.1f} ms beside {base}: "
                       f"{hidden:.0%} hidden", file=out)
-        if "nvme-optimizer-overlap" in v:
+        if "nvme-optimizer-overlap" in v and "nvme-optimizer" in v:
             print(f"  stepping NVMe sub-groups during backward: "
                   f"{v['nvme-optimizer']['step_s'] / v['nvme-optimizer-overlap']['step_s']:.2f}x the step after "
                   "backward (that one clips, this one cannot)", file=out)
