@@ -394,6 +394,7 @@ def test_param_swap_commit_makes_the_step_current_and_the_old_slot_is_never_read
         rooms.engine.fail("read", file=PARAMS, offset=old_slots[unit], times=None)
     assert_current(swap, new)
     assert swap.stats.wasted_reads == 2  # the read-ahead of old values was dropped, never used
+    assert swap.telemetry.snapshot().bytes["nvme_read_wasted"] == swap.homes[0].nbytes + swap.homes[1].nbytes
     assert all(c.fault == "" for c in rooms.engine.calls("read", PARAMS))
 
 

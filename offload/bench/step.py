@@ -435,6 +435,8 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
                          "param_read_s": per_step(name, "param_read"),
                          "optimizer_io_s": per_step(name, "optimizer_io"),
                          "nvme_bytes": per_step(name, "nvme_read", "bytes") + per_step(name, "nvme_write", "bytes"),
+                         # parameter reads started ahead and dropped unused (in nvme_bytes too)
+                         "wasted_read_bytes": per_step(name, "nvme_read_wasted", "bytes"),
                          "early": 1.0 if variants[name].get("early") == "on" else 0.0,  # step() returned before Adam
                          "collective_bytes": sum(per_step(name, k, "bytes")
                                                  for k in ("all_gather", "reduce_scatter", "all_reduce"))}
@@ -582,8 +584,10 @@ def print_table(result: StepResult, out: TextIO) -> None:
         for name in [n for n in ("nvme", "nvme-no-readahead", "nvme-early") if n in v]:
             row = v[name]
             hidden = 1 - row["param_wait_s"] / row["param_read_s"] if row["param_read_s"] else 0.0
+            wasted = row.get("wasted_read_bytes", 0.0)  # absent from JSON written before it was counted
             print(f"  parameter reads ({name}): {row['param_read_s'] * 1e3:.1f} ms in flight, the training thread "
-                  f"waited {row['param_wait_s'] * 1e3:.1f} ms: {max(0.0, hidden):.0%} hidden", file=out)
+                  f"waited {row['param_wait_s'] * 1e3:.1f} ms: {max(0.0, hidden):.0%} hidden"
+                  + (f"; {wasted / 2**20:.1f} MiB a step read ahead and dropped" if wasted else ""), file=out)
         if "nvme-no-readahead" in v and "nvme" in v:
             print(f"  read-ahead's gain: {v['nvme-no-readahead']['step_s'] / v['nvme']['step_s']:.2f}x", file=out)
         for name, base in (("nvme-optimizer", "host"), ("nvme-optimizer-overlap", "host-overlap")):

@@ -225,6 +225,7 @@ class ParamSwap:
             _quiet_wait(b.request)
         if b.state in (BufferState.READING, BufferState.READY):
             self.stats.wasted_reads += 1
+            self.telemetry.add_bytes("nvme_read_wasted", self.homes[b.unit].nbytes)  # counted in nvme_read too
         b.state, b.unit, b.request = BufferState.FREE, None, None
 
     def _start_read(self, b: ReadBuffer, unit: int) -> None:
