@@ -12,19 +12,24 @@
 # stage (BUNDLE before OUT: the tool's $OUT, expanded before OUT is set), so a call cut at its limit still brings
 # back what finished:
 #   run(carry=[".whl"], timeout_s=450, command='BUNDLE=$OUT/plan1.tgz OUT=/tmp/gs tools/gpu_session.sh plan1')
-#   run(carry=[".whl"], timeout_s=300, command='BUNDLE=$OUT/plan2.tgz OUT=/tmp/gs tools/gpu_session.sh plan2')
-# plan1 (about 6 minutes): install, the CUDA tests, the 156M step at the default units (#21's headline), the 1.3B
-#   model with the state where auto puts it beside all on the host (#21's 1.4x target, torch's fused Adam on the GPU
-#   never measured), that host's Python cost per hook.
-# plan2 (about 5 minutes, on the same warm machine, so no install): DeepSpeed beside offload with the optimizer on
-#   the host and with nothing offloaded (its FusedAdam after the arch-list fix: never run), the CUDA tests under
-#   torch's stream sanitizer, the NVMe early step (params and state on the lent machine's disk).
+#   run(carry=[".whl"], timeout_s=300, command='STAGE_S=170 BUNDLE=$OUT/plan2.tgz OUT=/tmp/gs tools/gpu_session.sh plan2')
+# What the H200 run of 2026-11-26 left open (docs/performance.md, "On a GPU"):
+# plan1 (about 6 minutes): install, the CUDA tests, the 156M step at the default units (#21's headline, the
+#   regression check), the 1.3B model held to a 12 GiB device budget so that its state does not fit (#22: the split
+#   auto chooses beside all on the host, never run), the delayed update beside the exact step with its trace (it
+#   gained nothing on the H200).
+# plan2 (about 5 minutes, on the same warm machine, so no install; each stage cut at 170 s so the call brings its
+#   logs back): the CUDA tests under torch's stream sanitizer, params and state on NVMe whole vs early (the bench
+#   now counts dropped read-aheads: the H200 counted 0.8 GB a step more for early), DeepSpeed beside offload on
+#   the 1.3B model with params and optimizer on the host (#20 on #21's second model, never run).
 # If the first call finds the machine cold again for the second (more than 30 s between them), plan2 needs
 # `install` first: `tools/gpu_session.sh install plan2`.
 #
 # Every stage by name (timings from the H100 of 2026-11-24/25: install + cuda-tests + bench-step-default about 180 s;
 # bench-step-placement 149 s; bench-deepspeed-placements 232 s; bench-deepspeed + bench-deepspeed-placements +
-# bench-step-1p3b 498 s; profile + sanitizer 57 s):
+# bench-step-1p3b 498 s; profile + sanitizer 57 s; from the H200 of 2026-11-26: install 40, cuda-tests 59,
+# bench-step-default 37, bench-step-1p3b-auto 157, bench-hooks 13, bench-deepspeed-device 170, sanitizer 26,
+# bench-step-nvme-early 91 s):
 #   install cuda-tests bench-pcie bench-adam bench-hooks bench-step bench-step-default bench-step-placement
 #   bench-step-delayed bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
 #   bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b profile sanitizer suite
@@ -104,12 +109,13 @@ deepspeed_placements() {
     --variants optimizer-host,optimizer-host-torch-adam,ratio-half,device --out "$OUT/deepspeed-placements/step-vs-deepspeed.json"
 }
 
-# #20 on the 1.3B model: DeepSpeed beside offload with the optimizer on the host (params on the GPU, and both on the
-# host). One micro-batch a step (the side-by-side times forward, backward and step), so --accum 1 here.
+# #20 on the 1.3B model: DeepSpeed beside offload with params and optimizer on the host (DeepSpeed starts in about
+# 45 s a variant and round there, so one variant). One micro-batch a step (the side-by-side times forward, backward
+# and step), so --accum 1 here.
 deepspeed_1p3b() {
   if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here"; return 2; fi
   py -m offload bench step --baseline deepspeed "${M1P3B[@]}" --accum 1 --steps 3 --rounds 2 \
-    --variants optimizer-host,host --out "$OUT/deepspeed-1p3b/step-vs-deepspeed.json"
+    --variants "${DS_1P3B_VARIANTS:-host}" --out "$OUT/deepspeed-1p3b/step-vs-deepspeed.json"
 }
 
 # #20 on the GPU where it was never run: nothing offloaded (DeepSpeed's FusedAdam after the arch-list fix), beside
@@ -123,8 +129,8 @@ deepspeed_device() {
 stages=()
 for s in "$@"; do
   case "$s" in
-    plan1) stages+=(install cuda-tests bench-step-default bench-step-1p3b-auto bench-hooks) ;;
-    plan2) stages+=(bench-deepspeed-device sanitizer bench-step-nvme-early) ;;
+    plan1) stages+=(install cuda-tests bench-step-default bench-step-1p3b-split bench-step-delayed) ;;
+    plan2) stages+=(sanitizer bench-step-nvme-early bench-deepspeed-1p3b) ;;
     *) stages+=("$s") ;;
   esac
 done
