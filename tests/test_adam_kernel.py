@@ -188,9 +188,12 @@ def test_16bit_copy_rounding_edge_cases(variant, out_dtype):
 @pytest.mark.parametrize("grad_dtype, out_dtype, hyper", [(torch.float32, None, "adamw"),
                                                           (torch.bfloat16, torch.bfloat16, "adam_l2"),
                                                           (torch.float16, torch.float16, "adamw_gpt")])
+@pytest.mark.parametrize("offsets", [(0, 0, 0), (3, 3, 3), (1, 2, 5)])
 def test_a_step_written_elsewhere_is_the_step_in_place_bitwise_and_leaves_its_inputs(variant, n, grad_dtype,
-                                                                                    out_dtype, hyper):
-    """The speculative step's kernel: the same values as stepping in place, the old state untouched."""
+                                                                                    out_dtype, hyper, offsets):
+    """The speculative step's kernel: the same values as stepping in place, the old state untouched; its outputs
+    aligned (streamed), misaligned alike (the first elements one by one, then streamed) or each its own way (not
+    streamed): see [Note: streaming stores] in native/kernels.cpp."""
     p0, grads = make(n, steps=3, dtype=grad_dtype)
     inplace = [p0.clone(), torch.zeros(n), torch.zeros(n)]
     src = [t.clone() for t in inplace]
@@ -199,7 +202,7 @@ def test_a_step_written_elsewhere_is_the_step_in_place_bitwise_and_leaves_its_in
     for step, g in enumerate(grads, 1):
         adam_step(*inplace[:1], g, *inplace[1:], step, HYPERS[hyper], grad_scale=0.5, out16=out_a, pre_scale=0.25)
         before = [t.clone() for t in src]
-        dst = [torch.full((n,), float("nan")) for _ in range(3)]
+        dst = [torch.full((n + 8,), float("nan"))[o:o + n] for o in offsets]
         adam_step(src[0], g, src[1], src[2], step, HYPERS[hyper], grad_scale=0.5, out16=out_b, pre_scale=0.25,
                   into=(dst[0], dst[1], dst[2]))
         for old, now in zip(before, src):

@@ -81,6 +81,7 @@ def test_bench_adam_writes_json_with_every_comparison(tmp_path, capsys):
     report = json.loads(out.read_text())
     impls = {(r["what"], r["impl"].split(" (")[0]) for r in report["rows"]}
     assert ("adam", "torch AdamW fused=True") in impls and ("adam", "offload adam_step") in impls
+    assert ("adam", "offload adam_step into a second slot") in impls
     assert ("cpu-side", "offload norm + fused step") in impls and ("ceiling", "in-place axpy a += s*b") in impls
     ours = next(r for r in report["rows"] if r["impl"].startswith("offload adam_step"))
     assert ours["ratio_vs_baseline"] > 0 and ours["size"] == 200_000

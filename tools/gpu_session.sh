@@ -16,8 +16,8 @@
 # What the H200 run of 2026-11-26 left open (docs/performance.md, "On a GPU"):
 # plan1 (about 6 minutes): install, the CUDA tests, the 156M step at the default units (#21's headline, the
 #   regression check), the 1.3B model held to a 12 GiB device budget so that its state does not fit (#22: the split
-#   auto chooses beside all on the host, never run), the delayed update beside the exact step with its trace (it
-#   gained nothing on the H200).
+#   auto chooses beside all on the host, never run), the speculative step (its second slot now written around the
+#   cache) and the delayed update beside the exact step, with their traces (both lost to it on the H200).
 # plan2 (about 5 minutes, on the same warm machine, so no install; each stage cut at 170 s so the call brings its
 #   logs back): the CUDA tests under torch's stream sanitizer, params and state on NVMe whole vs early (the bench
 #   now counts dropped read-aheads: the H200 counted 0.8 GB a step more for early), DeepSpeed beside offload on
@@ -31,7 +31,7 @@
 # bench-step-default 37, bench-step-1p3b-auto 157, bench-hooks 13, bench-deepspeed-device 170, sanitizer 26,
 # bench-step-nvme-early 91 s):
 #   install cuda-tests bench-pcie bench-adam bench-hooks bench-step bench-step-default bench-step-placement
-#   bench-step-delayed bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
+#   bench-step-delayed bench-step-hiding bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
 #   bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b profile sanitizer suite
 # bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
 # a call of its own (SUITE_S, default 420 s, 14 workers).
@@ -129,7 +129,7 @@ deepspeed_device() {
 stages=()
 for s in "$@"; do
   case "$s" in
-    plan1) stages+=(install cuda-tests bench-step-default bench-step-1p3b-split bench-step-delayed) ;;
+    plan1) stages+=(install cuda-tests bench-step-default bench-step-1p3b-split bench-step-hiding) ;;
     plan2) stages+=(sanitizer bench-step-nvme-early bench-deepspeed-1p3b) ;;
     *) stages+=("$s") ;;
   esac
@@ -159,6 +159,9 @@ for s in "${stages[@]}"; do
     bench-step-1p3b-split) stage bench-step-1p3b-split py -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants host,ratio-auto --device-budget 12Gi --out "$OUT/step-1p3b-split/step.json" ;;
     # The same question on a model whose state does not fit the GPU at all (host memory: about 85 of 128 GiB).
     bench-step-4p5b) stage bench-step-4p5b py -m offload bench step "${M4P5B[@]}" --unit-bytes 64Mi --steps 2 --rounds 2 --variants ratio-auto,host --out "$OUT/step-4p5b/step.json" ;;
+    # The two ways of hiding the host Adam beside the exact early step: speculated during backward (its second slot
+    # now written with streaming stores, 1.06x the in-place Adam here against 1.70x before) and the delayed update.
+    bench-step-hiding) stage bench-step-hiding py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,clip-speculative-kept,delayed --out "$OUT/step-hiding/step.json" ;;
     bench-step-delayed) stage bench-step-delayed py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,delayed --out "$OUT/step-delayed/step.json" ;;
     bench-step-1p3b) stage bench-step-1p3b py -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --headline-only --out "$OUT/step-1p3b/step.json" ;;
     # torch's profiler over three steps of the headline variant: kernels per stream, the engine's phases per thread.
