@@ -153,10 +153,11 @@ def test_identical_on_torchs_openmp_team_and_on_the_pool():
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100_003])
-def test_fused_16bit_copy_equals_to_dtype_exactly(variant, out_dtype, n):
+@pytest.mark.parametrize("offset", [0, 1])  # aligned: streamed; one element on: stored (see [Note: streaming stores])
+def test_fused_16bit_copy_equals_to_dtype_exactly(variant, out_dtype, n, offset):
     p0, grads = make(n, steps=3)
     p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
-    out = torch.empty(n, dtype=out_dtype)
+    out = torch.empty(n + 16, dtype=out_dtype)[offset:offset + n]
     for s, g in enumerate(grads, 1):
         adam_step(p, g, m, v, s, HYPERS["adamw"], out16=out)
         assert torch.equal(out.view(torch.int16), p.to(out_dtype).view(torch.int16))
