@@ -1,7 +1,7 @@
 """Write tests/slow.txt, the tests the developer's inner loop leaves out, from a timed run of the suite.
 
     ./dev.sh test --durations=0 -p no:randomly > durations.log
-    python tools/slow_tests.py durations.log --over 6 > tests/slow.txt
+    python tools/slow_tests.py durations.log --over 1.5 > tests/slow.txt
 
 A test is slow when its setup, call and teardown together took over ``--over`` seconds in
 that run. tests/conftest.py marks the listed tests ``slow``; ``./dev.sh test -m "not slow"``
