@@ -172,6 +172,8 @@ NB_MODULE(_native, m) {
   m.def("use_openmp", [](const std::string& path) { return use_openmp(path.c_str()); }, nb::arg("path"),
         "Run multi-threaded kernels called from this thread on the OpenMP team of the runtime at path.");
   m.def("threads_backend", [] { return std::string(threads_backend()); });
+  m.def("pool_jobs_at_once", [] { return pool_jobs_at_once(); },
+        "The most kernel calls offload's pools ran at once since the last call.");
   m.def("crc32c_blocks", &py_crc32c_blocks, nb::arg("data").noconvert(), nb::arg("block"), nb::arg("out").noconvert(),
         nb::arg("threads"), "CRC-32C of each block of a dense CPU buffer into out (uint32).");
   m.def("touch3", &py_touch3, nb::arg("p").noconvert(), nb::arg("m").noconvert(), nb::arg("v").noconvert(),

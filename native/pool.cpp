@@ -14,10 +14,32 @@
 namespace offload {
 namespace {
 
+std::atomic<size_t> g_running{0};       // jobs running on the pools now
+std::atomic<size_t> g_most_running{0};  // the most at once since pool_jobs_at_once last asked
+
 class Pool {
  public:
   void run(size_t workers, const std::function<void(size_t)>& fn) {
-    std::lock_guard<std::mutex> one_job_at_a_time(run_mu_);
+    std::unique_lock<std::mutex> one_job_at_a_time(run_mu_);
+    run_locked(workers, fn);
+  }
+
+  // Runs fn here if no other job holds this pool; returns whether it did.
+  bool try_run(size_t workers, const std::function<void(size_t)>& fn) {
+    std::unique_lock<std::mutex> one_job_at_a_time(run_mu_, std::try_to_lock);
+    if (!one_job_at_a_time.owns_lock()) return false;
+    run_locked(workers, fn);
+    return true;
+  }
+
+ private:
+  void run_locked(size_t workers, const std::function<void(size_t)>& fn) {
+    const size_t now = g_running.fetch_add(1) + 1;
+    for (size_t seen = g_most_running.load(); now > seen && !g_most_running.compare_exchange_weak(seen, now);) {
+    }
+    struct Done {
+      ~Done() { g_running.fetch_sub(1); }
+    } done;
     const size_t helpers = grow(workers - 1);
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -33,7 +55,6 @@ class Pool {
     job_ = nullptr;
   }
 
- private:
   // Start helpers up to `helpers`; returns how many exist (fewer if the OS refuses threads).
   size_t grow(size_t helpers) {
     while (threads_.size() < helpers) {
@@ -77,19 +98,36 @@ class Pool {
   size_t generation_ = 0;
 };
 
-Pool* g_pool = nullptr;
+// [Note: two pools] One pool runs one job at a time, so two host threads calling kernels at once took turns: a
+// gradient's landing norm (a few hundred microseconds) waited behind a whole shard's Adam (several milliseconds on
+// a 64 MiB unit) that the delayed update ran on its own thread, and backward's end waited for the last landing.
+// Two pools let two jobs run at once (a third caller waits for the first pool); each has up to cores - 1 helpers,
+// which sleep between jobs. Two jobs at once share the cores, and each thread's range is fixed by the job, so the
+// results are the same whichever pool runs it.
+constexpr size_t kPools = 2;
+Pool* g_pools[kPools] = {};
 std::once_flag g_once;
 
-// A forked child has none of the parent's worker threads: give it a fresh pool (the old
-// one, whose locks may be held by threads that do not exist there, is abandoned).
-void reset_in_child() { g_pool = new Pool(); }
+// A forked child has none of the parent's worker threads: give it fresh pools (the old
+// ones, whose locks may be held by threads that do not exist there, are abandoned).
+void reset_in_child() {
+  for (Pool*& p : g_pools) p = new Pool();
+}
 
-Pool& pool() {
+Pool** pools() {
   std::call_once(g_once, [] {
-    g_pool = new Pool();
+    for (Pool*& p : g_pools) p = new Pool();
     pthread_atfork(nullptr, nullptr, &reset_in_child);
   });
-  return *g_pool;
+  return g_pools;
+}
+
+void run_on_a_pool(size_t workers, const std::function<void(size_t)>& fn) {
+  Pool** all = pools();
+  for (size_t i = 0; i < kPools; ++i) {
+    if (all[i]->try_run(workers, fn)) return;
+  }
+  all[0]->run(workers, fn);
 }
 
 // The OpenMP entry points GCC emits calls to (libgomp's ABI; Intel's libiomp5 exports them too).
@@ -135,8 +173,10 @@ void run_on_workers(size_t workers, const std::function<void(size_t)>& fn) {
     omp->parallel(&team_body, &job, unsigned(workers), 0);
     return;
   }
-  pool().run(workers, fn);
+  run_on_a_pool(workers, fn);
 }
+
+size_t pool_jobs_at_once() { return g_most_running.exchange(g_running.load()); }
 
 bool use_openmp(const char* path) {
   if (path == nullptr || *path == 0) {

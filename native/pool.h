@@ -31,4 +31,7 @@ bool use_openmp(const char* path);
 // "openmp" or "pool": what run_on_workers uses when called from this thread.
 const char* threads_backend();
 
+// The most jobs the pools ran at once since the last call (see [Note: two pools] in pool.cpp).
+size_t pool_jobs_at_once();
+
 }  // namespace offload

@@ -218,6 +218,12 @@ def threads_backend() -> str:
     return _native.threads_backend()
 
 
+def pool_jobs_at_once() -> int:
+    """The most kernel calls offload's pools ran at once since the last call (two host threads' calls run side
+    by side: see [Note: two pools] in native/pool.cpp)."""
+    return int(_native.pool_jobs_at_once())
+
+
 def _apply_env() -> None:
     forced = os.environ.get(ISA_ENV, "").strip()
     if forced:

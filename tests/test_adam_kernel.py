@@ -151,6 +151,39 @@ def test_identical_on_torchs_openmp_team_and_on_the_pool():
         native.use_threads("tbb")
 
 
+def test_two_host_threads_kernels_run_side_by_side_with_the_results_of_running_alone():
+    """A gradient's landing norm on one host thread no longer waits for a whole Adam call on another (the delayed
+    update's): two pools run two calls at once ([Note: two pools] in native/pool.cpp), each split as before."""
+    import threading
+
+    n = 1 << 22
+    p0, grads = make(n, steps=6)
+    alone_adam = run_ours(p0, grads, HYPERS["adamw"], threads=2)
+    alone_norm = native.grad_sq_norm(grads[0], threads=2)
+    native.pool_jobs_at_once()  # from here on
+    results: dict[str, object] = {"norms": []}
+    adam_done = threading.Event()
+
+    def adam_thread() -> None:
+        try:
+            results["adam"] = run_ours(p0, grads, HYPERS["adamw"], threads=2)
+        finally:
+            adam_done.set()
+
+    def norm_thread() -> None:
+        while not adam_done.is_set():
+            results["norms"].append(native.grad_sq_norm(grads[0], threads=2))
+
+    threads = [threading.Thread(target=adam_thread), threading.Thread(target=norm_thread)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert native.pool_jobs_at_once() == 2  # one pool: 1, each call waiting for the other
+    assert all(torch.equal(a, b) for a, b in zip(alone_adam, results["adam"]))
+    assert results["norms"] and all(r == alone_norm for r in results["norms"])
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100_003])
 @pytest.mark.parametrize("offset", [0, 1])  # aligned: streamed; one element on: stored (see [Note: streaming stores])
