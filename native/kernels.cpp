@@ -102,7 +102,7 @@ struct Vec {
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
-  static constexpr size_t ALIGN = 64;  // stream's alignment, bytes
+  static constexpr bool STREAMS = true;  // stream: a store around the cache, at W elements' alignment
   static void stream(float* p, F x) { _mm512_stream_ps(p, x); }
   static void fence() { _mm_sfence(); }
   static F load_any(const void* data, DType dtype, size_t i) { return load16(data, dtype, i); }
@@ -198,7 +198,7 @@ struct Vec {
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
-  static constexpr size_t ALIGN = 32;
+  static constexpr bool STREAMS = true;
   static void stream(float* p, F x) { _mm256_stream_ps(p, x); }
   static void fence() { _mm_sfence(); }
   static F load_any(const void* data, DType dtype, size_t i) { return load8(data, dtype, i); }
@@ -267,7 +267,7 @@ struct Vec {
   static F set1(float x) { return vdupq_n_f32(x); }
   static F load(const float* p) { return vld1q_f32(p); }
   static void store(float* p, F x) { vst1q_f32(p, x); }
-  static constexpr size_t ALIGN = 0;  // no streaming store here: stream is store
+  static constexpr bool STREAMS = false;  // no streaming store here: stream is store
   static void stream(float* p, F x) { vst1q_f32(p, x); }
   static void fence() {}
   static F load_any(const void* data, DType dtype, size_t i) { return load4(data, dtype, i); }
@@ -303,7 +303,7 @@ struct Scalar {
   static F set1(float x) { return x; }
   static F load(const float* p) { return *p; }
   static void store(float* p, F x) { *p = x; }
-  static constexpr size_t ALIGN = 0;
+  static constexpr bool STREAMS = false;
   static void stream(float* p, F x) { *p = x; }
   static void fence() {}
   static F load_any(const void* data, DType dtype, size_t i) { return scalar::load(data, int(dtype), i); }
@@ -322,12 +322,8 @@ using Vec = Scalar;  // the portable build: the "vector" pass is the scalar one,
 #endif
 
 template <class V>
-bool aligned(const void* p, size_t bytes = sizeof(float)) {  // for V's streaming store of `bytes`-wide elements
-  if constexpr (V::ALIGN == 0) {
-    return false;  // V has none
-  } else {
-    return reinterpret_cast<uintptr_t>(p) % (V::ALIGN * bytes / sizeof(float)) == 0;
-  }
+bool aligned(const void* p, size_t bytes = sizeof(float)) {  // for V's streaming store of W `bytes`-wide elements
+  return V::STREAMS && reinterpret_cast<uintptr_t>(p) % (V::W * bytes) == 0;
 }
 
 // [Note: Adam's order of operations] Each line rounds where torch.optim.Adam's
@@ -377,7 +373,7 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
   const bool use_bc2 = a.bc2_sqrt != 1.0f;
   const bool use_pre = a.pre_scale != 1.0f, use_scale = a.grad_scale != 1.0f;
   const bool use_decay = a.decay != 1.0f, use_l2 = a.l2 != 0.0f;
-  const bool stream = ELSEWHERE && V::ALIGN != 0 && aligned<V>(param + i) && aligned<V>(exp_avg + i) &&
+  const bool stream = ELSEWHERE && aligned<V>(param + i) && aligned<V>(exp_avg + i) &&
                       aligned<V>(exp_avg_sq + i);  // see [Note: streaming stores]
   const bool stream16 = OUT != 0 && aligned<V>(static_cast<uint16_t*>(out16) + i, sizeof(uint16_t));
   for (; i + V::W <= end; i += V::W) {
@@ -410,7 +406,6 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
   return i;
 }
 
-
 template <class V, DType G, bool ELSEWHERE>
 size_t adam_span_out(const AdamArgs& a, size_t i, size_t end) {
   if (a.out16 == nullptr) return adam_loop<V, G, 0, ELSEWHERE>(a, i, end);
@@ -436,16 +431,13 @@ size_t adam_span(const AdamArgs& a, size_t i, size_t end) {
 // vector pass's streaming stores (see [Note: streaming stores]); returns where the vector pass starts.
 template <class V>
 size_t align_elsewhere(const AdamArgs& a, size_t i, size_t end) {
-  if constexpr (V::ALIGN == 0) {
-    return i;
-  } else {
-    if (a.param_out == nullptr) return i;
-    const uintptr_t off = reinterpret_cast<uintptr_t>(a.param_out + i) % V::ALIGN;
-    const size_t lead = off == 0 ? 0 : (V::ALIGN - off) / sizeof(float);
-    const size_t stop = i + lead < end ? i + lead : end;
-    if (!aligned<V>(a.exp_avg_out + stop) || !aligned<V>(a.exp_avg_sq_out + stop)) return i;  // offsets differ
-    return adam_span<Scalar>(a, i, stop);
-  }
+  if (!V::STREAMS || a.param_out == nullptr) return i;
+  const size_t width = V::W * sizeof(float);  // the vector pass's store, bytes
+  const uintptr_t off = reinterpret_cast<uintptr_t>(a.param_out + i) % width;
+  const size_t lead = off == 0 ? 0 : (width - off) / sizeof(float);
+  const size_t stop = i + lead < end ? i + lead : end;
+  if (!aligned<V>(a.exp_avg_out + stop) || !aligned<V>(a.exp_avg_sq_out + stop)) return i;  // offsets differ
+  return adam_span<Scalar>(a, i, stop);
 }
 
 void adam(const AdamArgs& a, size_t begin, size_t end) {

@@ -309,7 +309,8 @@ def test_bench_step_prints_any_subset_of_its_variants(offload):
     from offload.bench import step
     names = list(step.StepBench(offload=offload, world=1)._all_variants())
     row = {k: 0.01 for k in ("step_s", "optimizer_s", "adam_s", "gather_s", "nvme_wait_s", "speculative_s",
-                             "param_wait_s", "param_read_s", "optimizer_io_s", "collective_bytes")}
+                             "param_wait_s", "param_read_s", "optimizer_io_s", "collective_bytes",
+                             "wasted_read_bytes")}
     row |= {"copies_hidden": 0.5, "speculation_kept": 1.0, "speculation_recomputed": 0.0, "nvme_bytes": 2**20,
             "early": 1.0}
     bench = asdict(step.StepBench(offload=offload, world=1))

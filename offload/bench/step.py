@@ -584,7 +584,7 @@ def print_table(result: StepResult, out: TextIO) -> None:
         for name in [n for n in ("nvme", "nvme-no-readahead", "nvme-early") if n in v]:
             row = v[name]
             hidden = 1 - row["param_wait_s"] / row["param_read_s"] if row["param_read_s"] else 0.0
-            wasted = row.get("wasted_read_bytes", 0.0)  # absent from JSON written before it was counted
+            wasted = row["wasted_read_bytes"]
             print(f"  parameter reads ({name}): {row['param_read_s'] * 1e3:.1f} ms in flight, the training thread "
                   f"waited {row['param_wait_s'] * 1e3:.1f} ms: {max(0.0, hidden):.0%} hidden"
                   + (f"; {wasted / 2**20:.1f} MiB a step read ahead and dropped" if wasted else ""), file=out)
