@@ -97,8 +97,10 @@ def _speculation_unwanted(config: Config, compute_dtype: torch.dtype) -> str | N
         # Measured on a 2-core Xeon (GPT-2-small, fp32, W = 1, 2026-11-25): host sub-groups speculated made the
         # step 1.05x (kept) and 1.08x (recomputed) the step after backward, Adam and backward sharing the cores.
         # On an H100 (156M GPT, bf16, 2026-11-25): 1.30x and 2.15x, Adam into the second slot outlasting backward.
+        # On an H200 with the second slot streamed (2026-11-26): 1.02x kept, the landing worker's norms and
+        # speculative Adam (50 ms a step) outlasting a 21 ms backward.
         return ("'auto' speculates only on NVMe sub-groups (host ones measured slower: on a CPU, Adam and "
-                "backward share the cores; on an H100, Adam into a second slot outlasted backward); set "
+                "backward share the cores; on a GPU, Adam on the host outlasts backward); set "
                 "offload.speculative_step to \"on\" to speculate on the host's too")
     return None
 
