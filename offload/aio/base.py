@@ -190,6 +190,18 @@ class RequestGroup:
             raise first
 
 
+def wait_quietly(request: Request | RequestGroup | None) -> bool:
+    """Wait without raising, for a caller already unwinding from a first failure or dropping the data; whether
+    the transfer succeeded (None: nothing was in flight)."""
+    if request is None:
+        return True
+    try:
+        request.wait()
+    except Exception:  # noqa: BLE001 - the caller reports or redoes it; this wait only lets the buffer be reused
+        return False
+    return True
+
+
 def check_block_size(block_size: int) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or block_size % ALIGN:
         raise ValueError(f"block_size must be a positive multiple of 4096, got {block_size!r}")

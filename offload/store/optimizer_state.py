@@ -64,7 +64,7 @@ import torch
 
 from offload.accelerator import Accelerator
 from offload.sync_ledger import SyncLedger
-from offload.aio.base import Engine, RequestGroup
+from offload.aio.base import Engine, RequestGroup, wait_quietly
 from offload.buffers import AlignedBuffer, BufferPool, round_up
 from offload.store.two_slots import TwoSlotFile, layout
 from offload.store.budget import TierBudget
@@ -494,9 +494,9 @@ class NvmePass:
         """Let every transfer finish (buffers are reused after) and flip nothing; returns the sub-groups it
         handed out (their new state is discarded)."""
         for *_, read in self.reading:
-            _quiet_wait(read)
+            wait_quietly(read)
         for _, write in self.released.values():
-            _quiet_wait(write)
+            wait_quietly(write)
         released = [g for g, _ in self.released.values()]
         self.released.clear()
         return released + self._drop_taken()
@@ -505,10 +505,10 @@ class NvmePass:
         """Stop early: reads are dropped, released sub-groups whose write completed are committed (their step
         is kept); returns those whose new state is lost (a failed write, or never released)."""
         for *_, read in self.reading:
-            _quiet_wait(read)
+            wait_quietly(read)
         lost = []
         for g, write in self.released.values():
-            if _quiet_wait(write):
+            if wait_quietly(write):
                 self.file.flip(g.index)
             else:
                 lost.append(g)
@@ -565,12 +565,3 @@ def _union(spans: Iterator[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
-def _quiet_wait(request: object) -> bool:
-    """Wait without raising (the first failure is already propagating); whether it succeeded."""
-    if request is None:
-        return True
-    try:
-        request.wait()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001
-        return False
-    return True

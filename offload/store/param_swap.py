@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from offload.accelerator import Event
-from offload.aio.base import Engine, Request, RequestGroup, SwapIOError
+from offload.aio.base import Engine, Request, RequestGroup, SwapIOError, wait_quietly
 from offload.buffers import AlignedBuffer, BufferPool, round_up
 from offload.store.budget import TierBudget
 from offload.store.swapdir import SwapDir
@@ -222,7 +222,7 @@ class ParamSwap:
     def _drop(self, b: ReadBuffer) -> None:
         if b.state is BufferState.READING and b.request is not None:
             self.ledger.block("parameter read dropped")  # a read-ahead guessed wrong: its buffer is needed now
-            _quiet_wait(b.request)
+            wait_quietly(b.request)
         if b.state in (BufferState.READING, BufferState.READY):
             self.stats.wasted_reads += 1
             self.telemetry.add_bytes("nvme_read_wasted", self.homes[b.unit].nbytes)  # counted in nvme_read too
@@ -445,7 +445,7 @@ class ParamSwap:
     def close(self) -> None:
         for b in self._reads:
             if b.state is BufferState.READING and b.request is not None:
-                _quiet_wait(b.request)
+                wait_quietly(b.request)
             if b.copied is not None:
                 try:
                     b.copied.synchronize()
@@ -453,7 +453,7 @@ class ParamSwap:
                     pass
         for _, _, pending in self._writes:
             if pending is not None:
-                _quiet_wait(pending)
+                wait_quietly(pending)
         self.file.close()
         for b in self._reads:
             self._pool.release(b.memory)
@@ -463,8 +463,3 @@ class ParamSwap:
         self._writes.clear()
 
 
-def _quiet_wait(request: Request | RequestGroup) -> None:
-    try:
-        request.wait()
-    except Exception:  # noqa: BLE001 - the first failure is already propagating, or the data is dropped
-        pass
