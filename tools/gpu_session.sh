@@ -12,27 +12,26 @@
 # stage (BUNDLE before OUT: the tool's $OUT, expanded before OUT is set), so a call cut at its limit still brings
 # back what finished:
 #   run(carry=[".whl"], timeout_s=450, command='BUNDLE=$OUT/plan1.tgz OUT=/tmp/gs tools/gpu_session.sh plan1')
-#   run(carry=[".whl"], timeout_s=300, command='STAGE_S=170 BUNDLE=$OUT/plan2.tgz OUT=/tmp/gs tools/gpu_session.sh plan2')
-# What the H200 run of 2026-11-26 left open (docs/performance.md, "On a GPU"):
-# plan1 (about 6 minutes): install, the CUDA tests, the 156M step at the default units (#21's headline, the
-#   regression check), the 1.3B model held to a 12 GiB device budget so that its state does not fit (#22: the split
-#   auto chooses beside all on the host, never run), the speculative step (its second slot now written around the
-#   cache) and the delayed update beside the exact step, with their traces (both lost to it on the H200).
-# plan2 (about 5 minutes, on the same warm machine, so no install; each stage cut at 170 s so the call brings its
-#   logs back): the CUDA tests under torch's stream sanitizer, params and state on NVMe whole vs early (the bench
-#   now counts dropped read-aheads: the H200 counted 0.8 GB a step more for early), DeepSpeed beside offload on
-#   the 1.3B model with params and optimizer on the host (#20 on #21's second model, never run).
+#   run(carry=[".whl"], timeout_s=300, command='STAGE_S=120 BUNDLE=$OUT/plan2.tgz OUT=/tmp/gs tools/gpu_session.sh plan2')
+# What the H200 runs of 2026-11-26 left open (docs/performance.md, "On a GPU"):
+# plan1 (about 7 minutes): install, then DeepSpeed beside offload on the 1.3B model with params and optimizer on the
+#   host (#20 on #21's second model; the call's limit cut it on 2026-11-26, so it goes first, with a cut of its
+#   own, DS_1P3B_S, default 380 s, inside the call's 450).
+# plan2 (about 5 minutes, on the same warm machine, so no install): the CUDA tests, the 156M step at the default
+#   units (the regression check), `bench adam` (the host Adam ran at 93-99 GB/s inside the step there, never
+#   measured alone), the optimizer state on NVMe stepped during backward (speculated) beside after it (never run
+#   on a GPU), and the CUDA tests under torch's stream sanitizer.
 # If the first call finds the machine cold again for the second (more than 30 s between them), plan2 needs
 # `install` first: `tools/gpu_session.sh install plan2`.
 #
 # Every stage by name (timings from the H100 of 2026-11-24/25: install + cuda-tests + bench-step-default about 180 s;
 # bench-step-placement 149 s; bench-deepspeed-placements 232 s; bench-deepspeed + bench-deepspeed-placements +
 # bench-step-1p3b 498 s; profile + sanitizer 57 s; from the H200 of 2026-11-26: install 40, cuda-tests 59,
-# bench-step-default 37, bench-step-1p3b-auto 157, bench-hooks 13, bench-deepspeed-device 170, sanitizer 26,
-# bench-step-nvme-early 91 s):
+# bench-step-default 35-37, bench-step-1p3b-auto 157, bench-step-1p3b-split 178, bench-step-hiding 78, bench-hooks 13,
+# bench-deepspeed-device 170, sanitizer 26-35, bench-step-nvme-early 91-112 s):
 #   install cuda-tests bench-pcie bench-adam bench-hooks bench-step bench-step-default bench-step-placement
 #   bench-step-delayed bench-step-hiding bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
-#   bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b profile sanitizer suite
+#   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b profile sanitizer suite
 # bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
 # a call of its own (SUITE_S, default 420 s, 14 workers).
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
@@ -114,7 +113,7 @@ deepspeed_placements() {
 # and step), so --accum 1 here.
 deepspeed_1p3b() {
   if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here"; return 2; fi
-  py -m offload bench step --baseline deepspeed "${M1P3B[@]}" --accum 1 --steps 3 --rounds 2 \
+  STAGE_S=${DS_1P3B_S:-380} py -m offload bench step --baseline deepspeed "${M1P3B[@]}" --accum 1 --steps 2 --rounds 2 \
     --variants "${DS_1P3B_VARIANTS:-host}" --out "$OUT/deepspeed-1p3b/step-vs-deepspeed.json"
 }
 
@@ -129,8 +128,8 @@ deepspeed_device() {
 stages=()
 for s in "$@"; do
   case "$s" in
-    plan1) stages+=(install cuda-tests bench-step-default bench-step-1p3b-split bench-step-hiding) ;;
-    plan2) stages+=(sanitizer bench-step-nvme-early bench-deepspeed-1p3b) ;;
+    plan1) stages+=(install bench-deepspeed-1p3b) ;;
+    plan2) stages+=(cuda-tests bench-step-default bench-adam bench-step-nvme-optimizer sanitizer) ;;
     *) stages+=("$s") ;;
   esac
 done
@@ -171,6 +170,9 @@ for s in "${stages[@]}"; do
     # Params and optimizer state on NVMe (the lent machine's local disk under /tmp) beside both on the host.
     bench-step-nvme) stage bench-step-nvme py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-nvme/step.json" ;;
     # Params and optimizer state on NVMe, stepped whole beside their NVMe passes run after step() returned (early on).
+    # The optimizer state on NVMe, params on the GPU, stepped during backward (speculated when clipping did not fire
+    # the step before) beside after backward: never measured on a GPU.
+    bench-step-nvme-optimizer) stage bench-step-nvme-optimizer py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants nvme-optimizer,nvme-optimizer-speculative-kept --out "$OUT/step-nvme-optimizer/step.json" ;;
     bench-step-nvme-early) stage bench-step-nvme-early py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants nvme,nvme-early --out "$OUT/step-nvme-early/step.json" ;;
     *) echo "unknown stage $s" ;;
   esac
