@@ -176,7 +176,8 @@ def _cmd_schedule(args: argparse.Namespace, out: Path) -> int:
         if args.what == "schedule":
             bench = replay.ScheduleBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
                                          vocab=args.vocab, seq=args.seq, micro=args.micro, dtype=args.dtype,
-                                         params=args.params, early=args.early, clip=args.clip,
+                                         params=args.params, early=args.early, speculative=args.speculative,
+                                         clip=args.clip,
                                          unit_bytes=args.unit_bytes, steps=args.steps)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -480,6 +481,9 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                    help="offload_param.device: none (device-homed shards) or cpu (host-homed)")
     b.add_argument("--early", choices=["off", "on"], default="off", help="the early-returning step (on a GPU "
                                                                           "the default with the state on the host)")
+    b.add_argument("--speculative", choices=["off", "on"], default="off",
+                   help="host shards' Adam speculated during backward (offload.speculative_step; with --clip large "
+                        "enough not to fire, every speculation is kept)")
     b.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (default 1.0)")
     b.add_argument("--unit-bytes", type=positive_size, default="4Mi", help="offload.unit_bytes (default 4Mi)")
     b.add_argument("--steps", type=positive_int, default=2, help="steps recorded after one warm-up (default 2)")

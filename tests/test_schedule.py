@@ -38,10 +38,14 @@ def _plain_flops() -> tuple[float, int]:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """The tiny GPT recorded with device-homed shards (synchronous step) and host-homed ones (early step)."""
+    """The tiny GPT recorded with device-homed shards (synchronous step), host-homed ones (early step), and
+    device-homed ones speculated during backward (clipping that never fires) and stepped early."""
     out = tmp_path_factory.mktemp("schedules")
-    return {mode: R.record(R.ScheduleBench(**TINY, params=params, early=early), out / f"{mode}.json")
-            for mode, params, early in (("sync", "none", "off"), ("early", "cpu", "on"))}
+    return {mode: R.record(R.ScheduleBench(**TINY, params=params, early=early, speculative=speculative, clip=clip),
+                           out / f"{mode}.json")
+            for mode, params, early, speculative, clip in (("sync", "none", "off", "off", 1.0),
+                                                           ("early", "cpu", "on", "off", 1.0),
+                                                           ("speculative", "none", "on", "on", 1e9))}
 
 
 def test_the_schedule_holds_the_models_flops_and_every_shards_bytes_once_a_step(recorded):
@@ -73,6 +77,15 @@ def test_the_synchronous_step_runs_adam_on_the_training_thread_and_the_early_one
     records = {i["record"]: lane for lane, items in early["lanes"].items() for i in items if "record" in i}
     host_waits = [records.get(rid) for i in _items(early, "host", "wait") for rid in i.get("waits", ())]
     assert "grad-land" in host_waits
+
+
+def test_the_speculative_adam_runs_on_its_lane_or_the_early_steps_never_on_the_training_thread(recorded):
+    """Each speculation runs on the speculation lane unless the early step (on the landing worker) claimed the
+    shard first (see [Note: speculation on a lane of its own])."""
+    lanes = {lane for lane, items in recorded["speculative"]["lanes"].items()
+             if any(i["kind"] == "adam" for i in items)}
+    assert lanes and lanes <= {"speculate", "grad-land"}
+    assert recorded["speculative"]["lane_kinds"]["speculate"] == "host"
 
 
 def test_every_copy_waits_for_what_it_reads_and_every_link_points_backwards(recorded):

@@ -17,10 +17,11 @@
 # plan1 (about 7 minutes): install, then DeepSpeed beside offload on the 1.3B model with params and optimizer on the
 #   host (#20 on #21's second model; the call's limit cut it on 2026-11-26, so it goes first, with a cut of its
 #   own, DS_1P3B_S, default 380 s, inside the call's 450).
-# plan2 (about 5 minutes, on the same warm machine, so no install): the CUDA tests, the 156M step at the default
-#   units (the regression check), `bench adam` (the host Adam ran at 93-99 GB/s inside the step there, never
-#   measured alone), the optimizer state on NVMe stepped during backward (speculated) beside after it (never run
-#   on a GPU), and the CUDA tests under torch's stream sanitizer.
+# plan2 (about 5 minutes, on the same warm machine, so no install): the speculative step with its Adam on a lane of
+#   its own beside the host step and the delayed update (the regression check too: its host row is the headline
+#   variant), the CUDA tests, `bench adam` (the host Adam ran at 93-99 GB/s inside the step there, never measured
+#   alone), the CUDA tests under torch's stream sanitizer, and last (cut first if time runs out) the optimizer
+#   state on NVMe stepped during backward (speculated) beside after it (never run on a GPU).
 # If the first call finds the machine cold again for the second (more than 30 s between them), plan2 needs
 # `install` first: `tools/gpu_session.sh install plan2`.
 #
@@ -129,7 +130,7 @@ stages=()
 for s in "$@"; do
   case "$s" in
     plan1) stages+=(install bench-deepspeed-1p3b) ;;
-    plan2) stages+=(cuda-tests bench-step-default bench-adam bench-step-nvme-optimizer sanitizer) ;;
+    plan2) stages+=(bench-step-hiding cuda-tests bench-adam sanitizer bench-step-nvme-optimizer) ;;
     *) stages+=("$s") ;;
   esac
 done
@@ -158,8 +159,8 @@ for s in "${stages[@]}"; do
     bench-step-1p3b-split) stage bench-step-1p3b-split py -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants host,ratio-auto --device-budget 12Gi --out "$OUT/step-1p3b-split/step.json" ;;
     # The same question on a model whose state does not fit the GPU at all (host memory: about 85 of 128 GiB).
     bench-step-4p5b) stage bench-step-4p5b py -m offload bench step "${M4P5B[@]}" --unit-bytes 64Mi --steps 2 --rounds 2 --variants ratio-auto,host --out "$OUT/step-4p5b/step.json" ;;
-    # The two ways of hiding the host Adam beside the exact early step: speculated during backward (its second slot
-    # now written with streaming stores, 1.06x the in-place Adam here against 1.70x before) and the delayed update.
+    # The two ways of hiding the host Adam beside the exact early step: speculated during backward (on a lane of its
+    # own since 2026-11-26; the H200 measured 1.02x the host step before) and the delayed update (0.80x there).
     bench-step-hiding) stage bench-step-hiding py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,clip-speculative-kept,delayed --out "$OUT/step-hiding/step.json" ;;
     bench-step-delayed) stage bench-step-delayed py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,delayed --out "$OUT/step-delayed/step.json" ;;
     bench-step-1p3b) stage bench-step-1p3b py -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --headline-only --out "$OUT/step-1p3b/step.json" ;;

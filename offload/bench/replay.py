@@ -223,6 +223,7 @@ class ScheduleBench:
     dtype: str = "bf16"
     params: str = "none"  # offload_param.device: none (device) or cpu
     early: str = "off"  # the early-returning step: on or off
+    speculative: str = "off"  # host shards speculated during backward (see [Note: speculative step]): on or off
     clip: float = 1.0
     unit_bytes: int = 4 << 20
     steps: int = 2  # recorded, after one warm-up step
@@ -230,8 +231,9 @@ class ScheduleBench:
     def __post_init__(self) -> None:
         if self.params not in ("none", "cpu"):
             raise ValueError(f"params must be none or cpu, got {self.params!r}")
-        if self.early not in ("on", "off"):
-            raise ValueError(f"early must be on or off, got {self.early!r}")
+        for name in ("early", "speculative"):
+            if getattr(self, name) not in ("on", "off"):
+                raise ValueError(f"{name} must be on or off, got {getattr(self, name)!r}")
         if self.steps < 1 or self.micro < 1:
             raise ValueError(f"steps and micro must be >= 1, got {self.steps}, {self.micro}")
 
@@ -247,7 +249,8 @@ def record(b: ScheduleBench, out: Path, log: TextIO | None = None) -> dict[str, 
 
     step_bench = StepBench(hidden=b.hidden, layers=b.layers, heads=b.heads, vocab=b.vocab, seq=b.seq, micro=b.micro,
                            world=1, dtype=b.dtype, steps=b.steps, warmup=1, unit_bytes=b.unit_bytes)
-    variant = {"device": "cpu", "params": b.params, "early": b.early, "clip": b.clip, "overlap": "off"}
+    variant = {"device": "cpu", "params": b.params, "early": b.early, "clip": b.clip, "speculative": b.speculative,
+               "overlap": "on" if b.speculative == "on" else "off"}  # speculating is overlapping with a guess
     torch.manual_seed(0)
     before = os.environ.get("OFFLOAD_EMULATED_DISCRETE_DEVICE")
     os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"] = "1"  # read as the engine's accelerator starts

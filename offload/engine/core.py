@@ -229,8 +229,8 @@ class Engine:
                     raise errors.unused_parameters(self.group.rank, unused)
             self.activations.discard()  # inputs saved by a forward whose backward never ran
             self.optimizer.send_held()  # device-accumulated sums the last micro-batch did not send
-            with self.telemetry.span("grad_wait"):
-                self.optimizer.drain()
+            with self.telemetry.span("grad_wait"):  # the landings; the step claims each speculation in turn
+                self.optimizer.drain(speculation=False)
             self.optimizer.publish()  # the last delayed update reaches the parameters (see [Note: delayed update])
         except Exception as e:  # noqa: BLE001 - raised once every rank knows (see [Note: one rank's failed step])
             failed = e

@@ -74,8 +74,10 @@ same values, so the result is bitwise the same as stepping after backward.
 wait for the global norm, so the overlapped step above cannot run. Yet the factor it waits
 for is usually known in advance: clipping does not fire on most steps, and then the factor
 is exactly ``unclipped_factor`` (the unscale alone). So, with ``guess`` set when the last
-backward begins, each host-resident shard's Adam runs on the landing worker as its gradient
-lands, as in the overlapped step, but with the guessed factor and into the other slot of
+backward begins, each host-resident shard's Adam runs as its gradient lands (on a host thread
+of its own: see [Note: speculation on a lane of its own] in offload/optim/speculation_lane.py,
+which also says how the step takes over a shard not yet begun), as in the overlapped step,
+but with the guessed factor and into the other slot of
 its state (offload/store/optimizer_state.py: [Note: the speculative slot]; the elements no
 segment covers are copied over), leaving the state of the last step intact: the shard is
 SPECULATED. Its new 16-bit shard is written to the step's target but not copied back. When
@@ -165,6 +167,7 @@ import torch
 from offload import native
 from offload.accelerator import Accelerator, DoneEvent, Event, WorkerStream
 from offload.optim.adam import AdamHyper, adam_step, device_adam_step
+from offload.optim.speculation_lane import SpeculationLane, TicketPhase
 from offload.schedule import COMPUTE
 from offload.telemetry import Telemetry
 from offload.aio.base import Engine
@@ -357,6 +360,9 @@ class ShardedAdam(torch.optim.Optimizer):
         # The delayed update's Adam runs on a thread of its own, so the next backward's gradients land beside it
         # (see [Note: delayed update]).
         self._adam = accel.host_queue("delayed-adam") if self.offload and plan.delayed else None
+        # The speculative Adam of host shards runs on a thread of its own, so the landings (and the step's factor)
+        # never wait for it (see [Note: speculation on a lane of its own] in offload/optim/speculation_lane.py).
+        self._spec = SpeculationLane(accel) if self.offload and plan.speculative else None
         self._final = False  # the gradients now landing are the last micro-batch's: their norm is taken as they land
         self._in_place = False  # ... and each unit's only one: read where it lands (see [Note: gradients read ...])
         self._reads_in_place = plan.grads_read_where_they_land  # where the plan counted no accumulators
@@ -529,6 +535,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._held.discard(state.index)
         if not state.free.query():  # the worker still reads what landed here before (a second sum this backward)
             self.accel.wait(state.free, "a device-accumulated gradient's landing buffer")
+        self._claim_speculation(state)  # ... and so may that sum's speculative Adam
         if state.adam_read is not None and not state.adam_read.query():  # the delayed Adam still reads it (rare:
             # the last micro-batch's sum, sent while the last step's Adam has not reached this unit)
             self.accel.wait(state.adam_read, "a landing buffer the delayed update reads")
@@ -577,6 +584,7 @@ class ShardedAdam(torch.optim.Optimizer):
         if arrived is not None:
             self.accel.wait(arrived, "gradient landed")
         del refs[:]  # a device gradient's copy is done: its memory may go
+        self._claim_speculation(state)  # another gradient of the unit: its speculation is stale
         if state.phase is ShardPhase.STEPPED:  # a half-applied step's shard: this step is done with it
             return
         if state.phase is ShardPhase.SPECULATED:  # another gradient: the speculation is stale (it runs again)
@@ -598,6 +606,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _materialize(self, state: ShardState) -> None:
         """On the landing worker: a gradient left where it landed goes into the accumulator (another is coming)."""
+        self._claim_speculation(state)
         if state.phase is ShardPhase.SPECULATED:  # stale now (it runs again when the next gradient lands)
             state.phase = ShardPhase.HOLDING
         if state.landed is None or state.phase is not ShardPhase.HOLDING:
@@ -635,11 +644,14 @@ class ShardedAdam(torch.optim.Optimizer):
         except Exception:  # noqa: BLE001
             self.store.drop_read_ahead()
 
-    def drain(self) -> None:
+    def drain(self, speculation: bool = True) -> None:
         """Wait until every gradient sent so far is in its accumulator and every step handed to a host thread has
-        run (re-raises a failed copy or step)."""
+        run (re-raises a failed copy or step); ``speculation`` False: not the speculative Adam, which the step
+        claims shard by shard (see [Note: speculation on a lane of its own])."""
         if self._land is not None:
             self.accel.drain(self._land, "gradients drained")
+        if speculation and self._spec is not None:
+            self._spec.drain()
         if self._adam is not None:
             self.accel.drain(self._adam, "the delayed update drained")
         if self._early_lost is not None:
@@ -715,6 +727,7 @@ class ShardedAdam(torch.optim.Optimizer):
             self._settle_nvme_speculation(step, hypers, grad_scale)
             for group in self.store.step_pass(vote.commit if vote is not None else None):
                 for member in group.members:
+                    self._claim_speculation(self.shards[member.unit])
                     phase = self.shards[member.unit].phase
                     if phase is ShardPhase.SPECULATED:
                         self._settle_speculation(group, member, step, hypers, grad_scale)
@@ -856,6 +869,7 @@ class ShardedAdam(torch.optim.Optimizer):
                     after: Event, delayed: bool = False) -> None:
         index = member.unit
         state = self.shards[index]
+        self._claim_speculation(state)
         if state.phase is not ShardPhase.STEPPED:
             with self.telemetry.span("optimizer_delayed" if delayed else "optimizer_early", state.name):
                 if state.phase is ShardPhase.SPECULATED:
@@ -979,7 +993,8 @@ class ShardedAdam(torch.optim.Optimizer):
         hypers, step = overlap.hypers, overlap.step
         group, member = self.store.by_unit[index]
         if overlap.guess is not None and group.tier != "nvme":
-            self._speculate(group, member, overlap)
+            assert self._spec is not None  # a host shard speculates only with its second slot (plan.speculative)
+            self._spec.hand_over(index, lambda: self._speculate(group, member, overlap))
             return
         if group.tier != "nvme":
             self._step_overlapped(index, group.views(member), hypers, step)
@@ -1009,7 +1024,7 @@ class ShardedAdam(torch.optim.Optimizer):
     # ----------------------------------------------------------------- the speculative step
 
     def _speculate(self, group: SubGroup, member: Member, overlap: Overlap) -> None:
-        """On the landing worker: Adam with the guessed factor into the other slot (see [Note: speculative
+        """On the speculation lane: Adam with the guessed factor into the other slot (see [Note: speculative
         step])."""
         state = self.shards[member.unit]
         if state.phase is not ShardPhase.HOLDING:
@@ -1023,6 +1038,13 @@ class ShardedAdam(torch.optim.Optimizer):
             self._step_shard(member.unit, current, overlap.step, overlap.hypers, overlap.guess, into=other)
         state.guessed = Guess(overlap.guess, tuple(overlap.hypers), overlap.step)
         state.phase = ShardPhase.SPECULATED
+
+    def _claim_speculation(self, state: ShardState) -> None:
+        """Before this thread touches the shard's gradient or state (see [Note: speculation on a lane of its
+        own])."""
+        if self._spec is not None and self._spec.claim(state.index) is TicketPhase.CANCELLED:
+            with self.telemetry.span("speculation_cancelled", state.name):
+                pass
 
     def _speculate_in_place(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                             overlap: Overlap) -> None:
