@@ -95,24 +95,29 @@ def test_the_early_step_keeps_and_recomputes_speculations_bitwise():
 
 
 def _held_speculation(rank, world, config, steps):
-    """Each step's first speculation is held running until the step claims that shard, so every other one is still
-    queued when claimed (the step steps it itself) and that one is waited for."""
+    """Each step's first speculation is held running until the step claims that shard, and the step's claims wait
+    until it has begun, so every other one is still queued when claimed (the step steps it itself) and that one is
+    waited for."""
     engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
     opt, lane = engine.optimizer, engine.optimizer._spec
     speculate, claim = opt._speculate, lane.claim
-    held: dict[int, threading.Event] = {}  # step -> released once the step claims the held shard
+    begun = {s: threading.Event() for s in range(1, steps + 1)}  # by step: its first speculation has begun
+    held = {s: threading.Event() for s in range(1, steps + 1)}  # ... and is released (its shard was claimed)
     first: list[int] = []  # the held shard's unit, per step
 
     def held_speculate(group, member, overlap):
-        if overlap.step not in held:
-            held[overlap.step] = threading.Event()
+        if not begun[overlap.step].is_set():
             first.append(member.unit)
+            begun[overlap.step].set()
             held[overlap.step].wait(30)
         speculate(group, member, overlap)
 
     def claim_releasing(unit):
-        if held and unit == first[-1]:
-            held[max(held)].set()
+        if unit in lane._tickets:  # the step's claim (no second gradient lands in this model)
+            step = engine.global_steps
+            begun[step].wait(30)
+            if unit == first[-1]:
+                held[step].set()
         return claim(unit)
 
     opt._speculate, lane.claim = held_speculate, claim_releasing
@@ -141,6 +146,48 @@ def test_the_step_claims_queued_speculations_and_waits_for_a_running_one_bitwise
     assert on["first"] == [on["units"] - 1] * steps
     assert counts["optimizer_speculative"] == counts[f"speculation_{outcome}"] == steps
     assert counts["speculation_cancelled"] == steps * (on["units"] - 1)
+    for key, value in off["state"].items():
+        assert torch.equal(on["state"][key], value), key
+
+
+def _failing_speculation(rank, world, config, steps, drop_at):
+    """Every second speculation raises half way (after writing garbage into the shard's new 16-bit copy); step
+    ``drop_at``'s gradients are dropped (zero_grad) instead of stepped."""
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    opt = engine.optimizer
+    step_shard, calls = opt._step_shard, []
+
+    def failing(index, views, step, hypers, grad_scale, into=None, target=None):
+        if threading.current_thread().name == "offload-speculate":  # a speculation: garbage, then it fails
+            calls.append(index)
+            if len(calls) % 2:
+                engine.optimizer.params.step_target(index).fill_(7.0)
+                raise RuntimeError("speculation failed")
+        step_shard(index, views, step, hypers, grad_scale, into=into, target=target)
+
+    opt._step_shard = failing
+    losses = []
+    for step, tokens in enumerate(batches(steps, 2)):
+        losses.append(engine.backward(loss_of(engine, "gpt", tokens)).item())
+        if step == drop_at:
+            engine.zero_grad()  # the failed speculations' 16-bit copies must be the last step's again
+        else:
+            engine.step()
+    out = {"losses": losses, "state": engine.full_state_dict(), "counts": engine.telemetry.snapshot().counts}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("clip", [1e6, 1e-3])
+def test_a_speculation_that_fails_is_stepped_by_the_step_bitwise(clip):
+    """A speculative Adam that raises on its lane leaves the shard to the step (its 16-bit copy restored, which
+    the forward after a dropped step reads), and the lane goes on with the next ones."""
+    steps = 4
+    on, off = (run_ranks(_failing_speculation, 1, config=spec_config(1, 1, clip, mode), steps=steps, drop_at=1)[0]
+               for mode in ("on", "off"))
+    failed = on["counts"].get("speculation_failed", 0)
+    assert failed > 0 and on["counts"].get("optimizer_speculative", 0) > failed  # the lane went on after one
+    assert on["losses"] == off["losses"]
     for key, value in off["state"].items():
         assert torch.equal(on["state"][key], value), key
 

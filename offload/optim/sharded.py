@@ -648,12 +648,21 @@ class ShardedAdam(torch.optim.Optimizer):
         """Wait until every gradient sent so far is in its accumulator and every step handed to a host thread has
         run (re-raises a failed copy or step); ``speculation`` False: not the speculative Adam, which the step
         claims shard by shard (see [Note: speculation on a lane of its own])."""
+        waits: list[Callable[[], None]] = []
         if self._land is not None:
-            self.accel.drain(self._land, "gradients drained")
+            waits.append(lambda: self.accel.drain(self._land, "gradients drained"))
         if speculation and self._spec is not None:
-            self._spec.drain()
+            waits.append(self._spec.drain)
         if self._adam is not None:
-            self.accel.drain(self._adam, "the delayed update drained")
+            waits.append(lambda: self.accel.drain(self._adam, "the delayed update drained"))
+        first: Exception | None = None
+        for wait in waits:  # every thread, even after one failed: whoever goes on after a failure finds them idle
+            try:
+                wait()
+            except Exception as e:  # noqa: BLE001 - the first is raised below
+                first = first or e
+        if first is not None:
+            raise first
         if self._early_lost is not None:
             raise self._early_lost
 
@@ -994,7 +1003,7 @@ class ShardedAdam(torch.optim.Optimizer):
         group, member = self.store.by_unit[index]
         if overlap.guess is not None and group.tier != "nvme":
             assert self._spec is not None  # a host shard speculates only with its second slot (plan.speculative)
-            self._spec.hand_over(index, lambda: self._speculate(group, member, overlap))
+            self._spec.hand_over(index, lambda: self._speculate_or_leave(group, member, overlap))
             return
         if group.tier != "nvme":
             self._step_overlapped(index, group.views(member), hypers, step)
@@ -1038,6 +1047,20 @@ class ShardedAdam(torch.optim.Optimizer):
             self._step_shard(member.unit, current, overlap.step, overlap.hypers, overlap.guess, into=other)
         state.guessed = Guess(overlap.guess, tuple(overlap.hypers), overlap.step)
         state.phase = ShardPhase.SPECULATED
+
+    def _speculate_or_leave(self, group: SubGroup, member: Member, overlap: Overlap) -> None:
+        """On the speculation lane: a speculation that fails is left to the step, which then steps the shard from
+        its intact current slot (a guess is only ever a head start), so the lane goes on and nothing half-done
+        reaches a claim."""
+        state = self.shards[member.unit]
+        try:
+            self._speculate(group, member, overlap)
+        except Exception as e:  # noqa: BLE001 - the step redoes it; said below
+            logger.warning("unit %r: its speculative Adam failed (%s: %s); the step runs it", state.name,
+                           type(e).__name__, e)
+            with self.telemetry.span("speculation_failed", state.name):
+                self._restore_target(member.unit, group.views(member)[0])  # the guess may have written part of it
+            state.phase, state.guessed = ShardPhase.HOLDING, None
 
     def _claim_speculation(self, state: ShardState) -> None:
         """Before this thread touches the shard's gradient or state (see [Note: speculation on a lane of its

@@ -13,7 +13,9 @@ that has begun is waited for and kept or recomputed. Anything else that touches 
 gradient or state first claims it the same way (another gradient of the unit landing, a sum
 sent down again), and everything that drains the optimizer drains this thread too. Claims and
 the thread's start of a ticket take one lock, so a ticket runs whole or not at all; the same
-kernel on the same values either way, so the step is bitwise the one after backward.
+kernel on the same values either way, so the step is bitwise the one after backward. A
+speculation that fails is left to the step (its 16-bit copy restored, the shard HOLDING), so
+the lane never dies with shards half settled behind it.
 """
 
 from __future__ import annotations
@@ -56,9 +58,9 @@ class SpeculationLane:
         """On the landing worker: ``work`` (unit's speculative Adam) runs on the lane unless claimed first. The
         unit's earlier ticket was claimed already (its gradient landed again only after a claim)."""
         ticket = Ticket()
-        self._tickets[unit] = ticket
         self._queue.run(lambda: self._run(ticket, work))
         self._finished[unit] = self._queue.record(into=self._finished.get(unit))
+        self._tickets[unit] = ticket  # last: a claim that finds it finds the event of its run
 
     def _run(self, ticket: Ticket, work: Callable[[], None]) -> None:
         with self._lock:
@@ -74,7 +76,8 @@ class SpeculationLane:
     def claim(self, unit: int) -> TicketPhase | None:
         """Before another thread touches unit's gradient or optimizer state: its speculation is cancelled if the
         lane has not begun it, else waited for. Returns CANCELLED (it never ran), DONE (it ran), or None (nothing
-        was handed over). Raises the lane's failure, if its work failed."""
+        was handed over). The work handed over must not raise (a failed speculation is the step's to redo); if it
+        does, the lane stops and this raises its error."""
         ticket = self._tickets.pop(unit, None)
         if ticket is None:
             return None
