@@ -311,8 +311,8 @@ def test_bench_step_prints_any_subset_of_its_variants(offload):
     row = {k: 0.01 for k in ("step_s", "optimizer_s", "adam_s", "gather_s", "nvme_wait_s", "speculative_s",
                              "param_wait_s", "param_read_s", "optimizer_io_s", "collective_bytes",
                              "wasted_read_bytes")}
-    row |= {"copies_hidden": 0.5, "speculation_kept": 1.0, "speculation_recomputed": 0.0, "nvme_bytes": 2**20,
-            "early": 1.0}
+    row |= {"copies_hidden": 0.5, "speculation_kept": 1.0, "speculation_recomputed": 0.0,
+            "speculation_cancelled": 2.0, "nvme_bytes": 2**20, "early": 1.0}
     bench = asdict(step.StepBench(offload=offload, world=1))
     for first in names:
         for second in names:
@@ -322,6 +322,9 @@ def test_bench_step_prints_any_subset_of_its_variants(offload):
             out = io.StringIO()
             step.print_table(result, out)
             assert "offload ZeRO-3" in out.getvalue()
+            if set(chosen) == {"host", "clip-speculative-kept"}:  # the GPU plan's pair: the early step its baseline
+                assert ("against the host step's 10.0 (1.00x), 1 kept / 0 recomputed / 2 stepped by the step "
+                        "itself per step") in out.getvalue()
 
 
 def test_bench_step_device_budget_splits_auto_state_and_a_budget_too_small_is_a_clear_error(tmp_path, capsys):
