@@ -47,6 +47,9 @@ class StepMode:
             if self.adaptive:
                 during += (" (on the NVMe sub-groups, while the last step's clipping did not fire: their I/O hides "
                            "under backward)")
+            else:
+                during += (" (host shards' on a thread of their own; the step steps a shard whose speculation has "
+                           "not begun)")
         elif self.overlap:
             during = "overlapped with the last micro-batch's backward"
         else:
