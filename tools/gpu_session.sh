@@ -170,10 +170,10 @@ for s in "${stages[@]}"; do
     bench-deepspeed-1p3b) stage bench-deepspeed-1p3b deepspeed_1p3b ;;
     # Params and optimizer state on NVMe (the lent machine's local disk under /tmp) beside both on the host.
     bench-step-nvme) stage bench-step-nvme py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-nvme/step.json" ;;
-    # Params and optimizer state on NVMe, stepped whole beside their NVMe passes run after step() returned (early on).
     # The optimizer state on NVMe, params on the GPU, stepped during backward (speculated when clipping did not fire
     # the step before) beside after backward: never measured on a GPU.
     bench-step-nvme-optimizer) stage bench-step-nvme-optimizer py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants nvme-optimizer,nvme-optimizer-speculative-kept --out "$OUT/step-nvme-optimizer/step.json" ;;
+    # Params and optimizer state on NVMe, stepped whole beside their NVMe passes run after step() returned (early on).
     bench-step-nvme-early) stage bench-step-nvme-early py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants nvme,nvme-early --out "$OUT/step-nvme-early/step.json" ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -456,7 +456,7 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
 def speculation_counts(row: dict[str, float]) -> str:
     """What became of a step's speculations: kept, recomputed, or taken over by the step before they began."""
     return (f"{row['speculation_kept']:.0f} kept / {row['speculation_recomputed']:.0f} recomputed / "
-            f"{row.get('speculation_cancelled', 0.0):.0f} stepped by the step itself")
+            f"{row['speculation_cancelled']:.0f} stepped by the step itself")
 
 
 def speculation_hidden(row: dict[str, float], after: dict[str, float]) -> float:
