@@ -239,9 +239,9 @@ def test_bench_step_with_nvme_compares_host_pipelined_and_serial(tmp_path, capsy
 
 def test_bench_step_early_nvme_moves_the_bytes_of_the_whole_step(tmp_path, monkeypatch):
     """Returning before the NVMe pass changes when bytes move, not how many: each is read and written once a
-    step, and no read ahead is dropped. A lagging landing worker makes each pass spill into the next forward.
-    (The H200 run of 2026-11-26 counted 0.8 GB a step more for nvme-early; not reproduced here, so the bench
-    now reports dropped read-aheads.)"""
+    step, and no read ahead is dropped. A lagging landing worker makes each pass spill into the next forward,
+    and the bench counts bytes over whole steps (see [Note: bytes per step] in offload/bench/step.py: an H200
+    counted 0.8 GB a step more for nvme-early when the window cut passes)."""
     monkeypatch.setenv("OFFLOAD_EMULATED_HOST_DELAY_S", "0.002")
     out = tmp_path / "step.json"
     assert main(["bench", "step", "--offload", "nvme", "--path", str(tmp_path / "swap"), "--hidden", "64",

@@ -655,6 +655,25 @@ def test_optimizer_read_ahead_is_taken_over_by_the_pass(rooms):
     assert_state(store, stepped(state, 1))
 
 
+@pytest.mark.parametrize("drop", ["settle", "forward order"])
+def test_optimizer_read_ahead_dropped_unused_is_counted_as_wasted(rooms, drop):
+    """Reads ahead that something else interrupts (a checkpoint settles the pass; an early step wants the
+    forward's order) were read for nothing: the bench reports them beside nvme_read."""
+    store, state = built(rooms, buffer_count=2)
+    assert store.read_ahead() == 2  # backward's order: sub-groups 3 and 2
+    if drop == "settle":
+        store.drop_read_ahead()
+    else:
+        run = store.detach_pass()  # a new pass in the forward's order, run to its end unchanged
+        assert run is not None and run.forward
+        while run.remaining():
+            run.release(run.take())
+        run.finish()
+    tel = store.telemetry.snapshot().bytes
+    assert tel["nvme_read_wasted"] == store.groups[3].nbytes + store.groups[2].nbytes
+    assert_state(store, state)
+
+
 @pytest.mark.parametrize("op, skip", [("write", 0), ("write", 3), ("read", 0), ("read", 2)])
 def test_optimizer_failed_transfer_then_abort_pass_keeps_the_last_completed_step(rooms, op, skip):
     store, state = built(rooms, buffer_count=2)

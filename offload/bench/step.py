@@ -29,6 +29,19 @@ With ``--stage 0,1,2,3`` the variants are the ZeRO stages instead, each with the
 optimizer state where ``--offload`` says (stage 0 cannot offload it: on the compute
 device), side by side with torch: step time, and each rank's bytes per tier from the
 engine's own accounting, in one table and one plot (``stages.png``).
+
+[Note: bytes per step] Times and phases are taken over the timed steps, whose first
+forward waits for the last warm-up step's work still running (an early step's NVMe
+pass), as every later one waits for its predecessor's: the steady state. Bytes are
+counted when a transfer is issued, so that same window would count whatever of the
+warm-up's pass came after its start, and whatever of the last pass came before its
+end: how much depends on how fast the pass runs against the training thread (an H200
+counted 0.8 GB a step more for nvme-early than for nvme, a CPU the same bytes). So
+bytes are counted over whole steps instead: from the last warm-up step, begun with
+nothing in flight, to the end of the last step's pass, scaled to the timed steps. The
+step before that one must be like the timed ones: a whole step reads the next
+forward's parameters ahead, an early one leaves them to the forward, so a whole first
+step (it speculates) would put one forward's reads outside the window.
 """
 
 from __future__ import annotations
@@ -70,7 +83,9 @@ class StepBench:
     unit_bytes: int = 4 << 20  # offload.unit_bytes of the offload variants
     world: int = 2
     steps: int = 5
-    warmup: int = 2
+    # Three: the first step differs (it speculates, so it is stepped whole), and bytes count from the last warm-up
+    # step on, which must follow one like the timed steps (see [Note: bytes per step]).
+    warmup: int = 3
     repeats: int = 2
     dtype: str = "fp32"
     offload: str = "cpu"  # where the optimizer state lives: cpu, or nvme (then three variants run)
@@ -276,9 +291,13 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
     engine, *_ = offload.initialize(model=model, config=engine_config(b, variant))
     profiler = _profiler(b) if b.profile and rank == 0 and variant["name"] == next(iter(b.variants())) else None
     times = []
+    start = engine.telemetry.snapshot()
     for i, tokens in enumerate(batches(b, b.warmup + b.steps, b.micro * world * b.accum)):
-        if i == b.warmup:
+        if i == b.warmup - 1:  # bytes count from here, nothing in flight (see [Note: bytes per step])
+            engine.optimizer.drain()
             engine.telemetry.reset()
+        if i == b.warmup:
+            start = engine.telemetry.snapshot()
             engine.telemetry.start_trace()
             if profiler is not None:
                 profiler.start()
@@ -297,7 +316,9 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
         Path(b.trace_dir).mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(Path(b.trace_dir) / f"profile-{variant['name']}.json"))
     peak = engine.accel.memory_stats().peak_allocated if b.device == "cuda" else 0
-    snap = engine.telemetry.snapshot()
+    timed = engine.telemetry.snapshot()
+    engine.optimizer.drain()  # the last step's pass, if it returned early: its bytes are this window's
+    moved, counted = engine.telemetry.snapshot().bytes, b.steps + (1 if b.warmup else 0)
     if b.trace_dir and rank == 0:
         engine.telemetry.export_chrome_trace(Path(b.trace_dir) / f"step-trace-{variant['name']}.json", rank)
     overlap = engine.telemetry.overlap_share()
@@ -305,8 +326,15 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
                         if k not in ("total", "peak", "budget", "gathered_now", "activations_now"))
               for tier, parts in engine.memory_summary().items()}
     engine.close()
-    return {"times": times, "seconds": snap.seconds, "bytes": snap.bytes, "counts": snap.counts, "overlap": overlap,
-            "peak": peak, "memory": memory}
+    return {"times": times, "seconds": _since(start.seconds, timed.seconds),
+            "counts": _since(start.counts, timed.counts),
+            "bytes": {k: v * b.steps / counted for k, v in moved.items()},  # as for b.steps steps
+            "overlap": overlap, "peak": peak, "memory": memory}
+
+
+def _since(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    return {k: v - before.get(k, 0) for k, v in now.items()}
+
 
 
 def _profiler(b: StepBench) -> torch.profiler.profile:
@@ -437,7 +465,7 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
                          "param_read_s": per_step(name, "param_read"),
                          "optimizer_io_s": per_step(name, "optimizer_io"),
                          "nvme_bytes": per_step(name, "nvme_read", "bytes") + per_step(name, "nvme_write", "bytes"),
-                         # parameter reads started ahead and dropped unused (in nvme_bytes too)
+                         # reads started ahead, dropped unused: parameters', sub-groups' (in nvme_bytes too)
                          "wasted_read_bytes": per_step(name, "nvme_read_wasted", "bytes"),
                          "early": 1.0 if variants[name].get("early") == "on" else 0.0,  # step() returned before Adam
                          "collective_bytes": sum(per_step(name, k, "bytes")

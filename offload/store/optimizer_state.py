@@ -493,8 +493,7 @@ class NvmePass:
     def abort(self) -> list[SubGroup]:
         """Let every transfer finish (buffers are reused after) and flip nothing; returns the sub-groups it
         handed out (their new state is discarded)."""
-        for *_, read in self.reading:
-            wait_quietly(read)
+        self._drop_reads()
         for _, write in self.released.values():
             wait_quietly(write)
         released = [g for g, _ in self.released.values()]
@@ -504,8 +503,7 @@ class NvmePass:
     def settle(self) -> list[SubGroup]:
         """Stop early: reads are dropped, released sub-groups whose write completed are committed (their step
         is kept); returns those whose new state is lost (a failed write, or never released)."""
-        for *_, read in self.reading:
-            wait_quietly(read)
+        self._drop_reads()
         lost = []
         for g, write in self.released.values():
             if wait_quietly(write):
@@ -514,6 +512,13 @@ class NvmePass:
                 lost.append(g)
         self.released.clear()
         return lost + self._drop_taken()
+
+    def _drop_reads(self) -> None:
+        """Reads issued and never taken: waited for (their buffers are reused) and counted as wasted."""
+        for g, *_, read in self.reading:
+            wait_quietly(read)
+            self.tel.add_bytes("nvme_read_wasted", g.nbytes)  # counted in nvme_read too
+        self.reading.clear()
 
     def _drop_taken(self) -> list[SubGroup]:
         taken = [g for g, *_ in self.taken.values()]
