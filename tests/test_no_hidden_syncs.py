@@ -43,6 +43,8 @@ ALLOWED = {
                                                                                          "weights, after a drain",
     ("offload/store/optimizer_state.py", "NvmePass.abort", "wait_quietly()"): "a pass that failed",
     ("offload/store/optimizer_state.py", "NvmePass.settle", "wait_quietly()"): "a pass stopped early",
+    ("offload/store/optimizer_state.py", "NvmePass._drop_reads", "wait_quietly()"): "reads of a pass stopped early "
+    "or abandoned, before their buffers are reused",
     ("offload/store/optimizer_state.py", "unpipelined_note", "float()"): "start-up: Python numbers for a log line",
     ("offload/store/optimizer_state.py", "unpipelined_note", "int()"): "start-up: Python numbers for a log line",
     ("offload/store/param_swap.py", "ParamSwap.close", ".synchronize()"): "closing",

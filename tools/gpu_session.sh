@@ -13,15 +13,16 @@
 # back what finished:
 #   run(carry=[".whl"], timeout_s=450, command='BUNDLE=$OUT/plan1.tgz OUT=/tmp/gs tools/gpu_session.sh plan1')
 #   run(carry=[".whl"], timeout_s=300, command='STAGE_S=120 BUNDLE=$OUT/plan2.tgz OUT=/tmp/gs tools/gpu_session.sh plan2')
-# What the H200 runs of 2026-11-26 left open (docs/performance.md, "On a GPU"):
-# plan1 (about 7 minutes): install, then DeepSpeed beside offload on the 1.3B model with params and optimizer on the
-#   host (#20 on #21's second model; the call's limit cut it on 2026-11-26, so it goes first, with a cut of its
-#   own, DS_1P3B_S, default 380 s, inside the call's 450).
-# plan2 (about 5 minutes, on the same warm machine, so no install): the speculative step with its Adam on a lane of
-#   its own beside the host step and the delayed update (the regression check too: its host row is the headline
-#   variant), the CUDA tests, `bench adam` (the host Adam ran at 93-99 GB/s inside the step there, never measured
-#   alone), the CUDA tests under torch's stream sanitizer, and last (cut first if time runs out) the optimizer
-#   state on NVMe stepped during backward (speculated) beside after it (never run on a GPU).
+# What is still open after the H200 runs of 2026-11-26 (docs/performance.md, "On a GPU"):
+# plan1 (about 6 minutes): install; the speculative step with its Adam on a lane of its own beside the host step and
+#   the delayed update (#22: whether `speculative_step: auto` takes host sub-groups; its host row is also the
+#   regression check of the headline); DeepSpeed beside offload with params and optimizer on NVMe (#20's "likewise
+#   with both on NVMe", never run on a GPU; cut at DS_NVME_S, default 240 s).
+# plan2 (about 4 minutes, on the same warm machine, so no install): the CUDA tests, the same under torch's stream
+#   sanitizer, the optimizer state on NVMe stepped during backward (speculated) beside after it (never run on a GPU),
+#   and `bench adam` (the host Adam ran at 93-99 GB/s inside the step there, never measured alone).
+# plan3 (a third call, only with time to spare): DeepSpeed on the 1.3B model, params and optimizer on the host (cut
+#   twice by a call's limit; cut at DS_1P3B_S, default 380 s).
 # If the first call finds the machine cold again for the second (more than 30 s between them), plan2 needs
 # `install` first: `tools/gpu_session.sh install plan2`.
 #
@@ -32,7 +33,8 @@
 # bench-deepspeed-device 170, sanitizer 26-35, bench-step-nvme-early 91-112 s):
 #   install cuda-tests bench-pcie bench-adam bench-hooks bench-step bench-step-default bench-step-placement
 #   bench-step-delayed bench-step-hiding bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
-#   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b profile sanitizer suite
+#   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b
+#   bench-deepspeed-nvme profile sanitizer suite
 # bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
 # a call of its own (SUITE_S, default 420 s, 14 workers).
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
@@ -50,6 +52,13 @@ M1P3B=(--device cuda --world 1 --dtype bf16 --hidden 2048 --layers 24 --seq 2048
 # A 4.5B GPT (28 x 3584): its optimizer state and gradients (about 72 GB with the bf16 parameters) do not fit on an
 # 80 GB GPU beside its activations, nor does plain PyTorch (the bench then says so and compares the variants alone).
 M4P5B=(--device cuda --world 1 --dtype bf16 --hidden 3584 --layers 28 --seq 2048 --vocab 50304 --micro 1)
+
+# Where the lent machine lacks libaio, the copy `wheels` carried: gcc finds it by these (DeepSpeed's async_io build
+# and its check for io_submit both run gcc), the loader by the last.
+if [ -d .whl/libaio ] && [ ! -e /usr/include/libaio.h ]; then
+  export CPATH=$PWD/.whl/libaio/include${CPATH:+:$CPATH} LIBRARY_PATH=$PWD/.whl/libaio/lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+  export LD_LIBRARY_PATH=$PWD/.whl/libaio/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 
 # Each Python command is cut at STAGE_S seconds, with the processes it started (timeout signals its process group).
 py() { timeout -k 15 "${STAGE_S:-300}" "$PY" "$@"; }
@@ -77,6 +86,12 @@ wheels() {  # here: what the lent machine (Python 3.12, no network) lacks. libur
   $PY -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl hjson "pydantic>=2" &&
+  # libaio for DeepSpeed's async_io op (its NVMe variant), which its JIT builds there: the header and the library
+  # (plain files, 20 KiB; the soname is the same on every glibc distribution that ships it).
+  mkdir -p .whl/libaio/include .whl/libaio/lib &&
+  cp /usr/include/libaio.h .whl/libaio/include/ &&
+  cp -L "$(ldconfig -p | awk '/libaio\.so\.1 .*x86-64/ {print $NF; exit}')" .whl/libaio/lib/libaio.so.1 &&
+  cp .whl/libaio/lib/libaio.so.1 .whl/libaio/lib/libaio.so &&
   du -sh .whl && ls .whl
 }
 
@@ -118,6 +133,17 @@ deepspeed_1p3b() {
     --variants "${DS_1P3B_VARIANTS:-host}" --out "$OUT/deepspeed-1p3b/step-vs-deepspeed.json"
 }
 
+# #20's "likewise with both on NVMe" on the GPU, never run there: params and optimizer state on NVMe (the lent
+# machine's disk under /tmp) through DeepSpeed's ZeRO-Infinity beside offload's, one config file. DeepSpeed builds
+# async_io and cpu_adam by JIT first (libaio from .whl where the machine lacks it); a step is seconds there (offload's
+# was 1.8-2.1 s), so two steps a round, cut at DS_NVME_S.
+deepspeed_nvme() {
+  if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here"; return 2; fi
+  echo "libaio: $(ls /usr/include/libaio.h 2>/dev/null || echo "carried: ${CPATH:-none}")"
+  STAGE_S=${DS_NVME_S:-240} py -m offload bench step --baseline deepspeed "${M156[@]}" --offload nvme \
+    --path "${NVME_DIR:-/tmp/offload-nvme}" --steps 2 --rounds 2 --variants nvme --out "$OUT/deepspeed-nvme/step-vs-deepspeed.json"
+}
+
 # #20 on the GPU where it was never run: nothing offloaded (DeepSpeed's FusedAdam after the arch-list fix), beside
 # params and optimizer on the host.
 deepspeed_device() {
@@ -129,8 +155,9 @@ deepspeed_device() {
 stages=()
 for s in "$@"; do
   case "$s" in
-    plan1) stages+=(install bench-deepspeed-1p3b) ;;
-    plan2) stages+=(bench-step-hiding cuda-tests bench-adam sanitizer bench-step-nvme-optimizer) ;;
+    plan1) stages+=(install bench-step-hiding bench-deepspeed-nvme) ;;
+    plan2) stages+=(cuda-tests sanitizer bench-step-nvme-optimizer bench-adam) ;;
+    plan3) stages+=(bench-deepspeed-1p3b) ;;
     *) stages+=("$s") ;;
   esac
 done
@@ -168,6 +195,7 @@ for s in "${stages[@]}"; do
     profile) stage profile py -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 3 --rounds 1 --headline-only --profile --out "$OUT/profile/step.json" ;;
     bench-deepspeed) stage bench-deepspeed deepspeed_side_by_side ;;
     bench-deepspeed-1p3b) stage bench-deepspeed-1p3b deepspeed_1p3b ;;
+    bench-deepspeed-nvme) stage bench-deepspeed-nvme deepspeed_nvme ;;
     # Params and optimizer state on NVMe (the lent machine's local disk under /tmp) beside both on the host.
     bench-step-nvme) stage bench-step-nvme py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-nvme/step.json" ;;
     # The optimizer state on NVMe, params on the GPU, stepped during backward (speculated when clipping did not fire
