@@ -207,7 +207,7 @@ def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
     return step.StepBench(model=args.model or "", hidden=hidden, layers=args.layers or (0 if args.model else 4),
                           heads=max(1, hidden // 64) if hidden else 0, vocab=args.vocab,
                           seq=args.seq, micro=args.micro, accum=args.accum, unit_bytes=args.unit_bytes,
-                          world=args.world, steps=args.steps,
+                          world=args.world, steps=args.steps, warmup=args.warmup,
                           repeats=args.rounds or 2, dtype=args.dtype, offload=args.offload, nvme_path=args.path,
                           sub_group_size=args.sub_group_size, trace_dir=str(out.parent), device=args.device,
                           stages=_stages(args.stage), checkpointing=args.checkpointing, profile=args.profile,
@@ -515,6 +515,9 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                                                                            "is 64Mi)")
     b.add_argument("--world", type=positive_int, default=2, help="ranks (gloo processes, default 2)")
     b.add_argument("--steps", type=positive_int, default=5, help="timed steps per round (default 5)")
+    b.add_argument("--warmup", type=positive_int, default=3,
+                   help="untimed steps first in each round (default 3: the first steps differ, and bytes are counted "
+                        "from the last of them on)")
     b.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default fp32)")
     b.add_argument("--offload", choices=["none", "cpu", "nvme"], default="cpu",
                    help="optimizer state on the host, or on NVMe under --path (then host, pipelined and serial NVMe "

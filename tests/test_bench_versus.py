@@ -11,8 +11,8 @@ from offload.bench.step import StepBench
 from offload.cli import main
 from offload.config import Config
 
-TINY = ["--world", "1", "--hidden", "64", "--layers", "2", "--seq", "32", "--vocab", "512", "--micro", "2",
-        "--steps", "2", "--rounds", "1"]
+TINY = ["--warmup", "1", "--world", "1", "--hidden", "64", "--layers", "2", "--seq", "32", "--vocab", "512",
+        "--micro", "2", "--steps", "2", "--rounds", "1"]
 
 
 def test_without_deepspeed_the_command_says_how_to_install_it_and_exits_2(monkeypatch, capsys, tmp_path):

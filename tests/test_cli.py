@@ -131,8 +131,8 @@ def test_bench_nvme_compares_engines_interleaved(tmp_path, capsys):
 
 def test_bench_step_splits_the_step_and_compares_with_torch(tmp_path, capsys):
     out = tmp_path / "step.json"
-    assert main(["bench", "step", "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "2",
-                 "--rounds", "1", "--out", str(out)]) == 0
+    assert main(["bench", "step", "--warmup", "1", "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2",
+                 "--steps", "2", "--rounds", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["ratio"] == pytest.approx(report["offload_step_s"] / report["torch_step_s"])
     assert set(report["phases_s"]) == {"gather", "gather_wait", "prefetch", "reduce_scatter", "all_reduce",
@@ -162,8 +162,8 @@ def test_bench_step_splits_the_step_and_compares_with_torch(tmp_path, capsys):
 
 def test_bench_step_runs_only_the_variants_named_and_refuses_unknown_ones(tmp_path, capsys):
     out = tmp_path / "step.json"
-    tiny = ["--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "1", "--rounds", "1",
-            "--world", "1"]
+    tiny = ["--warmup", "1", "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "1",
+            "--rounds", "1", "--world", "1"]
     assert main(["bench", "step", *tiny, "--variants", "clip-after,host,ratio-half,delayed", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert list(report["variants"]) == ["clip-after", "host", "ratio-half", "delayed"]
@@ -181,8 +181,9 @@ def test_bench_step_trains_a_named_model_on_every_side(tmp_path, capsys):
     pytest.importorskip("transformers")
     from offload.models.catalog import build_model
     out = tmp_path / "step.json"
-    assert main(["bench", "step", "--model", "gpt2-tiny", "--layers", "1", "--seq", "16", "--micro", "2", "--steps",
-                 "1", "--rounds", "1", "--world", "1", "--variants", "host", "--out", str(out)]) == 0
+    assert main(["bench", "step", "--warmup", "1", "--model", "gpt2-tiny", "--layers", "1", "--seq", "16",
+                 "--micro", "2", "--steps", "1", "--rounds", "1", "--world", "1", "--variants", "host", "--out",
+                 str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["bench"]["model"] == "gpt2-tiny" and report["bench"]["layers"] == 1
     assert report["bench"]["hidden"] == 0  # its own width
@@ -198,8 +199,9 @@ def test_bench_step_trains_a_named_model_on_every_side(tmp_path, capsys):
 
 def test_bench_step_compares_zero_stages_in_one_table_and_plot(tmp_path, capsys):
     out = tmp_path / "step.json"
-    assert main(["bench", "step", "--stage", "0,2,3", "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2",
-                 "--steps", "1", "--rounds", "1", "--checkpointing", "cpu", "--out", str(out)]) == 0
+    assert main(["bench", "step", "--warmup", "1", "--stage", "0,2,3", "--hidden", "64", "--layers", "2", "--seq",
+                 "16", "--micro", "2", "--steps", "1", "--rounds", "1", "--checkpointing", "cpu", "--out",
+                 str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["variants"]) == {"stage0", "stage2", "stage3"}
     memory = report["memory"]  # stage 0 holds everything on the device; stages 2-3 put the optimizer on the host
@@ -215,9 +217,9 @@ def test_bench_step_compares_zero_stages_in_one_table_and_plot(tmp_path, capsys)
 
 def test_bench_step_with_nvme_compares_host_pipelined_and_serial(tmp_path, capsys):
     out = tmp_path / "step.json"
-    assert main(["bench", "step", "--offload", "nvme", "--path", str(tmp_path / "swap"), "--hidden", "64",
-                 "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "2", "--rounds", "1", "--world", "1",
-                 "--sub-group-size", "20000", "--out", str(out)]) == 0
+    assert main(["bench", "step", "--warmup", "1", "--offload", "nvme", "--path", str(tmp_path / "swap"),
+                 "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "2", "--rounds", "1",
+                 "--world", "1", "--sub-group-size", "20000", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["variants"]) == {"nvme", "host", "nvme-optimizer", "nvme-no-readahead", "nvme-serial",
                                        "nvme-optimizer-overlap", "host-overlap"}
@@ -329,8 +331,8 @@ def test_bench_step_prints_any_subset_of_its_variants(offload):
 
 def test_bench_step_device_budget_splits_auto_state_and_a_budget_too_small_is_a_clear_error(tmp_path, capsys):
     out = tmp_path / "step.json"
-    tiny = ["--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "1", "--rounds", "1",
-            "--world", "1", "--unit-bytes", "64Ki", "--variants", "host,ratio-auto"]
+    tiny = ["--warmup", "1", "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "1",
+            "--rounds", "1", "--world", "1", "--unit-bytes", "64Ki", "--variants", "host,ratio-auto"]
     # 10 MiB holds the shards, the gathers and the embedding's state, not the blocks' too: auto splits the state.
     assert main(["bench", "step", *tiny, "--device-budget", "10Mi", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -361,8 +363,9 @@ def test_bench_step_goes_on_when_plain_pytorch_does_not_fit(tmp_path, capsys, mo
 
     monkeypatch.setattr(step, "_torch_timed", out_of_memory)
     out = tmp_path / "step.json"
-    assert main(["bench", "step", "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "1",
-                 "--rounds", "3", "--world", "1", "--variants", "host,ratio-half", "--out", str(out)]) == 0
+    assert main(["bench", "step", "--warmup", "1", "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2",
+                 "--steps", "1", "--rounds", "3", "--world", "1", "--variants", "host,ratio-half", "--out",
+                 str(out)]) == 0
     assert len(calls) == 2  # and not again once it did not fit
     report = json.loads(out.read_text())
     assert report["torch_step_s"] is None and report["ratio"] is None and report["samples"]["torch"] == []

@@ -75,7 +75,8 @@ def run_all(path: Path, out_dir: Path, quick: bool, stream: TextIO) -> SuiteResu
                                             "slowest engine (fio not installed)"))
     for where in ("cpu", "nvme"):
         section(f"step: ZeRO-3 training step, offload {where}, beside plain PyTorch")
-        small = dict(hidden=128, layers=2, seq=64, micro=2, steps=2, repeats=1, headline_only=True) if quick else {}
+        small = dict(hidden=128, layers=2, seq=64, micro=2, steps=2, warmup=1, repeats=1, headline_only=True) \
+            if quick else {}
         bench = step.StepBench(offload=where, nvme_path=str(path), trace_dir=str(out_dir), **small)
         res = step.run(bench, out_dir / f"step-{where}.json", log=stream)
         step.print_table(res, stream)
@@ -85,7 +86,7 @@ def run_all(path: Path, out_dir: Path, quick: bool, stream: TextIO) -> SuiteResu
                                             "plain PyTorch"))
     if versus.deepspeed_version() is not None:
         section("step: offload beside DeepSpeed ZeRO-3, params and optimizer on the host and on NVMe")
-        small = dict(hidden=128, layers=2, seq=64, micro=2, steps=2, repeats=1) if quick else {}
+        small = dict(hidden=128, layers=2, seq=64, micro=2, steps=2, warmup=1, repeats=1) if quick else {}
         bench = step.StepBench(offload="nvme", nvme_path=str(path), world=1, **small)
         vs = versus.run(bench, out_dir / "versus" / "step-vs-deepspeed.json", log=stream)
         versus.print_table(vs, stream)
