@@ -166,13 +166,16 @@ def test_a_value_that_contradicts_the_arguments_is_refused_naming_both(tmp_path)
         {"zero_optimization": {"stage": 3}}  # absent keys stay absent
 
 
-def test_deepspeed_in_the_arguments_is_refused(tmp_path):
+def test_deepspeed_and_auto_find_batch_size_in_the_arguments_are_refused(tmp_path):
     path = save(tiny("llama"), tmp_path / "ckpt")
     (tmp_path / "ds.json").write_text(json.dumps(DS))
     with pytest.raises(ValueError, match="drop deepspeed= from the arguments"):
         args = arguments(tmp_path / "run")
         args.deepspeed = str(tmp_path / "ds.json")
         offload.hf.Trainer(model=offload.hf.meta_model(path), args=args, offload_config=DS)
+    with pytest.raises(ValueError, match="auto_find_batch_size is not supported .* set per_device_train_batch_size"):
+        offload.hf.Trainer(model=offload.hf.meta_model(path), offload_config=DS,
+                           args=arguments(tmp_path / "run", auto_find_batch_size=True))
 
 
 def test_an_epoch_that_ends_mid_accumulation_steps_as_the_plain_trainer_does(tmp_path):

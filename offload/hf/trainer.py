@@ -91,6 +91,11 @@ class Trainer(transformers.Trainer):
         if args is not None and getattr(args, "deepspeed", None):
             raise ValueError("TrainingArguments.deepspeed is set: offload.hf.Trainer takes the config as "
                              "offload_config=...; drop deepspeed= from the arguments")
+        if args is not None and getattr(args, "auto_find_batch_size", False):
+            raise ValueError("TrainingArguments.auto_find_batch_size is not supported by offload.hf.Trainer: the "
+                             "engine is built once, for one micro-batch, and a step that ran out of memory stops "
+                             "it; set per_device_train_batch_size (`offload estimate` says what fits) and drop "
+                             "auto_find_batch_size")
         for unsupported in ("optimizers", "optimizer_cls_and_kwargs"):
             if kwargs.get(unsupported) not in (None, (None, None)):
                 raise ValueError(f"offload.hf.Trainer: {unsupported}= is not supported; the engine runs Adam/AdamW "
