@@ -14,7 +14,7 @@ import psutil
 import torch
 
 import offload
-from offload import native
+from offload import cpus, native
 from offload.checkpoint_files import CheckpointError
 from offload.cli_types import (directory_problem, non_negative_float, non_negative_int, output_file_problem,
                                positive_float, positive_int, positive_ints, positive_size, positive_sizes)
@@ -39,8 +39,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def _cmd_info(args: argparse.Namespace) -> int:
     mem = psutil.virtual_memory()
     print(f"offload {offload.__version__}  (python {platform.python_version()}, torch {torch.__version__})")
-    print(f"cpu: {psutil.cpu_count(logical=False)} physical / {psutil.cpu_count()} logical cores, "
-          f"{mem.total / 2**30:.1f} GiB RAM ({mem.available / 2**30:.1f} GiB available)")
+    print(f"cpu: {psutil.cpu_count(logical=False)} physical / {psutil.cpu_count()} logical cores, of which this "
+          f"process may use {cpus.physical_cores()} / {cpus.usable_cpus()} (host kernels run "
+          f"{native.default_threads()} threads); {mem.total / 2**30:.1f} GiB RAM ({mem.available / 2**30:.1f} GiB "
+          "available)")
     print(f"accelerator: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none (CPU-only run)'}")
     print(f"native kernels: active {native.active_variant()}; compiled {', '.join(native.compiled_variants())}; "
           f"runnable here {', '.join(native.supported_variants())}")

@@ -7,14 +7,14 @@ instruction set; the best variant this CPU runs is chosen on first use.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
 import numpy as np
-import psutil
 import torch
 from torch.utils.dlpack import to_dlpack
+
+from offload import cpus
 
 try:
     from offload import _native
@@ -54,10 +54,10 @@ def select_variant(name: str) -> None:
         raise NativeError(str(e)) from None
 
 
-@functools.cache  # psutil reads sysfs each time (~0.1 ms), which would dominate small kernel calls
 def default_threads() -> int:
-    """Physical cores: the kernels are memory-bound, and hyper-threads add no bandwidth."""
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    """Physical cores this process may use: the kernels are memory-bound, and hyper-threads add no bandwidth (see
+    [Note: CPUs a process may use] in offload/cpus.py)."""
+    return cpus.default_threads()
 
 
 class SqNorm(NamedTuple):

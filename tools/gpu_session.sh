@@ -152,6 +152,13 @@ deepspeed_device() {
     --variants host,device --out "$OUT/deepspeed-device/step-vs-deepspeed.json"
 }
 
+adam_threads() {
+  py -m offload info
+  py -m offload bench adam --sizes 156M --out "$OUT/adam.json" &&
+  py -m offload bench adam --sizes 156M --threads "$($PY -c 'from offload import cpus; print(cpus.usable_cpus())')" \
+    --out "$OUT/adam-all-cpus.json"
+}
+
 stages=()
 for s in "$@"; do
   case "$s" in
@@ -174,7 +181,9 @@ for s in "${stages[@]}"; do
     bench-hooks) stage bench-hooks py -m offload bench hooks --out "$OUT/hooks.json" ;;  # that host's Python per hook
     bench-pcie) stage bench-pcie py -m offload bench pcie --out "$OUT/pcie.json" ;;
     # CPU Adam over the 156M model's elements beside torch's AdamW and the host's measured bandwidth ceiling.
-    bench-adam) stage bench-adam py -m offload bench adam --sizes 156M --out "$OUT/adam.json" ;;
+    # Its threads: the physical cores this process may use (offload/cpus.py; `offload info` says how many), then
+    # every CPU it may use, in case that host's memory wants more threads in flight than its cores.
+    bench-adam) stage bench-adam adam_threads ;;
     bench-step) stage bench-step py -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 4 --rounds 2 --out "$OUT/step-4mi/step.json" ;;
     bench-step-default) stage bench-step-default py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-64mi/step.json" ;;
     bench-step-placement) stage bench-step-placement py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,clip-after,clip-speculative-kept,clip-speculative-recomputed,ratio-auto,ratio-half,delayed --out "$OUT/step-placement/step.json" ;;

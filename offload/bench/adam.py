@@ -31,7 +31,7 @@ from typing import TextIO
 
 import torch
 
-from offload import native
+from offload import cpus, native
 from offload.optim import AdamHyper, adam_step
 
 ADAM_BYTES = 28      # read p, g, m, v; write p, m, v (fp32)
@@ -107,7 +107,8 @@ def _machine(threads: int) -> dict:
 
     import psutil
     return {"cpu": platform.processor() or platform.machine(), "threads": threads,
-            "physical_cores": psutil.cpu_count(logical=False), "kernel_variant": native.active_variant(),
+            "physical_cores": psutil.cpu_count(logical=False), "usable_physical_cores": cpus.physical_cores(),
+            "usable_cpus": cpus.usable_cpus(), "kernel_variant": native.active_variant(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 

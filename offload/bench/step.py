@@ -47,7 +47,6 @@ step (it speculates) would put one forward's reads outside the window.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -57,6 +56,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from offload.cpus import usable_cpus
 from offload.launch import run_ranks
 from offload.models.catalog import lm_loss
 from offload.telemetry import BACKGROUND, FOREGROUND
@@ -401,7 +401,7 @@ def _torch_timed(b: StepBench) -> tuple[list[float], int]:
 
 
 def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -> StepResult:
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()  # not the host's count: a container's slice of it (offload/cpus.py)
     variants = b.variants()
     torch_times: list[float] = []
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -615,8 +615,10 @@ def print_table(result: StepResult, out: TextIO) -> None:
             gbps = row["nvme_bytes"] / row["optimizer_s"] / 1e9 if row["nvme_bytes"] and row["optimizer_s"] else 0
             note = ("  (the NVMe pass runs after step() returned; its stall is the forward's)" if early and gbps
                     else f"  ({gbps:.2f} GB/s through the optimizer phase)" if gbps else "")
+            wasted = row["wasted_read_bytes"]  # parameters' and sub-groups' reads dropped unused
             print(f"    {name:12s} {row['step_s'] * 1e3:8.1f} ms  {row['optimizer_s'] * 1e3:8.1f} ms  "
-                  f"{row['nvme_wait_s'] * 1e3:8.1f} ms" + note, file=out)
+                  f"{row['nvme_wait_s'] * 1e3:8.1f} ms" + note
+                  + (f"; {wasted / 2**20:.1f} MiB a step read ahead and dropped" if wasted else ""), file=out)
         if "nvme" in v and "host" in v:
             print(f"  the disk's cost: nvme/host step {v['nvme']['step_s'] / v['host']['step_s']:.2f}x", file=out)
         if "nvme-serial" in v and "nvme-optimizer" in v:
@@ -625,10 +627,8 @@ def print_table(result: StepResult, out: TextIO) -> None:
         for name in [n for n in ("nvme", "nvme-no-readahead", "nvme-early") if n in v]:
             row = v[name]
             hidden = 1 - row["param_wait_s"] / row["param_read_s"] if row["param_read_s"] else 0.0
-            wasted = row["wasted_read_bytes"]
             print(f"  parameter reads ({name}): {row['param_read_s'] * 1e3:.1f} ms in flight, the training thread "
-                  f"waited {row['param_wait_s'] * 1e3:.1f} ms: {max(0.0, hidden):.0%} hidden"
-                  + (f"; {wasted / 2**20:.1f} MiB a step read ahead and dropped" if wasted else ""), file=out)
+                  f"waited {row['param_wait_s'] * 1e3:.1f} ms: {max(0.0, hidden):.0%} hidden", file=out)
         if "nvme-no-readahead" in v and "nvme" in v:
             print(f"  read-ahead's gain: {v['nvme-no-readahead']['step_s'] / v['nvme']['step_s']:.2f}x", file=out)
         for name, base in (("nvme-optimizer", "host"), ("nvme-optimizer-overlap", "host-overlap")):

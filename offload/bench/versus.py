@@ -32,6 +32,7 @@ from typing import Any, TextIO
 import torch
 
 from offload.bench.step import StepBench, batches, describe_model, sync
+from offload.cpus import usable_cpus
 from offload.launch import RankError, run_ranks
 from offload.models.catalog import lm_loss
 
@@ -282,7 +283,7 @@ def run(b: StepBench, out: Path, log: TextIO | None = None, names: tuple[str, ..
         raise RuntimeError(INSTALL)
     out_dir = out.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // b.world)
+    threads = max(1, usable_cpus() // b.world)
     env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""} if b.device == "cpu" else {}
     configs = {}
     for name, where in variants(b, names).items():

@@ -1,0 +1,79 @@
+"""The CPUs this process may use, which is not what the machine reports.
+
+[Note: CPUs a process may use] A lent GPU machine, a container or a job scheduler gives a
+process a slice of a larger host: a CPU set (``taskset``, a cpuset cgroup, Slurm) and/or a
+CPU-time quota (``docker --cpus``, a cgroup's ``cpu.max``). ``os.cpu_count()`` and
+``psutil.cpu_count(logical=False)`` count the whole host, so threads sized by them (the
+native Adam's, torch's intra-op team in the benchmarks) can outnumber the CPUs they get
+many times over, each memory-bound sweep then time-sliced against itself. So threads are
+sized by the physical cores among the CPUs in this process's affinity set (hyper-threads add
+no memory bandwidth), bounded by the cgroup's quota where one is set.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+
+SYS = Path("/sys")
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def quota_cpus(sys_root: Path = SYS) -> int | None:
+    """CPUs' worth of time the cgroup quota allows (cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``); None: no
+    quota."""
+    text = _read(sys_root / "fs/cgroup/cpu.max")
+    if text is not None:
+        quota, _, period = text.partition(" ")
+        if quota != "max" and period:
+            return max(1, math.ceil(int(quota) / int(period)))
+        return None
+    quota_us = _read(sys_root / "fs/cgroup/cpu/cpu.cfs_quota_us")
+    period_us = _read(sys_root / "fs/cgroup/cpu/cpu.cfs_period_us")
+    if quota_us and period_us and int(quota_us) > 0:
+        return max(1, math.ceil(int(quota_us) / int(period_us)))
+    return None
+
+
+def _allowed() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this OS: every CPU it reports
+        return set(range(os.cpu_count() or 1))
+
+
+def usable_cpus(allowed: set[int] | None = None, sys_root: Path = SYS) -> int:
+    """Logical CPUs this process may run on at once (see [Note: CPUs a process may use])."""
+    allowed = _allowed() if allowed is None else allowed
+    quota = quota_cpus(sys_root)
+    return max(1, min(len(allowed), quota if quota is not None else len(allowed)))
+
+
+def physical_cores(allowed: set[int] | None = None, sys_root: Path = SYS) -> int:
+    """Physical cores among the CPUs this process may run on, bounded by its cgroup quota (see [Note: CPUs a
+    process may use]). Where the topology cannot be read, each allowed CPU counts as a core."""
+    allowed = _allowed() if allowed is None else allowed
+    cores = set()
+    for cpu in allowed:
+        topology = sys_root / f"devices/system/cpu/cpu{cpu}/topology"
+        package, core = _read(topology / "physical_package_id"), _read(topology / "core_id")
+        if package is None or core is None:
+            cores = set(allowed)
+            break
+        cores.add((package, core))
+    quota = quota_cpus(sys_root)
+    return max(1, min(len(cores), quota if quota is not None else len(cores)))
+
+
+@functools.cache  # sysfs is read once: small kernel calls ask for it every time
+def default_threads() -> int:
+    """Threads for offload's memory-bound host kernels: the physical cores this process may use."""
+    return physical_cores()
