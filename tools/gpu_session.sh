@@ -101,6 +101,7 @@ install() {
   $PY -m pip install -q --no-index --no-build-isolation --no-deps .whl/liburing-*.tar.gz .whl/dynamic_import-* &&
   $PY -m pip install -q --no-index --no-build-isolation --no-deps -e . &&
   $PY -c "import offload, offload._native as n; from offload.aio import probe_io_uring; print('native', offload.native.active_variant()); print(probe_io_uring())" &&
+  $PY -m offload info &&  # the CPUs this process may use beside the host's count (offload/cpus.py)
   if ls .whl/deepspeed-* >/dev/null 2>&1; then
     # DeepSpeed and what it needs beside torch; its cpu_adam op builds by JIT on first use (bench-deepspeed).
     $PY -m pip install -q --no-index --find-links .whl .whl/deepspeed-* && $PY -c "import deepspeed; print('deepspeed', deepspeed.__version__)"
