@@ -490,7 +490,8 @@ class OffloadExtConfig:
                               ge=4096, size=True)
     aio_engine: str = setting("auto", "Swap I/O engine: auto (io_uring where the kernel allows, else threads), "
                                       "io_uring or threads.", choices=("auto", "io_uring", "threads"))
-    cpu_threads: int | None = setting(None, "Threads for the CPU optimizer step (null: the physical cores this process may use).", ge=1)
+    cpu_threads: int | None = setting(None, "Threads for the CPU optimizer step (null: the physical cores the "
+                                            "process may use).", ge=1)
     overlap_step: str = setting("auto", "on: when nothing global gates the update (no gradient clipping, no fp16), "
                                         "each host-resident shard's Adam runs during the last micro-batch's "
                                         "backward as soon as its gradient lands; off: always step after backward; "
