@@ -56,15 +56,17 @@ def test_an_unknown_deepspeed_variant_is_a_usage_error(capsys, tmp_path):
 
 
 @pytest.mark.skipif(versus.deepspeed_version() is None, reason="DeepSpeed is not installed (./dev.sh deepspeed)")
-@pytest.mark.parametrize("world,model", [("1", None), ("2", None), ("1", "gpt2-tiny")])
-def test_side_by_side_runs_all_three_from_one_config_file(tmp_path, capsys, world, model):
-    """The same model on every side: the built-in GPT, or a Hugging Face GPT-2 (--model), one config for both."""
+@pytest.mark.parametrize("world,model,dtype", [("1", None, "fp32"), ("2", None, "bf16"), ("1", "gpt2-tiny", "fp32")])
+def test_side_by_side_runs_all_three_from_one_config_file(tmp_path, capsys, world, model, dtype):
+    """The same model on every side: the built-in GPT, or a Hugging Face GPT-2 (--model), one config for both; in
+    bf16, plain PyTorch on bf16 weights beside it under autocast (the like-for-like compute)."""
     if model is not None:
         pytest.importorskip("transformers")
     out = tmp_path / "step.json"
     args = [*TINY[:TINY.index("--world")], "--world", world, *TINY[TINY.index("--world") + 2:]]
     if model is not None:
         args += ["--model", model]
+    args += ["--dtype", dtype]
     assert main(["bench", "step", "--baseline", "deepspeed", *args, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())  # where --out says
@@ -74,7 +76,7 @@ def test_side_by_side_runs_all_three_from_one_config_file(tmp_path, capsys, worl
     bench = StepBench(**{k: tuple(v) if k == "stages" else v for k, v in result["bench"].items()})
     assert json.loads(open(path).read()) == versus.shared_config(bench, "cpu")
     sides = result["table"]["host"]
-    assert set(sides) == {"torch", "offload", "deepspeed"}
+    assert set(sides) == {"torch", "offload", "deepspeed"} | ({"torch-bf16"} if dtype == "bf16" else set())
     for row in sides.values():
         assert row["step_s"] > 0 and row["peak_rss"] > 0
         assert row["spread_s"][0] <= row["step_s"] <= row["spread_s"][1]
@@ -82,6 +84,10 @@ def test_side_by_side_runs_all_three_from_one_config_file(tmp_path, capsys, worl
     ratios = result["ratios"]["host"]
     assert ratios["offload/deepspeed"] == pytest.approx(sides["offload"]["step_s"] / sides["deepspeed"]["step_s"])
     assert "offload/deepspeed" in printed and path in printed
+    if dtype == "bf16":
+        assert "bf16 weights, no fp32 master" in sides["torch-bf16"]["optimizer"]
+        assert ratios["offload/torch-bf16"] == pytest.approx(sides["offload"]["step_s"] / sides["torch-bf16"]["step_s"])
+        assert "offload/torch-bf16" in printed
     if model is not None:
         assert result["bench"]["model"] == model and printed.count(f"{model} ") >= 1
 

@@ -5,10 +5,14 @@ NVMe too) one config is written once, in DeepSpeed's format, which offload reads
 is, and both engines are built from that same file, so a reader sees they ran the same
 thing. Each side runs in its own processes (W gloo ranks, cores/W threads each; torch one
 process on the whole global batch) on the same GPT, seed and batches; rounds alternate
-torch, offload, DeepSpeed, so drift of the shared machine falls on all three alike.
-Forward, backward and step are timed from
-outside (synchronised on a GPU), the same way for every side; each figure is a median
-over rounds x steps, with its spread. Peak RSS is the largest rank's.
+torch, offload, DeepSpeed, so drift of the shared machine falls on all of them alike.
+In bf16, plain PyTorch runs twice: under autocast over fp32 weights with fused AdamW (the
+same training: fp32 master weights), and on bf16 weights (``torch-bf16``: the compute
+offload's and DeepSpeed's bf16 steps do, without master weights, so a speed floor rather
+than the same training; autocast casts every weight on every use and is the slower
+baseline). Forward, backward and step are timed from outside (synchronised on a GPU),
+the same way for every side; each figure is a median over rounds x steps, with its
+spread. Peak RSS is the largest rank's.
 
 DeepSpeed builds its ``cpu_adam`` (and, for NVMe, ``async_io``) ops by JIT on first
 use, outside the timed steps; the start-up time is reported so users know its cost. Where
@@ -41,7 +45,15 @@ INSTALL = ("DeepSpeed is not installed in this environment. Install it beside th
            "  pip install --no-deps deepspeed && pip install einops hjson msgpack ninja py-cpuinfo pydantic tqdm\n"
            "or `./dev.sh deepspeed`. On a CPU-only machine it runs on its CPU accelerator (DS_ACCELERATOR=cpu, set "
            "by this command); its NVMe variant needs libaio's headers (apt-get install libaio-dev).")
-SIDES = ("torch", "offload", "deepspeed")
+# torch-bf16 (bf16 runs only): plain PyTorch with bf16 weights as offload's and DeepSpeed's compute has them, and no
+# fp32 master weights (not the same training: a speed floor for the like-for-like comparison, where "torch" under
+# autocast casts every fp32 weight on every use).
+SIDES = ("torch", "torch-bf16", "offload", "deepspeed")
+PLAIN = ("torch", "torch-bf16")  # no placement: one run a round serves every variant
+
+
+def sides(b: StepBench) -> tuple[str, ...]:
+    return tuple(s for s in SIDES if s != "torch-bf16" or b.dtype == "bf16")
 PHASES = ("forward", "backward", "optimizer")  # the last: the time in step()
 
 
@@ -165,11 +177,12 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
     model = b.build_model()
     started = time.perf_counter()
     loss: list[torch.Tensor] = []
-    if side == "torch":
-        model = model.to(b.device)
+    if side in PLAIN:
+        pure = side == "torch-bf16"
+        model = model.to(b.device, torch.bfloat16 if pure else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-        autocast = torch.autocast(b.device, dtype=torch.bfloat16, enabled=b.dtype == "bf16")
-        name = "torch AdamW (fused)"
+        autocast = torch.autocast(b.device, dtype=torch.bfloat16, enabled=b.dtype == "bf16" and not pure)
+        name = "torch AdamW (fused)" + (" on bf16 weights, no fp32 master" if pure else "")
 
         def forward(rows: torch.Tensor) -> None:
             with autocast:
@@ -291,18 +304,18 @@ def run(b: StepBench, out: Path, log: TextIO | None = None, names: tuple[str, ..
         path.write_text(json.dumps(shared_config(b, where), indent=2))
         configs[name] = str(path)
     result = VersusResult(asdict(b), b.num_parameters(), version, configs)
-    torch_runs: list[dict[str, Any]] = []  # one torch run per round serves every variant: it has no placement
-    runs = {v: {"torch": torch_runs, "offload": [], "deepspeed": []} for v in configs}
+    plain: dict[str, list[dict[str, Any]]] = {s: [] for s in PLAIN}  # one run a round serves every variant
+    runs = {v: plain | {"offload": [], "deepspeed": []} for v in configs}
     for r in range(b.repeats):
         for name, path in configs.items():
-            for side in SIDES:
-                if side == "torch" and len(torch_runs) > r:
+            for side in sides(b):
+                if side in PLAIN and len(plain[side]) > r:
                     continue
                 key = f"{name}/{side}"
                 if key in result.errors:
                     continue
                 # torch is one process on the whole global batch (the same rows), as a PyTorch user runs it
-                world, bench = (1, replace(b, micro=b.micro * b.world, world=1)) if side == "torch" else (b.world, b)
+                world, bench = (1, replace(b, micro=b.micro * b.world, world=1)) if side in PLAIN else (b.world, b)
                 try:
                     ranks = run_ranks(_side_rank, world, timeout=3600, threads=threads * b.world // world, env=env,
                                       side=side, bench=asdict(bench), config_path=path)
@@ -318,10 +331,10 @@ def run(b: StepBench, out: Path, log: TextIO | None = None, names: tuple[str, ..
             if log:
                 print(f"  round {r + 1}/{b.repeats} {name}: " + ", ".join(
                     f"{s} {statistics.median(x for run in runs[name][s] for x in run['step_s']):.3f} s"
-                    for s in SIDES if runs[name][s]), file=log, flush=True)
+                    for s in sides(b) if runs[name][s]), file=log, flush=True)
     for name in configs:
         result.table[name], result.samples[name] = {}, {}
-        for side in SIDES:
+        for side in sides(b):
             done = runs[name][side]
             if not done:
                 continue
@@ -334,10 +347,9 @@ def run(b: StepBench, out: Path, log: TextIO | None = None, names: tuple[str, ..
             result.table[name][side] = row
             result.samples[name][side] = steps
         t = {s: result.table[name][s]["step_s"] for s in result.table[name]}
-        result.ratios[name] = {f"offload/{s}": t["offload"] / t[s] for s in ("deepspeed", "torch")
+        result.ratios[name] = {f"offload/{s}": t["offload"] / t[s] for s in ("deepspeed", *PLAIN)
                                if "offload" in t and s in t}
-        if "deepspeed" in t and "torch" in t:
-            result.ratios[name]["deepspeed/torch"] = t["deepspeed"] / t["torch"]
+        result.ratios[name] |= {f"deepspeed/{s}": t["deepspeed"] / t[s] for s in PLAIN if "deepspeed" in t and s in t}
     out.write_text(json.dumps(asdict(result), indent=2))
     return result
 
