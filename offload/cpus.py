@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 SYS = Path("/sys")
+PROC = Path("/proc")
 
 
 def _read(path: Path) -> str | None:
@@ -27,20 +28,36 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def quota_cpus(sys_root: Path = SYS) -> int | None:
-    """CPUs' worth of time the cgroup quota allows (cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``); None: no
-    quota."""
-    text = _read(sys_root / "fs/cgroup/cpu.max")
-    if text is not None:
-        quota, _, period = text.partition(" ")
+def _own_cgroups(proc: Path) -> dict[str, str]:
+    """Controller ("" for cgroup v2) -> this process's cgroup path, from /proc/self/cgroup."""
+    own = {}
+    for line in (_read(proc / "self/cgroup") or "").splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            own[controller] = path
+    return own
+
+
+def _ancestry(root: Path, path: str) -> list[Path]:
+    """The cgroup directory of ``path`` under ``root`` and each parent up to ``root``: a limit anywhere above
+    applies too."""
+    parts = [p for p in path.split("/") if p]
+    return [root.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def quota_cpus(sys_root: Path = SYS, proc: Path = PROC) -> int | None:
+    """CPUs' worth of time the cgroup quotas over this process allow (cgroup v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us``; the smallest along its cgroup's ancestry); None: no quota."""
+    own, limits = _own_cgroups(proc), []
+    for directory in _ancestry(sys_root / "fs/cgroup", own.get("", "/")):
+        quota, _, period = (_read(directory / "cpu.max") or "max").partition(" ")
         if quota != "max" and period:
-            return max(1, math.ceil(int(quota) / int(period)))
-        return None
-    quota_us = _read(sys_root / "fs/cgroup/cpu/cpu.cfs_quota_us")
-    period_us = _read(sys_root / "fs/cgroup/cpu/cpu.cfs_period_us")
-    if quota_us and period_us and int(quota_us) > 0:
-        return max(1, math.ceil(int(quota_us) / int(period_us)))
-    return None
+            limits.append(int(quota) / int(period))
+    for directory in _ancestry(sys_root / "fs/cgroup/cpu", own.get("cpu", "/")):
+        quota_us, period_us = _read(directory / "cpu.cfs_quota_us"), _read(directory / "cpu.cfs_period_us")
+        if quota_us and period_us and int(quota_us) > 0:
+            limits.append(int(quota_us) / int(period_us))
+    return max(1, math.ceil(min(limits))) if limits else None
 
 
 def _allowed() -> set[int]:
@@ -50,14 +67,14 @@ def _allowed() -> set[int]:
         return set(range(os.cpu_count() or 1))
 
 
-def usable_cpus(allowed: set[int] | None = None, sys_root: Path = SYS) -> int:
+def usable_cpus(allowed: set[int] | None = None, sys_root: Path = SYS, proc: Path = PROC) -> int:
     """Logical CPUs this process may run on at once (see [Note: CPUs a process may use])."""
     allowed = _allowed() if allowed is None else allowed
-    quota = quota_cpus(sys_root)
+    quota = quota_cpus(sys_root, proc)
     return max(1, min(len(allowed), quota if quota is not None else len(allowed)))
 
 
-def physical_cores(allowed: set[int] | None = None, sys_root: Path = SYS) -> int:
+def physical_cores(allowed: set[int] | None = None, sys_root: Path = SYS, proc: Path = PROC) -> int:
     """Physical cores among the CPUs this process may run on, bounded by its cgroup quota (see [Note: CPUs a
     process may use]). Where the topology cannot be read, each allowed CPU counts as a core."""
     allowed = _allowed() if allowed is None else allowed
@@ -69,7 +86,7 @@ def physical_cores(allowed: set[int] | None = None, sys_root: Path = SYS) -> int
             cores = set(allowed)
             break
         cores.add((package, core))
-    quota = quota_cpus(sys_root)
+    quota = quota_cpus(sys_root, proc)
     return max(1, min(len(cores), quota if quota is not None else len(cores)))
 
 

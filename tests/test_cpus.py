@@ -52,6 +52,26 @@ def test_cgroup_v1_quota_and_a_host_without_topology(tmp_path):
     assert cpus.physical_cores({0, 1, 2}, bare) == 3 and cpus.quota_cpus(bare) is None
 
 
+@pytest.mark.parametrize("own, limits, expected", [
+    ("0::/jobs/trainer\n", {"fs/cgroup/jobs/cpu.max": "300000 100000", "fs/cgroup/jobs/trainer/cpu.max": "max 100000"},
+     3),  # v2: a parent's limit holds below it
+    ("0::/jobs/trainer\n", {"fs/cgroup/jobs/cpu.max": "max 100000", "fs/cgroup/jobs/trainer/cpu.max": "150000 100000"},
+     2),
+    ("2:cpu,cpuacct:/slurm/job1\n0::/\n", {"fs/cgroup/cpu/slurm/job1/cpu.cfs_quota_us": "200000",
+                                             "fs/cgroup/cpu/slurm/job1/cpu.cfs_period_us": "100000"}, 2),  # v1
+    ("0::/\n", {}, None),
+])
+def test_the_quota_is_read_where_this_process_s_cgroup_is(tmp_path, own, limits, expected):
+    root, proc = fake_sys(tmp_path / "sys", SIBLINGS), tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self/cgroup").write_text(own)
+    for path, text in limits.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text + "\n")
+    assert cpus.quota_cpus(root, proc) == expected
+    assert cpus.usable_cpus(set(range(8)), root, proc) == (expected or 8)
+
+
 def test_the_native_kernels_default_to_the_cores_this_process_may_use():
     allowed = os.sched_getaffinity(0)
     assert native.default_threads() == cpus.physical_cores() <= len(allowed)
