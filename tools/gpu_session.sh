@@ -19,8 +19,9 @@
 #   regression check of the headline); DeepSpeed beside offload with params and optimizer on NVMe (#20's "likewise
 #   with both on NVMe", never run on a GPU; cut at DS_NVME_S, default 240 s).
 # plan2 (about 4 minutes, on the same warm machine, so no install): the CUDA tests, the same under torch's stream
-#   sanitizer, the optimizer state on NVMe stepped during backward (speculated) beside after it (never run on a GPU),
-#   and `bench adam` (the host Adam ran at 93-99 GB/s inside the step there, never measured alone).
+#   sanitizer, `bench adam` with the threads offload picks and with every CPU the process may use (the host Adam ran
+#   at 93-99 GB/s inside the step there, never measured alone), and last (cut first) the optimizer state on NVMe
+#   stepped during backward (speculated) beside after it (never run on a GPU).
 # plan3 (a third call, only with time to spare): DeepSpeed on the 1.3B model, params and optimizer on the host (cut
 #   twice by a call's limit; cut at DS_1P3B_S, default 380 s).
 # If the first call finds the machine cold again for the second (more than 30 s between them), plan2 needs
@@ -164,7 +165,7 @@ stages=()
 for s in "$@"; do
   case "$s" in
     plan1) stages+=(install bench-step-hiding bench-deepspeed-nvme) ;;
-    plan2) stages+=(cuda-tests sanitizer bench-step-nvme-optimizer bench-adam) ;;
+    plan2) stages+=(cuda-tests sanitizer bench-adam bench-step-nvme-optimizer) ;;
     plan3) stages+=(bench-deepspeed-1p3b) ;;
     *) stages+=("$s") ;;
   esac
@@ -210,7 +211,7 @@ for s in "${stages[@]}"; do
     bench-step-nvme) stage bench-step-nvme py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --headline-only --out "$OUT/step-nvme/step.json" ;;
     # The optimizer state on NVMe, params on the GPU, stepped during backward (speculated when clipping did not fire
     # the step before) beside after backward: never measured on a GPU.
-    bench-step-nvme-optimizer) stage bench-step-nvme-optimizer py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants nvme-optimizer,nvme-optimizer-speculative-kept --out "$OUT/step-nvme-optimizer/step.json" ;;
+    bench-step-nvme-optimizer) stage bench-step-nvme-optimizer py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants nvme-optimizer,nvme-optimizer-speculative-kept --out "$OUT/step-nvme-optimizer/step.json" ;;
     # Params and optimizer state on NVMe, stepped whole beside their NVMe passes run after step() returned (early on).
     bench-step-nvme-early) stage bench-step-nvme-early py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants nvme,nvme-early --out "$OUT/step-nvme-early/step.json" ;;
     *) echo "unknown stage $s" ;;
