@@ -87,13 +87,21 @@ wheels() {  # here: what the lent machine (Python 3.12, no network) lacks. libur
   $PY -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl hjson "pydantic>=2" &&
-  # libaio for DeepSpeed's async_io op (its NVMe variant), which its JIT builds there: the header and the library
-  # (plain files, 20 KiB; the soname is the same on every glibc distribution that ships it).
+  { libaio || echo "no libaio here (apt-get install libaio-dev): DeepSpeed's NVMe stage needs it on the lent machine"; } &&
+  du -sh .whl && ls .whl
+}
+
+libaio() {  # DeepSpeed's async_io op (its NVMe variant) is built by its JIT there: libaio's header and library (plain
+  # files, 20 KiB), the library under its own soname (libaio.so.1, or libaio.so.1t64 on Debian 13 / Ubuntu 24.04) and
+  # as libaio.so for the linker; optional, only bench-deepspeed-nvme needs it
+  local lib soname
+  lib=$(ldconfig -p | awk '/libaio\.so\.1/ && /x86-64/ {print $NF; exit}')
+  [ -e /usr/include/libaio.h ] && [ -n "$lib" ] || return 1
+  soname=$(readelf -d "$lib" | sed -n 's/.*Library soname: \[\(.*\)\].*/\1/p')
   mkdir -p .whl/libaio/include .whl/libaio/lib &&
   cp /usr/include/libaio.h .whl/libaio/include/ &&
-  cp -L "$(ldconfig -p | awk '/libaio\.so\.1 .*x86-64/ {print $NF; exit}')" .whl/libaio/lib/libaio.so.1 &&
-  cp .whl/libaio/lib/libaio.so.1 .whl/libaio/lib/libaio.so &&
-  du -sh .whl && ls .whl
+  cp -L "$lib" ".whl/libaio/lib/${soname:-libaio.so.1}" &&
+  cp -L "$lib" .whl/libaio/lib/libaio.so
 }
 
 install() {
@@ -131,19 +139,19 @@ deepspeed_placements() {
 # and step), so --accum 1 here.
 deepspeed_1p3b() {
   if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here"; return 2; fi
-  STAGE_S=${DS_1P3B_S:-380} py -m offload bench step --baseline deepspeed "${M1P3B[@]}" --accum 1 --steps 2 --rounds 2 \
+  STAGE_S=${DS_1P3B_S:-380} py -m offload bench step --baseline deepspeed "${M1P3B[@]}" --accum 1 --steps 2 --warmup 2 --rounds 2 \
     --variants "${DS_1P3B_VARIANTS:-host}" --out "$OUT/deepspeed-1p3b/step-vs-deepspeed.json"
 }
 
 # #20's "likewise with both on NVMe" on the GPU, never run there: params and optimizer state on NVMe (the lent
 # machine's disk under /tmp) through DeepSpeed's ZeRO-Infinity beside offload's, one config file. DeepSpeed builds
 # async_io and cpu_adam by JIT first (libaio from .whl where the machine lacks it); a step is seconds there (offload's
-# was 1.8-2.1 s), so two steps a round, cut at DS_NVME_S.
+# was 1.8-2.1 s), so two timed steps a round after two warm-ups (this side by side counts no bytes), cut at DS_NVME_S.
 deepspeed_nvme() {
   if ! $PY -c "import deepspeed" 2>/dev/null; then echo "DeepSpeed is not installed here"; return 2; fi
   echo "libaio: $(ls /usr/include/libaio.h 2>/dev/null || echo "carried: ${CPATH:-none}")"
   STAGE_S=${DS_NVME_S:-240} py -m offload bench step --baseline deepspeed "${M156[@]}" --offload nvme \
-    --path "${NVME_DIR:-/tmp/offload-nvme}" --steps 2 --rounds 2 --variants nvme --out "$OUT/deepspeed-nvme/step-vs-deepspeed.json"
+    --path "${NVME_DIR:-/tmp/offload-nvme}" --steps 2 --warmup 2 --rounds 2 --variants nvme --out "$OUT/deepspeed-nvme/step-vs-deepspeed.json"
 }
 
 # #20 on the GPU where it was never run: nothing offloaded (DeepSpeed's FusedAdam after the arch-list fix), beside
