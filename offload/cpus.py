@@ -32,6 +32,8 @@ def _own_cgroups(proc: Path) -> dict[str, str]:
     """Controller ("" for cgroup v2) -> this process's cgroup path, from /proc/self/cgroup."""
     own = {}
     for line in (_read(proc / "self/cgroup") or "").splitlines():
+        if line.count(":") < 2:
+            continue
         _, controllers, path = line.split(":", 2)
         for controller in controllers.split(",") if controllers else [""]:
             own[controller] = path
@@ -47,7 +49,14 @@ def _ancestry(root: Path, path: str) -> list[Path]:
 
 def quota_cpus(sys_root: Path = SYS, proc: Path = PROC) -> int | None:
     """CPUs' worth of time the cgroup quotas over this process allow (cgroup v2 ``cpu.max``, v1
-    ``cpu.cfs_quota_us``; the smallest along its cgroup's ancestry); None: no quota."""
+    ``cpu.cfs_quota_us``; the smallest along its cgroup's ancestry); None: no quota, or none that could be read."""
+    try:
+        return _quota_cpus(sys_root, proc)
+    except ValueError:  # a file this does not understand: a count too high is safer than a failed import
+        return None
+
+
+def _quota_cpus(sys_root: Path, proc: Path) -> int | None:
     own, limits = _own_cgroups(proc), []
     for directory in _ancestry(sys_root / "fs/cgroup", own.get("", "/")):
         quota, _, period = (_read(directory / "cpu.max") or "max").partition(" ")
@@ -63,7 +72,7 @@ def quota_cpus(sys_root: Path = SYS, proc: Path = PROC) -> int | None:
 def _allowed() -> set[int]:
     try:
         return set(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this OS: every CPU it reports
+    except (AttributeError, OSError):  # no affinity on this OS: every CPU it reports
         return set(range(os.cpu_count() or 1))
 
 
@@ -76,16 +85,17 @@ def usable_cpus(allowed: set[int] | None = None, sys_root: Path = SYS, proc: Pat
 
 def physical_cores(allowed: set[int] | None = None, sys_root: Path = SYS, proc: Path = PROC) -> int:
     """Physical cores among the CPUs this process may run on, bounded by its cgroup quota (see [Note: CPUs a
-    process may use]). Where the topology cannot be read, each allowed CPU counts as a core."""
+    process may use]). A core is the set of CPUs that share it (``core_cpus_list``, or ``thread_siblings_list`` on
+    older kernels; core ids repeat across dies); where that cannot be read, each allowed CPU counts as a core."""
     allowed = _allowed() if allowed is None else allowed
-    cores = set()
+    cores: set[object] = set()
     for cpu in allowed:
         topology = sys_root / f"devices/system/cpu/cpu{cpu}/topology"
-        package, core = _read(topology / "physical_package_id"), _read(topology / "core_id")
-        if package is None or core is None:
+        siblings = _read(topology / "core_cpus_list") or _read(topology / "thread_siblings_list")
+        if siblings is None:
             cores = set(allowed)
             break
-        cores.add((package, core))
+        cores.add(siblings)
     quota = quota_cpus(sys_root, proc)
     return max(1, min(len(cores), quota if quota is not None else len(cores)))
 

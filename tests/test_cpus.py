@@ -8,13 +8,14 @@ import pytest
 from offload import cpus, native
 
 
-def fake_sys(root, cores_of, cpu_max=None, v1=None):
-    """A sysfs tree: CPU i on core cores_of[i] of package 0; cgroup v2's cpu.max, or v1's quota and period."""
+def fake_sys(root, cores_of, cpu_max=None, v1=None, siblings_file="core_cpus_list"):
+    """A sysfs tree: CPU i on core cores_of[i] (each core's CPUs listed in siblings_file, and a core_id that
+    repeats across dies, which must not merge cores); cgroup v2's cpu.max, or v1's quota and period."""
     for cpu, core in enumerate(cores_of):
         topology = root / f"devices/system/cpu/cpu{cpu}/topology"
         topology.mkdir(parents=True)
-        (topology / "physical_package_id").write_text("0\n")
-        (topology / "core_id").write_text(f"{core}\n")
+        (topology / "core_id").write_text(f"{core % 2}\n")
+        (topology / siblings_file).write_text(",".join(str(i) for i, c in enumerate(cores_of) if c == core) + "\n")
     if cpu_max is not None:
         (root / "fs/cgroup").mkdir(parents=True)
         (root / "fs/cgroup/cpu.max").write_text(cpu_max + "\n")
@@ -47,6 +48,8 @@ def test_cgroup_v1_quota_and_a_host_without_topology(tmp_path):
     assert cpus.physical_cores(set(range(8)), root) == 4 and cpus.usable_cpus(set(range(8)), root) == 4
     root = fake_sys(tmp_path / "v1-unlimited", SIBLINGS, v1=(-1, 100000))
     assert cpus.quota_cpus(root) is None and cpus.usable_cpus(set(range(8)), root) == 8
+    older = fake_sys(tmp_path / "older", SIBLINGS, siblings_file="thread_siblings_list")
+    assert cpus.physical_cores({0, 1, 4, 5}, older) == 2
     bare = tmp_path / "bare"  # no topology, no cgroup files (some VMs, other kernels): each allowed CPU is a core
     bare.mkdir()
     assert cpus.physical_cores({0, 1, 2}, bare) == 3 and cpus.quota_cpus(bare) is None
@@ -60,6 +63,7 @@ def test_cgroup_v1_quota_and_a_host_without_topology(tmp_path):
     ("2:cpu,cpuacct:/slurm/job1\n0::/\n", {"fs/cgroup/cpu/slurm/job1/cpu.cfs_quota_us": "200000",
                                              "fs/cgroup/cpu/slurm/job1/cpu.cfs_period_us": "100000"}, 2),  # v1
     ("0::/\n", {}, None),
+    ("garbage\n0::/\n", {"fs/cgroup/cpu.max": "lots 100000"}, None),  # not understood: no bound, no error
 ])
 def test_the_quota_is_read_where_this_process_s_cgroup_is(tmp_path, own, limits, expected):
     root, proc = fake_sys(tmp_path / "sys", SIBLINGS), tmp_path / "proc"

@@ -105,6 +105,8 @@ class StepBench:
     device_budget: int | None = None
 
     def __post_init__(self) -> None:
+        if self.warmup < 1:  # bytes count from the last warm-up step, begun with nothing in flight
+            raise ValueError(f"warmup must be at least 1 step, got {self.warmup}")
         if self.model:
             from offload.models.catalog import require
             require(self.model)  # ModelError is a ValueError: the command line's usage error
@@ -317,8 +319,9 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
         profiler.export_chrome_trace(str(Path(b.trace_dir) / f"profile-{variant['name']}.json"))
     peak = engine.accel.memory_stats().peak_allocated if b.device == "cuda" else 0
     timed = engine.telemetry.snapshot()
+    engine.telemetry.stop_trace()  # the trace and the overlap share are the timed steps', not the drain's
     engine.optimizer.drain()  # the last step's pass, if it returned early: its bytes are this window's
-    moved, counted = engine.telemetry.snapshot().bytes, b.steps + (1 if b.warmup else 0)
+    moved, counted = engine.telemetry.snapshot().bytes, b.steps + 1
     if b.trace_dir and rank == 0:
         engine.telemetry.export_chrome_trace(Path(b.trace_dir) / f"step-trace-{variant['name']}.json", rank)
     overlap = engine.telemetry.overlap_share()
