@@ -79,8 +79,7 @@ def _allowed() -> set[int]:
 def usable_cpus(allowed: set[int] | None = None, sys_root: Path = SYS, proc: Path = PROC) -> int:
     """Logical CPUs this process may run on at once (see [Note: CPUs a process may use])."""
     allowed = _allowed() if allowed is None else allowed
-    quota = quota_cpus(sys_root, proc)
-    return max(1, min(len(allowed), quota if quota is not None else len(allowed)))
+    return _within_quota(len(allowed), sys_root, proc)
 
 
 def physical_cores(allowed: set[int] | None = None, sys_root: Path = SYS, proc: Path = PROC) -> int:
@@ -96,8 +95,13 @@ def physical_cores(allowed: set[int] | None = None, sys_root: Path = SYS, proc: 
             cores = set(allowed)
             break
         cores.add(siblings)
+    return _within_quota(len(cores), sys_root, proc)
+
+
+def _within_quota(count: int, sys_root: Path, proc: Path) -> int:
+    """``count`` CPUs, at most as many as the cgroup quota allows, at least one."""
     quota = quota_cpus(sys_root, proc)
-    return max(1, min(len(cores), quota if quota is not None else len(cores)))
+    return max(1, count if quota is None else min(count, quota))
 
 
 @functools.cache  # sysfs is read once: small kernel calls ask for it every time

@@ -162,8 +162,7 @@ deepspeed_device() {
     --variants host,device --out "$OUT/deepspeed-device/step-vs-deepspeed.json"
 }
 
-adam_threads() {
-  py -m offload info
+adam_threads() {  # its JSON records the host's cores and those this process may use (install printed them too)
   py -m offload bench adam --sizes 156M --out "$OUT/adam.json" &&
   py -m offload bench adam --sizes 156M --threads "$($PY -c 'from offload import cpus; print(cpus.usable_cpus())')" \
     --out "$OUT/adam-all-cpus.json"

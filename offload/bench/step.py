@@ -339,7 +339,6 @@ def _since(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
     return {k: v - before.get(k, 0) for k, v in now.items()}
 
 
-
 def _profiler(b: StepBench) -> torch.profiler.profile:
     """torch's profiler over the timed steps: kernels and copies per stream on a GPU, and the engine's phases as
     ranges on their threads (telemetry opens them while a profiler records)."""

@@ -50,11 +50,12 @@ INSTALL = ("DeepSpeed is not installed in this environment. Install it beside th
 # autocast casts every fp32 weight on every use).
 SIDES = ("torch", "torch-bf16", "offload", "deepspeed")
 PLAIN = ("torch", "torch-bf16")  # no placement: one run a round serves every variant
+PHASES = ("forward", "backward", "optimizer")  # the last: the time in step()
 
 
 def sides(b: StepBench) -> tuple[str, ...]:
+    """The sides this bench runs: torch-bf16 only in bf16, where it differs from torch."""
     return tuple(s for s in SIDES if s != "torch-bf16" or b.dtype == "bf16")
-PHASES = ("forward", "backward", "optimizer")  # the last: the time in step()
 
 
 def deepspeed_version() -> str | None:
