@@ -6,36 +6,31 @@
 #   tools/gpu_session.sh wheels
 #
 # A lent task has 15 minutes of device time in all (start-ups and idle waits counted), and the machine goes back after
-# 30 s idle: two back-to-back calls of the run tool, the second issued the moment the first returns, with
-# timeout_s 450 and 300 (with a start-up of 1-2 minutes: about 14 minutes). Each Python command is cut at STAGE_S
-# seconds (default 300) so one stage cannot eat the call, and the work folder is re-tarred into $BUNDLE after every
-# stage (BUNDLE before OUT: the tool's $OUT, expanded before OUT is set), so a call cut at its limit still brings
-# back what finished:
-#   run(carry=[".whl"], timeout_s=450, command='BUNDLE=$OUT/plan1.tgz OUT=/tmp/gs tools/gpu_session.sh plan1')
-#   run(carry=[".whl"], timeout_s=300, command='STAGE_S=120 BUNDLE=$OUT/plan2.tgz OUT=/tmp/gs tools/gpu_session.sh plan2')
-# What is still open after the H200 runs of 2026-11-26 (docs/performance.md, "On a GPU"):
-# plan1 (about 6 minutes): install; the speculative step with its Adam on a lane of its own beside the host step and
-#   the delayed update (#22: whether `speculative_step: auto` takes host sub-groups; its host row is also the
-#   regression check of the headline); DeepSpeed beside offload with params and optimizer on NVMe (#20's "likewise
-#   with both on NVMe", never run on a GPU; cut at DS_NVME_S, default 240 s).
-# plan2 (about 4 minutes, on the same warm machine, so no install): the CUDA tests, the same under torch's stream
-#   sanitizer, `bench adam` with the threads offload picks and with every CPU the process may use (the host Adam ran
-#   at 93-99 GB/s inside the step there, never measured alone), and last (cut first) the optimizer state on NVMe
-#   stepped during backward (speculated) beside after it (never run on a GPU).
-# plan3 (a third call, only with time to spare): DeepSpeed on the 1.3B model, params and optimizer on the host (cut
+# 30 s idle: back-to-back calls of the run tool, each issued the moment the one before returns (the calls are below).
+# Each Python command is cut at STAGE_S seconds (default 300) so one stage cannot eat the call, and the work folder
+# is re-tarred into $BUNDLE after every stage (BUNDLE before OUT: the tool's $OUT, expanded before OUT is set), so a
+# call cut at its limit still brings back what finished.
+# What is still open after the H200's third loan of 2026-11-26 (docs/performance.md, "On a GPU"; #20-#22 measured):
+# plan1 (about 5 minutes): install; the CUDA tests and the same under torch's stream sanitizer; the headline step
+#   (the regression check); activations checkpointed with their saved inputs on the GPU and on the host (never run
+#   on a GPU: the memory they save and the recompute's cost).
+# plan2 (a second call, only with time to spare): DeepSpeed on the 1.3B model, params and optimizer on the host (cut
 #   twice by a call's limit; cut at DS_1P3B_S, default 380 s).
 # If the first call finds the machine cold again for the second (more than 30 s between them), plan2 needs
-# `install` first: `tools/gpu_session.sh install plan2`.
+# `install` first: `tools/gpu_session.sh install plan2`. The calls:
+#   run(carry=[".whl"], timeout_s=400, command='BUNDLE=$OUT/plan1.tgz OUT=/tmp/gs tools/gpu_session.sh plan1')
+#   run(carry=[".whl"], timeout_s=450, command='BUNDLE=$OUT/plan2.tgz OUT=/tmp/gs tools/gpu_session.sh plan2')
 #
 # Every stage by name (timings from the H100 of 2026-11-24/25: install + cuda-tests + bench-step-default about 180 s;
 # bench-step-placement 149 s; bench-deepspeed-placements 232 s; bench-deepspeed + bench-deepspeed-placements +
 # bench-step-1p3b 498 s; profile + sanitizer 57 s; from the H200 of 2026-11-26: install 40, cuda-tests 59,
 # bench-step-default 35-37, bench-step-1p3b-auto 157, bench-step-1p3b-split 178, bench-step-hiding 78, bench-hooks 13,
-# bench-deepspeed-device 170, sanitizer 26-35, bench-step-nvme-early 91-112 s):
+# bench-deepspeed-device 170, sanitizer 26-35, bench-step-nvme-early 91-112, bench-adam 36, bench-step-nvme-optimizer
+# 82, bench-deepspeed-nvme 205 s):
 #   install cuda-tests bench-pcie bench-adam bench-hooks bench-step bench-step-default bench-step-placement
 #   bench-step-delayed bench-step-hiding bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
 #   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b
-#   bench-deepspeed-nvme profile sanitizer suite
+#   bench-deepspeed-nvme bench-step-checkpointing profile sanitizer suite
 # bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
 # a call of its own (SUITE_S, default 420 s, 14 workers).
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
@@ -126,6 +121,13 @@ deepspeed_side_by_side() {
   py -m offload bench step --baseline deepspeed "${M156[@]}" --steps 4 --rounds 2 --out "$OUT/deepspeed/step-vs-deepspeed.json"
 }
 
+checkpointing_both() {
+  local where
+  for where in device cpu; do
+    py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --headline-only --checkpointing "$where" --out "$OUT/step-checkpointing-$where/step.json"
+  done
+}
+
 # DeepSpeed's other placements beside offload's (#20): params on the GPU with the optimizer on the host (its CPU Adam,
 # and torch's Adam), half the optimizer state on the GPU (offload_optimizer.ratio 0.5), nothing offloaded.
 deepspeed_placements() {
@@ -171,9 +173,8 @@ adam_threads() {  # its JSON records the host's cores and those this process may
 stages=()
 for s in "$@"; do
   case "$s" in
-    plan1) stages+=(install bench-step-hiding bench-deepspeed-nvme) ;;
-    plan2) stages+=(cuda-tests sanitizer bench-adam bench-step-nvme-optimizer) ;;
-    plan3) stages+=(bench-deepspeed-1p3b) ;;
+    plan1) stages+=(install cuda-tests sanitizer bench-step-default bench-step-checkpointing) ;;
+    plan2) stages+=(bench-deepspeed-1p3b) ;;
     *) stages+=("$s") ;;
   esac
 done
@@ -204,9 +205,12 @@ for s in "${stages[@]}"; do
     bench-step-1p3b-split) stage bench-step-1p3b-split py -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants host,ratio-auto --device-budget 12Gi --out "$OUT/step-1p3b-split/step.json" ;;
     # The same question on a model whose state does not fit the GPU at all (host memory: about 85 of 128 GiB).
     bench-step-4p5b) stage bench-step-4p5b py -m offload bench step "${M4P5B[@]}" --unit-bytes 64Mi --steps 2 --rounds 2 --variants ratio-auto,host --out "$OUT/step-4p5b/step.json" ;;
-    # The two ways of hiding the host Adam beside the exact early step: speculated during backward (on a lane of its
-    # own since 2026-11-26; the H200 measured 1.02x the host step before) and the delayed update (0.80x there).
-    bench-step-hiding) stage bench-step-hiding py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,clip-speculative-kept,delayed --out "$OUT/step-hiding/step.json" ;;
+    # The two ways of hiding the host Adam beside the exact early step: speculated during backward, on its own lane
+    # (H200, third loan: 0.93-0.94x the host step kept, 1.37x recomputed) and the delayed update (0.80-0.82x).
+    bench-step-hiding) stage bench-step-hiding py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,clip-speculative-kept,clip-speculative-recomputed,delayed --out "$OUT/step-hiding/step.json" ;;
+    # Every block checkpointed, its saved inputs on the GPU, then in host memory (torch runs without, beside it): the
+    # GPU memory high water each saves and the recompute's cost.
+    bench-step-checkpointing) stage bench-step-checkpointing checkpointing_both ;;
     bench-step-delayed) stage bench-step-delayed py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,delayed --out "$OUT/step-delayed/step.json" ;;
     bench-step-1p3b) stage bench-step-1p3b py -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --headline-only --out "$OUT/step-1p3b/step.json" ;;
     # torch's profiler over three steps of the headline variant: kernels per stream, the engine's phases per thread.

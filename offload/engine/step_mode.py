@@ -101,10 +101,12 @@ def _speculation_unwanted(config: Config, compute_dtype: torch.dtype) -> str | N
         # step 1.05x (kept) and 1.08x (recomputed) the step after backward, Adam and backward sharing the cores.
         # On an H100 (156M GPT, bf16, 2026-11-25): 1.30x and 2.15x, Adam into the second slot outlasting backward.
         # On an H200 with the second slot streamed (2026-11-26): 1.02x kept, the landing worker's norms and
-        # speculative Adam (50 ms a step) outlasting a 21 ms backward.
-        return ("'auto' speculates only on NVMe sub-groups (host ones measured slower: on a CPU, Adam and "
-                "backward share the cores; on a GPU, Adam on the host outlasts backward); set "
-                "offload.speculative_step to \"on\" to speculate on the host's too")
+        # speculative Adam (50 ms a step) outlasting a 21 ms backward. With the Adam on a lane of its own (H200,
+        # 2026-11-26, third loan): 0.93-0.94x kept but 1.37x recomputed; adaptively (as NVMe sub-groups do) each
+        # clipping onset costs about seven kept steps' gain, so it loses wherever more than one step in eight clips.
+        return ("'auto' speculates only on NVMe sub-groups (host ones measured slower on a CPU, where Adam and "
+                "backward share the cores, and on a GPU 6% faster when clipping does not fire but 37% slower "
+                "when it does); set offload.speculative_step to \"on\" to speculate on the host's too")
     return None
 
 
