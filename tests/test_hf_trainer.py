@@ -59,6 +59,39 @@ def test_trains_as_the_plain_trainer_does(tmp_path, checkpointing):
     assert ours.engine.global_steps == 4
 
 
+def test_a_second_train_runs_as_the_plain_trainers_second_does(tmp_path):
+    """A later train() gets a fresh schedule over its steps and Adam's state goes on, as in the plain Trainer (the
+    engine's finished schedule would train at lr 0); arguments the engine was built for cannot change."""
+    path = save(tiny("llama"), tmp_path / "ckpt")
+    ref = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                               args=arguments(tmp_path / "ref"), train_dataset=data())
+    ours = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=arguments(tmp_path / "ours"),
+                              offload_config=DS, train_dataset=data())
+    for _ in range(2):
+        ref.train()
+        ours.train()
+    assert logged(ours) == pytest.approx(logged(ref), rel=1e-6)
+    assert logged(ours, "learning_rate") == pytest.approx(logged(ref, "learning_rate"))
+    assert max(logged(ours, "learning_rate")) == pytest.approx(1e-3)
+    assert ours.engine.global_steps == 8
+    ours.args.gradient_accumulation_steps = 1
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps 2 -> 1.*build a new Trainer"):
+        ours.train()
+
+
+def test_a_second_train_restarts_the_configs_schedule(tmp_path):
+    path = save(tiny("gpt2"), tmp_path / "ckpt")
+    config = {**DS, "scheduler": {"type": "WarmupCosineLR",
+                                  "params": {"total_num_steps": "auto", "warmup_num_steps": "auto"}}}
+    trainer = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=arguments(tmp_path / "run"),
+                                 offload_config=config, train_dataset=data())
+    trainer.train()
+    first = logged(trainer, "learning_rate")
+    trainer.train()
+    assert logged(trainer, "learning_rate") == pytest.approx(first)  # the cosine starts again from the base rate
+    assert first[-1] < max(first)
+
+
 def test_save_model_writes_what_from_pretrained_loads(tmp_path):
     path = save(tiny("gpt2"), tmp_path / "ckpt")
     trainer = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=arguments(tmp_path / "run"),

@@ -34,9 +34,12 @@ from torch import nn
 from offload.config import Config
 from offload.engine.initialize import initialize
 from offload.hf.ds_config import resolve
+from offload.optim.schedules import build_schedule
 from offload.pretrained import PretrainedWeights
 
 ENGINE_CHECKPOINT = "offload"  # the engine's checkpoint directory inside checkpoint-N
+# What the engine is built for, from TrainingArguments: a later train() may not change them.
+_FIXED_AT_BUILD = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
 
 
 class _EngineOptimizer:
@@ -120,6 +123,8 @@ class Trainer(transformers.Trainer):
                               ) -> tuple[nn.Module, Any]:
         if self.engine is None:
             self._build_engine(max_steps)
+        else:
+            self._renew_schedule(max_steps)
         if resume_from_checkpoint is not None:
             self.engine.load_checkpoint(Path(resume_from_checkpoint) / ENGINE_CHECKPOINT)
         self.model_wrapped = self.model
@@ -133,14 +138,36 @@ class Trainer(transformers.Trainer):
         else:
             kwargs["model_parameters"] = [p for p in self.model.parameters() if p.requires_grad]
         if "scheduler" not in config:  # the Trainer's schedule (lr_scheduler_type), over the engine's optimizer
-            steps = num_training_steps
-            kwargs["lr_scheduler"] = lambda optimizer: copy.copy(self).create_scheduler(steps, optimizer)
+            kwargs["lr_scheduler"] = lambda optimizer: self._trainer_schedule(num_training_steps, optimizer)
         self.optimizer = None
         self.lr_scheduler = None
         self.engine, *_ = initialize(model=self.model, config=config, weights=self.weights,
                                      device=self.args.device, **kwargs)
         self.optimizer = _EngineOptimizer(self.engine)  # type: ignore[assignment]
         self.lr_scheduler = _EngineSchedule(self)  # type: ignore[assignment]
+
+    def _trainer_schedule(self, num_training_steps: int, optimizer: Any) -> Any:
+        """The Trainer's own schedule (``lr_scheduler_type``, its warm-up) over the engine's optimizer."""
+        maker = copy.copy(self)  # create_scheduler keeps what it builds on the trainer it is called on
+        maker.lr_scheduler = None
+        return maker.create_scheduler(num_training_steps, optimizer)
+
+    def _renew_schedule(self, num_training_steps: int) -> None:
+        """A later ``train()`` runs a schedule of its own over its steps, as the plain Trainer's does (which
+        rebuilds the schedule it created); Adam's state and the step count go on. What the engine was built for
+        (micro-batch, accumulation, clipping) must not have changed in the arguments since."""
+        config = Config.load(resolve(self.offload_config, self.args, self.model, num_training_steps))
+        built = self.engine.config
+        changed = [f"{key} {getattr(built, key)} -> {getattr(config, key)}" for key in _FIXED_AT_BUILD
+                   if float(getattr(config, key) or 0) != float(getattr(built, key) or 0)]
+        if changed:
+            raise ValueError(f"offload.hf.Trainer: the engine was built by the first train() and these arguments "
+                             f"changed since ({'; '.join(changed)}); keep them, or build a new Trainer")
+        optimizer, old = self.engine.optimizer, self.engine.lr_scheduler
+        for group, lr in zip(optimizer.param_groups, getattr(old, "base_lrs", ())):
+            group["lr"] = lr  # schedules that scale the rate they find (cosine, Hugging Face's) start from the base
+        self.engine.lr_scheduler = build_schedule(optimizer, config.scheduler) if config.scheduler is not None \
+            else self._trainer_schedule(num_training_steps, optimizer)
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         if self.engine is not None and optimizer is None:
