@@ -158,7 +158,7 @@ def accumulate_(acc: torch.Tensor, grad: torch.Tensor, scale: float, overwrite: 
                 threads: int | None = None) -> torch.Tensor:
     """acc = scale * grad (``overwrite``) or acc += scale * grad, in place: a float32 accumulator and a gradient
     in float32, bfloat16 or float16 (converted in the kernel). On offload's threads, never torch's: see
-    accumulate in offload/optim/sharded.py."""
+    add_into in offload/optim/shard_state.py."""
     acc_, grad_ = _check_buffer(acc, "acc"), _check_buffer(grad, "grad")
     if acc_.dtype != torch.float32:
         raise NativeError(f"acc must be float32, got {acc_.dtype}")

@@ -15,7 +15,7 @@ import torch
 from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine
 from offload import native
 from offload.launch import run_ranks
-from offload.optim.sharded import ShardPhase
+from offload.optim.shard_state import ShardPhase
 
 LAG = {"OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}  # implies a discrete device: every copy a GPU makes
 

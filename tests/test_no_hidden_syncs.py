@@ -17,7 +17,7 @@ from conftest import REPO
 HOT_ROOMS = ["offload/zero/runtime.py", "offload/zero/unit.py", "offload/optim/sharded.py",
              "offload/store/param_store.py", "offload/engine/core.py", "offload/prefetch.py",
              "offload/store/optimizer_state.py", "offload/store/param_swap.py", "offload/checkpointing.py",
-             "offload/optim/speculation_lane.py"]
+             "offload/optim/speculation_lane.py", "offload/optim/shard_state.py"]
 SYNCING_METHODS = {"item", "tolist", "cpu", "synchronize", "wait"}
 SYNCING_FUNCTIONS = {"wait_quietly"}  # offload/aio/base.py: an I/O request's wait
 LEDGER_CALLS = {"wait", "drain", "read_scalars"}  # on the accelerator: counted by the ledger

@@ -28,7 +28,8 @@ from offload.engine import step_mode
 from offload.engine.memory import MemoryAccount
 from offload.engine.step_mode import StepMode
 from offload.optim.schedules import build_schedule
-from offload.optim.sharded import ShardedAdam, StatePlan, shard_segments
+from offload.optim.shard_state import shard_segments
+from offload.optim.sharded import ShardedAdam, StatePlan
 from offload.pretrained import PretrainedWeights
 from offload.store.budget import TierBudget
 from offload.store.param_store import ParamStore

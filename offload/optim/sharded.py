@@ -156,17 +156,18 @@ that unit waits for. The optimizer knows shards by unit index only, never the un
 
 from __future__ import annotations
 
-import enum
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from offload import native
-from offload.accelerator import Accelerator, DoneEvent, Event, WorkerStream
+from offload.accelerator import Accelerator, Event, WorkerStream
 from offload.optim.adam import AdamHyper, adam_step, device_adam_step
+from offload.optim.shard_state import (Guess, Overlap, Segment, ShardPhase, ShardState, accumulate, add_into, by_group,
+                                        gaps)
 from offload.optim.speculation_lane import SpeculationLane, TicketPhase
 from offload.schedule import COMPUTE
 from offload.telemetry import Telemetry
@@ -186,116 +187,6 @@ LANDING_BATCH_BYTES = 4 << 20
 
 class EarlyStepLost(RuntimeError):
     """Work of a step that had returned early (an NVMe transfer, Adam) failed (see [Note: the early step on NVMe])."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A run of a shard whose elements all belong to one param group (``start``/``end`` shard-relative)."""
-
-    start: int
-    end: int
-    group: int
-
-
-def shard_segments(slots: Iterable[Any], start: int, numel: int, group_of: dict[int, int]) -> list[Segment]:
-    """The optimizer segments of the shard [start, start + numel) of a flat buffer whose parameters sit at
-    ``slots`` (each with ``param``, ``offset`` and ``numel``); padding and params in no group are left out."""
-    lo, hi = start, start + numel
-    segments: list[Segment] = []
-    for slot in slots:
-        group = group_of.get(id(slot.param))
-        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        if group is None or start >= end:
-            continue
-        if segments and segments[-1].group == group and segments[-1].end == start - lo:
-            segments[-1] = Segment(segments[-1].start, end - lo, group)
-        else:
-            segments.append(Segment(start - lo, end - lo, group))
-    return segments
-
-
-class ShardPhase(enum.Enum):
-    """Where one shard is in the current step.
-
-    [Note: shard phases] A gradient moves EMPTY to HOLDING (the first overwrites the accumulator, later ones add);
-    Adam during backward moves HOLDING to STEPPED; ``apply`` steps EMPTY (zeros) and HOLDING shards, skips STEPPED
-    ones and leaves every shard EMPTY. ``clear_grads`` empties HOLDING shards but keeps STEPPED ones: a backward that
-    failed after stepping some shards left the step half applied, and the next step finishes it without stepping
-    those again (a retried backward's gradients for them are dropped). A failed NVMe write of a stepped sub-group
-    moves its shards back to HOLDING: the next step steps them again from the state on disk. The speculative step
-    moves HOLDING to SPECULATED; ``apply`` keeps or recomputes it; dropping the speculation (``clear_grads``, a
-    failed backward) moves it back, and another gradient of the unit in the same backward to HOLDING."""
-
-    EMPTY = "empty"
-    HOLDING = "holding"
-    SPECULATED = "speculated"  # holding, and Adam ran with a guessed factor into the other slot
-    STEPPED = "stepped"
-
-
-@dataclass(frozen=True)
-class Guess:
-    """The factor, hyperparameters and step number a speculative Adam ran with: kept when the step's are these."""
-
-    factor: float
-    hypers: tuple[AdamHyper, ...]
-    step: int
-
-
-@dataclass(frozen=True)
-class Overlap:
-    """The last backward's plan for stepping shards as their gradients land: which units, with what."""
-
-    units: frozenset[int]
-    hypers: list[AdamHyper]
-    step: int
-    guess: float | None = None  # speculating with this factor (see [Note: speculative step]); None: exact
-
-
-@dataclass
-class ShardState:
-    """One unit's per-rank optimizer buffers besides master/moments (those live in the state store)."""
-
-    index: int  # the unit's
-    name: str  # the unit's, for traces
-    grad: torch.Tensor | None  # fp32 gradient accumulator (host when offloaded, made on first use: see [Note: ...])
-    segments: list[Segment]
-    gaps: list[tuple[int, int]] = field(default_factory=list)  # elements no segment covers (frozen, padding)
-    phase: ShardPhase = ShardPhase.EMPTY
-    numel: int = 0  # the shard's elements
-    landing: torch.Tensor | None = None  # where the gradient lands from a separate device (host, compute dtype)
-    free: Event = field(default_factory=DoneEvent)  # the landing buffer is free once this completes
-    # Re-recorded each time (see [Note: events re-recorded] in accelerator.py):
-    copied: Event | None = None  # the last gradient's copy into the landing buffer
-    stepped: Event | None = None  # the last early step of this shard
-    adam_read: Event | None = None  # the delayed update's Adam has read this shard's gradient (optimizer thread)
-    norm: list[native.SqNorm] | None = None  # the final gradient's norm per segment, taken as it landed
-    # This step's only gradient, read in its landing buffer with its factor (see [Note: gradients read where they
-    # land]); None while the accumulator holds the gradient.
-    landed: torch.Tensor | None = None
-    landed_scale: float = 1.0
-    # The fp32 accumulator on the compute device (see [Note: gradients accumulated on the device]), and whether it
-    # holds this step's gradients so far (the training thread's flag: the next add overwrites it when not).
-    on_device: torch.Tensor | None = None
-    device_holds: bool = False
-    added: Event | None = None  # the last add into ``on_device`` (re-recorded)
-    guessed: Guess | None = None  # what a SPECULATED shard's Adam assumed (see [Note: speculative step])
-
-    def gradient(self) -> tuple[torch.Tensor, float]:
-        """The gradient the step reads, and the factor to read it with (a shard that holds one: not EMPTY)."""
-        if self.landed is not None:
-            return self.landed, self.landed_scale
-        assert self.grad is not None, f"unit {self.name!r} holds no gradient"
-        return self.grad, 1.0
-
-    def accumulator(self) -> torch.Tensor:
-        """The fp32 accumulator, made now if this is its first use (host memory, unpinned)."""
-        if self.grad is None:
-            self.grad = torch.zeros(self.numel, dtype=torch.float32)
-        return self.grad
-
-    def empty(self) -> None:
-        """The step is done with the shard's gradient (see [Note: shard phases])."""
-        self.phase, self.norm, self.landed = ShardPhase.EMPTY, None, None
 
 
 @dataclass(kw_only=True)
@@ -426,7 +317,7 @@ class ShardedAdam(torch.optim.Optimizer):
             grad = torch.zeros(n, dtype=torch.float32, device=self.accel.device)
         if index in self._staged_units:  # the placement stages only for the delayed update
             self._staged[index] = torch.empty(n, dtype=self.compute_dtype)  # written before it is read
-        self.shards[index] = ShardState(index, name, grad, segments, _gaps(segments, n), numel=n, landing=landing,
+        self.shards[index] = ShardState(index, name, grad, segments, gaps(segments, n), numel=n, landing=landing,
                                         on_device=on_device)
         self.store.init_member(index, master)
 
@@ -462,7 +353,7 @@ class ShardedAdam(torch.optim.Optimizer):
         if state is None or not self.steps_on_host(index):  # no optimizer state, or the state is on the device
             self.accel.compute_wait(ready)
             if state is not None:
-                _accumulate(state, shard_grad, scale, self.threads)
+                accumulate(state, shard_grad, scale, self.threads)
             return
         assert self._land is not None
         # Decided now, on the calling thread: the worker may still be adding an earlier micro-batch's gradients
@@ -595,7 +486,7 @@ class ShardedAdam(torch.optim.Optimizer):
         else:
             schedule.work("accumulate", state.index, nbytes=grad.numel() * (grad.element_size() + 8))
             with self.telemetry.span("accumulate", state.name):
-                _accumulate(state, grad, scale, self.threads)
+                accumulate(state, grad, scale, self.threads)
         if final:
             values, factor = state.gradient()
             schedule.work("norm", state.index, nbytes=values.numel() * values.element_size())
@@ -613,7 +504,7 @@ class ShardedAdam(torch.optim.Optimizer):
             return
         landed, scale = state.landed, state.landed_scale
         state.landed, state.phase = None, ShardPhase.EMPTY
-        _accumulate(state, landed, scale, self.threads)
+        accumulate(state, landed, scale, self.threads)
 
     def last_backward_begins(self, overlap: bool, only: bool = False, guess: float | None = None,
                              early: bool = False) -> None:
@@ -935,7 +826,7 @@ class ShardedAdam(torch.optim.Optimizer):
             out.element_size() if out is not None else 0)), lane=COMPUTE if self._on_discrete_device(index) else None)
         if out is None and self._on_discrete_device(index):  # torch's fused kernel
             assert into is None and pre_scale == 1.0  # neither speculated nor read where it landed: host state only
-            for group, segs in _by_group(state.segments).items():
+            for group, segs in by_group(state.segments).items():
                 slices = [slice(seg.start, seg.end) for seg in segs]
                 device_adam_step([master[s] for s in slices], [grad[s] for s in slices],
                                  [exp_avg[s] for s in slices], [exp_avg_sq[s] for s in slices], step, hypers[group],
@@ -1023,7 +914,7 @@ class ShardedAdam(torch.optim.Optimizer):
     def _step_overlapped(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                          hypers: list[AdamHyper], step: int) -> None:
         state = self.shards[index]
-        if state.phase is ShardPhase.STEPPED:  # stepped by a backward that failed (see [Note: shard phases])
+        if state.phase is ShardPhase.STEPPED:  # a failed backward stepped it ([Note: shard phases], shard_state.py)
             return
         with self.telemetry.span("optimizer_overlapped", state.name):
             self._step_shard(index, views, step, hypers, 1.0)
@@ -1159,42 +1050,3 @@ class ShardedAdam(torch.optim.Optimizer):
             self.shards.clear()
         if error is not None:
             raise error
-
-
-def _by_group(segments: list[Segment]) -> dict[int, list[Segment]]:
-    """A shard's segments by parameter group (one fused call each: a group has one set of hyperparameters)."""
-    groups: dict[int, list[Segment]] = {}
-    for seg in segments:
-        groups.setdefault(seg.group, []).append(seg)
-    return groups
-
-
-def _gaps(segments: list[Segment], n: int) -> list[tuple[int, int]]:
-    gaps, at = [], 0
-    for seg in segments:
-        if seg.start > at:
-            gaps.append((at, seg.start))
-        at = seg.end
-    if at < n:
-        gaps.append((at, n))
-    return gaps
-
-
-def _accumulate(state: ShardState, grad: torch.Tensor, scale: float, threads: int | None) -> None:
-    """Add ``scale`` x grad into the fp32 accumulator (the first gradient of a step overwrites it)."""
-    add_into(state.accumulator(), grad, scale, overwrite=state.phase is ShardPhase.EMPTY, threads=threads)
-    state.phase = ShardPhase.HOLDING
-
-
-def add_into(acc: torch.Tensor, grad: torch.Tensor, scale: float, *, overwrite: bool, threads: int | None) -> None:
-    """acc = scale x grad (``overwrite``) or acc += scale x grad, rounded as the native kernel rounds (a product,
-    then a fused multiply-add). Host buffers go through that kernel on offload's threads: a torch op on a host
-    queue's thread would start an OpenMP team of its own whose threads spin after each op, beside backward's."""
-    if acc.device.type == "cpu" and grad.device.type == "cpu" and grad.is_contiguous():
-        native.accumulate_(acc, grad, scale, overwrite=overwrite, threads=threads)
-    elif overwrite:
-        acc.copy_(grad)
-        if scale != 1.0:
-            acc.mul_(scale)
-    else:
-        acc.add_(grad, alpha=scale)

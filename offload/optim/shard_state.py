@@ -1,0 +1,165 @@
+"""One unit's optimizer shard as the step sees it: its segments (runs of one param group), the phase it is in
+this step ([Note: shard phases]) and the buffers its gradient moves through, kept by ShardedAdam
+(offload/optim/sharded.py, which has the notes on how gradients land and how the step runs)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from offload import native
+from offload.accelerator import DoneEvent, Event
+from offload.optim.adam import AdamHyper
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of a shard whose elements all belong to one param group (``start``/``end`` shard-relative)."""
+
+    start: int
+    end: int
+    group: int
+
+
+def shard_segments(slots: Iterable[Any], start: int, numel: int, group_of: dict[int, int]) -> list[Segment]:
+    """The optimizer segments of the shard [start, start + numel) of a flat buffer whose parameters sit at
+    ``slots`` (each with ``param``, ``offset`` and ``numel``); padding and params in no group are left out."""
+    lo, hi = start, start + numel
+    segments: list[Segment] = []
+    for slot in slots:
+        group = group_of.get(id(slot.param))
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if group is None or start >= end:
+            continue
+        if segments and segments[-1].group == group and segments[-1].end == start - lo:
+            segments[-1] = Segment(segments[-1].start, end - lo, group)
+        else:
+            segments.append(Segment(start - lo, end - lo, group))
+    return segments
+
+
+class ShardPhase(enum.Enum):
+    """Where one shard is in the current step.
+
+    [Note: shard phases] A gradient moves EMPTY to HOLDING (the first overwrites the accumulator, later ones add);
+    Adam during backward moves HOLDING to STEPPED; ``apply`` steps EMPTY (zeros) and HOLDING shards, skips STEPPED
+    ones and leaves every shard EMPTY. ``clear_grads`` empties HOLDING shards but keeps STEPPED ones: a backward that
+    failed after stepping some shards left the step half applied, and the next step finishes it without stepping
+    those again (a retried backward's gradients for them are dropped). A failed NVMe write of a stepped sub-group
+    moves its shards back to HOLDING: the next step steps them again from the state on disk. The speculative step
+    moves HOLDING to SPECULATED; ``apply`` keeps or recomputes it; dropping the speculation (``clear_grads``, a
+    failed backward) moves it back, and another gradient of the unit in the same backward to HOLDING."""
+
+    EMPTY = "empty"
+    HOLDING = "holding"
+    SPECULATED = "speculated"  # holding, and Adam ran with a guessed factor into the other slot
+    STEPPED = "stepped"
+
+
+@dataclass(frozen=True)
+class Guess:
+    """The factor, hyperparameters and step number a speculative Adam ran with: kept when the step's are these."""
+
+    factor: float
+    hypers: tuple[AdamHyper, ...]
+    step: int
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """The last backward's plan for stepping shards as their gradients land: which units, with what."""
+
+    units: frozenset[int]
+    hypers: list[AdamHyper]
+    step: int
+    guess: float | None = None  # speculating with this factor (see [Note: speculative step]); None: exact
+
+
+@dataclass
+class ShardState:
+    """One unit's per-rank optimizer buffers besides master/moments (those live in the state store)."""
+
+    index: int  # the unit's
+    name: str  # the unit's, for traces
+    grad: torch.Tensor | None  # fp32 gradient accumulator (host when offloaded, made on first use: see [Note: ...])
+    segments: list[Segment]
+    gaps: list[tuple[int, int]] = field(default_factory=list)  # elements no segment covers (frozen, padding)
+    phase: ShardPhase = ShardPhase.EMPTY
+    numel: int = 0  # the shard's elements
+    landing: torch.Tensor | None = None  # where the gradient lands from a separate device (host, compute dtype)
+    free: Event = field(default_factory=DoneEvent)  # the landing buffer is free once this completes
+    # Re-recorded each time (see [Note: events re-recorded] in accelerator.py):
+    copied: Event | None = None  # the last gradient's copy into the landing buffer
+    stepped: Event | None = None  # the last early step of this shard
+    adam_read: Event | None = None  # the delayed update's Adam has read this shard's gradient (optimizer thread)
+    norm: list[native.SqNorm] | None = None  # the final gradient's norm per segment, taken as it landed
+    # This step's only gradient, read in its landing buffer with its factor (see [Note: gradients read where they
+    # land]); None while the accumulator holds the gradient.
+    landed: torch.Tensor | None = None
+    landed_scale: float = 1.0
+    # The fp32 accumulator on the compute device (see [Note: gradients accumulated on the device]), and whether it
+    # holds this step's gradients so far (the training thread's flag: the next add overwrites it when not).
+    on_device: torch.Tensor | None = None
+    device_holds: bool = False
+    added: Event | None = None  # the last add into ``on_device`` (re-recorded)
+    guessed: Guess | None = None  # what a SPECULATED shard's Adam assumed (see [Note: speculative step])
+
+    def gradient(self) -> tuple[torch.Tensor, float]:
+        """The gradient the step reads, and the factor to read it with (a shard that holds one: not EMPTY)."""
+        if self.landed is not None:
+            return self.landed, self.landed_scale
+        assert self.grad is not None, f"unit {self.name!r} holds no gradient"
+        return self.grad, 1.0
+
+    def accumulator(self) -> torch.Tensor:
+        """The fp32 accumulator, made now if this is its first use (host memory, unpinned)."""
+        if self.grad is None:
+            self.grad = torch.zeros(self.numel, dtype=torch.float32)
+        return self.grad
+
+    def empty(self) -> None:
+        """The step is done with the shard's gradient (see [Note: shard phases])."""
+        self.phase, self.norm, self.landed = ShardPhase.EMPTY, None, None
+
+
+def by_group(segments: list[Segment]) -> dict[int, list[Segment]]:
+    """A shard's segments by parameter group (one fused call each: a group has one set of hyperparameters)."""
+    groups: dict[int, list[Segment]] = {}
+    for seg in segments:
+        groups.setdefault(seg.group, []).append(seg)
+    return groups
+
+
+def gaps(segments: list[Segment], n: int) -> list[tuple[int, int]]:
+    gaps, at = [], 0
+    for seg in segments:
+        if seg.start > at:
+            gaps.append((at, seg.start))
+        at = seg.end
+    if at < n:
+        gaps.append((at, n))
+    return gaps
+
+
+def accumulate(state: ShardState, grad: torch.Tensor, scale: float, threads: int | None) -> None:
+    """Add ``scale`` x grad into the fp32 accumulator (the first gradient of a step overwrites it)."""
+    add_into(state.accumulator(), grad, scale, overwrite=state.phase is ShardPhase.EMPTY, threads=threads)
+    state.phase = ShardPhase.HOLDING
+
+
+def add_into(acc: torch.Tensor, grad: torch.Tensor, scale: float, *, overwrite: bool, threads: int | None) -> None:
+    """acc = scale x grad (``overwrite``) or acc += scale x grad, rounded as the native kernel rounds (a product,
+    then a fused multiply-add). Host buffers go through that kernel on offload's threads: a torch op on a host
+    queue's thread would start an OpenMP team of its own whose threads spin after each op, beside backward's."""
+    if acc.device.type == "cpu" and grad.device.type == "cpu" and grad.is_contiguous():
+        native.accumulate_(acc, grad, scale, overwrite=overwrite, threads=threads)
+    elif overwrite:
+        acc.copy_(grad)
+        if scale != 1.0:
+            acc.mul_(scale)
+    else:
+        acc.add_(grad, alpha=scale)
