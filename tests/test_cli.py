@@ -175,6 +175,17 @@ def test_bench_step_runs_only_the_variants_named_and_refuses_unknown_ones(tmp_pa
     assert "no variant 'clip-later' with offload cpu: choose from host, " in capsys.readouterr().err
 
 
+def test_bench_step_spare_cores_variant_leaves_two_cores_to_the_rest():
+    from offload.bench import step
+    from offload.cpus import default_threads
+    bench = step.StepBench(hidden=64, layers=2, seq=16, micro=2, world=1, only=("host", "host-spare-cores"))
+    variants = bench.variants()
+    assert step.engine_config(bench, variants["host"])["offload"]["cpu_threads"] is None  # the default count
+    assert step.engine_config(bench, variants["host-spare-cores"])["offload"]["cpu_threads"] == \
+        max(1, default_threads() - 2)
+    assert "host-spare-cores" not in step.StepBench(hidden=64, layers=2, seq=16, micro=2, world=1).variants()
+
+
 def test_bench_step_trains_a_named_model_on_every_side(tmp_path, capsys):
     """#20's question is asked of the user's model: a model of the catalog (a Hugging Face GPT-2 here) at its own
     size, which --layers overrides, trained by plain PyTorch and by offload alike."""

@@ -11,9 +11,10 @@
 # is re-tarred into $BUNDLE after every stage (BUNDLE before OUT: the tool's $OUT, expanded before OUT is set), so a
 # call cut at its limit still brings back what finished.
 # What is still open after the H200's third loan of 2026-11-26 (docs/performance.md, "On a GPU"; #20-#22 measured):
-# plan1 (about 5 minutes): install; the CUDA tests and the same under torch's stream sanitizer; the headline step
-#   (the regression check); activations checkpointed with their saved inputs on the GPU and on the host (never run
-#   on a GPU: the memory they save and the recompute's cost).
+# plan1 (about 5-6 minutes): install; the CUDA tests and the same under torch's stream sanitizer; the headline step
+#   (the regression check) beside its host Adam on two threads fewer (`host-spare-cores`: whether the Adam inside
+#   the step, 130 GB/s against 159 alone, loses to threads that lose their cores); activations checkpointed with
+#   their saved inputs on the GPU and on the host (never run on a GPU: the memory they save, the recompute's cost).
 # plan2 (a second call, only with time to spare): DeepSpeed on the 1.3B model, params and optimizer on the host (cut
 #   twice by a call's limit; cut at DS_1P3B_S, default 380 s).
 # If the first call finds the machine cold again for the second (more than 30 s between them), plan2 needs
@@ -30,7 +31,7 @@
 #   install cuda-tests bench-pcie bench-adam bench-hooks bench-step bench-step-default bench-step-placement
 #   bench-step-delayed bench-step-hiding bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
 #   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b
-#   bench-deepspeed-nvme bench-step-checkpointing profile sanitizer suite
+#   bench-deepspeed-nvme bench-step-checkpointing bench-step-threads profile sanitizer suite
 # bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
 # a call of its own (SUITE_S, default 420 s, 14 workers).
 # Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
@@ -173,7 +174,7 @@ adam_threads() {  # its JSON records the host's cores and those this process may
 stages=()
 for s in "$@"; do
   case "$s" in
-    plan1) stages+=(install cuda-tests sanitizer bench-step-default bench-step-checkpointing) ;;
+    plan1) stages+=(install cuda-tests sanitizer bench-step-threads bench-step-checkpointing) ;;
     plan2) stages+=(bench-deepspeed-1p3b) ;;
     *) stages+=("$s") ;;
   esac
@@ -211,6 +212,9 @@ for s in "${stages[@]}"; do
     # Every block checkpointed, its saved inputs on the GPU, then in host memory (torch runs without, beside it): the
     # GPU memory high water each saves and the recompute's cost.
     bench-step-checkpointing) stage bench-step-checkpointing checkpointing_both ;;
+    # The host Adam on every core this process may use beside two fewer (the training thread and the driver keep
+    # theirs): it ran at 130 GB/s inside the H200's step against 159 GB/s alone. Its host row is the headline too.
+    bench-step-threads) stage bench-step-threads py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 3 --variants host,host-spare-cores --out "$OUT/step-threads/step.json" ;;
     bench-step-delayed) stage bench-step-delayed py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,delayed --out "$OUT/step-delayed/step.json" ;;
     bench-step-1p3b) stage bench-step-1p3b py -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --headline-only --out "$OUT/step-1p3b/step.json" ;;
     # torch's profiler over three steps of the headline variant: kernels per stream, the engine's phases per thread.

@@ -56,7 +56,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from offload.cpus import usable_cpus
+from offload.cpus import default_threads, usable_cpus
 from offload.launch import run_ranks
 from offload.models.catalog import lm_loss
 from offload.telemetry import BACKGROUND, FOREGROUND
@@ -64,7 +64,7 @@ from offload.telemetry import BACKGROUND, FOREGROUND
 
 NOISE_FLOOR_S = 0.05  # CPU steps shorter than this time mostly the machine's noise (thread wake-ups, other tenants)
 # Variants that run only when --variants names them.
-NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "nvme-optimizer-speculative",
+NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "host-spare-cores", "nvme-optimizer-speculative",
               "nvme-optimizer-speculative-kept", "nvme-optimizer-early", "nvme-early")
 
 
@@ -172,6 +172,10 @@ class StepBench:
                     "ratio-auto": {"device": "cpu", "ratio": "auto"}, "ratio-half": {"device": "cpu", "ratio": 0.5},
                     # ... and the delayed update after one exact step (not exact: results differ by design).
                     "delayed": {"device": "cpu", "delayed": 1},
+                    # ... and the host Adam on two threads fewer than the cores this process may use, leaving them
+                    # to the training thread and the driver (the pool splits each call evenly: one thread that
+                    # loses its core holds up the whole call).
+                    "host-spare-cores": {"device": "cpu", "spare_cores": 2},
                     # Without clipping the step can overlap backward; the same config with overlap off is its pair.
                     "noclip-overlap": {"device": "cpu", "clip": 0.0, "overlap": "on"},
                     "noclip-after": {"device": "cpu", "clip": 0.0, "overlap": "off"},
@@ -276,6 +280,8 @@ def engine_config(b: StepBench, variant: dict[str, Any]) -> dict[str, Any]:
                                     "sub_group_size": b.sub_group_size,
                                     "stage3_prefetch_bucket_size": variant.get("prefetch", 50_000_000)},
               "offload": {"unit_bytes": b.unit_bytes, "overlap_step": variant.get("overlap", "auto"),
+                          "cpu_threads": max(1, default_threads() - variant["spare_cores"])
+                          if "spare_cores" in variant else None,
                           "early_step": variant.get("early", "auto"),
                           "speculative_step": variant.get("speculative", "auto"),
                           "delayed_update": {"warmup_steps": variant.get("delayed")},
