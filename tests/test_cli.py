@@ -264,6 +264,7 @@ def test_bench_step_early_nvme_moves_the_bytes_of_the_whole_step(tmp_path, monke
     assert variants["nvme-early"]["early"] == 1.0 and variants["nvme"]["early"] == 0.0
     assert variants["nvme-early"]["nvme_bytes"] == variants["nvme"]["nvme_bytes"] > 0
     assert variants["nvme-early"]["wasted_read_bytes"] == variants["nvme"]["wasted_read_bytes"] == 0
+    assert variants["nvme-early"]["wasted_write_bytes"] == variants["nvme"]["wasted_write_bytes"] == 0
 
 
 def test_bench_all_quick_runs_every_benchmark_and_writes_one_json_and_a_plot(tmp_path, capsys):
@@ -323,7 +324,7 @@ def test_bench_step_prints_any_subset_of_its_variants(offload):
     names = list(step.StepBench(offload=offload, world=1)._all_variants())
     row = {k: 0.01 for k in ("step_s", "optimizer_s", "adam_s", "gather_s", "nvme_wait_s", "speculative_s",
                              "param_wait_s", "param_read_s", "optimizer_io_s", "collective_bytes",
-                             "wasted_read_bytes")}
+                             "wasted_read_bytes", "wasted_write_bytes")}
     row |= {"copies_hidden": 0.5, "speculation_kept": 1.0, "speculation_recomputed": 0.0,
             "speculation_cancelled": 2.0, "nvme_bytes": 2**20, "early": 1.0}
     bench = asdict(step.StepBench(offload=offload, world=1))

@@ -674,6 +674,23 @@ def test_optimizer_read_ahead_dropped_unused_is_counted_as_wasted(rooms, drop):
     assert_state(store, state)
 
 
+def test_an_aborted_pass_counts_what_it_read_and_wrote_for_nothing(rooms):
+    """A wrong speculation (or a failed step) aborts the pass: the sub-groups it had read, and those it had written,
+    are read and written again by the pass that steps them for real. The bench reports that as wasted."""
+    store, state = built(rooms, buffer_count=2)
+    passing = store.step_pass()
+    first = next(passing)
+    adam_like(first.resident, 1)
+    second = next(passing)  # the first is released (written) as the pass goes on; the second is held
+    in_flight = [g for g, *_ in store._pass.reading]
+    handed = store.abort_pass()
+    assert {g.index for g in handed} == {first.index, second.index}
+    tel = store.telemetry.snapshot().bytes
+    assert tel["nvme_write_wasted"] == first.nbytes
+    assert tel["nvme_read_wasted"] == first.nbytes + second.nbytes + sum(g.nbytes for g in in_flight)
+    assert_state(store, state)  # nothing flipped
+
+
 @pytest.mark.parametrize("op, skip", [("write", 0), ("write", 3), ("read", 0), ("read", 2)])
 def test_optimizer_failed_transfer_then_abort_pass_keeps_the_last_completed_step(rooms, op, skip):
     store, state = built(rooms, buffer_count=2)

@@ -475,6 +475,7 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
                          "nvme_bytes": per_step(name, "nvme_read", "bytes") + per_step(name, "nvme_write", "bytes"),
                          # reads started ahead, dropped unused: parameters', sub-groups' (in nvme_bytes too)
                          "wasted_read_bytes": per_step(name, "nvme_read_wasted", "bytes"),
+                         "wasted_write_bytes": per_step(name, "nvme_write_wasted", "bytes"),
                          "early": 1.0 if variants[name].get("early") == "on" else 0.0,  # step() returned before Adam
                          "collective_bytes": sum(per_step(name, k, "bytes")
                                                  for k in ("all_gather", "reduce_scatter", "all_reduce"))}
@@ -623,10 +624,12 @@ def print_table(result: StepResult, out: TextIO) -> None:
             gbps = row["nvme_bytes"] / row["optimizer_s"] / 1e9 if row["nvme_bytes"] and row["optimizer_s"] else 0
             note = ("  (the NVMe pass runs after step() returned; its stall is the forward's)" if early and gbps
                     else f"  ({gbps:.2f} GB/s through the optimizer phase)" if gbps else "")
-            wasted = row["wasted_read_bytes"]  # parameters' and sub-groups' reads dropped unused
+            # Read ahead and dropped unused, or read (and written) by a pass a wrong speculation or failure aborted.
+            wasted, rewritten = row["wasted_read_bytes"], row["wasted_write_bytes"]
             print(f"    {name:12s} {row['step_s'] * 1e3:8.1f} ms  {row['optimizer_s'] * 1e3:8.1f} ms  "
                   f"{row['nvme_wait_s'] * 1e3:8.1f} ms" + note
-                  + (f"; {wasted / 2**20:.1f} MiB a step read ahead and dropped" if wasted else ""), file=out)
+                  + (f"; {wasted / 2**20:.1f} MiB a step read for nothing" if wasted else "")
+                  + (f", {rewritten / 2**20:.1f} MiB written for nothing" if rewritten else ""), file=out)
         if "nvme" in v and "host" in v:
             print(f"  the disk's cost: nvme/host step {v['nvme']['step_s'] / v['host']['step_s']:.2f}x", file=out)
         if "nvme-serial" in v and "nvme-optimizer" in v:

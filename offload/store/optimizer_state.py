@@ -492,13 +492,18 @@ class NvmePass:
 
     def abort(self) -> list[SubGroup]:
         """Let every transfer finish (buffers are reused after) and flip nothing; returns the sub-groups it
-        handed out (their new state is discarded)."""
+        handed out (their new state is discarded). What it read and wrote for them counts as wasted: a wrong
+        speculation or a failed step reads them again."""
         self._drop_reads()
-        for _, write in self.released.values():
+        for g, write in self.released.values():
             wait_quietly(write)
+            self.tel.add_bytes("nvme_write_wasted", g.nbytes)  # counted in nvme_write too
         released = [g for g, _ in self.released.values()]
         self.released.clear()
-        return released + self._drop_taken()
+        handed = released + self._drop_taken()
+        for g in handed:
+            self.tel.add_bytes("nvme_read_wasted", g.nbytes)  # counted in nvme_read too
+        return handed
 
     def settle(self) -> list[SubGroup]:
         """Stop early: reads are dropped, released sub-groups whose write completed are committed (their step
