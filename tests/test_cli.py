@@ -168,6 +168,8 @@ def test_bench_step_runs_only_the_variants_named_and_refuses_unknown_ones(tmp_pa
     report = json.loads(out.read_text())
     assert list(report["variants"]) == ["clip-after", "host", "ratio-half", "delayed"]
     assert report["memory"]["ratio-half"]["device"] > report["memory"]["host"]["device"]  # half the state there
+    from offload.cpus import default_threads
+    assert report["variants"]["host"]["adam_threads"] == default_threads()  # recorded: the count differs by machine
     assert "ratio-half:" in capsys.readouterr().out
     assert report["offload_step_s"] == report["variants"]["clip-after"]["step_s"]  # the first is the headline
     capsys.readouterr()
@@ -326,7 +328,7 @@ def test_bench_step_prints_any_subset_of_its_variants(offload):
                              "param_wait_s", "param_read_s", "optimizer_io_s", "collective_bytes",
                              "wasted_read_bytes", "wasted_write_bytes")}
     row |= {"copies_hidden": 0.5, "speculation_kept": 1.0, "speculation_recomputed": 0.0,
-            "speculation_cancelled": 2.0, "nvme_bytes": 2**20, "early": 1.0}
+            "speculation_cancelled": 2.0, "nvme_bytes": 2**20, "early": 1.0, "adam_threads": 2.0}
     bench = asdict(step.StepBench(offload=offload, world=1))
     for first in names:
         for second in names:

@@ -75,8 +75,26 @@ def test_a_second_train_runs_as_the_plain_trainers_second_does(tmp_path):
     assert max(logged(ours, "learning_rate")) == pytest.approx(1e-3)
     assert ours.engine.global_steps == 8
     ours.args.gradient_accumulation_steps = 1
-    with pytest.raises(ValueError, match=r"gradient_accumulation_steps 2 -> 1.*build a new Trainer"):
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps \(gradient_accumulation_steps\) 2 -> 1; "
+                                         r"keep them, or build a new Trainer"):
         ours.train()
+
+
+def test_a_config_without_batch_keys_follows_the_arguments(tmp_path):
+    """The Trainer's loop decides the micro-batch and the accumulation: a config that leaves them out trains as the
+    plain Trainer does (an engine at its defaults of one would step at every micro-batch), twice over."""
+    path = save(tiny("llama"), tmp_path / "ckpt")
+    bare = {"zero_optimization": DS["zero_optimization"], "offload": DS["offload"], "gradient_clipping": "auto"}
+    ref = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                               args=arguments(tmp_path / "ref"), train_dataset=data())
+    ours = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=arguments(tmp_path / "ours"),
+                              offload_config=bare, train_dataset=data())
+    for _ in range(2):
+        ref.train()
+        ours.train()
+        assert logged(ours) == pytest.approx(logged(ref), rel=1e-6)
+        assert logged(ours, "learning_rate") == pytest.approx(logged(ref, "learning_rate"))
+    assert ours.engine.global_steps == 8 and ours.engine.config.gradient_accumulation_steps == 2
 
 
 def test_a_second_train_restarts_the_configs_schedule(tmp_path):
@@ -196,7 +214,8 @@ def test_a_value_that_contradicts_the_arguments_is_refused_naming_both(tmp_path)
     assert "- ds gradient_clipping=1.0 vs hf max_grad_norm=0.3" in message
     assert "optimizer.params.lr" not in message  # it agrees
     assert resolve({"zero_optimization": {"stage": 3}}, arguments(tmp_path), tiny("llama"), 10) == \
-        {"zero_optimization": {"stage": 3}}  # absent keys stay absent
+        {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+    # absent keys stay absent, but for the batch the Trainer's loop decides
 
 
 def test_deepspeed_and_auto_find_batch_size_in_the_arguments_are_refused(tmp_path):

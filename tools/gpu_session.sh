@@ -13,7 +13,7 @@
 # What is still open after the H200's third loan of 2026-11-26 (docs/performance.md, "On a GPU"; #20-#22 measured):
 # plan1 (about 5-6 minutes): install; the CUDA tests and the same under torch's stream sanitizer; the headline step
 #   (the regression check) beside its host Adam on two threads fewer (`host-spare-cores`: whether the Adam inside
-#   the step, 130 GB/s against 159 alone, loses to threads that lose their cores); activations checkpointed with
+#   the step, 110-115 GB/s against 159 alone, loses to threads that lose their cores); activations checkpointed with
 #   their saved inputs on the GPU and on the host (never run on a GPU: the memory they save, the recompute's cost).
 # plan2 (a second call, only with time to spare): DeepSpeed on the 1.3B model, params and optimizer on the host (cut
 #   twice by a call's limit; cut at DS_1P3B_S, default 380 s).
@@ -213,7 +213,7 @@ for s in "${stages[@]}"; do
     # GPU memory high water each saves and the recompute's cost.
     bench-step-checkpointing) stage bench-step-checkpointing checkpointing_both ;;
     # The host Adam on every core this process may use beside two fewer (the training thread and the driver keep
-    # theirs): it ran at 130 GB/s inside the H200's step against 159 GB/s alone. Its host row is the headline too.
+    # theirs): it ran at 110-115 GB/s inside the H200's step against 159 GB/s alone. Its host row is the headline too.
     bench-step-threads) stage bench-step-threads py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 3 --variants host,host-spare-cores --out "$OUT/step-threads/step.json" ;;
     bench-step-delayed) stage bench-step-delayed py -m offload bench step "${M156[@]}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants host,delayed --out "$OUT/step-delayed/step.json" ;;
     bench-step-1p3b) stage bench-step-1p3b py -m offload bench step "${M1P3B[@]}" --unit-bytes 64Mi --steps 3 --rounds 2 --headline-only --out "$OUT/step-1p3b/step.json" ;;

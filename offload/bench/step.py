@@ -174,7 +174,7 @@ class StepBench:
                     "delayed": {"device": "cpu", "delayed": 1},
                     # ... and the host Adam on two threads fewer than the cores this process may use, leaving them
                     # to the training thread and the driver (the pool splits each call evenly: one thread that
-                    # loses its core holds up the whole call).
+                    # loses its core holds up the whole call). Per rank: W ranks on one host take that many each.
                     "host-spare-cores": {"device": "cpu", "spare_cores": 2},
                     # Without clipping the step can overlap backward; the same config with overlap off is its pair.
                     "noclip-overlap": {"device": "cpu", "clip": 0.0, "overlap": "on"},
@@ -338,7 +338,8 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
     return {"times": times, "seconds": _since(start.seconds, timed.seconds),
             "counts": _since(start.counts, timed.counts),
             "bytes": {k: v * b.steps / counted for k, v in moved.items()},  # as for b.steps steps
-            "overlap": overlap, "peak": peak, "memory": memory}
+            "overlap": overlap, "peak": peak, "memory": memory,
+            "adam_threads": engine.optimizer.threads or default_threads()}  # the host kernels' (per rank)
 
 
 def _since(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
@@ -473,10 +474,12 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
                          "param_read_s": per_step(name, "param_read"),
                          "optimizer_io_s": per_step(name, "optimizer_io"),
                          "nvme_bytes": per_step(name, "nvme_read", "bytes") + per_step(name, "nvme_write", "bytes"),
-                         # reads started ahead, dropped unused: parameters', sub-groups' (in nvme_bytes too)
+                         # reads (and writes) for nothing: read ahead and dropped unused, parameters' and
+                         # sub-groups', or by an optimizer pass that was aborted (in nvme_bytes too)
                          "wasted_read_bytes": per_step(name, "nvme_read_wasted", "bytes"),
                          "wasted_write_bytes": per_step(name, "nvme_write_wasted", "bytes"),
                          "early": 1.0 if variants[name].get("early") == "on" else 0.0,  # step() returned before Adam
+                         "adam_threads": float(runs[name][0]["adam_threads"]),
                          "collective_bytes": sum(per_step(name, k, "bytes")
                                                  for k in ("all_gather", "reduce_scatter", "all_reduce"))}
                   for name in variants},
@@ -611,8 +614,8 @@ def print_table(result: StepResult, out: TextIO) -> None:
         if name in v:
             mem = result.memory.get(name, {})
             print(f"  {name}: {v[name]['step_s'] * 1e3:.1f} ms/step = {result.vs_torch(v[name]['step_s'])}; "
-                  f"device {mem.get('device', 0) / 2**20:.1f} MiB, host {mem.get('host', 0) / 2**20:.1f} MiB",
-                  file=out)
+                  f"device {mem.get('device', 0) / 2**20:.1f} MiB, host {mem.get('host', 0) / 2**20:.1f} MiB; "
+                  f"host kernels on {v[name]['adam_threads']:.0f} threads", file=out)
     if "params-host-early" in v and "params-host" in v:
         print(f"  parameters on the host: step() whole {v['params-host']['step_s'] * 1e3:.1f} ms/step, returning "
               f"before Adam {v['params-host-early']['step_s'] * 1e3:.1f} ms/step; the early step's gain "

@@ -105,8 +105,8 @@ def _speculation_unwanted(config: Config, compute_dtype: torch.dtype) -> str | N
         # 2026-11-26, third loan): 0.93-0.94x kept but 1.37x recomputed; adaptively (as NVMe sub-groups do) each
         # clipping onset costs about seven kept steps' gain, so it loses wherever more than one step in eight clips.
         return ("'auto' speculates only on NVMe sub-groups (host ones measured slower on a CPU, where Adam and "
-                "backward share the cores, and on a GPU 6% faster when clipping does not fire but 37% slower "
-                "when it does); set offload.speculative_step to \"on\" to speculate on the host's too")
+                "backward share the cores; on a GPU 6% faster when clipping does not fire, 37% slower when it "
+                "does); set offload.speculative_step to \"on\" to speculate on the host's too")
     return None
 
 

@@ -6,8 +6,10 @@ same file must mean the same thing: each key below is filled from the same argum
 the same rule as transformers' DeepSpeed integration (``HfTrainerDeepSpeedConfig``).
 An ``"auto"`` value is replaced; any other value must equal the argument's, or the
 config is refused with every mismatch named (``- ds <key>=<value> vs hf <argument>=<value>``);
-a key that is absent stays absent. Keys filled only where ``"auto"`` (never compared):
-``warmup_min_lr``, and the bucket and persistence sizes derived from the model's width.
+a key that is absent stays absent, except the micro-batch and accumulation, which the
+Trainer's loop decides: absent, they are filled as ``"auto"`` would be. Keys filled only
+where ``"auto"`` (never compared): ``warmup_min_lr``, and the bucket and persistence sizes
+derived from the model's width.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ def resolve(config: dict[str, Any], args: Any, model: nn.Module, num_training_st
             args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps,
             "train_batch_size (calculated)", not auto_batch)
     f.match("gradient_clipping", args.max_grad_norm, "max_grad_norm")
+    # The Trainer's loop decides the batch and where an accumulation ends, so absent batch keys follow its
+    # arguments as "auto" does (DeepSpeed refuses a config without them; an engine left at its defaults of one
+    # would step at every micro-batch of the loop's accumulation).
+    f.config.setdefault("train_micro_batch_size_per_gpu", args.per_device_train_batch_size)
+    f.config.setdefault("gradient_accumulation_steps", args.gradient_accumulation_steps)
     f.match("optimizer.params.lr", args.learning_rate, "learning_rate")
     f.match("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2")
     f.match("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")

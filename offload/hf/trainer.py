@@ -38,8 +38,9 @@ from offload.optim.schedules import build_schedule
 from offload.pretrained import PretrainedWeights
 
 ENGINE_CHECKPOINT = "offload"  # the engine's checkpoint directory inside checkpoint-N
-# What the engine is built for, from TrainingArguments: a later train() may not change them.
-_FIXED_AT_BUILD = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
+# The TrainingArguments the engine is built for (with the config keys they fill): a later train() keeps them.
+_FIXED_AT_BUILD = {"per_device_train_batch_size": "train_micro_batch_size_per_gpu",
+                   "gradient_accumulation_steps": "gradient_accumulation_steps", "max_grad_norm": "gradient_clipping"}
 
 
 class _EngineOptimizer:
@@ -108,6 +109,7 @@ class Trainer(transformers.Trainer):
             else PretrainedWeights(weights)
         self.engine: Any = None
         self.step_lr: list[float] | None = None  # the learning rate of the step last applied
+        self._built_for: dict[str, Any] = {}  # the arguments of _FIXED_AT_BUILD the engine was built with
         super().__init__(model=model, args=args, **kwargs)
 
     # ----------------------------------------------------------------- the engine
@@ -132,6 +134,7 @@ class Trainer(transformers.Trainer):
 
     def _build_engine(self, num_training_steps: int) -> None:
         config = resolve(self.offload_config, self.args, self.model, num_training_steps)
+        self._built_for = {arg: getattr(self.args, arg) for arg in _FIXED_AT_BUILD}
         kwargs: dict[str, Any] = {}
         if "optimizer" not in config:  # the Trainer's AdamW, with its decay / no-decay groups
             kwargs["optimizer"] = self.create_optimizer()
@@ -156,13 +159,13 @@ class Trainer(transformers.Trainer):
         """A later ``train()`` runs a schedule of its own over its steps, as the plain Trainer's does (which
         rebuilds the schedule it created); Adam's state and the step count go on. What the engine was built for
         (micro-batch, accumulation, clipping) must not have changed in the arguments since."""
-        config = Config.load(resolve(self.offload_config, self.args, self.model, num_training_steps))
-        built = self.engine.config
-        changed = [f"{key} {getattr(built, key)} -> {getattr(config, key)}" for key in _FIXED_AT_BUILD
-                   if float(getattr(config, key) or 0) != float(getattr(built, key) or 0)]
+        changed = [f"{arg} ({key}) {self._built_for[arg]} -> {getattr(self.args, arg)}"
+                   for arg, key in _FIXED_AT_BUILD.items() if getattr(self.args, arg) != self._built_for[arg]]
         if changed:
             raise ValueError(f"offload.hf.Trainer: the engine was built by the first train() and these arguments "
-                             f"changed since ({'; '.join(changed)}); keep them, or build a new Trainer")
+                             f"changed since: {'; '.join(changed)}; keep them, or build a new Trainer")
+        config = Config.load(resolve(self.offload_config, self.args, self.model, num_training_steps))
+        self.step_lr = None  # the last run's, until this run's first step
         optimizer, old = self.engine.optimizer, self.engine.lr_scheduler
         for group, lr in zip(optimizer.param_groups, getattr(old, "base_lrs", ())):
             group["lr"] = lr  # schedules that scale the rate they find (cosine, Hugging Face's) start from the base

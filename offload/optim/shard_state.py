@@ -85,7 +85,7 @@ class ShardState:
 
     index: int  # the unit's
     name: str  # the unit's, for traces
-    grad: torch.Tensor | None  # fp32 gradient accumulator (host when offloaded, made on first use: see [Note: ...])
+    grad: torch.Tensor | None  # fp32 accumulator (host when offloaded; made on first use, see accumulator())
     segments: list[Segment]
     gaps: list[tuple[int, int]] = field(default_factory=list)  # elements no segment covers (frozen, padding)
     phase: ShardPhase = ShardPhase.EMPTY
