@@ -80,21 +80,26 @@ def test_a_second_train_runs_as_the_plain_trainers_second_does(tmp_path):
         ours.train()
 
 
-def test_a_config_without_batch_keys_follows_the_arguments(tmp_path):
+def test_a_config_without_batch_or_clipping_keys_follows_the_arguments(tmp_path, caplog):
     """The Trainer's loop decides the micro-batch and the accumulation: a config that leaves them out trains as the
-    plain Trainer does (an engine at its defaults of one would step at every micro-batch), twice over."""
+    plain Trainer does (an engine at its defaults of one would step at every micro-batch), twice over; and clips
+    at max_grad_norm as the plain Trainer does, saying so (DeepSpeed would not clip)."""
     path = save(tiny("llama"), tmp_path / "ckpt")
-    bare = {"zero_optimization": DS["zero_optimization"], "offload": DS["offload"], "gradient_clipping": "auto"}
+    bare = {"zero_optimization": DS["zero_optimization"], "offload": DS["offload"]}
     ref = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                               args=arguments(tmp_path / "ref"), train_dataset=data())
-    ours = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=arguments(tmp_path / "ours"),
-                              offload_config=bare, train_dataset=data())
+                               args=arguments(tmp_path / "ref", max_grad_norm=0.05), train_dataset=data())
+    ours = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, offload_config=bare,
+                              args=arguments(tmp_path / "ours", max_grad_norm=0.05), train_dataset=data())
     for _ in range(2):
         ref.train()
-        ours.train()
+        with caplog.at_level("WARNING", logger="offload.hf"):
+            ours.train()
         assert logged(ours) == pytest.approx(logged(ref), rel=1e-6)
         assert logged(ours, "learning_rate") == pytest.approx(logged(ref, "learning_rate"))
+    assert min(logged(ref, "grad_norm")) > 0.05  # clipping fired on every step
+    assert "no gradient_clipping, so gradients are clipped at max_grad_norm=0.05" in caplog.text
     assert ours.engine.global_steps == 8 and ours.engine.config.gradient_accumulation_steps == 2
+    assert ours.engine.config.gradient_clipping == 0.05
 
 
 def test_a_second_train_restarts_the_configs_schedule(tmp_path):
@@ -213,9 +218,9 @@ def test_a_value_that_contradicts_the_arguments_is_refused_naming_both(tmp_path)
     assert "- ds train_micro_batch_size_per_gpu=8 vs hf per_device_train_batch_size=2" in message
     assert "- ds gradient_clipping=1.0 vs hf max_grad_norm=0.3" in message
     assert "optimizer.params.lr" not in message  # it agrees
-    assert resolve({"zero_optimization": {"stage": 3}}, arguments(tmp_path), tiny("llama"), 10) == \
+    assert resolve({"zero_optimization": {"stage": 3}}, arguments(tmp_path, max_grad_norm=0), tiny("llama"), 10) == \
         {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
-    # absent keys stay absent, but for the batch the Trainer's loop decides
+    # absent keys stay absent, but for the batch the Trainer's loop decides (and clipping, when the Trainer clips)
 
 
 def test_deepspeed_and_auto_find_batch_size_in_the_arguments_are_refused(tmp_path):

@@ -7,7 +7,9 @@ the same rule as transformers' DeepSpeed integration (``HfTrainerDeepSpeedConfig
 An ``"auto"`` value is replaced; any other value must equal the argument's, or the
 config is refused with every mismatch named (``- ds <key>=<value> vs hf <argument>=<value>``);
 a key that is absent stays absent, except the micro-batch and accumulation, which the
-Trainer's loop decides: absent, they are filled as ``"auto"`` would be. Keys filled only
+Trainer's loop decides (absent, they are filled as ``"auto"`` would be), and clipping:
+absent, it is ``max_grad_norm``'s, as the plain Trainer clips (DeepSpeed would not clip),
+with a warning that says so. Keys filled only
 where ``"auto"`` (never compared): ``warmup_min_lr``, and the bucket and persistence sizes
 derived from the model's width.
 """
@@ -15,9 +17,13 @@ derived from the model's width.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 from torch import nn
+
+
+logger = logging.getLogger("offload.hf")
 
 
 class ConfigMismatch(ValueError):
@@ -76,6 +82,13 @@ def resolve(config: dict[str, Any], args: Any, model: nn.Module, num_training_st
     # would step at every micro-batch of the loop's accumulation).
     f.config.setdefault("train_micro_batch_size_per_gpu", args.per_device_train_batch_size)
     f.config.setdefault("gradient_accumulation_steps", args.gradient_accumulation_steps)
+    if "gradient_clipping" not in f.config and args.max_grad_norm:
+        # The plain Trainer clips at max_grad_norm (1.0 unless set); DeepSpeed, given no gradient_clipping, would
+        # not clip at all, silently. Clip as the Trainer would, and say so.
+        f.config["gradient_clipping"] = args.max_grad_norm
+        logger.warning("offload config: no gradient_clipping, so gradients are clipped at max_grad_norm=%s as "
+                       "the Trainer clips them (DeepSpeed would not clip); set gradient_clipping to 0 (or "
+                       "max_grad_norm to 0) to turn clipping off", args.max_grad_norm)
     f.match("optimizer.params.lr", args.learning_rate, "learning_rate")
     f.match("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2")
     f.match("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")
