@@ -164,7 +164,7 @@ def _train_on_rank(rank, world, path, out, offloaded):
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
     trainer.train()
-    return logged(trainer), logged(trainer, "grad_norm")
+    return logged(trainer), logged(trainer, "grad_norm"), trainer.evaluate(rows[:8])["eval_loss"]
 
 
 def test_trains_as_the_plain_trainer_does_at_w2(tmp_path):
@@ -172,9 +172,10 @@ def test_trains_as_the_plain_trainer_does_at_w2(tmp_path):
     ref = run_ranks(_train_on_rank, 2, path=path, out=str(tmp_path / "ref"), offloaded=False)
     ours = run_ranks(_train_on_rank, 2, path=path, out=str(tmp_path / "ours"), offloaded=True)
     assert len(ours[0][0]) == 4
-    for (loss, norm), (ref_loss, ref_norm) in zip(ours, ref):
+    for (loss, norm, evaluated), (ref_loss, ref_norm, ref_evaluated) in zip(ours, ref):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert norm == pytest.approx(ref_norm, rel=1e-4)
+        assert evaluated == pytest.approx(ref_evaluated, rel=1e-5)
 
 
 # ----------------------------------------------------------------- "auto", as Hugging Face resolves it
@@ -218,6 +219,7 @@ def test_a_value_that_contradicts_the_arguments_is_refused_naming_both(tmp_path)
     assert "- ds train_micro_batch_size_per_gpu=8 vs hf per_device_train_batch_size=2" in message
     assert "- ds gradient_clipping=1.0 vs hf max_grad_norm=0.3" in message
     assert "optimizer.params.lr" not in message  # it agrees
+    assert resolve({}, arguments(tmp_path, bf16=True), tiny("llama"), 10)["bf16"] == {"enabled": True}  # as accelerate
     assert resolve({"zero_optimization": {"stage": 3}}, arguments(tmp_path, max_grad_norm=0), tiny("llama"), 10) == \
         {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
     # absent keys stay absent, but for the batch the Trainer's loop decides (and clipping, when the Trainer clips)
@@ -268,10 +270,13 @@ def test_evaluate_predict_and_generate_run_through_the_engine_as_the_plain_train
     path = save(tiny("llama"), tmp_path / "ckpt")
     ref = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
                                args=arguments(tmp_path / "ref"), train_dataset=data(), eval_dataset=data(rows=6))
+    before = ref.evaluate()["eval_loss"]
     ref.train()
     ours = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=arguments(tmp_path / "ours"),
                               offload_config=DS, train_dataset=data(), eval_dataset=data(rows=6))
+    assert ours.evaluate()["eval_loss"] == pytest.approx(before, rel=1e-6)  # before train(): the engine built for it
     ours.train()
+    assert logged(ours) == pytest.approx(logged(ref), rel=1e-6)
     loss = ours.evaluate()["eval_loss"]
     assert loss == pytest.approx(ref.evaluate()["eval_loss"], rel=1e-6)
     got, expected = ours.predict(data(rows=6)), ref.predict(data(rows=6))
@@ -285,6 +290,50 @@ def test_evaluate_predict_and_generate_run_through_the_engine_as_the_plain_train
     assert generated.shape == (2, 17)
     assert torch.equal(generated, ref.model.generate(prompt, **kw))
     assert ours.evaluate()["eval_loss"] == loss  # bitwise: nothing of the engine's state moved
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoint_into_the_engine(tmp_path):
+    """The best checkpoint's whole engine state, as DeepSpeed's integration loads it: the weights alone would leave
+    the fp32 masters at the last step, so evaluating and a later train() would disagree."""
+    from safetensors.torch import load_file
+    path = save(tiny("llama"), tmp_path / "ckpt")
+    args = arguments(tmp_path / "run", eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                     load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    trainer = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=args, offload_config=DS,
+                                 train_dataset=data(), eval_dataset=data(rows=4))
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and not best.endswith("checkpoint-4")  # the highest eval loss: an early step's
+    saved = load_file(f"{best}/model.safetensors")
+    state = trainer.engine.full_state_dict()
+    assert all(torch.equal(state[k], v) for k, v in saved.items())
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"torch_compile": True}, "torch_compile: the engine's hooks gather and release each unit"),
+    ({"fsdp": "full_shard"}, "fsdp: offload shards the model itself"),
+    ({"bf16_full_eval": True}, "bf16_full_eval/fp16_full_eval: casting the model for evaluation"),
+    ({"optim": "sgd"}, "optim='sgd': the engine runs Adam/AdamW only"),
+    ({"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "steps"},
+     "lr_scheduler_type='reduce_lr_on_plateau' steps on an evaluation metric"),
+], ids=["torch_compile", "fsdp", "full_eval", "optim", "plateau"])
+def test_arguments_the_engine_cannot_honour_are_refused_by_name(tmp_path, kw, message):
+    path = save(tiny("llama"), tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"cannot honour these TrainingArguments:\n- " + message):
+        offload.hf.Trainer(model=offload.hf.meta_model(path), args=arguments(tmp_path / "run", **kw),
+                           offload_config=DS)
+
+
+def test_model_init_is_refused_and_overridden_arguments_are_named(tmp_path, caplog):
+    path = save(tiny("llama"), tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="model_init= is not supported: the engine is built once"):
+        offload.hf.Trainer(model_init=lambda: offload.hf.meta_model(path), args=arguments(tmp_path / "run"),
+                           offload_config=DS)
+    config = {**DS, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    with caplog.at_level("WARNING", logger="offload.hf"):
+        offload.hf.Trainer(model=offload.hf.meta_model(path), args=arguments(tmp_path / "run", optim="sgd"),
+                           offload_config=config)
+    assert "its optimizer/scheduler sections are used" in caplog.text and "optim='sgd'" in caplog.text
 
 
 def test_the_worked_example_fine_tunes_under_torchrun(tmp_path):

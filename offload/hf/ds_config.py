@@ -9,7 +9,8 @@ config is refused with every mismatch named (``- ds <key>=<value> vs hf <argumen
 a key that is absent stays absent, except the micro-batch and accumulation, which the
 Trainer's loop decides (absent, they are filled as ``"auto"`` would be), and clipping:
 absent, it is ``max_grad_norm``'s, as the plain Trainer clips (DeepSpeed would not clip),
-with a warning that says so. Keys filled only
+with a warning that says so; ``bf16``/``fp16`` asked for by the arguments add their
+section when it is absent, as accelerate adds it for DeepSpeed. Keys filled only
 where ``"auto"`` (never compared): ``warmup_min_lr``, and the bucket and persistence sizes
 derived from the model's width.
 """
@@ -97,6 +98,9 @@ def resolve(config: dict[str, Any], args: Any, model: nn.Module, num_training_st
     f.match("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
     f.match("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
     f.match("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
+    for kind in ("fp16", "bf16"):  # an argument asking for it adds the section, as accelerate does for DeepSpeed
+        if getattr(args, kind) and kind not in f.config:
+            f.config[kind] = {"enabled": True}
     width_keys = ["zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
                   "zero_optimization.stage3_param_persistence_threshold"]
     if any(f.is_auto(k) for k in width_keys):

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from accelerate.utils.memory import clear_device_cache
 from torch import nn
 
 from offload.config import Config
@@ -36,6 +38,8 @@ from offload.engine.initialize import initialize
 from offload.hf.ds_config import resolve
 from offload.optim.schedules import build_schedule
 from offload.pretrained import PretrainedWeights
+
+logger = logging.getLogger("offload.hf")
 
 ENGINE_CHECKPOINT = "offload"  # the engine's checkpoint directory inside checkpoint-N
 # The TrainingArguments the engine is built for (with the config keys they fill): a later train() keeps them.
@@ -104,7 +108,13 @@ class Trainer(transformers.Trainer):
             if kwargs.get(unsupported) not in (None, (None, None)):
                 raise ValueError(f"offload.hf.Trainer: {unsupported}= is not supported; the engine runs Adam/AdamW "
                                  "from the config's optimizer section (or TrainingArguments' AdamW settings)")
+        if kwargs.get("model_init") is not None:
+            raise ValueError("offload.hf.Trainer: model_init= is not supported: the engine is built once around the "
+                             "model it is given (hyperparameter_search would need a new engine per trial); pass "
+                             "model= and build a new Trainer per trial")
         self.offload_config = _raw_config(offload_config)
+        if args is not None:
+            _check_arguments(args, self.offload_config)
         self.weights = weights if weights is None or isinstance(weights, PretrainedWeights) \
             else PretrainedWeights(weights)
         self.engine: Any = None
@@ -146,6 +156,9 @@ class Trainer(transformers.Trainer):
         self.lr_scheduler = None
         self.engine, *_ = initialize(model=self.model, config=config, weights=self.weights,
                                      device=self.args.device, **kwargs)
+        # accelerate's prepare_model (evaluation runs it on a model it has not seen) leaves the model as it is: no
+        # device move of the engine's parameters, no autocast wrapper left on its forward for training.
+        self.model._is_accelerate_prepared = True
         self.optimizer = _EngineOptimizer(self.engine)  # type: ignore[assignment]
         self.lr_scheduler = _EngineSchedule(self)  # type: ignore[assignment]
 
@@ -172,6 +185,30 @@ class Trainer(transformers.Trainer):
         self.engine.lr_scheduler = build_schedule(optimizer, config.scheduler) if config.scheduler is not None \
             else self._trainer_schedule(num_training_steps, optimizer)
 
+    def _ensure_engine(self) -> None:
+        """Evaluating, predicting or saving before train(): the engine is built now (the model may be on the meta
+        device until then), its schedule over the steps train() would take (train() renews it anyway)."""
+        if self.engine is not None:
+            return
+        steps = max(1, self.args.max_steps)
+        if self.train_dataset is not None:
+            steps = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
+        self._build_engine(steps)
+        self.model_wrapped = self.model
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        self._ensure_engine()
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        self._ensure_engine()
+        return super().predict(*args, **kwargs)
+
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end: the best checkpoint's engine state, as DeepSpeed's integration loads its whole
+        checkpoint (the weights alone would leave the engine's fp32 masters at the last step)."""
+        self.engine.load_checkpoint(Path(self.state.best_model_checkpoint) / ENGINE_CHECKPOINT)
+
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         if self.engine is not None and optimizer is None:
             return self.lr_scheduler  # the engine's, built with it
@@ -186,6 +223,9 @@ class Trainer(transformers.Trainer):
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
+        every = self.args.torch_empty_cache_steps
+        if every is not None and self.state.global_step % every == 0:
+            clear_device_cache()
         scaled = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else (
             (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
         if not scaled:
@@ -211,8 +251,7 @@ class Trainer(transformers.Trainer):
         """Hugging Face's format: config.json and the gathered weights as model.safetensors (every rank takes part:
         the weights are gathered unit by unit)."""
         output_dir = output_dir or self.args.output_dir
-        if self.engine is None:
-            return super().save_model(output_dir, _internal_call)
+        self._ensure_engine()
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         self.engine.write_weights(output_dir, "model.safetensors")
         if self.args.should_save:
@@ -224,7 +263,11 @@ class Trainer(transformers.Trainer):
                 unwrapped.generation_config.save_pretrained(output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
+            elif getattr(self.data_collator, "tokenizer", None) is not None:  # as the plain Trainer falls back
+                self.data_collator.tokenizer.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        if self.args.push_to_hub and not _internal_call:  # a user's save_model, as the plain Trainer's
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self.engine.save_checkpoint(Path(output_dir) / ENGINE_CHECKPOINT)
@@ -236,6 +279,46 @@ class Trainer(transformers.Trainer):
         if not (Path(resume_from_checkpoint) / ENGINE_CHECKPOINT).is_dir():
             raise ValueError(f"{resume_from_checkpoint} holds no offload engine checkpoint ({ENGINE_CHECKPOINT}/): "
                              "was it written by offload.hf.Trainer?")
+
+
+# The Trainer's own optimizers the engine's Adam/AdamW reproduces (the rest are refused by name).
+_ADAMW = ("adamw_torch", "adamw_torch_fused")
+# Schedules that step on an evaluation metric, which the engine's step never sees.
+_METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
+
+
+def _check_arguments(args: transformers.TrainingArguments, config: dict[str, Any]) -> None:
+    """TrainingArguments that would act where the engine has taken over: refused by name with what to do, never
+    ignored. Those a config section overrides, as in DeepSpeed's integration, are named in a warning."""
+    problems = []
+    if args.torch_compile:
+        problems.append("torch_compile: the engine's hooks gather and release each unit around its modules, which "
+                        "a compiled graph of the whole model would bypass; drop torch_compile")
+    if args.fsdp:
+        problems.append("fsdp: offload shards the model itself (ZeRO stage 3 in the config); drop fsdp and "
+                        "fsdp_config")
+    if args.bf16_full_eval or args.fp16_full_eval:
+        problems.append("bf16_full_eval/fp16_full_eval: casting the model for evaluation would cut its parameters "
+                        "loose from the engine's shards; evaluation runs in the training precision (bf16 or fp16)")
+    optim = str(getattr(args.optim, "value", args.optim))
+    if "optimizer" not in config and optim not in _ADAMW:
+        problems.append(f"optim={optim!r}: the engine runs Adam/AdamW only (its own CPU Adam); set optim to one of "
+                        f"{', '.join(_ADAMW)}, or give the config an optimizer section")
+    schedule = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    if "scheduler" not in config and schedule in _METRIC_SCHEDULES:
+        problems.append(f"lr_scheduler_type={schedule!r} steps on an evaluation metric, which the engine's step "
+                        "does not see; choose a schedule over steps (linear, cosine, ...)")
+    if problems:
+        raise ValueError("offload.hf.Trainer cannot honour these TrainingArguments:\n- " + "\n- ".join(problems))
+    overridden = []
+    if "optimizer" in config and (optim not in _ADAMW or args.optim_args):
+        overridden.append(f"optim={optim!r}" + (f", optim_args={args.optim_args!r}" if args.optim_args else ""))
+    if "scheduler" in config and (schedule != "linear" or args.lr_scheduler_kwargs):
+        overridden.append(f"lr_scheduler_type={schedule!r}"
+                          + (f", lr_scheduler_kwargs={args.lr_scheduler_kwargs!r}" if args.lr_scheduler_kwargs else ""))
+    if overridden:
+        logger.warning("offload config: its optimizer/scheduler sections are used, as in DeepSpeed's integration; "
+                       "these arguments have no effect: %s", "; ".join(overridden))
 
 
 def _raw_config(config: str | os.PathLike[str] | dict[str, Any] | Config) -> dict[str, Any]:
