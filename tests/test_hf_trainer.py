@@ -326,6 +326,10 @@ def test_arguments_the_engine_cannot_honour_are_refused_by_name(tmp_path, kw, me
 
 def test_model_init_is_refused_and_overridden_arguments_are_named(tmp_path, caplog):
     path = save(tiny("llama"), tmp_path / "ckpt")
+    args = arguments(tmp_path / "run")
+    args._n_gpu = 4  # what one process sees on a 4-GPU machine without torchrun (the plain Trainer: DataParallel)
+    with pytest.raises(ValueError, match="4 GPUs visible to one process: .* torchrun --nproc-per-node 4"):
+        offload.hf.Trainer(model=offload.hf.meta_model(path), args=args, offload_config=DS)
     with pytest.raises(ValueError, match="model_init= is not supported: the engine is built once"):
         offload.hf.Trainer(model_init=lambda: offload.hf.meta_model(path), args=arguments(tmp_path / "run"),
                            offload_config=DS)

@@ -300,6 +300,9 @@ def _check_arguments(args: transformers.TrainingArguments, config: dict[str, Any
     if args.bf16_full_eval or args.fp16_full_eval:
         problems.append("bf16_full_eval/fp16_full_eval: casting the model for evaluation would cut its parameters "
                         "loose from the engine's shards; evaluation runs in the training precision (bf16 or fp16)")
+    if args.n_gpu > 1:  # one process seeing several GPUs: the plain Trainer's DataParallel, n_gpu x the batch
+        problems.append(f"{args.n_gpu} GPUs visible to one process: offload runs one GPU per process; launch with "
+                        f"torchrun --nproc-per-node {args.n_gpu} (or set CUDA_VISIBLE_DEVICES to one GPU)")
     optim = str(getattr(args.optim, "value", args.optim))
     if "optimizer" not in config and optim not in _ADAMW:
         problems.append(f"optim={optim!r}: the engine runs Adam/AdamW only (its own CPU Adam); set optim to one of "
