@@ -84,6 +84,49 @@ def test_step_applies_only_at_the_accumulation_boundary():
     engine.close()
 
 
+def test_a_scheduler_built_on_the_scripts_optimizer_and_its_lr_reach_the_step(caplog):
+    """DeepSpeed steps the client's optimizer itself: a schedule object built on it, or an lr set in its groups,
+    changes the step. Here that optimizer becomes a view of the engine's groups, to the same effect."""
+    model = make_model("gpt")
+    config = base_config(2, 2, 1)
+    del config["optimizer"]
+    opt = torch.optim.AdamW(_groups(model), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    engine, optimizer, _, returned = offload.initialize(model=model, config=config, optimizer=opt, lr_scheduler=sched)
+    assert returned is sched and opt.param_groups is optimizer.param_groups
+    tokens = batches(1, 2)[0]
+    for _ in range(3):
+        for _ in range(2):  # accumulation 2: a zero_grad() between the micro-batches would drop the first, and says so
+            engine.backward(loss_of(engine, "gpt", tokens))
+            engine.step()
+    assert engine.get_lr() == pytest.approx([1e-3 * 0.5 ** 3] * 2) == sched.get_last_lr()
+    opt.param_groups[0]["lr"] = 0.0
+    assert engine.get_lr()[0] == 0.0
+    engine.backward(loss_of(engine, "gpt", tokens))
+    with caplog.at_level("WARNING", logger="offload.engine"):
+        engine.zero_grad()
+        engine.zero_grad()
+    assert caplog.text.count("discarded the gradients of 1 of 2 micro-batches before the accumulation ended") == 1
+    with pytest.raises(RuntimeError, match="save and load it with engine.save_checkpoint"):
+        optimizer.state_dict()
+    with pytest.raises(RuntimeError, match="loaded by engine.load_checkpoint"):
+        optimizer.load_state_dict({})
+    engine.close()
+
+
+def test_checkpoint_arguments_in_deepspeeds_order_and_numeric_tags(tmp_path):
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
+    engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
+    engine.step()
+    path = engine.save_checkpoint(tmp_path, tag=7, client_state={"epoch": 3})
+    assert path.endswith("7")
+    with pytest.raises(offload.EngineError, match=r"load_module_strict=False\) is not supported"):
+        engine.load_checkpoint(tmp_path, 7, False)  # DeepSpeed's third argument is load_module_strict
+    loaded, client = engine.load_checkpoint(tmp_path, 7, True, False)  # ... and its fourth the optimizer's states
+    assert loaded == path and client["epoch"] == 3
+    engine.close()
+
+
 def test_close_removes_every_hook():
     model = make_model("gpt")
     engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))

@@ -107,6 +107,7 @@ class Engine:
         self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory
         self.telemetry, self._swaps, self._trained_names = parts.telemetry, parts.swaps, parts.trained_names
         self._mode, self.lr_scheduler = parts.step, parts.lr_scheduler
+        self._warned_zero_grad = False  # zero_grad() mid-accumulation: said once
         self.params.repair = self._repair_params  # a stale NVMe shard met inside a forward is rewritten there
         self._stepped_in_backward = False  # the last backward stepped shards as they landed (overlap, speculation)
         self._clipped_last = False  # the last step's clipping fired (or fp16 overflowed): see StepMode.adaptive
@@ -370,7 +371,15 @@ class Engine:
                 logger.info("rewrote unit %s's parameter shard on NVMe from its master weights", unit.name)
 
     def zero_grad(self) -> None:
-        """Discard gradients accumulated since the last step (a no-op right after one)."""
+        """Discard gradients accumulated since the last step (a no-op right after one). DeepSpeed's keeps them, so
+        a loop that zeroes before every micro-batch would never reach a step here: that is said, once."""
+        acc = self.accumulation
+        if acc.phase is Phase.COLLECTING and not self._warned_zero_grad:
+            self._warned_zero_grad = True
+            logger.warning("engine.zero_grad() discarded the gradients of %d of %d micro-batches before the "
+                           "accumulation ended, so no step follows them (DeepSpeed's zero_grad keeps them); "
+                           "engine.step() clears gradients at the boundary itself: call zero_grad() only to drop "
+                           "them (said once)", acc.pending, acc.steps)
         self.optimizer.clear_grads()
         self.runtime.clear_param_grads()
         self.runtime.got_grad.clear()
@@ -442,9 +451,10 @@ class Engine:
         self._repair_params()
         weights.write_weights(self, save_dir, save_filename)
 
-    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | int | None = None,
                         client_state: dict[str, Any] | None = None, save_latest: bool = True) -> str:
         """Write a checkpoint, all or nothing (a collective); returns its path. ``tag``: ``global_step<N>``."""
+        tag = None if tag is None else str(tag)  # DeepSpeed's tags may be numbers
         self._check_open()
         self.accumulation.check_save()
         self._drain("saving the checkpoint", publish=True)  # parameters and masters of the same step
@@ -452,10 +462,16 @@ class Engine:
         with self.telemetry.span("checkpoint", "save"):
             return str(saving.save(self, save_dir, tag, client_state, save_latest))
 
-    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | int | None = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
-        """Resume from ``load_dir``'s ``latest`` (or ``tag``): ``(path, client_state)``, checksums first."""
+        """Resume from ``load_dir``'s ``latest`` (or ``tag``): ``(path, client_state)``, checksums first. The
+        arguments in DeepSpeed's order; every key of the module is loaded (``load_module_strict`` must be True)."""
+        if not load_module_strict:
+            raise EngineError("load_checkpoint(load_module_strict=False) is not supported: offload loads every key "
+                              "of the module and refuses a checkpoint that lacks one; pass load_module_strict=True")
+        tag = None if tag is None else str(tag)  # DeepSpeed's tags may be numbers
         self._check_open()
         self._drain("loading the checkpoint")
         with self.telemetry.span("checkpoint", "load"):

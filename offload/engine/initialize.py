@@ -70,6 +70,8 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
                        "; ".join(cfg.no_effect))
     param_groups, adamw_mode, bias_correction = _optimizer_groups(model, model_parameters, cfg, optimizer)
     engine = Engine(model, cfg, param_groups, adamw_mode, bias_correction, group, accel, lr_scheduler, weights)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        _share_groups(optimizer, engine.optimizer)
     loader = None
     if training_data is not None:
         sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=group.world, rank=group.rank) \
@@ -146,6 +148,19 @@ def _optimizer_groups(model: nn.Module, model_parameters: Iterable[Any] | None, 
         groups = [{**hyper, "params": source}]
     adamw = cfg.optimizer.type == "AdamW" or p.adam_w_mode
     return _trainable(groups), adamw, p.bias_correction
+
+
+def _share_groups(client: torch.optim.Optimizer, ours: torch.optim.Optimizer) -> None:
+    """The script's optimizer object becomes a view of the engine's param groups. DeepSpeed steps the client's
+    optimizer itself, so a schedule built on it, or an lr set in its groups, reaches the step; here the engine
+    steps its own groups, which the client's must then be."""
+    if len(client.param_groups) != len(ours.param_groups):
+        raise EngineError(f"the optimizer passed has {len(client.param_groups)} param groups but the engine made "
+                          f"{len(ours.param_groups)}; pass an optimizer whose groups hold only this model's "
+                          "parameters")
+    for theirs, mine in zip(client.param_groups, ours.param_groups):
+        mine.update({k: v for k, v in theirs.items() if k not in mine})  # a schedule's keys (initial_lr, ...)
+    client.param_groups = ours.param_groups
 
 
 def _trainable(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -300,6 +300,15 @@ class ShardedAdam(torch.optim.Optimizer):
         raise RuntimeError("the sharded optimizer steps through engine.step(), which also reduces, clips and "
                            "writes the new parameters back; call engine.step()")
 
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """torch's would be empty: the state lives in the shards and their stores, per rank."""
+        raise RuntimeError("the sharded optimizer's state is in this rank's shards (host memory, NVMe), not in a "
+                           "state_dict; save and load it with engine.save_checkpoint / engine.load_checkpoint")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        raise RuntimeError("the sharded optimizer's state is loaded by engine.load_checkpoint (a checkpoint "
+                           "engine.save_checkpoint wrote), not from a state_dict")
+
     # ----------------------------------------------------------------- state
 
     def add_shard(self, index: int, name: str, master: torch.Tensor, segments: list[Segment]) -> None:
