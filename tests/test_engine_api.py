@@ -75,9 +75,12 @@ def test_step_applies_only_at_the_accumulation_boundary():
     engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 3, 1))
     before = engine.full_state_dict()
     for i, tokens in enumerate(batches(3, 2)):
+        # DeepSpeed's meaning: the current micro-batch ends the accumulation (before its forward too)
+        assert engine.is_gradient_accumulation_boundary() == (i == 2)
         engine.backward(loss_of(engine, "gpt", tokens))
         assert engine.is_gradient_accumulation_boundary() == (i == 2)
         engine.step()
+        assert engine.is_gradient_accumulation_boundary() == (i == 1)  # the coming one: the last
         changed = any(not torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
         assert changed == (i == 2)
         assert engine.global_steps == (1 if i == 2 else 0)

@@ -31,6 +31,7 @@ class Accumulation:
     pending: int = 0  # micro-batches since the last step
     micro_steps: int = 0  # every backward since the start (a checkpoint keeps it)
     early: bool = False  # the coming (or last) backward ends this accumulation, however many are in
+    stepped: bool = True  # step() was called after the last backward (so "the current micro-batch" is the next)
 
     @property
     def phase(self) -> Phase:
@@ -52,12 +53,19 @@ class Accumulation:
     def add(self) -> None:
         self.pending += 1
         self.micro_steps += 1
+        self.stepped = False
+
+    def current_ends(self) -> bool:
+        """Whether the current micro-batch ends the accumulation, as DeepSpeed's is_gradient_accumulation_boundary
+        answers: the one whose backward ran, until step() is called; then the coming one."""
+        return self.phase is Phase.BOUNDARY if not self.stepped else self.next_is_last()
 
     def take(self) -> bool:
         """step() begins: whether it applies (at the boundary; the phase is EMPTY after) or is a no-op."""
         if self.phase is Phase.EMPTY:
             raise EngineError("step() was called without a backward() since the last step; call "
                               "engine.backward(loss) first")
+        self.stepped = True
         if self.phase is Phase.COLLECTING:
             return False
         self.pending, self.early = 0, False
@@ -65,10 +73,10 @@ class Accumulation:
 
     def retry(self) -> None:
         """The step failed before applying anything: its gradients are intact, and step() retries it."""
-        self.pending = self.steps
+        self.pending, self.stepped = self.steps, False
 
     def clear(self) -> None:
-        self.pending, self.early = 0, False
+        self.pending, self.early, self.stepped = 0, False, True
 
     def check_save(self) -> None:
         if self.phase is not Phase.EMPTY:

@@ -208,7 +208,9 @@ class Engine:
         self.accumulation.end_early(is_boundary)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return self.accumulation.phase is Phase.BOUNDARY
+        """Whether the current micro-batch ends the accumulation (DeepSpeed's meaning): the one whose backward ran
+        until step() is called, the coming one before its forward."""
+        return self.accumulation.current_ends()
 
     @property
     def micro_steps(self) -> int:
