@@ -73,6 +73,9 @@ def test_config_scheduler_follows_deepspeed_warmup():
 
 def test_step_applies_only_at_the_accumulation_boundary():
     engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 3, 1))
+    # DeepSpeed's engine answers its batch with methods
+    assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+            engine.gradient_clipping()) == (6, 2, 3, 1.0)
     before = engine.full_state_dict()
     for i, tokens in enumerate(batches(3, 2)):
         # DeepSpeed's meaning: the current micro-batch ends the accumulation (before its forward too)
@@ -178,7 +181,7 @@ def test_shipped_configs_train(name, repo, tmp_path):
         if isinstance(section, dict) and "nvme_path" in section:
             section["nvme_path"] = str(tmp_path)  # as shipped, but on the test's own directory
     engine, *_ = offload.initialize(model=model, config=config)
-    for _ in range(engine.gradient_accumulation_steps):
+    for _ in range(engine.gradient_accumulation_steps()):
         engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
         engine.step()
     assert engine.global_steps == 1

@@ -91,9 +91,8 @@ class Engine:
         self.accel = accel
         self.compute_dtype = torch.bfloat16 if config.bf16.enabled is True else (
             torch.float16 if config.fp16.enabled is True else torch.float32)
-        self.gradient_accumulation_steps = int(config.gradient_accumulation_steps or 1)
-        self.accumulation = Accumulation(self.gradient_accumulation_steps)
-        self.gradient_clipping = float(config.gradient_clipping or 0.0)
+        self.accumulation = Accumulation(int(config.gradient_accumulation_steps or 1))
+        self._clip = float(config.gradient_clipping or 0.0)
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self.global_steps = self.skipped_steps = 0
         self._closed = False
@@ -168,7 +167,7 @@ class Engine:
             raise EngineError("the loss does not require grad: was the forward run under torch.no_grad(), or are "
                               "all parameters frozen?")
         self.accel.schedule.mark("backward")
-        scale = self.loss_scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
+        scale = self.loss_scaler.scale / (self.accumulation.steps if scale_wrt_gas else 1)
         last_micro = self.accumulation.next_is_last()
         # Speculating, Adam guesses the factor of a step whose clipping does not fire (see gradient_factor);
         # adaptively, only after a step whose clipping did not fire (the norm changes slowly).
@@ -206,6 +205,19 @@ class Engine:
         ``scale_wrt_gas=False``. DeepSpeed's method of the same name."""
         self._check_open()
         self.accumulation.end_early(is_boundary)
+
+    # The batch as DeepSpeed's engine answers it: methods, as there.
+    def gradient_accumulation_steps(self) -> int:
+        return self.accumulation.steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)
+
+    def gradient_clipping(self) -> float:
+        return self._clip
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch ends the accumulation (DeepSpeed's meaning): the one whose backward ran
@@ -261,7 +273,7 @@ class Engine:
             self.runtime.got_grad.clear()
             self._report_every_steps_per_print()
             return
-        self.last_grad_norm, grad_scale = gradient_factor(sum_sq, nonfinite, scale, self.gradient_clipping)
+        self.last_grad_norm, grad_scale = gradient_factor(sum_sq, nonfinite, scale, self._clip)
         self._clipped_last = grad_scale != unclipped_factor(scale)
         self.runtime.reshard_all()
         behind: ParamSwapError | None = None
