@@ -76,6 +76,9 @@ def test_step_applies_only_at_the_accumulation_boundary():
     # DeepSpeed's engine answers its batch with methods
     assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
             engine.gradient_clipping()) == (6, 2, 3, 1.0)
+    assert (engine.zero_optimization_stage(), engine.bf16_enabled(), engine.fp16_enabled(), engine.global_rank,
+            engine.world_size, engine.device.type) == (3, False, False, 0, 1, "cpu")
+    assert engine.get_global_grad_norm() is None  # no step yet
     before = engine.full_state_dict()
     for i, tokens in enumerate(batches(3, 2)):
         # DeepSpeed's meaning: the current micro-batch ends the accumulation (before its forward too)
@@ -87,6 +90,7 @@ def test_step_applies_only_at_the_accumulation_boundary():
         changed = any(not torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
         assert changed == (i == 2)
         assert engine.global_steps == (1 if i == 2 else 0)
+    assert engine.get_global_grad_norm() == engine.last_grad_norm > 0
     engine.close()
 
 

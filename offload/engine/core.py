@@ -219,6 +219,31 @@ class Engine:
     def gradient_clipping(self) -> float:
         return self._clip
 
+    def get_global_grad_norm(self) -> float | None:
+        """The last step's gradient norm, before clipping (inf after an fp16 overflow)."""
+        return self.last_grad_norm
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage.number
+
+    def bf16_enabled(self) -> bool:
+        return self.compute_dtype == torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        return self.compute_dtype == torch.float16
+
+    @property
+    def global_rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world
+
+    @property
+    def device(self) -> torch.device:
+        return self.accel.device
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch ends the accumulation (DeepSpeed's meaning): the one whose backward ran
         until step() is called, the coming one before its forward."""
