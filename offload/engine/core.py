@@ -211,10 +211,10 @@ class Engine:
         return self.accumulation.steps
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return int(self.config.train_micro_batch_size_per_gpu)
+        return self.config.train_micro_batch_size_per_gpu  # type: ignore[return-value]  # resolved: a number
 
     def train_batch_size(self) -> int:
-        return int(self.config.train_batch_size)
+        return self.config.train_batch_size  # type: ignore[return-value]  # resolved: a number
 
     def gradient_clipping(self) -> float:
         return self._clip
