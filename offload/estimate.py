@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from offload.config import Config, ConfigError
-from offload.engine.step_mode import speculation_scope
+from offload.engine.step_schedule import wanted
 from offload.models.catalog import MODELS, ModelError, build_model
 from offload.store.optimizer_state import unpipelined_note
 from offload.store.param_swap import describe_placement
-from offload.store.placement import plan
+from offload.store.placement import Speculation, plan
 from offload.zero.stage import Stage
 
 TIERS = ("device", "host", "nvme")
@@ -144,12 +144,11 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     device, host, nvme = est.tiers["device"], est.tiers["host"], est.tiers["nvme"]
     param_dev = zero.offload_param.device
     dtype = torch.float16 if config.fp16.enabled is True else torch.bfloat16 if item == 2 else torch.float32
-    scope, why_not = speculation_scope(config, dtype)
+    want = wanted(config, dtype)
     placement = plan(sizes, {i for i, _ in sizes}, config, item, parts=parts,  # the engine's own plan
                      resident_params=stage.resident_params,
                      whole_grads=0 if stage.reduce_every_micro_batch else est.params, discrete=discrete,
-                     device_free=device_free, speculative=scope,
-                     delayed=config.offload.delayed_update.warmup_steps is not None)
+                     device_free=device_free, speculation=want.speculation, delayed=want.delayed)
     device.update(placement.device)
     gathered = placement.gathered(sizes)  # one rank's device homes on a GPU: none
     if not stage.resident_params and gathered:
@@ -174,7 +173,7 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     elif placement.state_fits_device and zero.offload_optimizer.device != "none":
         est.notes.append("the whole optimizer state would fit on the device: offload_optimizer.ratio \"auto\" "
                          "keeps it there, where it steps faster")
-    if scope and placement.speculative_why:
+    if want.speculation is not Speculation.NONE and placement.speculative_why:
         est.notes.append(f"the step does not speculate: {placement.speculative_why}")
     for problem in placement.problems:  # the limits initialize holds every tier to
         est.notes.append(f"over {problem.path}: initialize would refuse this plan ({problem.reason})")

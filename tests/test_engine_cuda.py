@@ -55,7 +55,7 @@ def test_parameters_coming_in_go_before_gradients_going_out():
     config = base_config(2, 1, 1)
     config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     engine, optimizer, _, _ = offload.initialize(model=make_model("gpt"), config=config)
-    assert engine.runtime.h2d.stream.priority < optimizer._d2h.stream.priority
+    assert engine.runtime.h2d.stream.priority < optimizer.landing.d2h.stream.priority
     engine.close()
 
 

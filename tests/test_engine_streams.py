@@ -192,7 +192,7 @@ def test_backward_hands_its_held_landings_over_when_it_ends():
 
     import offload
     from engine_cases import batches, loss_of, make_model
-    from offload.optim.sharded import LANDING_BATCH_BYTES
+    from offload.optim.landing import LANDING_BATCH_BYTES
     engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))[0]
     optimizer = engine.optimizer
     assert all(s.numel * 4 < LANDING_BATCH_BYTES for s in optimizer.shards.values())

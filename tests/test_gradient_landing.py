@@ -79,9 +79,9 @@ def test_a_gradient_whose_landing_buffer_is_busy_is_copied_by_the_worker_in_orde
     index, state = next(iter(optimizer.shards.items()))
     n = state.numel
     first, second = torch.full((n,), 1.5), torch.full((n,), 0.25)
-    optimizer.accumulate(index, first, 1.0)
-    optimizer.accumulate(index, second, 0.5)
-    assert optimizer.deferred_copies == 1
+    optimizer.landing.accumulate(index, first, 1.0)
+    optimizer.landing.accumulate(index, second, 0.5)
+    assert optimizer.landing.deferred_copies == 1
     optimizer.drain()
     assert torch.equal(state.grad, torch.full((n,), 1.625))
     engine.close()
@@ -142,9 +142,9 @@ def test_a_unit_whose_gradient_lands_again_adds_the_first_up_before_the_next_com
     index, state = next(iter(optimizer.shards.items()))
     n = state.numel
     optimizer.last_backward_begins(overlap=False, only=True)
-    optimizer.accumulate(index, torch.full((n,), 1.5), 1.0)
-    optimizer.accumulate(index, torch.full((n,), 0.25), 0.5)
-    optimizer.accumulate(index, torch.full((n,), 0.5), 0.25)  # and a third is added too, not left in place
+    optimizer.landing.accumulate(index, torch.full((n,), 1.5), 1.0)
+    optimizer.landing.accumulate(index, torch.full((n,), 0.25), 0.5)
+    optimizer.landing.accumulate(index, torch.full((n,), 0.5), 0.25)  # and a third is added too, not left in place
     optimizer.drain()
     assert state.landed is None and state.phase is ShardPhase.HOLDING
     assert torch.equal(state.grad, torch.full((n,), 1.75))
@@ -191,17 +191,17 @@ def test_a_device_sum_without_a_gradient_in_the_last_micro_batch_comes_over_when
     optimizer = engine.optimizer
     index, state = next(iter(optimizer.shards.items()))
     n = state.numel
-    optimizer.accumulate(index, torch.full((n,), 1.5), 0.5)  # an earlier micro-batch's: stays on the device
-    optimizer.accumulate(index, torch.full((n,), 0.25), 0.5)
+    optimizer.landing.accumulate(index, torch.full((n,), 1.5), 0.5)  # an earlier micro-batch's: stays on the device
+    optimizer.landing.accumulate(index, torch.full((n,), 0.25), 0.5)
     optimizer.drain()
     assert state.phase is ShardPhase.EMPTY and state.landed is None
     optimizer.last_backward_begins(overlap=False)  # the last micro-batch gives this unit nothing
-    optimizer.send_held()
+    optimizer.landing.send_held()
     optimizer.drain()
     assert state.phase is ShardPhase.HOLDING and torch.equal(state.landed, torch.full((n,), 0.875))
     assert state.gradient() == (state.landed, 1.0) and state.norm is not None
     optimizer.clear_grads()
-    optimizer.accumulate(index, torch.full((n,), 2.0), 1.0)  # a new step's first gradient starts a new sum
+    optimizer.landing.accumulate(index, torch.full((n,), 2.0), 1.0)  # a new step's first gradient starts a new sum
     assert torch.equal(state.on_device, torch.full((n,), 2.0))
     engine.close()
 
@@ -227,7 +227,7 @@ def test_the_placement_alone_says_whether_gradients_are_read_where_they_land(tmp
         shards = list(optimizer.shards.values())
         made = sum(4 * s.numel for s in shards if s.grad is not None)
         counted = engine.memory_summary()["host"].get("gradient accumulators", 0)
-        assert optimizer._reads_in_place is in_place
+        assert optimizer.landing.reads_in_place is in_place
         assert (made == 0) is in_place and made == counted
         engine.step()
     finally:

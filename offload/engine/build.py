@@ -24,9 +24,9 @@ from offload.aio.base import Engine as AioEngine
 from offload.aio.choose import engine_from_config
 from offload.config import Config
 from offload.engine.errors import EngineError
-from offload.engine import step_mode
+from offload.engine import step_schedule
 from offload.engine.memory import MemoryAccount
-from offload.engine.step_mode import StepMode
+from offload.engine.step_schedule import StepSchedule
 from offload.optim.schedules import build_schedule
 from offload.optim.shard_state import shard_segments
 from offload.optim.sharded import ShardedAdam, StatePlan
@@ -85,7 +85,7 @@ class Parts:
     swaps: SwapFiles
     telemetry: Telemetry
     trained_names: dict[int, str]  # id(param) -> name, of every parameter an optimizer group holds
-    step: StepMode  # how the step is scheduled against backward and the next forward
+    schedule: StepSchedule  # how the step is scheduled against backward and the next forward
     lr_scheduler: Any
 
 
@@ -121,12 +121,11 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         undo.callback(swaps.close)
         whole_grads = 0 if stage.reduce_every_micro_batch else sum(
             s.numel for p in plans for s in p.slots if s.param.requires_grad)
-        scope, speculative_why = step_mode.speculation_scope(config, compute_dtype)
+        want = step_schedule.wanted(config, compute_dtype)
         placement = plan_placement(shard_sizes, trained, config, compute_dtype.itemsize, parts=parts,
                                    resident_params=stage.resident_params, whole_grads=whole_grads,
                                    discrete=not accel.host_is_device, device_free=accel.free_bytes(),
-                                   speculative=scope,
-                                   delayed=config.offload.delayed_update.warmup_steps is not None)
+                                   speculation=want.speculation, delayed=want.delayed)
         nvme_params = placement.nvme_params
         ratio = zero.offload_optimizer.ratio
         if zero.offload_optimizer.device != "none" and placement.state_fits_device and ratio == 1.0:
@@ -157,8 +156,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
                            buffer_count=zero.offload_optimizer.buffer_count, host=host_budget, nvme=nvme_budget,
                            device_accumulated=placement.device_accumulated,
                            grads_read_where_they_land=placement.grads_read_where_they_land,
-                           speculative=placement.speculative and scope == "all",
-                           delayed=config.offload.delayed_update.warmup_steps is not None,
+                           second_slots=step_schedule.second_slots(want, placement), delayed=want.delayed,
                            staged=placement.staged,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))
@@ -173,16 +171,15 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         post = pre / group.world  # gradients are averaged over the group, as DeepSpeed does
         runtime = ZeroRuntime(model, units, group, accel, limit=memory.live_limit(),
                               persistence_threshold=int(zero.stage3_param_persistence_threshold),
-                              grad_sink=lambda unit, shard, ready, keep: optimizer.accumulate(
+                              grad_sink=lambda unit, shard, ready, keep: optimizer.landing.accumulate(
                                   unit.index, shard, post, ready, keep), grad_predivide=pre, telemetry=telemetry,
                               prefetch_elements=int(zero.stage3_prefetch_bucket_size), stage=stage,
-                              overlap_comm=zero.overlap_comm_effective, grads_sent=optimizer.gradients_sent)
+                              overlap_comm=zero.overlap_comm_effective, grads_sent=optimizer.landing.gradients_sent)
         undo.callback(runtime.close)
         activations = _activation_store(model, config, accel, host_budget, telemetry)
         undo.callback(checkpointing.reset)
-        mode = step_mode.decide(config, compute_dtype, stage, optimizer, accel, placement.speculative,
-                                speculative_why or placement.speculative_why, adaptive=scope == "nvme")
-        logger.info("ZeRO %s; optimizer step: %s", stage.describe(), mode.describe())
+        schedule = step_schedule.choose(config, compute_dtype, stage, optimizer, accel, want, placement)
+        logger.info("ZeRO %s; optimizer step: %s", stage.describe(), schedule.describe())
         if config.scheduler is not None:
             if lr_scheduler is not None:
                 raise EngineError("the config has a scheduler section and initialize() was given lr_scheduler; "
@@ -191,8 +188,8 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(optimizer)
         undo.pop_all()
-    return Parts(units, params, optimizer, runtime, activations, memory, swaps, telemetry, trained_names, mode,
-                 lr_scheduler)
+    return Parts(units, params, optimizer, runtime, activations, memory, swaps, telemetry, trained_names,
+                 schedule, lr_scheduler)
 
 
 def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, stage: Stage, accel: Accelerator,

@@ -105,12 +105,10 @@ class Engine:
         self.units, self.params, self.optimizer = parts.units, parts.params, parts.optimizer
         self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory
         self.telemetry, self._swaps, self._trained_names = parts.telemetry, parts.swaps, parts.trained_names
-        self._mode, self.lr_scheduler = parts.step, parts.lr_scheduler
+        self.schedule, self.lr_scheduler = parts.schedule, parts.lr_scheduler
         self._warned_zero_grad = False  # zero_grad() mid-accumulation: said once
         self.params.repair = self._repair_params  # a stale NVMe shard met inside a forward is rewritten there
-        self._stepped_in_backward = False  # the last backward stepped shards as they landed (overlap, speculation)
-        self._clipped_last = False  # the last step's clipping fired (or fp16 overflowed): see StepMode.adaptive
-        self.step_mode = self._mode.describe()
+        self.step_mode = self.schedule.describe()
         self._phases = PhaseReport(self.telemetry) if config.wall_clock_breakdown else None
         if config.dump_state:
             logger.info("engine state at start (dump_state), rank %d:\n%s\nstep mode: %s\nconfig: %s", group.rank,
@@ -169,16 +167,9 @@ class Engine:
         self.accel.schedule.mark("backward")
         scale = self.loss_scaler.scale / (self.accumulation.steps if scale_wrt_gas else 1)
         last_micro = self.accumulation.next_is_last()
-        # Speculating, Adam guesses the factor of a step whose clipping does not fire (see gradient_factor);
-        # adaptively, only after a step whose clipping did not fire (the norm changes slowly).
-        speculate = self._mode.speculative and not (self._mode.adaptive and self._clipped_last)
-        overlapped = (self._mode.overlap or speculate) and last_micro
         self.runtime.reduce_grads = last_micro or self.stage.reduce_every_micro_batch
-        if last_micro:
-            guess = unclipped_factor(self.loss_scaler.scale) if speculate else None
-            self.optimizer.last_backward_begins(overlap=overlapped, only=self.accumulation.pending == 0, guess=guess,
-                                                early=self._mode.early)
-            self._stepped_in_backward = overlapped
+        overlapped = last_micro and self.schedule.last_backward_begins(self.optimizer, self.loss_scaler.scale,
+                                                                         only=self.accumulation.pending == 0)
         try:
             with self.telemetry.span("backward"):
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
@@ -268,7 +259,7 @@ class Engine:
                     self.zero_grad()
                     raise errors.unused_parameters(self.group.rank, unused)
             self.activations.discard()  # inputs saved by a forward whose backward never ran
-            self.optimizer.send_held()  # device-accumulated sums the last micro-batch did not send
+            self.optimizer.landing.send_held()  # device-accumulated sums the last micro-batch did not send
             with self.telemetry.span("grad_wait"):  # the landings; the step claims each speculation in turn
                 self.optimizer.drain(speculation=False)
             self.optimizer.publish()  # the last delayed update reaches the parameters (see [Note: delayed update])
@@ -279,7 +270,7 @@ class Engine:
             raise failed
         if peers_failed or not in_order:
             # Shards stepped during backward (overlap) moved on: this rank's step is half applied, not undone.
-            half = self._stepped_in_backward and self.optimizer.abandon_overlap() > 0
+            half = self.schedule.stepped_in_backward and self.optimizer.abandon_overlap() > 0
             self.zero_grad()  # as the failed rank's step, this one's is gone; the next backward starts afresh
             if peers_failed:
                 raise errors.peer_step_failed(self.group.rank, self.global_steps + 1, retryable=False,
@@ -288,7 +279,7 @@ class Engine:
         scale = self.loss_scaler.scale
         self.global_steps += 1
         if nonfinite > 0 and self.compute_dtype == torch.float16:
-            self._clipped_last = True
+            self.schedule.norm_known(clipped=True)
             self.skipped_steps += 1
             self.last_grad_norm = math.inf
             self.loss_scaler.update(overflow=True)
@@ -299,19 +290,12 @@ class Engine:
             self._report_every_steps_per_print()
             return
         self.last_grad_norm, grad_scale = gradient_factor(sum_sq, nonfinite, scale, self._clip)
-        self._clipped_last = grad_scale != unclipped_factor(scale)
+        self.schedule.norm_known(clipped=grad_scale != unclipped_factor(scale))
         self.runtime.reshard_all()
         behind: ParamSwapError | None = None
         try:
             with self.telemetry.span("optimizer", "adam"):
-                delayed = self._mode.delayed_after is not None and self.global_steps > self._mode.delayed_after
-                # An NVMe pass that began in backward (backward's order) finishes in the step (see [Note: the
-                # early step on NVMe] in offload/optim/sharded.py).
-                early = self._mode.early and not (self._mode.early_nvme and self._stepped_in_backward)
-                if delayed or early:
-                    self.optimizer.apply_early(grad_scale, delayed=delayed)
-                else:
-                    self.optimizer.apply(grad_scale, self._commit_vote())
+                self.schedule.apply(self.optimizer, grad_scale, self.global_steps, self._commit_vote)
         except ParamSwapError as e:
             # The optimizer state moved on; only some 16-bit copies on NVMe are behind (stale), and they are
             # rewritten from the master weights before anything reads them: the step counts.

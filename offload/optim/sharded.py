@@ -4,61 +4,10 @@ With ``offload_optimizer.device: cpu`` all of it lives in host memory and the st
 is the native CPU Adam; otherwise it lives on the compute device (and on a CPU
 device it is still the native kernel).
 
-[Note: gradients land] A unit's reduce-scattered gradient shard leaves the device as
-soon as it exists, and nothing on the way blocks autograd's thread (the sync ledger
-checks it: see offload/sync_ledger.py). Each unit has a landing buffer in host memory
-of its own: the backward hook makes the D2H copy stream wait for the reduction and copy
-the shard there, then hands the unit to the landing worker, a host thread that waits
-for the copy and adds the gradient into the fp32 accumulator. A landing buffer is busy
-until the worker has added what landed in it; with gradient accumulation the next
-micro-batch's gradient of that unit may find it so, and then the worker itself issues
-that copy once it is done (it runs in order), so autograd still never waits. When the
-compute device is the CPU the reduced shard already lies in host memory and the worker
-reads it there: no landing buffer, no copy. On the last micro-batch the worker also
-takes the shard's share of the global norm as it lands (the native norm over the same
-segments, combined in unit order after backward, so bitwise what a pass after backward
-gives). ``drain`` waits for all of it before the step reads the accumulators.
-
-[Note: landings handed over in batches] Waking the landing worker once per unit costs
-backward more than the landing itself where units are small: on a 2-core VM about 60 us a
-unit on autograd's thread, most of it the GIL going to the woken worker and back. So
-backward's hooks hand their landings over held (see [Note: held hand-offs] in
-accelerator.py) and send them once LANDING_BATCH_BYTES of gradient is waiting, and at the
-end of backward (``gradients_sent``): a unit of that size or more goes at once, as before,
-smaller ones a few at a time. The D2H copies are not held: the hook issues each at once on
-its stream. Waiting for any of the worker's events sends what is held first, so nothing
-waits on a landing that was never handed over.
-
-[Note: gradients read where they land] With one micro-batch per step (and the optimizer
-state in host memory) a unit's gradient is its only one, so nothing needs adding up: the
-landing worker leaves it where it landed (the landing buffer; on a CPU device the reduced
-shard itself, held until the step), in the compute dtype, with the factor the accumulation
-would have applied, takes its norm there (the native norm multiplies each element by that
-factor in float32 first) and Adam reads it there (its ``pre_scale``, the same rounding
-before the clip factor): bitwise the accumulator's result without its pass over the shard
-(read 2 bytes, write 4, read 4 again per element in bf16), which sits between the last
-gradient and Adam on the landing worker. A landing buffer is then busy until the shard's
-Adam has read it: the early step re-records the buffer's ``free`` event after each shard's
-step. A unit whose gradient lands twice in one backward (none known today) has the first
-added into its accumulator before the second is copied in. The fp32 accumulators are made
-on first use, so a run that never accumulates never holds them (4 bytes per element of host
-memory; they are plain memory: no copy engine reads them). The placement decides whether
-gradients are read where they land (``Placement.grads_read_where_they_land``, offload/store/
-placement.py), and its budget counts the accumulators exactly when they are not.
-
-[Note: gradients accumulated on the device] With several micro-batches per step on a GPU,
-adding each 16-bit gradient into a host accumulator costs a D2H copy per micro-batch and
-a pass of the landing worker over 10 bytes per element (the 1.3B run on the H100 spent
-621 ms a step there, 422 ms of it waited for by the step). A unit the placement plan
-gives a device accumulator (offload/store/placement.py: as many as the device's room
-allows, in unit order; the rest stay on the host) adds each micro-batch's reduced shard
-into an fp32 buffer on the compute stream instead, after the reduction and after the
-last step's copy of that buffer has read it. On the last micro-batch the sum goes down
-once, in fp32, into the unit's fp32 landing buffer, and the landing worker treats it as
-a gradient read where it lands with factor 1 (its norm, then Adam). The arithmetic is
-the native kernel's (scale x gradient, then a fused multiply-add) done by torch's
-kernels, which round the same way; a unit that got no gradient in the last micro-batch
-sends its sum when the step begins (``send_held``).
+How gradients reach the shards (the D2H stream, the landing worker, landing buffers, device
+accumulators, norms taken as they land) is offload/optim/landing.py's, with its notes: [Note:
+gradients land], [Note: landings handed over in batches], [Note: gradients read where they land],
+[Note: gradients accumulated on the device].
 
 [Note: overlapped step] When nothing global gates the update (no clipping, no fp16
 overflow check) the last micro-batch's backward runs each host-resident shard's Adam on
@@ -166,8 +115,9 @@ import torch
 from offload import native
 from offload.accelerator import Accelerator, Event, WorkerStream
 from offload.optim.adam import AdamHyper, adam_step, device_adam_step
-from offload.optim.shard_state import (Guess, Overlap, Segment, ShardPhase, ShardState, accumulate, add_into, by_group,
+from offload.optim.shard_state import (Guess, Overlap, Segment, ShardPhase, ShardState, by_group,
                                         gaps)
+from offload.optim.landing import GradientLanding
 from offload.optim.speculation_lane import SpeculationLane, TicketPhase
 from offload.schedule import COMPUTE
 from offload.telemetry import Telemetry
@@ -179,11 +129,6 @@ from offload.store.swapdir import SwapDir
 
 
 logger = logging.getLogger("offload.optim")
-
-# Gradient bytes whose landings are handed to the worker together (see [Note: landings handed over in batches]):
-# at a norm's 10-20 GB/s, 4 MiB is 200-400 us of landing work, several times a wake-up's cost.
-LANDING_BATCH_BYTES = 4 << 20
-
 
 class EarlyStepLost(RuntimeError):
     """Work of a step that had returned early (an NVMe transfer, Adam) failed (see [Note: the early step on NVMe])."""
@@ -205,7 +150,7 @@ class StatePlan:
     rank: int = 0
     device_accumulated: frozenset[int] = frozenset()  # units with an fp32 accumulator on the compute device
     grads_read_where_they_land: bool = False  # the placement's (see [Note: gradients read where they land])
-    speculative: bool = False  # host sub-groups have a second slot (see [Note: speculative step])
+    second_slots: bool = False  # host sub-groups have a second slot, to speculate into (see [Note: speculative step])
     delayed: bool = False  # the delayed update runs (see [Note: delayed update])
     staged: frozenset[int] = frozenset()  # ... and these units' new shards wait in staging buffers (the placement's)
 
@@ -244,26 +189,18 @@ class ShardedAdam(torch.optim.Optimizer):
                                        ) if self.offload else frozenset()
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
-        # Gradients leave the device on a stream of their own (no D2H when host memory is the device's), and the
-        # landing worker adds them up (see [Note: gradients land]).
-        self._d2h = accel.copy_stream("d2h") if self.offload and not accel.host_is_device else None
-        self._land = accel.host_queue("grad-land") if self.offload else None
+        self.landing = GradientLanding(accel, self.shards, offload=self.offload, threads=threads,
+                                       telemetry=self.telemetry, device_accumulated=plan.device_accumulated,
+                                       reads_in_place=plan.grads_read_where_they_land, offloaded=self.steps_on_host,
+                                       claim=self._claim_speculation, after=self._step_during_backward)
+        self._land = self.landing.worker  # the landing worker runs the early step too (see [Note: early step])
         # The delayed update's Adam runs on a thread of its own, so the next backward's gradients land beside it
         # (see [Note: delayed update]).
         self._adam = accel.host_queue("delayed-adam") if self.offload and plan.delayed else None
         # The speculative Adam of host shards runs on a thread of its own, so the landings (and the step's factor)
         # never wait for it (see [Note: speculation on a lane of its own] in offload/optim/speculation_lane.py).
-        self._spec = SpeculationLane(accel) if self.offload and plan.speculative else None
-        self._final = False  # the gradients now landing are the last micro-batch's: their norm is taken as they land
-        self._in_place = False  # ... and each unit's only one: read where it lands (see [Note: gradients read ...])
-        self._reads_in_place = plan.grads_read_where_they_land  # where the plan counted no accumulators
-        self._sent_in_place: set[int] = set()  # units whose gradient this backward left in its landing buffer
-        self._on_device = plan.device_accumulated if self._d2h is not None else frozenset()
-        self._held: set[int] = set()  # device-accumulated units holding gradients not yet sent down
-        self.deferred_copies = 0  # gradients that found their landing buffer busy (the worker copied them)
-        self._unsent = 0  # bytes of gradient whose landing is held back (see [Note: landings handed over in batches])
+        self._spec = SpeculationLane(accel) if self.offload and plan.second_slots else None
         self._compute_done: Event | None = None  # where the step orders copies after compute (re-recorded)
-        self._overlap: Overlap | None = None
         # The delayed update's staged shards, by unit, and the units whose staged shard is not yet published.
         self._staged: dict[int, torch.Tensor] = {}
         self._delayed = plan.delayed
@@ -276,7 +213,7 @@ class ShardedAdam(torch.optim.Optimizer):
             self._reserve_host(plan.step_buffers)
         self.store = OptimizerStateStore(plan.groups, accel=accel, host=plan.host, nvme=plan.nvme,
                                          buffer_count=plan.buffer_count, swap=plan.swap, rank=plan.rank,
-                                         telemetry=self.telemetry, spare=plan.speculative)
+                                         telemetry=self.telemetry, spare=plan.second_slots)
 
     def _reserve_host(self, parts: dict[str, int]) -> None:
         """Account the host bytes of accumulators, copies and landing buffers (the plan sized them and checked
@@ -317,10 +254,10 @@ class ShardedAdam(torch.optim.Optimizer):
         landing, grad = None, None  # an offloaded shard's accumulator: made on first use
         on_device = None
         if self.steps_on_host(index):
-            if index in self._on_device:  # the sum comes down once, in fp32
+            if index in self.landing.device_accumulated:  # the sum comes down once, in fp32
                 landing = self._host_tensor(n, torch.float32)
                 on_device = torch.empty(n, dtype=torch.float32, device=self.accel.device)
-            elif self._d2h is not None:
+            elif self.landing.d2h is not None:
                 landing = self._host_tensor(n, self.compute_dtype)
         else:
             grad = torch.zeros(n, dtype=torch.float32, device=self.accel.device)
@@ -352,169 +289,6 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- gradients in
 
-    def accumulate(self, index: int, shard_grad: torch.Tensor, scale: float, ready: Event | None = None,
-                   keep: torch.Tensor | None = None) -> None:
-        """Add ``scale`` x the reduce-scattered gradient shard into unit ``index``'s fp32 accumulator (or, the
-        step's only one, leave it where it lands: see [Note: gradients read where they land]), once ``ready`` (the
-        reduction) completes; ``keep`` (its input) stays referenced until then. Called by backward's hooks: it
-        never blocks the calling thread (see [Note: gradients land])."""
-        state = self.shards.get(index)
-        if state is None or not self.steps_on_host(index):  # no optimizer state, or the state is on the device
-            self.accel.compute_wait(ready)
-            if state is not None:
-                accumulate(state, shard_grad, scale, self.threads)
-            return
-        assert self._land is not None
-        # Decided now, on the calling thread: the worker may still be adding an earlier micro-batch's gradients
-        # when the last one's backward begins, and those are neither final nor stepped.
-        final, overlap = self._final, self._overlap
-        if state.on_device is not None:  # its sum's send waits for the delayed Adam, if need be
-            self._add_on_device(state, shard_grad, scale, ready)
-            if final:
-                self._send_sum(state, overlap)
-            return
-        land = self._land
-        adam_busy = state.adam_read is not None and not state.adam_read.query()
-        if adam_busy:  # the delayed Adam still reads the last gradient: nothing of this unit lands before it has
-            land.wait_event(state.adam_read, held=True)
-        refs = [shard_grad, keep]  # the device gradient lives until its copy (or, read in place, its add) is done
-        # A unit's second gradient in this backward: its first, left where it landed, is added up first, and every
-        # later one is added (the unit stays in the set until the next last backward).
-        again = index in self._sent_in_place
-        in_place = self._in_place and final and not again
-        if in_place:
-            self._sent_in_place.add(index)
-        if again:
-            land.run(lambda: self._materialize(state), held=True)
-        nbytes = shard_grad.numel() * shard_grad.element_size()
-        if self._d2h is None:  # host memory is the device's: the worker reads the reduced shard where it lies
-            land.run(lambda: self._landed(state, shard_grad, ready, scale, final, overlap, refs, in_place), held=True)
-        else:
-            assert state.landing is not None
-            landing = state.landing[:shard_grad.numel()]
-            if state.free.query() and not again and not adam_busy:  # what last landed here is read: copy now
-                copied = self._copy_down(state, landing, shard_grad, ready)
-                land.run(lambda: self._landed(state, landing, copied, scale, final, overlap, refs, in_place),
-                         held=True)
-            else:  # still busy: the worker copies after it is done with the buffer (it runs in order)
-                self.deferred_copies += 1
-                land.run(lambda: self._landed(state, landing, self._copy_down(state, landing, shard_grad, ready),
-                                              scale, final, overlap, refs, in_place), held=True)
-            self.telemetry.add_bytes("d2h", nbytes)
-        state.free = land.record(into=state.free, held=True)
-        self._hand_over_landings(nbytes)
-
-    def _hand_over_landings(self, nbytes: int) -> None:
-        """``nbytes`` more of gradient is held for landing: the worker gets the batch once it is big enough."""
-        self._unsent += nbytes
-        if self._unsent >= LANDING_BATCH_BYTES:
-            self.gradients_sent()
-
-    def gradients_sent(self) -> None:
-        """The landings held back so far go to the worker (see [Note: landings handed over in batches]); backward's
-        end calls this."""
-        if self._land is not None:
-            self._unsent = 0
-            self._land.flush()
-
-    def _add_on_device(self, state: ShardState, shard_grad: torch.Tensor, scale: float, ready: Event | None) -> None:
-        """On the compute stream, after the reduction and after the last sum's copy down read the accumulator."""
-        assert state.on_device is not None
-        self.accel.compute_wait(ready)
-        self.accel.compute_wait(state.copied)
-        add_into(state.on_device[:shard_grad.numel()], shard_grad, scale, overwrite=not state.device_holds,
-                 threads=self.threads)
-        state.device_holds = True
-        state.added = self.accel.compute_event(into=state.added)
-        self._held.add(state.index)
-
-    def _send_sum(self, state: ShardState, overlap: Overlap | None) -> None:
-        """The device accumulator's sum goes down in fp32, and the landing worker reads it where it lands (see
-        [Note: gradients accumulated on the device])."""
-        assert self._land is not None and state.on_device is not None and state.landing is not None
-        self._held.discard(state.index)
-        if not state.free.query():  # the worker still reads what landed here before (a second sum this backward)
-            self.accel.wait(state.free, "a device-accumulated gradient's landing buffer")
-        self._claim_speculation(state)  # ... and so may that sum's speculative Adam
-        if state.adam_read is not None and not state.adam_read.query():  # the delayed Adam still reads it (rare:
-            # the last micro-batch's sum, sent while the last step's Adam has not reached this unit)
-            self.accel.wait(state.adam_read, "a landing buffer the delayed update reads")
-        copied = self._copy_down(state, state.landing, state.on_device, state.added)
-        refs: list[Any] = []
-        self._land.run(lambda: self._landed(state, state.landing, copied, 1.0, True, overlap, refs, in_place=True),
-                       held=True)
-        state.free = self._land.record(into=state.free, held=True)
-        self.telemetry.add_bytes("d2h", state.on_device.numel() * 4)
-        self._hand_over_landings(state.on_device.numel() * 4)
-
-    def send_held(self) -> None:
-        """Device-accumulated units that got no gradient in the last micro-batch send their sums now (the step
-        begins)."""
-        for index in sorted(self._held):
-            self._send_sum(self.shards[index], None)
-
-    def _end_accumulation(self) -> None:
-        """On the training thread: the next gradient of every device accumulator starts a new sum."""
-        self._held.clear()
-        for index in self._on_device:
-            self.shards[index].device_holds = False
-
-    def _copy_down(self, state: ShardState, landing: torch.Tensor, shard_grad: torch.Tensor, ready: Event | None
-                   ) -> Event:
-        """Enqueue the D2H copy of a gradient into its landing buffer after ``ready``; returns the copy's event."""
-        assert self._d2h is not None
-        tel, schedule = self.telemetry, self.accel.schedule
-
-        def copy() -> None:
-            schedule.work("d2h", state.index, nbytes=shard_grad.numel() * shard_grad.element_size())
-            with tel.span("d2h", state.name):
-                landing.copy_(shard_grad, non_blocking=True)
-
-        if ready is not None:
-            self._d2h.wait_event(ready)
-        self._d2h.run(copy)
-        state.copied = self._d2h.record(into=state.copied)
-        return state.copied
-
-    def _landed(self, state: ShardState, grad: torch.Tensor, arrived: Event | None, scale: float, final: bool,
-                overlap: Overlap | None, refs: list[Any], in_place: bool = False
-                ) -> None:
-        """On the landing worker: wait for the gradient, add it in (or, ``in_place``, leave it where it landed),
-        take its norm if final, step if overlapped."""
-        if arrived is not None:
-            self.accel.wait(arrived, "gradient landed")
-        del refs[:]  # a device gradient's copy is done: its memory may go
-        self._claim_speculation(state)  # another gradient of the unit: its speculation is stale
-        if state.phase is ShardPhase.STEPPED:  # a half-applied step's shard: this step is done with it
-            return
-        if state.phase is ShardPhase.SPECULATED:  # another gradient: the speculation is stale (it runs again)
-            state.phase = ShardPhase.HOLDING
-        schedule = self.accel.schedule
-        if in_place:
-            state.landed, state.landed_scale, state.phase = grad, scale, ShardPhase.HOLDING
-        else:
-            schedule.work("accumulate", state.index, nbytes=grad.numel() * (grad.element_size() + 8))
-            with self.telemetry.span("accumulate", state.name):
-                accumulate(state, grad, scale, self.threads)
-        if final:
-            values, factor = state.gradient()
-            schedule.work("norm", state.index, nbytes=values.numel() * values.element_size())
-            with self.telemetry.span("landed_norm", state.name):
-                state.norm = [native.grad_sq_norm(values[seg.start:seg.end], threads=self.threads, scale=factor)
-                              for seg in state.segments]
-        self._step_during_backward(state.index, overlap)
-
-    def _materialize(self, state: ShardState) -> None:
-        """On the landing worker: a gradient left where it landed goes into the accumulator (another is coming)."""
-        self._claim_speculation(state)
-        if state.phase is ShardPhase.SPECULATED:  # stale now (it runs again when the next gradient lands)
-            state.phase = ShardPhase.HOLDING
-        if state.landed is None or state.phase is not ShardPhase.HOLDING:
-            return
-        landed, scale = state.landed, state.landed_scale
-        state.landed, state.phase = None, ShardPhase.EMPTY
-        accumulate(state, landed, scale, self.threads)
-
     def last_backward_begins(self, overlap: bool, only: bool = False, guess: float | None = None,
                              early: bool = False) -> None:
         """The coming backward is the last micro-batch's: its gradients are final as they land, so their norm is
@@ -524,9 +298,7 @@ class ShardedAdam(torch.optim.Optimizer):
         (see [Note: gradients read where they land]). ``guess``: with ``overlap``, speculate that the step's factor
         is this (see [Note: speculative step]). ``early``: the step will return early, so the NVMe reads go in the
         forward's order (see [Note: the early step on NVMe])."""
-        self._final = True
-        self._in_place = only and self._reads_in_place
-        self._sent_in_place.clear()
+        self.landing.last_begins(only, overlap=None)
         forward = early and not overlap
         if early and self.can_return_early_with_nvme and self._land is not None:
             # Queued behind the last step's pass, which may still hold the buffers (the queue orders the two).
@@ -569,10 +341,8 @@ class ShardedAdam(torch.optim.Optimizer):
     def clear_grads(self) -> None:
         self.drain()
         self._settle()
-        self._nvme_error = self._overlap = None
-        self._final = self._in_place = False
-        self._sent_in_place.clear()
-        self._end_accumulation()
+        self._nvme_error = None
+        self.landing.clear()
         self._drop_speculation()
         for state in self.shards.values():
             if state.phase is ShardPhase.HOLDING:
@@ -649,9 +419,7 @@ class ShardedAdam(torch.optim.Optimizer):
             self.params.abort()
             raise
         self.adam_steps = step
-        self._overlap = None
-        self._final = self._in_place = False
-        self._end_accumulation()
+        self.landing.end_accumulation()
         for index, state in self.shards.items():
             self.accel.schedule.work("hook_step", index)
             if self.steps_on_host(index) and state.phase is not ShardPhase.STEPPED:
@@ -711,9 +479,7 @@ class ShardedAdam(torch.optim.Optimizer):
         for group, member in reversed(later):
             self._hand_over(lane, group, member, step, hypers, grad_scale, after, delayed=True)
         self.adam_steps = step
-        self._overlap = None
-        self._final = self._in_place = False
-        self._end_accumulation()
+        self.landing.end_accumulation()
 
     def _hand_over(self, lane: WorkerStream, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper],
                    grad_scale: float, after: Event, delayed: bool = False, run: NvmePass | None = None) -> None:
@@ -874,12 +640,14 @@ class ShardedAdam(torch.optim.Optimizer):
         ``guess`` is the factor to speculate with): each shard's Adam runs on the host thread as soon as its
         gradient is accumulated (see [Note: overlapped step] and [Note: speculative step])."""
         hypers = [self.hyper(i) for i in range(len(self.param_groups))]
-        self._overlap = Overlap(self.overlap_ready_units(guess is not None), hypers, self.adam_steps + 1, guess)
+        self.landing.overlap = Overlap(self.overlap_ready_units(guess is not None), hypers, self.adam_steps + 1,
+                                       guess)
 
     def abandon_overlap(self) -> int:
         """The overlapped backward failed: stop stepping shards; returns how many were already stepped."""
         self._settle()
-        self._overlap = self._nvme_error = None
+        self.landing.stop_overlap()
+        self._nvme_error = None
         self._drop_speculation(ShardPhase.HOLDING)  # its gradients are kept, as those of a failed backward are
         try:  # stepped shards' masters moved on: their new 16-bit copies go with them
             self.params.commit()
@@ -902,7 +670,7 @@ class ShardedAdam(torch.optim.Optimizer):
         hypers, step = overlap.hypers, overlap.step
         group, member = self.store.by_unit[index]
         if overlap.guess is not None and group.tier != "nvme":
-            assert self._spec is not None  # a host shard speculates only with its second slot (plan.speculative)
+            assert self._spec is not None  # a host shard speculates only with its second slot (plan.second_slots)
             self._spec.hand_over(index, lambda: self._speculate_or_leave(group, member, overlap))
             return
         if group.tier != "nvme":
@@ -1051,8 +819,8 @@ class ShardedAdam(torch.optim.Optimizer):
         if run is not None:  # a worker that failed outside the pass's guard left it running: its I/O ends first
             run.abort()
         try:
-            if self._d2h is not None:
-                self._d2h.synchronize()
+            if self.landing.d2h is not None:
+                self.landing.d2h.synchronize()
             self.params.wait_copies_back()
         finally:
             self.store.close()

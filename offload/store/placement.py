@@ -14,6 +14,7 @@ same function, so an estimate is the engine's own plan.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from offload.buffers import round_up
@@ -29,7 +30,7 @@ def host_parts(sizes: list[tuple[int, int]], no_copy: set[int], item: int, *, la
                accumulators: bool = True, on_device: frozenset[int] | set[int] = frozenset()) -> dict[str, int]:
     """Host bytes an offloaded optimizer reserves besides its state, by part: fp32 gradient accumulators (with
     ``accumulators``: a step of one micro-batch with its state on the host reads gradients where they land
-    instead, see [Note: gradients read where they land] in offload/optim/sharded.py; none for the units
+    instead, see [Note: gradients read where they land] in offload/optim/landing.py; none for the units
     accumulated ``on_device``), compute-dtype copies of the new shards (not for ``no_copy``: shards homed on NVMe,
     or read in place), and, with ``landing``, one landing buffer per shard for its gradient (see [Note: gradients
     land] there): compute dtype, or fp32 for a unit whose accumulated sum comes over once (see [Note: gradients
@@ -39,6 +40,15 @@ def host_parts(sizes: list[tuple[int, int]], no_copy: set[int], item: int, *, la
     if landing:
         parts["gradient landing"] = sum((4 if i in on_device else item) * n for i, n in sizes)
     return {what: n for what, n in parts.items() if n}
+
+
+class Speculation(Enum):
+    """Which sub-groups the speculative step is asked to run on, before any budget is looked at (the step's
+    schedule asks: offload/engine/step_schedule.py)."""
+
+    NONE = "none"
+    NVME = "nvme"  # the NVMe ones, whose swap files have a second slot
+    ALL = "all"  # the host's too, with a second slot of their state where the host budget holds it
 
 
 @dataclass
@@ -81,7 +91,8 @@ class Placement:
 
 def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, item: int, *, parts: int = 1,
          resident_params: bool = False, whole_grads: int = 0, discrete: bool = True,
-         device_free: int | None = None, speculative: str = "", delayed: bool = False) -> Placement:
+         device_free: int | None = None, speculation: Speculation = Speculation.NONE,
+         delayed: bool = False) -> Placement:
     """The placement of one rank's units (``shard_sizes``: (unit, shard elements) in unit order; ``trained``:
     the units the optimizer steps) under ``config``, whose compute dtype has ``item`` bytes. The ZeRO stage's
     part: each unit is split in ``parts``; ``resident_params``, every unit stays whole on the device (stages 0-2);
@@ -89,9 +100,8 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     ``discrete``: the compute device has memory of its own (a GPU); a CPU device reads host memory in place, so
     gradients need no landing buffers and device-homed shards no host copies (see [Note: host memory is the
     device's] in offload/store/param_store.py). ``device_free``: bytes free on the device at start, which bound
-    the gradient accumulators kept there when no device budget is set (None: no bound). ``speculative``: which
-    sub-groups the step speculates on ("all": the host's too, with a second slot of their state where the host
-    budget holds it; "nvme": the NVMe ones, whose swap files have theirs; "": none); ``delayed``: the
+    the gradient accumulators kept there when no device budget is set (None: no bound). ``speculation``: which
+    sub-groups the step speculates on; ``delayed``: the
     delayed update stages each new shard in a host buffer of its own. Raises only for a
     setting that no budget could fix (offload_param.buffer_size below a shard)."""
     zero = config.zero_optimization
@@ -153,7 +163,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
 
     budget = TierBudget("host", host_limit, used=sum(out.host.values()))
     try:
-        place_sub_groups(out.groups, opt.device, budget, opt.buffer_count, spare=speculative == "all")
+        place_sub_groups(out.groups, opt.device, budget, opt.buffer_count, spare=speculation is Speculation.ALL)
         out.placed = True
     except ConfigError as e:
         out.problems.append(e)
@@ -167,8 +177,8 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         _plan_optimizer_state(out, nvme_limit, opt.buffer_count)
     _plan_host_params(out, shard_sizes, trained - out.state_on_device if opt.device != "none" else set(), item,
                       host_limit)
-    if speculative and out.placed:  # last: it is the one part that may be left out
-        _plan_speculative_slot(out, host_limit, spare=speculative == "all")
+    if speculation is not Speculation.NONE and out.placed:  # last: it is the one part that may be left out
+        _plan_speculative_slot(out, host_limit, spare=speculation is Speculation.ALL)
     _check_device(out, shard_sizes, config, item, parts, resident_params)
     return out
 
@@ -310,7 +320,7 @@ def _plan_device_accumulators(out: Placement, shard_sizes: list[tuple[int, int]]
                               device_free: int | None) -> None:
     """With gradient accumulation, an offloaded optimizer's fp32 accumulators (``trained_sizes``: the units whose
     state is offloaded) go on the device, in unit order, as far as its room allows (``_device_room``). The other
-    units accumulate on the host (see [Note: gradients accumulated on the device] in offload/optim/sharded.py)."""
+    units accumulate on the host (see [Note: gradients accumulated on the device] in offload/optim/landing.py)."""
     room = _device_room(out, shard_sizes, config, item, parts, device_free)
     chosen: set[int] = set()
     used = 0
