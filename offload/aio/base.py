@@ -10,12 +10,14 @@ buffer is no longer being written when the caller sees the error).
 from __future__ import annotations
 
 import ctypes
+import enum
 import errno as errno_mod
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final, TypeAlias
 
 import torch
 
@@ -66,8 +68,14 @@ class SwapFile:
         self.close()
 
 
+class Deferred(enum.Enum):
+    """DEFERRED's type: a one-member enum, so that ``result is DEFERRED`` narrows a verify hook's result."""
+
+    DEFERRED = "DEFERRED"
+
+
 # A verify hook returns this when it will call request.piece_finished itself later.
-DEFERRED = object()
+DEFERRED: Final = Deferred.DEFERRED
 
 
 @dataclass
@@ -79,6 +87,10 @@ class Piece:
     address: int
     length: int
     done: int = 0  # bytes transferred so far (short transfers continue from here)
+
+
+# A request's verify hook: an error, None (the piece is good) or DEFERRED (it calls piece_finished itself later).
+Verify: TypeAlias = Callable[[Piece], SwapIOError | Deferred | None]
 
 
 @dataclass(eq=False)
@@ -94,7 +106,7 @@ class Request:
     _error: SwapIOError | None = None
     # Called for each piece that arrived whole, in the completing thread (so checksum checks
     # overlap the pieces still in flight); a returned error fails the request.
-    verify: Callable[[Piece], SwapIOError | None] | None = None
+    verify: Verify | None = None
     _event: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -102,9 +114,10 @@ class Request:
 
     def finish_piece(self, piece: Piece, error: SwapIOError | None) -> None:
         if error is None and self.verify is not None:
-            error = self.verify(piece)
-            if error is DEFERRED:
+            verdict = self.verify(piece)
+            if verdict is DEFERRED:
                 return  # the verifier calls piece_finished itself, from its own thread
+            error = verdict
         self.piece_finished(error)
 
     def piece_finished(self, error: SwapIOError | None = None) -> None:
@@ -212,16 +225,17 @@ class Engine:
     """What every engine offers. Use as a context manager; close() waits for what is in flight."""
 
     name = "engine"
+    block_size: int  # every engine sets it (check_block_size) in its __init__
 
     def read(self, file: SwapFile, buffer: torch.Tensor, offset: int, length: int,
-             verify: Callable[[Piece], SwapIOError | None] | None = None) -> Request:
+             verify: Verify | None = None) -> Request:
         return self.submit("read", file, buffer, offset, length, verify)
 
     def write(self, file: SwapFile, buffer: torch.Tensor, offset: int, length: int) -> Request:
         return self.submit("write", file, buffer, offset, length)
 
     def submit(self, op: str, file: SwapFile, buffer: torch.Tensor, offset: int, length: int,
-               verify: Callable[[Piece], SwapIOError | None] | None = None) -> Request:
+               verify: Verify | None = None) -> Request:
         raise NotImplementedError
 
     def wait_all(self, requests: list[Request]) -> None:

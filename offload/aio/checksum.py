@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from offload import native
-from offload.aio.base import DEFERRED, Engine, Piece, Request, RequestGroup, SwapFile, SwapIOError
+from offload.aio.base import DEFERRED, Deferred, Engine, Piece, Request, RequestGroup, SwapFile, SwapIOError
 
 
 class ChecksumError(SwapIOError):
@@ -67,7 +67,7 @@ class ChecksummedFile:
                                  f"checksum mismatch (crc32c written 0x{want:08x}, read 0x{got:08x}): the swap "
                                  "file is corrupt")
 
-        def verify(piece: Piece) -> object:
+        def verify(piece: Piece) -> Deferred:
             # Verified on the checker threads: the thread that completes I/O goes straight back
             # to reaping, and two CRC chains run at once.
             self._checkers.submit(lambda: piece.request.piece_finished(check(piece)))

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 IMPORT_LOCK = os.path.join(tempfile.gettempdir(), "offload-liburing-import.lock")
 
@@ -82,7 +83,7 @@ def probe_io_uring(directory: str | None = None) -> Probe:
     return Probe(True, "io_uring works here")
 
 
-def import_liburing():  # noqa: ANN201 - the liburing module
+def import_liburing() -> Any:  # the liburing module (no stubs, no py.typed: Any to mypy)
     """``import liburing`` under the cross-process lock (see [Note: importing liburing])."""
     with open(IMPORT_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from offload.aio.base import Engine, Request, SwapFile, check_block_size, check_request, split, transfer_piece
+from offload.aio.base import (Engine, Piece, Request, SwapFile, Verify, check_block_size, check_request, split,
+                              transfer_piece)
 
 
 class ThreadPoolEngine(Engine):
@@ -22,12 +23,17 @@ class ThreadPoolEngine(Engine):
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="offload-aio")
 
     def submit(self, op: str, file: SwapFile, buffer: torch.Tensor, offset: int, length: int,
-               verify=None) -> Request:
+               verify: Verify | None = None) -> Request:
         address = check_request(op, file, buffer, offset, length)
         request = Request(op, file, offset, length, buffer, verify=verify)
         for piece in split(request, address, self.block_size):
-            self._pool.submit(lambda p=piece: p.request.finish_piece(p, transfer_piece(p)))
+            self._pool.submit(_transfer, piece)
         return request
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _transfer(piece: Piece) -> None:
+    """One piece, on a pool thread."""
+    piece.request.finish_piece(piece, transfer_piece(piece))

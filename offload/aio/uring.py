@@ -16,11 +16,12 @@ import errno as errno_mod
 import os
 import threading
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
-from offload.aio.base import (Engine, Piece, Request, SwapFile, SwapIOError, _memoryview_at, check_block_size,
-                              check_request, piece_error, split, zero_transfer)
+from offload.aio.base import (Engine, Piece, Request, SwapFile, SwapIOError, Verify, _memoryview_at,
+                              check_block_size, check_request, piece_error, split, zero_transfer)
 from offload.aio.liburing_probe import import_liburing
 
 
@@ -52,7 +53,7 @@ class IoUringEngine(Engine):
         self._reaper.start()
 
     def submit(self, op: str, file: SwapFile, buffer: torch.Tensor, offset: int, length: int,
-               verify=None) -> Request:
+               verify: Verify | None = None) -> Request:
         if self._closing:
             raise RuntimeError("the io_uring engine is closed")
         address = check_request(op, file, buffer, offset, length)
@@ -121,7 +122,7 @@ class IoUringEngine(Engine):
                     if self._closing:
                         return
 
-    def _settle(self, piece: Piece, res: int) -> SwapIOError | None | bool:
+    def _settle(self, piece: Piece, res: int) -> SwapIOError | None | Literal[False]:
         """The outcome of one completion: an error, None (piece done) or False (continued, not done)."""
         if self._inject is not None:
             res = self._inject(piece, res)

@@ -105,11 +105,11 @@ def section(factory: Callable[[], Any] | None, doc: str, **spec: Any) -> Any:
     return field(default_factory=factory, metadata={"spec": Spec(doc=doc, **spec)})
 
 
-def spec_of(f: dataclasses.Field) -> Spec:
+def spec_of(f: dataclasses.Field[Any]) -> Spec:
     return f.metadata["spec"]
 
 
-def public_fields(cls_or_obj: Any) -> list[dataclasses.Field]:
+def public_fields(cls_or_obj: Any) -> list[dataclasses.Field[Any]]:
     """The fields that are config keys (not internal bookkeeping such as Config.notes)."""
     return [f for f in dataclasses.fields(cls_or_obj) if "spec" in f.metadata]
 
@@ -205,8 +205,8 @@ def coerce(value: Any, hint: Any, spec: Spec, path: str, notes: list[str]) -> An
         if nullable:
             return None
         raise ConfigError(path, "must not be null; leave the key out to get its default")
-    if dataclasses.is_dataclass(core):
-        return parse_section(core, value, path, notes)
+    if dataclasses.is_dataclass(core):  # a section class (a hint is never a dataclass instance)
+        return parse_section(typing.cast(type, core), value, path, notes)
     origin = typing.get_origin(core)
     if core is bool:
         if not isinstance(value, bool):
@@ -251,9 +251,9 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _field_names(cls: type) -> dict[str, dataclasses.Field]:
+def _field_names(cls: type) -> dict[str, dataclasses.Field[Any]]:
     """Every accepted key (names and aliases) -> its field."""
-    names: dict[str, dataclasses.Field] = {}
+    names: dict[str, dataclasses.Field[Any]] = {}
     for f in public_fields(cls):
         names[f.name] = f
         for alias in spec_of(f).aliases:
@@ -318,7 +318,7 @@ def parse_section(cls: type, raw: Any, path: str, notes: list[str]) -> Any:
     return obj
 
 
-def _is_active(value: Any, f: dataclasses.Field) -> bool:
+def _is_active(value: Any, f: dataclasses.Field[Any]) -> bool:
     """Whether a value set for a NO_EFFECT/REFUSED key would change anything."""
     if dataclasses.is_dataclass(value) and hasattr(value, "enabled"):
         return bool(value.enabled)
@@ -327,11 +327,11 @@ def _is_active(value: Any, f: dataclasses.Field) -> bool:
     return value != _default_of(f)
 
 
-def _default_of(f: dataclasses.Field) -> Any:
+def _default_of(f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
     return None
 
 
@@ -391,8 +391,8 @@ def iter_fields(cls: type, prefix: str = "", variants: Mapping[str, tuple[type, 
             for variant in variants[path]:
                 for info in iter_fields(variant, path, variants, below):
                     yield dataclasses.replace(info, variant=variant.__name__)
-        elif dataclasses.is_dataclass(core):
+        elif dataclasses.is_dataclass(core):  # a section class (a hint is never a dataclass instance)
             yield FieldInfo(path, core, spec, None)
-            yield from iter_fields(core, path, variants, below)
+            yield from iter_fields(typing.cast(type, core), path, variants, below)
         else:
             yield FieldInfo(path, hints[f.name], spec, _default_of(f))

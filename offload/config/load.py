@@ -103,8 +103,8 @@ class Config:
         if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ConfigError("bf16.enabled", "fp16 and bf16 are both enabled; enable one of them")
         batch = (self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps)
-        if all(isinstance(v, int) for v in batch):
-            train, micro, accum = batch
+        train, micro, accum = batch
+        if isinstance(train, int) and isinstance(micro, int) and isinstance(accum, int):
             if train % (micro * accum):
                 raise ConfigError("train_batch_size",
                                   f"{train} is not train_micro_batch_size_per_gpu ({micro}) x "
@@ -280,8 +280,8 @@ def _rewrite_legacy(raw: Mapping[str, Any], notes: list[str]) -> Mapping[str, An
     legacy = ("cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory")
     if not isinstance(zero, Mapping) or not any(k in zero for k in legacy):
         return raw
-    raw = copy.deepcopy(dict(raw))
-    zero = raw["zero_optimization"] = dict(zero)
+    rewritten = copy.deepcopy(dict(raw))
+    zero = rewritten["zero_optimization"] = dict(zero)
     for key, target in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
         if key not in zero:
             continue
@@ -306,7 +306,7 @@ def _rewrite_legacy(raw: Mapping[str, Any], notes: list[str]) -> Mapping[str, An
             if isinstance(zero.get(target), Mapping):
                 zero[target] = {**zero[target], "pin_memory": value}
         notes.append(f"{path} is deprecated; read as pin_memory = {str(value).lower()} on the offload sections")
-    return raw
+    return rewritten
 
 
 def _read_json(source: str | os.PathLike[str]) -> Any:

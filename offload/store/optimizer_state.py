@@ -64,7 +64,7 @@ import torch
 
 from offload.accelerator import Accelerator
 from offload.sync_ledger import SyncLedger
-from offload.aio.base import Engine, RequestGroup, wait_quietly
+from offload.aio.base import Engine, Request, RequestGroup, wait_quietly
 from offload.buffers import AlignedBuffer, BufferPool, round_up
 from offload.store.two_slots import TwoSlotFile, layout
 from offload.store.budget import TierBudget
@@ -271,7 +271,7 @@ class OptimizerStateStore:
             g.resident.zero_()
         g.views(m)[0].copy_(master)
         if m is g.members[-1]:
-            assert self._file is not None
+            assert self._file is not None and self._fill is not None
             self._file.write_current(g.index, self._fill.tensor).wait()
             g.resident, self._fill = None, None
 
@@ -432,12 +432,12 @@ class NvmePass:
         self.forward = forward  # the forward's order (first units first), for the early step
         self.upcoming: deque[SubGroup] = deque(groups)
         # (sub-group, its buffer, its bytes there, the read)
-        self.reading: deque[tuple[SubGroup, _Space, torch.Tensor, object]] = deque()
+        self.reading: deque[tuple[SubGroup, _Space, torch.Tensor, Request]] = deque()
         self.spaces = [_Space(b) for b in buffers]
         self._at = 0  # the buffer being filled
         self.taken: dict[int, tuple[SubGroup, _Space, torch.Tensor]] = {}  # resident, not released yet
-        self.released: dict[int, tuple[SubGroup, object]] = {}  # written (or being written), not committed
-        self._transfers: list[object] = []  # every read and write, for the time the pass had I/O in flight
+        self.released: dict[int, tuple[SubGroup, RequestGroup]] = {}  # written (or being written), not committed
+        self._transfers: list[Request | RequestGroup] = []  # every read and write: when the pass had I/O in flight
         self._arrived: dict[int, set[int]] = {}
         self._fill()
         self.reads = len(self.reading)
@@ -460,7 +460,7 @@ class NvmePass:
         self.taken[g.index] = (g, space, memory)
         with self.tel.span("nvme_wait", "read"):
             self.ledger.block("optimizer state read")
-            read.wait()  # type: ignore[attr-defined]
+            read.wait()
         g.resident = memory.view(torch.float32)[:KINDS * g.numel].view(KINDS, g.numel)
         return g
 
@@ -481,7 +481,7 @@ class NvmePass:
         with self.tel.span("nvme_wait", "write"):
             for _, write in self.released.values():
                 self.ledger.block("optimizer state written")
-                write.wait()  # type: ignore[attr-defined]
+                write.wait()
         if commit is not None:
             commit()
         for g, _ in self.released.values():

@@ -224,6 +224,7 @@ class ParamSwap:
             self.ledger.block("parameter read dropped")  # a read-ahead guessed wrong: its buffer is needed now
             wait_quietly(b.request)
         if b.state in (BufferState.READING, BufferState.READY):
+            assert b.unit is not None  # a read is always of a unit
             self.stats.wasted_reads += 1
             self.telemetry.add_bytes("nvme_read_wasted", self.homes[b.unit].nbytes)  # counted in nvme_read too
         b.state, b.unit, b.request = BufferState.FREE, None, None

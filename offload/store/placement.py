@@ -260,7 +260,10 @@ def _device_room(out: Placement, shard_sizes: list[tuple[int, int]], config: Any
     if budget is None and device_free is None:
         return None
     taken = sum(out.device.values()) + gather_bytes(out, shard_sizes, config, item, parts)
-    return budget - taken if budget is not None else (device_free - taken) // 2
+    if budget is not None:
+        return budget - taken
+    assert device_free is not None  # neither bounding it returned None above
+    return (device_free - taken) // 2
 
 
 def gather_bytes(out: Placement, shard_sizes: list[tuple[int, int]], config: Any, item: int, parts: int) -> int:

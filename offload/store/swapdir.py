@@ -47,7 +47,7 @@ def _dir_bytes(path: Path) -> int:
 
 def find_leftovers(nvme_path: str | os.PathLike[str]) -> list[Leftover]:
     """Swap directories under nvme_path that no live run holds."""
-    found = []
+    found: list[Leftover] = []
     root = Path(nvme_path)
     if not root.is_dir():
         return found

@@ -11,7 +11,7 @@ when it is read, never wrong values.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +42,7 @@ class Slots:
         self.current = 1 - self.current
 
 
-def layout(sizes: list[tuple[Hashable, int]]) -> tuple[dict[Hashable, Slots], int]:
+def layout(sizes: Sequence[tuple[Hashable, int]]) -> tuple[dict[Hashable, Slots], int]:
     """Each item's two slots (``sizes``: key and bytes, in file order) and the file's size."""
     slots, offset = {}, 0
     for key, nbytes in sizes:
@@ -55,7 +55,7 @@ def layout(sizes: list[tuple[Hashable, int]]) -> tuple[dict[Hashable, Slots], in
 class TwoSlotFile:
     """Owns one rank's two-slot swap file: its space (reserved up front in the swap directory) and its slots."""
 
-    def __init__(self, engine: Engine, swap_dir: SwapDir, name: str, sizes: list[tuple[Hashable, int]]) -> None:
+    def __init__(self, engine: Engine, swap_dir: SwapDir, name: str, sizes: Sequence[tuple[Hashable, int]]) -> None:
         self.slots, self.nbytes = layout(sizes)
         self._file = ChecksummedFile(engine, swap_dir.reserve(name, self.nbytes))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,6 +11,9 @@ from offload.accelerator import CopyStream
 from offload.store.param_store import Home, ParamStore
 from offload.zero.collectives import Group, all_gather
 from offload.zero.plan import UnitPlan
+
+if TYPE_CHECKING:
+    from torch.distributed import Work
 
 
 class UnitState(enum.Enum):
@@ -62,7 +66,7 @@ class Unit:
         self.holders = 0  # forwards currently running inside one of this unit's anchors
         self.persistent = False
         self.prefetched = False  # gathered ahead of use by the prefetcher and not used since
-        self._work: object | None = None  # the in-flight all-gather while GATHERING
+        self._work: Work | None = None  # the in-flight all-gather while GATHERING
         self._transient: torch.Tensor | None = None  # the device shard it reads, kept until the gather is done
         self.trainable = {id(s.param) for s in self.slots if s.param.requires_grad}
         self.has_frozen = len(self.trainable) < len(self.slots)
@@ -200,7 +204,7 @@ class Unit:
         for s in self.slots:
             s.param.grad = None
         if all(g is not None for g in grads):
-            parts = [g.reshape(-1) for g in grads]  # type: ignore[union-attr]
+            parts = [g.reshape(-1) for g in grads]  # type: ignore[union-attr]  # all(...) above: none is None
             if self.padded > self.numel:
                 parts.append(torch.zeros(self.padded - self.numel, dtype=self.dtype, device=self.full.device))
             return torch.cat(parts)
