@@ -183,6 +183,6 @@ def describe_engine(rank: int, world: int, config: dict[str, Any], device: str |
     """What initialize decided for the test GPT: step mode, optimizer state per tier, memory per tier."""
     engine, optimizer, _, _ = offload.initialize(model=make_model("gpt"), config=config, device=device)
     out = {"mode": engine.step_mode, "tiers": dict(optimizer.store.placement.tiers), "memory": engine.memory_summary(),
-           "staged": sum(t.numel() for t in getattr(optimizer, "_staged", {}).values())}
+           "staged": sum(t.numel() for t in optimizer.early.staged.values())}
     engine.close()
     return out

@@ -1,6 +1,6 @@
 """The delayed parameter update (opt-in, not exact by design): after its warm-up each update reaches the parameters
 one step late, as a PyTorch loop that applies each update one step late does (see [Note: delayed update] in
-offload/optim/sharded.py)."""
+offload/optim/early_step.py)."""
 
 import copy
 

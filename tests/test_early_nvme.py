@@ -1,4 +1,4 @@
-"""The early step with the optimizer state on NVMe (see [Note: the early step on NVMe] in offload/optim/sharded.py):
+"""The early step with the optimizer state on NVMe (see [Note: the early step on NVMe] in offload/optim/early_step.py):
 the state's reads, Adam and writes run on the landing worker after engine.step() returned, in the forward's order.
 
 Bitwise the whole step, with the worker lagging far behind (``OFFLOAD_EMULATED_HOST_DELAY_S``) so that a forward
@@ -15,7 +15,7 @@ import torch
 import offload
 from engine_cases import base_config, batches, check_bitwise, describe_engine, loss_of, make_model, train_engine
 from offload.launch import run_ranks
-from offload.optim.sharded import EarlyStepLost
+from offload.optim.early_step import EarlyStepLost
 
 HOST_LAG = {"OFFLOAD_EMULATED_HOST_DELAY_S": "0.003"}
 
@@ -112,7 +112,7 @@ def test_a_failure_after_step_returned_loses_the_step_and_says_so(tmp_path, monk
     releases everything."""
     import offload.aio.base as base
     from offload.aio.base import SwapIOError
-    from offload.optim.sharded import ShardedAdam
+    from offload.optim.update import ShardUpdate
     engine, optimizer, *_ = offload.initialize(model=make_model("gpt"), config=nvme_config(tmp_path))
     tokens = batches(3, 2)
     engine.backward(loss_of(engine, "gpt", tokens[0]))
@@ -138,7 +138,7 @@ def test_a_failure_after_step_returned_loses_the_step_and_says_so(tmp_path, monk
     elif what == "a read":  # the first of the step's reads, issued ahead when its backward begins
         _count_calls(monkeypatch, base.os, "preadv", 1, io)
     else:
-        _count_calls(monkeypatch, ShardedAdam, "_step_shard", 3, MemoryError("no memory for Adam"))
+        _count_calls(monkeypatch, ShardUpdate, "step_shard", 3, MemoryError("no memory for Adam"))
     engine.backward(loss_of(engine, "gpt", tokens[2]))
     engine.step()  # returns before its pass has run
     engine.backward(loss_of(engine, "gpt", tokens[0]))  # the pass fails beside this backward

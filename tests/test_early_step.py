@@ -1,4 +1,4 @@
-"""engine.step() returning before Adam has run (see [Note: early step] in offload/optim/sharded.py): bitwise the
+"""engine.step() returning before Adam has run (see [Note: early step] in offload/optim/early_step.py): bitwise the
 whole step, every reader waits for it, and the forward waits per unit only.
 
 The landing worker, which runs the early step, lags far behind here (``OFFLOAD_EMULATED_HOST_DELAY_S``), so a

@@ -1,4 +1,4 @@
-"""Readers of the whole state the moment an early step returns (see [Note: early step] in offload/optim/sharded.py):
+"""Readers of the whole state the moment an early step returns (see [Note: early step] in offload/optim/early_step.py):
 a checkpoint saved, or the engine closed, while that step's Adam still waits on the landing worker.
 
 The worker lags far behind here (``OFFLOAD_EMULATED_HOST_DELAY_S``), and each run checks that Adam had indeed not

@@ -17,7 +17,10 @@ from conftest import REPO
 HOT_ROOMS = ["offload/zero/runtime.py", "offload/zero/unit.py", "offload/optim/sharded.py",
              "offload/store/param_store.py", "offload/engine/core.py", "offload/prefetch.py",
              "offload/store/optimizer_state.py", "offload/store/param_swap.py", "offload/checkpointing.py",
-             "offload/optim/speculation_lane.py", "offload/optim/shard_state.py"]
+             "offload/optim/speculation_lane.py", "offload/optim/shard_state.py", "offload/optim/landing.py",
+             "offload/optim/update.py", "offload/optim/speculation.py", "offload/optim/early_step.py",
+             "offload/engine/agreement.py", "offload/engine/step_schedule.py", "offload/engine/accessors.py",
+             "offload/engine/persistence.py", "offload/engine/life.py"]
 SYNCING_METHODS = {"item", "tolist", "cpu", "synchronize", "wait"}
 SYNCING_FUNCTIONS = {"wait_quietly"}  # offload/aio/base.py: an I/O request's wait
 LEDGER_CALLS = {"wait", "drain", "read_scalars"}  # on the accelerator: counted by the ledger
@@ -32,9 +35,10 @@ ALLOWED = {
     ("offload/store/param_store.py", "ParamStore.overwrite", ".cpu()"): "a checkpoint load or repair",
     ("offload/engine/core.py", "Engine.__init__", "int()"): "config values",
     ("offload/engine/core.py", "Engine.__init__", "float()"): "config values",
-    ("offload/engine/core.py", "Engine._global_grad_sq_norm", "float()"): "a Python count",
-    ("offload/engine/core.py", "Engine._global_grad_sq_norm", "int()"): "a Python float from read_scalars",
-    ("offload/engine/core.py", "Engine.get_lr", "float()"): "Python numbers from param_groups",
+    ("offload/engine/agreement.py", "global_grad_sq_norm", "float()"): "a Python count",
+    ("offload/engine/agreement.py", "global_grad_sq_norm", "int()"): "a Python float from read_scalars",
+    ("offload/engine/step_schedule.py", "gated", "float()"): "start-up: a config value",
+    ("offload/engine/accessors.py", "DeepSpeedAccessors.get_lr", "float()"): "Python numbers from param_groups",
     ("offload/store/optimizer_state.py", "OptimizerStateStore.init_member", ".wait()"): "start-up: a sub-group's "
                                                                                        "first write",
     ("offload/store/optimizer_state.py", "OptimizerStateStore.read_master", ".wait()"): "after a drain: a repair, "

@@ -12,7 +12,7 @@ from engine_cases import base_config, check_parity, describe_engine, make_model,
 from offload.config import AUTO, Config
 from offload.estimate import estimate, model_units
 from offload.launch import run_ranks
-from offload.optim import sharded
+from offload.optim import update
 
 
 def ratio_config(world, accum, ratio, device_budget=None, **offload_section):
@@ -175,8 +175,8 @@ def test_the_device_tier_steps_with_torchs_fused_kernel_on_a_discrete_device_onl
     if discrete:
         monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
     calls, norms = [], []
-    fused, total_norm = sharded.device_adam_step, torch.nn.utils.get_total_norm
-    monkeypatch.setattr(sharded, "device_adam_step", lambda *args, **kw: (calls.append(args[4]), fused(*args, **kw)))
+    fused, total_norm = update.device_adam_step, torch.nn.utils.get_total_norm
+    monkeypatch.setattr(update, "device_adam_step", lambda *args, **kw: (calls.append(args[4]), fused(*args, **kw)))
     monkeypatch.setattr(torch.nn.utils, "get_total_norm",
                         lambda *args, **kw: (norms.append(1), total_norm(*args, **kw))[1])
     results = train_engine(0, 1, name="gpt", config=ratio_config(1, 1, 0.0), steps=2, micro=2, accum=1)

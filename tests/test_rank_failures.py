@@ -1,4 +1,4 @@
-"""One rank's failed step at W = 2 (see [Note: one rank's failed step] in offload/engine/core.py): every rank
+"""One rank's failed step at W = 2 (see [Note: one rank's failed step] in offload/engine/agreement.py): every rank
 raises, none waits in a collective the failed one never joins, none commits a step another could not, and a
 retryable step is retried on every rank to the values of a run that never failed."""
 
@@ -13,6 +13,7 @@ import torch
 
 import offload
 from engine_cases import base_config, batches, loss_of, make_model
+from offload.engine.life import Life
 from offload.launch import run_ranks
 
 WORLD = 2
@@ -191,7 +192,7 @@ def _forward_fails_on_rank_1(rank: int, world: int) -> dict:
                        ("state", engine.full_state_dict)):
         out[what] = _error(call)
     engine.close()  # still releases everything
-    out["closed"] = engine._closed
+    out["closed"] = engine.life.state is Life.CLOSED
     return out
 
 
@@ -292,7 +293,7 @@ def _delayed_update_fails_on_rank_1(rank: int, world: int, path: str) -> dict:
         def failing(*args, **kwargs):
             raise RuntimeError("delayed Adam failed")
 
-        engine.optimizer._step_shard = failing
+        engine.optimizer.update.step_shard = failing
     engine.backward(loss_of(engine, "gpt", data[1][2 * rank:2 * rank + 2]))
     engine.step()  # the delayed update's Adam runs on its thread, and fails there on rank 1
     out = {"save": _error(lambda: engine.save_checkpoint(path))}

@@ -1,6 +1,6 @@
 """The speculative step: Adam runs during backward with clip factor 1 into a second slot, kept when clipping does
 not fire and recomputed when it does; bitwise the ordinary step either way (see [Note: speculative step] in
-offload/optim/sharded.py)."""
+offload/optim/speculation.py)."""
 
 import math
 import threading
@@ -99,8 +99,9 @@ def _held_speculation(rank, world, config, steps):
     until it has begun, so every other one is still queued when claimed (the step steps it itself) and that one is
     waited for."""
     engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
-    opt, lane = engine.optimizer, engine.optimizer._spec
-    speculate, claim = opt._speculate, lane.claim
+    spec = engine.optimizer.speculation
+    lane = spec.lane
+    speculate, claim = spec._speculate, lane.claim
     begun = {s: threading.Event() for s in range(1, steps + 1)}  # by step: its first speculation has begun
     held = {s: threading.Event() for s in range(1, steps + 1)}  # ... and is released (its shard was claimed)
     first: list[int] = []  # the held shard's unit, per step
@@ -120,7 +121,7 @@ def _held_speculation(rank, world, config, steps):
                 held[step].set()
         return claim(unit)
 
-    opt._speculate, lane.claim = held_speculate, claim_releasing
+    spec._speculate, lane.claim = held_speculate, claim_releasing
     for tokens in batches(steps, 2):
         engine.backward(loss_of(engine, "gpt", tokens))
         engine.step()
@@ -155,7 +156,7 @@ def _failing_speculation(rank, world, config, steps, drop_at):
     ``drop_at``'s gradients are dropped (zero_grad) instead of stepped."""
     engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
     opt = engine.optimizer
-    step_shard, calls = opt._step_shard, []
+    step_shard, calls = opt.update.step_shard, []
 
     def failing(index, views, step, hypers, grad_scale, into=None, target=None):
         if threading.current_thread().name == "offload-speculate":  # a speculation: garbage, then it fails
@@ -165,7 +166,7 @@ def _failing_speculation(rank, world, config, steps, drop_at):
                 raise RuntimeError("speculation failed")
         step_shard(index, views, step, hypers, grad_scale, into=into, target=target)
 
-    opt._step_shard = failing
+    opt.update.step_shard = failing
     losses = []
     for step, tokens in enumerate(batches(steps, 2)):
         losses.append(engine.backward(loss_of(engine, "gpt", tokens)).item())

@@ -64,7 +64,7 @@ def _seed_new_rank(saved: dict[str, Any], rank: int) -> None:
 
 
 def _layout(engine: Any) -> list[dict[str, Any]]:
-    return [{"name": u.name, "numel": u.numel, "padded": u.padded, "trained": u.index in engine.optimizer.shards}
+    return [{"name": u.name, "numel": u.numel, "padded": u.padded, "trained": engine.optimizer.trains(u.index)}
             for u in engine.units]
 
 
@@ -85,7 +85,7 @@ def _saved_params(engine: Any, meta: dict[str, Any], path: Path) -> dict[str, tu
     problems += [f"{k}: {list(saved[k][2])} in the checkpoint, {list(slot.shape)} here"
                  for k, (_, slot) in ours.items() if k in saved and saved[k][2] != tuple(slot.shape)]
     problems += [f"{k}: frozen in the checkpoint (no optimizer state saved), trained here"
-                 for k, (unit, _) in ours.items() if k in saved and unit.index in engine.optimizer.shards
+                 for k, (unit, _) in ours.items() if k in saved and engine.optimizer.trains(unit.index)
                  and saved[k][0] not in trained]
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
@@ -205,13 +205,13 @@ def _write_rank_files(engine: Any, tmp: Path, client_state: dict[str, Any] | Non
     if rank < engine.partition.world:  # stage 0: every rank holds the same state; rank 0 writes it
         writer = RankWriter(tmp, rank)
         try:
-            for g in engine.optimizer.store.one_at_a_time(read=True, write=False):
+            for g in engine.optimizer.one_at_a_time(read=True, write=False):
                 for m in g.members:
                     for kind, values in zip(("master", "exp_avg", "exp_avg_sq"), g.views(m)):
                         writer.add(m.unit, kind, values)
                         phase("writing")
             for unit in engine.units:
-                if unit.index not in engine.optimizer.shards:
+                if not engine.optimizer.trains(unit.index):
                     writer.add(unit.index, "shard", engine.params.read(unit.index))
         finally:
             files = writer.close()
@@ -307,9 +307,7 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
         engine.load_train_state({"global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
                                  "micro_steps": meta["micro_steps"], "loss_scaler": main["loss_scaler"]})
         if load_optimizer_states:
-            engine.optimizer.adam_steps = meta["adam_steps"]
-            for g, saved in zip(engine.optimizer.param_groups, main["param_groups"]):
-                g.update(saved)
+            engine.optimizer.restore_counters(meta["adam_steps"], main["param_groups"])
         scheduler = engine.lr_scheduler
         if load_lr_scheduler_states and main["lr_scheduler"] is not None and hasattr(scheduler, "load_state_dict"):
             scheduler.load_state_dict(main["lr_scheduler"])

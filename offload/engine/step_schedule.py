@@ -10,12 +10,13 @@ A schedule is two choices, each a small class that owns its own state:
   one step late (``Delayed``).
 
 Every combination but ``Delayed``'s is exact: the same values as stepping after backward.
-The optimizer's notes say how each runs (offload/optim/sharded.py: [Note: overlapped step],
-[Note: speculative step], [Note: early step], [Note: the early step on NVMe], [Note: delayed
-update]). ``wanted`` and ``choose`` are the only readers of the config keys that pick them
-(``offload.overlap_step``, ``speculative_step``, ``early_step``, ``delayed_update``): ``wanted``
-says what the placement must plan for (a second slot, staging buffers), ``choose`` decides
-once the placement and the optimizer exist. ``StepSchedule.describe`` is ``engine.step_mode``.
+The optimizer's notes say how each runs: [Note: overlapped step] in offload/optim/sharded.py,
+[Note: speculative step] in offload/optim/speculation.py, and [Note: early step], [Note: the early
+step on NVMe] and [Note: delayed update] in offload/optim/early_step.py. ``wanted`` and ``choose``
+are the only readers of the config keys that pick them (``offload.overlap_step``,
+``speculative_step``, ``early_step``, ``delayed_update``): ``wanted`` says what the placement must
+plan for (a second slot, staging buffers), ``choose`` decides once the placement and the optimizer
+exist. ``StepSchedule.describe`` is ``engine.step_mode``.
 """
 
 from __future__ import annotations

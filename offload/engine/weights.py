@@ -103,13 +103,13 @@ def rewrite_units(engine: Any, *, read: bool, state: Callable[[int, tuple[torch.
     then the unit's compute copy follows its master; ``shard`` gives an untrained unit's new compute shard (None:
     it keeps its own); the partitions are spread again where the stage keeps them. For checkpoint and state-dict
     loads and kept edits; the caller has drained the optimizer and resharded the units."""
-    for g in engine.optimizer.store.one_at_a_time(read=read, write=True):
+    for g in engine.optimizer.one_at_a_time(read=read, write=True):
         for m in g.members:
             views = g.views(m)
             if state(m.unit, views):
                 engine.params.overwrite(m.unit, views[0])
     for unit in engine.units:
-        if unit.index not in engine.optimizer.shards:
+        if not engine.optimizer.trains(unit.index):
             values = shard(unit.index)
             if values is not None:
                 engine.params.overwrite(unit.index, values)
@@ -141,7 +141,7 @@ def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     values: dict[int, torch.Tensor] = {}
     device = engine.accel.device
     for unit in engine.units:
-        shard = (engine.optimizer.master_of(unit.index) if unit.index in engine.optimizer.shards
+        shard = (engine.optimizer.master_of(unit.index) if engine.optimizer.trains(unit.index)
                  else engine.params.read(unit.index).float())
         full = torch.empty(unit.padded, dtype=torch.float32, device=device)
         all_gather(full, shard.to(device), unit.group)
@@ -190,7 +190,7 @@ def load_full_state_dict(engine: Any, state_dict: dict[str, Any], strict: bool =
         flat = torch.zeros(unit.padded, dtype=torch.float32)
         if not all(id(s.param) in given for s in unit.slots):  # the parameters the dict leaves out keep their values
             flat[unit.shard_start:unit.shard_start + unit.shard_numel] = (
-                engine.optimizer.master_of(unit.index) if unit.index in engine.optimizer.shards
+                engine.optimizer.master_of(unit.index) if engine.optimizer.trains(unit.index)
                 else engine.params.read(unit.index).float()).cpu()
         for s in unit.slots:
             if id(s.param) in given:

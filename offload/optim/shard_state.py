@@ -76,7 +76,8 @@ class Overlap:
     units: frozenset[int]
     hypers: list[AdamHyper]
     step: int
-    guess: float | None = None  # speculating with this factor (see [Note: speculative step]); None: exact
+    # Speculating with this factor (see [Note: speculative step] in speculation.py); None: exact.
+    guess: float | None = None
 
 
 @dataclass
@@ -106,7 +107,7 @@ class ShardState:
     on_device: torch.Tensor | None = None
     device_holds: bool = False
     added: Event | None = None  # the last add into ``on_device`` (re-recorded)
-    guessed: Guess | None = None  # what a SPECULATED shard's Adam assumed (see [Note: speculative step])
+    guessed: Guess | None = None  # what a SPECULATED shard's Adam assumed ([Note: speculative step], speculation.py)
 
     def gradient(self) -> tuple[torch.Tensor, float]:
         """The gradient the step reads, and the factor to read it with (a shard that holds one: not EMPTY)."""
@@ -163,3 +164,13 @@ def add_into(acc: torch.Tensor, grad: torch.Tensor, scale: float, *, overwrite: 
             acc.mul_(scale)
     else:
         acc.add_(grad, alpha=scale)
+
+
+def unstep(shards: dict[int, ShardState], groups: Iterable[Any]) -> None:
+    """The sub-groups' shards stepped or speculated by a pass that did not complete are stepped again by the next
+    step (``groups``: the store's ``SubGroup``s, from ``abort_pass`` or ``drop_read_ahead``)."""
+    for g in groups:
+        for m in g.members:
+            state = shards[m.unit]
+            if state.phase in (ShardPhase.STEPPED, ShardPhase.SPECULATED):
+                state.phase, state.guessed = ShardPhase.HOLDING, None

@@ -38,7 +38,7 @@ written, so a step that fails afterwards is retried from the last completed stat
 sub-groups stepped during backward are stepped again, to the same values).
 
 [Note: the speculative slot] With the speculative step (see [Note: speculative step] in
-offload/optim/sharded.py) every host sub-group has a second buffer of the same shape,
+offload/optim/speculation.py) every host sub-group has a second buffer of the same shape,
 ``spare``. Adam for a speculated unit reads the current slot and writes the other, so
 the state of the last completed step stays intact until the step's factor is known;
 ``flip`` then makes the other slot current for that unit. Which slot is current is
@@ -344,7 +344,7 @@ class OptimizerStateStore:
     def detach_pass(self) -> NvmePass | None:
         """This step's NVMe pass, in the forward's order (the one read ahead, or a new one), handed to the caller,
         who runs it to its end (``take``/``release``/``finish``) or ``abort``s it, on one thread: the early step
-        (see [Note: the early step on NVMe] in offload/optim/sharded.py). None without NVMe sub-groups. Until the
+        (see [Note: the early step on NVMe] in offload/optim/early_step.py). None without NVMe sub-groups. Until the
         caller is done nothing else may use the buffers: every other user drains the early step first."""
         if self._file is None:
             return None

@@ -293,7 +293,7 @@ class ParamStore:
 
     def step_pending(self, index: int, done: Event) -> None:
         """An early step writes the shard (and starts its copy back) by the time ``done`` completes (see
-        [Note: early step] in offload/optim/sharded.py)."""
+        [Note: early step] in offload/optim/early_step.py)."""
         self.shards[index].stepped = done
         if self.homes[index] is Home.NVME:
             self._nvme_stepping.add(index)

@@ -390,12 +390,34 @@ class ZeroRuntime:
                 self.telemetry.add_bytes("all_gather", _wire_bytes(unit.padded * unit.dtype.itemsize,
                                                                    unit.group.world))
 
-    def clear_param_grads(self) -> None:
-        """Drop gradients kept in ``.grad`` between micro-batches (stages 0-1)."""
+    def begin_backward(self, reduce: bool) -> None:
+        """The coming backward reduces the gradients it produces (``reduce``), or only accumulates them (see
+        [Note: stages])."""
+        self.reduce_grads = reduce
+
+    def take_order(self) -> list[float]:
+        """This rank's reductions since the last step, for the ranks to compare (see [Note: gradient reduction
+        order]); the next step's start afresh."""
+        return self.order.take()
+
+    def without_grad(self, names: dict[int, str]) -> list[str]:
+        """The names, of ``names`` (by ``id`` of their parameter), of the parameters no gradient reached since the
+        last step."""
+        return [name for key, name in names.items() if key not in self.got_grad]
+
+    def step_taken(self) -> None:
+        """The step took (or skipped) the gradients: the next ones are counted anew."""
+        self.got_grad.clear()
+
+    def drop_grads(self) -> None:
+        """The gradients since the last step are dropped (``zero_grad``): those kept in ``.grad`` (stages 0-1),
+        the record of which parameters got one, and the reductions' order."""
         for unit in self.units:
             unit.grads_seen.clear()
             for slot in unit.slots:
                 slot.param.grad = None
+        self.got_grad.clear()
+        self.order.take()
 
     def reshard_all(self) -> None:
         """Drop every gathered copy (after a step, persistent units hold stale values)."""

@@ -1,0 +1,125 @@
+"""The engine's methods that read or write the model whole: gathered parameters, state dicts, 16-bit saves and
+checkpoints. A mixin of ``Engine`` (offload/engine/core.py): each call checks the engine is usable, lets every
+host thread finish agreed by every rank, rewrites stale NVMe shards, then hands over to weights.py or saving.py,
+which do the work."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload.engine import saving, weights
+from offload.engine.accumulation import Accumulation
+from offload.engine.errors import EngineError
+from offload.engine.life import Lifetime
+from offload.optim.loss_scale import LossScaler
+from offload.optim.sharded import ShardedAdam
+from offload.telemetry import Telemetry
+
+
+class Persistence:
+    """Whole weights and checkpoints, in DeepSpeed's call shapes."""
+
+    # The engine's fields and steps these use (Engine's).
+    accumulation: Accumulation
+    optimizer: ShardedAdam
+    telemetry: Telemetry
+    loss_scaler: LossScaler
+    global_steps: int
+    skipped_steps: int
+    life: Lifetime
+    _drain: Callable[..., None]  # (before, publish=False)
+    zero_grad: Callable[[], None]
+
+    # ----------------------------------------------------------------- whole weights (offload/engine/weights.py)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, modifier_rank: int | None = None) -> Iterator[nn.Module]:
+        """Every unit gathered inside the block (it ignores stage3_max_live_parameters); a collective. Read-only
+        unless ``modifier_rank`` names the rank whose writes are kept (DeepSpeed's GatheredParameters), masters
+        included."""
+        self.life.check()
+        self._drain("gathering the parameters")
+        self.optimizer.repair_stale()
+        with weights.gathered_parameters(self, modifier_rank) as module:
+            yield module
+
+    def load_full_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> tuple[list[str], list[str]]:
+        """Whole weights (as ``full_state_dict`` gives them) into the engine, masters included; every rank passes
+        the same dict (a collective). Returns (missing, unexpected) keys."""
+        self.life.check()
+        self._drain("loading the state dict")
+        self.optimizer.repair_stale()
+        return weights.load_full_state_dict(self, state_dict, strict)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict on the CPU, fp32 masters for trained parameters (a collective)."""
+        self.life.check()
+        self._drain("gathering the state dict")
+        return weights.full_state_dict(self)
+
+    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the gathered compute-dtype weights (torch.save, or safetensors by the file's name); a
+        collective. Returns whether it saved (see weights.save_16bit_model)."""
+        self.life.check()
+        self._drain("saving the 16-bit model", publish=True)  # a delayed update's last step goes out with it
+        self.optimizer.repair_stale()
+        return weights.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    # ----------------------------------------------------------------- checkpoints (offload/engine/saving.py)
+
+    def write_weights(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors") -> None:
+        """The gathered compute-dtype weights into one file whatever stage3_gather_16bit_weights_on_model_save
+        says (rank 0 writes, unit by unit; a collective): what offload.hf.Trainer.save_model writes."""
+        self.life.check()
+        self._drain("writing the weights", publish=True)
+        self.optimizer.repair_stale()
+        weights.write_weights(self, save_dir, save_filename)
+
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | int | None = None,
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True) -> str:
+        """Write a checkpoint, all or nothing (a collective); returns its path. ``tag``: ``global_step<N>``."""
+        tag = None if tag is None else str(tag)  # DeepSpeed's tags may be numbers
+        self.life.check()
+        self.accumulation.check_save()
+        self._drain("saving the checkpoint", publish=True)  # parameters and masters of the same step
+        self.optimizer.repair_stale()
+        with self.telemetry.span("checkpoint", "save"):
+            return str(saving.save(self, save_dir, tag, client_state, save_latest))
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | int | None = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+        """Resume from ``load_dir``'s ``latest`` (or ``tag``): ``(path, client_state)``, checksums first. The
+        arguments in DeepSpeed's order; every key of the module is loaded (``load_module_strict`` must be True)."""
+        if not load_module_strict:
+            raise EngineError("load_checkpoint(load_module_strict=False) is not supported: offload loads every key "
+                              "of the module and refuses a checkpoint that lacks one; pass load_module_strict=True")
+        tag = None if tag is None else str(tag)  # DeepSpeed's tags may be numbers
+        self.life.check()
+        self._drain("loading the checkpoint")
+        with self.telemetry.span("checkpoint", "load"):
+            path, client_state = saving.load(self, load_dir, tag, load_optimizer_states,
+                                             load_lr_scheduler_states, load_module_only)
+        self.optimizer.drop_pending()  # a delayed update staged before the load is not the loaded state's
+        return str(path), client_state
+
+    def train_state(self) -> dict[str, Any]:
+        """The training loop's counters and the loss scale: what a checkpoint keeps besides the arrays (the way
+        torch's DCP ``Stateful`` gives it)."""
+        return {"global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
+                "micro_steps": self.accumulation.micro_steps, "loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_train_state(self, state: dict[str, Any]) -> None:
+        """Restore ``train_state()``; gradients accumulated since the last step are dropped."""
+        self.zero_grad()
+        self.global_steps, self.skipped_steps = state["global_steps"], state["skipped_steps"]
+        self.accumulation.micro_steps = state["micro_steps"]
+        self.loss_scaler.load_state_dict(state["loss_scaler"])

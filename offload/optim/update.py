@@ -1,0 +1,88 @@
+"""One shard's Adam: the kernel over the shard's segments, and where its new 16-bit shard goes (see [Note: parameter
+return] in offload/optim/sharded.py). Every schedule's step ends here: after backward, overlapped, speculated, early
+or delayed; the optimizer (sharded.py) and its early step (early_step.py) and speculation (speculation.py) call it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from offload.accelerator import Accelerator, Event
+from offload.optim.adam import AdamHyper, adam_step, device_adam_step
+from offload.optim.shard_state import ShardPhase, ShardState, by_group
+from offload.schedule import COMPUTE
+from offload.store.param_store import ParamStore
+
+
+class ShardUpdate:
+    """Adam over one shard at a time, with the shards' own states, the parameter store to write and the threads
+    the host kernel runs on."""
+
+    def __init__(self, accel: Accelerator, shards: dict[int, ShardState], params: ParamStore, threads: int | None,
+                 offloaded: Callable[[int], bool], nvme_units: frozenset[int]) -> None:
+        """``offloaded(index)``: the unit's state is stepped on the host (it writes a host copy of the shard);
+        ``nvme_units``: units whose parameter shard is homed on NVMe."""
+        self.accel, self.shards, self.params, self.threads = accel, shards, params, threads
+        self._offloaded = offloaded
+        self.nvme_units = nvme_units
+        self._compute_done: Event | None = None  # where the step orders copies after compute (re-recorded)
+
+    def after_compute(self) -> Event:
+        """An event at this point of the compute stream (one object, re-recorded for each of the step's copies)."""
+        self._compute_done = self.accel.compute_event(into=self._compute_done)
+        return self._compute_done
+
+    def on_discrete_device(self, index: int) -> bool:
+        """Whether unit ``index``'s state lives on a device apart from the host (a GPU, or the emulated one): its
+        norm and Adam run in torch's kernels there (see [Note: Adam on a discrete device] in optim/adam.py)."""
+        return not self._offloaded(index) and not self.accel.host_is_device
+
+    def step_shard(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
+                    hypers: list[AdamHyper], grad_scale: float,
+                    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    target: torch.Tensor | None = None) -> None:
+        """One shard's Adam, in place or (``into``: host state) into another slot; the new shard goes to the
+        parameter store's target, or to ``target`` (the delayed update's staging)."""
+        state = self.shards[index]
+        master, exp_avg, exp_avg_sq = views
+        empty = state.phase is ShardPhase.EMPTY  # no gradient reached this unit since the last step: Adam sees zeros
+        out = target if target is not None else (
+            self.params.step_target(index) if self._offloaded(index) else None)
+        if index in self.nvme_units:  # a fresh write buffer: what the step does not write keeps its value
+            assert out is not None
+            for start, end in state.gaps:
+                out[start:end].copy_(master[start:end])
+        out16 = out if out is not None and out.dtype != torch.float32 else None
+        grad, pre_scale = (torch.zeros_like(master), 1.0) if empty else state.gradient()
+        # Master, moments read and written, the gradient read, the new shard written.
+        self.accel.schedule.work("adam", index, nbytes=master.numel() * (24 + grad.element_size() + (
+            out.element_size() if out is not None else 0)), lane=COMPUTE if self.on_discrete_device(index) else None)
+        if out is None and self.on_discrete_device(index):  # torch's fused kernel
+            assert into is None and pre_scale == 1.0  # neither speculated nor read where it landed: host state only
+            for group, segs in by_group(state.segments).items():
+                slices = [slice(seg.start, seg.end) for seg in segs]
+                device_adam_step([master[s] for s in slices], [grad[s] for s in slices],
+                                 [exp_avg[s] for s in slices], [exp_avg_sq[s] for s in slices], step, hypers[group],
+                                 grad_scale)
+        else:
+            for seg in state.segments:
+                s = slice(seg.start, seg.end)
+                adam_step(master[s], grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
+                          grad_scale, out16=out16[s] if out16 is not None else None, threads=self.threads,
+                          pre_scale=pre_scale, into=None if into is None else (into[0][s], into[1][s], into[2][s]))
+        if into is not None:
+            master = into[0]
+        if out is None:  # state on the compute device: the shard is written straight away
+            self.params.write_device(index, master)
+        else:
+            if out16 is None:
+                for seg in state.segments:
+                    out[seg.start:seg.end].copy_(master[seg.start:seg.end])
+            if target is None:
+                self.params.wrote(index)
+
+    def restore_target(self, index: int, master: torch.Tensor) -> None:
+        out, segments = self.params.step_target(index), self.shards[index].segments
+        for seg in segments:
+            out[seg.start:seg.end].copy_(master[seg.start:seg.end])
