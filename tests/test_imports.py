@@ -75,7 +75,7 @@ def modules() -> dict[str, Path]:
 
 
 def _module_named(name: str) -> str | None:
-    """The module or package ``name`` is, or lies in (``offload.aio.Engine`` -> ``offload.aio``)."""
+    """The module or package ``name`` is, or lies in (``offload.aio.IOEngine`` -> ``offload.aio``)."""
     while name and name not in modules() and name not in EXTENSIONS:
         name = name.rpartition(".")[0]
     return name or None

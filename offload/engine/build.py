@@ -20,7 +20,7 @@ from torch import nn
 
 from offload import checkpointing
 from offload.accelerator import Accelerator
-from offload.aio.base import Engine as AioEngine
+from offload.aio.base import IOEngine
 from offload.aio.choose import engine_from_config
 from offload.config import Config
 from offload.engine.errors import EngineError
@@ -55,9 +55,9 @@ class SwapFiles:
     def __init__(self, config: Config, rank: int) -> None:
         self.config = config
         self.rank = rank
-        self._open: dict[str, tuple[SwapDir, AioEngine]] = {}
+        self._open: dict[str, tuple[SwapDir, IOEngine]] = {}
 
-    def at(self, path: str | None) -> tuple[SwapDir, AioEngine]:
+    def at(self, path: str | None) -> tuple[SwapDir, IOEngine]:
         assert path is not None  # the config check requires it for device nvme
         key = os.path.realpath(os.path.expanduser(path))
         if key not in self._open:

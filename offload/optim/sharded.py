@@ -121,7 +121,7 @@ from offload.optim.landing import GradientLanding
 from offload.optim.speculation_lane import SpeculationLane, TicketPhase
 from offload.schedule import COMPUTE
 from offload.telemetry import Telemetry
-from offload.aio.base import Engine
+from offload.aio.base import IOEngine
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import Member, NvmePass, OptimizerStateStore, SubGroup
 from offload.store.param_store import Home, ParamStore
@@ -146,7 +146,7 @@ class StatePlan:
     buffer_count: int = 4
     host: TierBudget = field(default_factory=lambda: TierBudget("host", None))
     nvme: TierBudget = field(default_factory=lambda: TierBudget("nvme", None))
-    swap: tuple[SwapDir, Engine] | None = None
+    swap: tuple[SwapDir, IOEngine] | None = None
     rank: int = 0
     device_accumulated: frozenset[int] = frozenset()  # units with an fp32 accumulator on the compute device
     grads_read_where_they_land: bool = False  # the placement's (see [Note: gradients read where they land])
