@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("offload.buffers", "offload.telemetry", "offload.host_malloc", "offload.cli_types", "offload.weights_file",
      "offload.launch", "offload.prefetch", "offload.native", "offload.config", "offload.models", "offload.version",
      "offload.zero.collectives", "offload.zero.plan", "offload.store.budget", "offload.sync_ledger",
-     "offload.schedule", "offload.cpus"),
+     "offload.step_graph", "offload.cpus"),
     ("offload.accelerator",),
     ("offload.aio",),
     ("offload.store",),

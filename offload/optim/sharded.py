@@ -119,7 +119,7 @@ from offload.optim.shard_state import (Guess, Overlap, Segment, ShardPhase, Shar
                                         gaps)
 from offload.optim.landing import GradientLanding
 from offload.optim.speculation_lane import SpeculationLane, TicketPhase
-from offload.schedule import COMPUTE
+from offload.step_graph import COMPUTE
 from offload.telemetry import Telemetry
 from offload.aio.base import IOEngine
 from offload.store.budget import TierBudget
@@ -360,7 +360,7 @@ class ShardedAdam(torch.optim.Optimizer):
             parts = state.norm
             values, factor = state.gradient()
             if parts is None and not self._on_discrete_device(state.index):
-                self.accel.schedule.work("norm", state.index, nbytes=values.numel() * values.element_size())
+                self.accel.graph.work("norm", state.index, nbytes=values.numel() * values.element_size())
                 parts = [native.grad_sq_norm(values[seg.start:seg.end], threads=self.threads, scale=factor)
                          for seg in state.segments]
             if parts is not None:
@@ -421,7 +421,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.adam_steps = step
         self.landing.end_accumulation()
         for index, state in self.shards.items():
-            self.accel.schedule.work("hook_step", index)
+            self.accel.graph.work("hook_step", index)
             if self.steps_on_host(index) and state.phase is not ShardPhase.STEPPED:
                 self._compute_done = self.accel.compute_event(into=self._compute_done)
                 self.params.copy_back(index, after=self._compute_done)
@@ -485,7 +485,7 @@ class ShardedAdam(torch.optim.Optimizer):
                    grad_scale: float, after: Event, delayed: bool = False, run: NvmePass | None = None) -> None:
         """One shard's early (or delayed) step queued on ``lane``, and the events its next readers wait for;
         ``run``: the step's NVMe pass, which a failure stops (see [Note: the early step on NVMe])."""
-        self.accel.schedule.work("hook_step", member.unit)
+        self.accel.graph.work("hook_step", member.unit)
         if run is None:
             lane.run(lambda: self._step_early(group, member, step, hypers, grad_scale, after, delayed))
         else:
@@ -597,7 +597,7 @@ class ShardedAdam(torch.optim.Optimizer):
         out16 = out if out is not None and out.dtype != torch.float32 else None
         grad, pre_scale = (torch.zeros_like(master), 1.0) if empty else state.gradient()
         # Master, moments read and written, the gradient read, the new shard written.
-        self.accel.schedule.work("adam", index, nbytes=master.numel() * (24 + grad.element_size() + (
+        self.accel.graph.work("adam", index, nbytes=master.numel() * (24 + grad.element_size() + (
             out.element_size() if out is not None else 0)), lane=COMPUTE if self._on_discrete_device(index) else None)
         if out is None and self._on_discrete_device(index):  # torch's fused kernel
             assert into is None and pre_scale == 1.0  # neither speculated nor read where it landed: host state only
