@@ -27,7 +27,7 @@ from offload.engine.errors import EngineError
 from offload.engine import step_schedule
 from offload.engine.memory import MemoryAccount
 from offload.engine.step_schedule import StepSchedule
-from offload.optim.schedules import build_schedule
+from offload.optim.lr_schedules import build_lr_schedule
 from offload.optim.shard_state import shard_segments
 from offload.optim.sharded import ShardedAdam, StatePlan
 from offload.pretrained import PretrainedWeights
@@ -184,7 +184,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
             if lr_scheduler is not None:
                 raise EngineError("the config has a scheduler section and initialize() was given lr_scheduler; "
                                   "keep one of them")
-            lr_scheduler = build_schedule(optimizer, config.scheduler)
+            lr_scheduler = build_lr_schedule(optimizer, config.scheduler)
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(optimizer)
         undo.pop_all()
