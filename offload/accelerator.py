@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import torch
 
 from offload.buffers import AlignedBuffer
-from offload.schedule import COMPUTE, Item, Schedule, running_as, set_lane
+from offload.step_graph import COMPUTE, Item, StepGraph, running_as, set_lane
 from offload.sync_ledger import Role, SyncLedger, acting_as
 
 
@@ -98,7 +98,7 @@ DONE = DoneEvent()  # one is enough: it carries no state
 
 
 class MarkedDone(DoneEvent):
-    """A completed compute-stream event that a recorded schedule can name (see [Note: recorded schedule])."""
+    """A completed compute-stream event that a recorded step graph can name (see [Note: recorded step graph])."""
 
 
 class WorkEvent:
@@ -118,7 +118,7 @@ _HELD_RECHECK_S = 0.05  # how often a waiter sends its stream's held work again 
 
 
 def send_held_for(event: Event | None) -> None:
-    """What ``event``'s stream holds goes out now: before a recorded schedule notes a wait for it, so the held work
+    """What ``event``'s stream holds goes out now: before a recorded step graph notes a wait for it, so the held work
     is issued before the wait, not after it (see [Note: held hand-offs])."""
     stream = getattr(event, "_stream", None)
     if stream is not None and not event.query():  # type: ignore[union-attr]
@@ -184,13 +184,13 @@ class WorkerStream:
     """
 
     def __init__(self, name: str, delay_s: float = 0.0, ledger: SyncLedger | None = None,
-                 schedule: Schedule | None = None) -> None:
+                 graph: StepGraph | None = None) -> None:
         self.name = name
         self._delay_s = delay_s
         self._ledger = ledger
-        self._schedule = schedule
+        self._graph = graph
         self._synced: ThreadEvent | None = None  # synchronize()'s event, re-recorded
-        # (kind, what, where it was issued in a recorded schedule, or None)
+        # (kind, what, where it was issued in a recorded step graph, or None)
         self._queue: queue.SimpleQueue[tuple[str, object, Any]] = queue.SimpleQueue()
         self._held: list[tuple[str, object, Any]] = []  # enqueued held, not yet sent (see [Note: held hand-offs])
         self._held_lock = threading.Lock()
@@ -218,9 +218,9 @@ class WorkerStream:
     def _handle(self, kind: str, item: object, recorded: Any) -> None:
         if kind == "record":
             event, generation = item  # type: ignore[misc]
-            if recorded is not None and self._schedule is not None:
+            if recorded is not None and self._graph is not None:
                 rid, issued = recorded
-                self._schedule.add(Item("record", record=rid, issued=issued))
+                self._graph.add(Item("record", record=rid, issued=issued))
             event._complete(self._error, generation)
             return
         if self._error is not None:
@@ -229,10 +229,10 @@ class WorkerStream:
             if self._delay_s:
                 time.sleep(self._delay_s)
             if kind == "wait":
-                if recorded is not None and self._schedule is not None:
+                if recorded is not None and self._graph is not None:
                     send_held_for(item)  # type: ignore[arg-type]
                     rid, issued = recorded
-                    self._schedule.add(Item("wait", waits=[rid] if rid is not None else [], issued=issued))
+                    self._graph.add(Item("wait", waits=[rid] if rid is not None else [], issued=issued))
                 item.synchronize()  # type: ignore[attr-defined]
             else:
                 with running_as(recorded):
@@ -240,8 +240,8 @@ class WorkerStream:
         except BaseException as e:  # noqa: BLE001 - carried to the waiter
             self._error = e
 
-    def _recording(self) -> Schedule | None:
-        return self._schedule if self._schedule is not None and self._schedule.on else None
+    def _recording(self) -> StepGraph | None:
+        return self._graph if self._graph is not None and self._graph.on else None
 
     def _put(self, item: tuple[str, object, Any], held: bool) -> None:
         with self._held_lock:  # under the lock, so what was held goes out before anything enqueued after it
@@ -257,19 +257,19 @@ class WorkerStream:
             self._send_held()
 
     def _send_held(self) -> None:
-        """Under ``_held_lock``: what is held goes on the queue as one batch. In a recorded schedule it is issued
+        """Under ``_held_lock``: what is held goes on the queue as one batch. In a recorded step graph it is issued
         here, by the sender (held work could not start before it was sent), not where it was enqueued."""
         if self._held:
-            held, schedule = self._held, self._recording()
-            if schedule is not None:
-                point = schedule.issue_point()
+            held, graph = self._held, self._recording()
+            if graph is not None:
+                point = graph.issue_point()
                 held = [(kind, item, _issued_at(kind, recorded, point)) for kind, item, recorded in held]
             self._queue.put(("batch", held, None))
             self._held = []
 
     def run(self, fn: Callable[[], None], held: bool = False) -> None:
-        schedule = self._recording()
-        self._put(("run", fn, schedule.issue_point() if schedule else None), held)
+        graph = self._recording()
+        self._put(("run", fn, graph.issue_point() if graph else None), held)
 
     def record(self, into: Event | None = None, held: bool = False) -> ThreadEvent:
         if isinstance(into, ThreadEvent):
@@ -279,21 +279,21 @@ class WorkerStream:
             if self._ledger is not None:
                 self._ledger.event_made(self.name)
         event._stream = self
-        schedule = self._recording()
-        recorded = (schedule.new_record(event), schedule.issue_point()) if schedule else None
+        graph = self._recording()
+        recorded = (graph.new_record(event), graph.issue_point()) if graph else None
         self._put(("record", (event, event._rearm()), recorded), held)
         return event
 
     def wait_event(self, event: Event, held: bool = False) -> None:
-        schedule = self._recording()
-        recorded = (schedule.record_of(event), schedule.issue_point()) if schedule else None
-        if not isinstance(event, DoneEvent) or recorded is not None:  # a marked one still orders the schedule
+        graph = self._recording()
+        recorded = (graph.record_of(event), graph.issue_point()) if graph else None
+        if not isinstance(event, DoneEvent) or recorded is not None:  # a marked one still orders the graph
             self._put(("wait", event, recorded), held)
 
     def synchronize(self) -> None:
         self._synced = self.record(self._synced)
-        if self._schedule is not None:
-            self._schedule.wait(self._synced)
+        if self._graph is not None:
+            self._graph.wait(self._synced)
         self._synced.synchronize()
 
     def close(self) -> None:
@@ -303,7 +303,7 @@ class WorkerStream:
 
 
 def _issued_at(kind: str, recorded: Any, point: tuple[str, int]) -> Any:
-    """A queued item's schedule stamp with its issue point moved to ``point`` (a run's stamp is the point itself; a
+    """A queued item's graph stamp with its issue point moved to ``point`` (a run's stamp is the point itself; a
     record's or a wait's is (record id, point))."""
     if recorded is None:
         return None
@@ -417,7 +417,7 @@ class Accelerator:
         self._streams: list[CopyStream] = []
         self._host_buffers: list[AlignedBuffer] = []  # unpinned at close()
         self.ledger = SyncLedger()  # every host-blocking wait, by who waited (see [Note: sync ledger])
-        self.schedule = Schedule()  # off until a recording starts (see [Note: recorded schedule])
+        self.graph = StepGraph()  # off until a recording starts (see [Note: recorded step graph])
 
     @property
     def dist_backend(self) -> str:
@@ -428,34 +428,34 @@ class Accelerator:
         waits for its copies (parameters coming in), so on a GPU its kernels go before those of normal streams
         (gradients going out) when both are queued."""
         stream: CopyStream = _CudaStream(name, self.device, self.ledger, urgent) if self.is_cuda else WorkerStream(
-            name, self._delay_s, self.ledger, self.schedule)
-        self.schedule.declare(name, "copy")
+            name, self._delay_s, self.ledger, self.graph)
+        self.graph.declare(name, "copy")
         self._streams.append(stream)
         return stream
 
     def host_queue(self, name: str) -> WorkerStream:
         """An ordered host thread for CPU work that must wait on device events (e.g. gradient accumulation)."""
-        stream = WorkerStream(name, self._host_delay_s, self.ledger, self.schedule)
-        self.schedule.declare(name, "host")
+        stream = WorkerStream(name, self._host_delay_s, self.ledger, self.graph)
+        self.graph.declare(name, "host")
         self._streams.append(stream)
         return stream
 
-    def start_schedule(self, **meta: Any) -> Schedule:
-        """Record the engine's work from now on (see [Note: recorded schedule]): on the emulated streams only,
+    def start_graph(self, **meta: Any) -> StepGraph:
+        """Record the engine's work from now on (see [Note: recorded step graph]): on the emulated streams only,
         so on a CPU compute device that behaves as a discrete one (``OFFLOAD_EMULATED_DISCRETE_DEVICE=1``)."""
         if self.is_cuda or self.host_is_device:
-            raise RuntimeError("a schedule is recorded on the emulated streams of a discrete CPU device: run on the "
+            raise RuntimeError("a step graph is recorded on the emulated streams of a discrete CPU device: run on the "
                                "CPU with OFFLOAD_EMULATED_DISCRETE_DEVICE=1 set before the engine starts")
-        self.schedule.start(**meta)
-        return self.schedule
+        self.graph.start(**meta)
+        return self.graph
 
     def compute_event(self, into: Event | None = None) -> Event:
         """An event after everything enqueued on the compute stream so far (``into``: as ``CopyStream.record``)."""
         if self.is_cuda:
             return _record_cuda(torch.cuda.current_stream(self.device), into, self.ledger, "compute")
-        if self.schedule.on:  # still complete (CPU compute is synchronous), but a point the schedule can name
+        if self.graph.on:  # still complete (CPU compute is synchronous), but a point the graph can name
             event = into if isinstance(into, MarkedDone) else MarkedDone()
-            self.schedule.add(Item("record", record=self.schedule.new_record(event)), COMPUTE)
+            self.graph.add(Item("record", record=self.graph.new_record(event)), COMPUTE)
             return event
         return DONE  # CPU compute is synchronous: all of it has already run
 
@@ -466,9 +466,9 @@ class Accelerator:
         if self.is_cuda and isinstance(event, _CudaEvent):
             torch.cuda.current_stream(self.device).wait_event(event.event)
         else:
-            if self.schedule.on:
+            if self.graph.on:
                 send_held_for(event)
-                self.schedule.wait(event, COMPUTE)
+                self.graph.wait(event, COMPUTE)
             event.synchronize()  # a WorkEvent on CUDA: Work.wait makes the current stream wait
 
     def wait(self, event: Event, what: str) -> None:
@@ -477,9 +477,9 @@ class Accelerator:
         if event is DONE:  # work of a synchronous stream (CPU compute): already done, nothing to wait for
             return
         self.ledger.block(what)
-        if self.schedule.on:
+        if self.graph.on:
             send_held_for(event)
-            self.schedule.wait(event)
+            self.graph.wait(event)
         event.synchronize()
 
     def drain(self, stream: CopyStream, what: str) -> None:

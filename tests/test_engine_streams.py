@@ -103,24 +103,24 @@ def test_held_work_waits_for_a_flush_and_keeps_its_place_in_the_order():
     stream.close()
 
 
-def test_a_recorded_schedule_issues_held_work_where_it_was_sent():
-    """Held work cannot start before it is sent: in a recorded schedule its issue point is the flush's (two host
+def test_a_recorded_step_graph_issues_held_work_where_it_was_sent():
+    """Held work cannot start before it is sent: in a recorded step graph its issue point is the flush's (two host
     items later here), not the enqueue's; unheld work keeps its own."""
-    from offload.schedule import HOST, Schedule
-    schedule = Schedule()
-    schedule.start()
-    stream = WorkerStream("land", schedule=schedule)
-    stream.run(lambda: schedule.work("accumulate", 0, nbytes=4), held=True)
+    from offload.step_graph import HOST, StepGraph
+    graph = StepGraph()
+    graph.start()
+    stream = WorkerStream("land", graph=graph)
+    stream.run(lambda: graph.work("accumulate", 0, nbytes=4), held=True)
     event = stream.record(held=True)
-    schedule.work("hook_backward", 1, lane=HOST)
-    schedule.work("hook_backward", 2, lane=HOST)
+    graph.work("hook_backward", 1, lane=HOST)
+    graph.work("hook_backward", 2, lane=HOST)
     stream.flush()  # host lane at 2 items
-    stream.run(lambda: schedule.work("accumulate", 3, nbytes=4))  # unheld: issued at once, also at 2
-    schedule.work("hook_backward", 4, lane=HOST)
-    stream.run(lambda: schedule.work("accumulate", 5, nbytes=4))  # at 3
+    stream.run(lambda: graph.work("accumulate", 3, nbytes=4))  # unheld: issued at once, also at 2
+    graph.work("hook_backward", 4, lane=HOST)
+    stream.run(lambda: graph.work("accumulate", 5, nbytes=4))  # at 3
     event.synchronize()
     stream.synchronize()
-    lane = schedule.lanes["land"]
+    lane = graph.lanes["land"]
     issued = {i.unit: i.issued for i in lane if i.kind == "accumulate"}
     assert issued == {0: (HOST, 2), 3: (HOST, 2), 5: (HOST, 3)}
     assert next(i for i in lane if i.kind == "record").issued == (HOST, 2)
@@ -148,19 +148,19 @@ def test_a_waiter_is_not_stranded_when_its_event_is_re_recorded_held():
 
 
 def test_a_recorded_wait_for_a_held_record_replays(monkeypatch):
-    """The schedule notes a wait only after the held record it waits for is issued (held work is issued where it
+    """The step graph notes a wait only after the held record it waits for is issued (held work is issued where it
     is sent), so the recorded graph can finish."""
     monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
     from offload.accelerator import Accelerator
     from offload.bench import replay as R
     accel = Accelerator("cpu")
     land = accel.host_queue("grad-land")
-    accel.start_schedule()
-    accel.schedule.work("hook_backward")
-    land.run(lambda: accel.schedule.work("accumulate", 0, nbytes=1 << 20), held=True)
+    accel.start_graph()
+    accel.graph.work("hook_backward")
+    land.run(lambda: accel.graph.work("accumulate", 0, nbytes=1 << 20), held=True)
     accel.wait(land.record(held=True), "a held record")
     accel.synchronize()
-    data = accel.schedule.to_json()
+    data = accel.graph.to_json()
     data["meta"] = {"world": 1, "tokens": 1}
     assert R.replay(data, R.MACHINES["h100"]).total_ms > 0  # "cannot finish" before the fix
     accel.close()

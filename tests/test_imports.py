@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("offload.buffers", "offload.telemetry", "offload.host_malloc", "offload.cli_types", "offload.weights_file",
      "offload.launch", "offload.prefetch", "offload.native", "offload.config", "offload.models", "offload.version",
      "offload.zero.collectives", "offload.zero.plan", "offload.store.budget", "offload.sync_ledger",
-     "offload.schedule", "offload.cpus"),
+     "offload.step_graph", "offload.cpus"),
     ("offload.accelerator",),
     ("offload.aio",),
     ("offload.store",),
@@ -75,7 +75,7 @@ def modules() -> dict[str, Path]:
 
 
 def _module_named(name: str) -> str | None:
-    """The module or package ``name`` is, or lies in (``offload.aio.Engine`` -> ``offload.aio``)."""
+    """The module or package ``name`` is, or lies in (``offload.aio.IOEngine`` -> ``offload.aio``)."""
     while name and name not in modules() and name not in EXTENSIONS:
         name = name.rpartition(".")[0]
     return name or None

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from offload.accelerator import Accelerator, DoneEvent
-from offload.aio.base import Engine, Request, SwapFile, SwapIOError, check_request, split
+from offload.aio.base import IOEngine, Request, SwapFile, SwapIOError, check_request, split
 from offload.aio.checksum import ChecksumError, ChecksummedFile
 from offload.aio.threads import ThreadPoolEngine
 from offload.buffers import AlignedBuffer, round_up
@@ -76,7 +76,7 @@ class Call:
     fault: str  # "", "error" or "corrupt"
 
 
-class FaultyEngine(Engine):
+class FaultyEngine(IOEngine):
     """A real ThreadPoolEngine behind a wrapper that fails or corrupts chosen requests, logs every request, counts
     the requests in flight per file, and can hold reads back (``hold``) so that read-ahead stays in flight.
 
@@ -86,7 +86,7 @@ class FaultyEngine(Engine):
 
     name = "faulty"
 
-    def __init__(self, inner: Engine) -> None:
+    def __init__(self, inner: IOEngine) -> None:
         self.inner = inner
         self.block_size = inner.block_size
         self.faults: list[Fault] = []
@@ -247,7 +247,7 @@ class Rooms:
         self._closers: list = []
 
     @property
-    def swap(self) -> tuple[SwapDir, Engine]:
+    def swap(self) -> tuple[SwapDir, IOEngine]:
         return self.swap_dir, self.engine
 
     def file(self, name: str) -> str:

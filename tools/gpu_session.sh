@@ -34,7 +34,7 @@
 #   bench-deepspeed-nvme bench-step-checkpointing bench-step-threads profile sanitizer suite
 # bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
 # a call of its own (SUITE_S, default 420 s, 14 workers).
-# Then replay the same model's recorded schedule here (`offload bench schedule`, docs/performance.md) and put the
+# Then replay the same model's recorded step graph here (`offload bench schedule`, docs/performance.md) and put the
 # prediction beside what was measured.
 set -uo pipefail
 export PYTHONUNBUFFERED=1

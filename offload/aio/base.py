@@ -221,7 +221,7 @@ def check_block_size(block_size: int) -> int:
     return block_size
 
 
-class Engine:
+class IOEngine:
     """What every engine offers. Use as a context manager; close() waits for what is in flight."""
 
     name = "engine"
@@ -245,7 +245,7 @@ class Engine:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> IOEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

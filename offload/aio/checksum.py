@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from offload import native
-from offload.aio.base import DEFERRED, Deferred, Engine, Piece, Request, RequestGroup, SwapFile, SwapIOError
+from offload.aio.base import DEFERRED, Deferred, IOEngine, Piece, Request, RequestGroup, SwapFile, SwapIOError
 
 
 class ChecksumError(SwapIOError):
@@ -30,7 +30,7 @@ CHUNK_BYTES = 16 << 20  # checksummed ahead of each write submission: small enou
 class ChecksummedFile:
     """A swap file whose extents carry CRC-32C tables; read an extent exactly as it was written."""
 
-    def __init__(self, engine: Engine, file: SwapFile) -> None:
+    def __init__(self, engine: IOEngine, file: SwapFile) -> None:
         self.engine = engine
         self.file = file
         self.block = engine.block_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from offload.aio.base import Engine
+from offload.aio.base import IOEngine
 from offload.aio.liburing_probe import probe_io_uring
 
 if TYPE_CHECKING:
@@ -16,7 +16,7 @@ logger = logging.getLogger("offload.aio")
 
 
 def make_engine(kind: str = "auto", block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 1,
-                directory: str | None = None) -> Engine:
+                directory: str | None = None) -> IOEngine:
     """An engine of ``kind`` (auto | io_uring | threads); auto falls back to threads with a logged reason."""
     from offload.aio.threads import ThreadPoolEngine
 
@@ -33,7 +33,7 @@ def make_engine(kind: str = "auto", block_size: int = 1 << 20, queue_depth: int 
     return ThreadPoolEngine(block_size=block_size, threads=max(threads, 2))
 
 
-def engine_from_config(config: Config, directory: str | None = None) -> Engine:
+def engine_from_config(config: Config, directory: str | None = None) -> IOEngine:
     """The engine a config asks for: its aio section and offload.aio_engine."""
     aio = config.aio
     return make_engine(config.offload.aio_engine, block_size=aio.block_size, queue_depth=aio.queue_depth,

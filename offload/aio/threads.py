@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from offload.aio.base import (Engine, Piece, Request, SwapFile, Verify, check_block_size, check_request, split,
+from offload.aio.base import (IOEngine, Piece, Request, SwapFile, Verify, check_block_size, check_request, split,
                               transfer_piece)
 
 
-class ThreadPoolEngine(Engine):
+class ThreadPoolEngine(IOEngine):
     name = "threads"
 
     def __init__(self, block_size: int = 1 << 20, threads: int = 2) -> None:

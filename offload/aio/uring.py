@@ -20,12 +20,12 @@ from typing import Literal
 
 import torch
 
-from offload.aio.base import (Engine, Piece, Request, SwapFile, SwapIOError, Verify, _memoryview_at,
+from offload.aio.base import (IOEngine, Piece, Request, SwapFile, SwapIOError, Verify, _memoryview_at,
                               check_block_size, check_request, piece_error, split, zero_transfer)
 from offload.aio.liburing_probe import import_liburing
 
 
-class IoUringEngine(Engine):
+class IoUringEngine(IOEngine):
     name = "io_uring"
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8) -> None:

@@ -2,7 +2,7 @@
 
 ``schedule`` runs a few steps of the bench's GPT through the engine on the CPU with the
 device emulated as a discrete one (every copy a GPU needs is made, on the emulated streams),
-records them as a graph (see [Note: recorded schedule] in offload/schedule.py) with the
+records them as a graph (see [Note: recorded step graph] in offload/step_graph.py) with the
 FLOPs of each stretch of compute counted by torch's FLOP counter, and writes it as JSON.
 
 ``replay`` times that graph on a machine described by a few rates: the device's FLOP/s and
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
 
-from offload import schedule as sched
+from offload import step_graph
 
 @dataclass(kw_only=True)
 class Machine:
@@ -47,9 +47,9 @@ class Machine:
     def cost_s(self, item: dict[str, Any], lane_kind: str, world: int, token_scale: float) -> float:
         kind = item["kind"]
         nbytes = item.get("nbytes", 0)
-        if kind in sched.COMPUTE_KINDS:
+        if kind in step_graph.COMPUTE_KINDS:
             return item.get("flops", 0.0) * token_scale / (self.device_tflops * 1e12)
-        if kind in sched.DEVICE_COPY_KINDS:
+        if kind in step_graph.DEVICE_COPY_KINDS:
             if world == 1:
                 return 2 * nbytes / (self.device_gbps * 1e9)
             return nbytes * (world - 1) / world / (self.link_gbps * 1e9)
@@ -57,10 +57,10 @@ class Machine:
             return nbytes / (self.h2d_gbps * 1e9)
         if kind == "d2h":
             return nbytes / (self.d2h_gbps * 1e9)
-        if kind in sched.HOST_MEMORY_KINDS:
+        if kind in step_graph.HOST_MEMORY_KINDS:
             rate = self.device_gbps if lane_kind == "device" else self.host_gbps
             return nbytes / (rate * 1e9)
-        if kind in sched.HOOK_KINDS:
+        if kind in step_graph.HOOK_KINDS:
             return getattr(self, f"{kind}_us") * 1e-6
         return 0.0
 
@@ -98,11 +98,11 @@ class Replay:
 
 def replay(data: dict[str, Any], machine: Machine, tokens: int | None = None, free: frozenset[str] = frozenset()
            ) -> Replay:
-    """Time a recorded schedule on ``machine`` (see the module docstring). ``free``: kinds of work charged nothing,
+    """Time a recorded step graph on ``machine`` (see the module docstring). ``free``: kinds of work charged nothing,
     the estimate of a change that would remove them (landing gradients without an accumulation pass, say)."""
-    unknown = set(free) - set(sched.KINDS)
+    unknown = set(free) - set(step_graph.KINDS)
     if unknown:
-        raise ValueError(f"unknown kind(s) of work {sorted(unknown)}; kinds: {', '.join(sched.KINDS)}")
+        raise ValueError(f"unknown kind(s) of work {sorted(unknown)}; kinds: {', '.join(step_graph.KINDS)}")
 
     def cost_of(item: dict[str, Any], lane: str) -> float:
         return 0.0 if item["kind"] in free else machine.cost_s(item, kinds.get(lane, "host"), world, scale)
@@ -170,7 +170,7 @@ def replay(data: dict[str, Any], machine: Machine, tokens: int | None = None, fr
         if cost[point]:
             critical[f"{point[0]}/{lanes[point[0]][point[1]]['kind']}"] += cost[point]
         point = cause[point]
-    starts = [end[sched.HOST][i] for i, item in enumerate(lanes.get(sched.HOST, ()))
+    starts = [end[step_graph.HOST][i] for i, item in enumerate(lanes.get(step_graph.HOST, ()))
               if item["kind"] == "mark" and item.get("label") == "forward"]
     steps = max(1, len(starts))
     first = starts[0] if starts else 0.0
@@ -262,15 +262,15 @@ def record(b: ScheduleBench, out: Path, log: TextIO | None = None) -> dict[str, 
             del os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"]
         else:
             os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"] = before
-    schedule = engine.accel.schedule
+    graph = engine.accel.graph
     try:
         data_rows = batches(step_bench, 1 + b.steps, b.micro)
         engine.backward(engine(data_rows[0][:, :-1], data_rows[0][:, 1:]))  # warm-up: traces, buffers, first step
         engine.step()
         engine.accel.synchronize()
         with FlopCounterMode(display=False) as counter:
-            engine.accel.start_schedule(flops=counter.get_total_flops, world=1, tokens=b.micro * b.seq,
-                                        units=len(engine.units), bench=asdict(b))
+            engine.accel.start_graph(flops=counter.get_total_flops, world=1, tokens=b.micro * b.seq,
+                                     units=len(engine.units), bench=asdict(b))
             for i, rows in enumerate(data_rows[1:]):
                 engine.backward(engine(rows[:, :-1], rows[:, 1:]))
                 engine.step()
@@ -278,10 +278,10 @@ def record(b: ScheduleBench, out: Path, log: TextIO | None = None) -> dict[str, 
                     log.write(f"  recorded step {i + 1}/{b.steps}\n")
                     log.flush()
             engine.accel.synchronize()  # what the last step left running is in the window too
-            schedule.mark("end")
-        data = schedule.to_json()
+            graph.mark("end")
+        data = graph.to_json()
     finally:
-        schedule.stop()
+        graph.stop()
         engine.close()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data))
@@ -298,7 +298,7 @@ def summary(data: dict[str, Any]) -> str:
 
 def run_replay(path: Path, machine: Machine, tokens: int | None, out: Path | None, stream: TextIO,
                free: frozenset[str] = frozenset()) -> Replay:
-    data = sched.load(path)
+    data = step_graph.load(path)
     result = replay(data, machine, tokens, free)
     stream.write(f"schedule {path}: {summary(data)}\n")
     print_replay(result, stream)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from offload.aio import ChecksummedFile, Engine, SwapFile, make_engine, probe_io_uring
+from offload.aio import ChecksummedFile, IOEngine, SwapFile, make_engine, probe_io_uring
 from offload.buffers import AlignedBuffer
 
 OPS = ("write", "read")
@@ -78,7 +78,7 @@ def sweep_grid(path: Path, size: int, grid: Iterable[tuple[int, int]], contender
             os.posix_fallocate(f.fd, 0, size)
             for block, depth in grid:
                 with contextlib.ExitStack() as stack:
-                    engines: dict[tuple[str, int], Engine] = {}
+                    engines: dict[tuple[str, int], IOEngine] = {}
                     starts: dict[Hashable, Callable[[str], Callable[[], None]]] = {}
                     for key, c in contenders.items():
                         if (c.engine, c.threads) not in engines:

@@ -20,14 +20,14 @@ from torch import nn
 
 from offload import checkpointing
 from offload.accelerator import Accelerator
-from offload.aio.base import Engine as AioEngine
+from offload.aio.base import IOEngine
 from offload.aio.choose import engine_from_config
 from offload.config import Config
 from offload.engine.errors import EngineError
 from offload.engine import step_schedule
 from offload.engine.memory import MemoryAccount
 from offload.engine.step_schedule import StepSchedule
-from offload.optim.schedules import build_schedule
+from offload.optim.lr_schedules import build_lr_schedule
 from offload.optim.shard_state import shard_segments
 from offload.optim.sharded import ShardedAdam, StatePlan
 from offload.pretrained import PretrainedWeights
@@ -55,9 +55,9 @@ class SwapFiles:
     def __init__(self, config: Config, rank: int) -> None:
         self.config = config
         self.rank = rank
-        self._open: dict[str, tuple[SwapDir, AioEngine]] = {}
+        self._open: dict[str, tuple[SwapDir, IOEngine]] = {}
 
-    def at(self, path: str | None) -> tuple[SwapDir, AioEngine]:
+    def at(self, path: str | None) -> tuple[SwapDir, IOEngine]:
         assert path is not None  # the config check requires it for device nvme
         key = os.path.realpath(os.path.expanduser(path))
         if key not in self._open:
@@ -184,7 +184,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
             if lr_scheduler is not None:
                 raise EngineError("the config has a scheduler section and initialize() was given lr_scheduler; "
                                   "keep one of them")
-            lr_scheduler = build_schedule(optimizer, config.scheduler)
+            lr_scheduler = build_lr_schedule(optimizer, config.scheduler)
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(optimizer)
         undo.pop_all()

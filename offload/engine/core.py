@@ -101,7 +101,7 @@ class Engine(DeepSpeedAccessors, Persistence):
         another device are moved to the compute device first, as FSDP does, so a CPU batch just works (floating
         ones keep their dtype unless fp16.auto_cast)."""
         self.life.check()
-        self.accel.schedule.mark("forward")
+        self.accel.graph.mark("forward")
         self.optimizer.repair_stale()
         self.runtime.begin_iteration()
         cast = torch.float16 if self.compute_dtype == torch.float16 and self.config.fp16.auto_cast else None
@@ -130,7 +130,7 @@ class Engine(DeepSpeedAccessors, Persistence):
         if not loss.requires_grad:
             raise EngineError("the loss does not require grad: was the forward run under torch.no_grad(), or are "
                               "all parameters frozen?")
-        self.accel.schedule.mark("backward")
+        self.accel.graph.mark("backward")
         scale = self.loss_scaler.scale / (self.accumulation.steps if scale_wrt_gas else 1)
         last_micro = self.accumulation.next_is_last()
         reduce = last_micro or self.stage.reduce_every_micro_batch
@@ -169,7 +169,7 @@ class Engine(DeepSpeedAccessors, Persistence):
         self.life.check()
         if not self.accumulation.take():
             return
-        self.accel.schedule.mark("step")
+        self.accel.graph.mark("step")
         order = self.runtime.take_order()  # before anything below can drop the gradients (zero_grad)
         failed: Exception | None = None
         try:

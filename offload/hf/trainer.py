@@ -36,7 +36,7 @@ from torch import nn
 from offload.config import Config
 from offload.engine.initialize import initialize
 from offload.hf.ds_config import resolve
-from offload.optim.schedules import build_schedule
+from offload.optim.lr_schedules import build_lr_schedule
 from offload.pretrained import PretrainedWeights
 
 logger = logging.getLogger("offload.hf")
@@ -67,7 +67,7 @@ class _EngineOptimizer:
         return {}
 
 
-class _EngineSchedule:
+class _EngineLRSchedule:
     """What the Trainer's loop steps and reads: the engine steps its schedule itself; the loop reads the learning
     rate of the step just applied (as it reads it before stepping a schedule of its own)."""
 
@@ -136,7 +136,7 @@ class Trainer(transformers.Trainer):
         if self.engine is None:
             self._build_engine(max_steps)
         else:
-            self._renew_schedule(max_steps)
+            self._renew_lr_schedule(max_steps)
         if resume_from_checkpoint is not None:
             self.engine.load_checkpoint(Path(resume_from_checkpoint) / ENGINE_CHECKPOINT)
         self.model_wrapped = self.model
@@ -151,7 +151,7 @@ class Trainer(transformers.Trainer):
         else:
             kwargs["model_parameters"] = [p for p in self.model.parameters() if p.requires_grad]
         if "scheduler" not in config:  # the Trainer's schedule (lr_scheduler_type), over the engine's optimizer
-            kwargs["lr_scheduler"] = lambda optimizer: self._trainer_schedule(num_training_steps, optimizer)
+            kwargs["lr_scheduler"] = lambda optimizer: self._trainer_lr_schedule(num_training_steps, optimizer)
         self.optimizer = None
         self.lr_scheduler = None
         self.engine, *_ = initialize(model=self.model, config=config, weights=self.weights,
@@ -160,15 +160,15 @@ class Trainer(transformers.Trainer):
         # device move of the engine's parameters, no autocast wrapper left on its forward for training.
         self.model._is_accelerate_prepared = True
         self.optimizer = _EngineOptimizer(self.engine)  # type: ignore[assignment]
-        self.lr_scheduler = _EngineSchedule(self)  # type: ignore[assignment]
+        self.lr_scheduler = _EngineLRSchedule(self)  # type: ignore[assignment]
 
-    def _trainer_schedule(self, num_training_steps: int, optimizer: Any) -> Any:
+    def _trainer_lr_schedule(self, num_training_steps: int, optimizer: Any) -> Any:
         """The Trainer's own schedule (``lr_scheduler_type``, its warm-up) over the engine's optimizer."""
         maker = copy.copy(self)  # create_scheduler keeps what it builds on the trainer it is called on
         maker.lr_scheduler = None
         return maker.create_scheduler(num_training_steps, optimizer)
 
-    def _renew_schedule(self, num_training_steps: int) -> None:
+    def _renew_lr_schedule(self, num_training_steps: int) -> None:
         """A later ``train()`` runs a schedule of its own over its steps, as the plain Trainer's does (which
         rebuilds the schedule it created); Adam's state and the step count go on. What the engine was built for
         (micro-batch, accumulation, clipping) must not have changed in the arguments since."""
@@ -182,8 +182,8 @@ class Trainer(transformers.Trainer):
         optimizer, old = self.engine.optimizer, self.engine.lr_scheduler
         for group, lr in zip(optimizer.param_groups, getattr(old, "base_lrs", ())):
             group["lr"] = lr  # schedules that scale the rate they find (cosine, Hugging Face's) start from the base
-        self.engine.lr_scheduler = build_schedule(optimizer, config.scheduler) if config.scheduler is not None \
-            else self._trainer_schedule(num_training_steps, optimizer)
+        self.engine.lr_scheduler = build_lr_schedule(optimizer, config.scheduler) if config.scheduler is not None \
+            else self._trainer_lr_schedule(num_training_steps, optimizer)
 
     def _ensure_engine(self) -> None:
         """Evaluating, predicting or saving before train(): the engine is built now (the model may be on the meta

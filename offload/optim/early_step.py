@@ -134,7 +134,7 @@ class EarlyStep:
                    grad_scale: float, after: Event, delayed: bool = False, run: NvmePass | None = None) -> None:
         """One shard's early (or delayed) step queued on ``lane``, and the events its next readers wait for;
         ``run``: the step's NVMe pass, which a failure stops (see [Note: the early step on NVMe])."""
-        self.accel.schedule.work("hook_step", member.unit)
+        self.accel.graph.work("hook_step", member.unit)
         if run is None:
             lane.run(lambda: self._step_early(group, member, step, hypers, grad_scale, after, delayed))
         else:

@@ -243,10 +243,10 @@ class GradientLanding:
                    ) -> Event:
         """Enqueue the D2H copy of a gradient into its landing buffer after ``ready``; returns the copy's event."""
         assert self.d2h is not None
-        tel, schedule = self.telemetry, self.accel.schedule
+        tel, graph = self.telemetry, self.accel.graph
 
         def copy() -> None:
-            schedule.work("d2h", state.index, nbytes=shard_grad.numel() * shard_grad.element_size())
+            graph.work("d2h", state.index, nbytes=shard_grad.numel() * shard_grad.element_size())
             with tel.span("d2h", state.name):
                 landing.copy_(shard_grad, non_blocking=True)
 
@@ -269,16 +269,16 @@ class GradientLanding:
             return
         if state.phase is ShardPhase.SPECULATED:  # another gradient: the speculation is stale (it runs again)
             state.phase = ShardPhase.HOLDING
-        schedule = self.accel.schedule
+        graph = self.accel.graph
         if in_place:
             state.landed, state.landed_scale, state.phase = grad, scale, ShardPhase.HOLDING
         else:
-            schedule.work("accumulate", state.index, nbytes=grad.numel() * (grad.element_size() + 8))
+            graph.work("accumulate", state.index, nbytes=grad.numel() * (grad.element_size() + 8))
             with self.telemetry.span("accumulate", state.name):
                 accumulate(state, grad, scale, self.threads)
         if final:
             values, factor = state.gradient()
-            schedule.work("norm", state.index, nbytes=values.numel() * values.element_size())
+            graph.work("norm", state.index, nbytes=values.numel() * values.element_size())
             with self.telemetry.span("landed_norm", state.name):
                 state.norm = [native.grad_sq_norm(values[seg.start:seg.end], threads=self.threads, scale=factor)
                               for seg in state.segments]

@@ -58,7 +58,7 @@ from offload.optim.speculation import Speculation
 from offload.optim.speculation_lane import SpeculationLane
 from offload.optim.update import ShardUpdate
 from offload.telemetry import Telemetry
-from offload.aio.base import Engine
+from offload.aio.base import IOEngine
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import OptimizerStateStore, SubGroup
 from offload.store.param_store import Home, ParamStore
@@ -79,7 +79,7 @@ class StatePlan:
     buffer_count: int = 4
     host: TierBudget = field(default_factory=lambda: TierBudget("host", None))
     nvme: TierBudget = field(default_factory=lambda: TierBudget("nvme", None))
-    swap: tuple[SwapDir, Engine] | None = None
+    swap: tuple[SwapDir, IOEngine] | None = None
     rank: int = 0
     device_accumulated: frozenset[int] = frozenset()  # units with an fp32 accumulator on the compute device
     grads_read_where_they_land: bool = False  # the placement's ([Note: gradients read where they land], landing.py)
@@ -310,7 +310,7 @@ class ShardedAdam(torch.optim.Optimizer):
             parts = state.norm
             values, factor = state.gradient()
             if parts is None and not self.update.on_discrete_device(state.index):
-                self.accel.schedule.work("norm", state.index, nbytes=values.numel() * values.element_size())
+                self.accel.graph.work("norm", state.index, nbytes=values.numel() * values.element_size())
                 parts = [native.grad_sq_norm(values[seg.start:seg.end], threads=self.threads, scale=factor)
                          for seg in state.segments]
             if parts is not None:
@@ -367,7 +367,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.adam_steps = step
         self.landing.end_accumulation()
         for index, state in self.shards.items():
-            self.accel.schedule.work("hook_step", index)
+            self.accel.graph.work("hook_step", index)
             if self.steps_on_host(index) and state.phase is not ShardPhase.STEPPED:
                 self.params.copy_back(index, after=self.update.after_compute())
             state.empty()

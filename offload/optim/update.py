@@ -11,7 +11,7 @@ import torch
 from offload.accelerator import Accelerator, Event
 from offload.optim.adam import AdamHyper, adam_step, device_adam_step
 from offload.optim.shard_state import ShardPhase, ShardState, by_group
-from offload.schedule import COMPUTE
+from offload.step_graph import COMPUTE
 from offload.store.param_store import ParamStore
 
 
@@ -56,7 +56,7 @@ class ShardUpdate:
         out16 = out if out is not None and out.dtype != torch.float32 else None
         grad, pre_scale = (torch.zeros_like(master), 1.0) if empty else state.gradient()
         # Master, moments read and written, the gradient read, the new shard written.
-        self.accel.schedule.work("adam", index, nbytes=master.numel() * (24 + grad.element_size() + (
+        self.accel.graph.work("adam", index, nbytes=master.numel() * (24 + grad.element_size() + (
             out.element_size() if out is not None else 0)), lane=COMPUTE if self.on_discrete_device(index) else None)
         if out is None and self.on_discrete_device(index):  # torch's fused kernel
             assert into is None and pre_scale == 1.0  # neither speculated nor read where it landed: host state only

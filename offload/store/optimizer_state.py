@@ -64,7 +64,7 @@ import torch
 
 from offload.accelerator import Accelerator
 from offload.sync_ledger import SyncLedger
-from offload.aio.base import Engine, Request, RequestGroup, wait_quietly
+from offload.aio.base import IOEngine, Request, RequestGroup, wait_quietly
 from offload.buffers import AlignedBuffer, BufferPool, round_up
 from offload.store.two_slots import TwoSlotFile, layout
 from offload.store.budget import TierBudget
@@ -210,7 +210,7 @@ class OptimizerStateStore:
     """Owns every sub-group's master/moment buffer on its tier, and the pass that the step runs over them."""
 
     def __init__(self, groups: list[SubGroup], *, accel: Accelerator, host: TierBudget, nvme: TierBudget,
-                 buffer_count: int = 4, swap: tuple[SwapDir, Engine] | None = None, rank: int = 0,
+                 buffer_count: int = 4, swap: tuple[SwapDir, IOEngine] | None = None, rank: int = 0,
                  telemetry: Telemetry | None = None, spare: bool = False) -> None:
         """``groups``: the sub-groups with their tiers, as the placement plan (offload/store/placement.py) made
         them within the budgets; ``swap`` is needed for NVMe ones; ``spare``: host sub-groups get a second slot

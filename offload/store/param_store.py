@@ -231,10 +231,10 @@ class ParamStore:
         out = torch.empty(shard.numel, dtype=self.dtype, device=self.accel.device)
         self._compute_done = self.accel.compute_event(into=self._compute_done)
         h2d.wait_event(self._compute_done)  # the new buffer may reuse memory compute just freed
-        schedule = self.accel.schedule
+        graph = self.accel.graph
 
         def fetch() -> None:
-            schedule.work("h2d", index, nbytes=out.numel() * out.element_size())
+            graph.work("h2d", index, nbytes=out.numel() * out.element_size())
             out.copy_(source, non_blocking=True)
 
         h2d.run(fetch)
@@ -279,10 +279,10 @@ class ParamStore:
             self._h2d = self.accel.copy_stream("h2d", urgent=True)
         if after is not None:
             self._h2d.wait_event(after)
-        source, target, tel, schedule = shard.host, shard.device, self.telemetry, self.accel.schedule
+        source, target, tel, graph = shard.host, shard.device, self.telemetry, self.accel.graph
 
         def copy() -> None:
-            schedule.work("h2d", index, nbytes=source.numel() * source.element_size())
+            graph.work("h2d", index, nbytes=source.numel() * source.element_size())
             with tel.span("h2d", shard.name):
                 target.copy_(source, non_blocking=True)
 

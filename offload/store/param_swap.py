@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from offload.accelerator import Event
-from offload.aio.base import Engine, Request, RequestGroup, SwapIOError, wait_quietly
+from offload.aio.base import IOEngine, Request, RequestGroup, SwapIOError, wait_quietly
 from offload.buffers import AlignedBuffer, BufferPool, round_up
 from offload.store.budget import TierBudget
 from offload.store.swapdir import SwapDir
@@ -145,7 +145,7 @@ class ParamSwapError(SwapIOError):
 class ParamSwap:
     """Owns the parameter swap file of one rank, its read and write buffers, and every unit's two slots."""
 
-    def __init__(self, sizes: list[tuple[int, int]], dtype: torch.dtype, *, swap: tuple[SwapDir, Engine],
+    def __init__(self, sizes: list[tuple[int, int]], dtype: torch.dtype, *, swap: tuple[SwapDir, IOEngine],
                  rank: int, host: TierBudget, nvme: TierBudget, buffer_count: int, pin: bool,
                  telemetry: Telemetry | None = None, ledger: SyncLedger | None = None) -> None:
         """``sizes``: (unit index, shard elements) of the units homed on NVMe (the placement plan checked the

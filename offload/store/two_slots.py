@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.aio.base import Engine, Request, RequestGroup
+from offload.aio.base import IOEngine, Request, RequestGroup
 from offload.aio.checksum import ChecksummedFile
 from offload.buffers import round_up
 from offload.store.swapdir import SwapDir
@@ -55,7 +55,7 @@ def layout(sizes: Sequence[tuple[Hashable, int]]) -> tuple[dict[Hashable, Slots]
 class TwoSlotFile:
     """Owns one rank's two-slot swap file: its space (reserved up front in the swap directory) and its slots."""
 
-    def __init__(self, engine: Engine, swap_dir: SwapDir, name: str, sizes: Sequence[tuple[Hashable, int]]) -> None:
+    def __init__(self, engine: IOEngine, swap_dir: SwapDir, name: str, sizes: Sequence[tuple[Hashable, int]]) -> None:
         self.slots, self.nbytes = layout(sizes)
         self._file = ChecksummedFile(engine, swap_dir.reserve(name, self.nbytes))
 

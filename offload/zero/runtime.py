@@ -49,7 +49,7 @@ from torch.utils.hooks import RemovableHandle
 
 from offload.accelerator import Accelerator, Event, WorkEvent
 from offload.prefetch import PrefetchTrace
-from offload.schedule import COMPUTE, HOST
+from offload.step_graph import COMPUTE, HOST
 from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, ReductionOrder, all_reduce_sum, reduce_scatter
 from offload.zero.stage import Stage
@@ -84,7 +84,7 @@ class ZeroRuntime:
         self.units = units
         self.group = group
         self.accel = accel
-        self.schedule = accel.schedule
+        self.graph = accel.graph
         self.limit = limit
         self.grad_sink = grad_sink
         self.grads_sent = grads_sent  # backward is over: what the sink holds back goes on now
@@ -139,8 +139,8 @@ class ZeroRuntime:
 
     def _pre_forward_hook(self, units: list[Unit]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if self.schedule.on:
-                self.schedule.work("hook_forward", lane=HOST)
+            if self.graph.on:
+                self.graph.work("hook_forward", lane=HOST)
             acquired: list[Unit] = []
             # The post-hook runs even when this one raises (always_call): it releases exactly what was acquired.
             self._acquired.setdefault(id(module), []).append(acquired)
@@ -151,8 +151,8 @@ class ZeroRuntime:
 
     def _post_forward_hook(self, units: list[Unit]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self.schedule.on:
-                self.schedule.work("hook_forward", lane=HOST)
+            if self.graph.on:
+                self.graph.work("hook_forward", lane=HOST)
             stack = self._acquired.get(id(module))
             keep = self._keep_after.get(id(module), frozenset())
             for unit in stack.pop() if stack else ():
@@ -171,8 +171,8 @@ class ZeroRuntime:
             self.got_grad.add(id(param))
             unit.grads_seen.add(id(param))
             if len(unit.grads_seen) == len(unit.trainable):
-                if self.schedule.on:
-                    self.schedule.work("hook_backward", unit.index, lane=HOST)
+                if self.graph.on:
+                    self.graph.work("hook_backward", unit.index, lane=HOST)
                 self._reduce_or_keep(unit)
                 if not unit.has_frozen:
                     unit.backward_active = False
@@ -195,8 +195,8 @@ class ZeroRuntime:
     # ----------------------------------------------------------------- backward
 
     def _pre_backward(self, units: list[Unit]) -> None:
-        if self.schedule.on:
-            self.schedule.work("hook_backward", lane=HOST)
+        if self.graph.on:
+            self.graph.work("hook_backward", lane=HOST)
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -259,8 +259,8 @@ class ZeroRuntime:
             if work is not None and not self.overlap_comm:
                 work.wait()
                 work = None
-            if self.schedule.on:  # the flat gradient's copy and the collective, on the compute stream
-                self.schedule.work("reduce", unit.index, nbytes=unit.padded * unit.dtype.itemsize, lane=COMPUTE)
+            if self.graph.on:  # the flat gradient's copy and the collective, on the compute stream
+                self.graph.work("reduce", unit.index, nbytes=unit.padded * unit.dtype.itemsize, lane=COMPUTE)
         # A ring all-reduce moves twice what a reduce-scatter does.
         self.telemetry.add_bytes(kind, _wire_bytes(unit.padded * unit.dtype.itemsize, self.group.world)
                                  * (2 if self.stage.all_reduce else 1))
@@ -302,7 +302,7 @@ class ZeroRuntime:
             self._make_room(unit)
             with self.telemetry.span("gather", unit.name):
                 unit.unshard(self.h2d)
-            self._schedule_gather(unit)
+            self._graph_gather(unit)
             self._count_gather(unit)
         if upcoming:
             self._prefetch(unit, upcoming)
@@ -328,17 +328,17 @@ class ZeroRuntime:
                 from_nvme += 1
             with self.telemetry.span("prefetch", unit.name):
                 unit.start_unshard(self.h2d)
-            self._schedule_gather(unit)
+            self._graph_gather(unit)
             unit.prefetched = True
             ahead += unit.padded
             self.prefetched_gathers += 1
             self._count_gather(unit)
 
-    def _schedule_gather(self, unit: Unit) -> None:
-        """A recorded schedule's gather: on the compute stream, after its input's copy (see [Note: recorded
-        schedule]); a unit whose compute reads its shard in place gathers nothing."""
-        if self.schedule.on and not unit.in_place:
-            self.schedule.work("gather", unit.index, nbytes=unit.padded * unit.dtype.itemsize, lane=COMPUTE)
+    def _graph_gather(self, unit: Unit) -> None:
+        """A recorded step graph's gather: on the compute stream, after its input's copy (see [Note: recorded
+        step graph]); a unit whose compute reads its shard in place gathers nothing."""
+        if self.graph.on and not unit.in_place:
+            self.graph.work("gather", unit.index, nbytes=unit.padded * unit.dtype.itemsize, lane=COMPUTE)
 
     def read_ahead_first(self) -> None:
         """After a step: start reading the units the next iteration needs first (rank-local, no collective)."""

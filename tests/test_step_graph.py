@@ -1,5 +1,5 @@
-"""A recorded schedule holds the step's work as the engine ran it (FLOPs, bytes, which thread, after what), and the
-replay times such a graph as its lanes and links say (see [Note: recorded schedule] in offload/schedule.py)."""
+"""A recorded step graph holds the step's work as the engine ran it (FLOPs, bytes, which thread, after what), and the
+replay times such a graph as its lanes and links say (see [Note: recorded step graph] in offload/step_graph.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _plain_flops() -> tuple[float, int]:
 def recorded(tmp_path_factory):
     """The tiny GPT recorded with device-homed shards (synchronous step), host-homed ones (early step), and
     device-homed ones speculated during backward (clipping that never fires) and stepped early."""
-    out = tmp_path_factory.mktemp("schedules")
+    out = tmp_path_factory.mktemp("step_graphs")
     return {mode: R.record(R.ScheduleBench(**TINY, params=params, early=early, speculative=speculative, clip=clip),
                            out / f"{mode}.json")
             for mode, params, early, speculative, clip in (("sync", "none", "off", "off", 1.0),
@@ -48,7 +48,7 @@ def recorded(tmp_path_factory):
                                                            ("speculative", "none", "on", "on", 1e9))}
 
 
-def test_the_schedule_holds_the_models_flops_and_every_shards_bytes_once_a_step(recorded):
+def test_the_step_graph_holds_the_models_flops_and_every_shards_bytes_once_a_step(recorded):
     flops, params = _plain_flops()
     steps = TINY["steps"]
     for mode, data in recorded.items():
@@ -120,7 +120,7 @@ def test_recording_needs_a_discrete_device_and_leaves_the_environment_as_it_was(
     from offload.accelerator import Accelerator
     monkeypatch.delenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", raising=False)
     with pytest.raises(RuntimeError, match="OFFLOAD_EMULATED_DISCRETE_DEVICE=1"):
-        Accelerator("cpu").start_schedule()
+        Accelerator("cpu").start_graph()
     R.record(R.ScheduleBench(**{**TINY, "steps": 1}), Path("/dev/null"))
     import os
     assert "OFFLOAD_EMULATED_DISCRETE_DEVICE" not in os.environ
@@ -129,7 +129,7 @@ def test_recording_needs_a_discrete_device_and_leaves_the_environment_as_it_was(
 # ----------------------------------------------------------------- the replay on graphs made by hand
 
 
-def _schedule(lanes, kinds, tokens=1, world=1):
+def _graph(lanes, kinds, tokens=1, world=1):
     return {"format": "offload-schedule/1", "meta": {"tokens": tokens, "world": world}, "lane_kinds": kinds,
             "lanes": lanes}
 
@@ -149,18 +149,18 @@ def test_replay_waits_for_records_and_issue_points_and_finds_the_critical_path()
         # 4e6 bytes at 2 GB/s: 2 ms, issued at the host's start; a record from outside the window is done.
         "land": [{"kind": "wait", "waits": [99], "issued": ["host", 1]}, {"kind": "adam", "nbytes": 4_000_000}],
     }
-    r = R.replay(_schedule(lanes, {"host": "host", "compute": "device", "d2h": "copy", "land": "host"}), MACHINE)
+    r = R.replay(_graph(lanes, {"host": "host", "compute": "device", "d2h": "copy", "land": "host"}), MACHINE)
     assert r.total_ms == pytest.approx(4.0)
     assert r.lane_busy_ms == pytest.approx({"host": 2.0, "compute": 1.0, "d2h": 2.0, "land": 2.0})
     assert r.critical_ms == pytest.approx({"d2h/d2h": 2.0, "compute/forward": 1.0, "host/hook_forward": 1.0})
     # With the D2H copy free, the forward's end (2 ms) and the host's Adam (2 ms) set the time.
-    what_if = R.replay(_schedule(lanes, {"host": "host", "compute": "device", "d2h": "copy", "land": "host"}),
+    what_if = R.replay(_graph(lanes, {"host": "host", "compute": "device", "d2h": "copy", "land": "host"}),
                        MACHINE, free=frozenset({"d2h"}))
     assert what_if.total_ms == pytest.approx(2.0) and what_if.lane_busy_ms["d2h"] == 0.0
     with pytest.raises(ValueError, match="unknown kind"):
-        R.replay(_schedule(lanes, {}), MACHINE, free=frozenset({"bogus"}))
-    scaled = R.replay(_schedule(lanes, {"host": "host", "compute": "device", "d2h": "copy", "land": "host"},
-                                tokens=2), MACHINE, tokens=6)
+        R.replay(_graph(lanes, {}), MACHINE, free=frozenset({"bogus"}))
+    scaled = R.replay(_graph(lanes, {"host": "host", "compute": "device", "d2h": "copy", "land": "host"},
+                             tokens=2), MACHINE, tokens=6)
     assert scaled.lane_busy_ms["compute"] == pytest.approx(3.0)
     assert scaled.total_ms == pytest.approx(6.0)
 
@@ -169,7 +169,7 @@ def test_replay_says_which_lanes_can_never_finish():
     lanes = {"a": [{"kind": "wait", "waits": [2]}, {"kind": "record", "record": 1}],
              "b": [{"kind": "wait", "waits": [1]}, {"kind": "record", "record": 2}]}
     with pytest.raises(ValueError, match="cannot finish"):
-        R.replay(_schedule(lanes, {"a": "copy", "b": "copy"}), MACHINE)
+        R.replay(_graph(lanes, {"a": "copy", "b": "copy"}), MACHINE)
 
 
 def test_machine_overrides_are_checked():

@@ -15,7 +15,7 @@ import torch
 from offload.config.sections import SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams
 
 
-class _Schedule:
+class _LRSchedule:
     def __init__(self, optimizer: torch.optim.Optimizer, last_batch_iteration: int) -> None:
         self.optimizer = optimizer
         self.last_batch_iteration = last_batch_iteration
@@ -59,7 +59,7 @@ def _warmup_fraction(iteration: int, steps: int, kind: str) -> float:
     return math.log(iteration + 1) / math.log(steps)
 
 
-class WarmupLR(_Schedule):
+class WarmupLR(_LRSchedule):
     """From warmup_min_lr to warmup_max_lr over warmup_num_steps, then constant."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: WarmupLRParams) -> None:
@@ -87,7 +87,7 @@ class WarmupDecayLR(WarmupLR):
         return max(0.0, (p.total_num_steps - iteration) / max(1.0, p.total_num_steps - warmup))
 
 
-class WarmupCosineLR(_Schedule):
+class WarmupCosineLR(_LRSchedule):
     """A fraction of each group's own lr: warmup from warmup_min_ratio to 1, then a cosine to cos_min_ratio."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: WarmupCosineLRParams) -> None:
@@ -106,8 +106,8 @@ class WarmupCosineLR(_Schedule):
         return self.base_lrs[group_index] * ratio
 
 
-SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
+LR_SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, config: SchedulerConfig) -> _Schedule:
-    return SCHEDULES[config.type](optimizer, config.params)
+def build_lr_schedule(optimizer: torch.optim.Optimizer, config: SchedulerConfig) -> _LRSchedule:
+    return LR_SCHEDULES[config.type](optimizer, config.params)

@@ -1,9 +1,9 @@
-"""A step's schedule as a graph: what ran on which stream or thread, after what.
+"""A step as a graph: what ran on which stream or thread, after what.
 
-[Note: recorded schedule] A GPU is lent rarely, yet each change to the step's pipeline
+[Note: recorded step graph] A GPU is lent rarely, yet each change to the step's pipeline
 should show its effect on one before it is lent. The emulated streams (see [Note: emulated
 streams] in accelerator.py) already run the engine's GPU code path on a CPU, in the order a
-GPU would; while a ``Schedule`` records, every piece of that work leaves an item on its
+GPU would; while a ``StepGraph`` records, every piece of that work leaves an item on its
 lane: the compute stream (a unit's forward or backward, a gather or reduce there), a copy
 stream (an H2D or D2H copy of so many bytes), a host thread (a hook's Python, a gradient's
 accumulation, a shard's Adam, a blocking wait). Items carry what orders them across lanes:
@@ -66,7 +66,7 @@ def current_lane() -> str:
     return getattr(_local, "lane", HOST)
 
 
-class Schedule:
+class StepGraph:
     """The recorder: lanes of items, appended by whichever thread does the work; thread-safe."""
 
     def __init__(self) -> None:
@@ -111,12 +111,12 @@ class Schedule:
     def new_record(self, event: object) -> int:
         """A new record of ``event``: its id, kept on the event so a later wait names the latest record."""
         rid = next(self._ids)
-        event._schedule_record = rid  # type: ignore[attr-defined]
+        event._graph_record = rid  # type: ignore[attr-defined]
         return rid
 
     @staticmethod
     def record_of(event: object) -> int | None:
-        return getattr(event, "_schedule_record", None)
+        return getattr(event, "_graph_record", None)
 
     def add(self, item: Item, lane: str | None = None) -> None:
         """Append ``item`` to ``lane`` (default: the calling thread's). Work put on another lane than the
@@ -189,13 +189,13 @@ class running_as:
 
 
 def _compact(row: dict[str, Any]) -> dict[str, Any]:
-    """Drop fields at their defaults: a schedule has tens of thousands of items."""
+    """Drop fields at their defaults: a step graph has tens of thousands of items."""
     defaults = {"unit": None, "nbytes": 0, "flops": 0.0, "record": None, "waits": [], "issued": None, "label": ""}
     return {k: v for k, v in row.items() if k == "kind" or v != defaults[k]}
 
 
 def load(path: Path) -> dict[str, Any]:
-    """A schedule file, checked for its format."""
+    """A step graph's file, checked for its format."""
     try:
         data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
