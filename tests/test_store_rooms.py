@@ -25,7 +25,8 @@ from offload.store.budget import TierBudget
 from offload.config import Config
 from offload.store.optimizer_state import KINDS, OptimizerStateStore, place_sub_groups, plan_sub_groups
 from offload.store.placement import plan
-from offload.store.param_store import Home, ParamStore
+from offload.store.param_store import ParamStore
+from offload.store.tier import Tier
 from offload.store.param_swap import WRITE_BUFFERS, BufferState, ParamSwap, ParamSwapError, param_buffer_bytes
 from offload.store.swapdir import SwapDir
 from offload.telemetry import Telemetry
@@ -276,7 +277,7 @@ class Rooms:
         self._closers.append(store.close)
         return store
 
-    def param_store(self, homes: dict[int, Home], swap: ParamSwap | None, accel: Accelerator | None = None,
+    def param_store(self, homes: dict[int, Tier], swap: ParamSwap | None, accel: Accelerator | None = None,
                     host: TierBudget | None = None, keep_host_copies: bool = False) -> ParamStore:
         store = ParamStore(accel or self.accel(), DTYPE, homes, swap=swap, host=host or TierBudget("host", None),
                            telemetry=Telemetry(), keep_host_copies=keep_host_copies)
@@ -780,7 +781,7 @@ def test_optimizer_host_and_nvme_sub_groups_step_together(rooms):
 def device_host_nvme(rooms, accel=None) -> tuple[ParamStore, dict[int, torch.Tensor]]:
     """Unit 0 on the device (with a host copy), 1 on the device alone, 2 on the host, 3 on NVMe; fp32 starts."""
     swap = rooms.param_swap([(3, 1000)], buffer_count=2)
-    homes = {0: Home.DEVICE, 1: Home.DEVICE, 2: Home.HOST, 3: Home.NVME}
+    homes = {0: Tier.DEVICE, 1: Tier.DEVICE, 2: Tier.HOST, 3: Tier.NVME}
     store = rooms.param_store(homes, swap, accel)
     start = {unit: values(n, 10 + unit, torch.float32) for unit, n in UNITS}
     for unit, v in start.items():
@@ -861,7 +862,7 @@ def test_param_store_on_a_cpu_device_reads_in_place_and_copies_nothing(rooms):
     assert store.to_device(2, None) is store.host_copy(2)  # no copy stream needed: compute reads it there
     store.step_target(0).copy_(values(3000, 63).float())
     assert store.copy_back(0, after=None) is None and torch.equal(store.read(0), values(3000, 63).to(DTYPE))
-    kept = rooms.param_store({0: Home.DEVICE}, None, None, keep_host_copies=True)
+    kept = rooms.param_store({0: Tier.DEVICE}, None, None, keep_host_copies=True)
     kept.add(0, "u0", start[0], host_copy=True)  # a step that can fail part way writes a copy of its own
     assert not kept.in_place(0) and kept.step_target(0) is not kept.shards[0].device
 
@@ -923,15 +924,15 @@ def test_param_store_refuses_homes_that_do_not_match_the_swap(rooms):
     accel = rooms.accel()
     host = TierBudget("host", None)
     cases = [
-        ({0: Home.NVME, 1: Home.HOST}, swap),  # the swap holds unit 1, the homes say unit 0
-        ({0: Home.NVME, 1: Home.NVME}, swap),  # one NVMe unit more than the swap holds
-        ({0: Home.HOST, 1: Home.HOST}, swap),  # a swap for no NVMe unit
-        ({0: Home.HOST, 1: Home.NVME}, None),  # an NVMe home without a swap
+        ({0: Tier.NVME, 1: Tier.HOST}, swap),  # the swap holds unit 1, the homes say unit 0
+        ({0: Tier.NVME, 1: Tier.NVME}, swap),  # one NVMe unit more than the swap holds
+        ({0: Tier.HOST, 1: Tier.HOST}, swap),  # a swap for no NVMe unit
+        ({0: Tier.HOST, 1: Tier.NVME}, None),  # an NVMe home without a swap
     ]
     for homes, s in cases:
         with pytest.raises(ValueError, match="exactly the units homed on NVMe"):
             ParamStore(accel, DTYPE, homes, swap=s, host=host, telemetry=Telemetry())
-    ParamStore(accel, DTYPE, {0: Home.DEVICE, 1: Home.NVME}, swap=swap, host=host, telemetry=Telemetry())
+    ParamStore(accel, DTYPE, {0: Tier.DEVICE, 1: Tier.NVME}, swap=swap, host=host, telemetry=Telemetry())
 
 
 # ------------------------------------------------------------------ budgets
@@ -959,7 +960,7 @@ def test_a_parameter_swap_over_budget_is_a_config_error_naming_it(tier):
     with pytest.raises(ConfigError, match=f"{need[tier] - 1:,} bytes cannot hold"):
         placement.check()
     fits = plan(list(UNITS), set(), plan_config("nvme", "cpu", **{tier: need[tier]}), DTYPE.itemsize)
-    assert fits.problems == [] and fits.homes == {u: Home.NVME for u, _ in UNITS}
+    assert fits.problems == [] and fits.homes == {u: Tier.NVME for u, _ in UNITS}
     assert (fits.nvme["parameter shards (two slots per unit)"], fits.host["parameter NVMe buffers"]) == param_needs()
 
 

@@ -124,7 +124,8 @@ from offload.telemetry import Telemetry
 from offload.aio.base import Engine
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import Member, NvmePass, OptimizerStateStore, SubGroup
-from offload.store.param_store import Home, ParamStore
+from offload.store.param_store import ParamStore
+from offload.store.tier import Tier
 from offload.store.swapdir import SwapDir
 
 
@@ -183,7 +184,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.telemetry = telemetry or Telemetry()
         self.host = plan.host
         self.params = params
-        self._nvme_units = {i for i, _ in sizes if params.home(i) is Home.NVME}
+        self._nvme_units = {i for i, _ in sizes if params.home(i) is Tier.NVME}
         # A partial offload's units stepped on the device (see [Note: a partial offload]).
         self._device_state = frozenset(m.unit for g in plan.groups if g.tier == "device" for m in g.members
                                        ) if self.offload else frozenset()
