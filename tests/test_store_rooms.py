@@ -635,7 +635,7 @@ def run_pass(store: OptimizerStateStore, k: int) -> list[int]:
 
 def test_optimizer_nvme_step_pass_commits_and_reads_back_bitwise(rooms):
     store, state = built(rooms, buffer_count=2)
-    assert [g.tier for g in store.groups] == ["nvme"] * 4
+    assert [g.tier for g in store.groups] == [Tier.NVME] * 4
     assert_state(store, state)
     for k in (1, 2, 3):
         assert run_pass(store, k) == [3, 2, 1, 0]  # backward's order
@@ -770,7 +770,7 @@ def test_optimizer_host_and_nvme_sub_groups_step_together(rooms):
     nbytes = round_up(KINDS * 1000 * 4)
     host = TierBudget("host", 2 * nbytes + nbytes)  # two NVMe buffers and one sub-group on the host
     store, state = built(rooms, buffer_count=2, host=host)
-    assert [g.tier for g in store.groups] == ["host", "nvme", "nvme", "nvme"]
+    assert [g.tier for g in store.groups] == [Tier.HOST, Tier.NVME, Tier.NVME, Tier.NVME]
     assert host.used == host.limit
     assert run_pass(store, 1) == [3, 2, 1, 0]  # NVMe ones first, in backward's order, then the host one
     assert_state(store, stepped(state, 1))
@@ -998,14 +998,14 @@ def test_optimizer_state_over_budget_is_a_config_error_naming_it(device, tier):
     assert f"{limit:,} bytes cannot hold" in str(placement.problems[0])
     fits = plan(units, {u for u, _ in units}, plan_config(opt=device, **{tier: need[tier]}), DTYPE.itemsize)
     assert fits.problems == [] and fits.placed
-    assert [g.tier for g in fits.groups] == ["nvme" if device == "nvme" else "host"] * 4
+    assert [g.tier for g in fits.groups] == [Tier.NVME if device == "nvme" else Tier.HOST] * 4
 
 
 def test_optimizer_takes_exactly_the_bytes_it_reports(rooms):
     nvme_need, buffers = opt_needs()
     nvme, host = TierBudget("nvme", nvme_need), TierBudget("host", buffers)  # the host holds only the buffers
     store, state = built(rooms, buffer_count=2, nvme=nvme, host=host)
-    assert [g.tier for g in store.groups] == ["nvme"] * 4
+    assert [g.tier for g in store.groups] == [Tier.NVME] * 4
     assert nvme.used == nvme_need and host.used == buffers
     assert nvme.parts == {"optimizer state (two slots per sub-group)": nvme_need}
     assert host.parts == {"optimizer NVMe buffers": buffers}
@@ -1013,4 +1013,4 @@ def test_optimizer_takes_exactly_the_bytes_it_reports(rooms):
     run_pass(store, 1)
     assert_state(store, stepped(state, 1))
     cpu = rooms.optimizer(OPT_UNITS, 1000, device="cpu", host=TierBudget("host", 4 * round_up(KINDS * 1000 * 4)))
-    assert [g.tier for g in cpu.groups] == ["host"] * 4 and cpu.host.used == cpu.host.limit
+    assert [g.tier for g in cpu.groups] == [Tier.HOST] * 4 and cpu.host.used == cpu.host.limit

@@ -186,7 +186,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.params = params
         self._nvme_units = {i for i, _ in sizes if params.home(i) is Tier.NVME}
         # A partial offload's units stepped on the device (see [Note: a partial offload]).
-        self._device_state = frozenset(m.unit for g in plan.groups if g.tier == "device" for m in g.members
+        self._device_state = frozenset(m.unit for g in plan.groups if g.tier is Tier.DEVICE for m in g.members
                                        ) if self.offload else frozenset()
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
@@ -433,7 +433,7 @@ class ShardedAdam(torch.optim.Optimizer):
     def can_return_early(self) -> bool:
         """Whether ``apply_early`` may run this optimizer's step with nothing in it able to fail after engine.step()
         returned: all its state is host memory and no parameter shard is homed on NVMe."""
-        return self.offload and not self._nvme_units and all(g.tier in ("host", "device") for g in self.store.groups)
+        return self.offload and not self._nvme_units and all(g.tier is not Tier.NVME for g in self.store.groups)
 
     @property
     def can_return_early_with_nvme(self) -> bool:
@@ -457,7 +457,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.params.forget_reads(self._nvme_units)  # what the read buffers hold of them is the step before
         later: list[tuple[SubGroup, Member]] = []  # the delayed update's, handed over in backward's order
         for group in self.store.groups:  # on the compute stream, before step() returns (and before the NVMe pass)
-            if group.tier == "device":
+            if group.tier is Tier.DEVICE:
                 for member in group.members:
                     self._step_shard(member.unit, group.views(member), step, hypers, grad_scale)
                     self.shards[member.unit].empty()
@@ -465,10 +465,10 @@ class ShardedAdam(torch.optim.Optimizer):
         # this step runs guarded by it (see [Note: the early step on NVMe]).
         run = self._early_run = self.store.detach_pass()
         for group in self.store.groups:
-            if group.tier == "nvme":
+            if group.tier is Tier.NVME:
                 assert run is not None
                 self._hand_over_sub_group(lane, run, group, step, hypers, grad_scale, after)
-            elif group.tier != "device":
+            elif group.tier is not Tier.DEVICE:
                 for member in group.members:
                     if delayed:
                         later.append((group, member))
@@ -633,8 +633,8 @@ class ShardedAdam(torch.optim.Optimizer):
             return frozenset()
         if speculative:  # a host sub-group with its second slot, or an NVMe one (its file has two)
             return frozenset(u for u, (g, _) in self.store.by_unit.items()
-                             if (g.spare is not None or g.tier == "nvme") and u not in self._nvme_units)
-        return frozenset(u for u, (g, _) in self.store.by_unit.items() if g.tier != "device")
+                             if (g.spare is not None or g.tier is Tier.NVME) and u not in self._nvme_units)
+        return frozenset(u for u, (g, _) in self.store.by_unit.items() if g.tier is not Tier.DEVICE)
 
     def begin_overlap(self, guess: float | None = None) -> None:
         """The coming backward is the last of the accumulation and nothing global gates the update (or
@@ -670,11 +670,11 @@ class ShardedAdam(torch.optim.Optimizer):
             return
         hypers, step = overlap.hypers, overlap.step
         group, member = self.store.by_unit[index]
-        if overlap.guess is not None and group.tier != "nvme":
+        if overlap.guess is not None and group.tier is not Tier.NVME:
             assert self._spec is not None  # a host shard speculates only with its second slot (plan.second_slots)
             self._spec.hand_over(index, lambda: self._speculate_or_leave(group, member, overlap))
             return
-        if group.tier != "nvme":
+        if group.tier is not Tier.NVME:
             self._step_overlapped(index, group.views(member), hypers, step)
             return
         if self._nvme_error is not None:
@@ -752,7 +752,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _nvme_speculated(self) -> list[ShardState]:
         return [s for i, s in self.shards.items()
-                if s.phase is ShardPhase.SPECULATED and self.store.by_unit[i][0].tier == "nvme"]
+                if s.phase is ShardPhase.SPECULATED and self.store.by_unit[i][0].tier is Tier.NVME]
 
     def _settle_nvme_speculation(self, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
         """Before the step's pass goes on: keep the speculated NVMe sub-groups (their new slots flip with the

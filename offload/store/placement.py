@@ -169,7 +169,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     except ConfigError as e:
         out.problems.append(e)
     if (opt.device == "nvme" and out.placed and offloaded_sizes and one_micro_batch
-            and all(g.tier != "nvme" for g in out.groups)):
+            and all(g.tier is not Tier.NVME for g in out.groups)):
         # offload_optimizer.device nvme with every sub-group kept on the host: no accumulator is made after all.
         out.grads_read_where_they_land = True
         out.host.pop("gradient accumulators", None)
@@ -185,8 +185,8 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
 
 
 def _plan_optimizer_state(out: Placement, nvme_limit: int | None, buffer_count: int) -> None:
-    on_host = [g for g in out.groups if g.tier == "host"]
-    on_nvme = [g for g in out.groups if g.tier == "nvme"]
+    on_host = [g for g in out.groups if g.tier is Tier.HOST]
+    on_nvme = [g for g in out.groups if g.tier is Tier.NVME]
     if on_host:
         out.host["optimizer state"] = sum(g.nbytes for g in on_host)
     if on_nvme:
@@ -206,9 +206,9 @@ def _plan_optimizer_state(out: Placement, nvme_limit: int | None, buffer_count: 
 def _plan_speculative_slot(out: Placement, host_limit: int | None, spare: bool) -> None:
     """The speculative step's second slot of every host sub-group, if the host budget holds it beside the rest
     (else the step says why it does not speculate); NVMe sub-groups have theirs in the swap file."""
-    on_host = [g for g in out.groups if g.tier == "host"] if spare else []
+    on_host = [g for g in out.groups if g.tier is Tier.HOST] if spare else []
     need, used = sum(g.nbytes for g in on_host), sum(out.host.values())
-    if not any(g.tier == "nvme" or (spare and g.tier == "host") for g in out.groups):
+    if not any(g.tier is Tier.NVME or (spare and g.tier is Tier.HOST) for g in out.groups):
         out.speculative_why = "no optimizer state is offloaded" if spare else "no optimizer state is on NVMe"
     elif host_limit is not None and used + need > host_limit:
         out.speculative_why = (f"offload.budgets.host ({host_limit:,} bytes) cannot hold its second slot of the "
@@ -315,7 +315,7 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
         return
     out.state_on_device = frozenset(i for i, _ in chosen)
     out.groups = plan_sub_groups(trained_sizes, int(zero.sub_group_size), out.state_on_device)
-    out.device["optimizer state"] = sum(g.nbytes for g in out.groups if g.tier == "device")
+    out.device["optimizer state"] = sum(g.nbytes for g in out.groups if g.tier is Tier.DEVICE)
     out.device["gradient accumulators"] = 4 * sum(n for _, n in chosen)
 
 
