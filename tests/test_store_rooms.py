@@ -21,7 +21,7 @@ from offload.aio.checksum import ChecksumError, ChecksummedFile
 from offload.aio.threads import ThreadPoolEngine
 from offload.buffers import AlignedBuffer, round_up
 from offload.config import ConfigError
-from offload.store.budget import TierBudget
+from offload.store.budget import BudgetExceeded, TierBudget
 from offload.config import Config
 from offload.store.optimizer_state import KINDS, OptimizerStateStore, place_sub_groups, plan_sub_groups
 from offload.store.placement import plan
@@ -256,8 +256,8 @@ class Rooms:
 
     def param_swap(self, sizes=UNITS, *, buffer_count: int = 2, host: TierBudget | None = None,
                    nvme: TierBudget | None = None) -> ParamSwap:
-        swap = ParamSwap(list(sizes), DTYPE, swap=self.swap, rank=0, host=host or TierBudget("host", None),
-                         nvme=nvme or TierBudget("nvme", None), buffer_count=buffer_count, pin=False,
+        swap = ParamSwap(list(sizes), DTYPE, swap=self.swap, rank=0, host=host or TierBudget(Tier.HOST, None),
+                         nvme=nvme or TierBudget(Tier.NVME, None), buffer_count=buffer_count, pin=False,
                          telemetry=Telemetry())
         self._closers.append(swap.close)
         return swap
@@ -269,17 +269,17 @@ class Rooms:
 
     def optimizer(self, sizes, sub_group_size: int, *, device: str = "nvme", buffer_count: int = 2,
                   host: TierBudget | None = None, nvme: TierBudget | None = None) -> OptimizerStateStore:
-        host = host or TierBudget("host", None)
+        host = host or TierBudget(Tier.HOST, None)
         groups = plan_sub_groups(list(sizes), sub_group_size)
         place_sub_groups(groups, device, host, buffer_count)  # as the placement plan does
-        store = OptimizerStateStore(groups, accel=self.accel(), host=host, nvme=nvme or TierBudget("nvme", None),
+        store = OptimizerStateStore(groups, accel=self.accel(), host=host, nvme=nvme or TierBudget(Tier.NVME, None),
                                     buffer_count=buffer_count, swap=self.swap, telemetry=Telemetry())
         self._closers.append(store.close)
         return store
 
     def param_store(self, homes: dict[int, Tier], swap: ParamSwap | None, accel: Accelerator | None = None,
                     host: TierBudget | None = None, keep_host_copies: bool = False) -> ParamStore:
-        store = ParamStore(accel or self.accel(), DTYPE, homes, swap=swap, host=host or TierBudget("host", None),
+        store = ParamStore(accel or self.accel(), DTYPE, homes, swap=swap, host=host or TierBudget(Tier.HOST, None),
                            telemetry=Telemetry(), keep_host_copies=keep_host_copies)
         self._closers.append(store.close)
         return store
@@ -768,7 +768,7 @@ def test_optimizer_one_at_a_time_write_replaces_the_state_in_place(rooms):
 
 def test_optimizer_host_and_nvme_sub_groups_step_together(rooms):
     nbytes = round_up(KINDS * 1000 * 4)
-    host = TierBudget("host", 2 * nbytes + nbytes)  # two NVMe buffers and one sub-group on the host
+    host = TierBudget(Tier.HOST, 2 * nbytes + nbytes)  # two NVMe buffers and one sub-group on the host
     store, state = built(rooms, buffer_count=2, host=host)
     assert [g.tier for g in store.groups] == [Tier.HOST, Tier.NVME, Tier.NVME, Tier.NVME]
     assert host.used == host.limit
@@ -922,7 +922,7 @@ def test_param_store_nvme_failed_write_is_stale_until_overwritten(rooms):
 def test_param_store_refuses_homes_that_do_not_match_the_swap(rooms):
     swap = rooms.param_swap([(1, 2500)])
     accel = rooms.accel()
-    host = TierBudget("host", None)
+    host = TierBudget(Tier.HOST, None)
     cases = [
         ({0: Tier.NVME, 1: Tier.HOST}, swap),  # the swap holds unit 1, the homes say unit 0
         ({0: Tier.NVME, 1: Tier.NVME}, swap),  # one NVMe unit more than the swap holds
@@ -967,7 +967,7 @@ def test_a_parameter_swap_over_budget_is_a_config_error_naming_it(tier):
 def test_param_swap_takes_exactly_the_bytes_it_reports(rooms):
     nvme_need, host_need = param_needs()
     assert host_need == (2 + WRITE_BUFFERS) * round_up(4100 * 2)
-    nvme, host = TierBudget("nvme", 4096 + nvme_need, used=4096), TierBudget("host", 100 + host_need, used=100)
+    nvme, host = TierBudget(Tier.NVME, 4096 + nvme_need, used=4096), TierBudget(Tier.HOST, 100 + host_need, used=100)
     swap = rooms.param_swap(nvme=nvme, host=host)
     assert nvme.used == nvme.limit and host.used == host.limit
     assert nvme.parts == {"parameter shards (two slots per unit)": nvme_need}
@@ -1003,7 +1003,7 @@ def test_optimizer_state_over_budget_is_a_config_error_naming_it(device, tier):
 
 def test_optimizer_takes_exactly_the_bytes_it_reports(rooms):
     nvme_need, buffers = opt_needs()
-    nvme, host = TierBudget("nvme", nvme_need), TierBudget("host", buffers)  # the host holds only the buffers
+    nvme, host = TierBudget(Tier.NVME, nvme_need), TierBudget(Tier.HOST, buffers)  # the host holds only the buffers
     store, state = built(rooms, buffer_count=2, nvme=nvme, host=host)
     assert [g.tier for g in store.groups] == [Tier.NVME] * 4
     assert nvme.used == nvme_need and host.used == buffers
@@ -1012,5 +1012,16 @@ def test_optimizer_takes_exactly_the_bytes_it_reports(rooms):
     assert os.path.getsize(rooms.file(OPTIMIZER)) == nvme_need
     run_pass(store, 1)
     assert_state(store, stepped(state, 1))
-    cpu = rooms.optimizer(OPT_UNITS, 1000, device="cpu", host=TierBudget("host", 4 * round_up(KINDS * 1000 * 4)))
+    cpu = rooms.optimizer(OPT_UNITS, 1000, device="cpu", host=TierBudget(Tier.HOST, 4 * round_up(KINDS * 1000 * 4)))
     assert [g.tier for g in cpu.groups] == [Tier.HOST] * 4 and cpu.host.used == cpu.host.limit
+
+
+@pytest.mark.parametrize("tier", list(Tier))
+def test_going_over_a_budget_names_the_tier_as_text_says_it(tier):
+    """The budget holds a Tier; its error names it by the tier's name ("host", not "Tier.HOST")."""
+    budget = TierBudget(tier, 100)
+    budget.take(60, "optimizer state")
+    with pytest.raises(BudgetExceeded, match=rf"^{tier.value} budget of 100 bytes exceeded: parameter copies needs 50 "
+                                             r"with 60 in use \(optimizer state 60\)$"):
+        budget.take(50, "parameter copies")
+    assert budget.summary() == {"optimizer state": 60, "total": 60, "peak": 60, "budget": 100}

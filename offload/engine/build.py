@@ -114,8 +114,8 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
     trained = {plan.index for plan in plans if any(id(s.param) in group_of for s in plan.slots)}
     parts = partition.world
     shard_sizes = [(p.index, Unit.padded_numel(p, parts) // parts) for p in plans]
-    host_budget = TierBudget("host", config.offload.budgets.host)
-    nvme_budget = TierBudget("nvme", config.offload.budgets.nvme)
+    host_budget = TierBudget(Tier.HOST, config.offload.budgets.host)
+    nvme_budget = TierBudget(Tier.NVME, config.offload.budgets.nvme)
     swaps = SwapFiles(config, group.rank)
     with contextlib.ExitStack() as undo:
         undo.callback(accel.close)

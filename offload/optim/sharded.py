@@ -145,8 +145,8 @@ class StatePlan:
     groups: list[SubGroup]
     step_buffers: dict[str, int] = field(default_factory=dict)
     buffer_count: int = 4
-    host: TierBudget = field(default_factory=lambda: TierBudget("host", None))
-    nvme: TierBudget = field(default_factory=lambda: TierBudget("nvme", None))
+    host: TierBudget = field(default_factory=lambda: TierBudget(Tier.HOST, None))
+    nvme: TierBudget = field(default_factory=lambda: TierBudget(Tier.NVME, None))
     swap: tuple[SwapDir, Engine] | None = None
     rank: int = 0
     device_accumulated: frozenset[int] = frozenset()  # units with an fp32 accumulator on the compute device

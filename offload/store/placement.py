@@ -162,7 +162,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
                 "optimizer state; raise the budget or use more ranks"))
         out.host.update(step_buffers)
 
-    budget = TierBudget("host", host_limit, used=sum(out.host.values()))
+    budget = TierBudget(Tier.HOST, host_limit, used=sum(out.host.values()))
     try:
         place_sub_groups(out.groups, opt.device, budget, opt.buffer_count, spare=speculation is Speculation.ALL)
         out.placed = True
