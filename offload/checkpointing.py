@@ -37,6 +37,7 @@ from torch import nn
 
 from offload.accelerator import Accelerator, CopyStream, Event
 from offload.store.budget import BudgetExceeded, TierBudget
+from offload.store.tier import Tier
 from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, all_gather
 
@@ -82,7 +83,7 @@ class ActivationStore:
 
     accel: Accelerator
     settings: CheckpointSettings = field(default_factory=CheckpointSettings)
-    host_budget: TierBudget = field(default_factory=lambda: TierBudget("host", None))
+    host_budget: TierBudget = field(default_factory=lambda: TierBudget(Tier.HOST, None))
     telemetry: Telemetry = field(default_factory=Telemetry)
     group: Group | None = None  # model-parallel group for partition_activations
     device_bytes: int = 0

@@ -30,12 +30,13 @@ import torch
 from offload.config import Config, ConfigError
 from offload.engine.step_schedule import wanted
 from offload.models.catalog import MODELS, ModelError, build_model
-from offload.store.optimizer_state import unpipelined_note
+from offload.store.optimizer_state import SubGroup, unpipelined_note
 from offload.store.param_swap import describe_placement
 from offload.store.placement import Speculation, plan
+from offload.store.tier import Tier
 from offload.zero.stage import Stage
 
-TIERS = ("device", "host", "nvme")
+TIERS = tuple(t.value for t in Tier)  # the report's tiers by name, in the order printed: device, host, nvme
 
 
 @dataclass
@@ -102,14 +103,14 @@ def add_activations(est: Estimate, shape: ActivationShape, config: Config) -> No
     """Activation bytes: every block's (no checkpointing), or with offload.checkpoint_blocks each block's input
     (on the host with cpu_checkpointing, two inputs in flight on the device) plus one block recomputing."""
     item = compute_bytes(config)
-    device = est.tiers["device"]
+    device = est.tiers[Tier.DEVICE.value]
     if not config.offload.checkpoint_blocks:
         device["activations"] = shape.layers * shape.per_layer(item) + shape.logits(item)
         est.notes.append("activations: every block's, by Korthikanti et al.'s per-layer formula (no checkpointing)")
         return
     inputs = shape.layers * shape.block_input(item)
     if config.activation_checkpointing.cpu_checkpointing:
-        est.tiers["host"]["activation checkpoints"] = inputs
+        est.tiers[Tier.HOST.value]["activation checkpoints"] = inputs
         device["activations"] = 2 * shape.block_input(item) + shape.per_layer(item) + shape.logits(item)
         where = "block inputs in host memory"
     else:
@@ -141,7 +142,7 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     parts = stage.partition_count(world)
     sizes = [(i, -(-n // parts)) for i, n in enumerate(unit_numels)]  # partition elements: padded, over P
     est = Estimate(sum(unit_numels), world, len(unit_numels), {t: {} for t in TIERS}, stage=stage.number)
-    device, host, nvme = est.tiers["device"], est.tiers["host"], est.tiers["nvme"]
+    device, host, nvme = (est.tiers[t.value] for t in (Tier.DEVICE, Tier.HOST, Tier.NVME))
     param_dev = zero.offload_param.device
     dtype = torch.float16 if config.fp16.enabled is True else torch.bfloat16 if item == 2 else torch.float32
     want = wanted(config, dtype)
@@ -166,7 +167,7 @@ def estimate(unit_numels: list[int], config: Config, world: int,
         note, est.step_ms = step_traffic(placement.groups, item, rates or StepRates())
         est.notes.append(note)
     if placement.state_on_device:
-        on_device = sum(g.numel for g in placement.groups if g.tier == "device")
+        on_device = sum(g.numel for g in placement.groups if g.tier is Tier.DEVICE)
         est.notes.append(f"offload_optimizer.ratio {zero.offload_optimizer.ratio}: the optimizer state of "
                          f"{len(placement.state_on_device)} of {len(sizes)} units ({on_device:,} of "
                          f"{sum(n for _, n in sizes):,} elements) stays on the device and is stepped there")
@@ -183,7 +184,7 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     unpipelined = unpipelined_note(placement.groups, int(zero.sub_group_size))
     if unpipelined:
         est.notes.append(unpipelined)
-    elif buffers > est.total("host") // 4:
+    elif buffers > est.total(Tier.HOST.value) // 4:
         smaller = int(zero.sub_group_size) // 10
         est.notes.append(f"each optimizer NVMe buffer holds a whole sub-group (sub_group_size "
                          f"{int(zero.sub_group_size):,} elements): {buffers / 2**30:.2f} GiB of buffers; a smaller "
@@ -196,29 +197,29 @@ def estimate(unit_numels: list[int], config: Config, world: int,
 ADAM_BYTES = 28  # per element of one Adam step: fp32 master, moments and gradient read, master and moments written
 
 
-def step_traffic(groups: list[Any], item: int, rates: StepRates) -> tuple[str, dict[str, float]]:
+def step_traffic(groups: list[SubGroup], item: int, rates: StepRates) -> tuple[str, dict[str, float]]:
     """What one optimizer step moves on each tier its state lives on, per rank, and what that costs in ms at
     ``rates`` (the bandwidths `offload bench adam` and `offload tune-nvme` measure): a tier on NVMe costs its
     disk time or its host-memory time, whichever is longer (they overlap). The tiers step side by side (device
     Adam on the GPU beside the host's), so the longest is what the step waits for."""
-    per_tier: dict[str, int] = {}
+    per_tier: dict[Tier, int] = {}
     for g in groups:
         per_tier[g.tier] = per_tier.get(g.tier, 0) + g.numel
-    parts, cost_ms = [], {}
+    parts, cost_ms = [], {}  # cost_ms by the tier's name: it is the estimate's step_ms, written to JSON
     for tier, n in per_tier.items():
         memory_gb = n * (ADAM_BYTES + item) / 1e9
-        memory = "device memory" if tier == "device" else "host memory"
-        part = f"{tier}: {n:,} elements, {memory_gb:.2f} GB through {memory}"
-        rate = rates.device_gbps if tier == "device" else rates.host_gbps
+        memory = "device memory" if tier is Tier.DEVICE else "host memory"
+        part = f"{tier.value}: {n:,} elements, {memory_gb:.2f} GB through {memory}"
+        rate = rates.device_gbps if tier is Tier.DEVICE else rates.host_gbps
         times = [memory_gb / rate * 1e3] if rate else []
-        if tier == "nvme":
+        if tier is Tier.NVME:
             disk_gb = n * 24 / 1e9
             part += f" and {disk_gb:.2f} GB read and written on NVMe"
             # Without the disk's rate its share is unknown, and so is the tier's cost: bytes only.
             times = times + [disk_gb / rates.nvme_gbps * 1e3] if rates.nvme_gbps else []
         if times:
-            cost_ms[tier] = max(times)
-            part += f", about {cost_ms[tier]:,.0f} ms"
+            cost_ms[tier.value] = max(times)
+            part += f", about {cost_ms[tier.value]:,.0f} ms"
         parts.append(part)
     note = "optimizer step traffic per rank and step, by where the state lives: " + "; ".join(parts)
     if cost_ms:
@@ -317,21 +318,21 @@ def largest_trainable(base: dict[str, Any], machine: Machine, world: int = 1) ->
         # Models this large leave the device no room for gradient accumulators: they accumulate on the host.
         a, b = (estimate(synthetic_units(n, config), config, world, discrete=machine.device_bytes is not None,
                          device_free=0) for n in (small, large))
-        caps = {"host": machine.host_bytes, "nvme": machine.nvme_bytes}
+        caps = {Tier.HOST: machine.host_bytes, Tier.NVME: machine.nvme_bytes}
         if machine.device_bytes is not None:
-            caps["device"] = machine.device_bytes
-        best, limit = math.inf, ""
+            caps[Tier.DEVICE] = machine.device_bytes
+        best, limit = math.inf, ""  # limit: the tier's name, as printed and written to JSON
         for tier, cap in caps.items():
-            tiers = ("device", "host") if tier == "host" and machine.device_bytes is None else (tier,)
-            ranks = 1 if tier == "device" else world  # every rank runs here: each has a GPU, they share RAM and disk
-            lo = ranks * sum(a.total(t) for t in tiers)
-            hi = ranks * sum(b.total(t) for t in tiers)
+            tiers = (Tier.DEVICE, Tier.HOST) if tier is Tier.HOST and machine.device_bytes is None else (tier,)
+            ranks = 1 if tier is Tier.DEVICE else world  # every rank runs here: each has a GPU, they share RAM and disk
+            lo = ranks * sum(a.total(t.value) for t in tiers)
+            hi = ranks * sum(b.total(t.value) for t in tiers)
             per = (hi - lo) / (large - small)
             fixed = lo - per * small
             if per > 0:
                 n = (cap - fixed) / per
                 if n < best:
-                    best, limit = n, tier
+                    best, limit = n, tier.value
         out[name] = (max(0, int(best)) if math.isfinite(best) else 0, limit)
     return out
 

@@ -16,6 +16,7 @@ import offload
 from engine_cases import base_config, batches, check_bitwise, describe_engine, loss_of, make_model, train_engine
 from offload.launch import run_ranks
 from offload.optim.early_step import EarlyStepLost
+from offload.store.tier import Tier
 
 HOST_LAG = {"OFFLOAD_EMULATED_HOST_DELAY_S": "0.003"}
 
@@ -69,7 +70,7 @@ def test_host_and_nvme_sub_groups_step_early_in_the_forwards_order(tmp_path, mon
             engine.step()
             states.append(engine.full_state_dict())
         if early == "on":  # the reads went ahead (in the forward's order) and each sub-group was read once a step
-            state_bytes = sum(g.nbytes for g in optimizer.store.groups if g.tier == "nvme")
+            state_bytes = sum(g.nbytes for g in optimizer.store.groups if g.tier is Tier.NVME)
             assert optimizer.store.reads_ahead > 0
             assert engine.telemetry.snapshot().bytes["nvme_read"] == 4 * state_bytes
         engine.close()
@@ -125,7 +126,7 @@ def test_a_failure_after_step_returned_loses_the_step_and_says_so(tmp_path, monk
     if what == "first write":
         _count_calls(monkeypatch, base.os, "pwritev", 1, io)
     elif what == "last write":  # into the last sub-group's other slot: the pass's last write, failing in finish
-        last = [g for g in optimizer.store.groups if g.tier == "nvme"][-1]
+        last = [g for g in optimizer.store.groups if g.tier is Tier.NVME][-1]
         slot = optimizer.store._file.slots[last.index]
         real = base.os.pwritev
 
@@ -151,7 +152,7 @@ def test_a_failure_after_step_returned_loses_the_step_and_says_so(tmp_path, monk
     assert str(e.value).startswith(said + " step 3's"), str(e.value)
     with pytest.raises(EarlyStepLost):  # every later reader is told too: nothing half-stepped is saved
         engine.save_checkpoint(str(tmp_path / "ckpt"))
-    assert all(g.resident is None for g in optimizer.store.groups if g.tier == "nvme")
+    assert all(g.resident is None for g in optimizer.store.groups if g.tier is Tier.NVME)
     for unit, master in before.items():  # no slot flipped: the swap file holds step 2's state
         assert torch.equal(optimizer.store.read_master(unit), master), unit
     engine.close()

@@ -6,6 +6,7 @@ import torch
 
 import offload
 from engine_cases import base_config, make_model, train_engine, train_reference
+from offload.store.tier import Tier
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -39,7 +40,7 @@ def test_only_what_copies_touch_is_pinned():
     engine, optimizer, _, _ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
     assert engine.accel.is_cuda and engine.params.read(0).is_cuda
     group = optimizer.store.groups[0]
-    assert group.tier == "host" and group.resident.device.type == "cpu" and not group.resident.is_pinned()
+    assert group.tier is Tier.HOST and group.resident.device.type == "cpu" and not group.resident.is_pinned()
     state = next(iter(optimizer.shards.values()))
     # The gradient's landing buffer is what the D2H copy writes: pinned. With one micro-batch a step the gradient is
     # read there, and no fp32 accumulator is ever made.

@@ -12,6 +12,7 @@ from engine_cases import base_config, batches, check_parity, loss_of, make_model
 from offload.aio.base import SwapIOError
 from offload.aio.checksum import ChecksumError
 from offload.launch import run_ranks
+from offload.store.tier import Tier
 
 
 def nvme_config(path, world=1, accum=1, engine="auto", host=None, nvme=None, buffers=2):
@@ -78,7 +79,7 @@ def test_the_steps_first_reads_start_when_the_last_backward_does(tmp_path):
     same either way."""
     def run(interleave: bool) -> tuple[dict, int, int]:
         engine, optimizer, *_ = offload.initialize(model=make_model("gpt"), config=nvme_config(tmp_path, buffers=3))
-        groups = sum(g.tier == "nvme" for g in optimizer.store.groups)
+        groups = sum(g.tier is Tier.NVME for g in optimizer.store.groups)
         for tokens in batches(4, 2):
             engine.backward(loss_of(engine, "gpt", tokens))
             if interleave:

@@ -12,6 +12,7 @@ import offload.aio.base as aio_base
 from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
 from offload.aio.base import SwapIOError
 from offload.launch import run_ranks
+from offload.store.tier import Tier
 
 
 def overlap_config(world, overlap, clip=0.0, optimizer="cpu", path=None, host=None):
@@ -122,7 +123,7 @@ def test_a_write_failing_under_backward_fails_the_step_which_can_be_retried(tmp_
 
     data = batches(3, 4)
     engine = build(tmp_path / "a")
-    groups = sum(g.tier == "nvme" for g in engine.optimizer.store.groups)
+    groups = sum(g.tier is Tier.NVME for g in engine.optimizer.store.groups)
     assert groups >= 5
     _steps(engine, data[:2])
     before = engine.full_state_dict()

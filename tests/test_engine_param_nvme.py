@@ -15,7 +15,7 @@ from offload.aio.base import SwapIOError
 from offload.aio.checksum import ChecksumError
 from offload.engine import EngineError
 from offload.launch import run_ranks
-from offload.store.param_store import Home
+from offload.store.tier import Tier
 from offload.telemetry import NVME_PARAMS
 
 
@@ -107,8 +107,8 @@ def test_overlapped_step_and_a_host_nvme_split_train_like_torch(tmp_path):
         if name == "overlapped":
             assert results[0]["overlapped"] >= 5 * units // 2
     engine, *_ = offload.initialize(model=make_model("gpt"), config=param_config(tmp_path / "c", max_in_cpu=6000))
-    on_host = [u for u in engine.units if engine.params.home(u.index) is Home.HOST]
-    on_nvme = [u for u in engine.units if engine.params.home(u.index) is Home.NVME]
+    on_host = [u for u in engine.units if engine.params.home(u.index) is Tier.HOST]
+    on_nvme = [u for u in engine.units if engine.params.home(u.index) is Tier.NVME]
     assert on_host and on_nvme and on_host[0].index == 0, "the host keeps the first units"
     assert sum(u.shard_numel for u in on_host) <= 6000
     engine.close()

@@ -10,6 +10,7 @@ from offload.cli import main
 from offload.config import Config
 from offload.estimate import Machine, estimate, largest_trainable, model_state_formula, model_units
 from offload.launch import run_ranks
+from offload.store.tier import Tier
 
 
 def placement(tmp_path, params, optimizer, host=None, world=1):
@@ -192,7 +193,7 @@ def test_optimizer_state_on_nvme_in_one_large_sub_group_is_said_with_the_size_th
     assert not any("is one sub-group of" in n for n in notes)
     with caplog.at_level(logging.WARNING, logger="offload.engine"):
         engine = offload.initialize(model=make_model("gpt"), config=raw)[0]
-    assert len([g for g in engine.optimizer.store.groups if g.tier == "nvme"]) > 1
+    assert len([g for g in engine.optimizer.store.groups if g.tier is Tier.NVME]) > 1
     engine.close()
     assert not any("is one sub-group of" in r.getMessage() for r in caplog.records)
 

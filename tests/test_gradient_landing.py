@@ -16,6 +16,7 @@ from engine_cases import base_config, batches, describe_engine, loss_of, make_mo
 from offload import native
 from offload.launch import run_ranks
 from offload.optim.shard_state import ShardPhase
+from offload.store.tier import Tier
 
 LAG = {"OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}  # implies a discrete device: every copy a GPU makes
 
@@ -220,7 +221,7 @@ def test_the_placement_alone_says_whether_gradients_are_read_where_they_land(tmp
     try:
         optimizer = engine.optimizer
         tiers = {g.tier for g in optimizer.store.groups}
-        assert tiers == ({"host"} if host > 10**6 else {"host", "nvme"})
+        assert tiers == ({Tier.HOST} if host > 10**6 else {Tier.HOST, Tier.NVME})
         for rows in batches(accum, 2):
             engine.backward(loss_of(engine, "gpt", rows))
         optimizer.drain()

@@ -29,8 +29,8 @@ LAYERS: list[tuple[str, ...]] = [
     # leaves: nothing from offload above them
     ("offload.buffers", "offload.telemetry", "offload.host_malloc", "offload.cli_types", "offload.weights_file",
      "offload.launch", "offload.prefetch", "offload.native", "offload.config", "offload.models", "offload.version",
-     "offload.zero.collectives", "offload.zero.plan", "offload.store.budget", "offload.sync_ledger",
-     "offload.step_graph", "offload.cpus"),
+     "offload.zero.collectives", "offload.zero.plan", "offload.store.budget", "offload.store.tier",
+     "offload.sync_ledger", "offload.step_graph", "offload.cpus"),
     ("offload.accelerator",),
     ("offload.aio",),
     ("offload.store",),

@@ -21,11 +21,12 @@ from offload.aio.checksum import ChecksumError, ChecksummedFile
 from offload.aio.threads import ThreadPoolEngine
 from offload.buffers import AlignedBuffer, round_up
 from offload.config import ConfigError
-from offload.store.budget import TierBudget
+from offload.store.budget import BudgetExceeded, TierBudget
 from offload.config import Config
 from offload.store.optimizer_state import KINDS, OptimizerStateStore, place_sub_groups, plan_sub_groups
 from offload.store.placement import plan
-from offload.store.param_store import Home, ParamStore
+from offload.store.param_store import ParamStore
+from offload.store.tier import Tier
 from offload.store.param_swap import WRITE_BUFFERS, BufferState, ParamSwap, ParamSwapError, param_buffer_bytes
 from offload.store.swapdir import SwapDir
 from offload.telemetry import Telemetry
@@ -255,8 +256,8 @@ class Rooms:
 
     def param_swap(self, sizes=UNITS, *, buffer_count: int = 2, host: TierBudget | None = None,
                    nvme: TierBudget | None = None) -> ParamSwap:
-        swap = ParamSwap(list(sizes), DTYPE, swap=self.swap, rank=0, host=host or TierBudget("host", None),
-                         nvme=nvme or TierBudget("nvme", None), buffer_count=buffer_count, pin=False,
+        swap = ParamSwap(list(sizes), DTYPE, swap=self.swap, rank=0, host=host or TierBudget(Tier.HOST, None),
+                         nvme=nvme or TierBudget(Tier.NVME, None), buffer_count=buffer_count, pin=False,
                          telemetry=Telemetry())
         self._closers.append(swap.close)
         return swap
@@ -268,17 +269,17 @@ class Rooms:
 
     def optimizer(self, sizes, sub_group_size: int, *, device: str = "nvme", buffer_count: int = 2,
                   host: TierBudget | None = None, nvme: TierBudget | None = None) -> OptimizerStateStore:
-        host = host or TierBudget("host", None)
+        host = host or TierBudget(Tier.HOST, None)
         groups = plan_sub_groups(list(sizes), sub_group_size)
         place_sub_groups(groups, device, host, buffer_count)  # as the placement plan does
-        store = OptimizerStateStore(groups, accel=self.accel(), host=host, nvme=nvme or TierBudget("nvme", None),
+        store = OptimizerStateStore(groups, accel=self.accel(), host=host, nvme=nvme or TierBudget(Tier.NVME, None),
                                     buffer_count=buffer_count, swap=self.swap, telemetry=Telemetry())
         self._closers.append(store.close)
         return store
 
-    def param_store(self, homes: dict[int, Home], swap: ParamSwap | None, accel: Accelerator | None = None,
+    def param_store(self, homes: dict[int, Tier], swap: ParamSwap | None, accel: Accelerator | None = None,
                     host: TierBudget | None = None, keep_host_copies: bool = False) -> ParamStore:
-        store = ParamStore(accel or self.accel(), DTYPE, homes, swap=swap, host=host or TierBudget("host", None),
+        store = ParamStore(accel or self.accel(), DTYPE, homes, swap=swap, host=host or TierBudget(Tier.HOST, None),
                            telemetry=Telemetry(), keep_host_copies=keep_host_copies)
         self._closers.append(store.close)
         return store
@@ -634,7 +635,7 @@ def run_pass(store: OptimizerStateStore, k: int) -> list[int]:
 
 def test_optimizer_nvme_step_pass_commits_and_reads_back_bitwise(rooms):
     store, state = built(rooms, buffer_count=2)
-    assert [g.tier for g in store.groups] == ["nvme"] * 4
+    assert [g.tier for g in store.groups] == [Tier.NVME] * 4
     assert_state(store, state)
     for k in (1, 2, 3):
         assert run_pass(store, k) == [3, 2, 1, 0]  # backward's order
@@ -767,9 +768,9 @@ def test_optimizer_one_at_a_time_write_replaces_the_state_in_place(rooms):
 
 def test_optimizer_host_and_nvme_sub_groups_step_together(rooms):
     nbytes = round_up(KINDS * 1000 * 4)
-    host = TierBudget("host", 2 * nbytes + nbytes)  # two NVMe buffers and one sub-group on the host
+    host = TierBudget(Tier.HOST, 2 * nbytes + nbytes)  # two NVMe buffers and one sub-group on the host
     store, state = built(rooms, buffer_count=2, host=host)
-    assert [g.tier for g in store.groups] == ["host", "nvme", "nvme", "nvme"]
+    assert [g.tier for g in store.groups] == [Tier.HOST, Tier.NVME, Tier.NVME, Tier.NVME]
     assert host.used == host.limit
     assert run_pass(store, 1) == [3, 2, 1, 0]  # NVMe ones first, in backward's order, then the host one
     assert_state(store, stepped(state, 1))
@@ -780,7 +781,7 @@ def test_optimizer_host_and_nvme_sub_groups_step_together(rooms):
 def device_host_nvme(rooms, accel=None) -> tuple[ParamStore, dict[int, torch.Tensor]]:
     """Unit 0 on the device (with a host copy), 1 on the device alone, 2 on the host, 3 on NVMe; fp32 starts."""
     swap = rooms.param_swap([(3, 1000)], buffer_count=2)
-    homes = {0: Home.DEVICE, 1: Home.DEVICE, 2: Home.HOST, 3: Home.NVME}
+    homes = {0: Tier.DEVICE, 1: Tier.DEVICE, 2: Tier.HOST, 3: Tier.NVME}
     store = rooms.param_store(homes, swap, accel)
     start = {unit: values(n, 10 + unit, torch.float32) for unit, n in UNITS}
     for unit, v in start.items():
@@ -861,7 +862,7 @@ def test_param_store_on_a_cpu_device_reads_in_place_and_copies_nothing(rooms):
     assert store.to_device(2, None) is store.host_copy(2)  # no copy stream needed: compute reads it there
     store.step_target(0).copy_(values(3000, 63).float())
     assert store.copy_back(0, after=None) is None and torch.equal(store.read(0), values(3000, 63).to(DTYPE))
-    kept = rooms.param_store({0: Home.DEVICE}, None, None, keep_host_copies=True)
+    kept = rooms.param_store({0: Tier.DEVICE}, None, None, keep_host_copies=True)
     kept.add(0, "u0", start[0], host_copy=True)  # a step that can fail part way writes a copy of its own
     assert not kept.in_place(0) and kept.step_target(0) is not kept.shards[0].device
 
@@ -921,17 +922,17 @@ def test_param_store_nvme_failed_write_is_stale_until_overwritten(rooms):
 def test_param_store_refuses_homes_that_do_not_match_the_swap(rooms):
     swap = rooms.param_swap([(1, 2500)])
     accel = rooms.accel()
-    host = TierBudget("host", None)
+    host = TierBudget(Tier.HOST, None)
     cases = [
-        ({0: Home.NVME, 1: Home.HOST}, swap),  # the swap holds unit 1, the homes say unit 0
-        ({0: Home.NVME, 1: Home.NVME}, swap),  # one NVMe unit more than the swap holds
-        ({0: Home.HOST, 1: Home.HOST}, swap),  # a swap for no NVMe unit
-        ({0: Home.HOST, 1: Home.NVME}, None),  # an NVMe home without a swap
+        ({0: Tier.NVME, 1: Tier.HOST}, swap),  # the swap holds unit 1, the homes say unit 0
+        ({0: Tier.NVME, 1: Tier.NVME}, swap),  # one NVMe unit more than the swap holds
+        ({0: Tier.HOST, 1: Tier.HOST}, swap),  # a swap for no NVMe unit
+        ({0: Tier.HOST, 1: Tier.NVME}, None),  # an NVMe home without a swap
     ]
     for homes, s in cases:
         with pytest.raises(ValueError, match="exactly the units homed on NVMe"):
             ParamStore(accel, DTYPE, homes, swap=s, host=host, telemetry=Telemetry())
-    ParamStore(accel, DTYPE, {0: Home.DEVICE, 1: Home.NVME}, swap=swap, host=host, telemetry=Telemetry())
+    ParamStore(accel, DTYPE, {0: Tier.DEVICE, 1: Tier.NVME}, swap=swap, host=host, telemetry=Telemetry())
 
 
 # ------------------------------------------------------------------ budgets
@@ -959,14 +960,14 @@ def test_a_parameter_swap_over_budget_is_a_config_error_naming_it(tier):
     with pytest.raises(ConfigError, match=f"{need[tier] - 1:,} bytes cannot hold"):
         placement.check()
     fits = plan(list(UNITS), set(), plan_config("nvme", "cpu", **{tier: need[tier]}), DTYPE.itemsize)
-    assert fits.problems == [] and fits.homes == {u: Home.NVME for u, _ in UNITS}
+    assert fits.problems == [] and fits.homes == {u: Tier.NVME for u, _ in UNITS}
     assert (fits.nvme["parameter shards (two slots per unit)"], fits.host["parameter NVMe buffers"]) == param_needs()
 
 
 def test_param_swap_takes_exactly_the_bytes_it_reports(rooms):
     nvme_need, host_need = param_needs()
     assert host_need == (2 + WRITE_BUFFERS) * round_up(4100 * 2)
-    nvme, host = TierBudget("nvme", 4096 + nvme_need, used=4096), TierBudget("host", 100 + host_need, used=100)
+    nvme, host = TierBudget(Tier.NVME, 4096 + nvme_need, used=4096), TierBudget(Tier.HOST, 100 + host_need, used=100)
     swap = rooms.param_swap(nvme=nvme, host=host)
     assert nvme.used == nvme.limit and host.used == host.limit
     assert nvme.parts == {"parameter shards (two slots per unit)": nvme_need}
@@ -997,19 +998,30 @@ def test_optimizer_state_over_budget_is_a_config_error_naming_it(device, tier):
     assert f"{limit:,} bytes cannot hold" in str(placement.problems[0])
     fits = plan(units, {u for u, _ in units}, plan_config(opt=device, **{tier: need[tier]}), DTYPE.itemsize)
     assert fits.problems == [] and fits.placed
-    assert [g.tier for g in fits.groups] == ["nvme" if device == "nvme" else "host"] * 4
+    assert [g.tier for g in fits.groups] == [Tier.NVME if device == "nvme" else Tier.HOST] * 4
 
 
 def test_optimizer_takes_exactly_the_bytes_it_reports(rooms):
     nvme_need, buffers = opt_needs()
-    nvme, host = TierBudget("nvme", nvme_need), TierBudget("host", buffers)  # the host holds only the buffers
+    nvme, host = TierBudget(Tier.NVME, nvme_need), TierBudget(Tier.HOST, buffers)  # the host holds only the buffers
     store, state = built(rooms, buffer_count=2, nvme=nvme, host=host)
-    assert [g.tier for g in store.groups] == ["nvme"] * 4
+    assert [g.tier for g in store.groups] == [Tier.NVME] * 4
     assert nvme.used == nvme_need and host.used == buffers
     assert nvme.parts == {"optimizer state (two slots per sub-group)": nvme_need}
     assert host.parts == {"optimizer NVMe buffers": buffers}
     assert os.path.getsize(rooms.file(OPTIMIZER)) == nvme_need
     run_pass(store, 1)
     assert_state(store, stepped(state, 1))
-    cpu = rooms.optimizer(OPT_UNITS, 1000, device="cpu", host=TierBudget("host", 4 * round_up(KINDS * 1000 * 4)))
-    assert [g.tier for g in cpu.groups] == ["host"] * 4 and cpu.host.used == cpu.host.limit
+    cpu = rooms.optimizer(OPT_UNITS, 1000, device="cpu", host=TierBudget(Tier.HOST, 4 * round_up(KINDS * 1000 * 4)))
+    assert [g.tier for g in cpu.groups] == [Tier.HOST] * 4 and cpu.host.used == cpu.host.limit
+
+
+@pytest.mark.parametrize("tier", list(Tier))
+def test_going_over_a_budget_names_the_tier_as_text_says_it(tier):
+    """The budget holds a Tier; its error names it by the tier's name ("host", not "Tier.HOST")."""
+    budget = TierBudget(tier, 100)
+    budget.take(60, "optimizer state")
+    with pytest.raises(BudgetExceeded, match=rf"^{tier.value} budget of 100 bytes exceeded: parameter copies needs 50 "
+                                             r"with 60 in use \(optimizer state 60\)$"):
+        budget.take(50, "parameter copies")
+    assert budget.summary() == {"optimizer state": 60, "total": 60, "peak": 60, "budget": 100}

@@ -37,6 +37,7 @@ from offload.store.optimizer_state import unpipelined_note
 from offload.store.param_swap import ParamSwap, describe_placement
 from offload.store.placement import plan as plan_placement
 from offload.store.swapdir import PREFIX, SwapDir
+from offload.store.tier import Tier
 from offload.telemetry import Telemetry
 from offload.zero.collectives import Group, broadcast
 from offload.zero.init import give_memory, materialize_unit
@@ -113,8 +114,8 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
     trained = {plan.index for plan in plans if any(id(s.param) in group_of for s in plan.slots)}
     parts = partition.world
     shard_sizes = [(p.index, Unit.padded_numel(p, parts) // parts) for p in plans]
-    host_budget = TierBudget("host", config.offload.budgets.host)
-    nvme_budget = TierBudget("nvme", config.offload.budgets.nvme)
+    host_budget = TierBudget(Tier.HOST, config.offload.budgets.host)
+    nvme_budget = TierBudget(Tier.NVME, config.offload.budgets.nvme)
     swaps = SwapFiles(config, group.rank)
     with contextlib.ExitStack() as undo:
         undo.callback(accel.close)
@@ -145,7 +146,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
                                buffer_count=zero.offload_param.buffer_count, pin=accel.is_cuda,
                                telemetry=telemetry, ledger=accel.ledger) if nvme_params else None
         params = ParamStore(accel, compute_dtype, placement.homes, swap=param_swap, host=host_budget,
-                            telemetry=telemetry, keep_host_copies=any(g.tier == "nvme" for g in placement.groups))
+                            telemetry=telemetry, keep_host_copies=any(g.tier is Tier.NVME for g in placement.groups))
         undo.callback(params.close)
         optimizer = ShardedAdam(
             param_groups, accel, [(i, n) for i, n in shard_sizes if i in trained], params=params,

@@ -16,6 +16,7 @@ from offload.config import Config
 from offload.optim.sharded import ShardedAdam
 from offload.store.budget import TierBudget
 from offload.store.param_store import ParamStore
+from offload.store.tier import Tier
 from offload.zero.runtime import LiveLimit
 from offload.zero.stage import Stage
 from offload.zero.unit import Unit
@@ -44,7 +45,7 @@ class MemoryAccount:
             parts["gradients (whole, in .grad)"] = self.compute_dtype.itemsize * sum(
                 s.numel for u in self.units for s in u.slots if s.param.requires_grad)
         optimizer = self.optimizer
-        if state := sum(g.nbytes for g in optimizer.store.groups if g.tier == "device"):
+        if state := sum(g.nbytes for g in optimizer.store.groups if g.tier is Tier.DEVICE):
             parts["optimizer state"] = state  # all of it, or a partial offload's share
         # fp32 accumulators of the units stepped on the device, and an offloaded optimizer's kept on the device
         accumulators = sum(st.grad.numel() * 4 for i, st in optimizer.shards.items() if not optimizer.steps_on_host(i))
@@ -77,7 +78,7 @@ class MemoryAccount:
         budget = self.config.offload.budgets.device
         if budget is not None:
             device["budget"] = budget
-        return {"device": device, "host": self.host.summary(), "nvme": self.nvme.summary()}
+        return {Tier.DEVICE.value: device, Tier.HOST.value: self.host.summary(), Tier.NVME.value: self.nvme.summary()}
 
 
 def report(summary: dict[str, dict[str, int]], rank: int, device: torch.device) -> str:

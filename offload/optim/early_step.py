@@ -60,6 +60,7 @@ from offload.optim.speculation import Speculation
 from offload.optim.update import ShardUpdate
 from offload.store.optimizer_state import Member, NvmePass, OptimizerStateStore, SubGroup
 from offload.store.param_store import ParamStore
+from offload.store.tier import Tier
 from offload.telemetry import Telemetry
 
 
@@ -107,7 +108,7 @@ class EarlyStep:
         self.params.forget_reads(self.update.nvme_units)  # what the read buffers hold of them is the step before
         later: list[tuple[SubGroup, Member]] = []  # the delayed update's, handed over in backward's order
         for group in self.store.groups:  # on the compute stream, before step() returns (and before the NVMe pass)
-            if group.tier == "device":
+            if group.tier is Tier.DEVICE:
                 for member in group.members:
                     self.update.step_shard(member.unit, group.views(member), step, hypers, grad_scale)
                     self.shards[member.unit].empty()
@@ -115,10 +116,10 @@ class EarlyStep:
         # this step runs guarded by it (see [Note: the early step on NVMe]).
         run = self.nvme_pass = self.store.detach_pass()
         for group in self.store.groups:
-            if group.tier == "nvme":
+            if group.tier is Tier.NVME:
                 assert run is not None
                 self._hand_over_sub_group(lane, run, group, step, hypers, grad_scale, after)
-            elif group.tier != "device":
+            elif group.tier is not Tier.DEVICE:
                 for member in group.members:
                     if delayed:
                         later.append((group, member))

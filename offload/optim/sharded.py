@@ -61,7 +61,8 @@ from offload.telemetry import Telemetry
 from offload.aio.base import IOEngine
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import OptimizerStateStore, SubGroup
-from offload.store.param_store import Home, ParamStore
+from offload.store.param_store import ParamStore
+from offload.store.tier import Tier
 from offload.store.swapdir import SwapDir
 
 
@@ -77,8 +78,8 @@ class StatePlan:
     groups: list[SubGroup]
     step_buffers: dict[str, int] = field(default_factory=dict)
     buffer_count: int = 4
-    host: TierBudget = field(default_factory=lambda: TierBudget("host", None))
-    nvme: TierBudget = field(default_factory=lambda: TierBudget("nvme", None))
+    host: TierBudget = field(default_factory=lambda: TierBudget(Tier.HOST, None))
+    nvme: TierBudget = field(default_factory=lambda: TierBudget(Tier.NVME, None))
     swap: tuple[SwapDir, IOEngine] | None = None
     rank: int = 0
     device_accumulated: frozenset[int] = frozenset()  # units with an fp32 accumulator on the compute device
@@ -117,7 +118,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.host = plan.host
         self.params = params
         # A partial offload's units stepped on the device (see [Note: a partial offload]).
-        self._device_state = frozenset(m.unit for g in plan.groups if g.tier == "device" for m in g.members
+        self._device_state = frozenset(m.unit for g in plan.groups if g.tier is Tier.DEVICE for m in g.members
                                        ) if self.offload else frozenset()
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
@@ -134,7 +135,7 @@ class ShardedAdam(torch.optim.Optimizer):
         # never wait for it (see [Note: speculation on a lane of its own] in offload/optim/speculation_lane.py).
         lane = SpeculationLane(accel) if self.offload and plan.second_slots else None
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
-        nvme_units = frozenset(i for i, _ in sizes if params.home(i) is Home.NVME)
+        nvme_units = frozenset(i for i, _ in sizes if params.home(i) is Tier.NVME)
         self.update = ShardUpdate(accel, self.shards, params, threads, self.steps_on_host, nvme_units)
         if self.offload and sizes:
             self._reserve_host(plan.step_buffers)
@@ -377,7 +378,7 @@ class ShardedAdam(torch.optim.Optimizer):
     def can_return_early(self) -> bool:
         """Whether ``apply_early`` may run this optimizer's step with nothing in it able to fail after engine.step()
         returned: all its state is host memory and no parameter shard is homed on NVMe."""
-        return self.offload and not self.update.nvme_units and all(g.tier in ("host", "device")
+        return self.offload and not self.update.nvme_units and all(g.tier is not Tier.NVME
                                                                    for g in self.store.groups)
 
     @property
@@ -417,8 +418,8 @@ class ShardedAdam(torch.optim.Optimizer):
             return frozenset()
         if speculative:  # a host sub-group with its second slot, or an NVMe one (its file has two)
             return frozenset(u for u, (g, _) in self.store.by_unit.items()
-                             if (g.spare is not None or g.tier == "nvme") and u not in self.update.nvme_units)
-        return frozenset(u for u, (g, _) in self.store.by_unit.items() if g.tier != "device")
+                             if (g.spare is not None or g.tier is Tier.NVME) and u not in self.update.nvme_units)
+        return frozenset(u for u, (g, _) in self.store.by_unit.items() if g.tier is not Tier.DEVICE)
 
     def begin_overlap(self, guess: float | None = None) -> None:
         """The coming backward is the last of the accumulation and nothing global gates the update (or
@@ -454,10 +455,10 @@ class ShardedAdam(torch.optim.Optimizer):
             return
         hypers, step = overlap.hypers, overlap.step
         group, member = self.store.by_unit[index]
-        if overlap.guess is not None and group.tier != "nvme":
+        if overlap.guess is not None and group.tier is not Tier.NVME:
             self.speculation.hand_over(index, group, member, overlap)
             return
-        if group.tier != "nvme":
+        if group.tier is not Tier.NVME:
             self._step_overlapped(index, group.views(member), hypers, step)
             return
         if self._nvme_error is not None:

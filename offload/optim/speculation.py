@@ -38,6 +38,7 @@ from offload.optim.shard_state import Guess, Overlap, ShardPhase, ShardState, un
 from offload.optim.speculation_lane import SpeculationLane, TicketPhase
 from offload.optim.update import ShardUpdate
 from offload.store.optimizer_state import Member, OptimizerStateStore, SubGroup
+from offload.store.tier import Tier
 from offload.telemetry import Telemetry
 
 logger = logging.getLogger("offload.optim")
@@ -108,7 +109,7 @@ class Speculation:
 
     def _nvme_speculated(self) -> list[ShardState]:
         return [s for i, s in self.shards.items()
-                if s.phase is ShardPhase.SPECULATED and self.store.by_unit[i][0].tier == "nvme"]
+                if s.phase is ShardPhase.SPECULATED and self.store.by_unit[i][0].tier is Tier.NVME]
 
     def settle_nvme(self, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
         """Before the step's pass goes on: keep the speculated NVMe sub-groups (their new slots flip with the

@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from offload.store.tier import Tier
+
 
 class BudgetExceeded(RuntimeError):
     """An allocation would take a tier past its budget (a bug: start-up planning should prevent it)."""
@@ -18,7 +20,10 @@ class BudgetExceeded(RuntimeError):
 
 @dataclass
 class TierBudget:
-    tier: str  # "device", "host" or "nvme"
+    """One tier's account: what it holds by part, and its limit. ``tier`` is a Tier like every other name of a
+    tier (offload/store/tier.py); its value names the budget in the error."""
+
+    tier: Tier
     limit: int | None  # bytes; None: not limited
     used: int = 0
     peak: int = 0
@@ -28,8 +33,8 @@ class TierBudget:
     def take(self, nbytes: int, what: str) -> None:
         with self._lock:
             if self.limit is not None and self.used + nbytes > self.limit:
-                raise BudgetExceeded(f"{self.tier} budget of {self.limit:,} bytes exceeded: {what} needs {nbytes:,} "
-                                     f"with {self.used:,} in use ({self._describe()})")
+                raise BudgetExceeded(f"{self.tier.value} budget of {self.limit:,} bytes exceeded: {what} needs "
+                                     f"{nbytes:,} with {self.used:,} in use ({self._describe()})")
             self.used += nbytes
             self.peak = max(self.peak, self.used)
             self.parts[what] = self.parts.get(what, 0) + nbytes

@@ -69,6 +69,7 @@ from offload.buffers import AlignedBuffer, BufferPool, round_up
 from offload.store.two_slots import TwoSlotFile, layout
 from offload.store.budget import TierBudget
 from offload.store.swapdir import SwapDir
+from offload.store.tier import Tier
 from offload.telemetry import Telemetry
 
 logger = logging.getLogger("offload.store")
@@ -91,7 +92,7 @@ class SubGroup:
     index: int
     members: list[Member]
     numel: int
-    tier: str = "host"
+    tier: Tier = Tier.HOST
     resident: torch.Tensor | None = None  # [3, numel] fp32 while in memory (always, for device/host)
     spare: torch.Tensor | None = None  # host: the second slot of the speculative step (see [Note: the speculative ...])
     in_spare: set[int] = field(default_factory=set)  # units whose current state is in ``spare``
@@ -122,8 +123,8 @@ def plan_sub_groups(sizes: list[tuple[int, int]], sub_group_size: int,
     groups: list[SubGroup] = []
     for unit, numel in sizes:
         device = unit in on_device
-        if not groups or groups[-1].numel + numel > sub_group_size or (groups[-1].tier == "device") != device:
-            groups.append(SubGroup(len(groups), [], 0, tier="device" if device else "host"))
+        if not groups or groups[-1].numel + numel > sub_group_size or (groups[-1].tier is Tier.DEVICE) != device:
+            groups.append(SubGroup(len(groups), [], 0, tier=Tier.DEVICE if device else Tier.HOST))
         g = groups[-1]
         g.members.append(Member(unit, g.numel, numel))
         g.numel += numel
@@ -139,9 +140,9 @@ def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buff
     from offload.config import ConfigError
     if device == "none":
         for g in groups:
-            g.tier = "device"
+            g.tier = Tier.DEVICE
         return
-    groups = [g for g in groups if g.tier != "device"]  # kept on the device by a partial offload (ratio < 1)
+    groups = [g for g in groups if g.tier is not Tier.DEVICE]  # kept on the device by a partial offload (ratio < 1)
     if device == "cpu":
         need = sum(g.nbytes for g in groups)
         left = None if host.limit is None else host.limit - host.used
@@ -152,12 +153,12 @@ def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buff
                               "budget, use more ranks, or put the optimizer on NVMe (offload_optimizer.device: "
                               "nvme keeps what fits on the host and the rest on NVMe)")
         for g in groups:
-            g.tier = "host"
+            g.tier = Tier.HOST
         return
     largest = max((g.nbytes for g in groups), default=0)
     if host.limit is None:
         for g in groups:
-            g.tier = "nvme"
+            g.tier = Tier.NVME
         return
     buffers = min(buffer_count, len(groups)) * largest
     left = host.limit - host.used - buffers
@@ -170,9 +171,9 @@ def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buff
     for g in groups:
         cost = g.nbytes * (2 if spare else 1)
         if cost <= left:
-            g.tier, left = "host", left - cost
+            g.tier, left = Tier.HOST, left - cost
         else:
-            g.tier = "nvme"
+            g.tier = Tier.NVME
 
 
 PIPELINE_WORTH = 16_000_000  # elements of NVMe state below which one sub-group's serial pass costs little
@@ -181,7 +182,7 @@ PIPELINE_WORTH = 16_000_000  # elements of NVMe state below which one sub-group'
 def unpipelined_note(groups: list[SubGroup], sub_group_size: int) -> str | None:
     """What to say when all of a rank's NVMe optimizer state is one large sub-group: its Adam and write then wait
     for the last gradient and run one after the other, and its one buffer is as large as the state."""
-    nvme = [g for g in groups if g.tier == "nvme"]
+    nvme = [g for g in groups if g.tier is Tier.NVME]
     if len(nvme) != 1 or nvme[0].numel < PIPELINE_WORTH:
         return None
     n = nvme[0].numel
@@ -201,7 +202,8 @@ def nvme_buffers(nvme_groups: list[SubGroup], buffer_count: int) -> tuple[int, i
 
 @dataclass
 class StatePlacement:
-    """What the start-up plan decided: elements of optimizer state per tier."""
+    """What the start-up plan decided: elements of optimizer state per tier, by the tier's name (``Tier.value``):
+    it is logged and goes into results as text."""
 
     tiers: dict[str, int] = field(default_factory=dict)
 
@@ -228,10 +230,10 @@ class OptimizerStateStore:
         self._pass: NvmePass | None = None  # this step's NVMe pass, begun ahead of the step
         self.reads_ahead = 0
         for g in self.groups:
-            self.placement.tiers[g.tier] = self.placement.tiers.get(g.tier, 0) + g.numel
-            if g.tier == "device":
+            self.placement.tiers[g.tier.value] = self.placement.tiers.get(g.tier.value, 0) + g.numel
+            if g.tier is Tier.DEVICE:
                 g.resident = torch.zeros(KINDS, g.numel, dtype=torch.float32, device=accel.device)
-            elif g.tier == "host":
+            elif g.tier is Tier.HOST:
                 # Read and written by host threads only (Adam, checkpoints): no copy engine touches it.
                 t, buf = accel.host_buffer(KINDS * g.numel, torch.float32, dma=False)
                 host.take(buf.capacity, "optimizer state")
@@ -241,7 +243,7 @@ class OptimizerStateStore:
                     t, buf = accel.host_buffer(KINDS * g.numel, torch.float32, dma=False)
                     host.take(buf.capacity, SPECULATIVE_SLOT)
                     g.spare = t.view(KINDS, g.numel)
-        nvme_groups = [g for g in self.groups if g.tier == "nvme"]
+        nvme_groups = [g for g in self.groups if g.tier is Tier.NVME]
         if nvme_groups:
             assert swap is not None, "nvme optimizer state needs a swap directory and an I/O engine"
             swap_dir, engine = swap
@@ -261,7 +263,7 @@ class OptimizerStateStore:
         """Set a unit's master weights (moments start at zero). Units arrive in order; an NVMe sub-group is
         written to its slot when its last unit has arrived, so building holds one sub-group at a time."""
         g, m = self.by_unit[unit]
-        if g.tier != "nvme":
+        if g.tier is not Tier.NVME:
             g.views(m)[0].copy_(master)
             return
         self.drop_read_ahead()
@@ -278,7 +280,7 @@ class OptimizerStateStore:
     def read_master(self, unit: int) -> torch.Tensor:
         """A copy of one unit's fp32 master shard (from NVMe when that is its home)."""
         g, m = self.by_unit[unit]
-        if g.tier != "nvme":
+        if g.tier is not Tier.NVME:
             return g.views(m)[0].detach().clone()
         assert self._file is not None
         self.drop_read_ahead()
@@ -292,7 +294,7 @@ class OptimizerStateStore:
         replaced the whole sub-group). Never more than one sub-group in memory; for checkpoints."""
         self.drop_read_ahead()
         for g in self.groups:
-            if g.tier != "nvme":
+            if g.tier is not Tier.NVME:
                 yield g
                 continue
             assert self._file is not None
@@ -328,7 +330,7 @@ class OptimizerStateStore:
         elif commit is not None:
             commit()
         for g in self.groups:
-            if g.tier != "nvme":
+            if g.tier is not Tier.NVME:
                 yield g
 
     def read_ahead(self, forward: bool = False) -> int:
@@ -361,7 +363,7 @@ class OptimizerStateStore:
         during backward]); the caller steps it before asking for the next."""
         run = self._pass
         g, _ = self.by_unit[unit]
-        if run is None or g.tier != "nvme":
+        if run is None or g.tier is not Tier.NVME:
             return
         run.arrived(g, unit)
         while run.next_complete():
@@ -384,7 +386,7 @@ class OptimizerStateStore:
 
     def _new_pass(self, forward: bool = False) -> NvmePass:
         assert self._file is not None
-        nvme = [g for g in self.groups if g.tier == "nvme"]
+        nvme = [g for g in self.groups if g.tier is Tier.NVME]
         if not forward:
             nvme.reverse()  # backward's order: last units first
         return NvmePass(self._file, nvme, self._buffers, self.telemetry, self.accel.ledger, forward=forward)

@@ -34,7 +34,6 @@ the compute stream (``await_home``), as a gather from the shard would.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,15 +43,10 @@ from offload.accelerator import Accelerator, CopyStream, Event
 from offload.buffers import round_up
 from offload.store.budget import TierBudget
 from offload.store.param_swap import ParamSwap
+from offload.store.tier import Tier
 from offload.telemetry import Telemetry
 
 HOST_PARAMS = "parameter shards not stepped on the host"  # the host part this store takes from the budget itself
-
-
-class Home(enum.Enum):
-    DEVICE = "device"
-    HOST = "host"
-    NVME = "nvme"
 
 
 @dataclass(eq=False)
@@ -62,7 +56,7 @@ class ParamShard:
     index: int
     name: str  # the unit's, for traces
     numel: int
-    home: Home
+    home: Tier
     device: torch.Tensor  # DEVICE home: the shard (a view into the unit's flat buffer at stages 0-2); else empty
     host: torch.Tensor | None = None  # HOST home: the shard; DEVICE home with a host-side step: its host copy
     ready: Event | None = None  # the copy that last wrote ``device``; its next reader waits for it
@@ -73,13 +67,13 @@ class ParamShard:
 class ParamStore:
     """Every compute-dtype parameter shard of this rank, by unit index."""
 
-    def __init__(self, accel: Accelerator, dtype: torch.dtype, homes: dict[int, Home], *,
+    def __init__(self, accel: Accelerator, dtype: torch.dtype, homes: dict[int, Tier], *,
                  swap: ParamSwap | None, host: TierBudget, telemetry: Telemetry, keep_host_copies: bool = False
                  ) -> None:
         """``homes``: every unit's home, decided at start-up (``swap`` holds the NVMe-homed ones).
         ``keep_host_copies``: the step can fail part way (optimizer state on NVMe), so a device home's new values
         wait in a host copy of their own until the whole step succeeded, even where host memory is the device's."""
-        nvme = {i for i, h in homes.items() if h is Home.NVME}
+        nvme = {i for i, h in homes.items() if h is Tier.NVME}
         if nvme != (set(swap.homes) if swap is not None else set()):
             raise ValueError("the parameter swap must hold exactly the units homed on NVMe")
         self.accel = accel
@@ -111,7 +105,7 @@ class ParamStore:
         numel = values.numel()
         empty = torch.empty(0, dtype=self.dtype, device=self.accel.device)
         shard = ParamShard(index, name, numel, home, empty)
-        if home is Home.DEVICE:
+        if home is Tier.DEVICE:
             if device_view is not None:
                 shard.device = device_view
             else:
@@ -119,7 +113,7 @@ class ParamStore:
                 shard.device.copy_(values)
             if host_copy:  # read in place, the device shard is its own host copy
                 shard.host = shard.device if self.in_place(index) else self._host_copy(values)
-        elif home is Home.HOST:
+        elif home is Tier.HOST:
             if device_view is not None:
                 assert self.in_place(index), "only a CPU compute device reads a host shard in place"
                 shard.host = device_view
@@ -139,27 +133,27 @@ class ParamStore:
 
     # ----------------------------------------------------------------- facts
 
-    def home(self, index: int) -> Home:
+    def home(self, index: int) -> Tier:
         return self.homes[index]
 
     def in_place(self, index: int) -> bool:
         """Compute can read the shard where it lives and the step writes it there: a host home on a CPU compute
         device, or a device home there unless it keeps a host copy of its own (``keep_host_copies``)."""
         home = self.homes[index]
-        return self.host_is_device and (home is Home.HOST or (home is Home.DEVICE and not self.keep_host_copies))
+        return self.host_is_device and (home is Tier.HOST or (home is Tier.DEVICE and not self.keep_host_copies))
 
     def compute_reads_home(self, index: int) -> bool:
         """Compute can read the shard where it lives, so a unit needing no gather (W = 1) aliases it instead of
         copying it (see [Note: reading the home]): ``in_place``, or a device home on a discrete device, where the
         step writes a host copy and the copy back rewrites the shard."""
-        return self.in_place(index) or (not self.host_is_device and self.homes[index] is Home.DEVICE)
+        return self.in_place(index) or (not self.host_is_device and self.homes[index] is Tier.DEVICE)
 
     def await_home(self, index: int) -> None:
         """Before compute reads a shard where it lives: the early step writing it has run, and the compute stream
         waits for the copy back that last rewrote a device home (a stream wait on a GPU, not the host's)."""
         self.wait_step(index)
         shard = self.shards[index]
-        if shard.home is Home.DEVICE:
+        if shard.home is Tier.DEVICE:
             self.accel.compute_wait(shard.ready)
 
     def device_nbytes(self, index: int) -> int:
@@ -185,10 +179,10 @@ class ParamStore:
         compute may read: it waits for a copy back still in flight)."""
         self.wait_step(index)
         shard = self.shards[index]
-        if shard.home is Home.NVME:
+        if shard.home is Tier.NVME:
             assert self.swap is not None
             return self.swap.read_copy(index)
-        if shard.home is Home.HOST:
+        if shard.home is Tier.HOST:
             assert shard.host is not None
             return shard.host
         self.accel.compute_wait(shard.ready)
@@ -204,10 +198,10 @@ class ParamStore:
                 self.accel.wait(copy, "a shard's copy before it is overwritten")
         if shard.host is not None:
             shard.host.copy_(values)
-        if shard.home is Home.NVME:
+        if shard.home is Tier.NVME:
             assert self.swap is not None
             self.swap.overwrite(index, values.to(self.dtype).cpu())
-        elif shard.home is Home.DEVICE:
+        elif shard.home is Tier.DEVICE:
             shard.device.copy_(values.to(shard.device.device), non_blocking=False)
             shard.ready = None
 
@@ -217,15 +211,15 @@ class ParamStore:
         a failed read raises here, before the caller changes anything."""
         self.await_home(index)
         shard = self.shards[index]
-        if shard.home is Home.DEVICE:
+        if shard.home is Tier.DEVICE:
             return shard.device
-        if shard.home is Home.HOST and self.host_is_device:
+        if shard.home is Tier.HOST and self.host_is_device:
             assert shard.host is not None
             return shard.host
         assert h2d is not None, "a shard homed off the device needs a copy stream to come over"
-        if shard.home is Home.NVME:
+        if shard.home is Tier.NVME:
             self.repair_if_stale(index)
-        read = self.swap.fetch(index) if shard.home is Home.NVME and self.swap is not None else None
+        read = self.swap.fetch(index) if shard.home is Tier.NVME and self.swap is not None else None
         source = self.swap.view(read) if self.swap is not None and read is not None else shard.host
         assert source is not None
         out = torch.empty(shard.numel, dtype=self.dtype, device=self.accel.device)
@@ -252,7 +246,7 @@ class ParamStore:
     def step_target(self, index: int) -> torch.Tensor:
         """Host memory the step writes the new shard into (see [Note: the step's target])."""
         shard = self.shards[index]
-        if shard.home is Home.NVME:
+        if shard.home is Tier.NVME:
             assert self.swap is not None
             return self.swap.stage(index)
         assert shard.host is not None, f"unit {index}'s shard has no host copy to step into"
@@ -264,7 +258,7 @@ class ParamStore:
 
     def wrote(self, index: int) -> None:
         """The step finished writing ``step_target``: an NVMe shard goes to its other slot."""
-        if self.homes[index] is Home.NVME:
+        if self.homes[index] is Tier.NVME:
             assert self.swap is not None
             self.swap.write(index)
 
@@ -273,7 +267,7 @@ class ParamStore:
         stream's last reads of the old values, when they may still be running); returns the copy's event, which
         the shard's next reader waits for. Nothing to do for other homes (returns None)."""
         shard = self.shards[index]
-        if shard.home is not Home.DEVICE or shard.host is None or shard.host is shard.device:
+        if shard.home is not Tier.DEVICE or shard.host is None or shard.host is shard.device:
             return None
         if self._h2d is None:
             self._h2d = self.accel.copy_stream("h2d", urgent=True)
@@ -295,7 +289,7 @@ class ParamStore:
         """An early step writes the shard (and starts its copy back) by the time ``done`` completes (see
         [Note: early step] in offload/optim/early_step.py)."""
         self.shards[index].stepped = done
-        if self.homes[index] is Home.NVME:
+        if self.homes[index] is Tier.NVME:
             self._nvme_stepping.add(index)
 
     def wait_step(self, index: int) -> None:
@@ -328,7 +322,7 @@ class ParamStore:
 
     def commit_early(self, index: int) -> None:
         """On the early step's thread: the unit's new NVMe shard, written, becomes current on its own."""
-        if self.homes[index] is Home.NVME:
+        if self.homes[index] is Tier.NVME:
             assert self.swap is not None
             self.swap.commit_unit(index)
 

@@ -22,8 +22,9 @@ from offload.config import AUTO, ConfigError
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import (SPECULATIVE_SLOT, SubGroup, nvme_buffers, place_sub_groups,
                                           plan_sub_groups)
-from offload.store.param_store import HOST_PARAMS, Home
+from offload.store.param_store import HOST_PARAMS
 from offload.store.param_swap import WRITE_BUFFERS, param_buffer_bytes, place_params, plan_homes
+from offload.store.tier import Tier
 from offload.store.two_slots import layout
 
 def host_parts(sizes: list[tuple[int, int]], no_copy: set[int], item: int, *, landing: bool = True,
@@ -53,7 +54,7 @@ class Speculation(Enum):
 
 @dataclass
 class Placement:
-    homes: dict[int, Home]  # every unit's compute-dtype shard
+    homes: dict[int, Tier]  # every unit's compute-dtype shard
     nvme_params: list[tuple[int, int]]  # (unit, shard elements) homed on NVMe, in unit order
     groups: list[SubGroup]  # the optimizer's sub-groups of the trained shards, each with its tier
     placed: bool  # the sub-groups got their tiers (a host budget too small for them leaves them unplaced)
@@ -109,12 +110,12 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     host_limit, nvme_limit = config.offload.budgets.host, config.offload.budgets.nvme
     param, opt = zero.offload_param, zero.offload_optimizer
     nvme_params = place_params(shard_sizes, param) if param.device == "nvme" else []
-    off_device = Home.HOST if param.device != "none" else Home.DEVICE
-    homes = {i: off_device for i, _ in shard_sizes} | {i: Home.NVME for i, _ in nvme_params}
+    off_device = Tier.HOST if param.device != "none" else Tier.DEVICE
+    homes = {i: off_device for i, _ in shard_sizes} | {i: Tier.NVME for i, _ in nvme_params}
     trained_sizes = [(i, n) for i, n in shard_sizes if i in trained]
     out = Placement(homes, nvme_params, plan_sub_groups(trained_sizes, int(zero.sub_group_size)), False)
     if parts == 1 and discrete and not resident_params:
-        out.aliased = frozenset(i for i, h in homes.items() if h is Home.DEVICE)
+        out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
     _plan_device_resident(out, shard_sizes, trained_sizes, config, item, parts, resident_params, whole_grads)
     if opt.device != "none" and trained_sizes:
         _plan_state_on_device(out, shard_sizes, trained_sizes, config, item, parts, device_free)
@@ -142,7 +143,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
 
     if opt.device != "none" and offloaded_sizes:
         # Read in place, a device home's host copy is the device shard, unless NVMe state keeps copies apart.
-        in_place = set() if discrete or opt.device == "nvme" else {i for i, h in homes.items() if h is Home.DEVICE}
+        in_place = set() if discrete or opt.device == "nvme" else {i for i, h in homes.items() if h is Tier.DEVICE}
         # With the state offloaded to the host it all stays there; on NVMe, whether any of it does is known only
         # once the sub-groups are placed (below), and until then the accumulators are counted.
         out.grads_read_where_they_land = one_micro_batch and opt.device == "cpu"
@@ -151,7 +152,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
                                                      accumulators=not out.grads_read_where_they_land,
                                                      on_device=out.device_accumulated)
         if delayed:
-            out.staged = frozenset(i for i, _ in offloaded_sizes if not (discrete and homes[i] is Home.DEVICE))
+            out.staged = frozenset(i for i, _ in offloaded_sizes if not (discrete and homes[i] is Tier.DEVICE))
             if out.staged:
                 step_buffers["delayed update copies"] = item * sum(n for i, n in offloaded_sizes if i in out.staged)
         if host_limit is not None and sum(step_buffers.values()) > host_limit:
@@ -161,14 +162,14 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
                 "optimizer state; raise the budget or use more ranks"))
         out.host.update(step_buffers)
 
-    budget = TierBudget("host", host_limit, used=sum(out.host.values()))
+    budget = TierBudget(Tier.HOST, host_limit, used=sum(out.host.values()))
     try:
         place_sub_groups(out.groups, opt.device, budget, opt.buffer_count, spare=speculation is Speculation.ALL)
         out.placed = True
     except ConfigError as e:
         out.problems.append(e)
     if (opt.device == "nvme" and out.placed and offloaded_sizes and one_micro_batch
-            and all(g.tier != "nvme" for g in out.groups)):
+            and all(g.tier is not Tier.NVME for g in out.groups)):
         # offload_optimizer.device nvme with every sub-group kept on the host: no accumulator is made after all.
         out.grads_read_where_they_land = True
         out.host.pop("gradient accumulators", None)
@@ -184,8 +185,8 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
 
 
 def _plan_optimizer_state(out: Placement, nvme_limit: int | None, buffer_count: int) -> None:
-    on_host = [g for g in out.groups if g.tier == "host"]
-    on_nvme = [g for g in out.groups if g.tier == "nvme"]
+    on_host = [g for g in out.groups if g.tier is Tier.HOST]
+    on_nvme = [g for g in out.groups if g.tier is Tier.NVME]
     if on_host:
         out.host["optimizer state"] = sum(g.nbytes for g in on_host)
     if on_nvme:
@@ -205,9 +206,9 @@ def _plan_optimizer_state(out: Placement, nvme_limit: int | None, buffer_count: 
 def _plan_speculative_slot(out: Placement, host_limit: int | None, spare: bool) -> None:
     """The speculative step's second slot of every host sub-group, if the host budget holds it beside the rest
     (else the step says why it does not speculate); NVMe sub-groups have theirs in the swap file."""
-    on_host = [g for g in out.groups if g.tier == "host"] if spare else []
+    on_host = [g for g in out.groups if g.tier is Tier.HOST] if spare else []
     need, used = sum(g.nbytes for g in on_host), sum(out.host.values())
-    if not any(g.tier == "nvme" or (spare and g.tier == "host") for g in out.groups):
+    if not any(g.tier is Tier.NVME or (spare and g.tier is Tier.HOST) for g in out.groups):
         out.speculative_why = "no optimizer state is offloaded" if spare else "no optimizer state is on NVMe"
     elif host_limit is not None and used + need > host_limit:
         out.speculative_why = (f"offload.budgets.host ({host_limit:,} bytes) cannot hold its second slot of the "
@@ -223,7 +224,7 @@ def _plan_host_params(out: Placement, shard_sizes: list[tuple[int, int]], steppe
     """Host-homed shards the optimizer does not step there (frozen units; every unit when the optimizer stays on
     the device): the parameter store holds them in host buffers of its own."""
     own = sum(round_up(n * item) for i, n in shard_sizes
-              if out.homes[i] is Home.HOST and i not in stepped_on_host)
+              if out.homes[i] is Tier.HOST and i not in stepped_on_host)
     if not own:
         return
     used = sum(out.host.values())
@@ -242,7 +243,7 @@ def _plan_device_resident(out: Placement, shard_sizes: list[tuple[int, int]], tr
     if resident_params:
         out.device["parameters"] = item * parts * sum(n for _, n in shard_sizes)
     else:
-        out.device["shards"] = item * sum(n for i, n in shard_sizes if out.homes[i] is Home.DEVICE)
+        out.device["shards"] = item * sum(n for i, n in shard_sizes if out.homes[i] is Tier.DEVICE)
     if whole_grads:
         out.device["gradients (whole, in .grad)"] = item * whole_grads
     if not offloaded and trained_sizes:
@@ -314,7 +315,7 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
         return
     out.state_on_device = frozenset(i for i, _ in chosen)
     out.groups = plan_sub_groups(trained_sizes, int(zero.sub_group_size), out.state_on_device)
-    out.device["optimizer state"] = sum(g.nbytes for g in out.groups if g.tier == "device")
+    out.device["optimizer state"] = sum(g.nbytes for g in out.groups if g.tier is Tier.DEVICE)
     out.device["gradient accumulators"] = 4 * sum(n for _, n in chosen)
 
 

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from offload.accelerator import CopyStream
-from offload.store.param_store import Home, ParamStore
+from offload.store.param_store import ParamStore
+from offload.store.tier import Tier
 from offload.zero.collectives import Group, all_gather
 from offload.zero.plan import UnitPlan
 
@@ -137,11 +138,11 @@ class Unit:
     @property
     def off_device(self) -> bool:
         """The shard's home is host memory or NVMe: a gather first copies it to the device."""
-        return self.params.home(self.index) is not Home.DEVICE
+        return self.params.home(self.index) is not Tier.DEVICE
 
     @property
     def on_nvme(self) -> bool:
-        return self.params.home(self.index) is Home.NVME
+        return self.params.home(self.index) is Tier.NVME
 
     def start_unshard(self, h2d: CopyStream | None = None) -> None:
         """SHARDED -> GATHERING: issue the all-gather without waiting for it.
