@@ -44,12 +44,9 @@ class MemoryAccount:
         if not self.stage.reduce_every_micro_batch:
             parts["gradients (whole, in .grad)"] = self.compute_dtype.itemsize * sum(
                 s.numel for u in self.units for s in u.slots if s.param.requires_grad)
-        optimizer = self.optimizer
-        if state := sum(g.nbytes for g in optimizer.store.groups if g.tier is Tier.DEVICE):
+        state, accumulators = self.optimizer.device_bytes()
+        if state:
             parts["optimizer state"] = state  # all of it, or a partial offload's share
-        # fp32 accumulators of the units stepped on the device, and an offloaded optimizer's kept on the device
-        accumulators = sum(st.grad.numel() * 4 for i, st in optimizer.shards.items() if not optimizer.steps_on_host(i))
-        accumulators += sum(st.on_device.numel() * 4 for st in optimizer.shards.values() if st.on_device is not None)
         if accumulators:
             parts["gradient accumulators"] = accumulators
         return parts

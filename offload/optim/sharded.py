@@ -198,6 +198,14 @@ class ShardedAdam(torch.optim.Optimizer):
                                         on_device=on_device)
         self.store.init_member(index, master)
 
+    def device_bytes(self) -> tuple[int, int]:
+        """Bytes this optimizer keeps on the compute device: (its state: all of it, or a partial offload's share;
+        fp32 gradient accumulators: of the units stepped there, and an offloaded optimizer's kept there)."""
+        state = sum(g.nbytes for g in self.store.groups if g.tier is Tier.DEVICE)
+        accumulators = sum(st.grad.numel() * 4 for i, st in self.shards.items() if not self.steps_on_host(i))
+        accumulators += sum(st.on_device.numel() * 4 for st in self.shards.values() if st.on_device is not None)
+        return state, accumulators
+
     def trains(self, index: int) -> bool:
         """Whether unit ``index`` has optimizer state (trained parameters)."""
         return index in self.shards
