@@ -1,3 +1,3 @@
-from offload.cli import main
+from offload.commands.cli import main
 
 raise SystemExit(main())

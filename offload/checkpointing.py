@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload.accelerator import Accelerator, CopyStream, Event
+from offload.machine.accelerator import Accelerator, CopyStream, Event
 from offload.store.budget import BudgetExceeded, TierBudget
 from offload.store.tier import Tier
-from offload.telemetry import Telemetry
+from offload.observe.telemetry import Telemetry
 from offload.zero.collectives import Group, all_gather
 
 logger = logging.getLogger("offload.checkpointing")
@@ -171,7 +171,7 @@ class ActivationStore:
         """Order compute after the copies out still in flight and drop their device tensors (the memory goes back
         to the allocator, for compute that now runs after the copy). A copy issued a whole block's compute ago is
         normally done: the wait is the bound on how far copies may fall behind, and a stream wait on a GPU (the
-        host never blocks: see [Note: sync ledger] in offload/sync_ledger.py)."""
+        host never blocks: see [Note: sync ledger] in offload/observe/sync_ledger.py)."""
         for saved in self._live:
             if saved.source is not None and saved.copied is not None:
                 self.accel.compute_wait(saved.copied)

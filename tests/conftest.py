@@ -2,7 +2,7 @@ import pathlib
 
 import pytest
 
-from offload import native
+from offload.machine import native
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from offload import native
+from offload.machine import native
 from offload.optim import AdamHyper, adam_step
 
 
@@ -126,7 +126,7 @@ def test_identical_on_torchs_openmp_team_and_on_the_pool():
     with OFFLOAD_THREADS=pool, on offload's pool. Same split, same results."""
     import threading
 
-    from offload import native
+    from offload.machine import native
     p0, grads = make(3 * 2**18 + 11, steps=3)
     assert native.threads_backend() == ("openmp" if native.openmp_runtime() else "pool")
     on_team = run_ours(p0, grads, HYPERS["adamw"], threads=7)  # more than torch's threads: the team may grow

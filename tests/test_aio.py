@@ -256,7 +256,7 @@ def test_engine_choice():
 
 def test_tune_nvme_quick_end_to_end_fragment_loads_into_a_config(tmp_path, capsys):
     from offload.aio import engine_from_config
-    from offload.cli import main
+    from offload.commands.cli import main
     from offload.config import Config
     out = tmp_path / "tuned"
     assert main(["tune-nvme", "--path", str(tmp_path / "drive"), "--quick", "--file-size", "16Mi", "--no-fio",
@@ -280,7 +280,7 @@ def test_tune_nvme_quick_end_to_end_fragment_loads_into_a_config(tmp_path, capsy
 # ------------------------------------------------------------------ checksums
 
 def test_crc32c_matches_the_standard_check_value_on_every_variant(variant):
-    from offload import native
+    from offload.machine import native
     data = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
     assert int(native.crc32c_blocks(data, 9)[0]) == 0xE3069283
     big = torch.randint(0, 256, (3 * (1 << 20) + 5,), dtype=torch.uint8)
@@ -335,7 +335,7 @@ def test_processes_importing_liburing_at_once_all_succeed():
 def test_crc32c_of_every_length_equals_the_bitwise_definition(variant, length):
     """Long blocks run as three CRC lanes joined afterwards (see [Note: three CRC lanes]); every split point,
     remainder and tail must give the CRC the definition does."""
-    from offload import native
+    from offload.machine import native
 
     def bitwise(data: bytes) -> int:
         c = 0xFFFFFFFF

@@ -5,8 +5,8 @@ import json
 
 import torch
 
-from offload.cli import main
-from offload.telemetry import Telemetry
+from offload.commands.cli import main
+from offload.observe.telemetry import Telemetry
 
 
 def test_bench_hooks_writes_every_row_with_the_calls_it_divides_by(tmp_path, capsys):

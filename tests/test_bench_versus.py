@@ -8,7 +8,7 @@ import pytest
 
 from offload.bench import versus
 from offload.bench.step import StepBench
-from offload.cli import main
+from offload.commands.cli import main
 from offload.config import Config
 
 TINY = ["--warmup", "1", "--world", "1", "--hidden", "64", "--layers", "2", "--seq", "32", "--vocab", "512",
@@ -115,7 +115,7 @@ def _deepspeed_whose_cpu_adam_fails(rank, world, config_path):
 
 @pytest.mark.skipif(versus.deepspeed_version() is None, reason="DeepSpeed is not installed (./dev.sh deepspeed)")
 def test_where_deepspeeds_cpu_adam_does_not_build_it_runs_torchs_adam_and_says_so(tmp_path):
-    from offload.launch import run_ranks
+    from offload.machine.launch import run_ranks
     path = tmp_path / "config.json"
     path.write_text(json.dumps(versus.shared_config(StepBench(world=1, micro=2), "cpu")))
     name, config = run_ranks(_deepspeed_whose_cpu_adam_fails, 1, env={"DS_ACCELERATOR": "cpu"},

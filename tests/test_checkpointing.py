@@ -9,11 +9,11 @@ import torch.distributed as dist
 import offload
 from engine_cases import base_config, batches, check_parity, loss_of, train_engine, train_reference
 from offload import checkpointing
-from offload.accelerator import Accelerator
+from offload.machine.accelerator import Accelerator
 from offload.checkpointing import ActivationStore, CheckpointingError, CheckpointSettings, checkpoint
 from offload.config import Config
-from offload.estimate import ActivationShape, estimate, model_units
-from offload.launch import run_ranks
+from offload.commands.estimate import ActivationShape, estimate, model_units
+from offload.machine.launch import run_ranks
 from offload.models import GPT, GPTConfig
 
 STEPS, MICRO, ACCUM = 6, 2, 2
@@ -160,7 +160,7 @@ def test_two_engines_keep_their_saved_inputs_apart():
 def test_synchronize_checkpoint_boundary_syncs_at_each_block_and_the_ledger_counts_it(boundary):
     """DeepSpeed's key: a whole-device sync as each checkpointed block runs forward and is recomputed. It acts, and
     as every host-blocking wait, it is counted (it was the one wait the sync ledger did not see)."""
-    from offload.sync_ledger import Role
+    from offload.observe.sync_ledger import Role
     engine = offload.initialize(model=GPT(GPTConfig(vocab_size=64, context=16, hidden_size=32, layers=3, heads=2)),
                                 config=ac_config(1, 3, False, synchronize_checkpoint_boundary=boundary))[0]
     engine.accel.ledger.reset()

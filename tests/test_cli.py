@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from offload.bench.step import StepBench
-from offload.cli import main
-from offload.demo import run_demo
+from offload.commands.cli import main
+from offload.commands.demo import run_demo
 
 from conftest import REPO
 
@@ -57,7 +57,7 @@ def test_config_check_fails_with_exit_2_and_the_path(tmp_path, capsys):
 
 
 def test_info_names_the_active_kernels(capsys):
-    from offload import native
+    from offload.machine import native
     assert main(["info"]) == 0
     assert f"native kernels: active {native.active_variant()}" in capsys.readouterr().out
 
@@ -168,7 +168,7 @@ def test_bench_step_runs_only_the_variants_named_and_refuses_unknown_ones(tmp_pa
     report = json.loads(out.read_text())
     assert list(report["variants"]) == ["clip-after", "host", "ratio-half", "delayed"]
     assert report["memory"]["ratio-half"]["device"] > report["memory"]["host"]["device"]  # half the state there
-    from offload.cpus import default_threads
+    from offload.machine.cpus import default_threads
     assert report["variants"]["host"]["adam_threads"] == default_threads()  # recorded: the count differs by machine
     assert "ratio-half:" in capsys.readouterr().out
     assert report["offload_step_s"] == report["variants"]["clip-after"]["step_s"]  # the first is the headline
@@ -179,7 +179,7 @@ def test_bench_step_runs_only_the_variants_named_and_refuses_unknown_ones(tmp_pa
 
 def test_bench_step_spare_cores_variant_leaves_two_cores_to_the_rest():
     from offload.bench import step
-    from offload.cpus import default_threads
+    from offload.machine.cpus import default_threads
     bench = step.StepBench(hidden=64, layers=2, seq=16, micro=2, world=1, only=("host", "host-spare-cores"))
     variants = bench.variants()
     assert step.engine_config(bench, variants["host"])["offload"]["cpu_threads"] is None  # the default count

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from offload.cli import main
+from offload.commands.cli import main
 
 from conftest import REPO
 
@@ -195,7 +195,7 @@ def test_a_damaged_or_foreign_checkpoint_and_an_uncreatable_export_are_user_erro
 def test_an_existing_output_file_that_cannot_be_written_is_said_before_any_work(tmp_path, capsys, monkeypatch):
     """A read-only result file from an earlier run (this test runs as root, for whom every file is writable: the
     permission is the injected fault)."""
-    from offload import cli_types
+    from offload.commands import cli_types
     old = tmp_path / "adam.json"
     old.write_text("{}")
     real = os.access

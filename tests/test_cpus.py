@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from offload import cpus, native
+from offload.machine import cpus, native
 
 
 def fake_sys(root, cores_of, cpu_max=None, v1=None, siblings_file="core_cpus_list"):

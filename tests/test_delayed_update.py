@@ -9,7 +9,7 @@ import torch
 
 import offload
 from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 
 STEPS, WARMUP = 6, 2
 

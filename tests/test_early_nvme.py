@@ -14,7 +14,7 @@ import torch
 
 import offload
 from engine_cases import base_config, batches, check_bitwise, describe_engine, loss_of, make_model, train_engine
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 from offload.optim.early_step import EarlyStepLost
 from offload.store.tier import Tier
 

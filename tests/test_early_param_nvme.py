@@ -16,7 +16,7 @@ import torch
 
 import offload
 from engine_cases import batches, check_bitwise, loss_of, make_model, train_engine
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 from test_engine_param_nvme import _steps, param_config
 
 HOST_LAG = {"OFFLOAD_EMULATED_HOST_DELAY_S": "0.003"}

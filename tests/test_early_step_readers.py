@@ -16,7 +16,7 @@ import torch
 
 import offload
 from engine_cases import batches, loss_of, make_model
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 from test_early_step import DISCRETE, HOST_LAG, early_config
 
 STEPS = 3

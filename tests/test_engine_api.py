@@ -7,7 +7,7 @@ import torch
 
 import offload
 from engine_cases import base_config, batches, loss_of, make_model
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 
 
 def _groups(model):
@@ -195,7 +195,7 @@ def test_shipped_configs_train(name, repo, tmp_path):
 def test_inputs_on_another_device_are_moved_keeping_their_structure():
     from collections import namedtuple
 
-    from offload.accelerator import to_device
+    from offload.machine.accelerator import to_device
     Pair = namedtuple("Pair", "a b")
     batch = {"ids": torch.ones(2, dtype=torch.long), "more": [Pair(torch.zeros(1), 3), (torch.ones(1), "x")]}
     moved = to_device(batch, torch.device("meta"))

@@ -6,7 +6,7 @@ import torch
 import offload
 from engine_cases import base_config, make_model
 from offload import ConfigError, EngineError
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 
 
 def _config(**zero):

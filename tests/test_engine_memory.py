@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
-from offload.launch import RankError, run_ranks
+from offload.machine.launch import RankError, run_ranks
 
 STEPS = 3
 
@@ -160,7 +160,7 @@ def test_the_plan_predicts_what_the_engine_keeps_on_the_device(stage, optimizer,
     """The placement plan (which checks the device budget before anything is allocated) and the engine's own
     account of what it keeps on the device between uses agree, part for part."""
     from offload.config import Config
-    from offload.estimate import estimate, model_units
+    from offload.commands.estimate import estimate, model_units
     from engine_cases import make_model
 
     world = 2

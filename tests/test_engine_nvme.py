@@ -11,7 +11,7 @@ import offload
 from engine_cases import base_config, batches, check_parity, loss_of, make_model, train_engine, train_reference
 from offload.aio.base import SwapIOError
 from offload.aio.checksum import ChecksumError
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 from offload.store.tier import Tier
 
 

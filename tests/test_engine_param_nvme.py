@@ -14,9 +14,9 @@ from engine_cases import base_config, batches, loss_of, make_model, train_engine
 from offload.aio.base import SwapIOError
 from offload.aio.checksum import ChecksumError
 from offload.engine import EngineError
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 from offload.store.tier import Tier
-from offload.telemetry import NVME_PARAMS
+from offload.observe.telemetry import NVME_PARAMS
 
 
 def param_config(path, world=1, optimizer="cpu", max_in_cpu=0, buffers=3, clip=1.0, overlap="auto"):
@@ -184,7 +184,7 @@ def _rss_of_training(rank, world, path):
 
     from memwatch import AnonPeak, rss_anon
     from offload.config import Config
-    from offload.estimate import estimate, model_units
+    from offload.commands.estimate import estimate, model_units
     from offload.models import GPT, GPTConfig
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -195,7 +195,7 @@ def _rss_of_training(rank, world, path):
               "offload": {"unit_bytes": "1MiB", "aio_engine": "threads"}}
     # glibc raises its mmap threshold each time a large block is freed, so freed transient buffers stay in the heap
     # and RSS drifts far above what is live (measured here: 374 vs 215 MiB of growth); a fixed threshold
-    # (offload.host_malloc, see offload/host_malloc.py) makes RSS track the live memory that the budgets bound.
+    # (offload.host_malloc, see offload/machine/host_malloc.py) makes RSS track the live memory that the budgets bound.
     config["offload"]["host_malloc"] = {"mmap_threshold": "128KiB"}
     with offload.zero.Init():
         model = GPT(GPTConfig(vocab_size=512, context=32, hidden_size=512, layers=12, heads=8))

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 
 from engine_cases import base_config, check_parity, train_engine, train_reference
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 
 STEPS, MICRO, ACCUM = 20, 2, 2
 needs_transformers = pytest.mark.skipif(not importlib.util.find_spec("transformers"),

@@ -9,7 +9,7 @@ import offload
 from engine_cases import base_config, batches, loss_of, make_model, train_engine, train_reference
 from offload.optim.loss_scale import LossScaler
 from offload.config.sections import FP16Config
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 
 
 def test_bf16_trains_like_fp32():

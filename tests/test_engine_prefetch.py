@@ -6,8 +6,8 @@ from torch import nn
 
 import offload
 from engine_cases import base_config
-from offload.launch import run_ranks
-from offload.prefetch import PrefetchTrace
+from offload.machine.launch import run_ranks
+from offload.zero.prefetch import PrefetchTrace
 
 
 class Swapping(nn.Module):

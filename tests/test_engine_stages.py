@@ -14,7 +14,7 @@ import torch
 import offload
 from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
 from offload.config import Config, ConfigError
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 from conftest import REPO
 
 STEPS, MICRO, ACCUM = 20, 2, 2

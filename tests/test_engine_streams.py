@@ -1,7 +1,7 @@
 """The copy streams' ordering: with the emulated streams lagging far behind, results are unchanged.
 
 On CPU the D2H/H2D copy streams and the host accumulation thread are worker threads
-(offload.accelerator). Each of their operations here sleeps first, so if the engine
+(offload.machine.accelerator). Each of their operations here sleeps first, so if the engine
 forgot to wait for a gradient copy before the step, or for a parameter copy before a
 gather, it would read stale or half-written buffers and the parity check would fail.
 """
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engine_cases import base_config, check_parity, train_engine, train_reference
-from offload.accelerator import StreamError, WorkerStream
-from offload.launch import run_ranks
+from offload.machine.accelerator import StreamError, WorkerStream
+from offload.machine.launch import run_ranks
 
 
 def test_lagging_copy_streams_give_the_same_training():
@@ -41,7 +41,7 @@ def test_worker_stream_runs_in_order_and_events_wait_for_the_work():
 
 def test_a_re_recorded_event_completes_at_its_latest_record_not_an_earlier_one_still_queued():
     import threading
-    from offload.sync_ledger import SyncLedger
+    from offload.observe.sync_ledger import SyncLedger
     ledger = SyncLedger()
     stream = WorkerStream("gated", ledger=ledger)
     first, reached, second = threading.Event(), threading.Event(), threading.Event()
@@ -106,7 +106,7 @@ def test_held_work_waits_for_a_flush_and_keeps_its_place_in_the_order():
 def test_a_recorded_step_graph_issues_held_work_where_it_was_sent():
     """Held work cannot start before it is sent: in a recorded step graph its issue point is the flush's (two host
     items later here), not the enqueue's; unheld work keeps its own."""
-    from offload.step_graph import HOST, StepGraph
+    from offload.observe.step_graph import HOST, StepGraph
     graph = StepGraph()
     graph.start()
     stream = WorkerStream("land", graph=graph)
@@ -151,7 +151,7 @@ def test_a_recorded_wait_for_a_held_record_replays(monkeypatch):
     """The step graph notes a wait only after the held record it waits for is issued (held work is issued where it
     is sent), so the recorded graph can finish."""
     monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
-    from offload.accelerator import Accelerator
+    from offload.machine.accelerator import Accelerator
     from offload.bench import replay as R
     accel = Accelerator("cpu")
     land = accel.host_queue("grad-land")

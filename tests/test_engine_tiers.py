@@ -5,8 +5,8 @@ import pytest
 
 from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
 from offload.config import Config
-from offload.estimate import estimate, model_units
-from offload.launch import run_ranks
+from offload.commands.estimate import estimate, model_units
+from offload.machine.launch import run_ranks
 
 def tier_config(tmp_path, world, params, optimizer, host_budget=None):
     config = base_config(2, 2, world, sub_group_size=3000)

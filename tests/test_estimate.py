@@ -6,10 +6,10 @@ import json
 import pytest
 
 from engine_cases import base_config, describe_engine, make_model
-from offload.cli import main
+from offload.commands.cli import main
 from offload.config import Config
-from offload.estimate import Machine, estimate, largest_trainable, model_state_formula, model_units
-from offload.launch import run_ranks
+from offload.commands.estimate import Machine, estimate, largest_trainable, model_state_formula, model_units
+from offload.machine.launch import run_ranks
 from offload.store.tier import Tier
 
 

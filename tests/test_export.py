@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from engine_cases import base_config, make_model, train_engine, train_reference
-from offload.cli import main
-from offload.export import export_weights, load_exported
-from offload.launch import run_ranks
+from offload.commands.cli import main
+from offload.files.export import export_weights, load_exported
+from offload.machine.launch import run_ranks
 
 from conftest import REPO
 
@@ -57,7 +57,7 @@ def test_export_in_bf16_through_the_command_line_and_inspect(trained, tmp_path, 
 
 EXPORT_UNDER_A_BUDGET = """
 import resource, sys, torch
-from offload.export import export_weights
+from offload.files.export import export_weights
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 export_weights(sys.argv[1], sys.argv[2], max_shard_bytes=8 << 20)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -122,7 +122,7 @@ def _save_16bit_disk_full(rank, world, save_dir, name, after):
     import errno
 
     import offload
-    from offload import weights_file
+    from offload.files import weights_file
     config = base_config(2, 1, world)
     config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     engine = offload.initialize(model=make_model("gpt"), config=config)[0]

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine
-from offload import native
-from offload.launch import run_ranks
+from offload.machine import native
+from offload.machine.launch import run_ranks
 from offload.optim.shard_state import ShardPhase
 from offload.store.tier import Tier
 

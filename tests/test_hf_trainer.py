@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import offload.hf  # noqa: E402
 from offload.hf.ds_config import ConfigMismatch, resolve  # noqa: E402
-from offload.launch import run_ranks  # noqa: E402
+from offload.machine.launch import run_ranks  # noqa: E402
 from test_pretrained import save, tiny  # noqa: E402
 
 DS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
@@ -347,7 +347,7 @@ def test_the_worked_example_fine_tunes_under_torchrun(tmp_path):
     import sys
 
     from conftest import REPO
-    from offload.demo import TEXT
+    from offload.commands.demo import TEXT
     from test_pretrained import tiny_tokenizer
     path = save(tiny("llama", vocab=128), tmp_path / "ckpt")
     tiny_tokenizer(TEXT).save_pretrained(path)

@@ -1,4 +1,4 @@
-"""offload.host_malloc: with glibc's mmap threshold fixed, freed unit-sized buffers go back to the system."""
+"""offload.machine.host_malloc: with glibc's mmap threshold fixed, freed unit-sized buffers go back to the system."""
 
 import subprocess
 import sys
@@ -15,7 +15,7 @@ CHURN = """
 import sys, torch
 sys.path.insert(0, "tests")
 from memwatch import rss_anon
-from offload.host_malloc import set_mmap_threshold
+from offload.machine.host_malloc import set_mmap_threshold
 if sys.argv[1] == "fixed":
     assert set_mmap_threshold(128 << 10)
 first = torch.ones(512 << 10)

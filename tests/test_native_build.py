@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import offload._native as _native
-from offload import native
+from offload.machine import native
 
 
 def test_extension_is_a_compiled_module():
@@ -62,7 +62,7 @@ def test_unknown_variant_names_the_choices():
 
 
 def _run_with_env(isa: str) -> subprocess.CompletedProcess:
-    code = ("import torch, offload.native as n; x = torch.arange(1000, dtype=torch.float32); "
+    code = ("import torch, offload.machine.native as n; x = torch.arange(1000, dtype=torch.float32); "
             "print(n.active_variant(), n.grad_sq_norm(x).sum_sq)")
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, native.ISA_ENV: isa},
                           capture_output=True, text=True, timeout=120)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from offload import native
+from offload.machine import native
 
 
 def reference(x: torch.Tensor) -> tuple[float, int]:

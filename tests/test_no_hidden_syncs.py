@@ -15,7 +15,7 @@ import pathlib
 from conftest import REPO
 
 HOT_ROOMS = ["offload/zero/runtime.py", "offload/zero/unit.py", "offload/optim/sharded.py",
-             "offload/store/param_store.py", "offload/engine/core.py", "offload/prefetch.py",
+             "offload/store/param_store.py", "offload/engine/core.py", "offload/zero/prefetch.py",
              "offload/store/optimizer_state.py", "offload/store/param_swap.py", "offload/checkpointing.py",
              "offload/optim/speculation_lane.py", "offload/optim/shard_state.py", "offload/optim/landing.py",
              "offload/optim/update.py", "offload/optim/speculation.py", "offload/optim/early_step.py",

@@ -10,8 +10,8 @@ import torch
 import offload
 from engine_cases import base_config, check_parity, describe_engine, make_model, train_engine, train_reference
 from offload.config import AUTO, Config
-from offload.estimate import estimate, model_units
-from offload.launch import run_ranks
+from offload.commands.estimate import estimate, model_units
+from offload.machine.launch import run_ranks
 from offload.optim import update
 
 

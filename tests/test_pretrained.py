@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 import offload
 import offload.hf
-from offload.launch import run_ranks
-from offload.pretrained import PretrainedError
+from offload.machine.launch import run_ranks
+from offload.files.pretrained import PretrainedError
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,7 +74,7 @@ def test_loads_as_from_pretrained_does_at_w1(tmp_path, family, shard, dtype, sta
 
 def _load_on_rank(rank, world, path, cfg):
     import offload.hf
-    from offload.pretrained import PretrainedWeights
+    from offload.files.pretrained import PretrainedWeights
     weights = PretrainedWeights(path)
     engine, *_ = offload.initialize(model=offload.hf.meta_model(path), config=cfg, weights=weights)
     with engine:
@@ -197,8 +197,8 @@ def _build_growth(rank, world, path, swap, pretrained):
     by offload.zero.Init. The peak is the kernel's own high-water mark (reset first), so no short-lived allocation
     escapes it."""
     import offload.hf
-    from offload.host_malloc import DEFAULT_THRESHOLD
-    from offload.pretrained import PretrainedWeights
+    from offload.machine.host_malloc import DEFAULT_THRESHOLD
+    from offload.files.pretrained import PretrainedWeights
     cfg = config(unit_bytes=1 << 20, params=None)
     # Small swap buffers, so what the engine holds once built is small beside the model.
     cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0,
@@ -239,8 +239,8 @@ def test_building_holds_about_what_building_fresh_holds_not_the_model(tmp_path):
 def test_offload_train_fine_tunes_a_local_checkpoint_from_its_weights(tmp_path):
     """`offload train --model DIR`: the first step's loss is the pretrained model's on the first batch (fresh
     weights would give another), and it trains on from there."""
-    from offload.cli import main
-    from offload.train import TrainArgs, _windows, load_tokens
+    from offload.commands.cli import main
+    from offload.commands.train import TrainArgs, _windows, load_tokens
     path = save(tiny("llama", vocab=300), tmp_path / "ckpt")
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(config(clip=0.0)))
@@ -260,7 +260,7 @@ def test_offload_train_fine_tunes_a_local_checkpoint_from_its_weights(tmp_path):
 
 
 def test_offload_train_refuses_what_does_not_fit_a_checkpoint(tmp_path, capsys):
-    from offload.cli import main
+    from offload.commands.cli import main
     path = save(tiny("llama", vocab=100), tmp_path / "ckpt")
     np.save(tmp_path / "tokens.npy", np.arange(200, dtype=np.uint16))
 
@@ -287,8 +287,8 @@ def tiny_tokenizer(text, vocab=120):
 
 
 def test_offload_train_tokenizes_text_with_the_checkpoints_own_tokenizer(tmp_path):
-    from offload.demo import TEXT
-    from offload.train import TrainArgs, load_tokens
+    from offload.commands.demo import TEXT
+    from offload.commands.train import TrainArgs, load_tokens
     tokenizer = tiny_tokenizer(TEXT)
     path = save(tiny("llama", vocab=128), tmp_path / "ckpt")
     tokenizer.save_pretrained(path)
@@ -314,7 +314,7 @@ def test_a_new_head_on_a_pretrained_base_is_initialised_by_the_model_when_not_st
     with pytest.raises(PretrainedError, match="score.weight.*lm_head.weight.*strict=False"):
         offload.hf.from_pretrained(path, config(), auto_class="AutoModelForSequenceClassification",
                                    model_config={"num_labels": 3, "pad_token_id": 0}, dist_init_required=False)
-    with caplog.at_level("WARNING", logger="offload.pretrained"):
+    with caplog.at_level("WARNING", logger="offload.files.pretrained"):
         one = _head_on_rank(0, 1, path, seed_by_rank=False)
     assert "score.weight is not in the checkpoint: the model initialises it" in caplog.text
     assert "1 checkpoint key(s) match nothing in LlamaForSequenceClassification and are skipped: lm_head.weight" \

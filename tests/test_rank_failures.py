@@ -14,7 +14,7 @@ import torch
 import offload
 from engine_cases import base_config, batches, loss_of, make_model
 from offload.engine.life import Life
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 
 WORLD = 2
 

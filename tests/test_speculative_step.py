@@ -11,8 +11,8 @@ import torch
 import offload
 from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
 from offload.config import Config, ConfigError
-from offload.estimate import estimate
-from offload.launch import run_ranks
+from offload.commands.estimate import estimate
+from offload.machine.launch import run_ranks
 from offload.store.optimizer_state import SPECULATIVE_SLOT
 
 

@@ -1,5 +1,6 @@
 """A recorded step graph holds the step's work as the engine ran it (FLOPs, bytes, which thread, after what), and the
-replay times such a graph as its lanes and links say (see [Note: recorded step graph] in offload/step_graph.py)."""
+replay times such a graph as its lanes and links say (see [Note: recorded step graph] in
+offload/observe/step_graph.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from offload.bench import replay as R
-from offload.cli import main
+from offload.commands.cli import main
 
 TINY = dict(hidden=64, layers=2, heads=2, vocab=512, seq=32, micro=2, dtype="fp32", unit_bytes=4096, steps=2)
 
@@ -117,7 +118,7 @@ def test_replay_of_the_recording_finishes_and_scales_compute_with_tokens(recorde
 
 
 def test_recording_needs_a_discrete_device_and_leaves_the_environment_as_it_was(monkeypatch):
-    from offload.accelerator import Accelerator
+    from offload.machine.accelerator import Accelerator
     monkeypatch.delenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", raising=False)
     with pytest.raises(RuntimeError, match="OFFLOAD_EMULATED_DISCRETE_DEVICE=1"):
         Accelerator("cpu").start_graph()

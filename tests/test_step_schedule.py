@@ -18,7 +18,7 @@ import offload
 from conftest import REPO
 from engine_cases import base_config, make_model
 from offload.engine.step_schedule import AfterBackward, Speculative, StepSchedule, Whole
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 from offload.optim.loss_scale import unclipped_factor
 
 KEYS = ("overlap_step", "speculative_step", "early_step", "delayed_update")

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from offload.accelerator import Accelerator, DoneEvent
+from offload.machine.accelerator import Accelerator, DoneEvent
 from offload.aio.base import IOEngine, Request, SwapFile, SwapIOError, check_request, split
 from offload.aio.checksum import ChecksumError, ChecksummedFile
 from offload.aio.threads import ThreadPoolEngine
-from offload.buffers import AlignedBuffer, round_up
+from offload.machine.buffers import AlignedBuffer, round_up
 from offload.config import ConfigError
 from offload.store.budget import BudgetExceeded, TierBudget
 from offload.config import Config
@@ -29,7 +29,7 @@ from offload.store.param_store import ParamStore
 from offload.store.tier import Tier
 from offload.store.param_swap import WRITE_BUFFERS, BufferState, ParamSwap, ParamSwapError, param_buffer_bytes
 from offload.store.swapdir import SwapDir
-from offload.telemetry import Telemetry
+from offload.observe.telemetry import Telemetry
 
 BLOCK = 4096  # the engine's block: most units below span two or three, so requests have several pieces
 DTYPE = torch.bfloat16

@@ -1,5 +1,5 @@
 """The GPU step's promise, kept on the CPU: in a steady-state step autograd's thread never blocks, the forward never
-blocks, and the step reads one scalar (see [Note: sync ledger] in offload/sync_ledger.py).
+blocks, and the step reads one scalar (see [Note: sync ledger] in offload/observe/sync_ledger.py).
 
 The emulated copy streams lag (a copy delay), so the landing worker runs far behind backward: any wait for it on
 autograd's thread would be counted here, as it would stall a GPU there.
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from engine_cases import base_config, batches, loss_of, make_model
-from offload.launch import run_ranks
-from offload.sync_ledger import Role, SyncLedger, acting_as, current_role
+from offload.machine.launch import run_ranks
+from offload.observe.sync_ledger import Role, SyncLedger, acting_as, current_role
 
 
 def ledger_of_a_step(rank: int, world: int, config: dict[str, Any], accum: int, warmup: int = 2) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def test_checkpointed_blocks_keep_the_promise_and_reuse_their_events(cpu):
 
 def test_the_ledger_counts_by_the_waiting_threads_role():
     import torch
-    from offload.accelerator import WorkerStream
+    from offload.machine.accelerator import WorkerStream
     ledger = SyncLedger()
     ledger.block("outside")
     with acting_as(Role.FORWARD):

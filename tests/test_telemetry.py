@@ -8,7 +8,7 @@ import pytest
 
 import offload
 from engine_cases import base_config, batches, loss_of, make_model
-from offload.telemetry import AUTOGRAD_THREAD, Telemetry, TraceEvent
+from offload.observe.telemetry import AUTOGRAD_THREAD, Telemetry, TraceEvent
 
 
 def test_overlap_share_counts_only_time_inside_compute():

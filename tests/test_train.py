@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from offload.cli import main
+from offload.commands.cli import main
 
 
 def _train(tmp_path, *extra, out="out"):
@@ -80,7 +80,7 @@ def test_a_config_that_cannot_fit_its_budgets_is_a_clear_error(tmp_path, capsys)
 def test_the_progress_bar_redraws_in_place_on_a_terminal_and_keeps_lines_in_a_log():
     import io
 
-    from offload.train import ProgressBar
+    from offload.commands.train import ProgressBar
 
     class Terminal(io.StringIO):
         def isatty(self):

@@ -7,7 +7,7 @@ import torch
 
 import offload
 from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 from offload.models import GPT, GPTConfig
 from offload.zero.plan import plan_units
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import offload
 from engine_cases import base_config, batches, loss_of, make_model
 from offload.engine.errors import EngineError
-from offload.launch import run_ranks
+from offload.machine.launch import run_ranks
 
 MICRO = 2
 

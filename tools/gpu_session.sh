@@ -105,8 +105,8 @@ install() {
   $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
   $PY -m pip install -q --no-index --no-build-isolation --no-deps .whl/liburing-*.tar.gz .whl/dynamic_import-* &&
   $PY -m pip install -q --no-index --no-build-isolation --no-deps -e . &&
-  $PY -c "import offload, offload._native as n; from offload.aio import probe_io_uring; print('native', offload.native.active_variant()); print(probe_io_uring())" &&
-  $PY -m offload info &&  # the CPUs this process may use beside the host's count (offload/cpus.py)
+  $PY -c "import offload, offload._native as n; from offload.aio import probe_io_uring; print('native', offload.machine.native.active_variant()); print(probe_io_uring())" &&
+  $PY -m offload info &&  # the CPUs this process may use beside the host's count (offload/machine/cpus.py)
   if ls .whl/deepspeed-* >/dev/null 2>&1; then
     # DeepSpeed and what it needs beside torch; its cpu_adam op builds by JIT on first use (bench-deepspeed).
     $PY -m pip install -q --no-index --find-links .whl .whl/deepspeed-* && $PY -c "import deepspeed; print('deepspeed', deepspeed.__version__)"
@@ -192,7 +192,7 @@ for s in "${stages[@]}"; do
     bench-hooks) stage bench-hooks py -m offload bench hooks --out "$OUT/hooks.json" ;;  # that host's Python per hook
     bench-pcie) stage bench-pcie py -m offload bench pcie --out "$OUT/pcie.json" ;;
     # CPU Adam over the 156M model's elements beside torch's AdamW and the host's measured bandwidth ceiling.
-    # Its threads: the physical cores this process may use (offload/cpus.py; `offload info` says how many), then
+    # Its threads: the physical cores this process may use (offload/machine/cpus.py; `offload info` says how many), then
     # every CPU it may use, in case that host's memory wants more threads in flight than its cores.
     bench-adam) stage bench-adam adam_threads ;;
     bench-step) stage bench-step py -m offload bench step "${M156[@]}" --unit-bytes 4Mi --steps 4 --rounds 2 --out "$OUT/step-4mi/step.json" ;;

@@ -3,7 +3,7 @@
 
 import sys
 
-from offload.cli import main
+from offload.commands.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main(["tune-nvme", *sys.argv[1:]]))

@@ -21,7 +21,7 @@ from typing import Final, TypeAlias
 
 import torch
 
-from offload.buffers import ALIGN, round_up
+from offload.machine.buffers import ALIGN, round_up
 
 _O_DIRECT_HINT = " (the file system may not support O_DIRECT)"
 

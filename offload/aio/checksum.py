@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from offload import native
+from offload.machine import native
 from offload.aio.base import DEFERRED, Deferred, IOEngine, Piece, Request, RequestGroup, SwapFile, SwapIOError
 
 

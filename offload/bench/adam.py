@@ -31,7 +31,7 @@ from typing import TextIO
 
 import torch
 
-from offload import cpus, native
+from offload.machine import cpus, native
 from offload.optim import AdamHyper, adam_step
 
 ADAM_BYTES = 28      # read p, g, m, v; write p, m, v (fp32)

@@ -18,7 +18,7 @@ from typing import TextIO
 
 import torch
 
-from offload.buffers import AlignedBuffer
+from offload.machine.buffers import AlignedBuffer
 
 
 @dataclass

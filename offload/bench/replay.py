@@ -2,7 +2,7 @@
 
 ``schedule`` runs a few steps of the bench's GPT through the engine on the CPU with the
 device emulated as a discrete one (every copy a GPU needs is made, on the emulated streams),
-records them as a graph (see [Note: recorded step graph] in offload/step_graph.py) with the
+records them as a graph (see [Note: recorded step graph] in offload/observe/step_graph.py) with the
 FLOPs of each stretch of compute counted by torch's FLOP counter, and writes it as JSON.
 
 ``replay`` times that graph on a machine described by a few rates: the device's FLOP/s and
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
 
-from offload import step_graph
+from offload.observe import step_graph
 
 @dataclass(kw_only=True)
 class Machine:

@@ -56,10 +56,10 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from offload.cpus import default_threads, usable_cpus
-from offload.launch import run_ranks
+from offload.machine.cpus import default_threads, usable_cpus
+from offload.machine.launch import run_ranks
 from offload.models.catalog import lm_loss
-from offload.telemetry import BACKGROUND, FOREGROUND
+from offload.observe.telemetry import BACKGROUND, FOREGROUND
 
 
 NOISE_FLOOR_S = 0.05  # CPU steps shorter than this time mostly the machine's noise (thread wake-ups, other tenants)
@@ -410,7 +410,7 @@ def _torch_timed(b: StepBench) -> tuple[list[float], int]:
 
 
 def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -> StepResult:
-    cores = usable_cpus()  # not the host's count: a container's slice of it (offload/cpus.py)
+    cores = usable_cpus()  # not the host's count: a container's slice of it (offload/machine/cpus.py)
     variants = b.variants()
     torch_times: list[float] = []
     times: dict[str, list[float]] = {name: [] for name in variants}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offload.aio import ChecksummedFile, IOEngine, SwapFile, make_engine, probe_io_uring
-from offload.buffers import AlignedBuffer
+from offload.machine.buffers import AlignedBuffer
 
 OPS = ("write", "read")
 

@@ -36,8 +36,8 @@ from typing import Any, TextIO
 import torch
 
 from offload.bench.step import StepBench, batches, describe_model, sync
-from offload.cpus import usable_cpus
-from offload.launch import RankError, run_ranks
+from offload.machine.cpus import usable_cpus
+from offload.machine.launch import RankError, run_ranks
 from offload.models.catalog import lm_loss
 
 INSTALL = ("DeepSpeed is not installed in this environment. Install it beside the torch already here (its own "

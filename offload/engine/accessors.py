@@ -9,7 +9,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from offload.accelerator import Accelerator
+from offload.machine.accelerator import Accelerator
 from offload.config import Config
 from offload.engine.accumulation import Accumulation
 from offload.optim.loss_scale import LossScaler

@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import torch
 
-from offload.accelerator import Accelerator
+from offload.machine.accelerator import Accelerator
 from offload.engine import errors
 from offload.optim.sharded import ShardedAdam
-from offload.telemetry import Telemetry
+from offload.observe.telemetry import Telemetry
 from offload.zero.collectives import Group, ReductionOrder, Vote, all_ok, all_reduce_sum
 
 

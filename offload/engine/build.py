@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from offload import checkpointing
-from offload.accelerator import Accelerator
+from offload.machine.accelerator import Accelerator
 from offload.aio.base import IOEngine
 from offload.aio.choose import engine_from_config
 from offload.config import Config
@@ -30,7 +30,7 @@ from offload.engine.step_schedule import StepSchedule
 from offload.optim.lr_schedules import build_lr_schedule
 from offload.optim.shard_state import shard_segments
 from offload.optim.sharded import ShardedAdam, StatePlan
-from offload.pretrained import PretrainedWeights
+from offload.files.pretrained import PretrainedWeights
 from offload.store.budget import TierBudget
 from offload.store.param_store import ParamStore
 from offload.store.optimizer_state import unpipelined_note
@@ -38,7 +38,7 @@ from offload.store.param_swap import ParamSwap, describe_placement
 from offload.store.placement import plan as plan_placement
 from offload.store.swapdir import PREFIX, SwapDir
 from offload.store.tier import Tier
-from offload.telemetry import Telemetry
+from offload.observe.telemetry import Telemetry
 from offload.zero.collectives import Group, broadcast
 from offload.zero.init import give_memory, materialize_unit
 from offload.zero.plan import plan_units

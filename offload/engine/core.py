@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from offload import checkpointing
-from offload.accelerator import Accelerator, to_device
+from offload.machine.accelerator import Accelerator, to_device
 from offload.config import Config
 from offload.engine import agreement, memory
 from offload.engine.accessors import DeepSpeedAccessors
@@ -36,10 +36,10 @@ from offload.engine.errors import EngineError
 from offload.engine.life import Lifetime
 from offload.engine.persistence import Persistence
 from offload.optim.loss_scale import LossScaler, gradient_factor, unclipped_factor
-from offload.pretrained import PretrainedWeights
+from offload.files.pretrained import PretrainedWeights
 from offload.store.param_swap import ParamSwapError
-from offload.sync_ledger import Role, acting_as
-from offload.telemetry import PhaseReport
+from offload.observe.sync_ledger import Role, acting_as
+from offload.observe.telemetry import PhaseReport
 from offload.zero.collectives import Group
 from offload.zero.stage import Stage
 

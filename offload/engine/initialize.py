@@ -17,14 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from offload.accelerator import Accelerator
+from offload.machine.accelerator import Accelerator
 from offload.config import Config, ConfigError
 from offload.engine.core import Engine
 from offload.engine.errors import EngineError
-from offload.host_malloc import set_mmap_threshold
+from offload.machine.host_malloc import set_mmap_threshold
 from offload.optim.cpu_adam import CPUAdam
 from offload.optim.sharded import ShardedAdam
-from offload.pretrained import PretrainedWeights
+from offload.files.pretrained import PretrainedWeights
 from offload.zero.collectives import Group
 
 logger = logging.getLogger("offload.engine")

@@ -19,7 +19,7 @@ from offload.engine.errors import EngineError
 from offload.engine.life import Lifetime
 from offload.optim.loss_scale import LossScaler
 from offload.optim.sharded import ShardedAdam
-from offload.telemetry import Telemetry
+from offload.observe.telemetry import Telemetry
 
 
 class Persistence:

@@ -1,7 +1,7 @@
 """Saving and resuming an engine: which of its state goes into which checkpoint file, and back.
 
 The files and their guarantees (all or nothing, checksums, locks, sweeping what a killed
-save left) are offload/checkpoint_files.py's. This room reads the engine only through
+save left) are offload/files/checkpoint_files.py's. This room reads the engine only through
 what it exposes: its units' layout, the optimizer's state store, the parameter store, the
 module's state_dict and ``train_state()`` / ``load_train_state()`` for the counters and
 the loss scale.
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from offload.checkpoint_files import (FORMAT, LATEST, CheckpointError, RankWriter, ShardReader, partitions, phase,
+from offload.files.checkpoint_files import (FORMAT, LATEST, CheckpointError, RankWriter, ShardReader, partitions, phase,
                                       publish, read_meta, resolve, save_small, sweep_stale, tmp_dir, verify,
                                       writer_lock)
 from offload.engine.weights import rewrite_units, state_dict_layout

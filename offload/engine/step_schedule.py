@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.accelerator import Accelerator
+from offload.machine.accelerator import Accelerator
 from offload.config import Config, ConfigError
 from offload.optim.loss_scale import unclipped_factor
 from offload.optim.sharded import ShardedAdam, StepVote

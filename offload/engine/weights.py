@@ -1,7 +1,7 @@
 """Whole weights out of a live engine: gathered for inspection, a full state_dict, a 16-bit model file.
 
 Each gathers one unit at a time (a collective: every rank calls it), so no rank ever
-holds more than one unit's full buffer beyond what it returns; offload/export.py does
+holds more than one unit's full buffer beyond what it returns; offload/files/export.py does
 the same from checkpoint files, without an engine.
 """
 
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from offload.engine.errors import EngineError
-from offload.weights_file import TensorSpec, stream_for
+from offload.files.weights_file import TensorSpec, stream_for
 from offload.zero.collectives import all_gather, all_ok, broadcast
 
 logger = logging.getLogger("offload.engine")

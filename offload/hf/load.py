@@ -3,7 +3,7 @@
 The model is built from the directory's ``config.json`` on the meta device (offload.zero.Init:
 only tensors below its threshold, such as rotary frequencies, get memory), and the engine
 fills each unit's shard from the safetensors files as it builds it (see [Note: reading a
-checkpoint into shards] in offload/pretrained.py). Nothing is downloaded.
+checkpoint into shards] in offload/files/pretrained.py). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from offload.pretrained import PretrainedError, PretrainedWeights, local_checkpoint
+from offload.files.pretrained import PretrainedError, PretrainedWeights, local_checkpoint
 from offload.zero.init import Init
 
 

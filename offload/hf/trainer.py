@@ -37,7 +37,7 @@ from offload.config import Config
 from offload.engine.initialize import initialize
 from offload.hf.ds_config import resolve
 from offload.optim.lr_schedules import build_lr_schedule
-from offload.pretrained import PretrainedWeights
+from offload.files.pretrained import PretrainedWeights
 
 logger = logging.getLogger("offload.hf")
 

@@ -22,7 +22,7 @@ import torch
 from torch.optim.adam import adam as torch_adam
 from torch.optim.adamw import adamw as torch_adamw
 
-from offload import native
+from offload.machine import native
 
 
 @dataclass(frozen=True, slots=True)

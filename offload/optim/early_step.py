@@ -53,7 +53,7 @@ from collections.abc import Callable
 
 import torch
 
-from offload.accelerator import Accelerator, Event, WorkerStream
+from offload.machine.accelerator import Accelerator, Event, WorkerStream
 from offload.optim.adam import AdamHyper
 from offload.optim.shard_state import ShardPhase, ShardState
 from offload.optim.speculation import Speculation
@@ -61,7 +61,7 @@ from offload.optim.update import ShardUpdate
 from offload.store.optimizer_state import Member, NvmePass, OptimizerStateStore, SubGroup
 from offload.store.param_store import ParamStore
 from offload.store.tier import Tier
-from offload.telemetry import Telemetry
+from offload.observe.telemetry import Telemetry
 
 
 class EarlyStepLost(RuntimeError):

@@ -5,7 +5,7 @@ its speculation may be reading it) and ``after`` (a final gradient is in: step i
 
 [Note: gradients land] A unit's reduce-scattered gradient shard leaves the device as
 soon as it exists, and nothing on the way blocks autograd's thread (the sync ledger
-checks it: see offload/sync_ledger.py). Each unit has a landing buffer in host memory
+checks it: see offload/observe/sync_ledger.py). Each unit has a landing buffer in host memory
 of its own: the backward hook makes the D2H copy stream wait for the reduction and copy
 the shard there, then hands the unit to the landing worker, a host thread that waits
 for the copy and adds the gradient into the fp32 accumulator. A landing buffer is busy
@@ -68,10 +68,10 @@ from typing import Any
 
 import torch
 
-from offload import native
-from offload.accelerator import Accelerator, Event
+from offload.machine import native
+from offload.machine.accelerator import Accelerator, Event
 from offload.optim.shard_state import Overlap, ShardPhase, ShardState, accumulate, add_into
-from offload.telemetry import Telemetry
+from offload.observe.telemetry import Telemetry
 
 # Gradient bytes whose landings are handed to the worker together (see [Note: landings handed over in batches]):
 # at a norm's 10-20 GB/s, 4 MiB is 200-400 us of landing work, several times a wake-up's cost.

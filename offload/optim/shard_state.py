@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from offload import native
-from offload.accelerator import DoneEvent, Event
+from offload.machine import native
+from offload.machine.accelerator import DoneEvent, Event
 from offload.optim.adam import AdamHyper
 
 

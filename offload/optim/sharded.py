@@ -48,8 +48,8 @@ from typing import Any, Protocol
 
 import torch
 
-from offload import native
-from offload.accelerator import Accelerator
+from offload.machine import native
+from offload.machine.accelerator import Accelerator
 from offload.optim.adam import AdamHyper
 from offload.optim.early_step import EarlyStep, EarlyStepLost
 from offload.optim.landing import GradientLanding
@@ -57,7 +57,7 @@ from offload.optim.shard_state import Overlap, Segment, ShardPhase, ShardState, 
 from offload.optim.speculation import Speculation
 from offload.optim.speculation_lane import SpeculationLane
 from offload.optim.update import ShardUpdate
-from offload.telemetry import Telemetry
+from offload.observe.telemetry import Telemetry
 from offload.aio.base import IOEngine
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import OptimizerStateStore, SubGroup

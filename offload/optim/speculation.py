@@ -39,7 +39,7 @@ from offload.optim.speculation_lane import SpeculationLane, TicketPhase
 from offload.optim.update import ShardUpdate
 from offload.store.optimizer_state import Member, OptimizerStateStore, SubGroup
 from offload.store.tier import Tier
-from offload.telemetry import Telemetry
+from offload.observe.telemetry import Telemetry
 
 logger = logging.getLogger("offload.optim")
 

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from offload.accelerator import Accelerator, Event
+from offload.machine.accelerator import Accelerator, Event
 
 
 class TicketPhase(enum.Enum):

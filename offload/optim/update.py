@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import torch
 
-from offload.accelerator import Accelerator, Event
+from offload.machine.accelerator import Accelerator, Event
 from offload.optim.adam import AdamHyper, adam_step, device_adam_step
 from offload.optim.shard_state import ShardPhase, ShardState, by_group
-from offload.step_graph import COMPUTE
+from offload.observe.step_graph import COMPUTE
 from offload.store.param_store import ParamStore
 
 

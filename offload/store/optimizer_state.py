@@ -62,15 +62,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.accelerator import Accelerator
-from offload.sync_ledger import SyncLedger
+from offload.machine.accelerator import Accelerator
+from offload.observe.sync_ledger import SyncLedger
 from offload.aio.base import IOEngine, Request, RequestGroup, wait_quietly
-from offload.buffers import AlignedBuffer, BufferPool, round_up
+from offload.machine.buffers import AlignedBuffer, BufferPool, round_up
 from offload.store.two_slots import TwoSlotFile, layout
 from offload.store.budget import TierBudget
 from offload.store.swapdir import SwapDir
 from offload.store.tier import Tier
-from offload.telemetry import Telemetry
+from offload.observe.telemetry import Telemetry
 
 logger = logging.getLogger("offload.store")
 

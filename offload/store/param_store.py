@@ -39,12 +39,12 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.accelerator import Accelerator, CopyStream, Event
-from offload.buffers import round_up
+from offload.machine.accelerator import Accelerator, CopyStream, Event
+from offload.machine.buffers import round_up
 from offload.store.budget import TierBudget
 from offload.store.param_swap import ParamSwap
 from offload.store.tier import Tier
-from offload.telemetry import Telemetry
+from offload.observe.telemetry import Telemetry
 
 HOST_PARAMS = "parameter shards not stepped on the host"  # the host part this store takes from the budget itself
 

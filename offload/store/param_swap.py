@@ -50,14 +50,14 @@ from typing import Any
 
 import torch
 
-from offload.accelerator import Event
+from offload.machine.accelerator import Event
 from offload.aio.base import IOEngine, Request, RequestGroup, SwapIOError, wait_quietly
-from offload.buffers import AlignedBuffer, BufferPool, round_up
+from offload.machine.buffers import AlignedBuffer, BufferPool, round_up
 from offload.store.budget import TierBudget
 from offload.store.swapdir import SwapDir
 from offload.store.two_slots import TwoSlotFile, layout
-from offload.sync_ledger import SyncLedger
-from offload.telemetry import Telemetry
+from offload.observe.sync_ledger import SyncLedger
+from offload.observe.telemetry import Telemetry
 
 WRITE_BUFFERS = 2  # one being filled by Adam while the other is written
 

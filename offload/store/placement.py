@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from offload.buffers import round_up
+from offload.machine.buffers import round_up
 from offload.config import AUTO, ConfigError
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import (SPECULATIVE_SLOT, SubGroup, nvme_buffers, place_sub_groups,

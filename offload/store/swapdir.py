@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offload.aio.base import SwapFile, SwapIOError
-from offload.buffers import round_up
+from offload.machine.buffers import round_up
 
 logger = logging.getLogger("offload.store")
 PREFIX = "offload-swap-"

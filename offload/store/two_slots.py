@@ -18,7 +18,7 @@ import torch
 
 from offload.aio.base import IOEngine, Request, RequestGroup
 from offload.aio.checksum import ChecksummedFile
-from offload.buffers import round_up
+from offload.machine.buffers import round_up
 from offload.store.swapdir import SwapDir
 
 

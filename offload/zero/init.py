@@ -89,7 +89,7 @@ def materialize_unit(model: nn.Module, plan: UnitPlan) -> None:
 
 def give_memory(plan: UnitPlan) -> list[ParamSlot]:
     """Give the unit's meta parameters (uninitialised) host memory; returns their slots. Pretrained weights fill
-    them from a checkpoint instead of an initialiser (offload/pretrained.py)."""
+    them from a checkpoint instead of an initialiser (offload/files/pretrained.py)."""
     meta = [s for s in plan.slots if s.param.is_meta]
     for s in meta:
         # A meta tensor's data cannot be replaced by a CPU one in place; swapping keeps the Parameter

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from offload.accelerator import CopyStream
+from offload.machine.accelerator import CopyStream
 from offload.store.param_store import ParamStore
 from offload.store.tier import Tier
 from offload.zero.collectives import Group, all_gather

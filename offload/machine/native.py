@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.dlpack import to_dlpack
 
-from offload import cpus
+from offload.machine import cpus
 
 try:
     from offload import _native
@@ -56,7 +56,7 @@ def select_variant(name: str) -> None:
 
 def default_threads() -> int:
     """Physical cores this process may use: the kernels are memory-bound, and hyper-threads add no bandwidth (see
-    [Note: CPUs a process may use] in offload/cpus.py)."""
+    [Note: CPUs a process may use] in offload/machine/cpus.py)."""
     return cpus.default_threads()
 
 

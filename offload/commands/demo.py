@@ -17,7 +17,7 @@ from typing import TextIO
 
 import torch
 
-from offload import native
+from offload.machine import native
 from offload.config import Config
 from offload.engine import initialize
 from offload.models import GPT, GPTConfig

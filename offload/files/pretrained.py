@@ -47,7 +47,7 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 LISTED = 8  # names an error message lists before "and N more"
-logger = logging.getLogger("offload.pretrained")
+logger = logging.getLogger("offload.files.pretrained")
 
 
 class PretrainedError(ValueError):

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from offload.cli_types import directory_problem
+from offload.commands.cli_types import directory_problem
 from offload.config import Config, ConfigError
-from offload.host_malloc import DEFAULT_THRESHOLD
+from offload.machine.host_malloc import DEFAULT_THRESHOLD
 from offload.models.catalog import ModelError
 from offload.models.catalog import build_model as build_named_model
 
@@ -98,7 +98,7 @@ def pretrained_dir(args: TrainArgs) -> Path | None:
     if not looks_like_path:
         raise TrainError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)} (and --layers/--hidden/"
                          "--heads for other sizes), or give a local Hugging Face checkpoint directory")
-    from offload.pretrained import PretrainedError, local_checkpoint
+    from offload.files.pretrained import PretrainedError, local_checkpoint
     try:
         path = local_checkpoint(args.model)
     except PretrainedError as e:
@@ -148,7 +148,7 @@ def _text_tokens(text: bytes, checkpoint: Path | None) -> tuple[torch.Tensor, in
 
 def _read_tokens(args: TrainArgs, checkpoint: Path | None) -> tuple[torch.Tensor, int]:
     if args.data is None:
-        from offload.demo import TEXT
+        from offload.commands.demo import TEXT
         return _text_tokens(TEXT.encode(), checkpoint)
     path = Path(args.data)
     if not path.is_file():
@@ -191,7 +191,7 @@ def _check_fits(args: TrainArgs, vocab: int, config: dict[str, Any]) -> None:
     import psutil
 
     from offload.engine import hidden_size_of
-    from offload.estimate import estimate, model_units
+    from offload.commands.estimate import estimate, model_units
     with torch.device("meta"):
         model = build_model(args, vocab)
     params = sum(p.numel() for p in model.parameters())
@@ -231,7 +231,7 @@ def build_model(args: TrainArgs, vocab: int) -> nn.Module:
     checkpoint = pretrained_dir(args)
     if checkpoint is not None:
         from offload.hf import meta_model
-        from offload.pretrained import PretrainedError
+        from offload.files.pretrained import PretrainedError
         try:
             return meta_model(checkpoint)
         except PretrainedError as e:
@@ -243,7 +243,7 @@ def build_model(args: TrainArgs, vocab: int) -> nn.Module:
 
 
 def build_config(args: TrainArgs) -> dict[str, Any]:
-    from offload.demo import default_config_text
+    from offload.commands.demo import default_config_text
     if args.config is None:
         raw = json.loads(default_config_text())
     else:

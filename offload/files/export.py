@@ -6,7 +6,7 @@ The files follow Hugging Face's sharded layout (``model.safetensors``, or
 whatever the model's size: the files and their headers are planned from the layout
 (a file ends where the next tensor would push it past ``max_shard_bytes``), then each
 unit's values are read from the rank files (ShardReader), cut into parameters and
-streamed into their file (offload/weights_file.py).
+streamed into their file (offload/files/weights_file.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from offload.checkpoint_files import CheckpointError, ShardReader, partitions, read_meta, resolve, verify
-from offload.weights_file import SafetensorsStream, TensorSpec
+from offload.files.checkpoint_files import CheckpointError, ShardReader, partitions, read_meta, resolve, verify
+from offload.files.weights_file import SafetensorsStream, TensorSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

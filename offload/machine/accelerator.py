@@ -42,9 +42,9 @@ from typing import Any, Protocol
 
 import torch
 
-from offload.buffers import AlignedBuffer
-from offload.step_graph import COMPUTE, Item, StepGraph, running_as, set_lane
-from offload.sync_ledger import Role, SyncLedger, acting_as
+from offload.machine.buffers import AlignedBuffer
+from offload.observe.step_graph import COMPUTE, Item, StepGraph, running_as, set_lane
+from offload.observe.sync_ledger import Role, SyncLedger, acting_as
 
 
 class Event(Protocol):

@@ -17,7 +17,7 @@ import ctypes
 import ctypes.util
 import logging
 
-logger = logging.getLogger("offload.host_malloc")
+logger = logging.getLogger("offload.machine.host_malloc")
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 MAX_THRESHOLD = 32 << 20  # glibc's HEAP_MAX / 2 on 64-bit: mallopt refuses more

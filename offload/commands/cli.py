@@ -14,13 +14,13 @@ import psutil
 import torch
 
 import offload
-from offload import cpus, native
-from offload.checkpoint_files import CheckpointError
-from offload.cli_types import (directory_problem, non_negative_float, non_negative_int, output_file_problem,
+from offload.machine import cpus, native
+from offload.files.checkpoint_files import CheckpointError
+from offload.commands.cli_types import (directory_problem, non_negative_float, non_negative_int, output_file_problem,
                                positive_float, positive_int, positive_ints, positive_size, positive_sizes)
 from offload.config import Config, ConfigError
 from offload.engine import EngineError
-from offload.launch import RankError
+from offload.machine.launch import RankError
 
 
 class UsageError(ValueError):
@@ -30,8 +30,8 @@ class UsageError(ValueError):
 def _user_errors() -> tuple[type[BaseException], ...]:
     """What a user's input causes: said in one paragraph, exit 2 (see the module docstring)."""
     from offload.aio.base import SwapIOError
-    from offload.pretrained import PretrainedError
-    from offload.train import TrainError
+    from offload.files.pretrained import PretrainedError
+    from offload.commands.train import TrainError
     return (UsageError, ConfigError, TrainError, CheckpointError, PretrainedError, EngineError, SwapIOError,
             PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 
@@ -95,7 +95,7 @@ def _cmd_config_docs(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from offload.demo import run_demo
+    from offload.commands.demo import run_demo
     run_demo(args.config, steps=args.steps, out=sys.stdout, trace=args.trace)
     return 0
 
@@ -241,7 +241,7 @@ def _cmd_tune_nvme(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from offload.train import main_args, run
+    from offload.commands.train import main_args, run
     record = run(main_args(args))
     if args.expect_loss_drop and len(record.losses) >= 2 and not record.losses[-1] < record.losses[0]:
         print(f"offload train: --expect-loss-drop: the last step's loss ({record.losses[-1]:.4f}) is not below the "
@@ -262,12 +262,12 @@ def _stages(text: str) -> tuple[int, ...]:
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from offload.bench.replay import MACHINES
-    from offload.estimate import run_cli
+    from offload.commands.estimate import run_cli
     return run_cli(args, MACHINES[args.machine])
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from offload.export import checkpoint_dir, describe
+    from offload.files.export import checkpoint_dir, describe
     path = checkpoint_dir(args.checkpoint, args.tag)  # no checkpoint there: the handler's exit 2
     try:
         print(describe(path))
@@ -278,7 +278,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_weights(args: argparse.Namespace) -> int:
-    from offload.export import export_weights
+    from offload.files.export import export_weights
     result = export_weights(args.checkpoint, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                             tag=args.tag, replace=args.replace)
     print(f"wrote {result.tensors} tensors, {result.total_bytes / 2**20:,.1f} MiB, to {args.out}: "
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_tune_nvme)
 
     from offload.models.catalog import MODELS
-    from offload.train import TrainArgs
+    from offload.commands.train import TrainArgs
     d = TrainArgs()
     p = sub.add_parser("train", help="train a causal LM through the runtime (the main job; embedded defaults)")
     p.add_argument("--model", default=d.model, help=f"{', '.join(MODELS)}, or a local Hugging Face checkpoint "
