@@ -185,9 +185,9 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
             if lr_scheduler is not None:
                 raise EngineError("the config has a scheduler section and initialize() was given lr_scheduler; "
                                   "keep one of them")
-            lr_scheduler = build_lr_schedule(optimizer, config.scheduler)
+            lr_scheduler = build_lr_schedule(optimizer.face, config.scheduler)
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-            lr_scheduler = lr_scheduler(optimizer)
+            lr_scheduler = lr_scheduler(optimizer.face)
         undo.pop_all()
     return Parts(units, params, optimizer, runtime, activations, memory, swaps, telemetry, trained_names,
                  schedule, lr_scheduler)

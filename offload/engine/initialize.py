@@ -150,7 +150,7 @@ def _optimizer_groups(model: nn.Module, model_parameters: Iterable[Any] | None, 
     return _trainable(groups), adamw, p.bias_correction
 
 
-def _share_groups(client: torch.optim.Optimizer, ours: torch.optim.Optimizer) -> None:
+def _share_groups(client: torch.optim.Optimizer, ours: ShardedAdam) -> None:
     """The script's optimizer object becomes a view of the engine's param groups. DeepSpeed steps the client's
     optimizer itself, so a schedule built on it, or an lr set in its groups, reaches the step; here the engine
     steps its own groups, which the client's must then be."""
@@ -160,7 +160,7 @@ def _share_groups(client: torch.optim.Optimizer, ours: torch.optim.Optimizer) ->
                           "parameters")
     for theirs, mine in zip(client.param_groups, ours.param_groups):
         mine.update({k: v for k, v in theirs.items() if k not in mine})  # a schedule's keys (initial_lr, ...)
-    client.param_groups = ours.param_groups
+    client.param_groups = ours.face.param_groups
 
 
 def _trainable(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -97,17 +97,37 @@ class StepVote(Protocol):
     def fail(self) -> None: ...
 
 
-class ShardedAdam(torch.optim.Optimizer):
-    """Adam/AdamW over the shards of a ZeRO-3 model. Hyperparameters live in ``param_groups`` as in
-    any torch optimizer (LR schedulers work), but the step is ``engine.step()``."""
+class OptimizerFace(torch.optim.Optimizer):
+    """What LR schedulers and Trainers need of an optimizer: its ``param_groups``, whose hyperparameters each step
+    reads. The step is ``engine.step()`` and the state lives in the shards, per rank, so the rest refuses."""
+
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+        super().__init__(param_groups, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        raise RuntimeError("the sharded optimizer steps through engine.step(), which also reduces, clips and "
+                           "writes the new parameters back; call engine.step()")
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """torch's would be empty: the state lives in the shards and their stores, per rank."""
+        raise RuntimeError("the sharded optimizer's state is in this rank's shards (host memory, NVMe), not in a "
+                           "state_dict; save and load it with engine.save_checkpoint / engine.load_checkpoint")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        raise RuntimeError("the sharded optimizer's state is loaded by engine.load_checkpoint (a checkpoint "
+                           "engine.save_checkpoint wrote), not from a state_dict")
+
+
+class ShardedAdam:
+    """Adam/AdamW over the shards of a ZeRO-3 model. Hyperparameters live in ``param_groups`` (those of ``face``,
+    the torch optimizer LR schedulers are built on); the step is ``engine.step()``."""
 
     def __init__(self, param_groups: list[dict[str, Any]], accel: Accelerator, sizes: list[tuple[int, int]], *,
                  plan: StatePlan, params: ParamStore, compute_dtype: torch.dtype, adamw_mode: bool,
                  bias_correction: bool, threads: int | None, telemetry: Telemetry | None = None) -> None:
         """``sizes``: (unit index, shard elements) of every unit with trained parameters, in unit order;
         ``params`` holds their compute-dtype shards, which the step writes."""
-        defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
-        super().__init__(param_groups, defaults)
+        self.face = OptimizerFace(param_groups)
         self.accel = accel
         self.offload = plan.device != "none"
         self.compute_dtype = compute_dtype
@@ -154,6 +174,23 @@ class ShardedAdam(torch.optim.Optimizer):
             self.host.take(nbytes, what)
 
     @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.face.param_groups
+
+    # What a DeepSpeed script calls on the optimizer initialize returned: the face answers (or says what to do).
+    def step(self, closure: Any = None) -> None:
+        self.face.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.face.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.face.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.face.load_state_dict(state_dict)
+
+    @property
     def partial(self) -> bool:
         """Part of the optimizer state stays on the device (see [Note: a partial offload])."""
         return bool(self._device_state)
@@ -164,19 +201,6 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _host_tensor(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return self.accel.host_buffer(n, dtype)[0]
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        raise RuntimeError("the sharded optimizer steps through engine.step(), which also reduces, clips and "
-                           "writes the new parameters back; call engine.step()")
-
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """torch's would be empty: the state lives in the shards and their stores, per rank."""
-        raise RuntimeError("the sharded optimizer's state is in this rank's shards (host memory, NVMe), not in a "
-                           "state_dict; save and load it with engine.save_checkpoint / engine.load_checkpoint")
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        raise RuntimeError("the sharded optimizer's state is loaded by engine.load_checkpoint (a checkpoint "
-                           "engine.save_checkpoint wrote), not from a state_dict")
 
     # ----------------------------------------------------------------- state
 
