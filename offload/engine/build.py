@@ -29,6 +29,7 @@ from offload.engine.memory import MemoryAccount
 from offload.engine.step_schedule import StepSchedule
 from offload.optim.lr_schedules import build_lr_schedule
 from offload.optim.shard_state import shard_segments
+from offload.optim.landing import GradientLanding
 from offload.optim.sharded import ShardedAdam, StatePlan
 from offload.files.pretrained import PretrainedWeights
 from offload.store.budget import TierBudget
@@ -80,6 +81,7 @@ class Parts:
     units: list[Unit]
     params: ParamStore
     optimizer: ShardedAdam
+    landing: GradientLanding  # the optimizer's: how gradients reach its shards
     runtime: ZeroRuntime
     activations: checkpointing.ActivationStore
     memory: MemoryAccount
@@ -189,8 +191,8 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(optimizer.face)
         undo.pop_all()
-    return Parts(units, params, optimizer, runtime, activations, memory, swaps, telemetry, trained_names,
-                 schedule, lr_scheduler)
+    return Parts(units, params, optimizer, optimizer.landing, runtime, activations, memory, swaps, telemetry,
+                 trained_names, schedule, lr_scheduler)
 
 
 def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, stage: Stage, accel: Accelerator,

@@ -70,6 +70,7 @@ class Engine(DeepSpeedAccessors, Persistence):
                       lr_scheduler=lr_scheduler, pretrained=pretrained)
         self.module = model
         self.units, self.params, self.optimizer = parts.units, parts.params, parts.optimizer
+        self.landing = parts.landing
         self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory
         self.telemetry, self._swaps, self._trained_names = parts.telemetry, parts.swaps, parts.trained_names
         self.schedule, self.lr_scheduler = parts.schedule, parts.lr_scheduler
@@ -179,7 +180,7 @@ class Engine(DeepSpeedAccessors, Persistence):
                     self.zero_grad()
                     raise errors.unused_parameters(self.group.rank, unused)
             self.activations.discard()  # inputs saved by a forward whose backward never ran
-            self.optimizer.landing.send_held()  # device-accumulated sums the last micro-batch did not send
+            self.landing.send_held()  # device-accumulated sums the last micro-batch did not send
             with self.telemetry.span("grad_wait"):  # the landings; the step claims each speculation in turn
                 self.optimizer.drain(speculation=False)
             # The last delayed update reaches the parameters (see [Note: delayed update] in optim/early_step.py).
