@@ -61,7 +61,7 @@ def device_adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_
     if not params:
         return
     if grad_scale != 1.0:
-        grads = torch._foreach_mul(grads, grad_scale)
+        grads = list(torch._foreach_mul(grads, grad_scale))  # torch returns a tuple
     if not hyper.bias_correction:
         for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
             _uncorrected_adam(p, g, m, v, hyper)

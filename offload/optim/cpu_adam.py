@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -21,7 +21,8 @@ class CPUAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  adamw_mode: bool = True, bias_correction: bool = True, *, threads: int | None = None) -> None:
-        AdamHyper(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)  # validates
+        # validates (betas of another length too: AdamHyper unpacks two)
+        AdamHyper(lr=lr, betas=cast(tuple[float, float], tuple(betas)), eps=eps, weight_decay=weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
                         bias_correction=bias_correction)
         super().__init__(params, defaults)

@@ -162,6 +162,7 @@ class GradientLanding:
         land = self.worker
         adam_busy = state.adam_read is not None and not state.adam_read.query()
         if adam_busy:  # the delayed Adam still reads the last gradient: nothing of this unit lands before it has
+            assert state.adam_read is not None
             land.wait_event(state.adam_read, held=True)
         refs = [shard_grad, keep]  # the device gradient lives until its copy (or, read in place, its add) is done
         # A unit's second gradient in this backward: its first, left where it landed, is added up first, and every
@@ -225,9 +226,10 @@ class GradientLanding:
         if state.adam_read is not None and not state.adam_read.query():  # the delayed Adam still reads it (rare:
             # the last micro-batch's sum, sent while the last step's Adam has not reached this unit)
             self.accel.wait(state.adam_read, "a landing buffer the delayed update reads")
-        copied = self._copy_down(state, state.landing, state.on_device, state.added)
+        landing = state.landing  # set with the shard, never replaced
+        copied = self._copy_down(state, landing, state.on_device, state.added)
         refs: list[Any] = []
-        self.worker.run(lambda: self._landed(state, state.landing, copied, 1.0, True, overlap, refs, in_place=True),
+        self.worker.run(lambda: self._landed(state, landing, copied, 1.0, True, overlap, refs, in_place=True),
                        held=True)
         state.free = self.worker.record(into=state.free, held=True)
         self.telemetry.add_bytes("d2h", state.on_device.numel() * 4)

@@ -8,10 +8,11 @@ ignore the optimizer's own lr; the cosine one scales it), they start at iteratio
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from offload.config.fields import Auto
 from offload.config.sections import SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams
 
 
@@ -47,6 +48,15 @@ class _LRSchedule:
         self._apply()
 
 
+_Number = TypeVar("_Number", int, float)
+
+
+def _resolved(value: _Number | Auto | None) -> _Number:
+    """A key the schedule reads: Config.resolve has filled its "auto", and check() refused null where read."""
+    assert value is not None and not isinstance(value, Auto), f"an unresolved schedule parameter: {value}"
+    return value
+
+
 def _warmup_fraction(iteration: int, steps: int, kind: str) -> float:
     """0 -> 1 over ``steps`` iterations, logarithmically or linearly (1 after)."""
     steps = max(2, steps)
@@ -67,11 +77,11 @@ class WarmupLR(_LRSchedule):
         super().__init__(optimizer, params.last_batch_iteration)
 
     def _gamma(self, iteration: int) -> float:
-        return _warmup_fraction(iteration, self.params.warmup_num_steps, self.params.warmup_type)
+        return _warmup_fraction(iteration, _resolved(self.params.warmup_num_steps), self.params.warmup_type)
 
     def lr_at(self, iteration: int, group_index: int) -> float:
-        p = self.params
-        return p.warmup_min_lr + (p.warmup_max_lr - p.warmup_min_lr) * self._gamma(iteration)
+        low, high = _resolved(self.params.warmup_min_lr), _resolved(self.params.warmup_max_lr)
+        return low + (high - low) * self._gamma(iteration)
 
 
 class WarmupDecayLR(WarmupLR):
@@ -80,11 +90,11 @@ class WarmupDecayLR(WarmupLR):
     params: WarmupDecayLRParams
 
     def _gamma(self, iteration: int) -> float:
-        p = self.params
-        warmup = max(2, p.warmup_num_steps)
+        warmup = max(2, _resolved(self.params.warmup_num_steps))
         if iteration < warmup:
             return super()._gamma(iteration)
-        return max(0.0, (p.total_num_steps - iteration) / max(1.0, p.total_num_steps - warmup))
+        total = _resolved(self.params.total_num_steps)
+        return max(0.0, (total - iteration) / max(1.0, total - warmup))
 
 
 class WarmupCosineLR(_LRSchedule):
@@ -97,11 +107,11 @@ class WarmupCosineLR(_LRSchedule):
 
     def lr_at(self, iteration: int, group_index: int) -> float:
         p = self.params
-        warmup = max(2, p.warmup_num_steps)
+        warmup = max(2, _resolved(p.warmup_num_steps))
         if iteration < warmup:
             ratio = p.warmup_min_ratio + (1 - p.warmup_min_ratio) * _warmup_fraction(iteration, warmup, p.warmup_type)
         else:
-            progress = (iteration - warmup + 1) / max(1, p.total_num_steps - warmup)
+            progress = (iteration - warmup + 1) / max(1, _resolved(p.total_num_steps) - warmup)
             ratio = max(0.0, p.cos_min_ratio + (1 - p.cos_min_ratio) * (1 + math.cos(math.pi * min(1.0, progress))) / 2)
         return self.base_lrs[group_index] * ratio
 

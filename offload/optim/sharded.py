@@ -108,12 +108,12 @@ class OptimizerFace(torch.optim.Optimizer):
         raise RuntimeError("the sharded optimizer steps through engine.step(), which also reduces, clips and "
                            "writes the new parameters back; call engine.step()")
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """torch's would be empty: the state lives in the shards and their stores, per rank."""
         raise RuntimeError("the sharded optimizer's state is in this rank's shards (host memory, NVMe), not in a "
                            "state_dict; save and load it with engine.save_checkpoint / engine.load_checkpoint")
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         raise RuntimeError("the sharded optimizer's state is loaded by engine.load_checkpoint (a checkpoint "
                            "engine.save_checkpoint wrote), not from a state_dict")
 
@@ -226,7 +226,11 @@ class ShardedAdam:
         """Bytes this optimizer keeps on the compute device: (its state: all of it, or a partial offload's share;
         fp32 gradient accumulators: of the units stepped there, and an offloaded optimizer's kept there)."""
         state = sum(g.nbytes for g in self.store.groups if g.tier is Tier.DEVICE)
-        accumulators = sum(st.grad.numel() * 4 for i, st in self.shards.items() if not self.steps_on_host(i))
+        accumulators = 0
+        for i, st in self.shards.items():
+            if not self.steps_on_host(i):
+                assert st.grad is not None  # made with the shard (add_shard)
+                accumulators += st.grad.numel() * 4
         accumulators += sum(st.on_device.numel() * 4 for st in self.shards.values() if st.on_device is not None)
         return state, accumulators
 
@@ -303,9 +307,9 @@ class ShardedAdam:
         run (re-raises a failed copy or step); ``speculation`` False: not the speculative Adam, which the step
         claims shard by shard (see [Note: speculation on a lane of its own] in speculation_lane.py)."""
         waits: list[Callable[[], None]] = []
-        if self._land is not None:
-            waits.append(lambda: self.accel.drain(self._land, "gradients drained"))
-        lane, adam = self.speculation.lane, self.early.adam
+        land, lane, adam = self._land, self.speculation.lane, self.early.adam
+        if land is not None:
+            waits.append(lambda: self.accel.drain(land, "gradients drained"))
         if speculation and lane is not None:
             waits.append(lane.drain)
         if adam is not None:

@@ -315,7 +315,7 @@ class ParamStore:
                 busy.add(index)
         return busy
 
-    def forget_reads(self, units: set[int]) -> None:
+    def forget_reads(self, units: set[int] | frozenset[int]) -> None:
         """An early step will write ``units``' NVMe shards: drop what the read buffers hold of them."""
         if self.swap is not None and units:
             self.swap.forget(units)

@@ -386,7 +386,7 @@ class ParamSwap:
             raise ParamSwapError(first.errno or 0, first.path, first.offset, first.length, "write",
                                  f"{os.strerror(first.errno or 0)} ({len(failed)} unit shard(s) not written)")
 
-    def forget(self, units: set[int]) -> None:
+    def forget(self, units: set[int] | frozenset[int]) -> None:
         """An early step will write ``units``' new shards: what the read buffers hold of them is old (see [Note: an
         early step's parameter writes]). On the training thread, before the step returns."""
         self._invalidate(units)
@@ -435,7 +435,7 @@ class ParamSwap:
         self.stats.stale.discard(unit)
         self._invalidate({unit})
 
-    def _invalidate(self, units: set[int]) -> None:
+    def _invalidate(self, units: set[int] | frozenset[int]) -> None:
         """Reads of ``units`` hold values a write replaced."""
         for b in self._reads:
             if b.unit in units and b.state in (BufferState.READING, BufferState.READY):
