@@ -190,7 +190,8 @@ class running_as:
 
 def _compact(row: dict[str, Any]) -> dict[str, Any]:
     """Drop fields at their defaults: a step graph has tens of thousands of items."""
-    defaults = {"unit": None, "nbytes": 0, "flops": 0.0, "record": None, "waits": [], "issued": None, "label": ""}
+    defaults: dict[str, Any] = {"unit": None, "nbytes": 0, "flops": 0.0, "record": None, "waits": [], "issued": None,
+                                "label": ""}
     return {k: v for k, v in row.items() if k == "kind" or v != defaults[k]}
 
 
