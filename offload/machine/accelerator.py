@@ -38,7 +38,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -217,7 +217,7 @@ class WorkerStream:
 
     def _handle(self, kind: str, item: object, recorded: Any) -> None:
         if kind == "record":
-            event, generation = item  # type: ignore[misc]
+            event, generation = cast("tuple[ThreadEvent, int]", item)  # what record() puts
             if recorded is not None and self._graph is not None:
                 rid, issued = recorded
                 self._graph.add(Item("record", record=rid, issued=issued))

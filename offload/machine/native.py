@@ -12,12 +12,12 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.dlpack import to_dlpack
+from torch.utils.dlpack import to_dlpack  # type: ignore[attr-defined]  # torch's __all__ leaves it out
 
 from offload.machine import cpus
 
 try:
-    from offload import _native
+    from offload import _native  # type: ignore[attr-defined]  # the compiled extension (native/): no stubs
 except ImportError as e:  # a source checkout imported without its build
     raise ImportError("offload's native extension (offload._native) is not built: install the package with "
                       "`pip install -e .` (or `./dev.sh test`), which compiles native/ with the C++ compiler; "
@@ -200,7 +200,8 @@ def openmp_runtime() -> str | None:
         return None
     found = sorted(p for p in paths if os.path.basename(p).startswith(("libgomp", "libiomp5")))
     in_torch = [p for p in found if os.sep + "torch" + os.sep in p]
-    return (in_torch or found or [None])[0]
+    chosen = in_torch or found
+    return chosen[0] if chosen else None
 
 
 def use_threads(backend: str) -> str:
