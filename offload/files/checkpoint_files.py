@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import os
@@ -94,7 +95,8 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
+    # numpy's stubs give ndarray __buffer__ only from Python 3.12 (the checked version is 3.10)
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 class RankWriter:
@@ -271,7 +273,7 @@ class ShardReader:
         self.units = meta["units"]
         self.dtype = getattr(torch, meta["compute_dtype"])  # of frozen units' shards; the rest is fp32
         self._index: dict[int, dict[tuple[int, str], Entry]] = {}
-        self._files: dict[int, BinaryIO] = {}
+        self._files: dict[int, io.BufferedReader] = {}
 
     def _entry(self, rank: int, unit: int, kind: str) -> Entry:
         if rank not in self._index:
@@ -297,7 +299,8 @@ class ShardReader:
             entry = self._entry(rank, unit, kind)
             f = self._files[rank]
             f.seek(entry.offset + offset * dtype.itemsize)
-            view = memoryview(raw[i - start:i - start + n].numpy()).cast("B")
+            # numpy's stubs give ndarray __buffer__ only from Python 3.12 (as in _raw_bytes)
+            view = memoryview(raw[i - start:i - start + n].numpy()).cast("B")  # type: ignore[arg-type]
             if f.readinto(view) != len(view):
                 raise CheckpointError(f"{self.path / f'rank{rank}.bin'} ends before unit {unit}'s {kind} (a "
                                       "truncated file)")

@@ -28,7 +28,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex, TypeVar
 
 import torch
 
@@ -44,6 +44,9 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+_S = TypeVar("_S", bound="_Stream")
 
 
 class _Stream:
@@ -76,7 +79,7 @@ class _Stream:
     def abort(self) -> None:
         self.tmp.unlink(missing_ok=True)
 
-    def __enter__(self) -> _Stream:
+    def __enter__(self: _S) -> _S:
         return self
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
@@ -91,7 +94,8 @@ class _Stream:
 
 def _raw(tensor: torch.Tensor) -> memoryview:
     t = tensor.detach().cpu().contiguous()
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+    # numpy's stubs give ndarray __buffer__ only from Python 3.12 (the checked version is 3.10)
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -157,7 +161,7 @@ class _Tensor:
     def __init__(self, storage: _Storage) -> None:
         self.storage = storage
 
-    def __reduce_ex__(self, protocol: int) -> tuple[Any, tuple[Any, ...]]:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, tuple[Any, ...]]:
         shape = self.storage.spec.shape
         stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
         return torch._utils._rebuild_tensor_v2, (self.storage, 0, shape, stride, False, collections.OrderedDict())
@@ -191,7 +195,7 @@ class TorchStream(_Stream):
         state = collections.OrderedDict((key, _Tensor(storages[key])) for key in key_order or storages)
         data = io.BytesIO()
         _Pickler(data, protocol=2).dump(state)
-        self._zip = torch._C.PyTorchFileWriter(str(self.tmp))
+        self._zip: torch._C.PyTorchFileWriter | None = torch._C.PyTorchFileWriter(str(self.tmp))  # None: aborted
         for name, value in (("data.pkl", data.getvalue()), (".format_version", b"1"),
                             ("byteorder", sys.byteorder.encode())):
             self._zip.write_record(name, value, len(value))
@@ -199,10 +203,12 @@ class TorchStream(_Stream):
     def write(self, key: str, tensor: torch.Tensor) -> None:
         spec = self._expect(key, tensor)
         t = tensor.detach().cpu().contiguous()
+        assert self._zip is not None, f"{self.path}: written after abort"
         self._zip.write_record(f"data/{self._next - 1}", t.data_ptr(), spec.nbytes)  # from t's memory, no copy
 
     def close(self) -> None:
         self._check_complete()
+        assert self._zip is not None, f"{self.path}: closed after abort"
         self._zip.write_end_of_file()
         del self._zip
         with open(self.tmp, "rb+") as f:
