@@ -18,7 +18,7 @@ import types
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 logger = logging.getLogger("offload.config")
 
@@ -56,6 +56,15 @@ class Auto:
 
 
 AUTO = Auto()
+
+_T = TypeVar("_T")
+
+
+def resolved(value: _T | Auto) -> _T:
+    """A key's value where the runtime reads it: Config.resolve has filled its "auto" (every key's but
+    RUNTIME_AUTO's), which the type checker cannot know."""
+    assert not isinstance(value, Auto), "a config key read before Config.resolve filled its auto"
+    return value
 
 
 class Support(enum.Enum):

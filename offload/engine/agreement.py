@@ -55,8 +55,8 @@ def global_grad_sq_norm(optimizer: ShardedAdam, group: Group, partition: Group, 
     with telemetry.span("optimizer", "norm"):
         totals = torch.tensor([0.0, 0.0, 1.0 if failed else 0.0, *order], dtype=torch.float64, device=accel.device)
         if not failed:
-            sum_sq, nonfinite = optimizer.grad_sq_norm()  # host shards' parts, mostly taken as they landed
-            totals[0], totals[1] = sum_sq, float(nonfinite)
+            host_sq, host_nonfinite = optimizer.grad_sq_norm()  # host shards' parts, mostly taken as they landed
+            totals[0], totals[1] = host_sq, float(host_nonfinite)
             on_device = optimizer.device_grad_sq_norm()
             if on_device is not None:
                 totals[:2] += on_device

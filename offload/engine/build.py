@@ -23,6 +23,7 @@ from offload.machine.accelerator import Accelerator
 from offload.aio.base import IOEngine
 from offload.aio.choose import engine_from_config
 from offload.config import Config
+from offload.config.fields import resolved
 from offload.engine.errors import EngineError
 from offload.engine import step_schedule
 from offload.engine.memory import MemoryAccount
@@ -111,7 +112,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
 
     plans = plan_units(model, config.offload.unit_bytes, compute_dtype.itemsize,
                        atomic=tuple(config.offload.atomic_modules or ()),
-                       fold_below=int(config.zero_optimization.stage3_param_persistence_threshold))
+                       fold_below=int(resolved(config.zero_optimization.stage3_param_persistence_threshold)))
     telemetry = Telemetry()
     trained = {plan.index for plan in plans if any(id(s.param) in group_of for s in plan.slots)}
     parts = partition.world
@@ -173,10 +174,10 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         pre = float(group.world if config.prescale_gradients else config.gradient_predivide_factor)
         post = pre / group.world  # gradients are averaged over the group, as DeepSpeed does
         runtime = ZeroRuntime(model, units, group, accel, limit=memory.live_limit(),
-                              persistence_threshold=int(zero.stage3_param_persistence_threshold),
+                              persistence_threshold=int(resolved(zero.stage3_param_persistence_threshold)),
                               grad_sink=lambda unit, shard, ready, keep: optimizer.landing.accumulate(
                                   unit.index, shard, post, ready, keep), grad_predivide=pre, telemetry=telemetry,
-                              prefetch_elements=int(zero.stage3_prefetch_bucket_size), stage=stage,
+                              prefetch_elements=int(resolved(zero.stage3_prefetch_bucket_size)), stage=stage,
                               overlap_comm=zero.overlap_comm_effective, grads_sent=optimizer.landing.gradients_sent)
         undo.callback(runtime.close)
         activations = _activation_store(model, config, accel, host_budget, telemetry)
@@ -215,6 +216,7 @@ def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, sta
                 in_place=not stage.resident_params and partition.world == 1 and params.compute_reads_home(plan.index))
     start = 0
     if not fresh:  # see [Note: reading a checkpoint into shards]
+        assert pretrained is not None  # fresh, without one
         start, stop = (0, unit.padded) if unit.keeps_full else (unit.shard_start, unit.shard_start + unit.shard_numel)
         values = pretrained.read_flat(plan, unit.padded, start, stop)
     unit.load_initial(values, host_copy=group_of is not None and optimizer.steps_on_host(plan.index), start=start)

@@ -27,6 +27,7 @@ from torch import nn
 from offload import checkpointing
 from offload.machine.accelerator import Accelerator, to_device
 from offload.config import Config
+from offload.config.fields import resolved
 from offload.engine import agreement, memory
 from offload.engine.accessors import DeepSpeedAccessors
 from offload.engine.accumulation import Accumulation, Phase
@@ -59,8 +60,8 @@ class Engine(DeepSpeedAccessors, Persistence):
         self.accel = accel
         self.compute_dtype = torch.bfloat16 if config.bf16.enabled is True else (
             torch.float16 if config.fp16.enabled is True else torch.float32)
-        self.accumulation = Accumulation(int(config.gradient_accumulation_steps or 1))
-        self._clip = float(config.gradient_clipping or 0.0)
+        self.accumulation = Accumulation(int(resolved(config.gradient_accumulation_steps) or 1))
+        self._clip = float(resolved(config.gradient_clipping) or 0.0)
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self.global_steps = self.skipped_steps = 0
         self.life = Lifetime(group.rank, group.world)

@@ -19,6 +19,7 @@ from torch import nn
 
 from offload.machine.accelerator import Accelerator
 from offload.config import Config, ConfigError
+from offload.config.fields import resolved
 from offload.engine.core import Engine
 from offload.engine.errors import EngineError
 from offload.machine.host_malloc import set_mmap_threshold
@@ -74,9 +75,9 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         _share_groups(optimizer, engine.optimizer)
     loader = None
     if training_data is not None:
-        sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=group.world, rank=group.rank) \
-            if group.world > 1 else None
-        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
+        sampler: torch.utils.data.DistributedSampler[Any] | None = torch.utils.data.DistributedSampler(
+            training_data, num_replicas=group.world, rank=group.rank) if group.world > 1 else None
+        loader = torch.utils.data.DataLoader(training_data, batch_size=resolved(cfg.train_micro_batch_size_per_gpu),
                                              sampler=sampler, shuffle=sampler is None, collate_fn=collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
@@ -140,8 +141,8 @@ def _optimizer_groups(model: nn.Module, model_parameters: Iterable[Any] | None, 
         raise ConfigError("optimizer", "no optimizer: add an optimizer section (type Adam or AdamW) to the config "
                                        "or pass optimizer= to initialize")
     p = cfg.optimizer.params
-    hyper = {"lr": p.lr, "betas": tuple(p.betas), "eps": p.eps, "weight_decay": p.weight_decay}
-    source = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    hyper = {"lr": p.lr, "betas": tuple(resolved(p.betas)), "eps": p.eps, "weight_decay": p.weight_decay}
+    source: list[Any] = list(model_parameters) if model_parameters is not None else list(model.parameters())
     if source and isinstance(source[0], dict):
         groups = [{**hyper, **g, "params": list(g["params"])} for g in source]
     else:

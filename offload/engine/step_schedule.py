@@ -28,6 +28,7 @@ import torch
 
 from offload.machine.accelerator import Accelerator
 from offload.config import Config, ConfigError
+from offload.config.fields import resolved
 from offload.optim.loss_scale import unclipped_factor
 from offload.optim.sharded import ShardedAdam, StepVote
 from offload.store.placement import Placement, Speculation
@@ -218,7 +219,7 @@ class Wanted:
 def gated(config: Config, compute_dtype: torch.dtype) -> list[str]:
     """What makes the update wait for the global gradient norm (empty: nothing)."""
     reasons = []
-    if float(config.gradient_clipping or 0.0) > 0:
+    if float(resolved(config.gradient_clipping) or 0.0) > 0:
         reasons.append("gradient clipping needs the global norm first")
     if compute_dtype == torch.float16:
         reasons.append("fp16 needs the overflow check first")
