@@ -55,6 +55,46 @@ def test_client_optimizer_with_param_groups_and_scheduler_matches_torch():
         torch.testing.assert_close(results[1][0][key], value)
 
 
+def _cpu_adam_client_run(rank, world, client_mode):
+    """Three steps with offload's own CPUAdam given to initialize (``client_mode``: its adamw_mode), or (None) with
+    the config's Adam section; the losses."""
+    from offload.optim import CPUAdam
+    config = base_config(2, 1, world)
+    model = make_model("gpt")
+    if client_mode is None:
+        config["optimizer"] = {"type": "Adam", "params": {"lr": 2e-3, "weight_decay": 0.1, "adam_w_mode": False}}
+        engine = offload.initialize(model=model, config=config)[0]
+    else:
+        del config["optimizer"]
+        opt = CPUAdam(model.parameters(), lr=2e-3, weight_decay=0.1, adamw_mode=client_mode)
+        engine = offload.initialize(model=model, config=config, optimizer=opt)[0]
+    losses = []
+    for tokens in batches(3, 2):
+        losses.append(engine.backward(loss_of(engine, "gpt", tokens)).item())
+        engine.step()
+    engine.close()
+    return losses
+
+
+def test_offloads_own_cpu_adam_as_the_client_optimizer_keeps_its_mode():
+    """A CPUAdam keeps adamw_mode and bias_correction in its param groups (it failed with AttributeError here):
+    adamw_mode False is the config's Adam with adam_w_mode false, step for step; True is not."""
+    runs = {mode: run_ranks(_cpu_adam_client_run, 1, client_mode=mode)[0] for mode in (None, False, True)}
+    assert runs[False] == runs[None]
+    assert runs[True][1:] != runs[None][1:]
+
+
+def test_a_cpu_adam_whose_groups_differ_in_mode_is_refused():
+    from offload.optim import CPUAdam
+    model = make_model("gpt")
+    decay, no_decay = _groups(model)
+    opt = CPUAdam([decay, {**no_decay, "adamw_mode": False}], lr=1e-3)
+    config = base_config(2, 1, 1)
+    del config["optimizer"]
+    with pytest.raises(offload.EngineError, match="differ in adamw_mode or bias_correction"):
+        offload.initialize(model=model, config=config, optimizer=opt, device="cpu")
+
+
 def test_config_scheduler_follows_deepspeed_warmup():
     config = {**base_config(2, 1, 1), "scheduler": {"type": "WarmupLR", "params": {
         "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10, "warmup_type": "log"}}}

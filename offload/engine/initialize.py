@@ -125,8 +125,13 @@ def _optimizer_groups(model: nn.Module, model_parameters: Iterable[Any] | None, 
         if callable(client) and not isinstance(client, torch.optim.Optimizer):
             params = list(model_parameters) if model_parameters is not None else list(model.parameters())
             client = client(params)
-        if isinstance(client, CPUAdam):
-            adamw, bias = client.adamw_mode, client.bias_correction
+        if isinstance(client, CPUAdam):  # its modes are per group; the engine steps every group alike
+            modes = {(bool(g["adamw_mode"]), bool(g["bias_correction"])) for g in client.param_groups}
+            if len(modes) > 1:
+                raise EngineError("the CPUAdam passed has param groups that differ in adamw_mode or "
+                                  "bias_correction; offload steps every group with one of each: give every group "
+                                  "the same")
+            adamw, bias = modes.pop()
         elif isinstance(client, (torch.optim.AdamW, torch.optim.Adam)):
             if any(g.get("amsgrad") for g in client.param_groups):
                 raise EngineError("amsgrad is not supported; use amsgrad=False")
