@@ -97,7 +97,7 @@ def test_kernels_work_in_a_forked_child_after_the_pool_started():
     """A forked child (DataLoader workers, for one) has none of the parent's pool threads."""
     code = (
         "import os, torch\n"
-        "from offload import native\n"
+        "from offload.machine import native\n"
         "x = torch.ones(1 << 20)\n"
         "assert native.grad_sq_norm(x, threads=2).sum_sq == float(1 << 20)\n"
         "pid = os.fork()\n"

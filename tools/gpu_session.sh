@@ -167,7 +167,7 @@ deepspeed_device() {
 
 adam_threads() {  # its JSON records the host's cores and those this process may use (install printed them too)
   py -m offload bench adam --sizes 156M --out "$OUT/adam.json" &&
-  py -m offload bench adam --sizes 156M --threads "$($PY -c 'from offload import cpus; print(cpus.usable_cpus())')" \
+  py -m offload bench adam --sizes 156M --threads "$($PY -c 'from offload.machine import cpus; print(cpus.usable_cpus())')" \
     --out "$OUT/adam-all-cpus.json"
 }
 
