@@ -153,12 +153,50 @@ def test_a_damaged_checkpoint_is_an_error_naming_the_file_and_changes_nothing(sa
     engine.close()
 
 
+def _auto_resume(rank, world, dirs):
+    """DeepSpeed's auto-resume idiom on directory ``dirs[rank]``: what load_checkpoint returned (or raised), and
+    whether the engine's weights stayed as they were."""
+    torch.manual_seed(0)
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, world))
+    before = engine.full_state_dict()
+    try:
+        out: object = engine.load_checkpoint(dirs[rank])
+    except CheckpointError as e:
+        out = f"CheckpointError: {e}"
+    after = engine.full_state_dict()
+    engine.close()
+    return out, all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_auto_resume_from_nothing_saved_warns_and_returns_none(tmp_path, world, caplog):
+    """An empty or missing directory (no 'latest') is DeepSpeed's (None, None) and a warning, on every rank, and
+    the engine's state is untouched; a script's `_, client = engine.load_checkpoint(d)` then starts fresh."""
+    (tmp_path / "empty").mkdir()
+    for where in ("empty", "missing"):
+        out = run_ranks(_auto_resume, world, dirs=[str(tmp_path / where)] * world)
+        assert out == [((None, None), True)] * world, where
+    engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1), device="cpu")[0]
+    with caplog.at_level(logging.WARNING, logger="offload.engine"):
+        assert engine.load_checkpoint(tmp_path / "missing") == (None, None)
+    engine.close()
+    assert "holds no checkpoint ('latest' is missing)" in caplog.text
+
+
+def test_ranks_that_disagree_on_latest_all_raise(tmp_path, saved):
+    """Rank 0 sees a checkpoint and rank 1 none (no shared file system): both raise rather than one loading alone
+    (its collectives would wait for a rank that never joins)."""
+    (tmp_path / "empty").mkdir()
+    out = run_ranks(_auto_resume, 2, dirs=[str(saved.parent), str(tmp_path / "empty")])
+    assert out[0][0].startswith("CheckpointError: rank 0: ") and "is there on this rank but not on every" in out[0][0]
+    assert out[1][0].startswith("CheckpointError: rank 1: ") and "is missing on this rank but not on every" in out[1][0]
+    assert out[0][1] and out[1][1]
+
+
 def test_missing_or_mismatched_checkpoints_are_clear_errors(saved, tmp_path):
     engine = _engine()
     with pytest.raises(CheckpointError, match="no complete checkpoint with tag 'nope'.*global_step2"):
         engine.load_checkpoint(tmp_path, tag="nope")
-    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
-        engine.load_checkpoint(tmp_path / "empty")
     engine.close()
     wider = offload.initialize(model=GPT(GPTConfig(vocab_size=VOCAB, context=SEQ, hidden_size=48, layers=3, heads=2)),
                                config=base_config(2, 1, 1))[0]

@@ -352,6 +352,8 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
     history: list[float] = []
     if args.resume:
         path, client = engine.load_checkpoint(save_dir, tag=args.tag)
+        if path is None or client is None:  # checked before the engine was built; gone since
+            raise TrainError(f"--resume: {save_dir} holds no checkpoint (no 'latest')")
         first_step = int(client.get("step", engine.global_steps))
         say(f"resumed from {path} at step {first_step}")
         history = _earlier_losses(out_dir / "record.json", first_step)

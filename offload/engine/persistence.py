@@ -6,6 +6,7 @@ which do the work."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,8 @@ from offload.engine.life import Lifetime
 from offload.optim.loss_scale import LossScaler
 from offload.optim.sharded import ShardedAdam
 from offload.observe.telemetry import Telemetry
+
+logger = logging.getLogger("offload.engine")
 
 
 class Persistence:
@@ -96,14 +99,21 @@ class Persistence:
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | int | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+                        load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
         """Resume from ``load_dir``'s ``latest`` (or ``tag``): ``(path, client_state)``, checksums first. The
-        arguments in DeepSpeed's order; every key of the module is loaded (``load_module_strict`` must be True)."""
+        arguments in DeepSpeed's order; every key of the module is loaded (``load_module_strict`` must be True).
+        Without ``tag`` and with no ``latest`` there (nothing saved yet), a warning and ``(None, None)``, as
+        DeepSpeed answers, so that a script's auto-resume starts fresh."""
         if not load_module_strict:
             raise EngineError("load_checkpoint(load_module_strict=False) is not supported: offload loads every key "
                               "of the module and refuses a checkpoint that lacks one; pass load_module_strict=True")
         tag = None if tag is None else str(tag)  # DeepSpeed's tags may be numbers
         self.life.check()
+        if tag is None and not saving.found_latest(self, load_dir):
+            logger.warning("load_checkpoint: %s holds no checkpoint ('latest' is missing), so nothing was loaded "
+                           "and training goes on from the engine's state; pass tag= to load a specific one",
+                           os.fspath(load_dir))
+            return None, None
         self._drain("loading the checkpoint")
         with self.telemetry.span("checkpoint", "load"):
             path, client_state = saving.load(self, load_dir, tag, load_optimizer_states,

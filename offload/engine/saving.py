@@ -228,6 +228,21 @@ def _write_rank_files(engine: Any, tmp: Path, client_state: dict[str, Any] | Non
     return files
 
 
+def found_latest(engine: Any, load_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``load_dir`` has a ``latest`` checkpoint to resume from, agreed by every rank: one that saw none
+    while another did would leave that one alone in the load's collectives, so ranks that disagree all raise."""
+    latest = Path(load_dir) / LATEST
+    found, group, device = latest.is_file(), engine.group, engine.accel.device
+    if group.world == 1:
+        return found
+    if all_ok(not found, group, device):  # no rank found it
+        return False
+    if all_ok(found, group, device):
+        return True
+    raise CheckpointError(f"rank {group.rank}: {latest} is {'there' if found else 'missing'} on this rank but not on "
+                          "every rank; to resume, every rank must see the same directory (a shared file system)")
+
+
 def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[Path, dict[str, Any]]:
     """Every rank calls it. Checks first (layout, world size, checksums on every rank), then changes state.

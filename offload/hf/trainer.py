@@ -138,7 +138,7 @@ class Trainer(transformers.Trainer):
         else:
             self._renew_lr_schedule(max_steps)
         if resume_from_checkpoint is not None:
-            self.engine.load_checkpoint(Path(resume_from_checkpoint) / ENGINE_CHECKPOINT)
+            self._load_engine_checkpoint(Path(resume_from_checkpoint))
         self.model_wrapped = self.model
         return self.model, train_dataloader
 
@@ -207,7 +207,15 @@ class Trainer(transformers.Trainer):
     def _load_best_model(self) -> None:
         """load_best_model_at_end: the best checkpoint's engine state, as DeepSpeed's integration loads its whole
         checkpoint (the weights alone would leave the engine's fp32 masters at the last step)."""
-        self.engine.load_checkpoint(Path(self.state.best_model_checkpoint) / ENGINE_CHECKPOINT)
+        self._load_engine_checkpoint(Path(self.state.best_model_checkpoint))
+
+    def _load_engine_checkpoint(self, checkpoint: Path) -> None:
+        """The engine's state saved in a Trainer checkpoint; one without it is refused, as Hugging Face's DeepSpeed
+        integration refuses it (the engine's own load would warn and go on from where it is)."""
+        path, _ = self.engine.load_checkpoint(checkpoint / ENGINE_CHECKPOINT)
+        if path is None:
+            raise ValueError(f"offload.hf.Trainer: {checkpoint} holds no engine checkpoint ({ENGINE_CHECKPOINT}/latest "
+                             "is missing): resume from a checkpoint this Trainer saved")
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         if self.engine is not None and optimizer is None:
