@@ -84,17 +84,15 @@ def drained(optimizer: ShardedAdam, group: Group, accel: Accelerator, before: st
     """Every gradient landed and every step handed to a host thread done (``publish``: and the last delayed
     update published), agreed by every rank (see [Note: one rank's failed step]); ``before``: the collective
     a rank that failed here would leave the others in."""
-    if group.world == 1 or not optimizer.offload:  # nothing of it can fail on one rank alone
-        if publish:
-            optimizer.publish()
-        optimizer.drain()
-        return
+    alone = group.world == 1 or not optimizer.offload  # nothing of it can fail on one rank alone
     error: Exception | None = None
     try:
         if publish:
             optimizer.publish()
         optimizer.drain()
     except Exception as e:  # noqa: BLE001 - raised once every rank knows
+        if alone:
+            raise
         error = e
-    if not all_ok(error is None, group, accel.device):
+    if not alone and not all_ok(error is None, group, accel.device):
         raise error or errors.peer_failed_before(group.rank, before)

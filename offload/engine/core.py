@@ -143,8 +143,7 @@ class Engine(DeepSpeedAccessors, Persistence):
             with self.telemetry.span("backward"):
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         except BaseException as e:
-            self.life.left_collectives("backward", e,
-                                   collectives=not self.stage.resident_params or reduce)
+            self.life.left_collectives("backward", e, collectives=not self.stage.resident_params or reduce)
             self.runtime.abort_backward()
             self.activations.discard()
             if not self.stage.reduce_every_micro_batch and self.accumulation.pending:

@@ -102,7 +102,10 @@ VoteFor = Callable[[], StepVote | None]  # the ranks' vote at the commit point, 
 class StepReturn:
     """How ``engine.step()`` runs Adam once the factor is known, and whether it waits for it."""
 
-    forward_order = False  # the step's NVMe reads go in the next forward's order
+    @property
+    def forward_order(self) -> bool:
+        """Whether the step's NVMe reads go in the next forward's order (it returns before them)."""
+        return False
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, stepped_in_backward: bool,
               vote: VoteFor) -> None:
@@ -125,7 +128,9 @@ class Whole(StepReturn):
 
 
 class Early(StepReturn):
-    forward_order = True
+    @property
+    def forward_order(self) -> bool:
+        return True
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, stepped_in_backward: bool,
               vote: VoteFor) -> None:
@@ -162,7 +167,7 @@ class Delayed(StepReturn):
     exact: Whole | Early
 
     @property
-    def forward_order(self) -> bool:  # type: ignore[override]  # as the exact steps' schedule
+    def forward_order(self) -> bool:  # as the exact steps' schedule
         return self.exact.forward_order
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, stepped_in_backward: bool,

@@ -147,7 +147,6 @@ class ShardedAdam:
                                        reads_in_place=plan.grads_read_where_they_land, offloaded=self.steps_on_host,
                                        claim=lambda state: self.speculation.claim(state),
                                        after=self._step_during_backward)
-        self._land = self.landing.worker  # the landing worker runs the early step too (see early_step.py)
         # The delayed update's Adam runs on a thread of its own, so the next backward's gradients land beside it
         # (see [Note: delayed update] in offload/optim/early_step.py).
         adam = accel.host_queue("delayed-adam") if self.offload and plan.delayed else None
@@ -165,7 +164,7 @@ class ShardedAdam:
                                          telemetry=self.telemetry, spare=plan.second_slots)
         self.speculation = Speculation(self.shards, self.store, self.update, self.telemetry, lane)
         self.early = EarlyStep(accel, self.shards, self.store, params, self.update, self.speculation, self.telemetry,
-                               self._land, adam, plan.staged)
+                               self.landing.worker, adam, plan.staged)  # the landing worker runs the early step
 
     def _reserve_host(self, parts: dict[str, int]) -> None:
         """Account the host bytes of accumulators, copies and landing buffers (the plan sized them and checked
@@ -284,15 +283,14 @@ class ShardedAdam:
         (see [Note: gradients read where they land] in landing.py). ``guess``: with ``overlap``, speculate that the
         step's factor is this (see [Note: speculative step] in speculation.py). ``early``: the step will return
         early, so the NVMe reads go in the forward's order (see [Note: the early step on NVMe] in early_step.py)."""
-        self.landing.last_begins(only, overlap=None)
+        self.landing.last_begins(only, self._overlap_plan(guess) if overlap else None)
         forward = early and not overlap
-        if early and self.can_return_early_with_nvme and self._land is not None:
+        worker = self.landing.worker
+        if early and self.can_return_early_with_nvme and worker is not None:
             # Queued behind the last step's pass, which may still hold the buffers (the queue orders the two).
-            self._land.run(lambda: self._read_ahead_quietly(forward))
+            worker.run(lambda: self._read_ahead_quietly(forward))
         else:
             self.store.read_ahead(forward)
-        if overlap:
-            self.begin_overlap(guess)
 
     def _read_ahead_quietly(self, forward: bool) -> None:
         """On the landing worker: the step's first reads; one that fails is dropped here (the worker goes on) and
@@ -307,7 +305,7 @@ class ShardedAdam:
         run (re-raises a failed copy or step); ``speculation`` False: not the speculative Adam, which the step
         claims shard by shard (see [Note: speculation on a lane of its own] in speculation_lane.py)."""
         waits: list[Callable[[], None]] = []
-        land, lane, adam = self._land, self.speculation.lane, self.early.adam
+        land, lane, adam = self.landing.worker, self.speculation.lane, self.early.adam
         if land is not None:
             waits.append(lambda: self.accel.drain(land, "gradients drained"))
         if speculation and lane is not None:
@@ -373,13 +371,17 @@ class ShardedAdam:
                          weight_decay=float(g["weight_decay"]), adamw_mode=self.adamw_mode,
                          bias_correction=self.bias_correction)
 
+    def _hypers(self) -> list[AdamHyper]:
+        """Every param group's hyperparameters as the step reads them now (an LR schedule changes them)."""
+        return [self.hyper(i) for i in range(len(self.param_groups))]
+
     def apply(self, grad_scale: float, vote: StepVote | None = None) -> None:
         """One Adam step on every shard with gradients scaled by ``grad_scale``; new params go back to the device
         only after every sub-group's step succeeded (a failed NVMe transfer leaves the last step intact).
-        Shards already stepped during backward (see ``begin_overlap``) are skipped. ``vote``: the ranks' agreement
-        at the commit point (see [Note: one rank's failed step] in offload/engine/agreement.py)."""
+        Shards already stepped during backward (see ``last_backward_begins``) are skipped. ``vote``: the ranks'
+        agreement at the commit point (see [Note: one rank's failed step] in offload/engine/agreement.py)."""
         self.params.wait_copies_back()  # last step's copies read the host copies, which this step rewrites
-        hypers = [self.hyper(i) for i in range(len(self.param_groups))]
+        hypers = self._hypers()
         step = self.adam_steps + 1
         try:
             if self._nvme_error is not None:  # an NVMe transfer failed during backward
@@ -429,10 +431,10 @@ class ShardedAdam:
     def apply_early(self, grad_scale: float, delayed: bool = False) -> None:
         """``apply``, handed to a host thread: returns at once (see [Note: early step] in early_step.py);
         ``delayed``: the new shards are staged until the next ``publish`` (see [Note: delayed update] there)."""
-        assert self._land is not None
+        assert self.landing.worker is not None
         assert self.can_return_early or (self.can_return_early_with_nvme and not delayed)
         step = self.adam_steps + 1
-        self.early.run(grad_scale, [self.hyper(i) for i in range(len(self.param_groups))], step, delayed)
+        self.early.run(grad_scale, self._hypers(), step, delayed)
         self.adam_steps = step
         self.landing.end_accumulation()
 
@@ -457,13 +459,11 @@ class ShardedAdam:
                              if (g.spare is not None or g.tier is Tier.NVME) and u not in self.update.nvme_units)
         return frozenset(u for u, (g, _) in self.store.by_unit.items() if g.tier is not Tier.DEVICE)
 
-    def begin_overlap(self, guess: float | None = None) -> None:
+    def _overlap_plan(self, guess: float | None) -> Overlap:
         """The coming backward is the last of the accumulation and nothing global gates the update (or
         ``guess`` is the factor to speculate with): each shard's Adam runs on the host thread as soon as its
         gradient is accumulated (see [Note: overlapped step], and [Note: speculative step] in speculation.py)."""
-        hypers = [self.hyper(i) for i in range(len(self.param_groups))]
-        self.landing.overlap = Overlap(self.overlap_ready_units(guess is not None), hypers, self.adam_steps + 1,
-                                       guess)
+        return Overlap(self.overlap_ready_units(guess is not None), self._hypers(), self.adam_steps + 1, guess)
 
     def abandon_overlap(self) -> int:
         """The overlapped backward failed: stop stepping shards; returns how many were already stepped."""
