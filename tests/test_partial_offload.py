@@ -100,15 +100,6 @@ def test_a_split_keeps_the_early_and_speculative_steps_bitwise(mode):
         assert torch.equal(runs["on"][0]["state"][key], value), key
 
 
-def test_a_partial_offload_beside_offloaded_parameters_is_refused_with_what_to_do():
-    config = ratio_config(1, 1, 0.5)
-    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    with pytest.raises(offload.ConfigError, match=r"offload_optimizer.ratio: 0.5 keeps part of the optimizer state "
-                                                  r"on the device.*offload_param.device is 'cpu': set it to none, "
-                                                  r"or ratio to 1"):
-        offload.initialize(model=make_model("gpt"), config=config)
-
-
 def test_auto_stays_auto_through_resolve_and_keeps_nothing_on_a_cpu_without_a_device_budget():
     config = Config.load(ratio_config(1, 1, "auto")).resolve(world_size=1)
     assert config.zero_optimization.offload_optimizer.ratio is AUTO

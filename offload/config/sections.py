@@ -238,7 +238,8 @@ class OffloadOptimizerConfig:
         1.0, "Fraction of the optimizer state that is offloaded (DeepSpeed's meaning); the rest, the units the "
              "next forward needs first, stays on the compute device and is stepped there. auto: as much as the "
              "device budget (or half the memory free at start, after the resident state and gathers) holds, in "
-             "that order; the rest offloaded. Below 1 needs offload_param.device none.",
+             "that order; the rest offloaded. Beside offloaded parameters those units' shards stay on the device "
+             "too.",
         ge=0, le=1, auto=True)
 
     def check(self, path: str) -> None:

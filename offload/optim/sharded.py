@@ -31,7 +31,9 @@ and Adam steps them there (torch's fused kernel on a GPU, the native kernel on a
 see [Note: Adam on a discrete device] in offload/optim/adam.py),
 writing the new shard straight into the device home; the rest take the offloaded paths
 above. With the early step the device units step on the training thread before it
-returns (in stream order, so the next forward needs no wait for them).
+returns (in stream order, so the next forward needs no wait for them). Beside offloaded
+parameters those units' shards are homed on the device too (offload/store/placement.py:
+[Note: a split beside offloaded parameters]).
 
 [Note: parameter return] The step writes each new compute-dtype shard where the
 parameter store says (offload/store/param_store.py: [Note: the step's target]); a shard

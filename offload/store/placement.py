@@ -114,11 +114,15 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     homes = {i: off_device for i, _ in shard_sizes} | {i: Tier.NVME for i, _ in nvme_params}
     trained_sizes = [(i, n) for i, n in shard_sizes if i in trained]
     out = Placement(homes, nvme_params, plan_sub_groups(trained_sizes, int(zero.sub_group_size)), False)
-    if parts == 1 and discrete and not resident_params:
+    alias = parts == 1 and discrete and not resident_params
+    if alias:
         out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
     _plan_device_resident(out, shard_sizes, trained_sizes, config, item, parts, resident_params, whole_grads)
     if opt.device != "none" and trained_sizes:
         _plan_state_on_device(out, shard_sizes, trained_sizes, config, item, parts, device_free)
+        if alias:  # the units homed on the device beside offloaded parameters are read there too
+            out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
+    nvme_params = out.nvme_params
     offloaded_sizes = [(i, n) for i, n in trained_sizes if i not in out.state_on_device]
     if (opt.device != "none" and discrete and not one_micro_batch and not whole_grads
             and config.offload.accumulate_on_device and offloaded_sizes):
@@ -282,16 +286,19 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
     """A partial optimizer offload (offload_optimizer.ratio below 1, or auto): the optimizer state of the first
     units, the ones the next forward needs first, stays on the device with an fp32 gradient accumulator each, and
     is stepped there. ratio r keeps the units nearest (1 - r) of the elements; auto as many as the device's
-    room holds (none where nothing bounds it: a CPU device's memory is the host's)."""
+    room holds (none where nothing bounds it: a CPU device's memory is the host's). Beside offloaded parameters
+    the kept units' shards are homed on the device too (see [Note: a split beside offloaded parameters])."""
     zero = config.zero_optimization
-    ratio, params_home = zero.offload_optimizer.ratio, zero.offload_param.device
+    ratio, params_offloaded = zero.offload_optimizer.ratio, zero.offload_param.device != "none"
     room = _device_room(out, shard_sizes, config, item, parts, device_free)
-    cost = [(i, n, round_up(12 * n) + 4 * n) for i, n in trained_sizes]  # state (a sub-group each at worst), grads
+    # state (a sub-group each at worst), the fp32 accumulator and, beside offloaded parameters, the shard itself
+    cost = [(i, n, round_up(12 * n) + 4 * n + (item * n if params_offloaded else 0))
+            for i, n in trained_sizes]
     out.state_fits_device = room is not None and sum(c for *_, c in cost) <= room
     chosen: list[tuple[int, int]] = []
     if ratio is AUTO:
-        if params_home != "none" or room is None:
-            return  # device-homed parameters only; and a CPU device without a budget gains nothing
+        if room is None:
+            return  # a CPU device without a budget gains nothing
         used = 0
         for i, n, c in cost:
             if used + c > room:
@@ -299,12 +306,6 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
             chosen.append((i, n))
             used += c
     elif ratio < 1:
-        if params_home != "none":
-            out.problems.append(ConfigError(
-                "zero_optimization.offload_optimizer.ratio", f"{ratio:g} keeps part of the optimizer state on the "
-                f"device, which steps the parameters homed there; offload_param.device is {params_home!r}: set it "
-                "to none, or ratio to 1"))
-            return
         target, total = (1 - ratio) * sum(n for _, n in trained_sizes), 0
         for i, n in trained_sizes:  # the prefix whose size is nearest the target
             if total + n / 2 > target:
@@ -317,6 +318,20 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
     out.groups = plan_sub_groups(trained_sizes, int(zero.sub_group_size), out.state_on_device)
     out.device["optimizer state"] = sum(g.nbytes for g in out.groups if g.tier is Tier.DEVICE)
     out.device["gradient accumulators"] = 4 * sum(n for _, n in chosen)
+    if params_offloaded:
+        _home_on_device(out, shard_sizes, item, parts)
+
+
+def _home_on_device(out: Placement, shard_sizes: list[tuple[int, int]], item: int, parts: int) -> None:
+    """[Note: a split beside offloaded parameters] A unit whose optimizer state stays on the device is stepped
+    there, and the device step writes the new shard into a device home: so beside offloaded parameters (host or
+    NVMe) those units' shards are homed on the device too, and the rest keep the home offload_param gives them.
+    Such a unit is never brought over from the host again; with one rank on a GPU it is read where it lives, never
+    gathered (``aliased``, set by ``plan``), as every unit is with offload_param none."""
+    moved = out.state_on_device
+    out.homes.update(dict.fromkeys(moved, Tier.DEVICE))
+    out.nvme_params = [(i, n) for i, n in out.nvme_params if i not in moved]
+    out.device["shards"] = out.device.get("shards", 0) + item * sum(n for i, n in shard_sizes if i in moved)
 
 
 def _plan_device_accumulators(out: Placement, shard_sizes: list[tuple[int, int]],
@@ -357,10 +372,14 @@ def _check_device(out: Placement, shard_sizes: list[tuple[int, int]], config: An
         return
     largest = max(out.gathered(shard_sizes), default=0) * parts * item
     if resident > budget or budget - resident < largest:
+        if out.state_on_device:
+            optimizer = " and the optimizer state offload_optimizer.ratio keeps there"
+        fix = ("raise offload_optimizer.ratio (or set it to auto, which fills the budget)" if out.state_on_device
+               else "offload the optimizer (offload_optimizer.device: cpu)" if not offloaded else "")
         out.problems.append(ConfigError(
             "offload.budgets.device", f"{budget:,} bytes cannot hold this rank's resident state ({resident:,} bytes: "
             f"shards{optimizer})" + (f" plus the largest unit gathered ({largest:,} bytes)" if largest else "")
-            + f"; raise it to at least {resident + largest:,}, offload the optimizer (offload_optimizer.device: "
-            "cpu), use more ranks, or lower offload.unit_bytes"))
+            + f"; raise it to at least {resident + largest:,}, {fix + ', ' if fix else ''}use more ranks, or lower "
+            "offload.unit_bytes"))
         return
     out.gather_room = (budget - resident) // item
