@@ -174,3 +174,14 @@ def test_the_device_tier_steps_with_torchs_fused_kernel_on_a_discrete_device_onl
     assert sorted(set(calls)) == ([1, 2] if discrete else [])
     assert len(norms) == (2 if discrete else 0)  # one multi-tensor norm a step over the device's gradients
     check_parity([results], train_reference("gpt", 2, 2, 2, world=1))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_split_at_stages_1_and_2_trains_as_plain_pytorch(stage):
+    """The parameters stay whole on the device there; the state of the first units stays with them."""
+    config = ratio_config(2, 2, 0.5)
+    config["zero_optimization"]["stage"] = stage
+    results = run_ranks(train_engine, 2, name="gpt", config=config, steps=3, micro=2, accum=2)
+    memory = results[0]["memory"]
+    assert memory["device"]["optimizer state"] > 0 and memory["host"]["optimizer state"] > 0
+    check_parity(results, train_reference("gpt", 3, 8, 2, world=2))
