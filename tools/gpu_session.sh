@@ -171,11 +171,46 @@ adam_threads() {  # its JSON records the host's cores and those this process may
     --out "$OUT/adam-all-cpus.json"
 }
 
+# #44: a model larger than the GPU at the GPU's pace. Each row beside plain PyTorch in the same run, with its floor
+# (max of plain PyTorch's forward + backward and the host's Adam share at the host step's rate measured in the run):
+# the 0.91B GPT (16 x 2048, seq 1024, micro-batch 8) and the 4.5B one (28 x 3584, seq 1024, micro-batch 4), bf16,
+# no clipping; full offload, auto beside host params, auto with params on the GPU. auto without a budget keeps to
+# half the GPU's free memory (the activations' share is not measured yet), so the 4.5B model runs again under a
+# device budget that leaves its activations about 10 GiB.
+M091=(--device cuda --world 1 --dtype bf16 --hidden 2048 --layers 16 --seq 1024 --vocab 50304 --micro 8)
+M4P5B_SEQ1K=(--device cuda --world 1 --dtype bf16 --hidden 3584 --layers 28 --seq 1024 --vocab 50304 --micro 4)
+pace() {  # name, extra flags...
+  local name=$1; shift
+  py -m offload bench step --baseline floor --clip 0 --unit-bytes 64Mi "$@" --out "$OUT/$name/step-vs-floor.json"
+}
+
+# #44's 8B Llama-3-shaped model (hidden 4096, 32 layers, 8 KV heads, intermediate 14336, vocabulary 128256, seq 2048,
+# bf16, activation checkpointing) through offload.hf.Trainer, then DeepSpeed through transformers' deepspeed=, then
+# plain PyTorch (its out-of-memory shown): tools/trainer_pace.py, one process a side. offload reads the config with
+# ratio auto under a 68 GiB device budget (an offload key DeepSpeed ignores); DeepSpeed's ratio is a number only, so
+# it reads the same file with the whole optimizer state on the host (ZeRO-Infinity's usual setting).
+trainer_8b() {
+  local d=$OUT/trainer-8b; mkdir -p "$d"
+  local base='"bf16": {"enabled": true}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}'
+  echo "{$base, \"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"cpu\", \"pin_memory\": true}, \"offload_optimizer\": {\"device\": \"cpu\", \"pin_memory\": true, \"ratio\": \"auto\"}}, \"offload\": {\"budgets\": {\"device\": \"68GiB\"}}}" > "$d/config-offload.json"
+  echo "{$base, \"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"cpu\", \"pin_memory\": true}, \"offload_optimizer\": {\"device\": \"cpu\", \"pin_memory\": true}}}" > "$d/config-deepspeed.json"
+  local side
+  for side in ${TRAINER_SIDES:-offload deepspeed plain}; do
+    local config=$d/config-offload.json; [ "$side" = offload ] || config=$d/config-deepspeed.json
+    STAGE_S=${TRAINER_S:-240} py tools/trainer_pace.py --side "$side" --config "$config" --out "$d/$side.json" \
+      --steps "${TRAINER_STEPS:-3}" --warmup 2 || echo "$side: rc=$?"
+  done
+}
+
 stages=()
 for s in "$@"; do
   case "$s" in
     plan1) stages+=(install cuda-tests sanitizer bench-step-threads bench-step-checkpointing) ;;
     plan2) stages+=(bench-deepspeed-1p3b) ;;
+    # #44 in two calls of about ten minutes (run(carry=[".whl"], timeout_s=600, command='BUNDLE=$OUT/p44a.tgz
+    # OUT=/tmp/gs STAGE_S=280 tools/gpu_session.sh plan44a'), then plan44b the same way, with install first if cold).
+    plan44a) stages+=(install pace-0p9b pace-4p5b) ;;
+    plan44b) stages+=(trainer-8b pace-4p5b-budget) ;;
     *) stages+=("$s") ;;
   esac
 done
@@ -231,6 +266,10 @@ for s in "${stages[@]}"; do
     bench-step-nvme-optimizer) stage bench-step-nvme-optimizer py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants nvme-optimizer,nvme-optimizer-speculative-kept --out "$OUT/step-nvme-optimizer/step.json" ;;
     # Params and optimizer state on NVMe, stepped whole beside their NVMe passes run after step() returned (early on).
     bench-step-nvme-early) stage bench-step-nvme-early py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants nvme,nvme-early --out "$OUT/step-nvme-early/step.json" ;;
+    pace-0p9b) stage pace-0p9b pace pace-0p9b "${M091[@]}" --steps 4 --warmup 2 --rounds 2 --variants full,auto,auto-params-device ;;
+    pace-4p5b) stage pace-4p5b pace pace-4p5b "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants full,auto,auto-params-device ;;
+    pace-4p5b-budget) stage pace-4p5b-budget pace pace-4p5b-budget "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --device-budget 68Gi --variants auto,auto-params-device ;;
+    trainer-8b) STAGE_S=${TRAINER_S:-240} stage trainer-8b trainer_8b ;;
     *) echo "unknown stage $s" ;;
   esac
 done

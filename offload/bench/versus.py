@@ -154,7 +154,7 @@ class VersusResult:
     samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
 
-def _timed(forward: Any, backward: Any, step: Any, b: StepBench, world: int, rank: int, device: str
+def timed(forward: Any, backward: Any, step: Any, b: StepBench, world: int, rank: int, device: str
            ) -> tuple[list[float], dict[str, list[float]]]:
     steps, phases = [], {p: [] for p in PHASES}
     for i, tokens in enumerate(batches(b, b.warmup + b.steps, b.micro * world)):
@@ -171,8 +171,10 @@ def _timed(forward: Any, backward: Any, step: Any, b: StepBench, world: int, ran
     return steps, phases
 
 
-def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_path: str) -> dict[str, Any]:
-    """One rank of one side: build the model (seed 0), the engine from ``config_path``, time the steps."""
+def side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_path: str, clip: float = 1.0
+              ) -> dict[str, Any]:
+    """One rank of one side: build the model (seed 0), the engine from ``config_path``, time the steps (plain
+    PyTorch clips at ``clip``, 0: not at all; an engine as its config says)."""
     b = StepBench(**bench)
     torch.manual_seed(0)
     model = b.build_model()
@@ -193,7 +195,8 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
             loss[0].backward()
 
         def step() -> None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
         device = b.device
@@ -218,7 +221,7 @@ def _side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_p
         def step() -> None:
             engine.step()
     start_s = time.perf_counter() - started
-    steps, phases = _timed(forward, backward, step, b, world, rank, device)
+    steps, phases = timed(forward, backward, step, b, world, rank, device)
     peak_device = torch.cuda.max_memory_allocated() if b.device == "cuda" else 0
     if side == "offload":
         engine.close()  # its swap files go with it
@@ -318,7 +321,7 @@ def run(b: StepBench, out: Path, log: TextIO | None = None, names: tuple[str, ..
                 # torch is one process on the whole global batch (the same rows), as a PyTorch user runs it
                 world, bench = (1, replace(b, micro=b.micro * b.world, world=1)) if side in PLAIN else (b.world, b)
                 try:
-                    ranks = run_ranks(_side_rank, world, timeout=3600, threads=threads * b.world // world, env=env,
+                    ranks = run_ranks(side_rank, world, timeout=3600, threads=threads * b.world // world, env=env,
                                       side=side, bench=asdict(bench), config_path=path)
                 except RankError as e:
                     result.errors[key] = str(e).strip().splitlines()[-1]

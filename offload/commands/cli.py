@@ -7,6 +7,7 @@ import argparse
 import os
 import platform
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             versus.print_table(result, sys.stdout)
             print(f"wrote {out} (the configs both sides read beside it)")
             return 0
+        if args.baseline == "floor":
+            from offload.bench import pace
+            if args.accum != 1:
+                raise UsageError("--baseline floor times one micro-batch a step (forward, backward and step): leave "
+                                 "--accum at 1")
+            try:
+                chosen = pace.variants(_names(args.variants))
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+            print(f"offload bench step --baseline floor: {', '.join(chosen)} beside plain PyTorch and the floor, "
+                  "one rank, alternating rounds", flush=True)
+            floor = pace.run(replace(bench, world=1), out, args.clip, log=sys.stdout, names=tuple(chosen))
+            pace.print_table(floor, sys.stdout)
+            print(f"wrote {out} (each variant's config beside it)")
+            return 0
         print(f"offload bench step: ZeRO stage {args.stage} beside plain PyTorch, alternating rounds", flush=True)
         try:
             result = step.run(bench, out, log=sys.stdout)
@@ -214,7 +230,7 @@ def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
                           sub_group_size=args.sub_group_size, trace_dir=str(out.parent), device=args.device,
                           stages=_stages(args.stage), checkpointing=args.checkpointing, profile=args.profile,
                           headline_only=args.headline_only, device_budget=args.device_budget,
-                          only=() if args.baseline == "deepspeed" else _names(args.variants))
+                          only=() if args.baseline != "torch" else _names(args.variants))
 
 
 def _names(listed: str | None) -> tuple[str, ...]:
@@ -545,10 +561,14 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                    help="offload.budgets.device of offload's variants, e.g. 12Gi (default: what is free at start); "
                         "below the optimizer state's size, ratio-auto splits the state as on a smaller GPU (plain "
                         "PyTorch is not bounded)")
-    b.add_argument("--baseline", choices=["torch", "deepspeed"], default="torch",
+    b.add_argument("--baseline", choices=["torch", "deepspeed", "floor"], default="torch",
                    help="deepspeed: the same model, batch and config (written once, read by both) through "
                         "DeepSpeed's ZeRO-3 with params and optimizer on the host (and on NVMe with --offload nvme), "
-                        "beside offload and plain PyTorch, in alternating rounds")
+                        "beside offload and plain PyTorch, in alternating rounds; floor: one rank of offload's "
+                        "placements (full, auto, auto-params-device, nvme) beside plain PyTorch and each one's floor, "
+                        "max(compute, the host's Adam share at the rate measured in the run)")
+    b.add_argument("--clip", type=float, default=1.0, help="gradient_clipping with --baseline floor (0: off; "
+                                                            "default 1.0)")
 
 
 def _output(args: argparse.Namespace) -> Path:
@@ -558,8 +578,8 @@ def _output(args: argparse.Namespace) -> Path:
         return Path(args.out)
     if args.command == "tune-nvme":
         return Path("offload-tune-nvme")
-    if args.what == "step" and args.baseline == "deepspeed":
-        return Path("bench-results") / "step-vs-deepspeed.json"
+    if args.what == "step" and args.baseline != "torch":
+        return Path("bench-results") / f"step-vs-{args.baseline}.json"
     return Path("bench-results") if args.what == "all" else Path("bench-results") / f"{args.what}.json"
 
 

@@ -1,0 +1,48 @@
+"""`offload bench step --baseline floor` (offload/bench/pace.py): each placement beside plain PyTorch and its floor,
+max(compute, the host's Adam share at the rate measured in the run)."""
+
+import json
+
+import pytest
+
+from offload.bench import pace
+from offload.commands.cli import main
+
+TINY = ["--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--vocab", "256", "--steps", "2",
+        "--warmup", "1", "--rounds", "1", "--unit-bytes", "16Ki"]
+
+
+def test_every_placement_is_timed_beside_plain_pytorch_against_its_floor(tmp_path, capsys):
+    out = tmp_path / "floor.json"
+    # a device budget that holds part of the optimizer state: auto splits it, full keeps it all on the host
+    assert main(["bench", "step", "--baseline", "floor", *TINY, "--dtype", "bf16", "--clip", "0", "--device-budget",
+                 "1Mi", "--variants", "full,auto,nvme", "--path", str(tmp_path / "nvme"), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    table = result["table"]
+    assert set(table) == {"torch", "torch-bf16", "full", "auto", "nvme"} and not result["errors"]
+    assert result["clip"] == 0.0 and result["host_adam_ns_per_element"] > 0
+    compute = min(table[s]["forward_s"] + table[s]["backward_s"] for s in ("torch", "torch-bf16"))
+    for side in ("full", "auto", "nvme"):
+        row = table[side]
+        host = row["host_elements"] * result["host_adam_ns_per_element"] * 1e-9
+        assert row["compute_s"] == pytest.approx(compute) and row["host_adam_s"] == pytest.approx(host)
+        assert row["floor_s"] == pytest.approx(max(compute, host))
+        assert row["to_floor"] == pytest.approx(row["step_s"] / row["floor_s"])
+    assert table["full"]["device_elements"] == 0 and table["full"]["host_elements"] > 0
+    assert 0 < table["auto"]["host_elements"] < table["full"]["host_elements"]  # the device kept the rest
+    assert table["auto"]["host_elements"] + table["auto"]["device_elements"] == table["full"]["host_elements"]
+    for name in ("full", "auto", "nvme"):  # each variant's config beside the result, as the engine read it
+        config = json.loads((tmp_path / f"config-{name}.json").read_text())
+        assert config["gradient_clipping"] == 0.0 and config["offload"]["budgets"]["device"] == 1 << 20
+    printed = capsys.readouterr().out
+    assert "floor = max(compute" in printed and "/floor" in printed
+
+
+def test_an_unknown_floor_variant_is_a_usage_error(tmp_path, capsys):
+    assert main(["bench", "step", "--baseline", "floor", *TINY, "--variants", "full,nope",
+                 "--out", str(tmp_path / "f.json")]) == 2
+    assert "no floor variant 'nope': choose from full, auto, auto-params-device, nvme" in capsys.readouterr().err
+
+
+def test_the_variants_default_to_the_three_placements_of_a_model_larger_than_the_gpu():
+    assert list(pace.variants()) == ["full", "auto", "auto-params-device"]

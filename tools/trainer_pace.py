@@ -1,0 +1,131 @@
+"""A Llama-shaped model fine-tuned through a Hugging Face Trainer on one GPU: offload's, DeepSpeed's, or plain.
+
+#44's row "a model larger than the GPU": the same Llama-3-shaped model (random weights, the same seed), the same
+synthetic tokens and the same DeepSpeed-format config on every side, activation checkpointing on as a user sets it
+(``gradient_checkpointing=True``), bf16. One side a process, so a side that runs out of memory (plain PyTorch: the
+state alone is 16 bytes a parameter) shows its error as it happened and the next side starts clean:
+
+  offload    offload.hf.Trainer(offload_config=CONFIG), the model built under offload.zero.Init (never whole in memory)
+  deepspeed  transformers.Trainer with TrainingArguments(deepspeed=CONFIG), its own zero.Init through the arguments
+  plain      transformers.Trainer without either: everything on the GPU (fp32 weights, bf16 autocast, AdamW)
+
+Each side writes one JSON line: tokens/s over the timed steps (median step time, after the warm-up), the GPU's high
+water, the process's peak RSS, the losses, or the error. ``--tiny`` shrinks the model for a CPU smoke run.
+
+  python tools/trainer_pace.py --side offload --config CONFIG --out trainer-offload.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            vocab_size=512, max_position_embeddings=256)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Random token rows (fixed seed): labels are the inputs, as causal-LM fine-tuning feeds them."""
+
+    def __init__(self, rows: int, seq: int, vocab: int) -> None:
+        self.ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--side", choices=["offload", "deepspeed", "plain"], required=True)
+    p.add_argument("--config", required=True, help="a DeepSpeed-format config, read as it is by both engines")
+    p.add_argument("--out", required=True, help="the JSON result")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--tiny", action="store_true", help="a tiny Llama on this machine's device: a smoke run")
+    args = p.parse_args()
+    out: dict[str, Any] = {"side": args.side, "seq": args.seq, "config": args.config}
+    started = time.perf_counter()
+    try:
+        out |= train(args)
+    except BaseException as e:  # out of memory included: shown as it happened
+        out["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        out["traceback"] = traceback.format_exc()[-4000:]
+    out["wall_s"] = time.perf_counter() - started
+    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if torch.cuda.is_available():
+        out["gpu_peak"] = torch.cuda.max_memory_allocated()
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(json.dumps({k: v for k, v in out.items() if k != "traceback"}))
+    return 0 if "error" not in out else 1
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    shape = TINY if args.tiny else LLAMA3_8B
+    seq = min(args.seq, shape["max_position_embeddings"])
+    model_config = LlamaConfig(**shape, torch_dtype="bfloat16")
+    total = args.warmup + args.steps
+    times: list[float] = []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t0)
+
+    common = dict(output_dir="/tmp/trainer-pace", per_device_train_batch_size=1, gradient_accumulation_steps=1,
+                  max_steps=total, learning_rate=1e-5, bf16=True, gradient_checkpointing=True,
+                  logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0,
+                  use_cpu=not torch.cuda.is_available())
+    data = Tokens(total, seq, shape["vocab_size"])
+    torch.manual_seed(0)
+    built = time.perf_counter()
+    if args.side == "offload":
+        import offload
+        import offload.hf
+        with offload.zero.Init():
+            model = LlamaForCausalLM(model_config)
+        trainer: Any = offload.hf.Trainer(model=model, args=TrainingArguments(**common), offload_config=args.config,
+                                          train_dataset=data, callbacks=[Clock()])
+    elif args.side == "deepspeed":
+        targs = TrainingArguments(**common, deepspeed=args.config)  # before the model: its zero.Init applies
+        model = transformers.AutoModelForCausalLM.from_config(model_config)
+        trainer = transformers.Trainer(model=model, args=targs, train_dataset=data, callbacks=[Clock()])
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(model_config)
+        trainer = transformers.Trainer(model=model, args=TrainingArguments(**common), train_dataset=data,
+                                       callbacks=[Clock()])
+    build_s = time.perf_counter() - built
+    params = sum(p.numel() for p in model.parameters())
+    result = trainer.train()
+    timed = times[args.warmup:] or times
+    step = statistics.median(timed)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {"params": params, "build_s": build_s, "step_s": step, "spread_s": [min(timed), max(timed)],
+            "tokens_per_s": seq / step, "steps": times, "losses": losses, "train_loss": result.training_loss}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
