@@ -237,3 +237,50 @@ def test_the_split_note_names_ratio_auto_as_the_config_says_it(tmp_path, capsys)
     assert main(["estimate", "--params", "1e9", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "offload_optimizer.ratio auto: the optimizer state of" in out and "AUTO" not in out
+
+
+@pytest.mark.parametrize("ratio", [1.0, "auto"])
+def test_the_estimate_predicts_the_step_term_by_term_and_as_the_max_of_its_terms(ratio):
+    """#44: compute (6 FLOPs a parameter a token), each tier's Adam, the parameters brought up for the forward's and
+    the backward's gathers and the host-stepped gradients sent down, at the rates given; a step that overlaps is the
+    largest of them, one whose stages run one after another their sum. auto under a device budget moves both the
+    state and the parameters of the first units to the device: less host Adam, fewer bytes over PCIe."""
+    from offload.commands.estimate import ActivationShape, StepRates
+    raw = base_config(4, 1, 1)
+    raw["bf16"] = {"enabled": True}
+    raw["zero_optimization"].update(offload_param={"device": "cpu"},
+                                    offload_optimizer={"device": "cpu", "ratio": ratio})
+    raw["offload"]["budgets"] = {"device": 600_000}  # about half the state
+    config = Config.load(raw).resolve(world_size=1)
+    units = model_units(make_model("gpt"), config)
+    rates = StepRates(device_gbps=2000.0, host_gbps=100.0, device_tflops=100.0, h2d_gbps=50.0, d2h_gbps=40.0)
+    est = estimate(units, config, 1, ActivationShape(2, 32, 4, 16, 4, 64), rates=rates)
+    terms, params = est.prediction.terms, est.params
+    assert terms["compute"] == pytest.approx(6 * params * 16 * 4 / 100e12 * 1e3)
+    assert terms["host Adam"] == pytest.approx(est.step_ms["host"])
+    if ratio == 1.0:
+        assert terms["device Adam"] == 0.0
+        assert terms["parameters up"] == pytest.approx(2 * 2 * params / 50e9 * 1e3)
+        assert terms["gradients down"] == pytest.approx(2 * params / 40e9 * 1e3)
+    else:
+        on_host = sum(n for n in units) - est.tiers["device"]["shards"] // 2
+        assert 0 < on_host < params and terms["device Adam"] == pytest.approx(est.step_ms["device"])
+        assert terms["device Adam"] > 0
+        assert terms["parameters up"] == pytest.approx(2 * 2 * on_host / 50e9 * 1e3)
+        assert terms["gradients down"] == pytest.approx(2 * on_host / 40e9 * 1e3)
+    assert est.prediction.overlapped_ms == pytest.approx(max(terms.values()))
+    assert est.prediction.serial_ms == pytest.approx(sum(terms.values()))
+    note = next(n for n in est.notes if n.startswith("the step predicted"))
+    assert f"overlapped {est.prediction.overlapped_ms:,.0f} ms" in note
+
+
+def test_without_the_models_shape_the_compute_term_is_unknown_and_no_step_is_predicted():
+    from offload.commands.estimate import StepRates
+    raw = base_config(4, 1, 1)
+    raw["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    config = Config.load(raw).resolve(world_size=1)
+    est = estimate(model_units(make_model("gpt"), config), config, 1,
+                   rates=StepRates(device_gbps=2000.0, host_gbps=100.0, device_tflops=100.0, h2d_gbps=50.0,
+                                   d2h_gbps=40.0))
+    assert est.prediction.terms["compute"] is None and est.prediction.overlapped_ms is None
+    assert any(n.startswith("the step's terms: compute ?") for n in est.notes)

@@ -4,7 +4,11 @@ stepped there, the rest keep the home offload_param gives them (host or NVMe), a
 PyTorch's. On this CPU the device tier is host memory with a budget of its own; the emulated discrete device
 takes the GPU's paths (landing buffers, copies, units read where they live)."""
 
+import logging
+
 import pytest
+
+import offload
 
 from engine_cases import check_bitwise, check_parity, make_model, train_engine, train_reference
 from offload.config import Config, ConfigError
@@ -13,7 +17,7 @@ from offload.machine.buffers import round_up
 from offload.machine.launch import run_ranks
 from offload.store.placement import plan
 from offload.store.tier import Tier
-from test_partial_offload import ratio_config, splitting_budget
+from test_partial_offload import device_state, ratio_config, splitting_budget
 
 EMULATED_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
 
@@ -46,6 +50,8 @@ def test_a_split_beside_offloaded_parameters_trains_as_plain_pytorch(tmp_path, w
     config, budget = split_config(tmp_path, world, accum, ratio, params)
     results = run_ranks(train_engine, world, name="gpt", config=config, steps=3, micro=2, accum=accum)
     check_split(results[0]["memory"], budget, params)
+    # what offload estimate plans is what initialize did
+    assert results[0]["memory"]["device"]["optimizer state"] == device_state(config, world)[0]
     check_parity(results, train_reference("gpt", 3, 2 * accum * world, 2, world=world))
 
 
@@ -123,3 +129,16 @@ def test_a_fixed_ratio_that_overfills_the_device_budget_says_to_raise_it_or_use_
                                           r"optimizer state offload_optimizer.ratio keeps there.*raise "
                                           r"offload_optimizer.ratio \(or set it to auto, which fills the budget\)"):
         plan(sizes, {i for i, _ in sizes}, config, 4, discrete=True).check()
+
+
+def test_start_up_logs_the_split_in_one_line(tmp_path, caplog):
+    config, _ = split_config(tmp_path, 1, 1, 0.5, "cpu")
+    with caplog.at_level(logging.INFO, logger="offload.engine"):
+        engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    kept = {i for i, s in engine.optimizer.shards.items() if not engine.optimizer.steps_on_host(i)}
+    sizes = {i: s.numel for i, s in engine.optimizer.shards.items()}
+    engine.close()
+    device, host = sum(sizes[i] for i in kept), sum(n for i, n in sizes.items() if i not in kept)
+    line = next(r.getMessage() for r in caplog.records if "parameter elements" in r.getMessage())
+    assert (f"keeps the optimizer state of {len(kept)} of {len(sizes)} units on the device; parameter elements: "
+            f"device {device:,}, host {host:,}; optimizer state elements: device {device:,}, host {host:,}") in line

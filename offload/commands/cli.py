@@ -413,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-gbps", type=positive_float, default=None, help="the swap path's GB/s, reads and writes "
                                                                           "together (`offload tune-nvme`); without "
                                                                           "it an NVMe tier's cost is not estimated")
+    p.add_argument("--device-tflops", type=positive_float, default=None, help="the model's compute in TFLOP/s as "
+                                                                              "plain PyTorch runs it, instead of the "
+                                                                              "preset's (the step's compute term)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=_cmd_estimate)
 

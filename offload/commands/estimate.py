@@ -48,6 +48,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     stage: int = 3
     step_ms: dict[str, float] = field(default_factory=dict)  # tier -> its share of Adam's time a step, at ``rates``
+    prediction: StepPrediction | None = None  # the step's terms (a GPU's; an offloaded optimizer only)
 
     def total(self, tier: str) -> int:
         return sum(self.tiers.get(tier, {}).values())
@@ -127,6 +128,64 @@ class StepRates:
     host_gbps: float | None = None  # host memory, as Adam streams it (`offload bench adam`)
     nvme_gbps: float | None = None  # the swap path, reads and writes together (`offload tune-nvme`)
     source: str = ""
+    device_tflops: float | None = None  # the model's compute as plain PyTorch runs it (a preset's)
+    h2d_gbps: float | None = None  # pinned host -> device (`offload bench pcie`)
+    d2h_gbps: float | None = None
+    others_source: str = ""  # where the compute and PCIe rates came from
+
+
+@dataclass
+class StepPrediction:
+    """A step's terms in ms at the estimate's rates (None: a rate or the shape unknown), and the step they make:
+    the longest where every stage overlaps (the floor), their sum where they run one after another."""
+
+    terms: dict[str, float | None]
+
+    @property
+    def overlapped_ms(self) -> float | None:
+        known = [t for t in self.terms.values() if t is not None]
+        return max(known) if known and len(known) == len(self.terms) else None
+
+    @property
+    def serial_ms(self) -> float | None:
+        known = [t for t in self.terms.values() if t is not None]
+        return sum(known) if known and len(known) == len(self.terms) else None
+
+    def note(self, source: str) -> str:
+        terms = ", ".join(f"{k} {'?' if v is None else f'{v:,.0f} ms'}" for k, v in self.terms.items())
+        if self.overlapped_ms is None:
+            return f"the step's terms: {terms} (a term without its rate or the model's shape is unknown)"
+        slowest = max(self.terms, key=lambda k: self.terms[k] or 0.0)
+        return (f"the step predicted: {terms}; overlapped {self.overlapped_ms:,.0f} ms (the {slowest}), one after "
+                f"another {self.serial_ms:,.0f} ms" + (f", at {source}" if source else ""))
+
+
+def predict_step(est: Estimate, placement: Any, sizes: list[tuple[int, int]], shape: ActivationShape | None,
+                 config: Config, rates: StepRates) -> StepPrediction:
+    """The terms a step of one rank is made of: compute (6 FLOPs a parameter a token, 8 with checkpointed blocks
+    recomputing), the host's and the device's Adam (est.step_ms), the parameters brought from the host (each gather
+    in forward and again in backward) and the gradients of the host-stepped units sent there."""
+    item = compute_bytes(config)
+    compute = None
+    if shape is not None and rates.device_tflops:
+        per_token = 8 if config.offload.checkpoint_blocks else 6
+        compute = per_token * est.params * shape.seq * shape.micro / (rates.device_tflops * 1e12) * 1e3
+    from_host = sum(n for i, n in sizes if placement.homes[i] is not Tier.DEVICE)  # this rank's shards
+    host_stepped = sum(g.numel for g in placement.groups if g.tier is not Tier.DEVICE)
+    on_device = any(g.tier is Tier.DEVICE for g in placement.groups)
+
+    def adam(*tiers: Tier) -> float | None:
+        known = [est.step_ms[t.value] for t in tiers if t.value in est.step_ms]
+        return sum(known) if known else None
+
+    terms: dict[str, float | None] = {"compute": compute,
+                                      "host Adam": adam(Tier.HOST, Tier.NVME) if host_stepped else 0.0,
+                                      "device Adam": adam(Tier.DEVICE) if on_device else 0.0}
+    if from_host:  # each shard crosses before its gather in forward, and again in backward
+        terms["parameters up"] = 2 * item * from_host / (rates.h2d_gbps * 1e9) * 1e3 if rates.h2d_gbps else None
+    if host_stepped:
+        terms["gradients down"] = item * host_stepped / (rates.d2h_gbps * 1e9) * 1e3 if rates.d2h_gbps else None
+    return StepPrediction(terms)
 
 
 def estimate(unit_numels: list[int], config: Config, world: int,
@@ -163,9 +222,13 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     host.update(placement.host)
     if activations is not None:
         add_activations(est, activations, config)
+    rates = rates or StepRates()
     if zero.offload_optimizer.device != "none" and placement.placed:
-        note, est.step_ms = step_traffic(placement.groups, item, rates or StepRates())
+        note, est.step_ms = step_traffic(placement.groups, item, rates)
         est.notes.append(note)
+        if discrete:
+            est.prediction = predict_step(est, placement, sizes, activations, config, rates)
+            est.notes.append(est.prediction.note("; ".join(x for x in (rates.source, rates.others_source) if x)))
     if placement.state_on_device:
         on_device = sum(g.numel for g in placement.groups if g.tier is Tier.DEVICE)
         est.notes.append(f"offload_optimizer.ratio {zero.offload_optimizer.ratio}: the optimizer state of "
@@ -454,7 +517,11 @@ def step_rates(args: Any, preset: Any) -> StepRates:
     source = ", ".join(f"{' and '.join(names)} GB/s from the {origin}" if origin != "given" else
                        f"{' and '.join(names)} GB/s as given" for origin, names in by_origin.items())
     rate = {name: gbps for name, gbps, _ in chosen}
-    return StepRates(rate["device"], rate["host"], rate.get("NVMe"), source)
+    tflops = getattr(args, "device_tflops", None)
+    others = (f"compute {tflops or preset.device_tflops:g} TFLOP/s {'as given' if tflops else 'from the preset'}, "
+              f"host<->device {preset.h2d_gbps:g}/{preset.d2h_gbps:g} GB/s from the {preset.name} preset")
+    return StepRates(rate["device"], rate["host"], rate.get("NVMe"), source, tflops or preset.device_tflops,
+                     preset.h2d_gbps, preset.d2h_gbps, others)
 
 
 def run_cli(args: Any, preset: Any) -> int:

@@ -37,7 +37,7 @@ from offload.store.budget import TierBudget
 from offload.store.param_store import ParamStore
 from offload.store.optimizer_state import unpipelined_note
 from offload.store.param_swap import ParamSwap, describe_placement
-from offload.store.placement import plan as plan_placement
+from offload.store.placement import describe_split, plan as plan_placement
 from offload.store.swapdir import PREFIX, SwapDir
 from offload.store.tier import Tier
 from offload.observe.telemetry import Telemetry
@@ -137,7 +137,8 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
                         "faster than on the host: offload_optimizer.ratio \"auto\" keeps it there", group.rank)
         if placement.state_on_device:
             logger.info("rank %d: offload_optimizer.ratio %s keeps the optimizer state of %d of %d units on the "
-                        "device", group.rank, ratio, len(placement.state_on_device), len(trained))
+                        "device; %s", group.rank, ratio, len(placement.state_on_device), len(trained),
+                        describe_split(placement, shard_sizes))
         if zero.offload_param.device == "nvme":
             logger.info("rank %d: %s", group.rank, describe_placement(shard_sizes, nvme_params, zero.offload_param))
         placement.check()  # every budget, before anything is allocated

@@ -383,3 +383,18 @@ def _check_device(out: Placement, shard_sizes: list[tuple[int, int]], config: An
             "offload.unit_bytes"))
         return
     out.gather_room = (budget - resident) // item
+
+
+def describe_split(out: Placement, shard_sizes: list[tuple[int, int]]) -> str:
+    """One line of where a rank's elements live: parameter shards and optimizer state by tier, and what stays on
+    the device (what initialize logs, and ``offload estimate`` prints at length)."""
+    def by_tier(pairs: list[tuple[Tier, int]]) -> str:
+        counts: dict[Tier, int] = {}
+        for tier, n in pairs:
+            counts[tier] = counts.get(tier, 0) + n
+        return ", ".join(f"{tier.value} {n:,}" for tier, n in counts.items() if n)
+    params = by_tier([(out.homes[i], n) for i, n in shard_sizes])
+    state = by_tier([(g.tier, g.numel) for g in out.groups])
+    return (f"parameter elements: {params}; optimizer state elements: {state}; kept on the device "
+            f"{sum(out.device.values()) / 2**30:.2f} GiB")
+
