@@ -34,6 +34,43 @@ def test_state_on_the_gpu_is_stepped_there_and_matches_torch(ratio):
         torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("ratio", [0.5, "auto"])
+def test_a_split_beside_host_parameters_on_the_gpu_matches_torch(ratio):
+    """#44: the state and the shards of the first units on the GPU, the rest on the host (auto under a device
+    budget that holds about half)."""
+    config = base_config(2, 2, 1)
+    config["zero_optimization"].update(offload_param={"device": "cpu"},
+                                       offload_optimizer={"device": "cpu", "ratio": ratio})
+    if ratio == "auto":
+        from test_partial_offload import splitting_budget
+        config["offload"]["budgets"] = {"device": splitting_budget()}
+    ours = train_engine(0, 1, name="gpt", config=config, steps=10, micro=2, accum=2)
+    memory = ours["memory"]
+    assert memory["device"]["optimizer state"] > 0 and memory["host"]["optimizer state"] > 0
+    assert memory["device"]["shards"] > 0
+    ref = train_reference("gpt", 10, 4, 2, world=1)
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-4)
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_a_released_parameter_on_the_gpu_is_the_empty_partition():
+    """[Note: a released parameter]: host-homed units are gathered onto the GPU and released; outside forward their
+    parameters are empty, never views of freed device memory."""
+    config = base_config(2, 1, 1)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    tokens = torch.randint(0, 64, (2, 9), device="cuda")
+    engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+    engine.step()
+    released = [p for p in engine.module.parameters() if p.numel() == 0]
+    assert released and all(p.is_cuda and p.ds_numel > 0 for p in released)
+    assert float(released[0].sum()) == 0.0
+    engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))  # training goes on
+    engine.step()
+    engine.close()
+
+
 def test_only_what_copies_touch_is_pinned():
     """The master weights and moments are read by host threads alone: pageable (pinning them only locks pages and
     slows the start). What a copy engine reads or writes is pinned."""

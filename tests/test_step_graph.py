@@ -203,3 +203,25 @@ def test_replay_refuses_what_is_not_a_schedule(tmp_path, capsys):
     assert "is not a schedule recorded by offload" in capsys.readouterr().err
     assert main(["bench", "replay", str(tmp_path / "missing.json")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_a_split_beside_host_parameters_replays_nearer_the_max_of_its_lanes_than_their_sum(tmp_path):
+    """#44, on the H100 preset: host parameters and optimizer without clipping (Adam overlapped with backward), all
+    of the state on the host beside ratio auto under a device budget that keeps part of it (and those units'
+    shards) on the GPU. Both steps take less than their lanes' sum (the stages overlap); the split moves Adam and
+    copies off the host's lanes, and its step is the shorter. The replay prices recorded shapes at the preset's
+    rates: no time is measured here."""
+    machine, runs = R.MACHINES["h100"], {}
+    for ratio in (1.0, "auto"):
+        data = R.record(R.ScheduleBench(**TINY, params="cpu", clip=0.0, overlap="on", ratio=ratio,
+                                        device_budget=1_600_000), tmp_path / f"{ratio}.json")
+        runs[ratio] = R.replay(data, machine, tokens=data["meta"]["tokens"] * 1000)
+        kinds = {item["kind"] for lane in data["lanes"].values() for item in lane}
+        assert "adam" in kinds
+    full, split = runs[1.0], runs["auto"]
+    for run in (full, split):
+        busy = [ms / run.steps for ms in run.lane_busy_ms.values()]
+        assert max(busy) <= run.step_ms < sum(busy)
+    assert split.lane_busy_ms["param-h2d"] < full.lane_busy_ms["param-h2d"]
+    assert split.lane_busy_ms["grad-land"] < full.lane_busy_ms["grad-land"]
+    assert split.step_ms < full.step_ms

@@ -225,13 +225,16 @@ class ScheduleBench:
     early: str = "off"  # the early-returning step: on or off
     speculative: str = "off"  # host shards speculated during backward (see [Note: speculative step]): on or off
     clip: float = 1.0
+    overlap: str = "off"  # offload.overlap_step: the host Adam during the last backward (needs clip 0)
+    ratio: float | str = 1.0  # offload_optimizer.ratio: the state (and, beside host params, the shards) kept on the GPU
+    device_budget: int | None = None  # offload.budgets.device: what auto fills (a CPU has no device memory to measure)
     unit_bytes: int = 4 << 20
     steps: int = 2  # recorded, after one warm-up step
 
     def __post_init__(self) -> None:
         if self.params not in ("none", "cpu"):
             raise ValueError(f"params must be none or cpu, got {self.params!r}")
-        for name in ("early", "speculative"):
+        for name in ("early", "speculative", "overlap"):
             if getattr(self, name) not in ("on", "off"):
                 raise ValueError(f"{name} must be on or off, got {getattr(self, name)!r}")
         if self.steps < 1 or self.micro < 1:
@@ -248,9 +251,11 @@ def record(b: ScheduleBench, out: Path, log: TextIO | None = None) -> dict[str, 
     from offload.models import GPT
 
     step_bench = StepBench(hidden=b.hidden, layers=b.layers, heads=b.heads, vocab=b.vocab, seq=b.seq, micro=b.micro,
-                           world=1, dtype=b.dtype, steps=b.steps, warmup=1, unit_bytes=b.unit_bytes)
+                           world=1, dtype=b.dtype, steps=b.steps, warmup=1, unit_bytes=b.unit_bytes,
+                           device_budget=b.device_budget)
     variant = {"device": "cpu", "params": b.params, "early": b.early, "clip": b.clip, "speculative": b.speculative,
-               "overlap": "on" if b.speculative == "on" else "off"}  # speculating is overlapping with a guess
+               "ratio": b.ratio,  # speculating is overlapping with a guess
+               "overlap": "on" if b.speculative == "on" or b.overlap == "on" else "off"}
     torch.manual_seed(0)
     before = os.environ.get("OFFLOAD_EMULATED_DISCRETE_DEVICE")
     os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"] = "1"  # read as the engine's accelerator starts

@@ -195,7 +195,8 @@ def _cmd_schedule(args: argparse.Namespace, out: Path) -> int:
             bench = replay.ScheduleBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
                                          vocab=args.vocab, seq=args.seq, micro=args.micro, dtype=args.dtype,
                                          params=args.params, early=args.early, speculative=args.speculative,
-                                         clip=args.clip,
+                                         clip=args.clip, overlap=args.overlap, ratio=args.ratio,
+                                         device_budget=args.device_budget,
                                          unit_bytes=args.unit_bytes, steps=args.steps)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -231,6 +232,16 @@ def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
                           stages=_stages(args.stage), checkpointing=args.checkpointing, profile=args.profile,
                           headline_only=args.headline_only, device_budget=args.device_budget,
                           only=() if args.baseline != "torch" else _names(args.variants))
+
+
+def ratio_value(text: str) -> float | str:
+    """offload_optimizer.ratio on a command line: auto, or a number in [0, 1]."""
+    if text == "auto":
+        return text
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: a ratio is auto or a number from 0 to 1")
+    return value
 
 
 def _names(listed: str | None) -> tuple[str, ...]:
@@ -506,6 +517,12 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                    help="host shards' Adam speculated during backward (offload.speculative_step; with --clip large "
                         "enough not to fire, every speculation is kept)")
     b.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (default 1.0)")
+    b.add_argument("--overlap", choices=["off", "on"], default="off",
+                   help="offload.overlap_step: the host Adam during the last backward (needs --clip 0; default off)")
+    b.add_argument("--ratio", type=ratio_value, default=1.0,
+                   help="offload_optimizer.ratio: a number or auto (default 1: all of the state on the host)")
+    b.add_argument("--device-budget", type=positive_size, default=None, metavar="SIZE",
+                   help="offload.budgets.device, which auto fills (this CPU has no device memory to measure)")
     b.add_argument("--unit-bytes", type=positive_size, default="4Mi", help="offload.unit_bytes (default 4Mi)")
     b.add_argument("--steps", type=positive_int, default=2, help="steps recorded after one warm-up (default 2)")
     machine(b)

@@ -115,7 +115,7 @@ class Engine(DeepSpeedAccessors, Persistence):
             self.life.left_collectives("forward", e, collectives=not self.stage.resident_params)
             if not isinstance(e, RuntimeError):
                 raise
-            if "storage of size 0" in str(e) or "data is not allocated" in str(e):
+            if errors.reads_a_released_parameter(str(e)):
                 raise errors.released_parameter_read([u.name for u in self.units]) from e
             hint = errors.input_dtype_hint(str(e), self.compute_dtype, (args, kwargs))
             if hint and hasattr(e, "add_note"):  # Python 3.11+: the error stays torch's, with what to do

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -18,6 +19,16 @@ def released_parameter_read(units: list[str]) -> EngineError:
         "module without calling that module (e.g. F.linear(x, self.child.weight)), or code reads parameters "
         "outside forward. Name the reading module's class in offload.atomic_modules so it is never split from its "
         "children, or call the child module instead. Units: " + ", ".join(units))
+
+
+# What torch says when an op meets a released parameter, an empty tensor (see [Note: a released parameter] in
+# offload/zero/unit.py): a size or shape of 0 somewhere in its message.
+_EMPTY_OPERAND = re.compile(r"storage of size 0|data is not allocated|\(0\)|\[0\]|\b0x\d|\dx0\b|size 0\b"
+                            r"|must be \d-D|should have at least \w+ dimensions")
+
+
+def reads_a_released_parameter(message: str) -> bool:
+    return bool(_EMPTY_OPERAND.search(message))
 
 
 def input_dtype_hint(message: str, compute: torch.dtype, inputs: Any) -> str | None:

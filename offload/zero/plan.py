@@ -63,6 +63,11 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
     ``atomic`` adds module classes (or class names) that must not be split; runs of at most ``fold_below``
     elements (and a sixteenth of a unit) fold into a neighbouring unit (0: none do).
     """
+    for name, p in model.named_parameters():
+        if getattr(p, "ds_numel", p.numel()) != p.numel():  # see [Note: a released parameter] in zero/unit.py
+            raise ValueError(f"parameter {name!r} has no memory of its own: it is sharded by an offload engine "
+                             "(open or closed). Build a fresh model and load engine.full_state_dict() into it to "
+                             "start another engine")
     target = max(1, unit_bytes // element_bytes)  # in elements
     fold = min(fold_below, target // 16)
     atomic_names = {a for a in atomic if isinstance(a, str)} | set(getattr(model, "_no_split_modules", None) or ())

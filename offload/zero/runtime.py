@@ -38,6 +38,7 @@ process group times out.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,8 @@ from offload.observe.telemetry import Telemetry
 from offload.zero.collectives import Group, ReductionOrder, all_reduce_sum, reduce_scatter
 from offload.zero.stage import Stage
 from offload.zero.unit import Unit, UnitState
+
+logger = logging.getLogger("offload.zero")
 
 GradSink = Callable[[Unit, torch.Tensor, Event, torch.Tensor], None]  # unit, shard, ready, buffer to keep alive
 
@@ -105,6 +108,7 @@ class ZeroRuntime:
         self._in_backward = False
         self._acquired: dict[int, list[list[Unit]]] = {}  # per module: the units each running forward holds
         self._handles: list[RemovableHandle] = []
+        self._said_partitioned = False  # the warning of _partitioned_state_dict, once
         # Per module: the units for which its forward is not the last of their anchors' (see [Note: when a unit is
         # gathered]); their release after it keeps them gathered.
         self._keep_after: dict[int, frozenset[int]] = {}
@@ -136,6 +140,21 @@ class ZeroRuntime:
             for slot in unit.slots:
                 if slot.param.requires_grad:
                     self._handles.append(slot.param.register_post_accumulate_grad_hook(self._grad_hook(unit)))
+        # a function of its own: torch marks the hook with an attribute, which a bound method cannot take
+        self._handles.append(model.register_state_dict_post_hook(
+            lambda module, state, prefix, metadata: self._partitioned_state_dict()))
+
+    def _partitioned_state_dict(self) -> None:
+        """``model.state_dict()`` outside forward holds the released parameters as empty tensors, as DeepSpeed's
+        does (see [Note: a released parameter] in zero/unit.py): it saves and loads, but holds no weights. Said once,
+        with what gives the weights."""
+        released = [s.name for u in self.units for s in u.slots if u.state is not UnitState.UNSHARDED and s.numel]
+        if released and not self._said_partitioned:
+            self._said_partitioned = True
+            logger.warning("model.state_dict() holds %d ZeRO-3 partitioned parameters as empty tensors (%s%s), as "
+                           "DeepSpeed's does; for the weights use engine.full_state_dict() or "
+                           "engine.save_16bit_model(dir), or `offload export-weights` on a checkpoint",
+                           len(released), ", ".join(released[:3]), " ..." if len(released) > 3 else "")
 
     def _pre_forward_hook(self, units: list[Unit]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:

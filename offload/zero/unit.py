@@ -73,10 +73,29 @@ class Unit:
         self.has_frozen = len(self.trainable) < len(self.slots)
         self.grads_seen: set[int] = set()
         self.backward_active = False  # gathered for a backward that has not finished with it
-        for s in self.slots:
-            s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
+        self._views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+        self._empty = torch.empty(0, dtype=dtype, device=device)
+        for s in self.slots:  # the whole shape, under DeepSpeed's names for it
+            setattr(s.param, "ds_shape", torch.Size(s.shape))
+            setattr(s.param, "ds_numel", s.numel)
+        self._bind()
         if not self.keeps_full:
-            self.full.untyped_storage().resize_(0)
+            self._release_memory()
+
+    def _bind(self) -> None:
+        """The parameters are views into ``full``: what forward and backward read while the unit is gathered."""
+        for s, view in zip(self.slots, self._views, strict=True):
+            s.param.data = view
+
+    def _release_memory(self) -> None:
+        """[Note: a released parameter] ``full``'s memory goes, and every parameter becomes an empty tensor, as
+        DeepSpeed's released partitions are (``ds_shape`` keeps the whole shape). A parameter left a view of freed
+        memory would read it: a segfault outside forward, at any world size where units are gathered. The views
+        are kept apart and bound again by the next gather (``_bind``), before any forward or backward reads them;
+        autograd's saved parameters are the parameters themselves, so a backward reads them bound again too."""
+        self.full.untyped_storage().resize_(0)
+        for s in self.slots:
+            s.param.data = self._empty
 
     @property
     def keeps_full(self) -> bool:
@@ -153,6 +172,7 @@ class Unit:
         assert self.state is UnitState.SHARDED, f"unit {self.name!r} is {self.state.value}, not sharded"
         shard = self.params.to_device(self.index, h2d)
         self.full.untyped_storage().resize_(self._full_bytes)
+        self._bind()
         self._transient = shard
         self._work = all_gather(self.full, shard, self.group, async_op=True)
         self.state = UnitState.GATHERING
@@ -181,7 +201,7 @@ class Unit:
             return False
         if self.state is UnitState.GATHERING:
             self.finish_unshard()  # the collective must complete on every rank before its buffer goes
-        self.full.untyped_storage().resize_(0)
+        self._release_memory()
         self.state = UnitState.SHARDED
         return True
 
@@ -191,7 +211,7 @@ class Unit:
         if self.state is UnitState.GATHERING:
             self.finish_unshard()
         if not self.resident:
-            self.full.untyped_storage().resize_(0)
+            self._release_memory()
             self.state = UnitState.SHARDED
 
     # ----------------------------------------------------------------- gradients

@@ -1,0 +1,97 @@
+"""Touching a ZeRO-3 parameter outside forward ([Note: a released parameter] in offload/zero/unit.py): a released
+parameter is an empty tensor, as DeepSpeed's partitions are, never a view of freed memory (which segfaulted with two
+ranks); its whole shape stays in ``ds_shape``; ``model.state_dict()`` saves and loads and says where the weights
+are; and training goes on exactly as if nothing had been touched."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import offload
+from engine_cases import base_config, batches, loss_of, make_model
+from offload.engine import errors
+from offload.machine.launch import run_ranks
+
+EMULATED_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"}
+
+
+def _touch(rank, world, params, touch, path):
+    config = base_config(2, 1, world)
+    config["zero_optimization"]["offload_param"] = {"device": params}
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    losses, out = [], {}
+    for step, tokens in enumerate(batches(3, 2 * world)):
+        rows = tokens[rank * 2:(rank + 1) * 2].to(engine.accel.device)
+        losses.append(engine.backward(loss_of(engine, "gpt", rows)).item())
+        engine.step()
+        if touch and step == 0:
+            name, weight = next((n, p) for n, p in engine.module.named_parameters() if len(p.ds_shape) == 2)
+            out["name"], out["shape"], out["ds_shape"] = name, tuple(weight.shape), tuple(weight.ds_shape)
+            out["sum"] = float(weight.sum())  # reads the parameter outside forward: a segfault before
+            state = engine.module.state_dict()
+            out["empty"] = sorted(k for k, v in state.items() if v.numel() == 0)
+            torch.save(state, f"{path}/rank{rank}.pt")
+            out["loaded"] = {k: tuple(v.shape) for k, v in torch.load(f"{path}/rank{rank}.pt").items()}
+    out["losses"] = losses
+    out["full"] = engine.full_state_dict()
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world,params,env", [(2, "none", {}), (1, "cpu", EMULATED_GPU)],
+                         ids=["two-ranks", "one-rank-gathered-from-the-host"])
+def test_reading_a_released_parameter_gives_the_empty_partition_and_training_goes_on_unchanged(tmp_path, world,
+                                                                                               params, env):
+    touched = run_ranks(_touch, world, env=env, params=params, touch=True, path=str(tmp_path))
+    plain = run_ranks(_touch, world, env=env, params=params, touch=False, path=str(tmp_path))
+    for rank, ref in zip(touched, plain, strict=True):
+        assert rank["shape"] == (0,) and len(rank["ds_shape"]) == 2 and rank["sum"] == 0.0
+        assert rank["name"] in rank["empty"] and rank["loaded"][rank["name"]] == (0,)
+        assert rank["losses"] == ref["losses"]
+        for key, value in ref["full"].items():
+            assert torch.equal(rank["full"][key], value), key
+            if key == rank["name"]:
+                assert tuple(value.shape) == rank["ds_shape"]
+
+
+def test_model_state_dict_says_once_where_the_weights_are(caplog):
+    """At W = 1 on the emulated GPU with the parameters on the host, units are gathered and released as with more
+    ranks."""
+    import os
+    os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"] = "1"
+    try:
+        config = base_config(2, 1, 1)
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+        with caplog.at_level(logging.WARNING, logger="offload.zero"):
+            engine.module.state_dict()
+            engine.module.state_dict()
+        engine.close()
+    finally:
+        del os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"]
+    said = [r.getMessage() for r in caplog.records if "partitioned parameters as empty tensors" in r.getMessage()]
+    assert len(said) == 1 and "engine.save_16bit_model(dir)" in said[0] and "offload export-weights" in said[0]
+
+
+OPS = {"linear": lambda w: F.linear(torch.randn(2, 4), w), "bias": lambda w: F.linear(torch.randn(2, 4),
+                                                                                    torch.randn(3, 4), w),
+       "embedding": lambda w: F.embedding(torch.tensor([1]), w), "layer_norm": lambda w: F.layer_norm(
+           torch.randn(2, 4), (4,), w), "mul": lambda w: torch.randn(2, 4) * w,
+       "conv": lambda w: F.conv1d(torch.randn(1, 2, 5), w), "matmul": lambda w: torch.randn(2, 4) @ w}
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_what_torch_says_of_an_op_on_a_released_parameter_is_recognised(op):
+    """The engine turns such an error inside forward into one that says what to do (errors.released_parameter_read);
+    these are torch's own messages for an empty operand."""
+    with pytest.raises(RuntimeError) as caught:
+        OPS[op](torch.empty(0))
+    assert errors.reads_a_released_parameter(str(caught.value)), str(caught.value)
+
+
+def test_other_errors_are_not_taken_for_a_released_parameter():
+    with pytest.raises(RuntimeError) as caught:
+        F.linear(torch.randn(2, 4), torch.randn(3, 5))
+    assert not errors.reads_a_released_parameter(str(caught.value)), str(caught.value)
