@@ -27,7 +27,7 @@ def make_model(name: str, seed: int = 0) -> torch.nn.Module:
 
 
 def loss_of(model: Any, name: str, tokens: torch.Tensor) -> torch.Tensor:
-    if name in ("gpt", "features"):
+    if name in ("gpt", "features", "frozen-base"):
         return model(tokens[:, :-1], tokens[:, 1:])
     return model(input_ids=tokens, labels=tokens).loss
 
@@ -155,7 +155,19 @@ def _make_features(seed: int = 0) -> torch.nn.Module:
     return Features()
 
 
+def _make_frozen_base(seed: int = 0) -> torch.nn.Module:
+    """The test GPT with its blocks' projections frozen, as a LoRA-style fine-tune leaves its base: whole units that
+    nothing trains beside the embedding and the norms, which do."""
+    model = make_model("gpt", seed)
+    for name, p in model.named_parameters():
+        if ".attn." in name or ".mlp." in name:
+            p.requires_grad_(False)
+    return model
+
+
 def make_any(name: str) -> torch.nn.Module:
+    if name == "frozen-base":
+        return _make_frozen_base()
     return _make_features() if name == "features" else make_model(name)
 
 

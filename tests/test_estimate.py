@@ -267,7 +267,12 @@ def test_the_estimate_predicts_the_step_term_by_term_and_as_the_max_of_its_terms
         assert 0 < on_host < params and terms["device Adam"] == pytest.approx(est.step_ms["device"])
         assert terms["device Adam"] > 0
         assert terms["parameters up"] == pytest.approx(2 * 2 * on_host / 50e9 * 1e3)
-        assert terms["gradients down"] == pytest.approx(2 * on_host / 40e9 * 1e3)
+        # the gradients of the units stepped on the host: fewer than those of the units homed there (auto homes
+        # more shards on the device than it keeps state for, with the room its state left)
+        traffic = next(n for n in est.notes if n.startswith("optimizer step traffic"))
+        stepped_on_host = int(traffic.split("host: ")[1].split(" elements")[0].replace(",", ""))
+        assert terms["gradients down"] == pytest.approx(2 * stepped_on_host / 40e9 * 1e3)
+        assert on_host <= stepped_on_host
     assert est.prediction.overlapped_ms == pytest.approx(max(terms.values()))
     assert est.prediction.serial_ms == pytest.approx(sum(terms.values()))
     note = next(n for n in est.notes if n.startswith("the step predicted"))

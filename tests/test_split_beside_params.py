@@ -10,20 +10,35 @@ import pytest
 
 import offload
 
-from engine_cases import check_bitwise, check_parity, make_model, train_engine, train_reference
+from engine_cases import check_bitwise, check_parity, make_any, make_model, train_engine, train_reference
 from offload.config import Config, ConfigError
 from offload.commands.estimate import model_units
 from offload.machine.buffers import round_up
 from offload.machine.launch import run_ranks
 from offload.store.placement import plan
 from offload.store.tier import Tier
-from test_partial_offload import device_state, ratio_config, splitting_budget
+from test_partial_offload import device_state, ratio_config
 
 EMULATED_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
 
 
+def half_budget(world, params):
+    """A device budget under which auto keeps about half the optimizer state on the device beside offloaded
+    parameters (by bisection over the engine's own plan, as splitting_budget does beside device parameters)."""
+    def kept(budget):
+        raw = ratio_config(world, 1, "auto", budget)
+        raw["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        return device_state(raw, world)[0]
+    lo, hi = 0, 1 << 26
+    full = kept(hi)
+    while hi - lo > 1024:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if kept(mid) < full // 2 else (lo, mid)
+    return hi
+
+
 def split_config(tmp_path, world, accum, ratio, params, clip=1.0, **offload_section):
-    budget = splitting_budget(world) if ratio == "auto" else None
+    budget = half_budget(world, params) if ratio == "auto" else None
     config = ratio_config(world, accum, ratio, budget, **offload_section)
     config["gradient_clipping"] = clip
     config["zero_optimization"]["offload_param"] = (
@@ -104,12 +119,15 @@ def test_the_plan_homes_the_device_units_there_in_the_order_of_need_and_holds_th
     out = plan(sizes, {i for i, _ in sizes}, config, 4, discrete=True)
     kept = sorted(out.state_on_device)
     assert kept == [i for i, _ in sizes][:len(kept)] and 0 < len(kept) < len(sizes)
-    assert {i for i, h in out.homes.items() if h is Tier.DEVICE} == set(kept)
-    assert not set(kept) & {i for i, _ in out.nvme_params}
+    homed = sorted(i for i, h in out.homes.items() if h is Tier.DEVICE)
+    # auto homes the next units' shards in the room its state left (parameters likewise); a fixed ratio does not
+    assert homed == [i for i, _ in sizes][:len(homed)] and (len(homed) > len(kept) if ratio == "auto"
+                                                           else homed == kept)
+    assert not set(homed) & {i for i, _ in out.nvme_params}
     if params == "nvme":
-        assert {i for i, _ in out.nvme_params} == {i for i, _ in sizes} - set(kept)
-    assert out.aliased == set(kept)
-    assert out.device["shards"] == 4 * sum(n for i, n in sizes if i in kept)
+        assert {i for i, _ in out.nvme_params} == {i for i, _ in sizes} - set(homed)
+    assert out.aliased == set(homed)
+    assert out.device["shards"] == 4 * sum(n for i, n in sizes if i in homed)
     out.check()
     if ratio == "auto":
         # the gathers' reserve as the plan met it (every unit gathered then): two units and a prefetch bucket
@@ -118,6 +136,8 @@ def test_the_plan_homes_the_device_units_there_in_the_order_of_need_and_holds_th
         cost = [round_up(12 * n) + 4 * n + 4 * n for _, n in sizes]  # state (a page-rounded sub-group at worst),
         assert sum(cost[:len(kept)]) <= room < sum(cost[:len(kept) + 1])  # accumulator, shard: one more won't fit
         assert sum(v for k, v in out.device.items()) <= room
+        shards = sum(cost[:len(kept)]) + 4 * sum(n for i, n in sizes[len(kept):len(homed)])
+        assert shards <= room < shards + 4 * sizes[len(homed)][1]  # nor would one more unit's shard
 
 
 def test_a_fixed_ratio_that_overfills_the_device_budget_says_to_raise_it_or_use_auto(tmp_path):
@@ -142,3 +162,53 @@ def test_start_up_logs_the_split_in_one_line(tmp_path, caplog):
     line = next(r.getMessage() for r in caplog.records if "parameter elements" in r.getMessage())
     assert (f"keeps the optimizer state of {len(kept)} of {len(sizes)} units on the device; parameter elements: "
             f"device {device:,}, host {host:,}; optimizer state elements: device {device:,}, host {host:,}") in line
+
+
+def _frozen_plan(tmp_path, budget, params="cpu"):
+    raw, _ = split_config(tmp_path, 1, 1, "auto", params)
+    raw["offload"]["budgets"] = {"device": budget}
+    config = Config.load(raw).resolve(world_size=1)
+    model = make_any("frozen-base")
+    from offload.zero.plan import plan_units
+    units = plan_units(model, config.offload.unit_bytes, 4, fold_below=0)
+    sizes = [(u.index, u.numel) for u in units]
+    trained = {u.index for u in units if any(s.param.requires_grad for s in u.slots)}
+    return sizes, trained, plan(sizes, trained, config, 4, discrete=True)
+
+
+@pytest.mark.parametrize("params", ["cpu", "nvme"])
+def test_auto_homes_more_units_on_the_device_with_room_to_spare_frozen_ones_included(tmp_path, params):
+    """Parameters likewise: once auto has kept every unit's state it can on the device, what room is left homes
+    the next units' shards there too, in the forward's order (a LoRA-style frozen base among them), as far as it
+    goes: a prefix of the units; the budget holds."""
+    sizes, trained, roomy = _frozen_plan(tmp_path, 10_000_000, params)
+    assert trained < {i for i, _ in sizes}  # some units train nothing
+    assert all(h is Tier.DEVICE for h in roomy.homes.values()) and not roomy.nvme_params
+    assert roomy.state_on_device == trained
+    bounded = None
+    for budget in range(200_000, 1_000_000, 20_000):  # a budget that holds the state and part of the base
+        _, _, out = _frozen_plan(tmp_path, budget, params)
+        homed = [i for i, _ in sizes if out.homes[i] is Tier.DEVICE]
+        if out.state_on_device == trained and len(homed) < len(sizes):
+            bounded = (budget, out, homed)
+            break
+    assert bounded is not None
+    budget, out, homed = bounded
+    frozen_homed = set(homed) - trained
+    assert frozen_homed and homed == [i for i, _ in sizes][:len(homed)] or set(homed) == trained | frozen_homed
+    assert out.device["shards"] == 4 * sum(n for i, n in sizes if i in homed)
+    assert sum(out.device.values()) <= budget
+    out.check()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_frozen_base_homed_on_the_device_trains_as_plain_pytorch(tmp_path, world):
+    config, _ = split_config(tmp_path, world, 1, "auto", "cpu")
+    config["offload"]["budgets"] = {"device": 10_000_000}
+    results = run_ranks(train_engine, world, env=EMULATED_GPU if world == 1 else None, name="frozen-base",
+                        config=config, steps=3, micro=2, accum=1)
+    memory = results[0]["memory"]
+    assert memory["device"]["shards"] > 0 and "optimizer state" not in memory["host"]
+    if world == 1:  # every unit, frozen ones too, homed on the (emulated) GPU and read there: nothing gathered
+        assert memory["device"]["gathered_peak"] == 0
+    check_parity(results, train_reference("frozen-base", 3, 2 * world, 2, world=world))

@@ -239,7 +239,7 @@ class OffloadOptimizerConfig:
              "next forward needs first, stays on the compute device and is stepped there. auto: as much as the "
              "device budget (or half the memory free at start, after the resident state and gathers) holds, in "
              "that order; the rest offloaded. Beside offloaded parameters those units' shards stay on the device "
-             "too.",
+             "too, and auto homes the next units' shards there with the room left.",
         ge=0, le=1, auto=True)
 
     def check(self, path: str) -> None:

@@ -296,6 +296,7 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
             for i, n in trained_sizes]
     out.state_fits_device = room is not None and sum(c for *_, c in cost) <= room
     chosen: list[tuple[int, int]] = []
+    spare = 0
     if ratio is AUTO:
         if room is None:
             return  # a CPU device without a budget gains nothing
@@ -305,6 +306,7 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
                 break
             chosen.append((i, n))
             used += c
+        spare = room - used
     elif ratio < 1:
         target, total = (1 - ratio) * sum(n for _, n in trained_sizes), 0
         for i, n in trained_sizes:  # the prefix whose size is nearest the target
@@ -312,23 +314,36 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
                 break
             chosen.append((i, n))
             total += n
-    if not chosen:
-        return
-    out.state_on_device = frozenset(i for i, _ in chosen)
-    out.groups = plan_sub_groups(trained_sizes, int(zero.sub_group_size), out.state_on_device)
-    out.device["optimizer state"] = sum(g.nbytes for g in out.groups if g.tier is Tier.DEVICE)
-    out.device["gradient accumulators"] = 4 * sum(n for _, n in chosen)
+    if chosen:
+        out.state_on_device = frozenset(i for i, _ in chosen)
+        out.groups = plan_sub_groups(trained_sizes, int(zero.sub_group_size), out.state_on_device)
+        out.device["optimizer state"] = sum(g.nbytes for g in out.groups if g.tier is Tier.DEVICE)
+        out.device["gradient accumulators"] = 4 * sum(n for _, n in chosen)
     if params_offloaded:
-        _home_on_device(out, shard_sizes, item, parts)
+        _home_on_device(out, shard_sizes, item, out.state_on_device, spare)
 
 
-def _home_on_device(out: Placement, shard_sizes: list[tuple[int, int]], item: int, parts: int) -> None:
+def _home_on_device(out: Placement, shard_sizes: list[tuple[int, int]], item: int, stepped_there: frozenset[int],
+                    spare: int) -> None:
     """[Note: a split beside offloaded parameters] A unit whose optimizer state stays on the device is stepped
     there, and the device step writes the new shard into a device home: so beside offloaded parameters (host or
-    NVMe) those units' shards are homed on the device too, and the rest keep the home offload_param gives them.
-    Such a unit is never brought over from the host again; with one rank on a GPU it is read where it lives, never
-    gathered (``aliased``, set by ``plan``), as every unit is with offload_param none."""
-    moved = out.state_on_device
+    NVMe) those units' shards are homed on the device too. With ``spare`` bytes of the device's room left after
+    them (auto), the next units in the forward's order are homed there as well, as far as it goes, frozen ones
+    included (a LoRA base): their state, if any, stays on the host, whose step writes a host copy that is copied
+    back, once a step, instead of a gather bringing the shard over in forward and again in backward. The rest keep
+    the home offload_param gives them. A unit homed on the device is never brought over from the host again; with
+    one rank on a GPU it is read where it lives, never gathered (``aliased``, set by ``plan``), as every unit is
+    with offload_param none."""
+    moved = set(stepped_there)
+    for i, n in shard_sizes:  # the order of need: the next forward's first units first
+        if i in moved:
+            continue
+        if item * n > spare:
+            break
+        moved.add(i)
+        spare -= item * n
+    if not moved:
+        return
     out.homes.update(dict.fromkeys(moved, Tier.DEVICE))
     out.nvme_params = [(i, n) for i, n in out.nvme_params if i not in moved]
     out.device["shards"] = out.device.get("shards", 0) + item * sum(n for i, n in shard_sizes if i in moved)
