@@ -1,7 +1,12 @@
 """offload: train PyTorch models larger than GPU memory over a GPU / host / NVMe tiered store."""
 
+from offload import comm
+from offload.comm import init_distributed
 from offload.config import Config, ConfigError, load_config
+from offload.config.arguments import add_config_arguments
 from offload.engine import Engine, EngineError, initialize
 from offload.version import __version__
+from offload import utils, zero  # noqa: E402 - DeepSpeed's deepspeed.utils and deepspeed.zero, over the engine
 
-__all__ = ["Config", "ConfigError", "Engine", "EngineError", "__version__", "initialize", "load_config"]
+__all__ = ["Config", "ConfigError", "Engine", "EngineError", "__version__", "add_config_arguments", "comm",
+           "init_distributed", "initialize", "load_config", "utils", "zero"]

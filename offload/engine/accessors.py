@@ -9,6 +9,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from offload.comm import get_local_rank
 from offload.machine.accelerator import Accelerator
 from offload.config import Config
 from offload.engine.accumulation import Accumulation
@@ -36,7 +37,10 @@ class DeepSpeedAccessors:
     loss_scaler: LossScaler
     runtime: ZeroRuntime
     last_grad_norm: float | None
+    step_applied: bool
     _clip: float
+
+    def close(self) -> None: ...  # the engine's
 
     # The batch as DeepSpeed's engine answers it: methods, as there.
     def gradient_accumulation_steps(self) -> int:
@@ -57,6 +61,56 @@ class DeepSpeedAccessors:
 
     def zero_optimization_stage(self) -> int:
         return self.stage.number
+
+    def zero_optimization(self) -> bool:
+        """Whether ZeRO partitions anything (stage 1 and above), as DeepSpeed's engine answers."""
+        return self.stage.number > 0
+
+    def get_mom(self) -> list[tuple[float, float]]:
+        """Each param group's Adam betas (DeepSpeed's momentum accessor answers betas for Adam)."""
+        return [tuple(g["betas"]) for g in self.optimizer.param_groups]
+
+    def was_step_applied(self) -> bool:
+        """Whether the last step() changed the weights: false between accumulation boundaries and after an fp16
+        overflow skipped the step."""
+        return self.step_applied
+
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel ranks (offload has no model parallelism: every rank)."""
+        return self.group.world
+
+    @property
+    def local_rank(self) -> int:
+        """The device index scripts move batches to (``batch.to(engine.local_rank)``): the GPU this rank computes
+        on, or the launcher's LOCAL_RANK (0 without one) on a CPU device."""
+        if self.accel.device.type == "cuda" and self.accel.device.index is not None:
+            return self.accel.device.index
+        return get_local_rank()
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch by changing the micro-batches a step (the micro-batch stays), as DeepSpeed's;
+        at a step boundary, and between one and several micro-batches only as the engine was built for: with one,
+        gradients are read where they land and no accumulators exist (ValueError otherwise, saying what to do)."""
+        micro, world = self.train_micro_batch_size_per_gpu(), self.dp_world_size
+        if train_batch_size <= 0 or train_batch_size % (micro * world):
+            raise ValueError(f"train batch size {train_batch_size} is not a multiple of the micro-batch ({micro}) "
+                             f"times the data-parallel ranks ({world})")
+        steps = train_batch_size // (micro * world)
+        if self.accumulation.pending:
+            raise ValueError("set_train_batch_size in the middle of an accumulation: call it after step()")
+        if (steps == 1) != (self.accumulation.steps == 1):
+            raise ValueError(f"set_train_batch_size({train_batch_size}) means {steps} micro-batches a step; this "
+                             f"engine was built for {self.accumulation.steps}, and moving between one and several "
+                             "changes where gradients are kept: start the engine with gradient_accumulation_steps "
+                             "above 1 to vary it later")
+        self.accumulation.steps = steps
+        self.config.gradient_accumulation_steps = steps
+        self.config.train_batch_size = train_batch_size
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for releasing the engine: ``close()``."""
+        self.close()
 
     def bf16_enabled(self) -> bool:
         return self.compute_dtype == torch.bfloat16

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -63,7 +64,8 @@ class Engine(DeepSpeedAccessors, Persistence):
         self.accumulation = Accumulation(int(resolved(config.gradient_accumulation_steps) or 1))
         self._clip = float(resolved(config.gradient_clipping) or 0.0)
         self.loss_scaler = LossScaler.from_config(config.fp16)
-        self.global_steps = self.skipped_steps = 0
+        self.global_steps = self.skipped_steps = self.global_samples = 0
+        self.step_applied = False  # the last step() changed the weights (was_step_applied)
         self.life = Lifetime(group.rank, group.world)
         self.last_grad_norm: float | None = None
         parts = build(model, config, param_groups, adamw_mode=adamw_mode, bias_correction=bias_correction,
@@ -71,7 +73,9 @@ class Engine(DeepSpeedAccessors, Persistence):
                       lr_scheduler=lr_scheduler, pretrained=pretrained)
         self.module = model
         self.units, self.params, self.optimizer = parts.units, parts.params, parts.optimizer
-        self.landing = parts.landing
+        self.landing, self.optimizer.loss_scaler = parts.landing, self.loss_scaler
+        for slot in (s for u in self.units for s in u.slots):  # deepspeed.utils' helpers find the engine by it
+            setattr(slot.param, "_offload_engine", weakref.ref(self))
         self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory
         self.telemetry, self._swaps, self._trained_names = parts.telemetry, parts.swaps, parts.trained_names
         self.schedule, self.lr_scheduler = parts.schedule, parts.lr_scheduler
@@ -168,6 +172,7 @@ class Engine(DeepSpeedAccessors, Persistence):
     def step(self) -> None:
         """Apply the update at an accumulation boundary (a no-op between micro-batches, as in DeepSpeed)."""
         self.life.check()
+        self.step_applied = False
         if not self.accumulation.take():
             return
         self.accel.graph.mark("step")
@@ -201,6 +206,7 @@ class Engine(DeepSpeedAccessors, Persistence):
             raise errors.reductions_out_of_order(self.group.rank, self.global_steps + 1, half_applied=half)
         scale = self.loss_scaler.scale
         self.global_steps += 1
+        self.global_samples += self.train_batch_size()  # DeepSpeed counts the skipped steps' too
         if nonfinite > 0 and self.compute_dtype == torch.float16:
             self.schedule.norm_known(clipped=True)
             self.skipped_steps += 1
@@ -229,9 +235,11 @@ class Engine(DeepSpeedAccessors, Persistence):
             # The state of the last completed step is intact (see the store's notes); so are the accumulated
             # gradients, so fixing the cause (a full disk, say) and calling step() again retries this step.
             self.global_steps -= 1
+            self.global_samples -= self.train_batch_size()
             self.accumulation.retry()  # got_grad is kept: the retry's check of unused parameters sees the same
             raise
         self.runtime.step_taken()
+        self.step_applied = True
         if self.stage.resident_params:
             self.runtime.spread_partitions()
         self.loss_scaler.update(overflow=False)

@@ -48,7 +48,8 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
     ``offload.hf.from_pretrained`` does both).
     """
     if config is None:
-        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
+        config = config_params if config_params is not None else (getattr(args, "deepspeed_config", None)
+                                                                  or getattr(args, "deepscale_config", None))
     if config is None:
         raise ConfigError("", "initialize needs a config (a path, a JSON string, a dict or a Config)")
     if not isinstance(model, nn.Module):

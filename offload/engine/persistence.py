@@ -35,6 +35,8 @@ class Persistence:
     loss_scaler: LossScaler
     global_steps: int
     skipped_steps: int
+    global_samples: int
+    train_batch_size: Callable[[], int]
     life: Lifetime
     _drain: Callable[..., None]  # (before, publish=False)
     zero_grad: Callable[[], None]
@@ -125,11 +127,14 @@ class Persistence:
         """The training loop's counters and the loss scale: what a checkpoint keeps besides the arrays (the way
         torch's DCP ``Stateful`` gives it)."""
         return {"global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
+                "global_samples": self.global_samples,
                 "micro_steps": self.accumulation.micro_steps, "loss_scaler": self.loss_scaler.state_dict()}
 
     def load_train_state(self, state: dict[str, Any]) -> None:
         """Restore ``train_state()``; gradients accumulated since the last step are dropped."""
         self.zero_grad()
         self.global_steps, self.skipped_steps = state["global_steps"], state["skipped_steps"]
+        # a checkpoint written before global_samples was kept: the steps at this run's batch size
+        self.global_samples = state.get("global_samples", self.global_steps * self.train_batch_size())
         self.accumulation.micro_steps = state["micro_steps"]
         self.loss_scaler.load_state_dict(state["loss_scaler"])

@@ -55,6 +55,7 @@ from offload.machine.accelerator import Accelerator
 from offload.optim.adam import AdamHyper
 from offload.optim.early_step import EarlyStep, EarlyStepLost
 from offload.optim.landing import GradientLanding
+from offload.optim.loss_scale import LossScaler
 from offload.optim.shard_state import Overlap, Segment, ShardPhase, ShardState, gaps, unstep
 from offload.optim.speculation import Speculation
 from offload.optim.speculation_lane import SpeculationLane
@@ -144,6 +145,7 @@ class ShardedAdam:
                                        ) if self.offload else frozenset()
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
+        self.loss_scaler: LossScaler | None = None  # the engine's, for cur_scale
         self.landing = GradientLanding(accel, self.shards, offload=self.offload, threads=threads,
                                        telemetry=self.telemetry, device_accumulated=plan.device_accumulated,
                                        reads_in_place=plan.grads_read_where_they_land, offloaded=self.steps_on_host,
@@ -190,6 +192,13 @@ class ShardedAdam:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.face.load_state_dict(state_dict)
+
+    @property
+    def cur_scale(self) -> float:
+        """The loss scale now, under the name DeepSpeed's fp16 optimizers give it (1.0 without fp16)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    loss_scale = cur_scale
 
     @property
     def partial(self) -> bool:

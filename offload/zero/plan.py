@@ -159,11 +159,36 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
     return units
 
 
+EXTERNAL = "_offload_external_params"  # a module's registered external parameters, by id
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed's ``zero.register_external_parameter``: ``module``'s forward reads ``parameter``, which another
+    module owns, without calling that module (``F.linear(x, self.child.weight)``). Its unit is then gathered around
+    ``module``'s forward too, as it is for a weight tied into the module. Call it before ``offload.initialize``
+    (in the module's ``__init__``), where the units are planned."""
+    if not isinstance(parameter, nn.Parameter):
+        raise TypeError(f"register_external_parameter takes an nn.Parameter, got {type(parameter).__name__}")
+    if hasattr(parameter, "ds_shape"):
+        raise ValueError("register_external_parameter after offload.initialize: the units are planned by then; call "
+                         "it before (in the module's __init__), or name the reading module's class in "
+                         "offload.atomic_modules")
+    module.__dict__.setdefault(EXTERNAL, {})[id(parameter)] = parameter
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    module.__dict__.get(EXTERNAL, {}).pop(id(parameter), None)
+
+
 def _find_borrowers(model: nn.Module, units: list[UnitPlan]) -> None:
     owner = {id(s.param): u for u in units for s in u.slots}
     for mod_name, module in model.named_modules(remove_duplicate=False):
-        for _, p in module.named_parameters(recurse=False):
-            unit = owner[id(p)]
+        held = [p for _, p in module.named_parameters(recurse=False)]
+        for p in held + list(module.__dict__.get(EXTERNAL, {}).values()):
+            unit = owner.get(id(p))
+            if unit is None:
+                raise ValueError(f"module {mod_name or '<root>'!r} registered an external parameter that is not "
+                                 "in the model given to offload.initialize")
             inside = any(a == "" or mod_name == a or mod_name.startswith(a + ".") for a in unit.anchors)
             if not inside and mod_name not in unit.borrowers:
                 unit.borrowers.append(mod_name)

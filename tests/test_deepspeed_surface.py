@@ -1,0 +1,193 @@
+"""DeepSpeed's public surface that training scripts call, under ``import offload as deepspeed`` (#45 item 1): the
+module-level boilerplate, ``comm``, the engine's accessors, ``zero.register_external_parameter`` and the
+``utils`` helpers, each behaving as DeepSpeed 0.19.8's does or raising an error that says what to do instead."""
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+import offload as deepspeed
+from engine_cases import base_config, batches, loss_of, make_model
+from offload.machine.launch import run_ranks
+
+
+def test_a_scripts_arguments_name_the_config_that_initialize_reads(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(base_config(2, 1, 1)))
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(config)])
+    assert args.deepspeed and args.deepspeed_config == str(config)
+    engine, *_ = deepspeed.initialize(args=args, model=make_model("gpt"), model_parameters=None)
+    assert engine.train_micro_batch_size_per_gpu() == 2
+    engine.close()
+
+
+def test_init_distributed_without_a_launcher_starts_a_group_of_one():
+    code = ("import offload as deepspeed, torch.distributed as dist; deepspeed.init_distributed(); "
+            "print(dist.get_world_size(), deepspeed.comm.get_rank(), deepspeed.comm.get_local_rank()); "
+            "deepspeed.init_distributed()")  # a second call leaves the running group as it is
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "0", "0"]
+
+
+def _comm(rank, world):
+    deepspeed.init_distributed()  # the launcher started the group: nothing to do
+    t = torch.tensor([float(rank + 1)])
+    deepspeed.comm.all_reduce(t)
+    deepspeed.comm.barrier()
+    return deepspeed.comm.get_rank(), deepspeed.comm.get_world_size(), float(t)
+
+
+def test_comm_answers_with_the_launchers_group():
+    assert run_ranks(_comm, 2) == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def _accessors(rank, world, path):
+    config = base_config(2, 2, world)
+    engine, optimizer, *_ = deepspeed.initialize(model=make_model("gpt"), config=config)
+    out = {"dp": engine.dp_world_size, "local_rank": engine.local_rank, "mom": engine.get_mom(),
+           "zero": engine.zero_optimization(), "scale": optimizer.cur_scale, "applied": []}
+    for tokens in batches(2, 2 * 2 * world):
+        for a in range(2):
+            rows = tokens[(a * world + rank) * 2:(a * world + rank + 1) * 2]
+            engine.backward(loss_of(engine, "gpt", rows))
+            engine.step()
+            out["applied"].append(engine.was_step_applied())
+    out["samples"] = engine.global_samples
+    engine.save_checkpoint(path)
+    engine.set_train_batch_size(4 * 2 * world)
+    out["accumulation"] = (engine.gradient_accumulation_steps(), engine.train_batch_size())
+    with pytest.raises(ValueError, match="not a multiple of the micro-batch"):
+        engine.set_train_batch_size(3)
+    with pytest.raises(ValueError, match="moving between one and several"):
+        engine.set_train_batch_size(2 * world)
+    engine.destroy()
+    again, *_ = deepspeed.initialize(model=make_model("gpt"), config=config)
+    again.load_checkpoint(path)
+    out["samples_loaded"] = again.global_samples
+    again.close()
+    return out
+
+
+def test_the_engines_accessors_answer_as_deepspeeds(tmp_path):
+    for rank, out in enumerate(run_ranks(_accessors, 2, path=str(tmp_path))):
+        assert out["dp"] == 2 and out["local_rank"] == rank and out["zero"] is True
+        assert out["mom"] == [(0.9, 0.95)] and out["scale"] == 1.0
+        assert out["applied"] == [False, True, False, True]  # between boundaries nothing is applied
+        assert out["samples"] == 2 * 8 and out["samples_loaded"] == 16  # two steps of the global batch
+        assert out["accumulation"] == (4, 16)
+
+
+def test_zero_optimization_is_false_at_stage_0():
+    config = base_config(2, 1, 1)
+    config["zero_optimization"] = {"stage": 0}
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    assert engine.zero_optimization() is False
+    engine.close()
+
+
+def _full_param(rank, world):
+    engine, *_ = deepspeed.initialize(model=make_model("gpt"), config=base_config(2, 1, world))
+    engine.backward(loss_of(engine, "gpt", batches(1, 2 * world)[0][rank * 2:(rank + 1) * 2]))
+    engine.step()
+    name, param = next((n, p) for n, p in engine.module.named_parameters() if len(p.ds_shape) == 2)
+    got = offload.utils.safe_get_full_fp32_param(param)  # a collective, as DeepSpeed's
+    full = engine.full_state_dict()[name]
+    errors = []
+    for call in (lambda: offload.utils.safe_get_full_grad(param),
+                 lambda: offload.utils.safe_get_full_optimizer_state(param, "exp_avg"),
+                 lambda: offload.utils.safe_set_full_fp32_param(param, got)):
+        with pytest.raises(offload.EngineError) as caught:
+            call()
+        errors.append(str(caught.value))
+    engine.close()
+    with pytest.raises(offload.EngineError, match="no open offload engine"):
+        offload.utils.safe_get_full_fp32_param(param)
+    return torch.equal(got, full), tuple(got.shape) == tuple(param.ds_shape), errors
+
+
+def test_the_full_fp32_value_of_one_parameter_and_the_helpers_it_does_not_give_say_what_does():
+    for same, shaped, errors in run_ranks(_full_param, 2):
+        assert same and shaped
+        assert "get_global_grad_norm" in errors[0] and "offload inspect" in errors[1]
+        assert "gathered_parameters(modifier_rank=0)" in errors[2]
+
+
+class ReadsChildWeight(nn.Module):
+    """The root's forward reads its embedding's weight without calling it: a registered external parameter."""
+
+    def __init__(self, register=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(64, 32)
+        self.body = nn.Linear(32, 32)
+        if register:
+            deepspeed.zero.register_external_parameter(self, self.emb.weight)
+
+    def forward(self, tokens):
+        h = self.body(self.emb(tokens))
+        return torch.nn.functional.linear(h, self.emb.weight).logsumexp(-1).mean()
+
+
+def _external(rank, world):
+    config = base_config(2, 1, world)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    config["offload"]["unit_bytes"] = 4096
+    engine, *_ = deepspeed.initialize(model=ReadsChildWeight(), config=config)
+    tokens = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(rank))
+    losses = []
+    for _ in range(2):
+        losses.append(engine.backward(engine(tokens)).item())
+        engine.step()
+    with pytest.raises(ValueError, match="after offload.initialize"):
+        deepspeed.zero.register_external_parameter(engine.module, engine.module.body.weight)
+    engine.close()
+    return losses
+
+
+def test_a_registered_external_parameter_is_gathered_around_the_reading_modules_forward():
+    """Without the registration the engine refuses that forward (tests/test_engine_robustness.py); with it the
+    embedding's unit is gathered around the root's forward, at two ranks and at one with the units gathered from
+    the host."""
+    assert len(run_ranks(_external, 2)) == 2
+    assert len(run_ranks(_external, 1, env={"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"})[0]) == 2
+
+
+DOC = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "deepspeed-api.md"
+# What DeepSpeed 0.19.8 scripts call (#45's list and its siblings): each must have its row in the table.
+CALLED = ["deepspeed.initialize", "deepspeed.add_config_arguments", "deepspeed.init_distributed", "deepspeed.comm",
+          "deepspeed.zero.Init", "deepspeed.zero.register_external_parameter",
+          "deepspeed.utils.safe_get_full_fp32_param", "deepspeed.utils.safe_get_full_grad",
+          "deepspeed.utils.safe_get_full_optimizer_state", "deepspeed.utils.safe_set_full_fp32_param",
+          "engine.local_rank", "engine.was_step_applied", "engine.dp_world_size", "engine.global_samples",
+          "engine.get_mom", "engine.zero_optimization", "engine.set_train_batch_size", "engine.destroy",
+          "optimizer.cur_scale", "engine.backward", "engine.step", "engine.save_checkpoint", "engine.load_checkpoint"]
+
+
+def _rows():
+    import re
+    return [name for cell in re.findall(r"^\| `([^|]+)` \|", DOC.read_text(), re.M)
+            for name in re.split(r"` / `", cell)]
+
+
+def test_the_docs_table_names_only_what_exists_and_everything_scripts_call():
+    engine, optimizer, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
+    roots = {"deepspeed": offload, "engine": engine, "optimizer": optimizer}
+    rows = _rows()
+    for name in rows:
+        root, *path = name.split(".")
+        obj = roots[root]
+        for part in path:
+            assert hasattr(obj, part), f"docs/deepspeed-api.md lists {name}, which does not exist"
+            obj = getattr(obj, part)
+    engine.close()
+    missing = [name for name in CALLED if name not in rows]
+    assert not missing, f"docs/deepspeed-api.md has no row for {missing}"
