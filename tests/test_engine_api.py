@@ -196,6 +196,22 @@ def test_training_data_gives_a_loader_of_micro_batches():
     engine.close()
 
 
+def test_the_loader_orders_batches_as_deepspeeds_does_whatever_the_global_rng():
+    """DeepSpeed's loader draws its order from a DistributedSampler (seed 0), not torch's global RNG: the same
+    order on every run of the script, and the order a DeepSpeed run of it had."""
+    data = torch.utils.data.TensorDataset(torch.arange(10))
+    expected = list(torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0))
+    orders = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        engine, _, loader, _ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1),
+                                                  training_data=data)
+        torch.manual_seed(seed + 100)  # the script draws from the global RNG before it iterates
+        orders.append([int(x) for b in loader for x in b[0]])
+        engine.close()
+    assert orders[0] == orders[1] == expected and expected != list(range(10))
+
+
 def test_gathered_parameters_and_zero_grad():
     model = make_model("gpt")
     engine, *_ = offload.initialize(model=model, config=base_config(2, 2, 1))

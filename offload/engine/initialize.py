@@ -76,10 +76,12 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         _share_groups(optimizer, engine.optimizer)
     loader = None
     if training_data is not None:
-        sampler: torch.utils.data.DistributedSampler[Any] | None = torch.utils.data.DistributedSampler(
-            training_data, num_replicas=group.world, rank=group.rank) if group.world > 1 else None
+        # DeepSpeed's loader: a DistributedSampler over the data-parallel ranks at every world size (shuffled from
+        # its seed 0, not the global RNG), so a script's batches come in the order they did under DeepSpeed.
+        sampler: torch.utils.data.DistributedSampler[Any] = torch.utils.data.DistributedSampler(
+            training_data, num_replicas=group.world, rank=group.rank)
         loader = torch.utils.data.DataLoader(training_data, batch_size=resolved(cfg.train_micro_batch_size_per_gpu),
-                                             sampler=sampler, shuffle=sampler is None, collate_fn=collate_fn)
+                                             sampler=sampler, collate_fn=collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
