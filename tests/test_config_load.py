@@ -54,9 +54,33 @@ def test_defaults_are_deepspeeds():
     # aio block size and depth are offload's measured defaults, not DeepSpeed's 1 MiB / 8.
     assert cfg.aio.block_size == 8 << 20 and cfg.aio.queue_depth == 16
     assert cfg.fp16.initial_scale_power == 16 and cfg.fp16.loss_scale_window == 1000 and cfg.fp16.hysteresis == 2
-    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10
+    assert cfg.steps_per_print == 10
     assert Config.load({"zero_optimization": {"stage": 3}}).zero_optimization.overlap_comm_effective is True
     assert Config.load({"zero_optimization": {"stage": 2}}).zero_optimization.overlap_comm_effective is False
+
+
+# DeepSpeed 0.19.8's defaults of the keys a config most often leaves out, where they decide the training (the
+# constant each comes from in deepspeed/runtime/constants.py): compared with DeepSpeed's own constants where it is
+# installed (./dev.sh deepspeed), with this table where it is not.
+DEEPSPEED_DEFAULTS = {"gradient_clipping": (1.0, "GRADIENT_CLIPPING_DEFAULT"),
+                      "steps_per_print": (10, "STEPS_PER_PRINT_DEFAULT"),
+                      "prescale_gradients": (False, "PRESCALE_GRADIENTS_DEFAULT"),
+                      "gradient_predivide_factor": (1.0, "GRADIENT_PREDIVIDE_FACTOR_DEFAULT"),
+                      "wall_clock_breakdown": (False, "WALL_CLOCK_BREAKDOWN_DEFAULT")}
+
+
+@pytest.mark.parametrize("key", list(DEEPSPEED_DEFAULTS))
+def test_a_config_that_leaves_a_key_out_trains_as_deepspeed_would(key):
+    """A config without gradient_clipping clips at 1.0, as DeepSpeed 0.19.8 does (#45: one that did not clip drifted
+    2% from DeepSpeed's losses in five steps)."""
+    value, constant = DEEPSPEED_DEFAULTS[key]
+    try:
+        from deepspeed.runtime import constants
+    except ImportError:
+        constants = None
+    if constants is not None:
+        assert getattr(constants, constant) == value, f"DeepSpeed's {constant} is {getattr(constants, constant)}"
+    assert getattr(Config.load({}), key) == value
 
 
 def test_numbers_as_real_configs_write_them():

@@ -83,7 +83,7 @@ def test_a_second_train_runs_as_the_plain_trainers_second_does(tmp_path):
 def test_a_config_without_batch_or_clipping_keys_follows_the_arguments(tmp_path, caplog):
     """The Trainer's loop decides the micro-batch and the accumulation: a config that leaves them out trains as the
     plain Trainer does (an engine at its defaults of one would step at every micro-batch), twice over; and clips
-    at max_grad_norm as the plain Trainer does, saying so (DeepSpeed would not clip)."""
+    at max_grad_norm as the plain Trainer does, saying so (DeepSpeed would clip at its default, 1.0)."""
     path = save(tiny("llama"), tmp_path / "ckpt")
     bare = {"zero_optimization": DS["zero_optimization"], "offload": DS["offload"]}
     ref = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),

@@ -36,7 +36,7 @@ class Config:
         None, "Samples per forward/backward on one rank.", ge=1, auto=True)
     gradient_accumulation_steps: int | Auto | None = setting(
         None, "Micro-batches per optimizer step.", ge=1, auto=True)
-    gradient_clipping: float | Auto = setting(0.0, "Clip the global gradient norm to this; 0 turns clipping off.",
+    gradient_clipping: float | Auto = setting(1.0, "Clip the global gradient norm to this; 0 turns clipping off.",
                                               ge=0, auto=True)
     fp16: FP16Config = section(FP16Config, "fp16 mixed precision with loss scaling.")
     bf16: BF16Config = section(BF16Config, "bf16 mixed precision.", aliases=("bfloat16",))

@@ -8,7 +8,7 @@ An ``"auto"`` value is replaced; any other value must equal the argument's, or t
 config is refused with every mismatch named (``- ds <key>=<value> vs hf <argument>=<value>``);
 a key that is absent stays absent, except the micro-batch and accumulation, which the
 Trainer's loop decides (absent, they are filled as ``"auto"`` would be), and clipping:
-absent, it is ``max_grad_norm``'s, as the plain Trainer clips (DeepSpeed would not clip),
+absent, it is ``max_grad_norm``'s, as the plain Trainer clips (DeepSpeed would clip at its default, 1.0),
 with a warning that says so; ``bf16``/``fp16`` asked for by the arguments add their
 section when it is absent, as accelerate adds it for DeepSpeed. Keys filled only
 where ``"auto"`` (never compared): ``warmup_min_lr``, and the bucket and persistence sizes
@@ -84,12 +84,12 @@ def resolve(config: dict[str, Any], args: Any, model: nn.Module, num_training_st
     f.config.setdefault("train_micro_batch_size_per_gpu", args.per_device_train_batch_size)
     f.config.setdefault("gradient_accumulation_steps", args.gradient_accumulation_steps)
     if "gradient_clipping" not in f.config and args.max_grad_norm:
-        # The plain Trainer clips at max_grad_norm (1.0 unless set); DeepSpeed, given no gradient_clipping, would
-        # not clip at all, silently. Clip as the Trainer would, and say so.
+        # The plain Trainer clips at max_grad_norm (1.0 unless set); DeepSpeed, given no gradient_clipping, clips at
+        # its default 1.0 whatever max_grad_norm says. Clip as the Trainer would, and say so.
         f.config["gradient_clipping"] = args.max_grad_norm
         logger.warning("offload config: no gradient_clipping, so gradients are clipped at max_grad_norm=%s as "
-                       "the Trainer clips them (DeepSpeed would not clip); set gradient_clipping to 0 (or "
-                       "max_grad_norm to 0) to turn clipping off", args.max_grad_norm)
+                       "the Trainer clips them (DeepSpeed would clip at its default, 1.0); set gradient_clipping "
+                       "to 0 (or max_grad_norm to 0) to turn clipping off", args.max_grad_norm)
     f.match("optimizer.params.lr", args.learning_rate, "learning_rate")
     f.match("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2")
     f.match("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")
