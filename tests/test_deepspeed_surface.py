@@ -164,7 +164,7 @@ def test_a_registered_external_parameter_is_gathered_around_the_reading_modules_
 DOC = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "deepspeed-api.md"
 # What DeepSpeed 0.19.8 scripts call (#45's list and its siblings): each must have its row in the table.
 CALLED = ["deepspeed.initialize", "deepspeed.add_config_arguments", "deepspeed.init_distributed", "deepspeed.comm",
-          "deepspeed.zero.Init", "deepspeed.zero.register_external_parameter",
+          "deepspeed.zero.Init", "deepspeed.zero.GatheredParameters", "deepspeed.zero.register_external_parameter",
           "deepspeed.utils.safe_get_full_fp32_param", "deepspeed.utils.safe_get_full_grad",
           "deepspeed.utils.safe_get_full_optimizer_state", "deepspeed.utils.safe_set_full_fp32_param",
           "engine.local_rank", "engine.was_step_applied", "engine.dp_world_size", "engine.global_samples",
@@ -191,3 +191,47 @@ def test_the_docs_table_names_only_what_exists_and_everything_scripts_call():
     engine.close()
     missing = [name for name in CALLED if name not in rows]
     assert not missing, f"docs/deepspeed-api.md has no row for {missing}"
+
+
+def _gathered(rank, world):
+    engine, *_ = deepspeed.initialize(model=make_model("gpt"), config=base_config(2, 1, world))
+    engine.backward(loss_of(engine, "gpt", batches(1, 2 * world)[0][rank * 2:(rank + 1) * 2]))
+    engine.step()
+    named = dict(engine.module.named_parameters())
+    wte, other = named["wte.weight"], named["blocks.1.mlp.0.weight"]
+    before = engine.full_state_dict()
+    with deepspeed.zero.GatheredParameters(wte, modifier_rank=0):
+        inside = (tuple(wte.shape) == tuple(wte.ds_shape), other.numel())
+        if rank == 0:
+            with torch.no_grad():
+                wte[3].fill_(0.5)  # what rank 0 writes is kept on every rank
+    with deepspeed.zero.GatheredParameters([wte]):  # read-only: a write is not kept
+        with torch.no_grad():
+            wte[4].fill_(9.0)
+    after = engine.full_state_dict()
+    with deepspeed.zero.GatheredParameters(torch.nn.Parameter(torch.ones(2))):  # no engine's: nothing to do
+        pass
+    engine.close()
+    changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    return inside, changed, after["wte.weight"][3].tolist() == [0.5] * 32, torch.equal(
+        after["wte.weight"][4], before["wte.weight"][4])
+
+
+def test_gathered_parameters_gathers_just_the_named_ones_and_keeps_what_the_modifier_rank_writes():
+    for inside, changed, written, untouched in run_ranks(_gathered, 2):
+        assert inside == (True, 0)  # the named parameter whole, another unit's still its empty partition
+        assert changed == ["head.weight", "wte.weight"] and written and untouched  # the head is tied to wte
+
+
+def test_zero_init_takes_deepspeeds_arguments(tmp_path):
+    config = base_config(2, 1, 1)
+    with offload.zero.Init(config_dict_or_path=config, remote_device="cpu", pin_memory=True, dtype=torch.bfloat16,
+                           min_meta_numel=16):
+        meta = make_model("gpt")
+    with offload.zero.Init(enabled=False, min_meta_numel=16):
+        real = make_model("gpt")
+    assert any(p.is_meta for p in meta.parameters()) and not any(p.is_meta for p in real.parameters())
+    engine, *_ = offload.initialize(model=meta, config=config)
+    engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
+    engine.step()
+    engine.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from offload.engine.life import Lifetime
 from offload.optim.loss_scale import LossScaler
 from offload.optim.sharded import ShardedAdam
 from offload.observe.telemetry import Telemetry
+from offload.zero.unit import Unit
 
 logger = logging.getLogger("offload.engine")
 
@@ -38,20 +39,26 @@ class Persistence:
     global_samples: int
     train_batch_size: Callable[[], int]
     life: Lifetime
+    units: list[Unit]
     _drain: Callable[..., None]  # (before, publish=False)
     zero_grad: Callable[[], None]
 
     # ----------------------------------------------------------------- whole weights (offload/engine/weights.py)
 
     @contextlib.contextmanager
-    def gathered_parameters(self, modifier_rank: int | None = None) -> Iterator[nn.Module]:
-        """Every unit gathered inside the block (it ignores stage3_max_live_parameters); a collective. Read-only
-        unless ``modifier_rank`` names the rank whose writes are kept (DeepSpeed's GatheredParameters), masters
-        included."""
+    def gathered_parameters(self, modifier_rank: int | None = None,
+                            params: Iterable[torch.Tensor] | None = None) -> Iterator[nn.Module]:
+        """Every unit (``params``: the units holding these) gathered inside the block (it ignores
+        stage3_max_live_parameters); a collective. Read-only unless ``modifier_rank`` names the rank whose writes
+        are kept (DeepSpeed's GatheredParameters), masters included."""
         self.life.check()
         self._drain("gathering the parameters")
         self.optimizer.repair_stale()
-        with weights.gathered_parameters(self, modifier_rank) as module:
+        only = None
+        if params is not None:
+            wanted = {id(p) for p in params}
+            only = {u.index for u in self.units for s in u.slots if id(s.param) in wanted}
+        with weights.gathered_parameters(self, modifier_rank, only) as module:
             yield module
 
     def load_full_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> tuple[list[str], list[str]]:

@@ -38,35 +38,38 @@ def state_dict_layout(engine: Any) -> tuple[list[tuple[str, int, Any]], dict[str
 
 
 @contextlib.contextmanager
-def gathered_parameters(engine: Any, modifier_rank: int | None = None) -> Iterator[nn.Module]:
-    """Every unit gathered (full compute-dtype parameters readable on the module) inside the block; units start
-    and end sharded, so the runtime's count of gathered elements is untouched. With ``modifier_rank`` what that rank
-    wrote inside the block is kept on every rank (see [Note: writing through gathered parameters])."""
+def gathered_parameters(engine: Any, modifier_rank: int | None = None,
+                        only: set[int] | None = None) -> Iterator[nn.Module]:
+    """Every unit (``only``: these unit indices) gathered (full compute-dtype parameters readable on the module)
+    inside the block; units start and end sharded, so the runtime's count of gathered elements is untouched. With
+    ``modifier_rank`` what that rank wrote inside the block is kept on every rank (see [Note: writing through
+    gathered parameters])."""
     if modifier_rank is not None and not 0 <= modifier_rank < engine.group.world:
         raise ValueError(f"modifier_rank {modifier_rank} is not a rank of this group (0 to {engine.group.world - 1})")
+    units = [u for u in engine.units if only is None or u.index in only]
     if modifier_rank is not None:
         engine.optimizer.publish()  # the parameters a delayed update holds back would be written back as edits
     engine.optimizer.drain()  # an early step still writing shards (in-place units read them directly)
     engine.runtime.reshard_all()
-    for unit in engine.units:
+    for unit in units:
         unit.unshard(engine.runtime.h2d)
         if unit.in_place:  # the flat buffer is the shard: a copy back may still be writing it (on a GPU)
             engine.params.await_home(unit.index)
     # Units that keep their buffer have their shard inside it: what the block writes there is compared with this.
-    before = {u.index: engine.params.read(u.index).clone() for u in engine.units
+    before = {u.index: engine.params.read(u.index).clone() for u in units
               if modifier_rank is not None and u.keeps_full}
     edits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     try:
         yield engine.module
         if modifier_rank is not None:
-            edits = _edits(engine, modifier_rank, before)
+            edits = _edits(engine, modifier_rank, before, units)
     except BaseException:
-        for unit in engine.units:  # the block failed: its writes into shards are undone, none is kept
+        for unit in units:  # the block failed: its writes into shards are undone, none is kept
             if unit.index in before:
                 unit.full[unit.shard_start:unit.shard_start + unit.shard_numel].copy_(before[unit.index])
         raise
     finally:
-        for unit in engine.units:
+        for unit in units:
             unit.reshard()
     if edits:
         _apply_edits(engine, edits)
@@ -81,11 +84,11 @@ def gathered_parameters(engine: Any, modifier_rank: int | None = None) -> Iterat
 # step count stay. A block that raises keeps nothing.
 
 
-def _edits(engine: Any, modifier_rank: int, before: dict[int, torch.Tensor]
+def _edits(engine: Any, modifier_rank: int, before: dict[int, torch.Tensor], units: list[Any]
            ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Each unit's written elements of this rank's shard: (positions, new values in fp32)."""
     edits = {}
-    for unit in engine.units:  # a collective: every rank, the same units in the same order
+    for unit in units:  # a collective: every rank, the same units in the same order
         broadcast(unit.full, engine.group, src=modifier_rank)
         new = unit.full[unit.shard_start:unit.shard_start + unit.shard_numel]
         old = before[unit.index] if unit.index in before else engine.params.read(unit.index).to(new.device)

@@ -33,11 +33,21 @@ _FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torc
 
 
 class Init(TorchFunctionMode):
-    """Tensors of at least ``min_meta_numel`` elements created inside go to the meta device."""
+    """Tensors of at least ``min_meta_numel`` elements created inside go to the meta device.
 
-    def __init__(self, min_meta_numel: int = 4096) -> None:
+    DeepSpeed's arguments are taken as its scripts pass them. ``enabled=False`` builds for real. Where the
+    partitions live (``remote_device``, ``pin_memory``), their dtype (``dtype``) and the config
+    (``config_dict_or_path``, ``config``) are the config's that ``initialize`` reads, which shards the model: here
+    they change nothing, as nothing is partitioned until then. ``module`` (a model built already) is sharded by
+    ``initialize`` as it is."""
+
+    def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
+                 mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
+                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
+                 dtype: torch.dtype | None = None, mpu: Any = None, *, min_meta_numel: int = 4096,
+                 **deepspeed_only: Any) -> None:
         super().__init__()
-        self.min_meta_numel = min_meta_numel
+        self.min_meta_numel = min_meta_numel if enabled else math.inf
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:

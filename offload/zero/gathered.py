@@ -1,0 +1,31 @@
+"""DeepSpeed's ``zero.GatheredParameters``: the named ZeRO-3 parameters whole inside a block, what
+``modifier_rank`` writes there kept on every rank. The parameters lead to their engine (each carries a weak
+reference to it); the engine gathers just the units that hold them (offload/engine/weights.py: [Note: writing
+through gathered parameters]). Parameters no engine partitions (a model not yet given to ``initialize``, or
+``enabled=False``) are whole already: the block runs with nothing to do, as under DeepSpeed."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+
+@contextlib.contextmanager
+def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None,
+                       fwd_module: Any = None, enabled: bool = True) -> Iterator[None]:  # noqa: N802 - DeepSpeed's name
+    """A collective: every rank enters with the same parameters. ``fwd_module`` (DeepSpeed's external-parameter
+    registration while inside) needs nothing here: the named units stay gathered for the whole block."""
+    named = [params] if isinstance(params, torch.Tensor) else list(params)
+    refs = {id(ref()): ref() for p in named if (ref := getattr(p, "_offload_engine", None)) is not None and ref()}
+    if not enabled or not refs:
+        yield
+        return
+    if len(refs) > 1:
+        raise ValueError("GatheredParameters was given parameters of more than one offload engine: gather each "
+                         "engine's in a block of its own")
+    engine = next(iter(refs.values()))
+    with engine.gathered_parameters(modifier_rank, params=named):
+        yield
