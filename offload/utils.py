@@ -9,17 +9,16 @@ from typing import Any
 
 import torch
 
-from offload.engine import EngineError
+from offload.engine import EngineError, weights
 from offload.engine.life import Life
-from offload.zero.collectives import all_gather
+from offload.zero.plan import engine_of
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
 
 
 def _engine_of(param: torch.Tensor) -> Any:
-    ref = getattr(param, "_offload_engine", None)
-    engine = ref() if ref is not None else None
+    engine = engine_of(param)
     if engine is None or engine.life.state is Life.CLOSED:
         raise EngineError("this parameter belongs to no open offload engine: pass a parameter of the model "
                           "offload.initialize returned, before engine.close()")
@@ -33,12 +32,7 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     for unit in engine.units:
         for s in unit.slots:
             if s.param is param:
-                shard = (engine.optimizer.master_of(unit.index) if engine.optimizer.trains(unit.index)
-                         else engine.params.read(unit.index).float())
-                device = engine.accel.device
-                full = torch.empty(unit.padded, dtype=torch.float32, device=device)
-                all_gather(full, shard.to(device), unit.group)
-                return full[s.offset:s.offset + s.numel].view(s.shape).clone()
+                return weights.full_values(engine, unit)[s.offset:s.offset + s.numel].view(s.shape).clone()
     raise EngineError("this parameter is not one of its engine's (it was replaced after offload.initialize)")
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -71,8 +70,8 @@ class PaceResult:
 
 def host_step_rate(rank: int, world: int, elements: int) -> float:
     """Seconds per element of the native host step (norm + fused AdamW, bf16 gradient in and parameter out), on
-    the engine's own thread count, each call from a cold cache; median of five."""
-    from offload.bench.adam import HYPER, CacheFlush
+    the engine's own thread count, each call from a cold cache; median of five after one warm-up."""
+    from offload.bench.adam import HYPER, CacheFlush, interleaved
     from offload.machine import native
     from offload.optim import adam_step
     threads = native.default_threads()
@@ -81,15 +80,14 @@ def host_step_rate(rank: int, world: int, elements: int) -> float:
     m, v = torch.zeros(elements), torch.zeros(elements)
     g16 = (torch.randn(elements, generator=gen) * 1e-3).to(torch.bfloat16)
     out16 = torch.empty(elements, dtype=torch.bfloat16)
-    flush, times = CacheFlush(), []
-    for step in range(1, 7):
-        flush()
-        start = time.perf_counter()
+    steps = [0]
+
+    def host_step() -> None:
+        steps[0] += 1
         native.grad_sq_norm(g16, threads=threads)  # the engine's norm pass (clipping, or the overflow check)
-        adam_step(p, g16, m, v, step, HYPER, out16=out16, threads=threads)
-        if step > 1:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) / elements
+        adam_step(p, g16, m, v, steps[0], HYPER, out16=out16, threads=threads)
+
+    return interleaved({"host step": host_step}, repeats=5, before=CacheFlush())["host step"] / elements
 
 
 def _offload_rank(rank: int, world: int, bench: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:

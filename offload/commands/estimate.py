@@ -141,15 +141,20 @@ class StepPrediction:
 
     terms: dict[str, float | None]
 
+    def _known(self) -> list[float] | None:
+        """Every term, or None when one is unknown (then no step is predicted)."""
+        known = [t for t in self.terms.values() if t is not None]
+        return known if known and len(known) == len(self.terms) else None
+
     @property
     def overlapped_ms(self) -> float | None:
-        known = [t for t in self.terms.values() if t is not None]
-        return max(known) if known and len(known) == len(self.terms) else None
+        known = self._known()
+        return max(known) if known else None
 
     @property
     def serial_ms(self) -> float | None:
-        known = [t for t in self.terms.values() if t is not None]
-        return sum(known) if known and len(known) == len(self.terms) else None
+        known = self._known()
+        return sum(known) if known else None
 
     def note(self, source: str) -> str:
         terms = ", ".join(f"{k} {'?' if v is None else f'{v:,.0f} ms'}" for k, v in self.terms.items())

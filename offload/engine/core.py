@@ -42,6 +42,7 @@ from offload.files.pretrained import PretrainedWeights
 from offload.store.param_swap import ParamSwapError
 from offload.observe.sync_ledger import Role, acting_as
 from offload.observe.telemetry import PhaseReport
+from offload.zero.plan import ENGINE
 from offload.zero.collectives import Group
 from offload.zero.stage import Stage
 
@@ -75,7 +76,7 @@ class Engine(DeepSpeedAccessors, Persistence):
         self.units, self.params, self.optimizer = parts.units, parts.params, parts.optimizer
         self.landing, self.optimizer.loss_scaler = parts.landing, self.loss_scaler
         for slot in (s for u in self.units for s in u.slots):  # deepspeed.utils' helpers find the engine by it
-            setattr(slot.param, "_offload_engine", weakref.ref(self))
+            setattr(slot.param, ENGINE, weakref.ref(self))
         self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory
         self.telemetry, self._swaps, self._trained_names = parts.telemetry, parts.swaps, parts.trained_names
         self.schedule, self.lr_scheduler = parts.schedule, parts.lr_scheduler

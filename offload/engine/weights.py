@@ -139,16 +139,22 @@ def _apply_edits(engine: Any, edits: dict[int, tuple[torch.Tensor, torch.Tensor]
     rewrite_units(engine, read=True, state=edit_master, shard=edited_shard)
 
 
+def full_values(engine: Any, unit: Any) -> torch.Tensor:
+    """One unit's whole flat fp32 values on the device (a collective): its master weights where the optimizer
+    trains it, else its compute copy."""
+    device = engine.accel.device
+    shard = (engine.optimizer.master_of(unit.index) if engine.optimizer.trains(unit.index)
+             else engine.params.read(unit.index).float())
+    full = torch.empty(unit.padded, dtype=torch.float32, device=device)
+    all_gather(full, shard.to(device), unit.group)
+    return full
+
+
 def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     """The model's state_dict on the CPU with fp32 master values for trained parameters."""
     values: dict[int, torch.Tensor] = {}
-    device = engine.accel.device
     for unit in engine.units:
-        shard = (engine.optimizer.master_of(unit.index) if engine.optimizer.trains(unit.index)
-                 else engine.params.read(unit.index).float())
-        full = torch.empty(unit.padded, dtype=torch.float32, device=device)
-        all_gather(full, shard.to(device), unit.group)
-        full = full.cpu()
+        full = full_values(engine, unit).cpu()
         for s in unit.slots:
             values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
     # keep_vars: the entries are the Parameter objects themselves (their storage may be empty now).

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from offload.zero.plan import engine_of
+
 
 @contextlib.contextmanager
 def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None,
@@ -19,13 +21,13 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor], modifier_r
     """A collective: every rank enters with the same parameters. ``fwd_module`` (DeepSpeed's external-parameter
     registration while inside) needs nothing here: the named units stay gathered for the whole block."""
     named = [params] if isinstance(params, torch.Tensor) else list(params)
-    refs = {id(ref()): ref() for p in named if (ref := getattr(p, "_offload_engine", None)) is not None and ref()}
-    if not enabled or not refs:
+    engines = {id(e): e for e in map(engine_of, named) if e is not None}
+    if not enabled or not engines:
         yield
         return
-    if len(refs) > 1:
+    if len(engines) > 1:
         raise ValueError("GatheredParameters was given parameters of more than one offload engine: gather each "
                          "engine's in a block of its own")
-    engine = next(iter(refs.values()))
+    engine = next(iter(engines.values()))
     with engine.gathered_parameters(modifier_rank, params=named):
         yield

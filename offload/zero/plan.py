@@ -25,7 +25,9 @@ model's ``_no_split_modules`` (its block classes) are atomic too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from torch import nn
 
 ATOMIC_MODULES: tuple[type[nn.Module], ...] = (
@@ -65,9 +67,7 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
     """
     for name, p in model.named_parameters():
         if getattr(p, "ds_numel", p.numel()) != p.numel():  # see [Note: a released parameter] in zero/unit.py
-            raise ValueError(f"parameter {name!r} has no memory of its own: it is sharded by an offload engine "
-                             "(open or closed). Build a fresh model and load engine.full_state_dict() into it to "
-                             "start another engine")
+            raise sharded_elsewhere(name)
     target = max(1, unit_bytes // element_bytes)  # in elements
     fold = min(fold_below, target // 16)
     atomic_names = {a for a in atomic if isinstance(a, str)} | set(getattr(model, "_no_split_modules", None) or ())
@@ -157,6 +157,21 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
         add(anchors, params)
     _find_borrowers(model, units)
     return units
+
+
+def sharded_elsewhere(name: str) -> ValueError:
+    """A parameter whose values an engine's shards hold, not the parameter: its model cannot start another."""
+    return ValueError(f"parameter {name!r} has no memory of its own: it is sharded by an offload engine (open or "
+                      "closed). Build a fresh model and load engine.full_state_dict() into it to start another engine")
+
+
+ENGINE = "_offload_engine"  # a sharded parameter's weak reference to its engine (set by the engine)
+
+
+def engine_of(param: torch.Tensor) -> Any:
+    """The engine that shards ``param``, while it exists (None: no engine's, or one that is gone)."""
+    ref = getattr(param, ENGINE, None)
+    return ref() if ref is not None else None
 
 
 EXTERNAL = "_offload_external_params"  # a module's registered external parameters, by id

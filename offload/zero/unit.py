@@ -11,7 +11,7 @@ from offload.machine.accelerator import CopyStream
 from offload.store.param_store import ParamStore
 from offload.store.tier import Tier
 from offload.zero.collectives import Group, all_gather
-from offload.zero.plan import UnitPlan
+from offload.zero.plan import UnitPlan, sharded_elsewhere
 
 if TYPE_CHECKING:
     from torch.distributed import Work
@@ -115,9 +115,7 @@ class Unit:
                 raise ValueError(f"parameter {s.name!r} is still on the meta device; materialize_unit gives it "
                                  "memory and initialises it first")
             if s.numel and s.param.untyped_storage().nbytes() < s.numel * s.param.element_size():
-                raise ValueError(f"parameter {s.name!r} has no memory of its own: it is sharded by an offload "
-                                 "engine (open or closed). Build a fresh model and load engine.full_state_dict() "
-                                 "into it to start another engine")
+                raise sharded_elsewhere(s.name)
             flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         return flat
 
