@@ -134,7 +134,7 @@ def test_step_applies_only_at_the_accumulation_boundary():
     engine.close()
 
 
-def test_a_scheduler_built_on_the_scripts_optimizer_and_its_lr_reach_the_step(caplog):
+def test_a_scheduler_built_on_the_scripts_optimizer_and_its_lr_reach_the_step():
     """DeepSpeed steps the client's optimizer itself: a schedule object built on it, or an lr set in its groups,
     changes the step. Here that optimizer becomes a view of the engine's groups, to the same effect."""
     model = make_model("gpt")
@@ -146,17 +146,12 @@ def test_a_scheduler_built_on_the_scripts_optimizer_and_its_lr_reach_the_step(ca
     assert returned is sched and opt.param_groups is optimizer.param_groups
     tokens = batches(1, 2)[0]
     for _ in range(3):
-        for _ in range(2):  # accumulation 2: a zero_grad() between the micro-batches would drop the first, and says so
+        for _ in range(2):
             engine.backward(loss_of(engine, "gpt", tokens))
             engine.step()
     assert engine.get_lr() == pytest.approx([1e-3 * 0.5 ** 3] * 2) == sched.get_last_lr()
     opt.param_groups[0]["lr"] = 0.0
     assert engine.get_lr()[0] == 0.0
-    engine.backward(loss_of(engine, "gpt", tokens))
-    with caplog.at_level("WARNING", logger="offload.engine"):
-        engine.zero_grad()
-        engine.zero_grad()
-    assert caplog.text.count("discarded the gradients of 1 of 2 micro-batches before the accumulation ended") == 1
     with pytest.raises(RuntimeError, match="save and load it with engine.save_checkpoint"):
         optimizer.state_dict()
     with pytest.raises(RuntimeError, match="loaded by engine.load_checkpoint"):
@@ -212,12 +207,51 @@ def test_the_loader_orders_batches_as_deepspeeds_does_whatever_the_global_rng():
     assert orders[0] == orders[1] == expected and expected != list(range(10))
 
 
-def test_gathered_parameters_and_zero_grad():
+def _zero_grad_between_micro_batches(stage: int, how: str):
+    """Two steps of two micro-batches; ``how``: "zero_grad" before every micro-batch (DeepSpeed's loop), "plain"
+    without, "first_zeroed": the first micro-batch's loss times 0 (what DeepSpeed's stages 0-1 leave of it)."""
+    config = base_config(2, 2, 1, stage=stage)
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    for tokens in batches(2, 4):
+        for a in range(2):
+            if how == "zero_grad":
+                engine.zero_grad()
+            loss = loss_of(engine, "gpt", tokens[a * 2:(a + 1) * 2])
+            engine.backward(loss * 0 if how == "first_zeroed" and a == 0 else loss)
+            engine.step()
+    out = (engine.global_steps, engine.full_state_dict())
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_grad_between_micro_batches_keeps_the_accumulation_at_stages_2_and_3(stage, caplog):
+    with caplog.at_level("WARNING", logger="offload.engine"):
+        steps, zeroed = _zero_grad_between_micro_batches(stage, "zero_grad")
+    assert steps == 2 and "zero_grad" not in caplog.text
+    _, plain = _zero_grad_between_micro_batches(stage, "plain")
+    for key, value in plain.items():
+        assert torch.equal(zeroed[key], value), key
+
+
+def test_zero_grad_between_micro_batches_at_stage_1_drops_the_earlier_ones_as_deepspeed_and_says_so(caplog):
+    with caplog.at_level("WARNING", logger="offload.engine"):
+        steps, zeroed = _zero_grad_between_micro_batches(1, "zero_grad")
+    assert steps == 2
+    assert caplog.text.count("between micro-batches at ZeRO stage 1 dropped the gradients of the 1 earlier") == 1
+    _, first_zeroed = _zero_grad_between_micro_batches(1, "first_zeroed")
+    _, plain = _zero_grad_between_micro_batches(1, "plain")
+    assert any(not torch.equal(first_zeroed[k], v) for k, v in plain.items())
+    for key, value in first_zeroed.items():
+        assert torch.equal(zeroed[key], value), key
+
+
+def test_gathered_parameters_and_discard_gradients():
     model = make_model("gpt")
     engine, *_ = offload.initialize(model=model, config=base_config(2, 2, 1))
     tokens = batches(1, 2)[0]
     engine.backward(loss_of(engine, "gpt", tokens))
-    engine.zero_grad()  # discards the half-accumulated gradient: the next two micro-batches make the step
+    engine.discard_gradients()  # drops the half-accumulated gradient: the next two micro-batches make the step
     assert not engine.is_gradient_accumulation_boundary()
     for _ in range(2):
         engine.backward(loss_of(engine, "gpt", tokens))

@@ -9,6 +9,15 @@ batches are not a multiple of the count; DeepSpeed's ``set_gradient_accumulation
 A step that fails before it
 applies anything goes back to the BOUNDARY so that calling step() again retries it. A
 save is refused unless EMPTY: the files would not hold the gradients collected.
+
+[Note: zero_grad between micro-batches] Scripts written for DeepSpeed call
+``engine.zero_grad()`` before every micro-batch. DeepSpeed's clears ``.grad`` and nothing
+else: at stages 2-3 the earlier micro-batches are already reduced into the partitions, so
+the accumulation goes on; at stages 0-1 they still sit in ``.grad`` and are lost, but the
+count goes on and the boundary steps with the later ones. The engine does the same (and
+says so once at stages 0-1). Once the accumulation is complete (COLLECTING no more),
+``zero_grad`` instead of ``step`` drops it, as a torch loop that skips a batch expects;
+``discard_gradients`` drops it at any phase.
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ class Engine(DeepSpeedAccessors, Persistence):
                 # its own: the whole accumulation is dropped, and the next backward starts a new one.
                 logger.warning("backward failed: the %d earlier micro-batch(es) of this step are dropped too (ZeRO "
                                "stage %d accumulates them in .grad)", self.accumulation.pending, self.stage.number)
-                self.zero_grad()
+                self.discard_gradients()
             if overlapped and self.optimizer.abandon_overlap():
                 raise errors.half_applied_step() from e
             raise
@@ -177,13 +177,13 @@ class Engine(DeepSpeedAccessors, Persistence):
         if not self.accumulation.take():
             return
         self.accel.graph.mark("step")
-        order = self.runtime.take_order()  # before anything below can drop the gradients (zero_grad)
+        order = self.runtime.take_order()  # before anything below can drop the gradients (discard_gradients)
         failed: Exception | None = None
         try:
             if not self.config.zero_optimization.ignore_unused_parameters:  # as DeepSpeed, before anything applies
                 unused = self.runtime.without_grad(self._trained_names)
                 if unused:
-                    self.zero_grad()
+                    self.discard_gradients()
                     raise errors.unused_parameters(self.group.rank, unused)
             self.activations.discard()  # inputs saved by a forward whose backward never ran
             self.landing.send_held()  # device-accumulated sums the last micro-batch did not send
@@ -200,7 +200,7 @@ class Engine(DeepSpeedAccessors, Persistence):
         if peers_failed or not in_order:
             # Shards stepped during backward (overlap) moved on: this rank's step is half applied, not undone.
             half = self.schedule.stepped_in_backward and self.optimizer.abandon_overlap() > 0
-            self.zero_grad()  # as the failed rank's step, this one's is gone; the next backward starts afresh
+            self.discard_gradients()  # as the failed rank's step, this one's is gone; the next backward starts afresh
             if peers_failed:
                 raise errors.peer_step_failed(self.group.rank, self.global_steps + 1, retryable=False,
                                               half_applied=half)
@@ -269,15 +269,26 @@ class Engine(DeepSpeedAccessors, Persistence):
             logger.info("step %d: %s", self.global_steps, self.memory_report())
 
     def zero_grad(self) -> None:
-        """Discard gradients accumulated since the last step (a no-op right after one). DeepSpeed's keeps them, so
-        a loop that zeroes before every micro-batch would never reach a step here: that is said, once."""
+        """DeepSpeed's: clears ``.grad``, which keeps an unfinished accumulation (see [Note: zero_grad between
+        micro-batches]). ``discard_gradients`` drops it."""
         acc = self.accumulation
-        if acc.phase is Phase.COLLECTING and not self._warned_zero_grad:
+        if acc.phase is not Phase.COLLECTING:
+            self.discard_gradients()
+            return
+        if self.stage.reduce_every_micro_batch:
+            return  # stages 2-3: the earlier micro-batches are already reduced into the shards, as in DeepSpeed
+        self.runtime.clear_held_grads()
+        if not self._warned_zero_grad:
             self._warned_zero_grad = True
-            logger.warning("engine.zero_grad() discarded the gradients of %d of %d micro-batches before the "
-                           "accumulation ended, so no step follows them (DeepSpeed's zero_grad keeps them); "
-                           "engine.step() clears gradients at the boundary itself: call zero_grad() only to drop "
-                           "them (said once)", acc.pending, acc.steps)
+            logger.warning("engine.zero_grad() between micro-batches at ZeRO stage %d dropped the gradients of the "
+                           "%d earlier micro-batch(es) of %d, as DeepSpeed's does at stages 0-1 (they are kept in "
+                           ".grad until the boundary; stages 2-3 keep them): the step applies only the later ones. "
+                           "Call zero_grad() after engine.step() instead (said once)", self.stage.number,
+                           acc.pending, acc.steps)
+
+    def discard_gradients(self) -> None:
+        """Drop every gradient since the last step, however many micro-batches are in; the next backward starts a
+        new accumulation (a batch skipped by not stepping; a load; a failed step)."""
         self.optimizer.clear_grads()
         self.runtime.drop_grads()
         self.accumulation.clear()

@@ -41,7 +41,7 @@ class Persistence:
     life: Lifetime
     units: list[Unit]
     _drain: Callable[..., None]  # (before, publish=False)
-    zero_grad: Callable[[], None]
+    discard_gradients: Callable[[], None]
 
     # ----------------------------------------------------------------- whole weights (offload/engine/weights.py)
 
@@ -139,7 +139,7 @@ class Persistence:
 
     def load_train_state(self, state: dict[str, Any]) -> None:
         """Restore ``train_state()``; gradients accumulated since the last step are dropped."""
-        self.zero_grad()
+        self.discard_gradients()
         self.global_steps, self.skipped_steps = state["global_steps"], state["skipped_steps"]
         # a checkpoint written before global_samples was kept: the steps at this run's batch size
         self.global_samples = state.get("global_samples", self.global_steps * self.train_batch_size())

@@ -313,7 +313,7 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
         reader.close()
     small = torch.load(path / f"rank{small_from}.pt", weights_only=False)
     main = small if small_from == 0 else torch.load(path / "rank0.pt", weights_only=False)
-    engine.zero_grad()
+    engine.discard_gradients()
     if not load_module_only:
         if rank < old_world:
             _set_rng_state(small["rng"])

@@ -428,6 +428,14 @@ class ZeroRuntime:
         """The step took (or skipped) the gradients: the next ones are counted anew."""
         self.got_grad.clear()
 
+    def clear_held_grads(self) -> None:
+        """Stages 0-1 between micro-batches: the ``.grad`` kept so far is cleared (DeepSpeed's zero_grad); which
+        parameters got a gradient since the step is still known."""
+        for unit in self.units:
+            unit.grads_seen.clear()
+            for slot in unit.slots:
+                slot.param.grad = None
+
     def drop_grads(self) -> None:
         """The gradients since the last step are dropped (``zero_grad``): those kept in ``.grad`` (stages 0-1),
         the record of which parameters got one, and the reductions' order."""
