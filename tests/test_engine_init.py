@@ -57,19 +57,33 @@ def test_init_sends_large_tensors_to_meta_and_keeps_small_ones():
     assert not small.weight.is_meta and not explicit.is_meta and positional.is_meta
 
 
-def test_a_model_built_under_init_trains():
-    with offload.zero.Init():
-        model = GPT(GPTConfig(vocab_size=96, context=16, hidden_size=32, layers=2, heads=2))
-    assert any(p.is_meta for p in model.parameters())
+def _train_gpt(under_init: bool):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=96, context=16, hidden_size=32, layers=2, heads=2)
+    if under_init:
+        with offload.zero.Init():
+            model = GPT(cfg)
+        assert any(p.is_meta for p in model.parameters())
+    else:
+        model = GPT(cfg)
+    drawn_after = torch.rand(4)  # the generator moved as far as in plain construction
     engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))
     state = engine.full_state_dict()
-    assert 0.015 < float(state["blocks.0.mlp.0.weight"].std()) < 0.025  # GPT-2's std=0.02 init, per module
     losses = []
     for tokens in batches(15, 2):
         losses.append(engine.backward(loss_of(engine, "gpt", tokens)).item())
         engine.step()
-    assert losses[-1] < losses[0] - 0.2
     engine.close()
+    return drawn_after, state, losses
+
+
+def test_a_model_built_under_init_starts_from_plain_constructions_weights_and_trains_as_it():
+    drawn, state, losses = _train_gpt(under_init=True)
+    plain_drawn, plain_state, plain_losses = _train_gpt(under_init=False)
+    assert torch.equal(drawn, plain_drawn)
+    for key, value in plain_state.items():
+        assert torch.equal(state[key], value), key
+    assert losses == plain_losses and losses[-1] < losses[0]
 
 
 class _WithBuffer(torch.nn.Module):
@@ -84,3 +98,82 @@ def test_a_buffer_lost_to_meta_is_a_clear_error():
         model = _WithBuffer()
     with pytest.raises(offload.EngineError, match="buffer 'table' is on the meta device.*min_meta_numel"):
         offload.initialize(model=model, config=base_config(2, 1, 1))
+
+
+class _Handmade(torch.nn.Module):
+    """Initial values made the ways scripts make them: a factory times a scale, a module's own init, writes
+    through ``.data`` and a slice, an embedding's padding row."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(500, 32, padding_idx=0)
+        self.fc = torch.nn.Linear(32, 256)
+        self.scale = torch.nn.Parameter(torch.randn(128, 32) * 0.02)
+        self.out = torch.nn.Linear(256, 500)
+        with torch.no_grad():
+            self.out.weight.data[:, :8].zero_()
+            torch.nn.init.trunc_normal_(self.fc.weight, std=0.02)  # no torch function: found on the stack
+            torch.nn.init.orthogonal_(self.out.weight[:, 8:16])
+
+    def forward(self, x):
+        h = self.emb(x)
+        return self.out(torch.relu(self.fc(h))).logsumexp(-1).mean() + (h @ self.scale.t()).mean()
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2))
+
+
+@pytest.mark.parametrize("make", [_Handmade, _llama], ids=["handmade", "hf-llama"])
+def test_init_gives_the_weights_of_plain_construction_with_the_same_seed(make, caplog):
+    """As DeepSpeed's zero.Init: the initial weights equal a plain construction's element for element, and the
+    generator stands where plain construction leaves it."""
+    torch.manual_seed(0)
+    plain = make()
+    plain_next = torch.rand(8)
+    torch.manual_seed(0)
+    with offload.zero.Init(min_meta_numel=1000):
+        model = make()
+    assert sum(p.is_meta for p in model.parameters()) >= 4
+    assert torch.equal(torch.rand(8), plain_next)
+    with caplog.at_level("WARNING", logger="offload.zero.init"):
+        engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))
+    assert "initialiser" not in caplog.text
+    state = engine.full_state_dict()
+    for key, value in plain.state_dict().items():
+        if key in state:
+            assert torch.equal(state[key], value), key
+    engine.close()
+
+
+def test_a_write_after_the_init_block_is_refused_not_lost():
+    with offload.zero.Init(min_meta_numel=1000):
+        model = _Handmade()
+    with torch.no_grad():
+        model.out.weight.fill_(0.5)  # a meta tensor: the write does nothing
+    with pytest.raises(ValueError, match=r"'out.weight' was written after the `with offload.zero.Init\(\):` block"
+                                         r".*GatheredParameters"):
+        offload.initialize(model=model, config=base_config(2, 1, 1))
+
+
+class _CopiesFromOutside(torch.nn.Module):
+    def __init__(self, source):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+        with torch.no_grad():
+            self.fc.weight.copy_(source)  # a meta tensor the recording never saw made
+
+
+def test_a_recipe_that_cannot_be_replayed_falls_back_to_the_initialiser_and_says_so(caplog):
+    source = torch.empty(64, 64, device="meta")
+    with offload.zero.Init(min_meta_numel=1000):
+        model = _CopiesFromOutside(source)
+    with caplog.at_level("WARNING", logger="offload.zero.init"):
+        engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))
+    assert "'fc.weight' is initialised by its module's initialiser" in caplog.text
+    assert "copy_ read a meta tensor of shape (64, 64)" in caplog.text
+    weight = engine.full_state_dict()["fc.weight"]
+    assert torch.isfinite(weight).all() and weight.std() > 0
+    engine.close()

@@ -7,26 +7,36 @@ elements: LayerNorm weights, biases, rotary frequency buffers) are created for r
 so buffers computed in ``__init__`` keep their values.
 
 ``offload.initialize`` then materialises one unit at a time: its meta parameters get
-host memory, the modules that own them are initialised with their own initialiser,
-the values are copied into the unit's shard and the full copy is dropped, so building
-needs memory for about one unit beyond the shards themselves.
+host memory and the values plain construction would have given them, replayed from what
+the mode recorded (see [Note: replaying construction] in recipe.py); the values are copied
+into the unit's shard and the full copy is dropped, so building needs memory for about one
+unit beyond the shards themselves.
 
-The initialiser of a module is, in order of preference: the model's
-``init_module(name, module)`` (offload's built-in GPT), the model's
-``_init_weights(module)`` (Hugging Face models), the module's ``reset_parameters()``.
+A parameter whose record cannot be replayed is initialised by its module's initialiser,
+in order of preference: the model's ``init_module(name, module)`` (offload's built-in
+GPT), the model's ``_init_weights(module)`` (Hugging Face models), the module's
+``reset_parameters()``.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
+import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from offload.zero.plan import ParamSlot, UnitPlan
+from offload.zero.recipe import Recorder, replay, take_recipe, written_after
+
+logger = logging.getLogger(__name__)
 
 _FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.empty_strided,
               torch.normal}
@@ -48,13 +58,102 @@ class Init(TorchFunctionMode):
                  **deepspeed_only: Any) -> None:
         super().__init__()
         self.min_meta_numel = min_meta_numel if enabled else math.inf
+        self.recorder = Recorder()
+        self.scratch = _Scratch()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.recorder.close()
+        self.scratch.close()
+        super().__exit__(*exc)
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        rec = self.recorder
         if func in _FACTORIES and kwargs.get("device") is None and _numel(func, args, kwargs) >= self.min_meta_numel:
-            kwargs = {**kwargs, "device": "meta"}
-        return func(*args, **kwargs)
+            out = func(*args, **{**kwargs, "device": "meta"})
+            call = rec.call(func, args, {**kwargs, "device": "cpu", "dtype": out.dtype})
+            if call.rng is not None:  # the generator moves as in plain construction
+                self.scratch.made(func, out, args, kwargs)
+            rec.made(out, call, args, kwargs)
+            return out
+        metas = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and rec.shares(a)]
+        if not metas:
+            return func(*args, **kwargs)
+        if func == _IS_META:
+            self._skipped_init(args[0])
+            return func(*args, **kwargs)
+        versions = [t._version for t in metas]
+        call = rec.call(func, args, kwargs)
+        out = func(*args, **kwargs)
+        written = [t for t, v in zip(metas, versions) if t._version != v]
+        for t in written:
+            rec.wrote(t, call, args, kwargs)
+        if call.rng is not None:
+            self.scratch.run(func, args, kwargs)
+        if not written and isinstance(out, torch.Tensor) and out.is_meta:
+            base = rec.ref(args[0]) if args and isinstance(args[0], torch.Tensor) else None
+            if rec.shares(out):
+                if base is not None:
+                    rec.view(out, base, func, args, kwargs)
+            else:
+                rec.made(out, call, args, kwargs)
+        return out
+
+    def _skipped_init(self, tensor: torch.Tensor) -> None:
+        """Some of torch.nn.init (``trunc_normal_``, ``orthogonal_``, ``sparse_``, ``dirac_``) is no torch function
+        and returns at once for a meta tensor, after asking ``is_meta``: the function asking, found on the stack,
+        is recorded as a write with the arguments it was given, and run on scratch memory."""
+        frame: FrameType | None = sys._getframe(1)
+        for _ in range(4):  # the asking function is the first frame above this one, past torch's own plumbing
+            if frame is None or frame.f_globals.get("__name__") == "torch.nn.init":
+                break
+            frame = frame.f_back
+        if frame is None or frame.f_globals.get("__name__") != "torch.nn.init":
+            return
+        func = getattr(torch.nn.init, frame.f_code.co_name, None)
+        if func is None or frame.f_locals.get("tensor") is not tensor:
+            return
+        names = inspect.signature(func).parameters
+        kwargs = {name: frame.f_locals[name] for name in names if name != "tensor" and name in frame.f_locals}
+        call = self.recorder.call(func, (tensor,), kwargs)
+        self.recorder.wrote(tensor, call, (tensor,), kwargs)
+        self.scratch.run(func, (tensor,), kwargs)
+
+
+class _Scratch:
+    """One buffer, grown to the largest drawing call's tensors and freed when the mode ends: the generator moves
+    as in plain construction without a tensor's worth of memory left behind per call."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def run(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        metas = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.is_meta]
+        sizes = [-(-a.numel() * a.element_size() // 64) * 64 for a in metas]
+        if sum(sizes) > self.buffer.numel():
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # freed before the larger one is taken
+            self.buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        carved, at = {}, 0
+        for a, n in zip(metas, sizes):
+            carved[id(a)] = self.buffer[at:at + a.numel() * a.element_size()].view(a.dtype).view(a.shape)
+            at += n
+
+        def scratch(a: Any) -> Any:
+            return carved[id(a)] if isinstance(a, torch.Tensor) and a.is_meta else a
+        func(*tree_map(scratch, args), **tree_map(scratch, kwargs))
+
+    def made(self, func: Callable[..., Any], out: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A drawing factory (``torch.randn(n, m)``), into scratch memory shaped as its meta ``out``."""
+        rest = {k: v for k, v in kwargs.items() if k not in ("device", "dtype", "layout", "requires_grad",
+                                                             "pin_memory")}
+        self.run(lambda into: func(*args, **rest, out=into), (out,), {})
+
+    def close(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
+_IS_META = torch.Tensor.is_meta.__get__  # type: ignore[attr-defined]
 
 
 def _numel(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -75,19 +174,35 @@ def _numel(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def materialize_unit(model: nn.Module, plan: UnitPlan) -> None:
-    """Give the unit's meta parameters host memory and initialise the modules that own them."""
-    meta = give_memory(plan)
-    if not meta:
+    """Give the unit's meta parameters host memory and the values plain construction would have given them
+    (see [Note: replaying construction]); those without a recipe to replay, their module's initialiser."""
+    meta = [s for s in plan.slots if s.param.is_meta]
+    rest: list[ParamSlot] = []
+    for s in meta:
+        recipe = take_recipe(s.param)
+        if recipe is not None and written_after(s.param, recipe):
+            raise ValueError(f"parameter {s.name!r} was written after the `with offload.zero.Init():` block that "
+                             "built it ended; it was still on the meta device, so the write did nothing. Write it "
+                             "inside the block, or after initialize inside `with offload.zero.GatheredParameters("
+                             "params, modifier_rank=0):`")
+        if recipe is not None and recipe.broken is None:
+            _swap_in(s, replay(recipe))
+        else:
+            rest.append(s)
+            _say_not_replayed(s.name, f"its recipe cannot be replayed: {recipe.broken}" if recipe is not None
+                              else "it was put on the meta device outside offload.zero.Init's recording")
+    if not rest:
         return
+    give_memory(plan)
     modules = dict(model.named_modules(remove_duplicate=False))
     owners: dict[str, nn.Module] = {}
-    for s in meta:
+    for s in rest:
         owner_name = s.name.rpartition(".")[0]
         owners.setdefault(owner_name, modules[owner_name])
-    mine = {id(s.param) for s in meta}
+    mine = {id(s.param) for s in rest}
     for name, module in owners.items():
-        # A parameter of this module that belongs to another unit (a tied weight, already sharded) must not be
-        # touched by the initialiser: it gets a scratch stand-in while the module initialises.
+        # A parameter of this module that belongs to another unit (a tied weight, already sharded) or that was
+        # replayed must not be touched by the initialiser: it gets a scratch stand-in while the module initialises.
         foreign = {k: p for k, p in module._parameters.items() if p is not None and id(p) not in mine}
         for k, p in foreign.items():
             module._parameters[k] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
@@ -97,15 +212,30 @@ def materialize_unit(model: nn.Module, plan: UnitPlan) -> None:
             module._parameters.update(foreign)
 
 
+_said: set[str] = set()
+
+
+def _say_not_replayed(name: str, why: str) -> None:
+    if "any" not in _said:
+        _said.add("any")
+        logger.warning("parameter %r is initialised by its module's initialiser, so its initial values differ from "
+                       "a plain construction's with the same seed (%s); said once", name, why)
+
+
+def _swap_in(slot: ParamSlot, values: torch.Tensor) -> None:
+    # A meta tensor's data cannot be replaced by a CPU one in place; swapping keeps the Parameter
+    # object (which optimizer groups and tied modules refer to) and gives it real storage.
+    real = nn.Parameter(values.to(slot.param.dtype), slot.param.requires_grad)
+    torch.utils.swap_tensors(slot.param, real)
+
+
 def give_memory(plan: UnitPlan) -> list[ParamSlot]:
     """Give the unit's meta parameters (uninitialised) host memory; returns their slots. Pretrained weights fill
     them from a checkpoint instead of an initialiser (offload/files/pretrained.py)."""
     meta = [s for s in plan.slots if s.param.is_meta]
     for s in meta:
-        # A meta tensor's data cannot be replaced by a CPU one in place; swapping keeps the Parameter
-        # object (which optimizer groups and tied modules refer to) and gives it real storage.
-        real = nn.Parameter(torch.empty(s.shape, dtype=s.param.dtype, device="cpu"), s.param.requires_grad)
-        torch.utils.swap_tensors(s.param, real)
+        take_recipe(s.param)  # not replayed: what is written into it comes from elsewhere
+        _swap_in(s, torch.empty(s.shape, dtype=s.param.dtype, device="cpu"))
     return meta
 
 

@@ -1,0 +1,206 @@
+"""How a tensor built on the meta device under ``offload.zero.Init`` would have been filled: recorded, replayed.
+
+[Note: replaying construction] A plain ``Model()`` draws every initial weight from the
+global generator as its modules are built (``reset_parameters``, then a Hugging Face
+``post_init``). Under ``zero.Init`` the large tensors are meta, so those draws would never
+happen: initialising each unit later would give other values than a plain construction
+with the same seed (DeepSpeed's ``zero.Init`` gives the same ones), and every later draw
+(dropout, a shuffle) would move too. So, while the mode is on, each large tensor gets a
+``Recipe``: the call that made it and every call that wrote into it (through a view, or
+``.data``, or a ``torch.nn.init`` function), each with the generator's state just before.
+A call that draws from the generator also runs on a scratch tensor of the same size, so the
+generator moves exactly as in plain construction (memory for one tensor at a time).
+``materialize`` replays a parameter's recipe into real memory, unit by unit, with those
+states: the values equal plain construction's bit for bit. A recipe that cannot be replayed
+(a write from a tensor it does not know, a view it cannot repeat) says so; the caller then
+falls back to the module's initialiser and warns. A write after the ``with`` block reaches a
+meta tensor and does nothing: the parameter's version counter shows it, and ``materialize``
+refuses rather than lose it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+_DRAWING_METHODS = {"normal_", "uniform_", "random_", "bernoulli_", "exponential_", "geometric_", "log_normal_",
+                    "cauchy_", "randn", "rand", "randint", "randperm", "normal", "bernoulli", "multinomial",
+                    "randn_like", "rand_like", "randint_like", "dropout", "poisson"}
+
+
+def draws(func: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
+    """Whether the call may take numbers from a generator (then it runs on a scratch tensor too)."""
+    if kwargs.get("generator") is not None:
+        return True
+    if getattr(func, "__module__", "") == "torch.nn.init":
+        return True
+    return getattr(func, "__name__", "") in _DRAWING_METHODS
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A recorded tensor inside a call's arguments: its recipe and the views from it to the tensor passed."""
+    recipe: Recipe
+    views: tuple[Call, ...] = ()
+
+
+@dataclass
+class Call:
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng: torch.Tensor | None = None  # the default CPU generator's state before the call (a drawing call)
+    generator: torch.Tensor | None = None  # the state of the generator passed as ``generator=``
+
+
+@dataclass
+class Recipe:
+    """One storage's history: ``made`` (a factory, its ``device`` now "cpu"; or a call on other recipes) and the
+    in-place ``writes`` that followed, each a call whose ``Ref`` to this recipe carries the views written through."""
+    made: Call
+    shape: torch.Size
+    writes: list[Call] = field(default_factory=list)
+    broken: str | None = None  # why it cannot be replayed
+    version: int = -1  # the tensor's version counter when the mode ended (a later write changes it)
+
+
+class Recorder:
+    """What ``zero.Init``'s mode sees of the large tensors it put on the meta device (see [Note: replaying
+    construction])."""
+
+    def __init__(self) -> None:
+        self.roots: dict[int, tuple[Recipe, torch.Tensor]] = {}  # by storage
+        self.views: dict[int, tuple[torch.Tensor, Ref]] = {}  # by id of a view or alias (kept alive meanwhile)
+
+    def call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+        """The call as it can be replayed: recorded tensors as ``Ref``s, the generators' states if it draws."""
+        rng = torch.get_rng_state() if draws(func, kwargs) else None
+        gen = kwargs.get("generator")
+        return Call(func, self._refs(args), self._refs({k: v for k, v in kwargs.items() if k != "generator"}), rng,
+                    gen.get_state() if isinstance(gen, torch.Generator) else None)
+
+    def made(self, out: torch.Tensor, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """``out``, a new meta tensor, came from ``call``."""
+        recipe = Recipe(call, out.shape, broken=self._unknown(args, kwargs))
+        self.roots[storage_key(out)] = (recipe, out)
+        _REGISTRY[storage_key(out)] = (recipe, out)
+
+    def ref(self, t: torch.Tensor) -> Ref | None:
+        if id(t) in self.views and self.views[id(t)][0] is t:
+            return self.views[id(t)][1]
+        root = self.roots.get(storage_key(t)) if t.is_meta else None
+        if root is None:
+            return None
+        base = root[1]
+        if (t.shape, t.stride(), t.storage_offset()) == (base.shape, base.stride(), base.storage_offset()):
+            return Ref(root[0])
+        return None
+
+    def shares(self, t: torch.Tensor) -> bool:
+        return t.is_meta and storage_key(t) in self.roots
+
+    def view(self, out: torch.Tensor, of: Ref, func: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> None:
+        """``out`` shares the storage of ``of``'s tensor (``args[0]``): a view, or ``.data``."""
+        step = () if func == DATA_GET else (Call(func, self._refs(args[1:]), self._refs(kwargs)),)
+        self.views[id(out)] = (out, Ref(of.recipe, of.views + step))
+
+    def wrote(self, target: torch.Tensor, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ref = self.ref(target)
+        if ref is None:
+            entry = self.roots.get(storage_key(target))
+            if entry is not None and entry[0].broken is None:
+                entry[0].broken = f"{_name(call.func)} wrote through a view the recording could not repeat"
+            return
+        ref.recipe.writes.append(call)
+        why = self._unknown(args, kwargs)
+        if why and ref.recipe.broken is None:
+            ref.recipe.broken = f"{_name(call.func)} read {why}"
+
+    def close(self) -> None:
+        for recipe, t in self.roots.values():
+            recipe.version = t._version
+        self.views.clear()
+
+    def _refs(self, tree: Any) -> Any:
+        return tree_map(lambda a: (self.ref(a) or a) if isinstance(a, torch.Tensor) and a.is_meta else a, tree)
+
+    def _unknown(self, args: Any, kwargs: Any) -> str | None:
+        """A meta tensor among the arguments the recorder knows nothing of (its values cannot be made)."""
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor) and a.is_meta and self.ref(a) is None:
+                return f"a meta tensor of shape {tuple(a.shape)} that the recording cannot make"
+        return None
+
+
+def _name(func: Callable[..., Any]) -> str:
+    return getattr(func, "__name__", repr(func))
+
+
+DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
+
+# Storage of a recorded meta tensor -> its recipe and the tensor, kept (meta: no memory) until a unit's build
+# takes it, so that no other meta storage can reuse the key meanwhile.
+_REGISTRY: dict[int, tuple[Recipe, torch.Tensor]] = {}
+
+
+def take_recipe(param: torch.Tensor) -> Recipe | None:
+    """The recipe of a meta parameter built under ``zero.Init``, taken from the registry (None: not one, or a
+    part of one)."""
+    entry = _REGISTRY.get(storage_key(param)) if param.is_meta else None
+    if entry is None or (param.shape, param.stride(), param.storage_offset()) != (
+            entry[1].shape, entry[1].stride(), entry[1].storage_offset()):
+        return None
+    del _REGISTRY[storage_key(param)]
+    return entry[0]
+
+
+def written_after(param: torch.Tensor, recipe: Recipe) -> bool:
+    """An in-place write reached the meta parameter after the mode ended (it changed nothing)."""
+    return recipe.version >= 0 and param._version != recipe.version
+
+
+def replay(recipe: Recipe) -> torch.Tensor:
+    """The recipe's tensor, real, on the host: each drawing call under the generator state it saw."""
+    if recipe.broken is not None:
+        raise ValueError(recipe.broken)
+    with torch.no_grad():
+        return _make(recipe, {})
+
+
+def _make(recipe: Recipe, memo: dict[int, torch.Tensor]) -> torch.Tensor:
+    if id(recipe) not in memo:
+        memo[id(recipe)] = _run(recipe.made, memo, None)
+        for call in recipe.writes:
+            _run(call, memo, recipe)
+    return memo[id(recipe)]
+
+
+def _value(ref: Ref, memo: dict[int, torch.Tensor], writing: Recipe | None) -> torch.Tensor:
+    t = memo[id(ref.recipe)] if ref.recipe is writing else _make(ref.recipe, memo)
+    for step in ref.views:
+        t = _run(Call(step.func, (t, *step.args), step.kwargs), memo, writing)
+    return t
+
+
+def _run(call: Call, memo: dict[int, torch.Tensor], writing: Recipe | None) -> Any:
+    def resolve(a: Any) -> Any:
+        return _value(a, memo, writing) if isinstance(a, Ref) else a
+
+    args = tree_map(resolve, call.args, is_leaf=lambda a: isinstance(a, Ref))
+    kwargs = tree_map(resolve, call.kwargs, is_leaf=lambda a: isinstance(a, Ref))
+    if call.generator is not None:
+        kwargs["generator"] = torch.Generator().set_state(call.generator)
+    if call.rng is None:
+        return call.func(*args, **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(call.rng)
+        return call.func(*args, **kwargs)
