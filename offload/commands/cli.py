@@ -294,13 +294,27 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from offload.files.checkpoint_files import read_meta
     from offload.files.export import checkpoint_dir, describe
+    from offload.files.small_state import unsafe_content
     path = checkpoint_dir(args.checkpoint, args.tag)  # no checkpoint there: the handler's exit 2
     try:
         print(describe(path))
     except CheckpointError as e:  # there, but a file is missing or does not match its checksum
         print(f"offload inspect: damaged: {e}", file=sys.stderr)
         return 1
+    unsafe = unsafe_content(path, read_meta(path))
+    for line in unsafe:  # intact, but loading it as it is could run code (see [Note: checkpoints run no code])
+        print(f"offload inspect: unsafe: {line}", file=sys.stderr)
+    return 1 if unsafe else 0
+
+
+def _cmd_convert_checkpoint(args: argparse.Namespace) -> int:
+    from offload.files.export import checkpoint_dir
+    from offload.files.small_state import convert
+    path = checkpoint_dir(args.checkpoint, args.tag)
+    for line in convert(path):
+        print(f"{path}: {line}")
     return 0
 
 
@@ -434,6 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint directory, or the save_dir holding `latest`")
     p.add_argument("--tag", default=None, help="a tag inside save_dir instead of `latest`")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("convert-checkpoint", help="rewrite a checkpoint from an older offload so that loading it "
+                                                  "runs no code; run it only on a checkpoint you trust (it "
+                                                  "unpickles the files as they are)")
+    p.add_argument("checkpoint", help="a checkpoint directory, or the save_dir holding `latest`")
+    p.add_argument("--tag", default=None, help="a tag inside save_dir instead of `latest`")
+    p.set_defaults(func=_cmd_convert_checkpoint)
 
     p = sub.add_parser("export-weights", help="a checkpoint's model weights as safetensors (sharded like Hugging "
                                               "Face's), streamed unit by unit")

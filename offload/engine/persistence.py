@@ -108,11 +108,14 @@ class Persistence:
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | int | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+                        load_module_only: bool = False, *, trust_client_state: bool = False
+                        ) -> tuple[str | None, dict[str, Any] | None]:
         """Resume from ``load_dir``'s ``latest`` (or ``tag``): ``(path, client_state)``, checksums first. The
         arguments in DeepSpeed's order; every key of the module is loaded (``load_module_strict`` must be True).
         Without ``tag`` and with no ``latest`` there (nothing saved yet), a warning and ``(None, None)``, as
-        DeepSpeed answers, so that a script's auto-resume starts fresh."""
+        DeepSpeed answers, so that a script's auto-resume starts fresh. Nothing in the checkpoint is unpickled as
+        an object, except the client_state values saved so when ``trust_client_state`` (see [Note: checkpoints
+        run no code])."""
         if not load_module_strict:
             raise EngineError("load_checkpoint(load_module_strict=False) is not supported: offload loads every key "
                               "of the module and refuses a checkpoint that lacks one; pass load_module_strict=True")
@@ -126,7 +129,7 @@ class Persistence:
         self._drain("loading the checkpoint")
         with self.telemetry.span("checkpoint", "load"):
             path, client_state = saving.load(self, load_dir, tag, load_optimizer_states,
-                                             load_lr_scheduler_states, load_module_only)
+                                             load_lr_scheduler_states, load_module_only, trust_client_state)
         self.optimizer.drop_pending()  # a delayed update staged before the load is not the loaded state's
         return str(path), client_state
 

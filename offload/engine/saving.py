@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from offload.files.checkpoint_files import (FORMAT, LATEST, CheckpointError, RankWriter, ShardReader, partitions, phase,
-                                      publish, read_meta, resolve, save_small, sweep_stale, tmp_dir, verify,
-                                      writer_lock)
 from offload.engine.weights import rewrite_units, state_dict_layout
+from offload.files import small_state
+from offload.files.checkpoint_files import (FORMAT, LATEST, READS, CheckpointError, RankWriter, ShardReader, partitions,
+                                            phase, publish, read_meta, resolve, save_small, sweep_stale, tmp_dir,
+                                            verify, writer_lock)
 from offload.version import __version__
 from offload.zero.collectives import all_ok
 
@@ -31,9 +32,8 @@ logger = logging.getLogger("offload.checkpoint")
 def _rng_state(cuda: bool) -> dict[str, Any]:
     import random
 
-    import numpy as np
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": np.random.get_state()}
+                             "numpy": small_state.numpy_state_plain()}
     if cuda:
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -42,10 +42,9 @@ def _rng_state(cuda: bool) -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     import random
 
-    import numpy as np
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    small_state.set_numpy_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -169,9 +168,16 @@ def _save_locked(engine: Any, root: Path, tag: str, client_state: dict[str, Any]
     group, rank = engine.group, engine.group.rank
     tmp = tmp_dir(root, tag)
     layout, buffers = state_dict_layout(engine) if rank == 0 else ([], {})
+    plain, pickled, kinds = small_state.split_client_state(client_state or {}) if rank == 0 else ({}, {}, {})
+    if kinds:
+        logger.warning("save_checkpoint: client_state %s not plain data (tensors, numbers, strings, lists, dicts): "
+                       "saved pickled in %s, which load_checkpoint unpickles only when passed "
+                       "trust_client_state=True (see docs/checkpoints.md)",
+                       ", ".join(f"{k!r} ({v})" for k, v in kinds.items()) + (" is" if len(kinds) == 1 else " are"),
+                       small_state.PICKLED_CLIENT_STATE)
     error: BaseException | None = None
     try:
-        files = _write_rank_files(engine, tmp, client_state, buffers)
+        files = _write_rank_files(engine, tmp, plain, pickled, buffers)
     except Exception as e:  # noqa: BLE001 - raised once every rank knows (see all_ok)
         error, files = e, {}
     # A rank whose write failed (a full disk) says so before the next collective, so none is left waiting in it;
@@ -191,15 +197,18 @@ def _save_locked(engine: Any, root: Path, tag: str, client_state: dict[str, Any]
                 "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
                 "params": params,
                 "config": engine.config.to_dict(), "files": {k: v for f in every for k, v in f.items()}}
+        if kinds:
+            meta["client_state_pickled"] = kinds
         publish(root, tag, meta, update_latest=save_latest)
     _barrier(group)
     return root / tag
 
 
-def _write_rank_files(engine: Any, tmp: Path, client_state: dict[str, Any] | None, buffers: dict[str, Any]
-                      ) -> dict[str, str]:
+def _write_rank_files(engine: Any, tmp: Path, client_state: dict[str, Any], pickled: dict[str, Any],
+                      buffers: dict[str, Any]) -> dict[str, str]:
     """This rank's files of a checkpoint into ``tmp`` (rank-local: no collective; rank 0's holds the model's
-    ``buffers``); returns name -> checksum."""
+    ``buffers``, and the script's ``client_state``: its plain values, and the ``pickled`` others beside, see
+    [Note: checkpoints run no code]); returns name -> checksum."""
     rank = engine.group.rank
     files: dict[str, str] = {}
     if rank < engine.partition.world:  # stage 0: every rank holds the same state; rank 0 writes it
@@ -219,13 +228,35 @@ def _write_rank_files(engine: Any, tmp: Path, client_state: dict[str, Any] | Non
     if rank == 0:
         scheduler = engine.lr_scheduler
         train = engine.train_state()
-        small.update(client_state=client_state or {}, loss_scaler=train["loss_scaler"], buffers=buffers,
+        small.update(client_state=client_state, loss_scaler=train["loss_scaler"], buffers=buffers,
                      lr_scheduler=scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
                      param_groups=[{k: v for k, v in g.items() if k != "params"}
                                    for g in engine.optimizer.param_groups])
+        small_state.check_plain(small["lr_scheduler"], "the LR scheduler's state_dict()",
+                                "give the schedule a state_dict() of numbers, strings, lists and dicts")
+        small_state.check_plain(small["param_groups"], "the optimizer's param_groups",
+                                "keep a param group's entries to numbers, strings, lists and dicts")
+        if pickled:
+            files[small_state.PICKLED_CLIENT_STATE] = save_small(tmp / small_state.PICKLED_CLIENT_STATE, pickled)
     files[f"rank{rank}.pt"] = save_small(tmp / f"rank{rank}.pt", small)
     phase("rank-files-written")
     return files
+
+
+def _pickled_client_state(path: Path, meta: dict[str, Any], trusted: bool) -> dict[str, Any]:
+    """The script's client_state values saved pickled (see [Note: checkpoints run no code]): unpickled only when
+    the caller trusts the checkpoint; otherwise left out, and said."""
+    kinds = meta.get("client_state_pickled")
+    if not kinds:
+        return {}
+    if not trusted:
+        logger.warning("load_checkpoint: client_state %s left out: saved pickled as objects in %s, and unpickling "
+                       "runs code the file chooses; pass trust_client_state=True if you trust this checkpoint",
+                       ", ".join(f"{k!r} ({v})" for k, v in kinds.items()), small_state.PICKLED_CLIENT_STATE)
+        return {}
+    verify(path, meta, [small_state.PICKLED_CLIENT_STATE])
+    values = small_state.read_trusted(path / small_state.PICKLED_CLIENT_STATE)
+    return values if isinstance(values, dict) else {}
 
 
 def found_latest(engine: Any, load_dir: str | os.PathLike[str]) -> bool:
@@ -244,7 +275,8 @@ def found_latest(engine: Any, load_dir: str | os.PathLike[str]) -> bool:
 
 
 def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool = True,
-         load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[Path, dict[str, Any]]:
+         load_lr_scheduler_states: bool = True, load_module_only: bool = False, trust_client_state: bool = False
+         ) -> tuple[Path, dict[str, Any]]:
     """Every rank calls it. Checks first (layout, world size, checksums on every rank), then changes state.
 
     As DeepSpeed documents them: ``load_module_only`` restores the weights alone (optimizer state, counters, loss
@@ -258,8 +290,9 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
                 sweep_stale(Path(load_dir))
     path = resolve(Path(load_dir), tag)
     meta = read_meta(path)
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path / 'meta.json'} has format {meta.get('format')!r}; this offload reads {FORMAT}")
+    if meta.get("format") not in READS:
+        raise CheckpointError(f"{path / 'meta.json'} has format {meta.get('format')!r}; this offload reads "
+                              f"{', '.join(map(str, READS))}")
     old_world, old_parts, parts = meta["world_size"], partitions(meta), engine.partition
     ours = _layout(engine)
     # Units cut another way (another offload.unit_bytes or compute dtype, another offload version's plan): each
@@ -311,8 +344,10 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
                               "was closed: create a new engine and load again") from e
     finally:
         reader.close()
-    small = torch.load(path / f"rank{small_from}.pt", weights_only=False)
-    main = small if small_from == 0 else torch.load(path / "rank0.pt", weights_only=False)
+    small = small_state.read(path / f"rank{small_from}.pt")
+    main = small if small_from == 0 else small_state.read(path / "rank0.pt")
+    client_state = dict(main["client_state"])
+    client_state.update(_pickled_client_state(path, meta, trust_client_state))
     engine.discard_gradients()
     if not load_module_only:
         if rank < old_world:
@@ -326,4 +361,4 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
         scheduler = engine.lr_scheduler
         if load_lr_scheduler_states and main["lr_scheduler"] is not None and hasattr(scheduler, "load_state_dict"):
             scheduler.load_state_dict(main["lr_scheduler"])
-    return path, main["client_state"]
+    return path, client_state

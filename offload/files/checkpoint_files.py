@@ -8,7 +8,9 @@ Layout of ``save_dir``::
                             trained units, the compute-dtype shard of frozen ones (ZeRO stage 0
                             replicates the state: only rank 0 writes it, as partition 0)
     <tag>/rank<r>.json      where each unit's arrays sit in rank<r>.bin
-    <tag>/rank<r>.pt        rank r's small state: RNG states, scheduler, loss scaler, client state
+    <tag>/rank<r>.pt        rank r's small state: RNG states, scheduler, loss scaler, client state,
+                            as plain data (offload/files/small_state.py)
+    <tag>/client_state.pt   the script's client_state values that are not plain data, if any
 
 A save writes everything under ``.tmp-<tag>``, fsyncs each file, then rank 0 writes
 ``meta.json`` (with every file's sha256), renames the directory into place and
@@ -44,7 +46,8 @@ import torch
 
 logger = logging.getLogger("offload.checkpoint")  # one logger for the format and the engine glue
 
-FORMAT = 1
+FORMAT = 2  # 2: rank<r>.pt holds plain data only (see [Note: checkpoints run no code] in small_state.py)
+READS = (1, 2)  # 1: numpy's RNG state as an array; client_state as the script gave it
 LATEST = "latest"
 CHUNK = 8 << 20  # bytes hashed per read while verifying
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from offload.files import small_state
 from offload.files.checkpoint_files import CheckpointError, ShardReader, partitions, read_meta, resolve, verify
 from offload.files.weights_file import SafetensorsStream, TensorSpec
 
@@ -92,7 +93,7 @@ def _export(path: Path, meta: dict[str, Any], out: Path, target: torch.dtype, ma
     by_unit: dict[int, list[list[Any]]] = defaultdict(list)
     for key, unit, offset, shape in meta["params"]:
         by_unit[unit].append([key, offset, shape])
-    buffers = torch.load(path / "rank0.pt", weights_only=False)["buffers"]
+    buffers = small_state.read(path / "rank0.pt")["buffers"]
     specs = [TensorSpec(key, target, tuple(shape)) for index in range(len(meta["units"]))
              for key, _, shape in by_unit.get(index, ())]
     specs += [TensorSpec(key, t.dtype, tuple(t.shape)) for key, t in buffers.items()]
