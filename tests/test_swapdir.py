@@ -12,6 +12,7 @@ import torch
 
 from offload.aio import AlignedBuffer, SwapIOError, make_engine
 from offload.store import SwapDir, SwapDirError, find_leftovers
+from offload.store.swapdir import Owner
 
 
 def test_reserve_write_read_and_clean_exit(tmp_path):
@@ -37,18 +38,52 @@ def test_two_users_of_one_directory_are_refused(tmp_path):
             SwapDir(tmp_path, name="shared")
 
 
-def test_a_killed_run_leaves_a_directory_that_is_reported_not_deleted(tmp_path, caplog):
+def test_a_killed_runs_directory_is_reclaimed_at_the_next_start_and_the_log_says_what_and_how_much(tmp_path,
+                                                                                                      caplog):
     code = ("import os, sys; from offload.store import SwapDir; d = SwapDir(sys.argv[1]); "
-            "d.reserve('state.bin', 1 << 20); print(d.path, flush=True); os._exit(9)")
+            "d.reserve('state.bin', 3 << 20); print(d.path, flush=True); os._exit(9)")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 9, proc.stderr
     left_path = proc.stdout.strip()
     leftovers = find_leftovers(tmp_path)
-    assert [str(x.path) for x in leftovers] == [left_path] and leftovers[0].bytes >= 1 << 20
+    assert [str(x.path) for x in leftovers] == [left_path] and leftovers[0].bytes >= 3 << 20
+    assert leftovers[0].dead() == f"pid {leftovers[0].owner.pid} on this host is gone"
     with caplog.at_level(logging.WARNING, logger="offload.store"), SwapDir(tmp_path):
         pass
-    assert "left over from a run that did not exit cleanly" in caplog.text and left_path in caplog.text
-    assert os.path.isdir(left_path)  # still there: deleting is the user's call
+    assert f"removed {left_path} (3.1 MB), left by a run that was killed: pid" in caplog.text
+    assert not os.path.exists(left_path)
+
+
+def _leftover(root, lock_text):
+    d = root / "offload-swap-elsewhere"
+    d.mkdir()
+    (d / "LOCK").write_text(lock_text)
+    (d / "state.bin").write_bytes(b"x" * (2900 - len(lock_text)))  # 2.9 kB with the LOCK
+    return d
+
+
+@pytest.mark.parametrize("whose", ["another host", "a live process", "an older offload's lock"])
+def test_a_leftover_whose_writer_may_live_is_kept_with_a_warning_in_units_that_show_it(tmp_path, caplog, whose):
+    me = Owner.me()
+    text = {"another host": Owner(me.pid + 1, "some-other-host", 1, me.boot).line(),
+            "a live process": me.line(),  # its lock is free, but the process that wrote it runs
+            "an older offload's lock": f"pid 999999 on {me.host}\n"}[whose]
+    left = _leftover(tmp_path, text)
+    with caplog.at_level(logging.WARNING, logger="offload.store"), SwapDir(tmp_path):
+        pass
+    assert left.is_dir() and f"{left} (2.9 kB) is left over" in caplog.text and "rm -r" in caplog.text
+
+
+def test_a_leftover_from_before_a_reboot_or_of_a_reused_pid_is_reclaimed(tmp_path):
+    me = Owner.me()
+    rebooted = _leftover(tmp_path, Owner(me.pid, me.host, me.start, "another-boot").line())
+    assert find_leftovers(tmp_path)[0].dead() == f"the machine has rebooted since pid {me.pid} wrote it"
+    rebooted.rename(tmp_path / "offload-swap-x")
+    reused = Owner(me.pid, me.host, (me.start or 0) + 1, me.boot)
+    (tmp_path / "offload-swap-x" / "LOCK").write_text(reused.line())
+    assert find_leftovers(tmp_path)[0].dead() == f"pid {me.pid} is now another process"
+    with SwapDir(tmp_path):
+        assert not (tmp_path / "offload-swap-x").exists()
 
 
 def test_a_run_that_never_closes_its_engine_removes_its_swap_files_at_exit_and_a_fork_does_not(tmp_path):

@@ -95,3 +95,36 @@ def test_the_progress_bar_redraws_in_place_on_a_terminal_and_keeps_lines_in_a_lo
     shown = term.getvalue()
     assert shown.count("\r") == 4 and shown.count("\n") == 2  # every step drawn, two lines kept
     assert "[############............] step 2/4" in shown and shown.endswith("step 4/4 loss 1\n")
+
+
+KILLED = """
+import os, signal, sys
+from offload.files import checkpoint_files
+from offload.commands.cli import main
+saves = []
+def hook(name):
+    if name == "meta-written":
+        saves.append(name)
+        if len(saves) == 4:  # the fourth save (step 8) dies before it is published: `latest` is step 6's
+            os.kill(os.getpid(), signal.SIGKILL)
+checkpoint_files.phase_hook = hook
+main(sys.argv[1:])
+"""
+
+
+def test_a_killed_run_keeps_its_loss_history_and_its_swap_directory_is_reclaimed(tmp_path):
+    import subprocess
+    import sys
+    common = ["--steps", "10", "--print-every", "5", "--offload-optimizer", "nvme"]
+    assert main(["train", "--out", str(tmp_path / "straight"), "--nvme-path", str(tmp_path / "swap0"), *common]) == 0
+    args = ["train", "--out", str(tmp_path / "killed"), "--nvme-path", str(tmp_path / "swap"), "--save-every", "2",
+            *common]
+    proc = subprocess.run([sys.executable, "-c", KILLED, *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr
+    # What a kill leaves: the record up to the last save, and the run's swap directory.
+    assert len(_record(tmp_path, "killed")["losses"]) == 6
+    assert [p.name.startswith("offload-swap-") for p in (tmp_path / "swap").iterdir()] == [True]
+    assert main([*args, "--resume"]) == 0
+    straight, resumed = _record(tmp_path, "straight"), _record(tmp_path, "killed")
+    assert resumed["first_step"] == 0 and resumed["losses"] == straight["losses"]
+    assert list((tmp_path / "swap").iterdir()) == []  # the dead run's directory reclaimed, this run's removed

@@ -215,6 +215,14 @@ def _check_fits(args: TrainArgs, vocab: int, config: dict[str, Any]) -> None:
                          "smaller model (`offload estimate --model` shows the split)")
 
 
+def _write_record(record: TrainRecord, out_dir: Path) -> None:
+    """record.json, replaced whole (a reader never sees half of one)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / ".record.json.tmp"
+    tmp.write_text(json.dumps(asdict(record), indent=1))
+    tmp.replace(out_dir / "record.json")
+
+
 def _earlier_losses(record: Path, first_step: int) -> list[float]:
     """The losses a resumed run's record already holds for the steps before ``first_step`` (kept, not replaced)."""
     try:
@@ -356,7 +364,10 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
             raise TrainError(f"--resume: {save_dir} holds no checkpoint (no 'latest')")
         first_step = int(client.get("step", engine.global_steps))
         say(f"resumed from {path} at step {first_step}")
-        history = _earlier_losses(out_dir / "record.json", first_step)
+        if isinstance(client.get("losses"), list):  # the checkpoint holds the run's history up to it
+            history = [float(x) for x in client["losses"]]
+        else:  # written before it did: the record's, where it still has them
+            history = _earlier_losses(out_dir / "record.json", first_step)
         if first_step >= args.steps:
             say(f"nothing left to do: the checkpoint is at step {first_step} and --steps is {args.steps}")
     params = sum(u.numel for u in engine.units)
@@ -394,7 +405,11 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
                    f"{_tier_line(engine.memory_summary())}"
             bar.update(done, line, keep=done == first_step + 1 or done % every == 0 or done == args.steps)
             if args.save_every and done % args.save_every == 0:
-                engine.save_checkpoint(save_dir, client_state={"step": done})
+                # The losses so far go into the checkpoint and the record, so that a killed run loses none of them.
+                engine.save_checkpoint(save_dir, client_state={"step": done, "losses": list(record.losses),
+                                                               "first_step": record.first_step})
+                if rank0:
+                    _write_record(record, out_dir)
     finally:
         elapsed = time.perf_counter() - start
         ran = len(record.losses) - len(history)  # steps of this run (a resumed record keeps the earlier ones)
@@ -413,7 +428,7 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
                             "record": str(out_dir / "record.json")}
             if record.losses:
                 record.files["loss_plot"] = str(_plot(record, out_dir / "loss.png"))
-            (out_dir / "record.json").write_text(json.dumps(asdict(record), indent=1))
+            _write_record(record, out_dir)
         engine.close()
     _summary(record, say)
     return record

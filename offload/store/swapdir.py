@@ -3,12 +3,18 @@
 Layout: ``<nvme_path>/offload-swap-<host>-<pid>-<start>/`` holding ``LOCK`` and the
 swap files. The lock is an flock held for the life of the run, so a second job (or a
 second engine in one job) that is handed the same directory fails at once instead of
-overwriting live state. Directories whose lock nobody holds are a crashed run's
-leftovers: they are reported with their size and never deleted silently (a
-directory on a network file system may still be live on another host). A run that ends
-without closing its engine (a script's last line, an exception) still removes its own
-directory when the interpreter exits or the directory's owner is collected: what it
-held dies with the process; only a killed process leaves one behind.
+overwriting live state. A run that ends without closing its engine (a script's last line,
+an exception) still removes its own directory when the interpreter exits or the
+directory's owner is collected: what it held dies with the process; only a killed process
+leaves one behind.
+
+[Note: reclaiming a killed run's swap] A directory whose lock nobody holds is a leftover.
+``LOCK`` names the writer: pid, host, the process's start time and the boot it ran in. A
+leftover whose writer is provably dead (this host, and the pid gone, or now another
+process by its start time, or the machine rebooted since) is removed at start-up and the
+log says what and how much, so that a crash-looping job does not fill the drive. Any other
+(another host's, on a shared file system; a lock from an older offload that names no start
+time; a writer that still runs) is left, with a warning and its size.
 """
 
 from __future__ import annotations
@@ -36,9 +42,76 @@ class SwapDirError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Owner:
+    """Who wrote a swap directory's LOCK (see [Note: reclaiming a killed run's swap])."""
+    pid: int
+    host: str
+    start: int | None = None  # the process's start, in clock ticks after boot (/proc/<pid>/stat)
+    boot: str | None = None  # /proc/sys/kernel/random/boot_id
+
+    @classmethod
+    def me(cls) -> Owner:
+        return cls(os.getpid(), socket.gethostname(), _process_start(os.getpid()), _boot_id())
+
+    def line(self) -> str:
+        return f"pid {self.pid} on {self.host} start {self.start} boot {self.boot}\n"
+
+    @classmethod
+    def parse(cls, text: str) -> Owner | None:
+        words = text.split()
+        if len(words) < 4 or words[0] != "pid" or words[2] != "on" or not words[1].isdigit():
+            return None
+        fields = dict(zip(words[4::2], words[5::2]))
+        start = fields.get("start", "")
+        return cls(int(words[1]), words[3], int(start) if start.isdigit() else None, fields.get("boot"))
+
+    def gone(self) -> str | None:
+        """Why this writer is provably dead, or None where it may live."""
+        if self.host != socket.gethostname() or self.start is None:
+            return None
+        boot = _boot_id()
+        if self.boot not in (None, "None") and boot is not None and self.boot != boot:
+            return f"the machine has rebooted since pid {self.pid} wrote it"
+        start = _process_start(self.pid)
+        if start is None:
+            return f"pid {self.pid} on this host is gone"
+        if start != self.start:
+            return f"pid {self.pid} is now another process"
+        return None
+
+
+def _process_start(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[19])  # field 22, starttime; the name may hold spaces
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def size_text(nbytes: int) -> str:
+    """Bytes in the unit that shows them: "2.9 MB", "512 B"."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+@dataclass(frozen=True)
 class Leftover:
     path: Path
     bytes: int
+    owner: Owner | None = None  # None: the LOCK names no writer offload can check
+
+    def dead(self) -> str | None:
+        """Why its writer is provably dead (then it may be removed), or None."""
+        return self.owner.gone() if self.owner is not None else None
 
 
 def _dir_bytes(path: Path) -> int:
@@ -61,12 +134,30 @@ def find_leftovers(nvme_path: str | os.PathLike[str]) -> list[Leftover]:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            owner = Owner.parse(os.pread(fd, 400, 0).decode(errors="replace"))
         except BlockingIOError:
             continue  # held: a live run
         finally:
             os.close(fd)
-        found.append(Leftover(d, _dir_bytes(d)))
+        found.append(Leftover(d, _dir_bytes(d), owner))
     return found
+
+
+def reclaim_leftovers(root: Path) -> None:
+    """Remove the leftovers whose writers are provably dead; report the others (see [Note: reclaiming a killed
+    run's swap])."""
+    for left in find_leftovers(root):
+        why = left.dead()
+        if why is not None:
+            shutil.rmtree(left.path, ignore_errors=True)
+            logger.warning("swap: removed %s (%s), left by a run that was killed: %s", left.path,
+                           size_text(left.bytes), why)
+            continue
+        logger.warning("swap: %s (%s) is left over from a run that did not exit cleanly; nothing holds it now, "
+                       "but its writer may still live (%s). Delete it with `rm -r %s` once you are sure it is not "
+                       "in use.", left.path, size_text(left.bytes),
+                       "another host's" if left.owner is not None and left.owner.host != socket.gethostname()
+                       else "its LOCK does not show that it is gone", left.path)
 
 
 def _remove_dir(path: Path, lock_fd: int, owner: int) -> None:
@@ -86,10 +177,7 @@ class SwapDir:
         except OSError as e:
             raise SwapDirError(f"cannot create nvme_path {str(root)!r}: {e.strerror}; point nvme_path at a "
                                "writable directory on the NVMe drive") from None
-        for left in find_leftovers(root):
-            logger.warning("swap: %s (%.2f GB) is left over from a run that did not exit cleanly; nothing holds "
-                           "it now. Delete it with `rm -r %s` once you are sure it is not in use.",
-                           left.path, left.bytes / 1e9, left.path)
+        reclaim_leftovers(root)
         self.path = root / (name or f"{PREFIX}{socket.gethostname()}-{os.getpid()}-{int(time.time())}")
         self.path.mkdir(exist_ok=True)
         self._lock_fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -102,7 +190,7 @@ class SwapDir:
                                "swap files: give each its own nvme_path or let offload name the directory") \
                 from None
         os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        os.pwrite(self._lock_fd, Owner.me().line().encode(), 0)
         self._files: dict[str, SwapFile] = {}
         self._closed = False
         # At interpreter exit, or when collected unclosed: the directory goes (the open files' data with it).
