@@ -211,3 +211,18 @@ def test_the_trainers_resume_refuses_the_payload(tmp_path):
     with pytest.raises(CheckpointError, match="only an unrestricted unpickler"):
         trainer("second").train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-2"))
     assert not marker.exists()
+
+
+def test_no_reader_in_offload_unpickles_a_file_but_the_trusted_ones():
+    """torch.load lives in one room (its restricted reader, and the opt-in one); pickle.load reads only the
+    results offload's own worker processes send back."""
+    root = Path(offload.__file__).parent
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        rel = path.relative_to(root).as_posix()
+        if "torch.load(" in text:
+            assert rel == "files/small_state.py", rel
+        if "pickle.load" in text:
+            assert rel == "machine/launch.py", rel
+    text = (root / "files" / "small_state.py").read_text()
+    assert text.count("weights_only=False") == 1 and "def read_trusted" in text
