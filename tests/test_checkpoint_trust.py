@@ -112,8 +112,8 @@ def test_plain_client_state_round_trips_and_the_resume_is_bitwise(tmp_path):
     engine.close()
     resumed = _engine()
     _, got = resumed.load_checkpoint(tmp_path)
-    assert got.keys() == client.keys() and torch.equal(got["ema"]["w"], client["ema"]["w"])
-    assert {k: v for k, v in got.items() if k != "ema"} == {k: v for k, v in client.items() if k != "ema"}
+    assert torch.equal(got["ema"]["w"], client["ema"]["w"])
+    assert {k: got[k] for k in client if k != "ema"} == {k: v for k, v in client.items() if k != "ema"}
     assert _steps(resumed, 2, start=2) == after
     for key, value in resumed.full_state_dict().items():
         assert torch.equal(value, straight[key]), key
@@ -132,10 +132,10 @@ def test_objects_in_client_state_are_kept_aside_and_loaded_only_on_trust(tmp_pat
     caplog.clear()
     with caplog.at_level("WARNING", logger="offload.checkpoint"):
         _, got = engine.load_checkpoint(tmp_path)
-    assert got == {"step": 1} and "'args' (argparse.Namespace) left out" in caplog.text
+    assert got["step"] == 1 and "args" not in got and "'args' (argparse.Namespace) left out" in caplog.text
     assert "trust_client_state=True" in caplog.text
     _, trusted = engine.load_checkpoint(tmp_path, trust_client_state=True)
-    assert trusted == {"step": 1, "args": args}
+    assert trusted["step"] == 1 and trusted["args"] == args
     engine.close()
     assert main(["inspect", str(tmp_path)]) == 1  # intact, but holds what only an unrestricted unpickler reads
 
@@ -175,7 +175,7 @@ def test_an_old_checkpoint_loads_with_the_safe_reader_or_converts_in_one_command
     _as_format_1(old)
     fresh = _engine()
     _, got = fresh.load_checkpoint(tmp_path / "a")  # numpy's arrays are the one thing the safe reader adds
-    assert got == {"step": 1}
+    assert got["step"] == 1
     # One written with an object the safe reader refuses: the error names the command; the command converts it.
     marker = tmp_path / "never"
     odd = tmp_path / "b" / (tmp_path / "b" / "latest").read_text()
@@ -190,7 +190,7 @@ def test_an_old_checkpoint_loads_with_the_safe_reader_or_converts_in_one_command
     assert main(["convert-checkpoint", str(tmp_path / "b")]) == 0
     assert "'when' kept pickled" in capsys.readouterr().out
     _, got = fresh.load_checkpoint(tmp_path / "b")
-    assert got == {"step": 1} and not marker.exists()
+    assert got["step"] == 1 and "when" not in got and not marker.exists()
     fresh.close()
 
 
@@ -221,8 +221,9 @@ def test_no_reader_in_offload_unpickles_a_file_but_the_trusted_ones():
         text = path.read_text()
         rel = path.relative_to(root).as_posix()
         if "torch.load(" in text:
-            assert rel == "files/small_state.py", rel
+            assert rel in ("files/small_state.py", "files/zero_to_fp32.py"), rel
         if "pickle.load" in text:
             assert rel == "machine/launch.py", rel
     text = (root / "files" / "small_state.py").read_text()
     assert text.count("weights_only=False") == 1 and "def read_trusted" in text
+    assert "weights_only=False" not in (root / "files" / "zero_to_fp32.py").read_text()

@@ -235,3 +235,24 @@ def test_zero_init_takes_deepspeeds_arguments(tmp_path):
     engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
     engine.step()
     engine.close()
+
+
+def test_load_checkpoint_returns_the_keys_deepspeed_adds_to_client_state(tmp_path):
+    """DeepSpeed 0.19.8 hands back its checkpoint's entries it does not restore itself beside the script's."""
+    from engine_cases import base_config, batches, loss_of, make_model
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
+    engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
+    engine.step()
+    engine.save_checkpoint(tmp_path, client_state={"step": 1, "global_samples": "mine"})
+    _, client = engine.load_checkpoint(tmp_path, load_optimizer_states=False)
+    assert client["step"] == 1 and client["global_samples"] == "mine"  # the script's keys win
+    assert client["ds_version"] == offload.__version__ and client["ds_config"]["train_batch_size"] == 2
+    assert client["optimizer"] is None and "lr_scheduler" not in client  # the schedule was loaded
+    shapes = dict(engine.module.named_parameters())
+    assert {k: tuple(v) for k, v in client["param_shapes"][0].items()} == {
+        k: tuple(p.ds_shape if hasattr(p, "ds_shape") else p.shape) for k, p in shapes.items()}
+    assert client["frozen_param_shapes"] == {} and client["buffer_names"] == [
+        n for n, _ in engine.module.named_buffers()]
+    _, client = engine.load_checkpoint(tmp_path)
+    assert client["global_samples"] == "mine" and engine.global_samples == 2
+    engine.close()

@@ -211,3 +211,39 @@ def test_save_16bit_model_streams_unit_by_unit(tmp_path):
         assert list(state) == list(full) if name.endswith(".bin") else set(state) == set(full)  # state_dict's order
         assert all(torch.equal(state[k], v) for k, v in full.items())
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors", "pytorch_model.bin"]
+
+
+def test_the_recovery_script_beside_every_checkpoint_gives_export_weights_own_values_with_only_torch(tmp_path):
+    """zero_to_fp32.py needs nothing of offload: run by a bare interpreter from the checkpoint folder alone (a
+    copy elsewhere, offload's sources out of reach), its files hold what export-weights writes."""
+    import ast
+    import shutil
+
+    from safetensors.torch import load_file
+
+    import offload
+    from engine_cases import batches, loss_of
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
+    engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
+    engine.step()
+    engine.save_checkpoint(tmp_path / "save")
+    engine.close()
+    script = tmp_path / "save" / "zero_to_fp32.py"
+    tag = (tmp_path / "save" / "latest").read_text()
+    assert script.is_file() and (tmp_path / "save" / tag / "zero_to_fp32.py").is_file()
+    imported = {n.names[0].name.split(".")[0] for n in ast.walk(ast.parse(script.read_text()))
+                if isinstance(n, ast.Import)} | {n.module.split(".")[0] for n in ast.walk(ast.parse(
+                    script.read_text())) if isinstance(n, ast.ImportFrom) and n.module}
+    assert "offload" not in imported and imported <= {"__future__", "argparse", "hashlib", "json", "os", "struct",
+                                                      "sys", "collections", "pathlib", "typing", "torch"}
+    moved = shutil.copytree(tmp_path / "save", tmp_path / "elsewhere")
+    out = subprocess.run([sys.executable, "-I", str(moved / "zero_to_fp32.py"), str(moved), str(tmp_path / "fp32"),
+                          "--max-shard-size", "60000"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    export_weights(tmp_path / "save", tmp_path / "exported", max_shard_bytes=60000)
+    ours = sorted(p.name for p in (tmp_path / "fp32").iterdir())
+    assert ours == sorted(p.name for p in (tmp_path / "exported").iterdir()) and len(ours) > 2
+    for name in ours:
+        if name.endswith(".safetensors"):
+            got, want = load_file(tmp_path / "fp32" / name), load_file(tmp_path / "exported" / name)
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import logging
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from offload.engine.weights import rewrite_units, state_dict_layout
 from offload.files import small_state
 from offload.files.checkpoint_files import (FORMAT, LATEST, READS, CheckpointError, RankWriter, ShardReader, partitions,
                                             phase, publish, read_meta, resolve, save_small, sweep_stale, tmp_dir,
-                                            verify, writer_lock)
+                                            verify, write_atomic, writer_lock)
 from offload.version import __version__
 from offload.zero.collectives import all_ok
 
@@ -193,13 +194,15 @@ def _save_locked(engine: Any, root: Path, tag: str, client_state: dict[str, Any]
         meta = {"format": FORMAT, "version": __version__, "tag": tag, "world_size": group.world,
                 "partitions": engine.partition.world,
                 "global_steps": train["global_steps"], "skipped_steps": train["skipped_steps"],
-                "micro_steps": train["micro_steps"], "adam_steps": engine.optimizer.adam_steps,
+                "micro_steps": train["micro_steps"], "global_samples": train["global_samples"],
+                "adam_steps": engine.optimizer.adam_steps,
                 "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
                 "params": params,
                 "config": engine.config.to_dict(), "files": {k: v for f in every for k, v in f.items()}}
         if kinds:
             meta["client_state_pickled"] = kinds
         publish(root, tag, meta, update_latest=save_latest)
+        _place_recovery_script(root)
     _barrier(group)
     return root / tag
 
@@ -238,9 +241,53 @@ def _write_rank_files(engine: Any, tmp: Path, client_state: dict[str, Any], pick
                                 "keep a param group's entries to numbers, strings, lists and dicts")
         if pickled:
             files[small_state.PICKLED_CLIENT_STATE] = save_small(tmp / small_state.PICKLED_CLIENT_STATE, pickled)
+        files[RECOVERY] = _place_recovery_script(tmp)
     files[f"rank{rank}.pt"] = save_small(tmp / f"rank{rank}.pt", small)
     phase("rank-files-written")
     return files
+
+
+RECOVERY = "zero_to_fp32.py"
+
+
+def _place_recovery_script(directory: Path) -> str:
+    """The recovery script (see [Note: a recovery script with no offload]) in ``directory``, as DeepSpeed puts
+    its zero_to_fp32.py beside its checkpoints; returns its sha256."""
+    from offload.files import zero_to_fp32
+    source = Path(zero_to_fp32.__file__).read_bytes()
+    target = directory / RECOVERY
+    if not target.is_file() or target.read_bytes() != source:
+        write_atomic(target, source)
+        target.chmod(0o755)
+    return hashlib.sha256(source).hexdigest()
+
+
+def _deepspeed_keys(engine: Any, meta: dict[str, Any], main: dict[str, Any], optimizer_loaded: bool,
+                    scheduler_loaded: bool) -> dict[str, Any]:
+    """What DeepSpeed 0.19.8's load_checkpoint returns in client_state besides the script's own keys (its
+    checkpoint's entries it does not restore itself), so that a script reading them finds them."""
+    trained = {u["name"] for u in meta["units"] if u["trained"]}
+    unit_names = [u["name"] for u in meta["units"]]
+    shapes: dict[bool, OrderedDict[str, torch.Size]] = {True: OrderedDict(), False: OrderedDict()}
+    first: dict[tuple[int, int], str] = {}
+    shared: dict[str, str] = {}  # a tied parameter's other names -> its first, as DeepSpeed's shared_params
+    for key, unit, offset, shape in meta.get("params", []):
+        if first.setdefault((unit, offset), key) != key:
+            shared[key] = first[(unit, offset)]
+            continue
+        shapes[unit_names[unit] in trained][key] = torch.Size(shape)
+    keys: dict[str, Any] = {
+        "buffer_names": list(main.get("buffers", {})), "param_shapes": [shapes[True]],
+        "frozen_param_shapes": shapes[False] if meta["config"].get("zero_optimization", {}).get("stage", 0) >= 2
+        else None,
+        "shared_params": shared, "frozen_param_fragments": None,
+        "global_samples": meta.get("global_samples", meta["global_steps"] * engine.train_batch_size()),
+        "ds_config": meta["config"], "ds_version": meta["version"]}
+    if not optimizer_loaded:
+        keys["optimizer"] = None  # a ZeRO checkpoint's, as DeepSpeed's: the state is in the partitions
+    if not scheduler_loaded:
+        keys["lr_scheduler"] = main["lr_scheduler"]
+    return keys
 
 
 def _pickled_client_state(path: Path, meta: dict[str, Any], trusted: bool) -> dict[str, Any]:
@@ -346,7 +393,8 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
         reader.close()
     small = small_state.read(path / f"rank{small_from}.pt")
     main = small if small_from == 0 else small_state.read(path / "rank0.pt")
-    client_state = dict(main["client_state"])
+    client_state = _deepspeed_keys(engine, meta, main, load_optimizer_states, load_lr_scheduler_states)
+    client_state.update(main["client_state"])
     client_state.update(_pickled_client_state(path, meta, trust_client_state))
     engine.discard_gradients()
     if not load_module_only:
@@ -355,7 +403,8 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
         else:
             _seed_new_rank(small["rng"], rank)
         engine.load_train_state({"global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
-                                 "micro_steps": meta["micro_steps"], "loss_scaler": main["loss_scaler"]})
+                                 "micro_steps": meta["micro_steps"], "loss_scaler": main["loss_scaler"],
+                                 **({"global_samples": meta["global_samples"]} if "global_samples" in meta else {})})
         if load_optimizer_states:
             engine.optimizer.restore_counters(meta["adam_steps"], main["param_groups"])
         scheduler = engine.lr_scheduler
