@@ -177,3 +177,20 @@ def test_a_recipe_that_cannot_be_replayed_falls_back_to_the_initialiser_and_says
     weight = engine.full_state_dict()["fc.weight"]
     assert torch.isfinite(weight).all() and weight.std() > 0
     engine.close()
+
+
+def test_a_write_under_gathered_parameters_before_initialize_is_kept():
+    """DeepSpeed's idiom: set a weight of a model built under zero.Init before initialize; the parameter gets its
+    plain-construction values first, so the rest of it is as plain construction made it."""
+    torch.manual_seed(0)
+    plain = _Handmade()
+    torch.manual_seed(0)
+    with offload.zero.Init(min_meta_numel=1000):
+        model = _Handmade()
+    with offload.zero.GatheredParameters(model.out.weight, modifier_rank=0):
+        assert not model.out.weight.is_meta
+        model.out.weight.data[0].fill_(0.5)
+    engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))
+    weight = engine.full_state_dict()["out.weight"]
+    assert (weight[0] == 0.5).all() and torch.equal(weight[1:], plain.out.weight.detach()[1:])
+    engine.close()

@@ -212,6 +212,18 @@ def materialize_unit(model: nn.Module, plan: UnitPlan) -> None:
             module._parameters.update(foreign)
 
 
+def materialize_param(param: torch.Tensor, name: str = "a parameter") -> None:
+    """Give one meta parameter built under ``zero.Init`` its plain-construction values now (before ``initialize``:
+    ``GatheredParameters`` writing into it, as DeepSpeed allows); ``initialize`` then takes it as it is."""
+    recipe = take_recipe(param)
+    if recipe is None or recipe.broken is not None:
+        why = "it was put there outside offload.zero.Init" if recipe is None else recipe.broken
+        raise ValueError(f"{name} is on the meta device and its values cannot be made here ({why}), so a write "
+                         "into it would be lost; write it after initialize, inside GatheredParameters")
+    values = replay(recipe)
+    torch.utils.swap_tensors(param, nn.Parameter(values.to(param.dtype), param.requires_grad))
+
+
 _said: set[str] = set()
 
 

@@ -1,0 +1,20 @@
+"""Blocks recomputed in backward through deepspeed.checkpointing.checkpoint."""
+import argparse
+
+import deepspeed
+import torch
+from common import Net, data, report
+
+parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+args = parser.parse_args()
+deepspeed.init_distributed()
+torch.manual_seed(0)
+model = Net()
+engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+losses = []
+for tokens in data(16).split(4):
+    loss = engine(tokens, checkpoint=deepspeed.checkpointing.checkpoint)
+    engine.backward(loss)
+    engine.step()
+    losses.append(loss.item())
+report(losses=losses)
