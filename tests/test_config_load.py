@@ -1,5 +1,6 @@
 """Configs as users write them load, with DeepSpeed's meaning and defaults."""
 
+import dataclasses
 import json
 import logging
 
@@ -54,7 +55,7 @@ def test_defaults_are_deepspeeds():
     # aio block size and depth are offload's measured defaults, not DeepSpeed's 1 MiB / 8.
     assert cfg.aio.block_size == 8 << 20 and cfg.aio.queue_depth == 16
     assert cfg.fp16.initial_scale_power == 16 and cfg.fp16.loss_scale_window == 1000 and cfg.fp16.hysteresis == 2
-    assert cfg.steps_per_print == 10
+    assert cfg.steps_per_print is None  # DeepSpeed 0.19.8: no progress reports unless asked
     assert Config.load({"zero_optimization": {"stage": 3}}).zero_optimization.overlap_comm_effective is True
     assert Config.load({"zero_optimization": {"stage": 2}}).zero_optimization.overlap_comm_effective is False
 
@@ -63,10 +64,12 @@ def test_defaults_are_deepspeeds():
 # constant each comes from in deepspeed/runtime/constants.py): compared with DeepSpeed's own constants where it is
 # installed (./dev.sh deepspeed), with this table where it is not.
 DEEPSPEED_DEFAULTS = {"gradient_clipping": (1.0, "GRADIENT_CLIPPING_DEFAULT"),
-                      "steps_per_print": (10, "STEPS_PER_PRINT_DEFAULT"),
+                      "steps_per_print": (None, "STEPS_PER_PRINT_DEFAULT"),
                       "prescale_gradients": (False, "PRESCALE_GRADIENTS_DEFAULT"),
                       "gradient_predivide_factor": (1.0, "GRADIENT_PREDIVIDE_FACTOR_DEFAULT"),
                       "wall_clock_breakdown": (False, "WALL_CLOCK_BREAKDOWN_DEFAULT")}
+# Without DeepSpeed: its ZeRO models' defaults that differ from what one might guess (the test below reads them all).
+DEEPSPEED_ZERO_DEFAULTS = {("offload_optimizer", "pin_memory"): True, ("offload_param", "pin_memory"): True}
 
 
 @pytest.mark.parametrize("key", list(DEEPSPEED_DEFAULTS))
@@ -81,6 +84,34 @@ def test_a_config_that_leaves_a_key_out_trains_as_deepspeed_would(key):
     if constants is not None:
         assert getattr(constants, constant) == value, f"DeepSpeed's {constant} is {getattr(constants, constant)}"
     assert getattr(Config.load({}), key) == value
+
+
+@pytest.mark.parametrize("section,key", list(DEEPSPEED_ZERO_DEFAULTS))
+def test_offload_sections_default_as_deepspeeds(section, key):
+    assert getattr(getattr(Config.load({}).zero_optimization, section), key) == DEEPSPEED_ZERO_DEFAULTS[section, key]
+
+
+def test_zero_section_defaults_equal_deepspeeds_where_it_is_installed():
+    """Every key of DeepSpeed 0.19.8's ZeRO, offload_optimizer and offload_param models that offload's schema has too
+    defaults to the same value (its pydantic models hold the defaults)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                       DeepSpeedZeroOffloadParamConfig)
+    zero = Config.load({}).zero_optimization
+    compared, differ = 0, []
+    for ours, theirs, where in ((zero, DeepSpeedZeroConfig, "zero_optimization"),
+                                (zero.offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig, "offload_optimizer"),
+                                (zero.offload_param, DeepSpeedZeroOffloadParamConfig, "offload_param")):
+        for name, field in theirs.model_fields.items():
+            key = next((k for k in (name, field.alias) if k and hasattr(ours, k)), None)
+            value = getattr(field.default, "value", field.default)
+            if key is None or hasattr(value, "model_fields") or dataclasses.is_dataclass(getattr(ours, key)):
+                continue
+            compared += 1
+            if getattr(ours, key) != value:
+                differ.append(f"{where}.{key}: offload {getattr(ours, key)!r}, DeepSpeed {value!r}")
+    assert compared > 20 and not differ, differ
 
 
 def test_numbers_as_real_configs_write_them():

@@ -214,9 +214,9 @@ def test_config_check_prints_every_key_without_effect(tmp_path):
 
     out = _check(tmp_path, HF_ZERO3_OFFLOAD)
     assert out.returncode == 0, out.stderr
-    for key in ("offload_optimizer.pin_memory", "offload_param.pin_memory", "reduce_bucket_size"):
-        assert f"zero_optimization.{key} has no effect in offload" in out.stdout
-    assert out.stdout.count("has no effect") == 3  # the rest are honoured or at their defaults
+    assert "zero_optimization.reduce_bucket_size has no effect in offload" in out.stdout
+    # the rest are honoured or at their defaults (pin_memory: true is DeepSpeed's default, and offload always pins)
+    assert out.stdout.count("has no effect") == 1 and "pin_memory" not in out.stdout
 
 
 def test_a_partial_optimizer_offload_is_honoured_and_out_of_range_is_refused(tmp_path):

@@ -46,7 +46,8 @@ class Config:
     aio: AioConfig = section(AioConfig, "Swap-file I/O (NVMe offload).")
     activation_checkpointing: ActivationCheckpointingConfig = section(
         ActivationCheckpointingConfig, "Activation checkpointing.")
-    steps_per_print: int = setting(10, "Log progress every this many optimizer steps.", ge=1)
+    steps_per_print: int | None = setting(None, "Log progress every this many optimizer steps (unset: never, as "
+                                                "DeepSpeed 0.19.8's default).", ge=1)
     zero_allow_untested_optimizer: bool = setting(False, "Allow a client optimizer other than Adam/AdamW.",
                                                   support=NO_EFFECT, note="offload runs Adam/AdamW only; any other "
                                                                           "optimizer is an error at initialize.")

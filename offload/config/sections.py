@@ -204,7 +204,7 @@ class OffloadParamConfig:
                                   "nvme.",
                           choices=DEVICES)
     nvme_path: str | None = setting(None, "Directory for parameter swap files (device nvme).")
-    pin_memory: bool = setting(False, "Use pinned host buffers for the shards (faster host-device copies).",
+    pin_memory: bool = setting(True, "Use pinned host buffers for the shards (faster host-device copies).",
                                support=NO_EFFECT, note=_PINNED)
     buffer_count: int = setting(5, "Host buffers used to stage parameters read from NVMe.", ge=1)
     buffer_size: int = setting(100_000_000, "Elements per staging buffer; must hold the largest unit's shard.", ge=1)
@@ -224,7 +224,7 @@ class OffloadOptimizerConfig:
     device: str = setting("none", "Where the fp32 master weights, Adam state and gradient accumulator live, "
                                   "and so where the step runs: none (accelerator), cpu or nvme.", choices=DEVICES)
     nvme_path: str | None = setting(None, "Directory for optimizer-state swap files (device nvme).")
-    pin_memory: bool = setting(False, "Use pinned host buffers for optimizer state.", support=NO_EFFECT,
+    pin_memory: bool = setting(True, "Use pinned host buffers for optimizer state.", support=NO_EFFECT,
                                note=_PINNED)
     buffer_count: int = setting(4, "Pinned buffers that pipeline the optimizer step's NVMe reads and writes.", ge=1)
     pipeline_read: bool = setting(False, "Read sub-group i+1 from NVMe while the step runs on sub-group i.",

@@ -261,7 +261,7 @@ class Engine(DeepSpeedAccessors, Persistence):
     def _report_every_steps_per_print(self) -> None:
         """wall_clock_breakdown and memory_breakdown: one log line each every steps_per_print steps."""
         every = self.config.steps_per_print
-        if self.global_steps % every:
+        if every is None or self.global_steps % every:
             return
         if self._phases is not None:
             logger.info("step %d, rank %d: %s", self.global_steps, self.group.rank, self._phases.line(every))
