@@ -34,7 +34,10 @@ KNOWN = {
         "at one rank a unit's shard is the whole parameter, which stays bound to it: its values are readable "
         "outside forward, where DeepSpeed's partition is empty (at two ranks offload's is empty too)",
 }
-REL = 2e-5  # losses: DeepSpeed's and offload's fp32 Adam on the host agree to a few ulps a step
+REL = 2e-5  # losses, in one run on one machine: DeepSpeed's and offload's fp32 Adam agree to a few ulps a step
+# Against the recorded run (another CPU, whose kernels round otherwise, may run the test): a few ulps a step,
+# grown by eight Adam steps at a high learning rate, stay far inside this; a different training does not.
+RECORDED_REL = 1e-3
 
 
 def run(impl: str, name: str, tmp: Path) -> dict:
@@ -51,20 +54,20 @@ def run(impl: str, name: str, tmp: Path) -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def same(a, b, path="") -> list[str]:
-    """Where two observations differ (floats within REL)."""
+def same(a, b, rel: float, path="") -> list[str]:
+    """Where two observations differ (floats within ``rel``)."""
     if isinstance(a, float) or isinstance(b, float):
-        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=REL,
+        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=rel,
                                                                                           abs_tol=1e-7)
         return [] if ok else [f"{path}: {a!r} != {b!r}"]
     if isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
             return [f"{path}: {len(a)} items != {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in same(x, y, f"{path}[{i}]")]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in same(x, y, rel, f"{path}[{i}]")]
     if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys():
             return [f"{path}: keys {sorted(a)} != {sorted(b)}"]
-        return [d for k in a for d in same(a[k], b[k], f"{path}.{k}")]
+        return [d for k in a for d in same(a[k], b[k], rel, f"{path}.{k}")]
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
@@ -83,11 +86,14 @@ def test_a_deepspeed_script_runs_the_same_under_offload(name, tmp_path):
     known = {key for script, key in KNOWN if script == name}
     for key in known:
         assert ours[key] != recorded[key], f"{name}.{key} is known to differ ({KNOWN[name, key]}) but no longer does"
-    differences = same(*({k: v for k, v in d.items() if k not in known} for d in (ours, recorded)))
+    ours, recorded = ({k: v for k, v in d.items() if k not in known} for d in (ours, recorded))
+    differences = same(ours, recorded, RECORDED_REL)
     assert not differences, f"offload differs from DeepSpeed 0.19.8's recorded run of {name}: {differences}"
     if _has_deepspeed():
-        theirs = run("deepspeed", name, tmp_path)
-        assert not same(theirs, recorded), f"DeepSpeed itself no longer gives what was recorded: {name}"
+        theirs = {k: v for k, v in run("deepspeed", name, tmp_path).items() if k not in known}
+        assert not same(theirs, recorded, RECORDED_REL), f"DeepSpeed itself no longer gives what was recorded: {name}"
+        differences = same(ours, theirs, REL)
+        assert not differences, f"offload differs from DeepSpeed 0.19.8 in the same run of {name}: {differences}"
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
