@@ -40,8 +40,10 @@ def _touch(rank, world, params, touch, path):
     return out
 
 
-@pytest.mark.parametrize("world,params,env", [(2, "none", {}), (1, "cpu", EMULATED_GPU)],
-                         ids=["two-ranks", "one-rank-gathered-from-the-host"])
+@pytest.mark.parametrize("world,params,env", [(2, "none", {}), (1, "cpu", EMULATED_GPU), (1, "cpu", {}),
+                                              (1, "none", {})],
+                         ids=["two-ranks", "one-rank-gathered-from-the-host", "one-rank-read-in-place",
+                              "one-rank-params-on-the-device"])
 def test_reading_a_released_parameter_gives_the_empty_partition_and_training_goes_on_unchanged(tmp_path, world,
                                                                                                params, env):
     touched = run_ranks(_touch, world, env=env, params=params, touch=True, path=str(tmp_path))

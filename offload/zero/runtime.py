@@ -116,6 +116,8 @@ class ZeroRuntime:
         self.order = ReductionOrder()  # this rank's reductions since the last step (see [Note: gradient ...])
         for unit in units:
             unit.persistent = unit.keeps_full or unit.numel <= persistence_threshold
+            unit.unbinds = unit.in_place and unit.numel > persistence_threshold
+            unit.unbind()  # released until first used, as every gathered unit starts
         self._install(model)
 
     # ----------------------------------------------------------------- hooks
@@ -197,6 +199,8 @@ class ZeroRuntime:
                     unit.backward_active = False
                     if not unit.persistent:
                         self._reshard(unit)
+                    else:
+                        unit.unbind()
         return hook
 
     # ----------------------------------------------------------------- forward
@@ -208,8 +212,11 @@ class ZeroRuntime:
     def release(self, unit: Unit, keep: bool = False) -> None:
         """``keep``: a later anchor of the unit is about to run (see [Note: when a unit is gathered])."""
         unit.holders -= 1
-        if unit.holders == 0 and not unit.persistent and not self._in_backward and not keep:
-            self._reshard(unit)
+        if unit.holders == 0 and not self._in_backward and not keep:
+            if not unit.persistent:
+                self._reshard(unit)
+            else:
+                unit.unbind()
 
     # ----------------------------------------------------------------- backward
 
@@ -235,6 +242,8 @@ class ZeroRuntime:
                 slot.param.grad = None
             if unit.holders == 0 and not unit.persistent:
                 self._reshard(unit)
+            elif unit.holders == 0:
+                unit.unbind()
         if self.grads_sent is not None:
             self.grads_sent()
 
@@ -248,6 +257,8 @@ class ZeroRuntime:
             unit.backward_active = False
             if unit.holders == 0 and not unit.persistent:
                 self._reshard(unit)
+            elif unit.holders == 0:
+                unit.unbind()
         self._in_backward = False
         if self.grads_sent is not None:
             self.grads_sent()
@@ -300,6 +311,7 @@ class ZeroRuntime:
         """Make ``unit`` gathered for use now, then fetch ahead what the trace says comes next."""
         if unit.in_place:  # compute reads the shard itself: an early step or its copy back may still be writing it
             unit.params.await_home(unit.index)
+            unit.bind()
         if unit.state is not UnitState.UNSHARDED or unit.prefetched:
             upcoming = self.prefetch.needed(unit.index)
         else:

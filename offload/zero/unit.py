@@ -75,6 +75,8 @@ class Unit:
         self.backward_active = False  # gathered for a backward that has not finished with it
         self._views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
         self._empty = torch.empty(0, dtype=dtype, device=device)
+        self._bound = False  # the parameters are views into ``full`` (else the empty tensor)
+        self.unbinds = False  # in place, and released between uses all the same (the runtime sets it)
         for s in self.slots:  # the whole shape, under DeepSpeed's names for it
             setattr(s.param, "ds_shape", torch.Size(s.shape))
             setattr(s.param, "ds_numel", s.numel)
@@ -86,16 +88,34 @@ class Unit:
         """The parameters are views into ``full``: what forward and backward read while the unit is gathered."""
         for s, view in zip(self.slots, self._views, strict=True):
             s.param.data = view
+        self._bound = True
+
+    def bind(self) -> None:
+        """An in-place unit's parameters, views of its shard again for a use (see [Note: a released parameter])."""
+        if self.in_place and not self._bound:
+            self._bind()
+
+    def unbind(self) -> None:
+        """An in-place unit that ``unbinds``, after a use: its parameters become the empty tensor, as a gathered
+        unit's are once released, though its memory (the shard's own) stays."""
+        if self.in_place and self.unbinds and self._bound:
+            for s in self.slots:
+                s.param.data = self._empty
+            self._bound = False
 
     def _release_memory(self) -> None:
         """[Note: a released parameter] ``full``'s memory goes, and every parameter becomes an empty tensor, as
         DeepSpeed's released partitions are (``ds_shape`` keeps the whole shape). A parameter left a view of freed
         memory would read it: a segfault outside forward, at any world size where units are gathered. The views
         are kept apart and bound again by the next gather (``_bind``), before any forward or backward reads them;
-        autograd's saved parameters are the parameters themselves, so a backward reads them bound again too."""
+        autograd's saved parameters are the parameters themselves, so a backward reads them bound again too. An
+        in-place unit (W = 1: its shard is the whole) keeps its memory but is released the same way between uses
+        (``unbind``), above the persistence threshold, so that a parameter reads as DeepSpeed's does at any world
+        size."""
         self.full.untyped_storage().resize_(0)
         for s in self.slots:
             s.param.data = self._empty
+        self._bound = False
 
     @property
     def keeps_full(self) -> bool:
@@ -185,6 +205,7 @@ class Unit:
 
     def unshard(self, h2d: CopyStream | None = None) -> bool:
         """-> UNSHARDED from any state; idempotent, returns whether it had to gather or wait."""
+        self.bind()
         if self.state is UnitState.UNSHARDED:
             return False
         if self.state is UnitState.SHARDED:
@@ -194,7 +215,9 @@ class Unit:
 
     def reshard(self) -> bool:
         """UNSHARDED (or GATHERING, after waiting) -> SHARDED (frees the gathered buffer); idempotent,
-        returns whether it freed. A unit that keeps its buffer (resident, in place) is never released."""
+        returns whether it freed. A unit that keeps its buffer (resident, in place) is never released; an in-place
+        one that ``unbinds`` has its parameters emptied."""
+        self.unbind()
         if self.state is UnitState.SHARDED or self.keeps_full:
             return False
         if self.state is UnitState.GATHERING:
