@@ -118,7 +118,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         trainer = transformers.Trainer(model=model, args=TrainingArguments(**common), train_dataset=data,
                                        callbacks=[Clock()])
     build_s = time.perf_counter() - built
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # a released one is empty
     result = trainer.train()
     timed = times[args.warmup:] or times
     step = statistics.median(timed)

@@ -62,7 +62,8 @@ def run_demo(config: Config | str | None = None, steps: int = 150, seed: int = 0
         f"{cfg.zero_optimization.offload_optimizer.device}, world {engine.group.world}")
     for note in cfg.notes:
         say(f"config note: {note}")
-    say(f"model: {sum(p.numel() for p in model.parameters()):,} parameters in {len(engine.units)} units "
+    params = sum(u.numel for u in engine.units)  # a released parameter is empty: the units hold the counts
+    say(f"model: {params:,} parameters in {len(engine.units)} units "
         f"({sum(u.persistent for u in engine.units)} persistent); native kernels: {native.active_variant()}")
 
     data = torch.tensor(list(TEXT.encode()), dtype=torch.long)
