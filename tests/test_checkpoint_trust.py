@@ -15,6 +15,7 @@ import torch
 import offload
 from engine_cases import base_config, batches, loss_of, make_model
 from offload.commands.cli import main
+from offload.files import small_state
 from offload.files.checkpoint_files import CheckpointError
 
 
@@ -33,14 +34,22 @@ def _train_cli(out: Path, *extra: str) -> int:
                  "--nvme-path", str(out.parent / "swap"), *extra])
 
 
-def _poison(tag_dir: Path, marker: Path, name: str = "rank0.pt") -> None:
-    """The attack: the file rewritten with the payload inside client_state, its checksum made to match."""
-    state = torch.load(tag_dir / name, weights_only=False)
-    state["client_state"] = {"step": 2, "note": _Payload(marker)}
-    torch.save(state, tag_dir / name)
+def _rewrite_rank0(tag_dir: Path, change, fmt: int | None = None) -> None:
+    """rank0.pt rewritten by ``torch.save`` after ``change(state)``, its checksum in meta.json made to match (as
+    any writer can), and meta.json's format set to ``fmt`` if given."""
+    state = torch.load(tag_dir / "rank0.pt", weights_only=False)
+    change(state)
+    torch.save(state, tag_dir / "rank0.pt")
     meta = json.loads((tag_dir / "meta.json").read_text())
-    meta["files"][name] = hashlib.sha256((tag_dir / name).read_bytes()).hexdigest()
+    meta["files"]["rank0.pt"] = hashlib.sha256((tag_dir / "rank0.pt").read_bytes()).hexdigest()
+    if fmt is not None:
+        meta["format"] = fmt
     (tag_dir / "meta.json").write_text(json.dumps(meta))
+
+
+def _poison(tag_dir: Path, marker: Path) -> None:
+    """The attack: the payload inside client_state."""
+    _rewrite_rank0(tag_dir, lambda state: state.update(client_state={"step": 2, "note": _Payload(marker)}))
 
 
 @pytest.fixture(scope="module")
@@ -154,15 +163,9 @@ def test_a_schedule_whose_state_is_not_plain_data_is_refused_at_save_naming_it(t
     engine.close()
 
 
-def _as_format_1(tag_dir: Path) -> None:
-    """What an offload before this change wrote: numpy's RNG state as its tuple (an array inside), format 1."""
-    state = torch.load(tag_dir / "rank0.pt", weights_only=False)
+def _numpy_state_as_format_1(state) -> None:
+    """What an offload before this change wrote: numpy's RNG state as its tuple (an array inside)."""
     state["rng"]["numpy"] = np.random.get_state()
-    torch.save(state, tag_dir / "rank0.pt")
-    meta = json.loads((tag_dir / "meta.json").read_text())
-    meta["files"]["rank0.pt"] = hashlib.sha256((tag_dir / "rank0.pt").read_bytes()).hexdigest()
-    meta["format"] = 1
-    (tag_dir / "meta.json").write_text(json.dumps(meta))
 
 
 def test_an_old_checkpoint_loads_with_the_safe_reader_or_converts_in_one_command(tmp_path, capsys):
@@ -172,25 +175,28 @@ def test_an_old_checkpoint_loads_with_the_safe_reader_or_converts_in_one_command
     engine.save_checkpoint(tmp_path / "b", client_state={"step": 1})
     engine.close()
     old = tmp_path / "a" / (tmp_path / "a" / "latest").read_text()
-    _as_format_1(old)
+    _rewrite_rank0(old, _numpy_state_as_format_1, fmt=1)
     fresh = _engine()
     _, got = fresh.load_checkpoint(tmp_path / "a")  # numpy's arrays are the one thing the safe reader adds
     assert got["step"] == 1
-    # One written with an object the safe reader refuses: the error names the command; the command converts it.
-    marker = tmp_path / "never"
+    # One written with an object the safe reader refuses: the error names the command; the command converts it,
+    # numpy's state included.
     odd = tmp_path / "b" / (tmp_path / "b" / "latest").read_text()
-    state = torch.load(odd / "rank0.pt", weights_only=False)
-    state["client_state"] = {"step": 1, "when": np.datetime64("2026-01-01")}
-    torch.save(state, odd / "rank0.pt")
-    meta = json.loads((odd / "meta.json").read_text())
-    meta["files"]["rank0.pt"] = hashlib.sha256((odd / "rank0.pt").read_bytes()).hexdigest()
-    (odd / "meta.json").write_text(json.dumps({**meta, "format": 1}))
+
+    def odd_format_1(state):
+        _numpy_state_as_format_1(state)
+        state["client_state"] = {"step": 1, "when": np.datetime64("2026-01-01")}
+    _rewrite_rank0(odd, odd_format_1, fmt=1)
+    np.random.random(700)  # this process's generator moves on from the state the file holds
+    numpy_before = np.random.get_state()[1].copy()
     with pytest.raises(CheckpointError, match=f"offload convert-checkpoint {odd}"):
         fresh.load_checkpoint(tmp_path / "b")
     assert main(["convert-checkpoint", str(tmp_path / "b")]) == 0
     assert "'when' kept pickled" in capsys.readouterr().out
+    assert np.array_equal(np.random.get_state()[1], numpy_before)  # converting left this process's generator be
+    assert isinstance(small_state.read(odd / "rank0.pt")["rng"]["numpy"], dict)
     _, got = fresh.load_checkpoint(tmp_path / "b")
-    assert got["step"] == 1 and "when" not in got and not marker.exists()
+    assert got["step"] == 1 and "when" not in got
     fresh.close()
 
 
