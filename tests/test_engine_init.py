@@ -194,3 +194,13 @@ def test_a_write_under_gathered_parameters_before_initialize_is_kept():
     weight = engine.full_state_dict()["out.weight"]
     assert (weight[0] == 0.5).all() and torch.equal(weight[1:], plain.out.weight.detach()[1:])
     engine.close()
+
+
+def test_a_write_after_the_init_block_is_refused_by_gathered_parameters_too():
+    with offload.zero.Init(min_meta_numel=1000):
+        model = _Handmade()
+    with torch.no_grad():
+        model.out.weight.fill_(0.5)  # a meta tensor: the write did nothing, and replaying now would hide that
+    with pytest.raises(ValueError, match=r"was written after the `with offload.zero.Init\(\):` block"):
+        with offload.zero.GatheredParameters(model.out.weight, modifier_rank=0):
+            pass

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from offload.zero.plan import ParamSlot, UnitPlan
-from offload.zero.recipe import Recorder, replay, take_recipe, written_after
+from offload.zero.recipe import Recipe, Recorder, replay, take_recipe, written_after
 
 logger = logging.getLogger(__name__)
 
@@ -179,14 +179,9 @@ def materialize_unit(model: nn.Module, plan: UnitPlan) -> None:
     meta = [s for s in plan.slots if s.param.is_meta]
     rest: list[ParamSlot] = []
     for s in meta:
-        recipe = take_recipe(s.param)
-        if recipe is not None and written_after(s.param, recipe):
-            raise ValueError(f"parameter {s.name!r} was written after the `with offload.zero.Init():` block that "
-                             "built it ended; it was still on the meta device, so the write did nothing. Write it "
-                             "inside the block, or after initialize inside `with offload.zero.GatheredParameters("
-                             "params, modifier_rank=0):`")
+        recipe = _recipe(s.param, f"parameter {s.name!r}")
         if recipe is not None and recipe.broken is None:
-            _swap_in(s, replay(recipe))
+            _swap_in(s.param, replay(recipe))
         else:
             rest.append(s)
             _say_not_replayed(s.name, f"its recipe cannot be replayed: {recipe.broken}" if recipe is not None
@@ -215,13 +210,22 @@ def materialize_unit(model: nn.Module, plan: UnitPlan) -> None:
 def materialize_param(param: torch.Tensor, name: str = "a parameter") -> None:
     """Give one meta parameter built under ``zero.Init`` its plain-construction values now (before ``initialize``:
     ``GatheredParameters`` writing into it, as DeepSpeed allows); ``initialize`` then takes it as it is."""
-    recipe = take_recipe(param)
+    recipe = _recipe(param, name)
     if recipe is None or recipe.broken is not None:
         why = "it was put there outside offload.zero.Init" if recipe is None else recipe.broken
         raise ValueError(f"{name} is on the meta device and its values cannot be made here ({why}), so a write "
                          "into it would be lost; write it after initialize, inside GatheredParameters")
-    values = replay(recipe)
-    torch.utils.swap_tensors(param, nn.Parameter(values.to(param.dtype), param.requires_grad))
+    _swap_in(param, replay(recipe))
+
+
+def _recipe(param: torch.Tensor, name: str) -> Recipe | None:
+    """The meta parameter's recipe, taken; a write that reached it after the block (and did nothing) refused."""
+    recipe = take_recipe(param)
+    if recipe is not None and written_after(param, recipe):
+        raise ValueError(f"{name} was written after the `with offload.zero.Init():` block that built it ended; it "
+                         "was still on the meta device, so the write did nothing. Write it inside the block, or "
+                         "after initialize inside `with offload.zero.GatheredParameters(params, modifier_rank=0):`")
+    return recipe
 
 
 _said: set[str] = set()
@@ -234,11 +238,10 @@ def _say_not_replayed(name: str, why: str) -> None:
                        "a plain construction's with the same seed (%s); said once", name, why)
 
 
-def _swap_in(slot: ParamSlot, values: torch.Tensor) -> None:
+def _swap_in(param: torch.Tensor, values: torch.Tensor) -> None:
     # A meta tensor's data cannot be replaced by a CPU one in place; swapping keeps the Parameter
     # object (which optimizer groups and tied modules refer to) and gives it real storage.
-    real = nn.Parameter(values.to(slot.param.dtype), slot.param.requires_grad)
-    torch.utils.swap_tensors(slot.param, real)
+    torch.utils.swap_tensors(param, nn.Parameter(values.to(param.dtype), param.requires_grad))
 
 
 def give_memory(plan: UnitPlan) -> list[ParamSlot]:
@@ -247,7 +250,7 @@ def give_memory(plan: UnitPlan) -> list[ParamSlot]:
     meta = [s for s in plan.slots if s.param.is_meta]
     for s in meta:
         take_recipe(s.param)  # not replayed: what is written into it comes from elsewhere
-        _swap_in(s, torch.empty(s.shape, dtype=s.param.dtype, device="cpu"))
+        _swap_in(s.param, torch.empty(s.shape, dtype=s.param.dtype, device="cpu"))
     return meta
 
 

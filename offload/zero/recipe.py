@@ -99,10 +99,7 @@ class Recorder:
         root = self.roots.get(storage_key(t)) if t.is_meta else None
         if root is None:
             return None
-        base = root[1]
-        if (t.shape, t.stride(), t.storage_offset()) == (base.shape, base.stride(), base.storage_offset()):
-            return Ref(root[0])
-        return None
+        return Ref(root[0]) if _whole(t, root[1]) else None
 
     def shares(self, t: torch.Tensor) -> bool:
         return t.is_meta and storage_key(t) in self.roots
@@ -141,6 +138,11 @@ class Recorder:
         return None
 
 
+def _whole(t: torch.Tensor, base: torch.Tensor) -> bool:
+    """``t`` is all of ``base``'s storage as ``base`` lays it out (not a view of a part)."""
+    return (t.shape, t.stride(), t.storage_offset()) == (base.shape, base.stride(), base.storage_offset())
+
+
 def _name(func: Callable[..., Any]) -> str:
     return getattr(func, "__name__", repr(func))
 
@@ -156,8 +158,7 @@ def take_recipe(param: torch.Tensor) -> Recipe | None:
     """The recipe of a meta parameter built under ``zero.Init``, taken from the registry (None: not one, or a
     part of one)."""
     entry = _REGISTRY.get(storage_key(param)) if param.is_meta else None
-    if entry is None or (param.shape, param.stride(), param.storage_offset()) != (
-            entry[1].shape, entry[1].stride(), entry[1].storage_offset()):
+    if entry is None or not _whole(param, entry[1]):
         return None
     del _REGISTRY[storage_key(param)]
     return entry[0]
