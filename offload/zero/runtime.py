@@ -197,10 +197,7 @@ class ZeroRuntime:
                 self._reduce_or_keep(unit)
                 if not unit.has_frozen:
                     unit.backward_active = False
-                    if not unit.persistent:
-                        self._reshard(unit)
-                    else:
-                        unit.unbind()
+                    self._done_with(unit)
         return hook
 
     # ----------------------------------------------------------------- forward
@@ -213,10 +210,7 @@ class ZeroRuntime:
         """``keep``: a later anchor of the unit is about to run (see [Note: when a unit is gathered])."""
         unit.holders -= 1
         if unit.holders == 0 and not self._in_backward and not keep:
-            if not unit.persistent:
-                self._reshard(unit)
-            else:
-                unit.unbind()
+            self._done_with(unit)
 
     # ----------------------------------------------------------------- backward
 
@@ -240,10 +234,8 @@ class ZeroRuntime:
             unit.grads_seen.clear()
             for slot in unit.slots:
                 slot.param.grad = None
-            if unit.holders == 0 and not unit.persistent:
-                self._reshard(unit)
-            elif unit.holders == 0:
-                unit.unbind()
+            if unit.holders == 0:
+                self._done_with(unit)
         if self.grads_sent is not None:
             self.grads_sent()
 
@@ -255,10 +247,8 @@ class ZeroRuntime:
                 self._reduce_or_keep(unit)
         for unit in self.units:
             unit.backward_active = False
-            if unit.holders == 0 and not unit.persistent:
-                self._reshard(unit)
-            elif unit.holders == 0:
-                unit.unbind()
+            if unit.holders == 0:
+                self._done_with(unit)
         self._in_backward = False
         if self.grads_sent is not None:
             self.grads_sent()
@@ -407,6 +397,14 @@ class ZeroRuntime:
                 f"{self.live + unit.padded} gathered elements, over {self.limit.source}={limit}; gathered now: "
                 f"{gathered or 'nothing'}. {self.limit.remedy}")
 
+    def _done_with(self, unit: Unit) -> None:
+        """No use holds the unit now: released, unless persistent; an in-place one's parameters emptied all the
+        same where it ``unbinds`` (see [Note: a released parameter])."""
+        if not unit.persistent:
+            self._reshard(unit)
+        else:
+            unit.unbind()
+
     def _reshard(self, unit: Unit) -> None:
         unit.prefetched = False
         if unit.reshard():
@@ -449,12 +447,9 @@ class ZeroRuntime:
                 slot.param.grad = None
 
     def drop_grads(self) -> None:
-        """The gradients since the last step are dropped (``zero_grad``): those kept in ``.grad`` (stages 0-1),
-        the record of which parameters got one, and the reductions' order."""
-        for unit in self.units:
-            unit.grads_seen.clear()
-            for slot in unit.slots:
-                slot.param.grad = None
+        """The gradients since the last step are dropped (``discard_gradients``): those kept in ``.grad`` (stages
+        0-1), the record of which parameters got one, and the reductions' order."""
+        self.clear_held_grads()
         self.got_grad.clear()
         self.order.take()
 
