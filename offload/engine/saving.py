@@ -262,7 +262,7 @@ def _place_recovery_script(directory: Path) -> str:
     return hashlib.sha256(source).hexdigest()
 
 
-def _deepspeed_keys(engine: Any, meta: dict[str, Any], main: dict[str, Any], optimizer_loaded: bool,
+def _deepspeed_keys(meta: dict[str, Any], main: dict[str, Any], samples: int, optimizer_loaded: bool,
                     scheduler_loaded: bool) -> dict[str, Any]:
     """What DeepSpeed 0.19.8's load_checkpoint returns in client_state besides the script's own keys (its
     checkpoint's entries it does not restore itself), so that a script reading them finds them."""
@@ -281,7 +281,7 @@ def _deepspeed_keys(engine: Any, meta: dict[str, Any], main: dict[str, Any], opt
         "frozen_param_shapes": shapes[False] if meta["config"].get("zero_optimization", {}).get("stage", 0) >= 2
         else None,
         "shared_params": shared, "frozen_param_fragments": None,
-        "global_samples": meta.get("global_samples", meta["global_steps"] * engine.train_batch_size()),
+        "global_samples": samples,
         "ds_config": meta["config"], "ds_version": meta["version"]}
     if not optimizer_loaded:
         keys["optimizer"] = None  # a ZeRO checkpoint's, as DeepSpeed's: the state is in the partitions
@@ -393,7 +393,9 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
         reader.close()
     small = small_state.read(path / f"rank{small_from}.pt")
     main = small if small_from == 0 else small_state.read(path / "rank0.pt")
-    client_state = _deepspeed_keys(engine, meta, main, load_optimizer_states, load_lr_scheduler_states)
+    # a checkpoint written before global_samples was kept: the steps at this run's batch size
+    samples = meta.get("global_samples", meta["global_steps"] * engine.train_batch_size())
+    client_state = _deepspeed_keys(meta, main, samples, load_optimizer_states, load_lr_scheduler_states)
     client_state.update(main["client_state"])
     client_state.update(_pickled_client_state(path, meta, trust_client_state))
     engine.discard_gradients()
@@ -404,7 +406,7 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
             _seed_new_rank(small["rng"], rank)
         engine.load_train_state({"global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
                                  "micro_steps": meta["micro_steps"], "loss_scaler": main["loss_scaler"],
-                                 **({"global_samples": meta["global_samples"]} if "global_samples" in meta else {})})
+                                 "global_samples": samples})
         if load_optimizer_states:
             engine.optimizer.restore_counters(meta["adam_steps"], main["param_groups"])
         scheduler = engine.lr_scheduler
