@@ -84,7 +84,7 @@ def run_demo(config: Config | str | None = None, steps: int = 150, seed: int = 0
             loss_sum += loss.item() / accum
         first = loss_sum if step == 1 else first
         last = loss_sum
-        if step == 1 or step % (cfg.steps_per_print or 10) == 0 or step == steps:
+        if step == 1 or step % cfg.progress_every == 0 or step == steps:
             say(f"step {step:4d}  loss {loss_sum:7.4f}  grad norm {engine.last_grad_norm:8.4f}  "
                 f"lr {engine.get_lr()[0]:.2e}  {time.perf_counter() - start:6.1f}s")
     elapsed = time.perf_counter() - start

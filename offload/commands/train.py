@@ -379,7 +379,7 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
     record = TrainRecord(args=asdict(args), params=params, world=engine.group.world, device=str(engine.accel.device),
                          step_mode=engine.step_mode, first_step=first_step - len(history), losses=list(history))
     gen = torch.Generator()
-    every = args.print_every or cfg.steps_per_print or 10
+    every = args.print_every or cfg.progress_every
     tokens_per_step = micro * accum * args.seq * engine.group.world
     engine.telemetry.start_trace()
     engine.accel.reset_peak()

@@ -134,6 +134,12 @@ class Config:
         return dataclasses.replace(config, notes=tuple(notes))
 
     @property
+    def progress_every(self) -> int:
+        """How often the commands (``offload train``, ``demo``) print a progress line: steps_per_print, or every
+        10 steps where it is unset (the engine's own reports stay off then, as DeepSpeed's)."""
+        return self.steps_per_print or 10
+
+    @property
     def no_effect(self) -> tuple[NoEffect, ...]:
         """The notes on keys this config sets that do nothing here, each naming the key and why."""
         return tuple(n for n in self.notes if isinstance(n, NoEffect))
