@@ -62,15 +62,15 @@ class Owner:
         if len(words) < 4 or words[0] != "pid" or words[2] != "on" or not words[1].isdigit():
             return None
         fields = dict(zip(words[4::2], words[5::2]))
-        start = fields.get("start", "")
-        return cls(int(words[1]), words[3], int(start) if start.isdigit() else None, fields.get("boot"))
+        start, boot = fields.get("start", ""), fields.get("boot", "None")  # line() writes None for what it lacked
+        return cls(int(words[1]), words[3], int(start) if start.isdigit() else None, None if boot == "None" else boot)
 
     def gone(self) -> str | None:
         """Why this writer is provably dead, or None where it may live."""
         if self.host != socket.gethostname() or self.start is None:
             return None
         boot = _boot_id()
-        if self.boot not in (None, "None") and boot is not None and self.boot != boot:
+        if self.boot is not None and boot is not None and self.boot != boot:
             return f"the machine has rebooted since pid {self.pid} wrote it"
         start = _process_start(self.pid)
         if start is None:
