@@ -1,7 +1,9 @@
 """Touching a ZeRO-3 parameter outside forward ([Note: a released parameter] in offload/zero/unit.py): a released
 parameter is an empty tensor, as DeepSpeed's partitions are, never a view of freed memory (which segfaulted with two
 ranks); its whole shape stays in ``ds_shape``; ``model.state_dict()`` saves and loads and says where the weights
-are; and training goes on exactly as if nothing had been touched."""
+are; and training goes on exactly as if nothing had been touched. A parameter at or below
+stage3_param_persistence_threshold is whole after each step with the step's values, as DeepSpeed's persistent ones
+([Note: small parameters stay whole])."""
 
 import logging
 
@@ -18,14 +20,21 @@ EMULATED_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"}
 
 
 def _touch(rank, world, params, touch, path):
-    config = base_config(2, 1, world)
-    config["zero_optimization"]["offload_param"] = {"device": params}
+    config = base_config(2, 1, world, stage3_param_persistence_threshold=128)  # the 1-D parameters, not the 2-D
+    config["zero_optimization"]["offload_param"] = {"device": params, "nvme_path": f"{path}/swap",
+                                                    "max_in_cpu": 0}  # nvme: every shard homed on the disk
     engine = offload.initialize(model=make_model("gpt"), config=config)[0]
-    losses, out = [], {}
+    losses, out = [], {"kept": []}
+    small = {n: p for n, p in engine.module.named_parameters() if len(p.ds_shape) == 1}
+    out["small_before_a_step"] = sorted(n for n, p in small.items() if p.numel())
     for step, tokens in enumerate(batches(3, 2 * world)):
         rows = tokens[rank * 2:(rank + 1) * 2].to(engine.accel.device)
         losses.append(engine.backward(loss_of(engine, "gpt", rows)).item())
         engine.step()
+        if touch:  # every small parameter whole, with this step's values
+            values = {n: p.detach().cpu().clone() for n, p in small.items()}
+            full = engine.full_state_dict()
+            out["kept"].append(sorted(n for n, v in values.items() if not torch.equal(v, full[n].to(v.dtype))))
         if touch and step == 0:
             name, weight = next((n, p) for n, p in engine.module.named_parameters() if len(p.ds_shape) == 2)
             out["name"], out["shape"], out["ds_shape"] = name, tuple(weight.shape), tuple(weight.ds_shape)
@@ -40,16 +49,18 @@ def _touch(rank, world, params, touch, path):
     return out
 
 
-@pytest.mark.parametrize("world,params,env", [(2, "none", {}), (1, "cpu", EMULATED_GPU), (1, "cpu", {}),
-                                              (1, "none", {})],
-                         ids=["two-ranks", "one-rank-gathered-from-the-host", "one-rank-read-in-place",
-                              "one-rank-params-on-the-device"])
+@pytest.mark.parametrize("world,params,env", [(2, "none", {}), (2, "nvme", {}), (1, "cpu", EMULATED_GPU),
+                                              (1, "cpu", {}), (1, "none", {})],
+                         ids=["two-ranks", "two-ranks-params-on-nvme", "one-rank-gathered-from-the-host",
+                              "one-rank-read-in-place", "one-rank-params-on-the-device"])
 def test_reading_a_released_parameter_gives_the_empty_partition_and_training_goes_on_unchanged(tmp_path, world,
                                                                                                params, env):
     touched = run_ranks(_touch, world, env=env, params=params, touch=True, path=str(tmp_path))
     plain = run_ranks(_touch, world, env=env, params=params, touch=False, path=str(tmp_path))
     for rank, ref in zip(touched, plain, strict=True):
         assert rank["shape"] == (0,) and len(rank["ds_shape"]) == 2 and rank["sum"] == 0.0
+        assert rank["small_before_a_step"] == [] and rank["kept"] == [[], [], []]
+        assert not [k for k in rank["empty"] if len(ref["full"][k].shape) == 1]
         assert rank["name"] in rank["empty"] and rank["loaded"][rank["name"]] == (0,)
         assert rank["losses"] == ref["losses"]
         for key, value in ref["full"].items():

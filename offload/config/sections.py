@@ -281,11 +281,12 @@ class ZeroConfig:
         50_000_000, "Elements of parameters prefetched ahead of use. auto: 0.9 * hidden_size**2.",
         ge=0, auto=True, aliases=("prefetch_bucket_size",))
     stage3_param_persistence_threshold: int | Auto = setting(
-        100_000, "Parameters with fewer elements stay gathered. auto: 10 * hidden_size.",
+        100_000, "Parameters with at most this many elements stay whole between uses (from the first step on), "
+                 "and units as small stay gathered. auto: 10 * hidden_size.",
         ge=0, auto=True, aliases=("param_persistence_threshold",))
     stage3_model_persistence_threshold: int = setting(
-        2**63 - 1, "Cap on all persistent parameter elements.", ge=0, aliases=("model_persistence_threshold",),
-        support=NO_EFFECT, note="units under stage3_param_persistence_threshold stay gathered with no overall cap.")
+        2**63 - 1, "Cap on the elements kept whole by stage3_param_persistence_threshold, counted in unit order.",
+        ge=0, aliases=("model_persistence_threshold",))
     stage3_max_live_parameters: int = setting(1_000_000_000, "Most parameter elements gathered at once.",
                                               ge=0, aliases=("max_live_parameters",))
     stage3_max_reuse_distance: int = setting(1_000_000_000, "Keep a gathered parameter if it is reused within this "

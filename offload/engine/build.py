@@ -176,6 +176,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         post = pre / group.world  # gradients are averaged over the group, as DeepSpeed does
         runtime = ZeroRuntime(model, units, group, accel, limit=memory.live_limit(),
                               persistence_threshold=int(resolved(zero.stage3_param_persistence_threshold)),
+                              persistence_cap=zero.stage3_model_persistence_threshold,
                               grad_sink=lambda unit, shard, ready, keep: optimizer.landing.accumulate(
                                   unit.index, shard, post, ready, keep), grad_predivide=pre, telemetry=telemetry,
                               prefetch_elements=int(resolved(zero.stage3_prefetch_bucket_size)), stage=stage,

@@ -223,11 +223,13 @@ class Engine(DeepSpeedAccessors, Persistence):
         self.schedule.norm_known(clipped=grad_scale != unclipped_factor(scale))
         self.runtime.reshard_all()
         behind: ParamSwapError | None = None
+        finished = False
         try:
             with self.telemetry.span("optimizer", "adam"):
                 nvme = self.config.zero_optimization.offload_optimizer.device == "nvme"
-                self.schedule.apply(self.optimizer, grad_scale, self.global_steps, lambda: agreement.commit_vote(
-                    nvme, self.partition, self.group, self.accel, self.global_steps))
+                finished = self.schedule.apply(self.optimizer, grad_scale, self.global_steps,
+                                               lambda: agreement.commit_vote(nvme, self.partition, self.group,
+                                                                             self.accel, self.global_steps))
         except ParamSwapError as e:
             # The optimizer state moved on; only some 16-bit copies on NVMe are behind (stale), and they are
             # rewritten from the master weights before anything reads them: the step counts.
@@ -243,6 +245,10 @@ class Engine(DeepSpeedAccessors, Persistence):
         self.step_applied = True
         if self.stage.resident_params:
             self.runtime.spread_partitions()
+        if finished:
+            self.runtime.refresh_kept()
+        else:
+            self.runtime.kept_stale()
         self.loss_scaler.update(overflow=False)
         if self.lr_scheduler is not None:
             with warnings.catch_warnings():

@@ -60,6 +60,9 @@ class Persistence:
             only = {u.index for u in self.units for s in u.slots if id(s.param) in wanted}
         with weights.gathered_parameters(self, modifier_rank, only) as module:
             yield module
+        if params is not None:
+            for unit in self.units:
+                unit.drop_kept(wanted)
 
     def load_full_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> tuple[list[str], list[str]]:
         """Whole weights (as ``full_state_dict`` gives them) into the engine, masters included; every rank passes

@@ -108,7 +108,8 @@ class StepReturn:
         return False
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, stepped_in_backward: bool,
-              vote: VoteFor) -> None:
+              vote: VoteFor) -> bool:
+        """Runs (or starts) the step's Adam; returns whether it has finished."""
         raise NotImplementedError
 
     def describe(self, during: str) -> str:
@@ -120,8 +121,9 @@ class Whole(StepReturn):
     why: str  # why step() does not return early
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, stepped_in_backward: bool,
-              vote: VoteFor) -> None:
+              vote: VoteFor) -> bool:
         optimizer.apply(grad_scale, vote())
+        return True
 
     def describe(self, during: str) -> str:
         return f"{during}; step() returns after Adam ({self.why})"
@@ -133,8 +135,9 @@ class Early(StepReturn):
         return True
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, stepped_in_backward: bool,
-              vote: VoteFor) -> None:
+              vote: VoteFor) -> bool:
         optimizer.apply_early(grad_scale)
+        return False
 
     def describe(self, during: str) -> str:
         return f"{during}; step() returns before Adam, the next forward waits per unit"
@@ -145,11 +148,12 @@ class EarlyNvme(Early):
     order: it stepped the sub-groups there) finishes in the step instead."""
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, stepped_in_backward: bool,
-              vote: VoteFor) -> None:
+              vote: VoteFor) -> bool:
         if stepped_in_backward:
             optimizer.apply(grad_scale, vote())
         else:
             optimizer.apply_early(grad_scale)
+        return stepped_in_backward
 
     def describe(self, during: str) -> str:
         return super().describe(during) + (
@@ -171,11 +175,11 @@ class Delayed(StepReturn):
         return self.exact.forward_order
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, stepped_in_backward: bool,
-              vote: VoteFor) -> None:
+              vote: VoteFor) -> bool:
         if step > self.after:
             optimizer.apply_early(grad_scale, delayed=True)
-        else:
-            self.exact.apply(optimizer, grad_scale, step, stepped_in_backward, vote)
+            return False
+        return self.exact.apply(optimizer, grad_scale, step, stepped_in_backward, vote)
 
     def describe(self, during: str) -> str:
         return (f"delayed update after {self.after} exact steps: each step's Adam runs while the next forward and "
@@ -202,9 +206,9 @@ class StepSchedule:
     def norm_known(self, clipped: bool) -> None:
         self.during.norm_known(clipped)
 
-    def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, vote: VoteFor) -> None:
-        """Step ``step``'s Adam with the known factor."""
-        self.returns.apply(optimizer, grad_scale, step, self.stepped_in_backward, vote)
+    def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, vote: VoteFor) -> bool:
+        """Step ``step``'s Adam with the known factor; returns whether it has finished."""
+        return self.returns.apply(optimizer, grad_scale, step, self.stepped_in_backward, vote)
 
     def describe(self) -> str:
         return self.returns.describe(self.during.describe())

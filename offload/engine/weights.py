@@ -118,6 +118,7 @@ def rewrite_units(engine: Any, *, read: bool, state: Callable[[int, tuple[torch.
                 engine.params.overwrite(unit.index, values)
     if engine.stage.resident_params:
         engine.runtime.spread_partitions()
+    engine.runtime.refresh_kept()
 
 
 def _apply_edits(engine: Any, edits: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:

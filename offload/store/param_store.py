@@ -91,6 +91,12 @@ class ParamStore:
         # step's failed write left behind (see [Note: an early step's parameter writes] in param_swap.py).
         self.repair: Callable[[], None] | None = None
         self._nvme_stepping: set[int] = set()  # NVMe-homed units with an early step not waited for (the hot path's)
+        # [Note: kept values of an NVMe shard] An NVMe shard's small ranges that stay whole (``kept_values``) are
+        # taken from the values on their way to the disk, so that refreshing them after a step reads nothing back:
+        # per unit, the ranges and their values now, and those a step wrote but has not committed.
+        self._kept: dict[int, tuple[list[tuple[int, int]], torch.Tensor]] = {}
+        self._kept_next: dict[int, torch.Tensor] = {}
+        self._staged: dict[int, torch.Tensor] = {}  # NVMe shards' step targets, until ``wrote``
 
     def add(self, index: int, name: str, values: torch.Tensor, *, device_view: torch.Tensor | None = None,
             host_copy: bool = False) -> None:
@@ -201,9 +207,35 @@ class ParamStore:
         if shard.home is Tier.NVME:
             assert self.swap is not None
             self.swap.overwrite(index, values.to(self.dtype).cpu())
+            self._follow(index, values)
         elif shard.home is Tier.DEVICE:
             shard.device.copy_(values.to(shard.device.device), non_blocking=False)
             shard.ready = None
+
+    def kept_values(self, index: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """The shard's current values in ``ranges`` ([lo, hi) of the shard), one after another: small parameters
+        kept whole between uses (see [Note: small parameters stay whole] in zero/unit.py)."""
+        if self.homes[index] is not Tier.NVME:
+            shard = self.read(index)
+            return torch.cat([shard[lo:hi] for lo, hi in ranges]) if ranges else shard[:0]
+        self.wait_step(index)
+        known = self._kept.get(index)
+        if known is None or known[0] != ranges:  # the first time: read once, then follow every write
+            self._kept[index] = (ranges, self._pick(self.read(index), ranges))
+        return self._kept[index][1]
+
+    def _pick(self, values: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """``ranges`` of an NVMe shard's values, on the host (where they are, but for a load's values)."""
+        flat = values.reshape(-1)
+        parts = [flat[lo:hi].to("cpu", self.dtype) for lo, hi in ranges]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype)
+
+    def _follow(self, index: int, values: torch.Tensor) -> None:
+        """An NVMe shard's whole new values are ``values``: its kept ranges now hold theirs."""
+        known = self._kept.get(index)
+        if known is not None:
+            self._kept[index] = (known[0], self._pick(values, known[0]))
+        self._kept_next.pop(index, None)
 
     def to_device(self, index: int, h2d: CopyStream | None) -> torch.Tensor:
         """The shard on the compute device, ready for the compute stream (which waits for the copy, or for the
@@ -248,7 +280,8 @@ class ParamStore:
         shard = self.shards[index]
         if shard.home is Tier.NVME:
             assert self.swap is not None
-            return self.swap.stage(index)
+            self._staged[index] = self.swap.stage(index)
+            return self._staged[index]
         assert shard.host is not None, f"unit {index}'s shard has no host copy to step into"
         return shard.host
 
@@ -260,6 +293,9 @@ class ParamStore:
         """The step finished writing ``step_target``: an NVMe shard goes to its other slot."""
         if self.homes[index] is Tier.NVME:
             assert self.swap is not None
+            staged, known = self._staged.pop(index, None), self._kept.get(index)
+            if staged is not None and known is not None:  # see [Note: kept values of an NVMe shard]
+                self._kept_next[index] = self._pick(staged, known[0])
             self.swap.write(index)
 
     def copy_back(self, index: int, after: Event | None) -> Event | None:
@@ -324,6 +360,7 @@ class ParamStore:
         """On the early step's thread: the unit's new NVMe shard, written, becomes current on its own."""
         if self.homes[index] is Tier.NVME:
             assert self.swap is not None
+            self._commit_kept([index])
             self.swap.commit_unit(index)
 
     def wait_copies_back(self) -> None:
@@ -334,10 +371,19 @@ class ParamStore:
     def commit(self) -> None:
         """The step's NVMe shard writes become current (see [Note: parameter slots]); may raise ParamSwapError."""
         if self.swap is not None:
+            self._commit_kept(list(self._kept_next))  # the values written, even where a write then failed
             self.swap.commit()
+
+    def _commit_kept(self, units: list[int]) -> None:
+        for index in units:
+            values = self._kept_next.pop(index, None)
+            if values is not None:
+                self._kept[index] = (self._kept[index][0], values)
 
     def abort(self) -> None:
         """The step failed before its optimizer state was committed: forget its NVMe writes."""
+        self._kept_next.clear()
+        self._staged.clear()
         if self.swap is not None:
             self.swap.abort()
 

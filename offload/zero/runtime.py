@@ -80,7 +80,11 @@ class ZeroRuntime:
     def __init__(self, model: nn.Module, units: list[Unit], group: Group, accel: Accelerator, *,
                  limit: LiveLimit, persistence_threshold: int, grad_sink: GradSink, grad_predivide: float,
                  telemetry: Telemetry, prefetch_elements: int = 0, stage: Stage = Stage(3),
-                 overlap_comm: bool = True, grads_sent: Callable[[], None] | None = None) -> None:
+                 overlap_comm: bool = True, grads_sent: Callable[[], None] | None = None,
+                 persistence_cap: int = 2**63 - 1) -> None:
+        """``persistence_threshold``: units of at most this many elements stay gathered, and parameters of at most
+        this many stay whole between uses (see [Note: small parameters stay whole] in zero/unit.py), while their
+        elements together stay within ``persistence_cap`` (counted in unit order, as DeepSpeed counts)."""
         self.model = model
         self.stage = stage
         self.overlap_comm = overlap_comm  # false: each reduction completes before backward goes on (DeepSpeed's)
@@ -114,9 +118,20 @@ class ZeroRuntime:
         self._keep_after: dict[int, frozenset[int]] = {}
         self._reduced: dict[int, Event] = {}  # per unit: its last reduction's event (re-recorded)
         self.order = ReductionOrder()  # this rank's reductions since the last step (see [Note: gradient ...])
+        persisted = 0  # elements kept whole between uses, against the cap
         for unit in units:
-            unit.persistent = unit.keeps_full or unit.numel <= persistence_threshold
-            unit.unbinds = unit.in_place and unit.numel > persistence_threshold
+            small = (not unit.resident and unit.numel <= persistence_threshold
+                     and persisted + unit.numel <= persistence_cap)
+            persisted += unit.numel if small else 0
+            unit.persistent = unit.keeps_full or small
+            unit.unbinds = unit.in_place and not small
+            kept = []
+            if not small and not unit.resident:
+                for i, slot in enumerate(unit.slots):
+                    if 0 < slot.numel <= persistence_threshold and persisted + slot.numel <= persistence_cap:
+                        persisted += slot.numel
+                        kept.append(i)
+            unit.keep(kept)
             unit.unbind()  # released until first used, as every gathered unit starts
         self._install(model)
 
@@ -150,7 +165,7 @@ class ZeroRuntime:
         """``model.state_dict()`` outside forward holds the released parameters as empty tensors, as DeepSpeed's
         does (see [Note: a released parameter] in zero/unit.py): it saves and loads, but holds no weights. Said once,
         with what gives the weights."""
-        released = [s.name for u in self.units for s in u.slots if u.state is not UnitState.UNSHARDED and s.numel]
+        released = [s.name for u in self.units for s in u.slots if s.numel and not s.param.numel()]
         if released and not self._said_partitioned:
             self._said_partitioned = True
             logger.warning("model.state_dict() holds %d ZeRO-3 partitioned parameters as empty tensors (%s%s), as "
@@ -453,6 +468,43 @@ class ZeroRuntime:
         self.got_grad.clear()
         self.order.take()
 
+    def refresh_kept(self) -> None:
+        """After a step whose Adam has finished, or a load: every unit's kept parameters take the new values (a
+        collective where units are gathered: each rank contributes the elements its shards hold). See [Note: small
+        parameters stay whole] in zero/unit.py."""
+        gathered = [u for u in self.units if u.kept and not u.in_place]
+        for unit in self.units:
+            if unit.kept and unit.in_place:
+                self.params.wait_step(unit.index)  # type: ignore[union-attr]  # units exist: so does the store
+                unit.refreshed(None)
+        if not gathered:
+            return
+        parts = []
+        for unit in gathered:
+            ranges = unit.kept_ranges()
+            flat = torch.zeros(sum(hi - lo for lo, hi in ranges), dtype=unit.dtype, device=self.accel.device)
+            source = self.params.kept_values(unit.index, _shard_ranges(unit, ranges))  # type: ignore[union-attr]
+            at, taken = 0, 0
+            for lo, hi in ranges:
+                a, b = max(lo, unit.shard_start), min(hi, unit.shard_start + unit.shard_numel)
+                if a < b:
+                    flat[at + a - lo:at + b - lo].copy_(source[taken:taken + b - a])
+                    taken += b - a
+                at += hi - lo
+            parts.append(flat)
+        flat = torch.cat(parts)
+        all_reduce_sum(flat, self.group)  # each element is nonzero on one rank at most: the sum is exact
+        at = 0
+        for unit, part in zip(gathered, parts, strict=True):
+            values = list(flat[at:at + part.numel()].split([hi - lo for lo, hi in unit.kept_ranges()]))
+            unit.refreshed(values)
+            at += part.numel()
+
+    def kept_stale(self) -> None:
+        """A step returned before its Adam finished: kept parameters are released until their unit's next use."""
+        for unit in self.units:
+            unit.kept_stale()
+
     def reshard_all(self) -> None:
         """Drop every gathered copy (after a step, persistent units hold stale values)."""
         for unit in self.units:
@@ -464,6 +516,12 @@ class ZeroRuntime:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _shard_ranges(unit: Unit, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Of flat ranges [lo, hi), the parts inside this rank's shard, relative to the shard's start."""
+    start, end = unit.shard_start, unit.shard_start + unit.shard_numel
+    return [(max(lo, start) - start, min(hi, end) - start) for lo, hi in ranges if max(lo, start) < min(hi, end)]
 
 
 def _wire_bytes(nbytes: int, world: int) -> int:

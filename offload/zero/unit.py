@@ -26,6 +26,17 @@ class UnitState(enum.Enum):
     """``full`` holds every parameter's values and the module's parameters point into it."""
 
 
+class Kept(enum.Enum):
+    """Where a unit's small parameters that stay whole between uses (``Unit.kept``) stand; see [Note: small
+    parameters stay whole]."""
+    UNARMED = "unarmed"
+    """No step yet: released with the unit, as DeepSpeed's persistent parameters are until its first step."""
+    STALE = "stale"
+    """A step returned before Adam finished: released with the unit until its next use gathers the new values."""
+    CURRENT = "current"
+    """Whole outside uses: the values of the last step, load or gathered block."""
+
+
 class Unit:
     """A unit's flat parameters on the compute device, sharded over the group.
 
@@ -77,6 +88,10 @@ class Unit:
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self._bound = False  # the parameters are views into ``full`` (else the empty tensor)
         self.unbinds = False  # in place, and released between uses all the same (the runtime sets it)
+        self.kept: list[int] = []  # slots whole between uses (the runtime's ``keep``)
+        self._kept_copies: list[torch.Tensor] = []  # a gathered unit's own whole copies of them
+        self.kept_state = Kept.UNARMED
+        self._dropped: set[int] = set()  # kept slots a GatheredParameters block named: released until refreshed
         for s in self.slots:  # the whole shape, under DeepSpeed's names for it
             setattr(s.param, "ds_shape", torch.Size(s.shape))
             setattr(s.param, "ds_numel", s.numel)
@@ -90,6 +105,62 @@ class Unit:
             s.param.data = view
         self._bound = True
 
+    def keep(self, slots: list[int]) -> None:
+        """[Note: small parameters stay whole] DeepSpeed keeps each parameter at or below
+        ``stage3_param_persistence_threshold`` whole from its first step on, though the rest of its module is
+        released: a script may read a LayerNorm's weight between steps. A unit releases all its parameters at
+        once, so the small ones of a unit above the threshold (``slots``) keep values apart from ``full``: an
+        in-place unit's stay views of its shard (the step writes them in place), a gathered unit's get a whole
+        copy each, taken from ``full`` at each release and refreshed after each step by the runtime
+        (``refreshed``). Until the first step (``Kept.UNARMED``) and after a step that returned before Adam
+        (``Kept.STALE``) they are released with the unit, as they would be stale: the next gather makes them
+        current again."""
+        self.kept = list(slots)
+        if not self.in_place:
+            self._kept_copies = [torch.empty(self.slots[i].shape, dtype=self.dtype, device=self.full.device)
+                                 for i in self.kept]
+
+    def kept_ranges(self) -> list[tuple[int, int]]:
+        """The kept parameters' elements in the flat buffer, as [start, end) pairs in slot order."""
+        return [(self.slots[i].offset, self.slots[i].offset + self.slots[i].numel) for i in self.kept]
+
+    def refreshed(self, values: list[torch.Tensor] | None) -> None:
+        """The kept parameters' new values (a gathered unit's, flat, in ``kept`` order; None for an in-place unit,
+        whose views are the new values already) after a step or load: whole from now on."""
+        if values is not None:
+            torch._foreach_copy_(self._kept_copies, [v.view(c.shape) for v, c in zip(values, self._kept_copies)])
+        self.kept_state = Kept.CURRENT
+        self._dropped.clear()
+        if not self._bound:
+            self._empty_params()
+
+    def drop_kept(self, params: set[int]) -> None:
+        """The kept parameters among ``params`` (by ``id``) are released until the next refresh, as DeepSpeed's
+        GatheredParameters leaves the persistent parameters it names (partitioned, until its next step gathers
+        them)."""
+        self._dropped |= {i for i in self.kept if id(self.slots[i].param) in params}
+        if not self._bound:
+            self._empty_params()
+
+    def kept_stale(self) -> None:
+        """A step returned before its Adam finished: the kept parameters are released until the next gather."""
+        if self.kept and self.kept_state is not Kept.UNARMED:
+            self.kept_state = Kept.STALE
+            if not self._bound:
+                self._empty_params()
+
+    def _empty_params(self) -> None:
+        """Every parameter the empty tensor, but the kept ones where they are current (see [Note: small
+        parameters stay whole])."""
+        for s in self.slots:
+            s.param.data = self._empty
+        if self.kept_state is Kept.CURRENT:
+            whole = [self._views[i] for i in self.kept] if self.in_place else self._kept_copies
+            for i, values in zip(self.kept, whole, strict=True):
+                if i not in self._dropped:
+                    self.slots[i].param.data = values
+        self._bound = False
+
     def bind(self) -> None:
         """An in-place unit's parameters, views of its shard again for a use (see [Note: a released parameter])."""
         if self.in_place and not self._bound:
@@ -99,9 +170,7 @@ class Unit:
         """An in-place unit that ``unbinds``, after a use: its parameters become the empty tensor, as a gathered
         unit's are once released, though its memory (the shard's own) stays."""
         if self.in_place and self.unbinds and self._bound:
-            for s in self.slots:
-                s.param.data = self._empty
-            self._bound = False
+            self._empty_params()
 
     def _release_memory(self) -> None:
         """[Note: a released parameter] ``full``'s memory goes, and every parameter becomes an empty tensor, as
@@ -111,11 +180,13 @@ class Unit:
         autograd's saved parameters are the parameters themselves, so a backward reads them bound again too. An
         in-place unit (W = 1: its shard is the whole) keeps its memory but is released the same way between uses
         (``unbind``), above the persistence threshold, so that a parameter reads as DeepSpeed's does at any world
-        size."""
+        size. A gathered unit's kept parameters take their values from ``full`` first (see [Note: small parameters
+        stay whole])."""
+        if self.kept and self.kept_state is not Kept.UNARMED and self.state is UnitState.UNSHARDED:
+            torch._foreach_copy_(self._kept_copies, [self._views[i] for i in self.kept])
+            self.kept_state = Kept.CURRENT
         self.full.untyped_storage().resize_(0)
-        for s in self.slots:
-            s.param.data = self._empty
-        self._bound = False
+        self._empty_params()
 
     @property
     def keeps_full(self) -> bool:
@@ -232,6 +303,7 @@ class Unit:
         if self.state is UnitState.GATHERING:
             self.finish_unshard()
         if not self.resident:
+            self.kept_state = Kept.UNARMED
             self._release_memory()
             self.state = UnitState.SHARDED
 

@@ -13,9 +13,11 @@ deepspeed.init_distributed()
 torch.manual_seed(0)
 model = Net(hidden=192)  # blocks' Linear weights: 147456 elements, above the persistence threshold
 engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
-for tokens in data(8).split(4):
+numels = {"after initialize": [p.numel() for p in engine.module.parameters()]}
+for i, tokens in enumerate(data(8).split(4)):
     engine.backward(engine(tokens))
     engine.step()
+    numels.setdefault("after the first step", [p.numel() for p in engine.module.parameters()])
 big, small = engine.module.blocks[0][1].weight, engine.module.blocks[0][0].weight
 numel_big, numel_small, small_sum = big.numel(), small.numel(), float(small.detach().sum())
 full = safe_get_full_fp32_param(big)
@@ -24,4 +26,5 @@ with deepspeed.zero.GatheredParameters([big, small]):
 report(ds_shape=list(big.ds_shape), ds_numel=int(big.ds_numel), numel_big_after_step=numel_big,
        numel_small_after_step=numel_small, small_sum=small_sum, full_shape=list(full.shape),
        gathered_vs_full=abs(gathered_sum - float(full.sum())) < 1e-2,
-       numel_small_after_gathered=small.numel(), numel_big_after_gathered=big.numel())
+       numel_small_after_gathered=small.numel(), numel_big_after_gathered=big.numel(), numels=numels,
+       small_sums=[float(p.detach().float().abs().sum()) for p in engine.module.parameters() if p.numel()])
