@@ -23,10 +23,12 @@ def _other_weights() -> dict[str, torch.Tensor]:
     return make_model("gpt", seed=5).state_dict()
 
 
-def _edit(module: torch.nn.Module) -> None:
-    """What the tests write into the gathered model: a whole weight, and one element of another."""
+def _edit(module: torch.nn.Module, whole: bool = True) -> None:
+    """What the tests write into the gathered model: a whole weight (unless not ``whole``), and one element of
+    another (in one rank's shard only: the other ranks have nothing of their own to write back)."""
     with torch.no_grad():
-        module.blocks[1].mlp[0].weight.copy_(torch.linspace(-0.2, 0.2, 128 * 32).view(128, 32))
+        if whole:
+            module.blocks[1].mlp[0].weight.copy_(torch.linspace(-0.2, 0.2, 128 * 32).view(128, 32))
         module.blocks[0].ln1.bias[3] = 0.75
 
 
@@ -40,7 +42,7 @@ def _reference(change: str, steps: tuple[int, int]) -> dict[str, Any]:
             if change == "load":
                 model.load_state_dict(_other_weights())
             else:
-                _edit(model)
+                _edit(model, whole=change == "edit")
         loss = loss_of(model, "gpt", tokens)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -61,7 +63,7 @@ def _train(rank: int, world: int, change: str, config: dict[str, Any], steps: tu
             else:
                 with engine.gathered_parameters(modifier_rank=0) as module:
                     if rank == 0:
-                        _edit(module)
+                        _edit(module, whole=change == "edit")
                     else:  # what another rank writes is not kept
                         with torch.no_grad():
                             module.blocks[2].mlp[0].weight.fill_(9.0)
@@ -107,9 +109,14 @@ def test_weights_written_mid_training_train_on_as_torch_does(change, placement, 
     _check(got, _reference(change, (2, 2)))
 
 
-@pytest.mark.parametrize("change", ["load", "edit"])
-def test_two_ranks_keep_the_modifier_ranks_writes(change, tmp_path):
-    results = run_ranks(_train, 2, change=change, config=_config(2, "host", str(tmp_path)), steps=(1, 2))
+@pytest.mark.parametrize("change", ["load", "edit", "edit-one"])
+@pytest.mark.parametrize("placement", ["host", "stage2"])
+def test_two_ranks_keep_the_modifier_ranks_writes(change, placement, tmp_path):
+    """``edit-one`` writes into one rank's shard only; every rank still takes part in spreading it (stage 2's
+    resident partitions, the small parameters kept whole: the threshold keeps the 1-D ones)."""
+    config = _config(2, placement, str(tmp_path))
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 128
+    results = run_ranks(_train, 2, change=change, config=config, steps=(1, 2))
     ref = _reference(change, (1, 2))
     for got in results:
         _check(got, ref)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from offload.engine.weights import rewrite_units, state_dict_layout
+from offload.engine.weights import rewrite_units, spread_rewritten, state_dict_layout
 from offload.files import small_state
 from offload.files.checkpoint_files import (FORMAT, LATEST, READS, CheckpointError, RankWriter, ShardReader, partitions,
                                             phase, publish, read_meta, resolve, save_small, sweep_stale, tmp_dir,
@@ -385,6 +385,7 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
 
     try:
         rewrite_units(engine, read=not moments, state=load_state, shard=lambda index: take(units[index], "shard"))
+        spread_rewritten(engine)
     except BaseException as e:
         engine.close()
         raise CheckpointError(f"loading {path} failed part-way ({e}); the engine's state is half replaced, so it "

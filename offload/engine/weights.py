@@ -73,6 +73,8 @@ def gathered_parameters(engine: Any, modifier_rank: int | None = None,
             unit.reshard()
     if edits:
         _apply_edits(engine, edits)
+    if modifier_rank is not None:
+        spread_rewritten(engine)  # on every rank, whether its own shards were edited or not
 
 
 # [Note: writing through gathered parameters]
@@ -104,8 +106,8 @@ def rewrite_units(engine: Any, *, read: bool, state: Callable[[int, tuple[torch.
     """New weights into a live engine, one sub-group of optimizer state in memory at a time: ``state`` writes a
     trained unit's (master, exp_avg, exp_avg_sq) views (``read``: as they were first) and says whether it did,
     then the unit's compute copy follows its master; ``shard`` gives an untrained unit's new compute shard (None:
-    it keeps its own); the partitions are spread again where the stage keeps them. For checkpoint and state-dict
-    loads and kept edits; the caller has drained the optimizer and resharded the units."""
+    it keeps its own). For checkpoint and state-dict loads and kept edits; the caller has drained the optimizer and
+    resharded the units, and calls ``spread_rewritten`` after it on every rank."""
     for g in engine.optimizer.one_at_a_time(read=read, write=True):
         for m in g.members:
             views = g.views(m)
@@ -116,6 +118,11 @@ def rewrite_units(engine: Any, *, read: bool, state: Callable[[int, tuple[torch.
             values = shard(unit.index)
             if values is not None:
                 engine.params.overwrite(unit.index, values)
+
+
+def spread_rewritten(engine: Any) -> None:
+    """After ``rewrite_units`` (on ranks whose shards changed: edits reach only some), on every rank: the new
+    values reach where ranks keep copies of one another's shards (a collective)."""
     if engine.stage.resident_params:
         engine.runtime.spread_partitions()
     engine.runtime.refresh_kept()
@@ -219,6 +226,7 @@ def load_full_state_dict(engine: Any, state_dict: dict[str, Any], strict: bool =
                 if key in state_dict and id(t) not in where:
                     t.copy_(state_dict[key])
         rewrite_units(engine, read=True, state=load_master, shard=shards.get)
+        spread_rewritten(engine)
     except BaseException as e:
         engine.close()
         raise EngineError(f"loading the state dict failed part-way ({e}); the engine's weights are half replaced, "
