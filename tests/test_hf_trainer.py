@@ -2,8 +2,10 @@
 gradient norms and learning rates with clipping and accumulation on), saves a model from_pretrained loads, resumes
 exactly from its checkpoints, and resolves a DeepSpeed config's "auto" values as Hugging Face's integration does."""
 
+import contextlib
 import copy
 import json
+import logging
 
 import pytest
 import torch
@@ -36,6 +38,23 @@ def arguments(out, **kw):
     return transformers.TrainingArguments(**base)
 
 
+@contextlib.contextmanager
+def _trainer_log():
+    """The lines transformers' Trainer logs at INFO (its library logger does not propagate to pytest's)."""
+    lines: list[str] = []
+    log = logging.getLogger(transformers.Trainer.__module__)
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(handler.format(record))  # type: ignore[method-assign]
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
 def logged(trainer, key="loss"):
     return [h[key] for h in trainer.state.log_history if "loss" in h]
 
@@ -48,10 +67,15 @@ def test_trains_as_the_plain_trainer_does(tmp_path, checkpointing):
     kw = {"activation_checkpointing" if renamed else "gradient_checkpointing": checkpointing}
     ref = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
                                args=arguments(tmp_path / "ref", **kw), train_dataset=data())
-    ref.train()
+    released = {**DS, "zero_optimization": {**DS["zero_optimization"], "stage3_param_persistence_threshold": 0}}
     ours = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, args=arguments(tmp_path / "ours", **kw),
-                              offload_config=DS, train_dataset=data())
-    ours.train()
+                              offload_config=released, train_dataset=data())
+    counts = []
+    for trainer in (ref, ours):  # what the Trainer logs of the model: the whole count, parameters released or not
+        with _trainer_log() as lines:
+            trainer.train()
+        counts.append([line for line in lines if "Number of trainable parameters" in line])
+    assert counts[0] == counts[1] and len(counts[0]) == 1
     assert len(logged(ours)) == 4
     assert logged(ours) == pytest.approx(logged(ref), rel=1e-6)
     assert logged(ours, "grad_norm") == pytest.approx(logged(ref, "grad_norm"), rel=1e-5)

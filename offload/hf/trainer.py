@@ -25,6 +25,7 @@ import copy
 import json
 import logging
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,24 @@ from offload.optim.lr_schedules import build_lr_schedule
 from offload.files.pretrained import PretrainedWeights
 
 logger = logging.getLogger("offload.hf")
+
+
+class _WholeParameterCount(logging.Filter):
+    """transformers' Trainer logs its trainable parameters counted with ``numel()``, which is 0 for a released ZeRO-3
+    parameter (it counts ``ds_numel`` only under its own DeepSpeed integration): the line gets the whole count."""
+
+    LINE = "  Number of trainable parameters = "
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = weakref.ref(model)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        model = self.model()
+        if model is not None and isinstance(record.msg, str) and record.msg.startswith(self.LINE):
+            count = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+            record.msg, record.args = f"{self.LINE}{count:,}", None
+        return True
 
 ENGINE_CHECKPOINT = "offload"  # the engine's checkpoint directory inside checkpoint-N
 # The TrainingArguments the engine is built for (with the config keys they fill): a later train() keeps them.
@@ -156,6 +175,10 @@ class Trainer(transformers.Trainer):
         self.lr_scheduler = None
         self.engine, *_ = initialize(model=self.model, config=config, weights=self.weights,
                                      device=self.args.device, **kwargs)
+        trainer_log = logging.getLogger(transformers.Trainer.__module__)
+        for old in [f for f in trainer_log.filters if isinstance(f, _WholeParameterCount) and f.model() is None]:
+            trainer_log.removeFilter(old)
+        trainer_log.addFilter(_WholeParameterCount(self.model))
         # accelerate's prepare_model (evaluation runs it on a model it has not seen) leaves the model as it is: no
         # device move of the engine's parameters, no autocast wrapper left on its forward for training.
         self.model._is_accelerate_prepared = True
