@@ -473,31 +473,30 @@ class ZeroRuntime:
         collective where units are gathered: each rank contributes the elements its shards hold). See [Note: small
         parameters stay whole] in zero/unit.py."""
         gathered = [u for u in self.units if u.kept and not u.in_place]
+        params = self.params
         for unit in self.units:
             if unit.kept and unit.in_place:
-                self.params.wait_step(unit.index)  # type: ignore[union-attr]  # units exist: so does the store
+                assert params is not None  # units exist: so does their store
+                params.wait_step(unit.index)
                 unit.refreshed(None)
         if not gathered:
             return
         parts = []
         for unit in gathered:
-            ranges = unit.kept_ranges()
-            flat = torch.zeros(sum(hi - lo for lo, hi in ranges), dtype=unit.dtype, device=self.accel.device)
-            source = self.params.kept_values(unit.index, _shard_ranges(unit, ranges))  # type: ignore[union-attr]
-            at, taken = 0, 0
-            for lo, hi in ranges:
-                a, b = max(lo, unit.shard_start), min(hi, unit.shard_start + unit.shard_numel)
-                if a < b:
-                    flat[at + a - lo:at + b - lo].copy_(source[taken:taken + b - a])
-                    taken += b - a
-                at += hi - lo
-            parts.append(flat)
+            pieces = unit.kept_in_shard()
+            assert params is not None
+            source = params.kept_values(unit.index, [(lo, lo + n) for _, lo, n in pieces])
+            part = torch.zeros(sum(unit.kept_sizes()), dtype=unit.dtype, device=source.device)
+            taken = 0
+            for at, _, n in pieces:
+                part[at:at + n].copy_(source[taken:taken + n])
+                taken += n
+            parts.append(part.to(self.accel.device))  # one copy a unit where the shards are off the device
         flat = torch.cat(parts)
         all_reduce_sum(flat, self.group)  # each element is nonzero on one rank at most: the sum is exact
         at = 0
         for unit, part in zip(gathered, parts, strict=True):
-            values = list(flat[at:at + part.numel()].split([hi - lo for lo, hi in unit.kept_ranges()]))
-            unit.refreshed(values)
+            unit.refreshed(list(flat[at:at + part.numel()].split(unit.kept_sizes())))
             at += part.numel()
 
     def kept_stale(self) -> None:
@@ -516,12 +515,6 @@ class ZeroRuntime:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-def _shard_ranges(unit: Unit, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Of flat ranges [lo, hi), the parts inside this rank's shard, relative to the shard's start."""
-    start, end = unit.shard_start, unit.shard_start + unit.shard_numel
-    return [(max(lo, start) - start, min(hi, end) - start) for lo, hi in ranges if max(lo, start) < min(hi, end)]
 
 
 def _wire_bytes(nbytes: int, world: int) -> int:

@@ -111,18 +111,29 @@ class Unit:
         released: a script may read a LayerNorm's weight between steps. A unit releases all its parameters at
         once, so the small ones of a unit above the threshold (``slots``) keep values apart from ``full``: an
         in-place unit's stay views of its shard (the step writes them in place), a gathered unit's get a whole
-        copy each, taken from ``full`` at each release and refreshed after each step by the runtime
-        (``refreshed``). Until the first step (``Kept.UNARMED``) and after a step that returned before Adam
-        (``Kept.STALE``) they are released with the unit, as they would be stale: the next gather makes them
-        current again."""
+        copy each, refreshed by the runtime after each step, load or kept edit (``refreshed``). Until the first
+        step (``Kept.UNARMED``) they are released with the unit; after a step that returned before Adam
+        (``Kept.STALE``) too, until the next gather, whose values the release copies."""
         self.kept = list(slots)
         if not self.in_place:
             self._kept_copies = [torch.empty(self.slots[i].shape, dtype=self.dtype, device=self.full.device)
                                  for i in self.kept]
 
-    def kept_ranges(self) -> list[tuple[int, int]]:
-        """The kept parameters' elements in the flat buffer, as [start, end) pairs in slot order."""
-        return [(self.slots[i].offset, self.slots[i].offset + self.slots[i].numel) for i in self.kept]
+    def kept_sizes(self) -> list[int]:
+        return [self.slots[i].numel for i in self.kept]
+
+    def kept_in_shard(self) -> list[tuple[int, int, int]]:
+        """Where this rank's shard holds kept elements, as (at, lo, n): elements [at, at + n) of the kept parameters
+        (one after another, in ``kept`` order) are the shard's [lo, lo + n)."""
+        start, end = self.shard_start, self.shard_start + self.shard_numel
+        pieces, at = [], 0
+        for i in self.kept:
+            slot = self.slots[i]
+            lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+            if lo < hi:
+                pieces.append((at + lo - slot.offset, lo - start, hi - lo))
+            at += slot.numel
+        return pieces
 
     def refreshed(self, values: list[torch.Tensor] | None) -> None:
         """The kept parameters' new values (a gathered unit's, flat, in ``kept`` order; None for an in-place unit,
@@ -180,9 +191,9 @@ class Unit:
         autograd's saved parameters are the parameters themselves, so a backward reads them bound again too. An
         in-place unit (W = 1: its shard is the whole) keeps its memory but is released the same way between uses
         (``unbind``), above the persistence threshold, so that a parameter reads as DeepSpeed's does at any world
-        size. A gathered unit's kept parameters take their values from ``full`` first (see [Note: small parameters
-        stay whole])."""
-        if self.kept and self.kept_state is not Kept.UNARMED and self.state is UnitState.UNSHARDED:
+        size. A gathered unit's stale kept parameters take their values from ``full`` first (see [Note: small
+        parameters stay whole])."""
+        if self.kept_state is Kept.STALE and self.state is UnitState.UNSHARDED:
             torch._foreach_copy_(self._kept_copies, [self._views[i] for i in self.kept])
             self.kept_state = Kept.CURRENT
         self.full.untyped_storage().resize_(0)
