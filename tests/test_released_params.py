@@ -108,3 +108,30 @@ def test_other_errors_are_not_taken_for_a_released_parameter():
     with pytest.raises(RuntimeError) as caught:
         F.linear(torch.randn(2, 4), torch.randn(3, 5))
     assert not errors.reads_a_released_parameter(str(caught.value)), str(caught.value)
+
+
+def _early(rank, world, path):
+    config = base_config(2, 1, world, stage3_param_persistence_threshold=128)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    config["offload"]["early_step"] = "on"
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    small = {n: p for n, p in engine.module.named_parameters() if len(p.ds_shape) == 1}
+    seen = []
+    for tokens in batches(3, 2 * world):
+        engine.backward(loss_of(engine, "gpt", tokens[rank * 2:(rank + 1) * 2]))
+        whole = {n: p.detach().clone() for n, p in small.items() if p.numel()}
+        full = engine.full_state_dict()
+        seen.append((sorted(whole), sorted(n for n, v in whole.items() if not torch.equal(v, full[n]))))
+        engine.step()
+        seen.append((sorted(n for n, p in small.items() if p.numel()), []))
+    engine.close()
+    return {"seen": seen, "small": sorted(small)}
+
+
+def test_after_a_step_that_returns_before_adam_small_parameters_wait_for_their_next_use():
+    """``early_step: on`` (units gathered from the host): after step() they are released, their values not yet
+    known; the next forward and backward gather the step's values, which they then keep (no step yet: released)."""
+    got = run_ranks(_early, 1, env=EMULATED_GPU, path="")[0]
+    assert got["seen"][:2] == [([], []), ([], [])]
+    for after_use, after_step in zip(got["seen"][2::2], got["seen"][3::2]):
+        assert after_use == (got["small"], []) and after_step == ([], [])

@@ -154,8 +154,9 @@ class Unit:
             self._empty_params()
 
     def kept_stale(self) -> None:
-        """A step returned before its Adam finished: the kept parameters are released until the next gather."""
-        if self.kept and self.kept_state is not Kept.UNARMED:
+        """A step returned before its Adam finished (the first one too): the kept parameters are released until
+        the next gather."""
+        if self.kept:
             self.kept_state = Kept.STALE
             if not self._bound:
                 self._empty_params()
