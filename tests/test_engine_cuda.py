@@ -111,3 +111,18 @@ def test_gradients_summed_on_the_gpu_train_bitwise_as_summed_on_the_host():
     engine = offload.initialize(model=make_model("gpt"), config=config)[0]
     assert engine.memory_summary()["device"]["gradient accumulators"] > 0
     engine.close()
+
+
+def test_auto_refits_after_the_first_step_into_the_memory_it_left(monkeypatch):
+    """[Note: the split refitted]: start-up saw room for about half the state (the free memory it read is held
+    low here, as if another process had taken the rest), so auto split it; the first step's real peak on this
+    GPU leaves room for all of it, so the rest moves there, and training goes on as torch's."""
+    from offload.machine.accelerator import Accelerator
+    from test_refit import split_config, splitting_free, train_refitted
+    monkeypatch.setattr(Accelerator, "free_bytes", lambda accel: splitting_free())
+    ours = train_refitted(0, 1, split_config(1, 2, ratio="auto"), steps=10, micro=2, accum=2, spare=None)
+    assert Tier.HOST in ours["start"] and set(ours["end"]) == {Tier.DEVICE}
+    ref = train_reference("gpt", 10, 4, 2, world=1)
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-4)
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=1e-5)

@@ -523,6 +523,12 @@ class OffloadExtConfig:
                                              "H200 6% faster kept but 37% slower recomputed, so \"on\" suits a "
                                              "run whose clipping rarely fires).",
                                     choices=("auto", "on", "off"))
+    auto_refit: bool = setting(True, "With offload_optimizer.ratio auto on a GPU and no device budget: after the "
+                                     "first step, move the optimizer state of more units (the next forward's "
+                                     "first) to the device, as far as the step's measured peak leaves room (5% "
+                                     "of the device's memory, at least 1 GiB, kept free for allocator slack and "
+                                     "longer batches); false: keep the start-up plan, which leaves half the "
+                                     "memory free at start to the activations.")
     delayed_update: DelayedUpdateConfig = section(DelayedUpdateConfig, "The delayed parameter update (opt-in).")
     accumulate_on_device: bool = setting(True, "With gradient accumulation and the optimizer offloaded, keep each "
                                                "unit's fp32 gradient sum on the device while room allows (the device "

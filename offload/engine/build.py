@@ -27,6 +27,7 @@ from offload.config.fields import resolved
 from offload.engine.errors import EngineError
 from offload.engine import step_schedule
 from offload.engine.memory import MemoryAccount
+from offload.engine.refit import Refit
 from offload.engine.step_schedule import StepSchedule
 from offload.optim.lr_schedules import build_lr_schedule
 from offload.optim.shard_state import shard_segments
@@ -91,6 +92,7 @@ class Parts:
     trained_names: dict[int, str]  # id(param) -> name, of every parameter an optimizer group holds
     schedule: StepSchedule  # how the step is scheduled against backward and the next forward
     lr_scheduler: Any
+    refit: Refit  # auto's split, corrected once by the first step's measured peak
 
 
 def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], *, adamw_mode: bool,
@@ -195,7 +197,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
             lr_scheduler = lr_scheduler(optimizer.face)
         undo.pop_all()
     return Parts(units, params, optimizer, optimizer.landing, runtime, activations, memory, swaps, telemetry,
-                 trained_names, schedule, lr_scheduler)
+                 trained_names, schedule, lr_scheduler, Refit(config, accel, optimizer, group, want.delayed))
 
 
 def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, stage: Stage, accel: Accelerator,

@@ -79,7 +79,7 @@ class Engine(DeepSpeedAccessors, Persistence):
             setattr(slot.param, ENGINE, weakref.ref(self))
         self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory
         self.telemetry, self._swaps, self._trained_names = parts.telemetry, parts.swaps, parts.trained_names
-        self.schedule, self.lr_scheduler = parts.schedule, parts.lr_scheduler
+        self.schedule, self.lr_scheduler, self.refit = parts.schedule, parts.lr_scheduler, parts.refit
         self._warned_zero_grad = False  # zero_grad() mid-accumulation: said once
         self.step_mode = self.schedule.describe()
         self._phases = PhaseReport(self.telemetry) if config.wall_clock_breakdown else None
@@ -250,6 +250,7 @@ class Engine(DeepSpeedAccessors, Persistence):
         else:
             self.runtime.kept_stale()
         self.loss_scaler.update(overflow=False)
+        self.refit.after_step()  # auto's split, once, by the first step's measured peak
         if self.lr_scheduler is not None:
             with warnings.catch_warnings():
                 # A torch schedule counts optimizer.step() calls to warn of a wrong order; Adam ran above through

@@ -501,6 +501,19 @@ class Accelerator:
         self._host_buffers.append(buf)
         return buf.view(dtype, numel), buf
 
+    def forget_host_buffer(self, tensor: torch.Tensor) -> int:
+        """The host buffer ``tensor`` starts is no longer needed: it is freed (and unpinned) once its last view
+        goes, not kept until close(); returns its capacity (what a budget took for it)."""
+        for i, buf in enumerate(self._host_buffers):
+            if buf.address == tensor.data_ptr():
+                del self._host_buffers[i]
+                return buf.capacity
+        raise ValueError("not a host buffer of this accelerator")
+
+    def total_bytes(self) -> int | None:
+        """The device's memory (None on a CPU device, emulated or not)."""
+        return torch.cuda.mem_get_info(self.device)[1] if self.is_cuda else None
+
     def free_bytes(self) -> int | None:
         """Device memory free now (None on a CPU device, emulated or not: nothing bounds it but the host)."""
         return torch.cuda.mem_get_info(self.device)[0] if self.is_cuda else None

@@ -162,6 +162,7 @@ class ShardedAdam:
         self.update = ShardUpdate(accel, self.shards, params, threads, self.steps_on_host, nvme_units)
         if self.offload and sizes:
             self._reserve_host(plan.step_buffers)
+        self._host_accumulators = "gradient accumulators" in plan.step_buffers  # the plan counted them
         params.repair = self.repair_stale  # a stale NVMe shard met inside a forward is rewritten there
         self.store = OptimizerStateStore(plan.groups, accel=accel, host=plan.host, nvme=plan.nvme,
                                          buffer_count=plan.buffer_count, swap=plan.swap, rank=plan.rank,
@@ -231,6 +232,35 @@ class ShardedAdam:
         self.shards[index] = ShardState(index, name, grad, segments, gaps(segments, n), numel=n, landing=landing,
                                         on_device=on_device)
         self.store.init_member(index, master)
+
+    def move_to_device(self, groups: list[SubGroup]) -> int:
+        """Host sub-groups ``groups`` become stepped on the compute device from the next step on, their units'
+        shards homed there already (see [Note: the split refitted] in offload/engine/refit.py); called between
+        steps. Each sub-group moves whole or not at all (the device's memory running out leaves it on the host);
+        returns the host bytes given back."""
+        self.drain()
+        self.params.wait_copies_back()
+        before = self.host.used
+        for g in groups:
+            states = [self.shards[m.unit] for m in g.members]
+            for state in states:
+                assert self.params.home(state.index) is Tier.DEVICE, f"unit {state.name!r} is not homed on the device"
+                assert state.phase is ShardPhase.EMPTY, f"unit {state.name!r} holds a gradient"
+            grads = [state.on_device if state.on_device is not None else torch.empty(
+                state.numel, dtype=torch.float32, device=self.accel.device) for state in states]
+            self.store.move_to_device(g)  # allocates first: out of memory, nothing has changed
+            for state, grad in zip(states, grads):
+                if state.landing is not None:
+                    self.host.give(state.landing.numel() * state.landing.element_size(), "gradient landing")
+                    self.accel.forget_host_buffer(state.landing)
+                if self._host_accumulators and state.on_device is None:
+                    self.host.give(4 * state.numel, "gradient accumulators")
+                self.host.give(self.params.drop_host_copy(state.index), "parameter copies")
+                state.grad, state.landing, state.on_device, state.device_holds = grad.zero_(), None, None, False
+            moved = frozenset(m.unit for m in g.members)
+            self._device_state |= moved
+            self.landing.device_accumulated -= moved
+        return before - self.host.used
 
     def device_bytes(self) -> tuple[int, int]:
         """Bytes this optimizer keeps on the compute device: (its state: all of it, or a partial offload's share;

@@ -391,6 +391,23 @@ class OptimizerStateStore:
             nvme.reverse()  # backward's order: last units first
         return NvmePass(self._file, nvme, self._buffers, self.telemetry, self.accel.ledger, forward=forward)
 
+    # ----------------------------------------------------------------- a split widened
+
+    def move_to_device(self, g: SubGroup) -> None:
+        """Host sub-group ``g`` (state settled: no step in flight) moves to the compute device, each unit's state
+        from its current slot, and its host memory is given back (see [Note: the split refitted] in
+        offload/engine/refit.py)."""
+        assert g.tier is Tier.HOST and g.resident is not None, f"sub-group {g.index} is not on the host"
+        moved = torch.empty(KINDS, g.numel, dtype=torch.float32, device=self.accel.device)
+        for m in g.members:
+            moved[:, m.offset:m.offset + m.numel].copy_(torch.stack(g.views(m)))
+        for slot, what in ((g.resident, "optimizer state"), (g.spare, SPECULATIVE_SLOT)):
+            if slot is not None:
+                self.host.give(self.accel.forget_host_buffer(slot), what)
+        g.tier, g.resident, g.spare, g.in_spare = Tier.DEVICE, moved, None, set()
+        self.placement.tiers[Tier.HOST.value] -= g.numel
+        self.placement.tiers[Tier.DEVICE.value] = self.placement.tiers.get(Tier.DEVICE.value, 0) + g.numel
+
     # ----------------------------------------------------------------- lifetime
 
     def close(self) -> None:

@@ -285,6 +285,17 @@ class ParamStore:
         assert shard.host is not None, f"unit {index}'s shard has no host copy to step into"
         return shard.host
 
+    def drop_host_copy(self, index: int) -> int:
+        """A device home's step moved to the device (see [Note: the split refitted] in offload/engine/refit.py):
+        its host copy is freed; returns its bytes (0: it had none of its own)."""
+        shard = self.shards[index]
+        if shard.home is not Tier.DEVICE or shard.host is None or shard.host is shard.device:
+            return 0
+        self.accel.forget_host_buffer(shard.host)
+        nbytes = shard.host.numel() * shard.host.element_size()
+        shard.host = None
+        return nbytes
+
     def write_device(self, index: int, values: torch.Tensor) -> None:
         """The step ran on the compute device: write its result into a device home (compute-stream order)."""
         self.shards[index].device.copy_(values)

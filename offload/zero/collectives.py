@@ -99,6 +99,15 @@ def all_ok(ok: bool, group: Group, device: torch.device) -> bool:
     return float(flag) == 0.0
 
 
+def smallest(value: int, group: Group, device: torch.device) -> int:
+    """The smallest of every rank's ``value``: one choice all ranks make alike from what each measured."""
+    if group.pg is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.pg)
+    return int(t.item())
+
+
 class Vote:
     """One agreement of every rank at a step's commit point: each rank votes exactly once, yes where it reached
     the point (``commit``) or no where it failed before (``fail``), so a rank whose step failed never leaves the

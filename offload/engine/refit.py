@@ -1,0 +1,115 @@
+"""`offload_optimizer.ratio: auto` corrected by the first step's measured peak.
+
+[Note: the split refitted] Without a device budget, the start-up plan cannot know what the activations will
+take (that depends on the batch and sequence the script feeds), so `auto` keeps the optimizer state of only as
+many units on the device as half the memory then free holds (offload/store/placement.py). After the first
+step the device's high-water mark is known: every activation, gather and device Adam of a step has run. The
+room between that peak and the device's memory, less a margin for allocator slack and longer batches, takes
+the optimizer state of more units, whole host sub-groups in the order of need (the units after those already
+there: the next forward's first). Their state is copied to the device from its current slot, their fp32
+gradient accumulators are made there, and their host memory (state, speculative slot, landing buffer, host
+copy of the shard) is given back; from the next step on they are stepped by the device Adam. Only units whose
+shards are homed on the device move (with offloaded parameters, those `auto` homed there), so no shard changes
+its home. Every rank moves as many bytes as the rank with the least room allows, so the ranks stay alike. The
+refit runs once, after the first step that finishes, and never with a device budget (the user's number is the
+plan's), the delayed update, or the state on NVMe; `offload.auto_refit: false` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from offload.config.fields import AUTO
+from offload.machine.accelerator import Accelerator
+from offload.optim.sharded import ShardedAdam
+from offload.store.optimizer_state import SubGroup
+from offload.store.tier import Tier
+from offload.zero.collectives import Group, smallest
+
+logger = logging.getLogger("offload.engine")
+
+MARGIN_FRACTION = 0.05  # of the device's memory, kept free beside the first step's peak
+MARGIN_MIN = 1 << 30
+
+
+def refit_choice(groups: list[SubGroup], spare: int, homed_on_device: Callable[[int], bool],
+                 accumulated_on_device: frozenset[int]) -> list[SubGroup]:
+    """The host sub-groups that move to the device within ``spare`` bytes, in the order of need (unit order):
+    each costs its state and the fp32 accumulators its units do not have there yet; the first that does not fit,
+    or that holds a unit whose shard is not homed on the device, ends the choice."""
+    chosen, used = [], 0
+    for g in groups:
+        if g.tier is Tier.DEVICE:
+            continue
+        if g.tier is not Tier.HOST or not all(homed_on_device(m.unit) for m in g.members):
+            break
+        cost = g.nbytes + 4 * sum(m.numel for m in g.members if m.unit not in accumulated_on_device)
+        if used + cost > spare:
+            break
+        chosen.append(g)
+        used += cost
+    return chosen
+
+
+def refits(config: Any, *, sized: bool, delayed: bool) -> bool:
+    """Whether the first step corrects the split: auto without a device budget, the state on the host, a device
+    whose memory has a size (a GPU), no delayed update, and offload.auto_refit on."""
+    zero = config.zero_optimization
+    return (bool(config.offload.auto_refit) and zero.offload_optimizer.ratio is AUTO and sized and not delayed
+            and zero.offload_optimizer.device == "cpu" and config.offload.budgets.device is None)
+
+
+def spare_after(total: int, peak: int) -> int:
+    """Device bytes free beside a step's peak, less the margin kept for allocator slack and longer batches."""
+    return max(0, total - peak - max(MARGIN_MIN, int(MARGIN_FRACTION * total)))
+
+
+class Refit:
+    """The one correction of `auto`'s split after the first step (see [Note: the split refitted])."""
+
+    def __init__(self, config: Any, accel: Accelerator, optimizer: ShardedAdam, group: Group,
+                 delayed: bool) -> None:
+        self.accel, self.optimizer, self.group = accel, optimizer, group
+        self.armed = refits(config, sized=accel.total_bytes() is not None, delayed=delayed)
+        if self.armed:  # the peak that counts is this engine's: its state, then the first step's work
+            accel.reset_peak()
+
+    def after_step(self) -> None:
+        """After a step that finished: the first one refits, once."""
+        if not self.armed:
+            return
+        self.armed = False
+        total = self.accel.total_bytes()
+        assert total is not None  # armed only where the device has a size
+        peak = self.accel.memory_stats().peak_allocated
+        spare = smallest(spare_after(total, peak), self.group, self.accel.device)
+        moved = self.apply(spare)
+        logger.info("rank %d: the first step peaked at %.2f GiB of the device's %.2f GiB; offload_optimizer.ratio "
+                    "auto %s", self.group.rank, peak / 2**30, total / 2**30,
+                    f"moved the optimizer state of {moved} more units to the device, which steps it from now on"
+                    if moved else "keeps its split (no more room beside the peak and its margin)")
+
+    def apply(self, spare: int) -> int:
+        """Move what ``spare`` device bytes hold; returns the units moved. The device running out of memory part
+        way (another process took some) stops the move there: what moved steps on the device, the rest stays."""
+        opt = self.optimizer
+        groups = refit_choice(opt.store.groups, spare, lambda i: opt.params.home(i) is Tier.DEVICE,
+                              opt.landing.device_accumulated)
+        if not groups:
+            return 0
+        host_before = opt.host.used
+        try:
+            opt.move_to_device(groups)
+        except torch.OutOfMemoryError as e:
+            logger.warning("rank %d: moving optimizer state to the device stopped, out of its memory (%s)",
+                           self.group.rank, str(e).splitlines()[0])
+        moved = [g for g in groups if g.tier is Tier.DEVICE]
+        units = sum(len(g.members) for g in moved)
+        logger.info("rank %d: %d units' optimizer state (%s elements) moved to the device; %.2f GiB of host memory "
+                    "given back", self.group.rank, units, f"{sum(g.numel for g in moved):,}",
+                    (host_before - opt.host.used) / 2**30)
+        return units

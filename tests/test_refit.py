@@ -1,0 +1,227 @@
+"""`offload_optimizer.ratio: auto` corrected after the first step (see [Note: the split refitted] in
+offload/engine/refit.py): host sub-groups move to the device between steps, and training goes on as plain
+PyTorch's, bitwise as if they had never moved where both tiers run the same kernels (a CPU device)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import offload
+from engine_cases import base_config, batches, check_parity, loss_of, make_model, train_reference
+from offload.commands.estimate import estimate, model_units
+from offload.config import Config
+from offload.engine.refit import MARGIN_MIN, refit_choice, refits, spare_after
+from offload.machine.launch import run_ranks
+from offload.store.optimizer_state import plan_sub_groups
+from offload.store.tier import Tier
+
+EMULATED_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
+
+
+def split_config(world, accum, ratio=0.75, **offload_section):
+    config = base_config(2, accum, world)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "ratio": ratio}
+    config["zero_optimization"]["sub_group_size"] = 3000  # several host sub-groups to choose among
+    config["offload"].update(offload_section)
+    return config
+
+
+def train_refitted(rank, world, config, steps, micro, accum, spare, started=None):
+    """Train ``steps`` steps; after the first, the refit moves what ``spare`` bytes hold (None: only what the
+    engine's step does itself). Returns losses, the state, the tiers at start and end, and the split and host
+    budget before and after the move; ``started(engine)`` runs after initialize."""
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    opt = engine.optimizer
+    if started is not None:
+        started(engine)
+    seen = {"start": [g.tier for g in opt.store.groups]}
+
+    def split():
+        return {"tiers": [g.tier for g in opt.store.groups], "host": dict(opt.host.parts),
+                "device": dict(engine.memory_summary()["device"])}
+
+    losses, moved = [], 0
+    for i, tokens in enumerate(batches(steps, micro * accum * world)):
+        total = 0.0
+        for a in range(accum):
+            rows = tokens[(a * world + rank) * micro:(a * world + rank + 1) * micro].to(engine.accel.device)
+            loss = engine.backward(loss_of(engine, "gpt", rows))
+            engine.step()
+            total += loss.item()
+        mean = torch.tensor([total / accum], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+        if i == 0 and spare is not None:
+            seen["before"] = split()
+            moved = engine.refit.apply(spare)
+            seen["after"] = split()
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(batches(1, 4, seed=7)[0][:, :-1].to(engine.accel.device))
+    out = {"losses": losses, "state": engine.full_state_dict(), "eval_logits": logits.cpu(), "moved": moved,
+           "end": [g.tier for g in opt.store.groups], **seen}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world,accum,env", [(1, 1, {}), (1, 2, EMULATED_GPU), (1, 1, EMULATED_GPU),
+                                             (2, 2, {})], ids=["cpu", "gpu-accum", "gpu", "two-ranks"])
+def test_the_refit_moves_host_state_to_the_device_and_training_goes_on(world, accum, env):
+    """Everything the host held for the moved units is given back (state, landing buffers, accumulators, host
+    copies of the shards), the device holds their state, and the run trains as plain PyTorch."""
+    config = split_config(world, accum)
+    results = run_ranks(train_refitted, world, env=env, config=config, steps=3, micro=2, accum=accum,
+                        spare=1 << 40)
+    for r in results:
+        before, after = r["before"], r["after"]
+        assert Tier.HOST in before["tiers"] and Tier.DEVICE in before["tiers"]
+        assert set(after["tiers"]) == {Tier.DEVICE}
+        assert r["moved"] > 0
+        for part in ("optimizer state", "gradient landing", "gradient accumulators", "parameter copies"):
+            assert after["host"].get(part, 0) == 0, (part, after["host"])
+        assert any(before["host"].get(p, 0) for p in ("gradient landing", "parameter copies")) == bool(env)
+        assert after["device"]["optimizer state"] > before["device"]["optimizer state"]
+    check_parity(results, train_reference("gpt", 3, 2 * accum * world, 2, world=world))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU's device tier steps with torch's fused kernel")
+def test_a_refit_on_a_cpu_device_is_bitwise_the_run_that_never_moved():
+    """On a CPU device both tiers step with the same native kernel, so moving mid-run changes no bit."""
+    config = split_config(1, 1)
+    moved = run_ranks(train_refitted, 1, config=config, steps=3, micro=2, accum=1, spare=1 << 40)[0]
+    stayed = run_ranks(train_refitted, 1, config=config, steps=3, micro=2, accum=1, spare=None)[0]
+    assert moved["moved"] > 0
+    assert moved["losses"] == stayed["losses"]
+    for key, value in stayed["state"].items():
+        assert torch.equal(moved["state"][key], value), key
+
+
+@pytest.mark.parametrize("section", [{"early_step": "on"}, {"speculative_step": "on"}], ids=["early", "speculative"])
+def test_a_refit_after_an_early_or_speculative_step_trains_as_plain_pytorch(section):
+    """An early step still running when the refit comes is waited for; a speculative slot is given back."""
+    config = split_config(1, 1, **section)
+    r = run_ranks(train_refitted, 1, env=EMULATED_GPU, config=config, steps=3, micro=2, accum=1, spare=1 << 40)[0]
+    assert set(r["after"]["tiers"]) == {Tier.DEVICE}
+    assert r["after"]["host"].get("optimizer state (speculative slot)", 0) == 0
+    check_parity([r], train_reference("gpt", 3, 2, 2, world=1))
+
+
+def test_a_refit_moves_whole_sub_groups_in_the_order_of_need_within_the_spare_bytes():
+    """Only the host sub-groups right after the device's, each whole, as far as the bytes go."""
+    config = split_config(1, 1)
+    first = run_ranks(train_refitted, 1, config=config, steps=1, micro=2, accum=1, spare=1 << 40)[0]
+    tiers = first["before"]["tiers"]
+    host = [i for i, t in enumerate(tiers) if t is Tier.HOST]
+    # what the first host sub-group costs: its state and its fp32 accumulator (read in place before, so none)
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+    g = engine.optimizer.store.groups[host[0]]
+    cost = g.nbytes + 4 * g.numel
+    engine.close()
+    one = run_ranks(train_refitted, 1, config=config, steps=2, micro=2, accum=1, spare=cost)[0]
+    assert one["after"]["tiers"] == [Tier.DEVICE if i == host[0] else t for i, t in enumerate(tiers)]
+    short = run_ranks(train_refitted, 1, config=config, steps=2, micro=2, accum=1, spare=cost - 1)[0]
+    assert short["moved"] == 0 and short["after"]["tiers"] == tiers
+
+
+def test_the_choice_stops_at_a_shard_not_homed_on_the_device_and_at_nvme():
+    groups = plan_sub_groups([(0, 100), (1, 100), (2, 100), (3, 100)], 150, frozenset({0}))
+    assert [g.tier for g in groups] == [Tier.DEVICE, Tier.HOST, Tier.HOST, Tier.HOST]
+    everything = refit_choice(groups, 1 << 30, lambda i: True, frozenset())
+    assert [g.index for g in everything] == [1, 2, 3]
+    cost = groups[1].nbytes + 4 * 100
+    assert [g.index for g in refit_choice(groups, cost, lambda i: True, frozenset())] == [1]
+    assert refit_choice(groups, cost - 1, lambda i: True, frozenset()) == []
+    # a unit already accumulated on the device needs no new accumulator
+    assert [g.index for g in refit_choice(groups, cost - 400, lambda i: True, frozenset({1}))] == [1]
+    assert [g.index for g in refit_choice(groups, 1 << 30, lambda i: i < 2, frozenset())] == [1]
+    groups[2].tier = Tier.NVME
+    assert [g.index for g in refit_choice(groups, 1 << 30, lambda i: True, frozenset())] == [1]
+
+
+def test_when_the_first_step_refits():
+    def config(**changes):
+        raw = split_config(1, 1, ratio="auto")
+        for path, value in changes.items():
+            section, key = path.split(".")
+            raw.setdefault(section, {})[key] = value
+        return Config.load(raw).resolve(world_size=1)
+
+    assert refits(config(), sized=True, delayed=False)
+    assert not refits(config(), sized=False, delayed=False)  # a CPU device: nothing to measure against
+    assert not refits(config(), sized=True, delayed=True)
+    assert not refits(config(**{"offload.auto_refit": False}), sized=True, delayed=False)
+    assert not refits(config(**{"offload.budgets": {"device": 1 << 30}}), sized=True, delayed=False)
+    fixed = split_config(1, 1, ratio=0.5)
+    assert not refits(Config.load(fixed).resolve(world_size=1), sized=True, delayed=False)
+
+
+def test_the_room_kept_beside_the_peak():
+    gib = 1 << 30
+    assert spare_after(80 * gib, 50 * gib) == 26 * gib  # 5% of 80 GiB kept free
+    assert spare_after(8 * gib, 5 * gib) == 2 * gib  # at least 1 GiB
+    assert spare_after(8 * gib, 8 * gib - MARGIN_MIN // 2) == 0
+
+
+def splitting_free(world=1):
+    """Device memory free at start under which auto keeps about half the optimizer state on a GPU (found by
+    bisection over the engine's own plan)."""
+    def kept(free):
+        config = Config.load(split_config(world, 1, ratio="auto")).resolve(world_size=world)
+        est = estimate(model_units(make_model("gpt"), config), config, world, device_free=free)
+        return est.tiers["device"].get("optimizer state", 0), est.tiers["host"].get("optimizer state", 0)
+
+    lo, hi = 0, 1 << 26
+    while hi - lo > 1024:
+        mid = (lo + hi) // 2
+        on_device, on_host = kept(mid)
+        lo, hi = (mid, hi) if on_device < on_host else (lo, mid)
+    return hi
+
+
+class SizedDevice:
+    """What a GPU's allocator would report, given to the emulated one (this CPU's device memory has no size):
+    ``free`` at start, the device's ``total`` and the first step's ``peak``."""
+
+    def __init__(self, free, total, peak):
+        self.free, self.total, self.peak = free, total, peak
+
+    def install(self, patch):
+        from offload.machine.accelerator import Accelerator, MemoryStats
+        patch.setattr(Accelerator, "free_bytes", lambda accel: self.free)
+        patch.setattr(Accelerator, "total_bytes", lambda accel: self.total)
+        patch.setattr(Accelerator, "memory_stats", lambda accel: MemoryStats(0, self.peak, 0))
+
+
+def train_on_sized_device(rank, world, config, free, total, tight):
+    """Train where the device reports ``free`` bytes at start and a first step whose peak leaves room for all the
+    state, except on rank ``tight``, where it leaves room for the first host sub-group exactly."""
+    device = SizedDevice(free, total, 0)
+
+    def size_the_peak(engine):
+        if rank == tight:
+            g = next(g for g in engine.optimizer.store.groups if g.tier is Tier.HOST)
+            cost = g.nbytes + 4 * sum(m.numel for m in g.members
+                                      if m.unit not in engine.optimizer.landing.device_accumulated)
+            device.peak = total - MARGIN_MIN - cost
+
+    with pytest.MonkeyPatch.context() as patch:
+        device.install(patch)
+        return train_refitted(rank, world, config, 3, 2, 1, spare=None, started=size_the_peak)
+
+
+@pytest.mark.parametrize("world,tight", [(1, None), (1, 0), (2, 1)], ids=["roomy", "tight", "two-ranks-one-tight"])
+def test_the_first_step_refits_by_the_peak_of_the_rank_with_least_room(world, tight):
+    """Start-up saw room for about half the state; the first step's peak leaves room for all of it, or (``tight``)
+    on one rank for the first host sub-group only: every rank moves what the rank with least room holds."""
+    config = split_config(world, 1, ratio="auto")
+    runs = run_ranks(train_on_sized_device, world, env=EMULATED_GPU, config=config, free=splitting_free(world),
+                     total=8 << 30, tight=tight)
+    for r in runs:
+        start, end = r["start"], r["end"]
+        assert Tier.HOST in start and Tier.DEVICE in start
+        first = start.index(Tier.HOST)
+        expect = ([Tier.DEVICE] * len(start) if tight is None else
+                  [Tier.DEVICE if i == first else t for i, t in enumerate(start)])
+        assert end == expect
+    check_parity(runs, train_reference("gpt", 3, 2 * world, 2, world=world))
