@@ -60,13 +60,15 @@ def train_refitted(rank, world, config, steps, micro, accum, spare, started=None
     with torch.no_grad():
         logits = engine(batches(1, 4, seed=7)[0][:, :-1].to(engine.accel.device))
     out = {"losses": losses, "state": engine.full_state_dict(), "eval_logits": logits.cpu(), "moved": moved,
-           "end": [g.tier for g in opt.store.groups], **seen}
+           "end": [g.tier for g in opt.store.groups],
+           "end_by_unit": [opt.store.by_unit[u][0].tier for u in sorted(opt.store.by_unit)], **seen}
     engine.close()
     return out
 
 
-@pytest.mark.parametrize("world,accum,env", [(1, 1, {}), (1, 2, EMULATED_GPU), (1, 1, EMULATED_GPU),
-                                             (2, 2, {})], ids=["cpu", "gpu-accum", "gpu", "two-ranks"])
+@pytest.mark.parametrize("world,accum,env", [
+    (1, 1, {}), (1, 2, EMULATED_GPU), (1, 1, EMULATED_GPU),
+    pytest.param(2, 2, {}, marks=pytest.mark.slow)], ids=["cpu", "gpu-accum", "gpu", "two-ranks"])
 def test_the_refit_moves_host_state_to_the_device_and_training_goes_on(world, accum, env):
     """Everything the host held for the moved units is given back (state, landing buffers, accumulators, host
     copies of the shards), the device holds their state, and the run trains as plain PyTorch."""
@@ -97,46 +99,66 @@ def test_a_refit_on_a_cpu_device_is_bitwise_the_run_that_never_moved():
         assert torch.equal(moved["state"][key], value), key
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("whole", [True, False], ids=["all", "split"])
 @pytest.mark.parametrize("section", [{"early_step": "on"}, {"speculative_step": "on"}], ids=["early", "speculative"])
-def test_a_refit_after_an_early_or_speculative_step_trains_as_plain_pytorch(section):
-    """An early step still running when the refit comes is waited for; a speculative slot is given back."""
+def test_a_refit_after_an_early_or_speculative_step_trains_as_plain_pytorch(section, whole):
+    """An early step still running when the refit comes is waited for; a speculative slot is given back with its
+    sub-group, or (``whole`` False: the host's one sub-group split) stays, each unit's state read from the slot
+    that holds it."""
     config = split_config(1, 1, **section)
-    r = run_ranks(train_refitted, 1, env=EMULATED_GPU, config=config, steps=3, micro=2, accum=1, spare=1 << 40)[0]
-    assert set(r["after"]["tiers"]) == {Tier.DEVICE}
-    assert r["after"]["host"].get("optimizer state (speculative slot)", 0) == 0
+    config["zero_optimization"]["sub_group_size"] = 100_000
+    spare = 1 << 40 if whole else 16 * 8000  # a few units
+    r = run_ranks(train_refitted, 1, env=EMULATED_GPU, config=config, steps=3, micro=2, accum=1, spare=spare)[0]
+    if whole:
+        assert set(r["after"]["tiers"]) == {Tier.DEVICE}
+        assert r["after"]["host"].get("optimizer state (speculative slot)", 0) == 0
+    else:
+        assert 0 < r["moved"] and r["end_by_unit"].count(Tier.HOST) > 0
+        assert len(r["end"]) == len(r["start"]) + 1
     check_parity([r], train_reference("gpt", 3, 2, 2, world=1))
 
 
-def test_a_refit_moves_whole_sub_groups_in_the_order_of_need_within_the_spare_bytes():
-    """Only the host sub-groups right after the device's, each whole, as far as the bytes go."""
+def test_a_refit_moves_units_in_the_order_of_need_within_the_spare_bytes():
+    """The units right after the device's, as far as the bytes go: a host sub-group whose first units fit is split
+    there, and the run trains on as plain PyTorch."""
     config = split_config(1, 1)
-    first = run_ranks(train_refitted, 1, config=config, steps=1, micro=2, accum=1, spare=1 << 40)[0]
-    tiers = first["before"]["tiers"]
-    host = [i for i, t in enumerate(tiers) if t is Tier.HOST]
-    # what the first host sub-group costs: its state and its fp32 accumulator (read in place before, so none)
+    config["zero_optimization"]["sub_group_size"] = 100_000  # the host's units in one sub-group
     engine = offload.initialize(model=make_model("gpt"), config=config)[0]
-    g = engine.optimizer.store.groups[host[0]]
-    cost = g.nbytes + 4 * g.numel
+    groups = engine.optimizer.store.groups
+    host = next(g for g in groups if g.tier is Tier.HOST)
+    assert len(host.members) > 1
+    before = [(g.tier, [m.unit for m in g.members]) for g in groups]
+    first = host.members[0]
     engine.close()
-    one = run_ranks(train_refitted, 1, config=config, steps=2, micro=2, accum=1, spare=cost)[0]
-    assert one["after"]["tiers"] == [Tier.DEVICE if i == host[0] else t for i, t in enumerate(tiers)]
+    cost = 16 * first.numel  # its state and its fp32 accumulator (read where it landed before: none)
+    one = run_ranks(train_refitted, 1, config=config, steps=3, micro=2, accum=1, spare=cost)[0]
     short = run_ranks(train_refitted, 1, config=config, steps=2, micro=2, accum=1, spare=cost - 1)[0]
-    assert short["moved"] == 0 and short["after"]["tiers"] == tiers
+    tiers = [t for t, units in before for _ in units]
+    units = [u for _, us in before for u in us]
+    expect = [Tier.DEVICE if u == first.unit else t for u, t in zip(units, tiers)]
+    assert all(t is Tier.DEVICE for t in tiers[:units.index(first.unit)])  # the next in the order of need
+    assert one["moved"] == 1 and one["end_by_unit"] == expect
+    assert short["moved"] == 0 and short["end_by_unit"] == tiers
+    check_parity([one], train_reference("gpt", 3, 2, 2, world=1))
 
 
-def test_the_choice_stops_at_a_shard_not_homed_on_the_device_and_at_nvme():
-    groups = plan_sub_groups([(0, 100), (1, 100), (2, 100), (3, 100)], 150, frozenset({0}))
-    assert [g.tier for g in groups] == [Tier.DEVICE, Tier.HOST, Tier.HOST, Tier.HOST]
-    everything = refit_choice(groups, 1 << 30, lambda i: True, frozenset())
-    assert [g.index for g in everything] == [1, 2, 3]
-    cost = groups[1].nbytes + 4 * 100
-    assert [g.index for g in refit_choice(groups, cost, lambda i: True, frozenset())] == [1]
-    assert refit_choice(groups, cost - 1, lambda i: True, frozenset()) == []
-    # a unit already accumulated on the device needs no new accumulator
-    assert [g.index for g in refit_choice(groups, cost - 400, lambda i: True, frozenset({1}))] == [1]
-    assert [g.index for g in refit_choice(groups, 1 << 30, lambda i: i < 2, frozenset())] == [1]
+def test_the_choice_follows_the_order_of_need_and_stops_where_a_unit_does_not_fit():
+    groups = plan_sub_groups([(0, 100), (1, 100), (2, 100), (3, 100), (4, 100)], 250, frozenset({0}))
+    assert [(g.tier, [m.unit for m in g.members]) for g in groups] == [
+        (Tier.DEVICE, [0]), (Tier.HOST, [1, 2]), (Tier.HOST, [3, 4])]
+
+    def chosen(spare, homed=lambda i: True, accumulated=frozenset()):
+        return [(g.members[0].unit, count) for g, count in refit_choice(groups, spare, homed, accumulated)]
+
+    assert chosen(1 << 30) == [(1, 2), (3, 2)]
+    assert chosen(16 * 300) == [(1, 2), (3, 1)]  # to the byte: the third unit fits, the fourth does not
+    assert chosen(16 * 300 - 1) == [(1, 2)]
+    assert chosen(16 * 100 - 1) == []
+    assert chosen(12 * 100, accumulated=frozenset({1})) == [(1, 1)]  # its accumulator is on the device already
+    assert chosen(1 << 30, homed=lambda i: i < 3) == [(1, 2)]  # a shard not homed on the device ends it
     groups[2].tier = Tier.NVME
-    assert [g.index for g in refit_choice(groups, 1 << 30, lambda i: True, frozenset())] == [1]
+    assert chosen(1 << 30) == [(1, 2)]
 
 
 def test_when_the_first_step_refits():
@@ -201,8 +223,8 @@ def train_on_sized_device(rank, world, config, free, total, tight):
     def size_the_peak(engine):
         if rank == tight:
             g = next(g for g in engine.optimizer.store.groups if g.tier is Tier.HOST)
-            cost = g.nbytes + 4 * sum(m.numel for m in g.members
-                                      if m.unit not in engine.optimizer.landing.device_accumulated)
+            cost = sum((12 if m.unit in engine.optimizer.landing.device_accumulated else 16) * m.numel
+                       for m in g.members)
             device.peak = total - MARGIN_MIN - cost
 
     with pytest.MonkeyPatch.context() as patch:

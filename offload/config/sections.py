@@ -237,9 +237,10 @@ class OffloadOptimizerConfig:
     ratio: float | Auto = setting(
         1.0, "Fraction of the optimizer state that is offloaded (DeepSpeed's meaning); the rest, the units the "
              "next forward needs first, stays on the compute device and is stepped there. auto: as much as the "
-             "device budget (or half the memory free at start, after the resident state and gathers) holds, in "
-             "that order; the rest offloaded. Beside offloaded parameters those units' shards stay on the device "
-             "too, and auto homes the next units' shards there with the room left.",
+             "device budget (or half the memory free at start, after the resident state and gathers, corrected "
+             "on a GPU by the first step's peak: offload.auto_refit) holds, in that order; the rest offloaded. "
+             "Beside offloaded parameters those units' shards stay on the device too, and auto homes the next "
+             "units' shards there with the room left.",
         ge=0, le=1, auto=True)
 
     def check(self, path: str) -> None:

@@ -37,21 +37,28 @@ MARGIN_MIN = 1 << 30
 
 
 def refit_choice(groups: list[SubGroup], spare: int, homed_on_device: Callable[[int], bool],
-                 accumulated_on_device: frozenset[int]) -> list[SubGroup]:
-    """The host sub-groups that move to the device within ``spare`` bytes, in the order of need (unit order):
-    each costs its state and the fp32 accumulators its units do not have there yet; the first that does not fit,
-    or that holds a unit whose shard is not homed on the device, ends the choice."""
+                 accumulated_on_device: frozenset[int]) -> list[tuple[SubGroup, int]]:
+    """The units whose state moves to the device within ``spare`` bytes, in the order of need (unit order), as
+    (host sub-group, how many of its first units): each unit costs its state and the fp32 accumulator it does
+    not have there yet; the first that does not fit, or whose shard is not homed on the device, ends the
+    choice."""
     chosen, used = [], 0
     for g in groups:
         if g.tier is Tier.DEVICE:
             continue
-        if g.tier is not Tier.HOST or not all(homed_on_device(m.unit) for m in g.members):
+        if g.tier is not Tier.HOST:
             break
-        cost = g.nbytes + 4 * sum(m.numel for m in g.members if m.unit not in accumulated_on_device)
-        if used + cost > spare:
+        count = 0
+        for m in g.members:
+            cost = 12 * m.numel + (0 if m.unit in accumulated_on_device else 4 * m.numel)
+            if used + cost > spare or not homed_on_device(m.unit):
+                break
+            used += cost
+            count += 1
+        if count:
+            chosen.append((g, count))
+        if count < len(g.members):
             break
-        chosen.append(g)
-        used += cost
     return chosen
 
 
@@ -102,14 +109,14 @@ class Refit:
         if not groups:
             return 0
         host_before = opt.host.used
+        wanted = {m.unit for g, count in groups for m in g.members[:count]}
         try:
             opt.move_to_device(groups)
         except torch.OutOfMemoryError as e:
             logger.warning("rank %d: moving optimizer state to the device stopped, out of its memory (%s)",
                            self.group.rank, str(e).splitlines()[0])
-        moved = [g for g in groups if g.tier is Tier.DEVICE]
-        units = sum(len(g.members) for g in moved)
+        moved = [m for g in opt.store.groups if g.tier is Tier.DEVICE for m in g.members if m.unit in wanted]
         logger.info("rank %d: %d units' optimizer state (%s elements) moved to the device; %.2f GiB of host memory "
-                    "given back", self.group.rank, units, f"{sum(g.numel for g in moved):,}",
+                    "given back", self.group.rank, len(moved), f"{sum(m.numel for m in moved):,}",
                     (host_before - opt.host.used) / 2**30)
-        return units
+        return len(moved)

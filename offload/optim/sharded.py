@@ -233,15 +233,17 @@ class ShardedAdam:
                                         on_device=on_device)
         self.store.init_member(index, master)
 
-    def move_to_device(self, groups: list[SubGroup]) -> int:
-        """Host sub-groups ``groups`` become stepped on the compute device from the next step on, their units'
-        shards homed there already (see [Note: the split refitted] in offload/engine/refit.py); called between
-        steps. Each sub-group moves whole or not at all (the device's memory running out leaves it on the host);
-        returns the host bytes given back."""
+    def move_to_device(self, choice: list[tuple[SubGroup, int]]) -> int:
+        """The first units of host sub-groups (each with how many: all of a sub-group, or the first ones split
+        off it) become stepped on the compute device from the next step on, their shards homed there already
+        (see [Note: the split refitted] in offload/engine/refit.py); called between steps. Each part moves whole
+        or not at all (the device's memory running out leaves it on the host); returns the host bytes given
+        back."""
         self.drain()
         self.params.wait_copies_back()
         before = self.host.used
-        for g in groups:
+        for whole, count in choice:
+            g = whole if count == len(whole.members) else self.store.split(whole, count)
             states = [self.shards[m.unit] for m in g.members]
             for state in states:
                 assert self.params.home(state.index) is Tier.DEVICE, f"unit {state.name!r} is not homed on the device"

@@ -96,6 +96,7 @@ class SubGroup:
     resident: torch.Tensor | None = None  # [3, numel] fp32 while in memory (always, for device/host)
     spare: torch.Tensor | None = None  # host: the second slot of the speculative step (see [Note: the speculative ...])
     in_spare: set[int] = field(default_factory=set)  # units whose current state is in ``spare``
+    borrowed: bool = False  # host: its slots are views of a buffer a split shares (``split``), not its own
 
     @property
     def nbytes(self) -> int:
@@ -393,17 +394,35 @@ class OptimizerStateStore:
 
     # ----------------------------------------------------------------- a split widened
 
+    def split(self, g: SubGroup, count: int) -> SubGroup:
+        """Host sub-group ``g``'s first ``count`` units become a sub-group of their own, placed before it; both
+        keep views of the one buffer they share (``borrowed``), each unit's state where it was."""
+        assert g.tier is Tier.HOST and g.resident is not None and 0 < count < len(g.members)
+        cut = g.members[count].offset
+        head = SubGroup(max(x.index for x in self.groups) + 1, g.members[:count], cut, Tier.HOST,
+                        g.resident[:, :cut], None if g.spare is None else g.spare[:, :cut],
+                        {m.unit for m in g.members[:count]} & g.in_spare, borrowed=True)
+        g.members = [Member(m.unit, m.offset - cut, m.numel) for m in g.members[count:]]
+        g.numel -= cut
+        g.resident, g.spare = g.resident[:, cut:], None if g.spare is None else g.spare[:, cut:]
+        g.in_spare -= head.in_spare
+        g.borrowed = True
+        self.groups.insert(self.groups.index(g), head)
+        self.by_unit.update({m.unit: (x, m) for x in (head, g) for m in x.members})
+        return head
+
     def move_to_device(self, g: SubGroup) -> None:
         """Host sub-group ``g`` (state settled: no step in flight) moves to the compute device, each unit's state
-        from its current slot, and its host memory is given back (see [Note: the split refitted] in
+        from its current slot; host memory of its own is given back (see [Note: the split refitted] in
         offload/engine/refit.py)."""
         assert g.tier is Tier.HOST and g.resident is not None, f"sub-group {g.index} is not on the host"
         moved = torch.empty(KINDS, g.numel, dtype=torch.float32, device=self.accel.device)
         for m in g.members:
             moved[:, m.offset:m.offset + m.numel].copy_(torch.stack(g.views(m)))
-        for slot, what in ((g.resident, "optimizer state"), (g.spare, SPECULATIVE_SLOT)):
-            if slot is not None:
-                self.host.give(self.accel.forget_host_buffer(slot), what)
+        if not g.borrowed:
+            for slot, what in ((g.resident, "optimizer state"), (g.spare, SPECULATIVE_SLOT)):
+                if slot is not None:
+                    self.host.give(self.accel.forget_host_buffer(slot), what)
         g.tier, g.resident, g.spare, g.in_spare = Tier.DEVICE, moved, None, set()
         self.placement.tiers[Tier.HOST.value] -= g.numel
         self.placement.tiers[Tier.DEVICE.value] = self.placement.tiers.get(Tier.DEVICE.value, 0) + g.numel
