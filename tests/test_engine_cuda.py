@@ -113,14 +113,19 @@ def test_gradients_summed_on_the_gpu_train_bitwise_as_summed_on_the_host():
     engine.close()
 
 
-def test_auto_refits_after_the_first_step_into_the_memory_it_left(monkeypatch):
+@pytest.mark.parametrize("params", ["none", "cpu"])
+def test_auto_refits_after_the_first_step_into_the_memory_it_left(monkeypatch, params):
     """[Note: the split refitted]: start-up saw room for about half the state (the free memory it read is held
     low here, as if another process had taken the rest), so auto split it; the first step's real peak on this
-    GPU leaves room for all of it, so the rest moves there, and training goes on as torch's."""
+    GPU leaves room for all of it, so the rest moves there (with the host-homed shards, beside offloaded
+    parameters), and training goes on as torch's."""
     from offload.machine.accelerator import Accelerator
     from test_refit import split_config, splitting_free, train_refitted
-    monkeypatch.setattr(Accelerator, "free_bytes", lambda accel: splitting_free())
-    ours = train_refitted(0, 1, split_config(1, 2, ratio="auto"), steps=10, micro=2, accum=2, spare=None)
+    config = split_config(1, 2, ratio="auto")
+    config["zero_optimization"]["offload_param"] = {"device": params}
+    free = splitting_free(raw=config)
+    monkeypatch.setattr(Accelerator, "free_bytes", lambda accel: free)
+    ours = train_refitted(0, 1, config, steps=10, micro=2, accum=2, spare=None)
     assert Tier.HOST in ours["start"] and set(ours["end"]) == {Tier.DEVICE}
     ref = train_reference("gpt", 10, 4, 2, world=1)
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-4)

@@ -148,15 +148,17 @@ def test_the_choice_follows_the_order_of_need_and_stops_where_a_unit_does_not_fi
     assert [(g.tier, [m.unit for m in g.members]) for g in groups] == [
         (Tier.DEVICE, [0]), (Tier.HOST, [1, 2]), (Tier.HOST, [3, 4])]
 
-    def chosen(spare, homed=lambda i: True, accumulated=frozenset()):
-        return [(g.members[0].unit, count) for g, count in refit_choice(groups, spare, homed, accumulated)]
+    def chosen(spare, shard=lambda i: 0, accumulated=frozenset()):
+        return [(g.members[0].unit, count) for g, count in refit_choice(groups, spare, shard, accumulated)]
 
     assert chosen(1 << 30) == [(1, 2), (3, 2)]
     assert chosen(16 * 300) == [(1, 2), (3, 1)]  # to the byte: the third unit fits, the fourth does not
     assert chosen(16 * 300 - 1) == [(1, 2)]
     assert chosen(16 * 100 - 1) == []
     assert chosen(12 * 100, accumulated=frozenset({1})) == [(1, 1)]  # its accumulator is on the device already
-    assert chosen(1 << 30, homed=lambda i: i < 3) == [(1, 2)]  # a shard not homed on the device ends it
+    assert chosen(1 << 30, shard=lambda i: 0 if i < 3 else None) == [(1, 2)]  # a shard that cannot move ends it
+    assert chosen(16 * 300 + 2 * 300, shard=lambda i: 0 if i < 3 else 2 * 100) == [(1, 2), (3, 1)]  # its shard
+    assert chosen(16 * 300 + 2 * 100 - 1, shard=lambda i: 0 if i < 3 else 2 * 100) == [(1, 2)]
     groups[2].tier = Tier.NVME
     assert chosen(1 << 30) == [(1, 2)]
 
@@ -185,11 +187,11 @@ def test_the_room_kept_beside_the_peak():
     assert spare_after(8 * gib, 8 * gib - MARGIN_MIN // 2) == 0
 
 
-def splitting_free(world=1):
+def splitting_free(world=1, raw=None):
     """Device memory free at start under which auto keeps about half the optimizer state on a GPU (found by
-    bisection over the engine's own plan)."""
+    bisection over the engine's own plan for ``raw``, by default ``split_config``'s with auto)."""
     def kept(free):
-        config = Config.load(split_config(world, 1, ratio="auto")).resolve(world_size=world)
+        config = Config.load(raw or split_config(world, 1, ratio="auto")).resolve(world_size=world)
         est = estimate(model_units(make_model("gpt"), config), config, world, device_free=free)
         return est.tiers["device"].get("optimizer state", 0), est.tiers["host"].get("optimizer state", 0)
 
@@ -247,3 +249,27 @@ def test_the_first_step_refits_by_the_peak_of_the_rank_with_least_room(world, ti
                   [Tier.DEVICE if i == first else t for i, t in enumerate(start)])
         assert end == expect
     check_parity(runs, train_reference("gpt", 3, 2 * world, 2, world=world))
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_beside_host_parameters_a_units_shard_moves_to_the_device_with_its_state(world):
+    """Host-homed shards move with their state (the device keeps them as it keeps the units auto homed there at
+    start-up); their pinned host buffers are given back, and training goes on as plain PyTorch."""
+    config = split_config(world, 1)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    results = run_ranks(train_refitted, world, env=EMULATED_GPU, config=config, steps=3, micro=2, accum=1,
+                        spare=1 << 40)
+    for r in results:
+        assert r["moved"] > 0 and set(r["end"]) == {Tier.DEVICE}
+        assert r["before"]["host"].get("parameter copies", 0) > 0
+        assert r["after"]["host"].get("parameter copies", 0) == 0
+        assert r["after"]["device"]["shards"] > r["before"]["device"]["shards"]
+    check_parity(results, train_reference("gpt", 3, 2 * world, 2, world=world))
+
+
+def test_a_shard_homed_on_nvme_ends_the_move(tmp_path):
+    config = split_config(1, 1)
+    config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0}
+    r = run_ranks(train_refitted, 1, env=EMULATED_GPU, config=config, steps=3, micro=2, accum=1, spare=1 << 40)[0]
+    assert r["moved"] == 0 and r["end"] == r["start"] and Tier.HOST in r["end"]
+    check_parity([r], train_reference("gpt", 3, 2, 2, world=1))

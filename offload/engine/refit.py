@@ -5,14 +5,15 @@ take (that depends on the batch and sequence the script feeds), so `auto` keeps 
 many units on the device as half the memory then free holds (offload/store/placement.py). After the first
 step the device's high-water mark is known: every activation, gather and device Adam of a step has run. The
 room between that peak and the device's memory, less a margin for allocator slack and longer batches, takes
-the optimizer state of more units, whole host sub-groups in the order of need (the units after those already
-there: the next forward's first). Their state is copied to the device from its current slot, their fp32
-gradient accumulators are made there, and their host memory (state, speculative slot, landing buffer, host
-copy of the shard) is given back; from the next step on they are stepped by the device Adam. Only units whose
-shards are homed on the device move (with offloaded parameters, those `auto` homed there), so no shard changes
-its home. Every rank moves as many bytes as the rank with the least room allows, so the ranks stay alike. The
-refit runs once, after the first step that finishes, and never with a device budget (the user's number is the
-plan's), the delayed update, or the state on NVMe; `offload.auto_refit: false` turns it off.
+the optimizer state of more units, unit by unit in the order of need (the units after those already there:
+the next forward's first), a host sub-group split where the room ends. Their state is copied to the device
+from its current slot, their fp32 gradient accumulators are made there, and their host memory (state,
+speculative slot, landing buffer, host copy of the shard) is given back; from the next step on they are
+stepped by the device Adam. Beside offloaded parameters a unit's shard moves with its state where it was
+homed on the host (as `auto` homes the units it keeps on the device at start-up), counted in the room; a
+shard homed on NVMe ends the move. Every rank moves as many bytes as the rank with the least room allows, so
+the ranks stay alike. The refit runs once, after the first step, and never with a device budget (the user's
+number is the plan's), the delayed update, or the state on NVMe; `offload.auto_refit: false` turns it off.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ MARGIN_FRACTION = 0.05  # of the device's memory, kept free beside the first ste
 MARGIN_MIN = 1 << 30
 
 
-def refit_choice(groups: list[SubGroup], spare: int, homed_on_device: Callable[[int], bool],
+def refit_choice(groups: list[SubGroup], spare: int, shard_bytes: Callable[[int], int | None],
                  accumulated_on_device: frozenset[int]) -> list[tuple[SubGroup, int]]:
     """The units whose state moves to the device within ``spare`` bytes, in the order of need (unit order), as
-    (host sub-group, how many of its first units): each unit costs its state and the fp32 accumulator it does
-    not have there yet; the first that does not fit, or whose shard is not homed on the device, ends the
-    choice."""
+    (host sub-group, how many of its first units): each unit costs its state, the fp32 accumulator it does not
+    have there yet and ``shard_bytes(unit)``, what its shard takes on the device beyond what it takes now (None:
+    it cannot move, homed on NVMe); the first that does not fit, or cannot move, ends the choice."""
     chosen, used = [], 0
     for g in groups:
         if g.tier is Tier.DEVICE:
@@ -50,8 +51,11 @@ def refit_choice(groups: list[SubGroup], spare: int, homed_on_device: Callable[[
             break
         count = 0
         for m in g.members:
-            cost = 12 * m.numel + (0 if m.unit in accumulated_on_device else 4 * m.numel)
-            if used + cost > spare or not homed_on_device(m.unit):
+            shard = shard_bytes(m.unit)
+            if shard is None:
+                break
+            cost = 12 * m.numel + (0 if m.unit in accumulated_on_device else 4 * m.numel) + shard
+            if used + cost > spare:
                 break
             used += cost
             count += 1
@@ -104,8 +108,14 @@ class Refit:
         """Move what ``spare`` device bytes hold; returns the units moved. The device running out of memory part
         way (another process took some) stops the move there: what moved steps on the device, the rest stays."""
         opt = self.optimizer
-        groups = refit_choice(opt.store.groups, spare, lambda i: opt.params.home(i) is Tier.DEVICE,
-                              opt.landing.device_accumulated)
+        params = opt.params
+
+        def shard_bytes(unit: int) -> int | None:
+            if not params.can_home_on_device(unit):
+                return None
+            return 0 if params.home(unit) is Tier.DEVICE else params.shards[unit].numel * params.dtype.itemsize
+
+        groups = refit_choice(opt.store.groups, spare, shard_bytes, opt.landing.device_accumulated)
         if not groups:
             return 0
         host_before = opt.host.used

@@ -235,8 +235,9 @@ class ShardedAdam:
 
     def move_to_device(self, choice: list[tuple[SubGroup, int]]) -> int:
         """The first units of host sub-groups (each with how many: all of a sub-group, or the first ones split
-        off it) become stepped on the compute device from the next step on, their shards homed there already
-        (see [Note: the split refitted] in offload/engine/refit.py); called between steps. Each part moves whole
+        off it) become stepped on the compute device from the next step on, their shards homed there (moved from
+        the host where they were homed there: see [Note: the split refitted] in offload/engine/refit.py); called
+        between steps. Each part moves whole
         or not at all (the device's memory running out leaves it on the host); returns the host bytes given
         back."""
         self.drain()
@@ -246,7 +247,7 @@ class ShardedAdam:
             g = whole if count == len(whole.members) else self.store.split(whole, count)
             states = [self.shards[m.unit] for m in g.members]
             for state in states:
-                assert self.params.home(state.index) is Tier.DEVICE, f"unit {state.name!r} is not homed on the device"
+                assert self.params.can_home_on_device(state.index), f"unit {state.name!r} cannot move its shard"
                 assert state.phase is ShardPhase.EMPTY, f"unit {state.name!r} holds a gradient"
             grads = [state.on_device if state.on_device is not None else torch.empty(
                 state.numel, dtype=torch.float32, device=self.accel.device) for state in states]
@@ -257,7 +258,10 @@ class ShardedAdam:
                     self.accel.forget_host_buffer(state.landing)
                 if self._host_accumulators and state.on_device is None:
                     self.host.give(4 * state.numel, "gradient accumulators")
-                self.host.give(self.params.drop_host_copy(state.index), "parameter copies")
+                if self.params.home(state.index) is Tier.HOST:  # its shard is what the host step wrote
+                    self.host.give(self.params.home_on_device(state.index), "parameter copies")
+                else:
+                    self.host.give(self.params.drop_host_copy(state.index), "parameter copies")
                 state.grad, state.landing, state.on_device, state.device_holds = grad.zero_(), None, None, False
             moved = frozenset(m.unit for m in g.members)
             self._device_state |= moved

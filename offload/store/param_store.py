@@ -285,6 +285,29 @@ class ParamStore:
         assert shard.host is not None, f"unit {index}'s shard has no host copy to step into"
         return shard.host
 
+    def can_home_on_device(self, index: int) -> bool:
+        """Whether the shard can move to a device home between steps: it is there already, or it is homed on the
+        host of a discrete device (on a CPU device a host shard is read where it lies: it stays)."""
+        home = self.homes[index]
+        return home is Tier.DEVICE or (home is Tier.HOST and not self.host_is_device)
+
+    def home_on_device(self, index: int) -> int:
+        """A host-homed shard whose step moved to the device moves too (see [Note: the split refitted] in
+        offload/engine/refit.py): the device keeps it, as it keeps a unit homed there at start-up, and the host
+        buffer is freed; returns its bytes."""
+        shard = self.shards[index]
+        assert shard.home is Tier.HOST and shard.host is not None and not self.host_is_device
+        self.wait_step(index)
+        if shard.fetched is not None:  # the last copy from it to the device
+            self.accel.wait(shard.fetched, "a shard's copy before it moves to the device")
+        device = torch.empty(shard.numel, dtype=self.dtype, device=self.accel.device)
+        device.copy_(shard.host)
+        self.accel.forget_host_buffer(shard.host)
+        nbytes = shard.host.numel() * shard.host.element_size()
+        shard.device, shard.host, shard.home, shard.ready, shard.fetched = device, None, Tier.DEVICE, None, None
+        self.homes[index] = Tier.DEVICE
+        return nbytes
+
     def drop_host_copy(self, index: int) -> int:
         """A device home's step moved to the device (see [Note: the split refitted] in offload/engine/refit.py):
         its host copy is freed; returns its bytes (0: it had none of its own)."""
