@@ -273,3 +273,40 @@ def test_a_shard_homed_on_nvme_ends_the_move(tmp_path):
     r = run_ranks(train_refitted, 1, env=EMULATED_GPU, config=config, steps=3, micro=2, accum=1, spare=1 << 40)[0]
     assert r["moved"] == 0 and r["end"] == r["start"] and Tier.HOST in r["end"]
     check_parity([r], train_reference("gpt", 3, 2, 2, world=1))
+
+
+def resume_across_a_refit(rank, world, config, save_dir):
+    """Three steps with a refit after the first and a checkpoint after the second; then a fresh engine (the
+    start-up split, not refitted) loads that checkpoint and takes the third step: both third steps' states."""
+    tokens = batches(3, 2)
+    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
+
+    def step(e, rows):
+        e.backward(loss_of(e, "gpt", rows))
+        e.step()
+
+    step(engine, tokens[0])
+    moved = engine.refit.apply(1 << 40)
+    step(engine, tokens[1])
+    engine.save_checkpoint(save_dir)
+    step(engine, tokens[2])
+    refitted = engine.full_state_dict()
+    tiers = {g.tier for g in engine.optimizer.store.groups}
+    engine.close()
+    fresh = offload.initialize(model=make_model("gpt"), config=config)[0]
+    fresh.load_checkpoint(save_dir)
+    step(fresh, tokens[2])
+    out = {"moved": moved, "tiers": tiers, "fresh_tiers": {g.tier for g in fresh.optimizer.store.groups},
+           "refitted": refitted, "resumed": fresh.full_state_dict()}
+    fresh.close()
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU's device tier steps with torch's fused kernel")
+def test_a_checkpoint_of_a_refitted_engine_resumes_bitwise_in_the_start_up_split(tmp_path):
+    """The checkpoint holds each unit's state wherever it was stepped: a fresh engine with the start-up split
+    loads it and takes the next step bitwise as the refitted engine did (both tiers run one kernel on a CPU)."""
+    r = run_ranks(resume_across_a_refit, 1, config=split_config(1, 1), save_dir=str(tmp_path / "ckpt"))[0]
+    assert r["moved"] > 0 and r["tiers"] == {Tier.DEVICE} and Tier.HOST in r["fresh_tiers"]
+    for key, value in r["refitted"].items():
+        assert torch.equal(r["resumed"][key], value), key
