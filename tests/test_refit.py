@@ -310,3 +310,31 @@ def test_a_checkpoint_of_a_refitted_engine_resumes_bitwise_in_the_start_up_split
     assert r["moved"] > 0 and r["tiers"] == {Tier.DEVICE} and Tier.HOST in r["fresh_tiers"]
     for key, value in r["refitted"].items():
         assert torch.equal(r["resumed"][key], value), key
+
+
+def estimated(raw, shape, free, params=300_000_000):
+    from offload.commands.estimate import synthetic_units
+    config = Config.load(raw).resolve(world_size=1)
+    return estimate(synthetic_units(params, config), config, 1, shape, device_free=free)
+
+
+def test_the_estimate_predicts_the_split_the_refit_ends_with():
+    """`offload estimate` with the activations' shape: the state auto keeps on the device after the first step
+    fills the device's memory less the activations and the margin, said beside the start-up split."""
+    from offload.commands.estimate import ActivationShape
+    from offload.engine.refit import margin
+    shape = ActivationShape(layers=12, hidden=1024, heads=16, seq=128, micro=1, vocab=32000)
+    raw = split_config(1, 1, ratio="auto")
+    raw["offload"]["unit_bytes"] = 64 << 20
+    raw["zero_optimization"]["sub_group_size"] = 10**9
+    free = 6 << 30  # 300M parameters' state and accumulators (4.8 GB) do not fit in its start-up half
+    est = estimated(raw, shape, free)
+    start_up = estimated(raw | {"offload": {**raw["offload"], "auto_refit": False}}, shape, free)
+    assert 0 < start_up.tiers["device"]["optimizer state"] < est.tiers["device"]["optimizer state"]
+    assert 0 < est.tiers["host"]["optimizer state"] < start_up.tiers["host"]["optimizer state"]
+    assert any("offload.auto_refit keeps it there" in n for n in est.notes)
+    assert not any("auto_refit" in n for n in start_up.notes)
+    assert est.total("device") <= free - margin(free)  # the refit's room held, activations included
+    crowded = estimated(raw, ActivationShape(layers=12, hidden=1024, heads=16, seq=2048, micro=16, vocab=32000),
+                        free)
+    assert any(n.startswith("over the device's memory") for n in crowded.notes)

@@ -43,6 +43,7 @@ class Machine:
     hook_forward_us: float  # host time of one forward hook call
     hook_backward_us: float  # one backward hook call (with the landing hand-off)
     hook_step_us: float  # the step's Python per shard
+    device_bytes: int = 0  # the device's memory (what torch.cuda.mem_get_info reports as its total); not a rate
 
     def cost_s(self, item: dict[str, Any], lane_kind: str, world: int, token_scale: float) -> float:
         kind = item["kind"]
@@ -71,12 +72,12 @@ class Machine:
 # model's 3.81 TFLOP a step (torch's FLOP counter, forward and backward) take what plain PyTorch's step took less
 # its fused AdamW (24.3 - 2 ms); HBM at a copy's usual share of its peak; hook costs from `bench hooks` on a 2-core
 # Xeon (the H100's host was not measured).
-RATES = tuple(f.name for f in fields(Machine) if f.name != "name")  # what a command line may override
+RATES = tuple(f.name for f in fields(Machine) if f.name not in ("name", "device_bytes"))  # a command line's
 
 MACHINES: dict[str, Machine] = {
     "h100": Machine(name="h100", device_tflops=171.0, device_gbps=2500.0, h2d_gbps=53.1, d2h_gbps=54.8,
                     host_gbps=135.0, link_gbps=150.0, hook_forward_us=25.0, hook_backward_us=60.0,
-                    hook_step_us=10.0),
+                    hook_step_us=10.0, device_bytes=85_000_000_000),  # an H100 80GB HBM3 as torch sees it
 }
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from offload.config import Config, ConfigError
+from offload.engine.refit import refits, room_beside
 from offload.engine.step_schedule import wanted
 from offload.models.catalog import MODELS, ModelError, build_model
 from offload.store.optimizer_state import SubGroup, unpipelined_note
@@ -210,10 +211,18 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     param_dev = zero.offload_param.device
     dtype = torch.float16 if config.fp16.enabled is True else torch.bfloat16 if item == 2 else torch.float32
     want = wanted(config, dtype)
-    placement = plan(sizes, {i for i, _ in sizes}, config, item, parts=parts,  # the engine's own plan
-                     resident_params=stage.resident_params,
-                     whole_grads=0 if stage.reduce_every_micro_batch else est.params, discrete=discrete,
-                     device_free=device_free, speculation=want.speculation, delayed=want.delayed)
+
+    def placed(refit_room: int | None = None) -> Any:  # the engine's own plan
+        return plan(sizes, {i for i, _ in sizes}, config, item, parts=parts, resident_params=stage.resident_params,
+                    whole_grads=0 if stage.reduce_every_micro_batch else est.params, discrete=discrete,
+                    device_free=device_free, speculation=want.speculation, delayed=want.delayed,
+                    refit_room=refit_room)
+
+    placement = placed()
+    if activations is not None:
+        add_activations(est, activations, config)
+        if discrete and device_free is not None and refits(config, sized=True, delayed=want.delayed):
+            placement = _refitted(est, placement, placed(room_beside(device_free, device["activations"])))
     device.update(placement.device)
     gathered = placement.gathered(sizes)  # one rank's device homes on a GPU: none
     if not stage.resident_params and gathered:
@@ -225,8 +234,6 @@ def estimate(unit_numels: list[int], config: Config, world: int,
         est.notes.append(describe_placement(sizes, placement.nvme_params, zero.offload_param))
     nvme.update(placement.nvme)
     host.update(placement.host)
-    if activations is not None:
-        add_activations(est, activations, config)
     rates = rates or StepRates()
     if zero.offload_optimizer.device != "none" and placement.placed:
         note, est.step_ms = step_traffic(placement.groups, item, rates)
@@ -244,6 +251,10 @@ def estimate(unit_numels: list[int], config: Config, world: int,
                          "keeps it there, where it steps faster")
     if want.speculation is not Speculation.NONE and placement.speculative_why:
         est.notes.append(f"the step does not speculate: {placement.speculative_why}")
+    if discrete and device_free is not None and est.total(Tier.DEVICE.value) > device_free:
+        est.notes.append(f"over the device's memory: this plan needs {est.total(Tier.DEVICE.value) / 2**30:.2f} GiB "
+                         f"of its {device_free / 2**30:.2f} GiB; checkpoint the blocks (offload.checkpoint_blocks), "
+                         "lower the micro-batch or offload more")
     for problem in placement.problems:  # the limits initialize holds every tier to
         est.notes.append(f"over {problem.path}: initialize would refuse this plan ({problem.reason})")
     if not placement.placed:
@@ -260,6 +271,22 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     est.notes.append(("not counted: " if activations is not None else "not counted: activations, ")
                      + "the CUDA context and allocator slack")
     return est
+
+
+def _refitted(est: Estimate, start_up: Any, refitted: Any) -> Any:
+    """The split `auto` ends with on a GPU (see [Note: the split refitted] in offload/engine/refit.py), said beside
+    the one it starts with; the estimate goes on with the refitted one."""
+    def kept(p: Any) -> tuple[int, int]:
+        return len(p.state_on_device), sum(g.numel for g in p.groups if g.tier is Tier.DEVICE)
+
+    (units0, n0), (units1, n1) = kept(start_up), kept(refitted)
+    if n1 <= n0:
+        return start_up
+    est.notes.append(f"offload_optimizer.ratio auto: at start-up the optimizer state of {units0} units ({n0:,} "
+                     f"elements) stays on the device (half the memory free then); after the first step, whose "
+                     f"peak holds the activations estimated here, offload.auto_refit keeps it there for {units1} "
+                     f"units ({n1:,} elements): the split below")
+    return refitted
 
 
 ADAM_BYTES = 28  # per element of one Adam step: fp32 master, moments and gradient read, master and moments written
@@ -529,6 +556,13 @@ def step_rates(args: Any, preset: Any) -> StepRates:
                      preset.h2d_gbps, preset.d2h_gbps, others)
 
 
+def device_memory(preset: Any) -> tuple[int | None, str]:
+    """The device memory the plan may fill, and whence: this machine's GPU (free now), else the preset's."""
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0], "free on this machine's GPU"
+    return (preset.device_bytes or None), f"the {preset.name} preset's"
+
+
 def run_cli(args: Any, preset: Any) -> int:
     import sys
     try:
@@ -557,7 +591,10 @@ def run_cli(args: Any, preset: Any) -> int:
     except (ModelError, ConfigError) as e:
         print(f"offload estimate: {e}", file=sys.stderr)
         return 2
-    est = estimate(units, config, args.world, shape, rates=step_rates(args, preset))
+    device_free, where = device_memory(preset)
+    est = estimate(units, config, args.world, shape, rates=step_rates(args, preset), device_free=device_free)
+    if device_free is not None:
+        est.notes.append(f"device memory: {device_free / 2**30:.1f} GiB ({where})")
     print(format_estimate(est, config))
     stages = compare_stages(units, raw, args.world, hidden_size, shape)
     print(format_stages(stages, raw))

@@ -74,9 +74,20 @@ def refits(config: Any, *, sized: bool, delayed: bool) -> bool:
             and zero.offload_optimizer.device == "cpu" and config.offload.budgets.device is None)
 
 
+def margin(total: int) -> int:
+    """Device bytes the refit leaves free beside a step's peak, for allocator slack and longer batches."""
+    return max(MARGIN_MIN, int(MARGIN_FRACTION * total))
+
+
 def spare_after(total: int, peak: int) -> int:
-    """Device bytes free beside a step's peak, less the margin kept for allocator slack and longer batches."""
-    return max(0, total - peak - max(MARGIN_MIN, int(MARGIN_FRACTION * total)))
+    """Device bytes free beside a step's peak, less the margin."""
+    return max(0, total - peak - margin(total))
+
+
+def room_beside(total: int, activations: int) -> int:
+    """The device bytes a refit leaves offload's own state and gathers beside ``activations`` (what `offload
+    estimate` predicts the refit ends with: the first step's peak is those plus the activations)."""
+    return max(0, total - activations - margin(total))
 
 
 class Refit:

@@ -93,7 +93,7 @@ class Placement:
 def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, item: int, *, parts: int = 1,
          resident_params: bool = False, whole_grads: int = 0, discrete: bool = True,
          device_free: int | None = None, speculation: Speculation = Speculation.NONE,
-         delayed: bool = False) -> Placement:
+         delayed: bool = False, refit_room: int | None = None) -> Placement:
     """The placement of one rank's units (``shard_sizes``: (unit, shard elements) in unit order; ``trained``:
     the units the optimizer steps) under ``config``, whose compute dtype has ``item`` bytes. The ZeRO stage's
     part: each unit is split in ``parts``; ``resident_params``, every unit stays whole on the device (stages 0-2);
@@ -103,7 +103,9 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     device's] in offload/store/param_store.py). ``device_free``: bytes free on the device at start, which bound
     the gradient accumulators kept there when no device budget is set (None: no bound). ``speculation``: which
     sub-groups the step speculates on; ``delayed``: the
-    delayed update stages each new shard in a host buffer of its own. Raises only for a
+    delayed update stages each new shard in a host buffer of its own. ``refit_room``: the device bytes the first
+    step's refit leaves offload beside the activations (offload/engine/refit.py), which auto fills as it fills a
+    device budget: the split the refit ends with, as ``offload estimate`` predicts it. Raises only for a
     setting that no budget could fix (offload_param.buffer_size below a shard)."""
     zero = config.zero_optimization
     one_micro_batch = (config.gradient_accumulation_steps or 1) == 1  # a step's gradients are each unit's only ones
@@ -119,7 +121,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
     _plan_device_resident(out, shard_sizes, trained_sizes, config, item, parts, resident_params, whole_grads)
     if opt.device != "none" and trained_sizes:
-        _plan_state_on_device(out, shard_sizes, trained_sizes, config, item, parts, device_free)
+        _plan_state_on_device(out, shard_sizes, trained_sizes, config, item, parts, device_free, refit_room)
         if alias:  # the units homed on the device beside offloaded parameters are read there too
             out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
     nvme_params = out.nvme_params
@@ -256,12 +258,12 @@ def _plan_device_resident(out: Placement, shard_sizes: list[tuple[int, int]], tr
 
 
 def _device_room(out: Placement, shard_sizes: list[tuple[int, int]], config: Any, item: int, parts: int,
-                 device_free: int | None) -> int | None:
-    """Bytes the device can give to optimizer state and gradient accumulators: the device budget less what is
-    planned there and the gathers (twice the largest unit and a prefetch bucket), or without a budget half of
-    what was free at start less those (the rest is the activations'); None: nothing bounds it (a CPU device
-    without a budget)."""
-    budget = config.offload.budgets.device
+                 device_free: int | None, refit_room: int | None = None) -> int | None:
+    """Bytes the device can give to optimizer state and gradient accumulators: the device budget (or the room a
+    refit leaves, ``refit_room``) less what is planned there and the gathers (twice the largest unit and a
+    prefetch bucket), or without a budget half of what was free at start less those (the rest is the
+    activations'); None: nothing bounds it (a CPU device without a budget)."""
+    budget = config.offload.budgets.device if refit_room is None else refit_room
     if budget is None and device_free is None:
         return None
     taken = sum(out.device.values()) + gather_bytes(out, shard_sizes, config, item, parts)
@@ -282,7 +284,8 @@ def gather_bytes(out: Placement, shard_sizes: list[tuple[int, int]], config: Any
 
 
 def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], trained_sizes: list[tuple[int, int]],
-                          config: Any, item: int, parts: int, device_free: int | None) -> None:
+                          config: Any, item: int, parts: int, device_free: int | None,
+                          refit_room: int | None = None) -> None:
     """A partial optimizer offload (offload_optimizer.ratio below 1, or auto): the optimizer state of the first
     units, the ones the next forward needs first, stays on the device with an fp32 gradient accumulator each, and
     is stepped there. ratio r keeps the units nearest (1 - r) of the elements; auto as many as the device's
@@ -290,7 +293,7 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
     the kept units' shards are homed on the device too (see [Note: a split beside offloaded parameters])."""
     zero = config.zero_optimization
     ratio, params_offloaded = zero.offload_optimizer.ratio, zero.offload_param.device != "none"
-    room = _device_room(out, shard_sizes, config, item, parts, device_free)
+    room = _device_room(out, shard_sizes, config, item, parts, device_free, refit_room)
     # state (a sub-group each at worst), the fp32 accumulator and, beside offloaded parameters, the shard itself
     cost = [(i, n, round_up(12 * n) + 4 * n + (item * n if params_offloaded else 0))
             for i, n in trained_sizes]
