@@ -67,8 +67,8 @@ def train_refitted(rank, world, config, steps, micro, accum, spare, started=None
 
 
 @pytest.mark.parametrize("world,accum,env", [
-    (1, 1, {}), (1, 2, EMULATED_GPU), (1, 1, EMULATED_GPU),
-    pytest.param(2, 2, {}, marks=pytest.mark.slow)], ids=["cpu", "gpu-accum", "gpu", "two-ranks"])
+    pytest.param(1, 1, {}, marks=pytest.mark.slow), pytest.param(1, 2, EMULATED_GPU, marks=pytest.mark.slow),
+    (1, 1, EMULATED_GPU), pytest.param(2, 2, {}, marks=pytest.mark.slow)], ids=["cpu", "gpu-accum", "gpu", "two-ranks"])
 def test_the_refit_moves_host_state_to_the_device_and_training_goes_on(world, accum, env):
     """Everything the host held for the moved units is given back (state, landing buffers, accumulators, host
     copies of the shards), the device holds their state, and the run trains as plain PyTorch."""
@@ -119,6 +119,7 @@ def test_a_refit_after_an_early_or_speculative_step_trains_as_plain_pytorch(sect
     check_parity([r], train_reference("gpt", 3, 2, 2, world=1))
 
 
+@pytest.mark.slow
 def test_a_refit_moves_units_in_the_order_of_need_within_the_spare_bytes():
     """The units right after the device's, as far as the bytes go: a host sub-group whose first units fit is split
     there, and the run trains on as plain PyTorch."""
@@ -234,7 +235,9 @@ def train_on_sized_device(rank, world, config, free, total, tight):
         return train_refitted(rank, world, config, 3, 2, 1, spare=None, started=size_the_peak)
 
 
-@pytest.mark.parametrize("world,tight", [(1, None), (1, 0), (2, 1)], ids=["roomy", "tight", "two-ranks-one-tight"])
+@pytest.mark.parametrize("world,tight", [pytest.param(1, None, marks=pytest.mark.slow),
+                                         pytest.param(1, 0, marks=pytest.mark.slow), (2, 1)],
+                         ids=["roomy", "tight", "two-ranks-one-tight"])
 def test_the_first_step_refits_by_the_peak_of_the_rank_with_least_room(world, tight):
     """Start-up saw room for about half the state; the first step's peak leaves room for all of it, or (``tight``)
     on one rank for the first host sub-group only: every rank moves what the rank with least room holds."""
@@ -267,6 +270,7 @@ def test_beside_host_parameters_a_units_shard_moves_to_the_device_with_its_state
     check_parity(results, train_reference("gpt", 3, 2 * world, 2, world=world))
 
 
+@pytest.mark.slow
 def test_a_shard_homed_on_nvme_ends_the_move(tmp_path):
     config = split_config(1, 1)
     config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0}
