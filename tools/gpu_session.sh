@@ -10,7 +10,14 @@
 # Each Python command is cut at STAGE_S seconds (default 300) so one stage cannot eat the call, and the work folder
 # is re-tarred into $BUNDLE after every stage (BUNDLE before OUT: the tool's $OUT, expanded before OUT is set), so a
 # call cut at its limit still brings back what finished.
-# What is still open after the H200's third loan of 2026-11-26 (docs/performance.md, "On a GPU"; #20-#22 measured):
+# #44 first (a task now has 15 minutes of device time in all, so plan44a, then plan44b if time is left):
+# plan44a: install; the 0.91B GPT's pace against the floor (full offload, auto with params offloaded); the 4.5B's
+#   (full, auto, auto with params on the GPU: auto is refitted after the first step by its measured peak, see
+#   [Note: the split refitted] in offload/engine/refit.py, so the timed steps run the refitted split).
+# plan44b: the CUDA tests (the refit's real trigger among them: test_engine_cuda.py); the 8B Llama through
+#   offload.hf.Trainer, DeepSpeed and plain PyTorch; the 4.5B under a 68 GiB device budget. trainer-8b-refit (a
+#   stage of its own) runs the 8B's offload side with no device budget: auto and its refit choose the split.
+# Then, with time to spare, what was open after the H200's third loan of 2026-11-26 (docs/performance.md, "On a GPU"):
 # plan1 (about 5-6 minutes): install; the CUDA tests and the same under torch's stream sanitizer; the headline step
 #   (the regression check) beside its host Adam on two threads fewer (`host-spare-cores`: whether the Adam inside
 #   the step, 110-115 GB/s against 159 alone, loses to threads that lose their cores); activations checkpointed with
@@ -32,7 +39,7 @@
 #   bench-step-delayed bench-step-hiding bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
 #   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b
 #   bench-deepspeed-nvme bench-step-checkpointing bench-step-threads profile sanitizer suite
-#   pace-0p9b pace-4p5b pace-4p5b-budget trainer-8b
+#   pace-0p9b pace-4p5b pace-4p5b-budget trainer-8b trainer-8b-refit
 # bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
 # a call of its own (SUITE_S, default 420 s, 14 workers).
 # Then replay the same model's recorded step graph here (`offload bench schedule`, docs/performance.md) and put the
@@ -190,10 +197,12 @@ pace() {  # name, extra flags...
 # plain PyTorch (its out-of-memory shown): tools/trainer_pace.py, one process a side. offload reads the config with
 # ratio auto under a 68 GiB device budget (an offload key DeepSpeed ignores); DeepSpeed's ratio is a number only, so
 # it reads the same file with the whole optimizer state on the host (ZeRO-Infinity's usual setting).
-trainer_8b() {
-  local d=$OUT/trainer-8b; mkdir -p "$d"
+trainer_8b() {  # TRAINER_BUDGET: offload's device budget (default 68GiB; empty: none, auto refitted by its peak)
+  local d=$OUT/trainer-8b${TRAINER_TAG:-}; mkdir -p "$d"
+  local budget=${TRAINER_BUDGET-68GiB} extra=""
+  [ -n "$budget" ] && extra=", \"offload\": {\"budgets\": {\"device\": \"$budget\"}}"
   local base='"bf16": {"enabled": true}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}'
-  echo "{$base, \"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"cpu\", \"pin_memory\": true}, \"offload_optimizer\": {\"device\": \"cpu\", \"pin_memory\": true, \"ratio\": \"auto\"}}, \"offload\": {\"budgets\": {\"device\": \"68GiB\"}}}" > "$d/config-offload.json"
+  echo "{$base, \"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"cpu\", \"pin_memory\": true}, \"offload_optimizer\": {\"device\": \"cpu\", \"pin_memory\": true, \"ratio\": \"auto\"}}$extra}" > "$d/config-offload.json"
   echo "{$base, \"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"cpu\", \"pin_memory\": true}, \"offload_optimizer\": {\"device\": \"cpu\", \"pin_memory\": true}}}" > "$d/config-deepspeed.json"
   local side
   for side in ${TRAINER_SIDES:-offload deepspeed plain}; do
@@ -211,7 +220,7 @@ for s in "$@"; do
     # #44 in two calls of about ten minutes (run(carry=[".whl"], timeout_s=600, command='BUNDLE=$OUT/p44a.tgz
     # OUT=/tmp/gs STAGE_S=280 tools/gpu_session.sh plan44a'), then plan44b the same way, with install first if cold).
     plan44a) stages+=(install pace-0p9b pace-4p5b) ;;
-    plan44b) stages+=(trainer-8b pace-4p5b-budget) ;;
+    plan44b) stages+=(cuda-tests trainer-8b pace-4p5b-budget) ;;
     *) stages+=("$s") ;;
   esac
 done
@@ -271,6 +280,7 @@ for s in "${stages[@]}"; do
     pace-4p5b) stage pace-4p5b pace pace-4p5b "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants full,auto,auto-params-device ;;
     pace-4p5b-budget) stage pace-4p5b-budget pace pace-4p5b-budget "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --device-budget 68Gi --variants auto,auto-params-device ;;
     trainer-8b) STAGE_S=${TRAINER_S:-240} stage trainer-8b trainer_8b ;;
+    trainer-8b-refit) TRAINER_SIDES=offload TRAINER_BUDGET= TRAINER_TAG=-refit STAGE_S=${TRAINER_S:-240} stage trainer-8b-refit trainer_8b ;;
     *) echo "unknown stage $s" ;;
   esac
 done
