@@ -342,3 +342,16 @@ def test_the_estimate_predicts_the_split_the_refit_ends_with():
     crowded = estimated(raw, ActivationShape(layers=12, hidden=1024, heads=16, seq=2048, micro=16, vocab=32000),
                         free)
     assert any(n.startswith("over the device's memory") for n in crowded.notes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("env", [{}, EMULATED_GPU], ids=["cpu", "gpu"])
+def test_a_refit_at_stages_1_and_2_trains_as_plain_pytorch(stage, env):
+    """The parameters stay whole on the device there (every shard homed on it): only the state moves."""
+    config = split_config(2, 2)
+    config["zero_optimization"]["stage"] = stage
+    results = run_ranks(train_refitted, 2, env=env, config=config, steps=3, micro=2, accum=2, spare=1 << 40)
+    for r in results:
+        assert r["moved"] > 0 and set(r["end"]) == {Tier.DEVICE}
+    check_parity(results, train_reference("gpt", 3, 8, 2, world=2))
