@@ -116,16 +116,16 @@ def test_gradients_summed_on_the_gpu_train_bitwise_as_summed_on_the_host():
 @pytest.mark.parametrize("params", ["none", "cpu"])
 def test_auto_refits_after_the_first_step_into_the_memory_it_left(monkeypatch, params):
     """[Note: the split refitted]: start-up saw room for about half the state (the free memory it read is held
-    low here, as if another process had taken the rest), so auto split it; the first step's real peak on this
+    low here, as if another process had held the rest until then), so auto split it; the first step's real peak on this
     GPU leaves room for all of it, so the rest moves there (with the host-homed shards, beside offloaded
     parameters), and training goes on as torch's."""
     from offload.machine.accelerator import Accelerator
     from test_refit import split_config, splitting_free, train_refitted
     config = split_config(1, 2, ratio="auto")
     config["zero_optimization"]["offload_param"] = {"device": params}
-    free = splitting_free(raw=config)
-    monkeypatch.setattr(Accelerator, "free_bytes", lambda accel: free)
-    ours = train_refitted(0, 1, config, steps=10, micro=2, accum=2, spare=None)
+    free, real, started = splitting_free(raw=config), Accelerator.free_bytes, []
+    monkeypatch.setattr(Accelerator, "free_bytes", lambda accel: real(accel) if started else free)
+    ours = train_refitted(0, 1, config, steps=10, micro=2, accum=2, spare=None, started=started.append)
     assert Tier.HOST in ours["start"] and set(ours["end"]) == {Tier.DEVICE}
     ref = train_reference("gpt", 10, 4, 2, world=1)
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-4)

@@ -183,9 +183,10 @@ def test_when_the_first_step_refits():
 
 def test_the_room_kept_beside_the_peak():
     gib = 1 << 30
-    assert spare_after(80 * gib, 50 * gib) == 26 * gib  # 5% of 80 GiB kept free
-    assert spare_after(8 * gib, 5 * gib) == 2 * gib  # at least 1 GiB
-    assert spare_after(8 * gib, 8 * gib - MARGIN_MIN // 2) == 0
+    assert spare_after(80 * gib, 80 * gib, 50 * gib) == 26 * gib  # 5% of 80 GiB kept free
+    assert spare_after(80 * gib, 70 * gib, 50 * gib) == 16 * gib  # 10 GiB held outside torch's allocator
+    assert spare_after(8 * gib, 8 * gib, 5 * gib) == 2 * gib  # at least 1 GiB
+    assert spare_after(8 * gib, 8 * gib, 8 * gib - MARGIN_MIN // 2) == 0
 
 
 def splitting_free(world=1, raw=None):
@@ -206,7 +207,7 @@ def splitting_free(world=1, raw=None):
 
 class SizedDevice:
     """What a GPU's allocator would report, given to the emulated one (this CPU's device memory has no size):
-    ``free`` at start, the device's ``total`` and the first step's ``peak``."""
+    ``free`` bytes (at start; then what the test sets), the device's ``total`` and the first step's ``peak``."""
 
     def __init__(self, free, total, peak):
         self.free, self.total, self.peak = free, total, peak
@@ -218,32 +219,40 @@ class SizedDevice:
         patch.setattr(Accelerator, "memory_stats", lambda accel: MemoryStats(0, self.peak, 0))
 
 
-def train_on_sized_device(rank, world, config, free, total, tight):
-    """Train where the device reports ``free`` bytes at start and a first step whose peak leaves room for all the
-    state, except on rank ``tight``, where it leaves room for the first host sub-group exactly."""
+def train_on_sized_device(rank, world, config, free, total, tight, tight_by):
+    """Train where the device had ``free`` bytes at start and all of its memory after (another process let go of
+    the rest), with a first step whose peak leaves room for all the state, except on rank ``tight``, where room
+    is left for the first host sub-group exactly: by its peak, or (``tight_by`` "free") by the memory another
+    process still holds."""
     device = SizedDevice(free, total, 0)
 
-    def size_the_peak(engine):
+    def size_the_room(engine):
+        device.free = total
         if rank == tight:
             g = next(g for g in engine.optimizer.store.groups if g.tier is Tier.HOST)
             cost = sum((12 if m.unit in engine.optimizer.landing.device_accumulated else 16) * m.numel
                        for m in g.members)
-            device.peak = total - MARGIN_MIN - cost
+            if tight_by == "peak":
+                device.peak = total - MARGIN_MIN - cost
+            else:
+                device.free = MARGIN_MIN + cost
 
     with pytest.MonkeyPatch.context() as patch:
         device.install(patch)
-        return train_refitted(rank, world, config, 3, 2, 1, spare=None, started=size_the_peak)
+        return train_refitted(rank, world, config, 3, 2, 1, spare=None, started=size_the_room)
 
 
-@pytest.mark.parametrize("world,tight", [pytest.param(1, None, marks=pytest.mark.slow),
-                                         pytest.param(1, 0, marks=pytest.mark.slow), (2, 1)],
-                         ids=["roomy", "tight", "two-ranks-one-tight"])
-def test_the_first_step_refits_by_the_peak_of_the_rank_with_least_room(world, tight):
+@pytest.mark.parametrize("world,tight,tight_by", [pytest.param(1, None, "", marks=pytest.mark.slow),
+                                                  pytest.param(1, 0, "peak", marks=pytest.mark.slow),
+                                                  pytest.param(1, 0, "free", marks=pytest.mark.slow),
+                                                  (2, 1, "peak")],
+                         ids=["roomy", "tight-peak", "tight-free", "two-ranks-one-tight"])
+def test_the_first_step_refits_by_the_peak_of_the_rank_with_least_room(world, tight, tight_by):
     """Start-up saw room for about half the state; the first step's peak leaves room for all of it, or (``tight``)
     on one rank for the first host sub-group only: every rank moves what the rank with least room holds."""
     config = split_config(world, 1, ratio="auto")
     runs = run_ranks(train_on_sized_device, world, env=EMULATED_GPU, config=config, free=splitting_free(world),
-                     total=8 << 30, tight=tight)
+                     total=8 << 30, tight=tight, tight_by=tight_by)
     for r in runs:
         start, end = r["start"], r["end"]
         assert Tier.HOST in start and Tier.DEVICE in start
@@ -355,3 +364,45 @@ def test_a_refit_at_stages_1_and_2_trains_as_plain_pytorch(stage, env):
     for r in results:
         assert r["moved"] > 0 and set(r["end"]) == {Tier.DEVICE}
     check_parity(results, train_reference("gpt", 3, 8, 2, world=2))
+
+
+class FailingEmpty:
+    """torch as offload/optim/sharded.py sees it, with its ``fail_at``-th ``empty`` out of device memory (the
+    fault this test injects)."""
+
+    def __init__(self, fail_at):
+        self.calls, self.fail_at = 0, fail_at
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return torch.empty(*args, **kwargs)
+
+
+def train_out_of_memory_part_way(rank, world, config, fail_at):
+    from offload.optim import sharded
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sharded, "torch", FailingEmpty(fail_at))
+        out = train_refitted(rank, world, config, 3, 2, 1, spare=1 << 40)
+    return out
+
+
+@pytest.mark.parametrize("fail_at,some_moved", [pytest.param(1, False, marks=pytest.mark.slow), (3, False), (4, True),
+                                               pytest.param(10, True, marks=pytest.mark.slow)])
+def test_the_device_running_out_of_memory_part_way_leaves_each_part_whole(fail_at, some_moved):
+    """Each part's device memory is taken before anything of it changes: a part whose allocation fails stays on
+    the host whole (its state, landing buffer and host shard), what moved before it steps on the device, and
+    training goes on as plain PyTorch. The first host sub-groups hold one unit each: three allocations (state,
+    accumulator, shard), so the fourth is the second part's first."""
+    config = split_config(1, 1)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    r = run_ranks(train_out_of_memory_part_way, 1, env=EMULATED_GPU, config=config, fail_at=fail_at)[0]
+    start, end = r["start"], r["end"]
+    moved_parts = start.count(Tier.HOST) - end.count(Tier.HOST)
+    assert Tier.HOST in end and (moved_parts > 0) == some_moved
+    assert r["after"]["host"]["optimizer state"] > 0 and r["after"]["host"]["parameter copies"] > 0
+    check_parity([r], train_reference("gpt", 3, 2, 2, world=1))

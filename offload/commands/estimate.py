@@ -221,7 +221,9 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     placement = placed()
     if activations is not None:
         add_activations(est, activations, config)
-        if discrete and device_free is not None and refits(config, sized=True, delayed=want.delayed):
+        # The refit stops at a shard homed on NVMe; beside NVMe parameters the start-up plan is what is known.
+        if (discrete and device_free is not None and param_dev != "nvme"
+                and refits(config, sized=True, delayed=want.delayed)):
             placement = _refitted(est, placement, placed(room_beside(device_free, device["activations"])))
     device.update(placement.device)
     gathered = placement.gathered(sizes)  # one rank's device homes on a GPU: none

@@ -12,8 +12,13 @@ speculative slot, landing buffer, host copy of the shard) is given back; from th
 stepped by the device Adam. Beside offloaded parameters a unit's shard moves with its state where it was
 homed on the host (as `auto` homes the units it keeps on the device at start-up), counted in the room; a
 shard homed on NVMe ends the move. Every rank moves as many bytes as the rank with the least room allows, so
-the ranks stay alike. The refit runs once, after the first step, and never with a device budget (the user's
-number is the plan's), the delayed update, or the state on NVMe; `offload.auto_refit: false` turns it off.
+the ranks stay alike (unless the device runs out of memory part way on one: each part moves whole or not at
+all, and where state lives is each rank's own). The refit runs once, after the first step, and never with a
+device budget (the user's number is the plan's), the delayed update, or the state on NVMe;
+`offload.auto_refit: false` turns it off. The room is what the allocator holds or could get after the step
+(free plus reserved: the CUDA context, a collective's buffers and other processes take the rest) less the
+step's peak and the margin; a rehomed unit at one rank is still gathered (copied on the device) rather than
+read where it lives, as the units homed there at start-up are: its peak was counted in the first step's.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 
 from offload.config.fields import AUTO
+from offload.engine import agreement
 from offload.machine.accelerator import Accelerator
 from offload.optim.sharded import ShardedAdam
 from offload.store.optimizer_state import SubGroup
@@ -79,9 +85,10 @@ def margin(total: int) -> int:
     return max(MARGIN_MIN, int(MARGIN_FRACTION * total))
 
 
-def spare_after(total: int, peak: int) -> int:
-    """Device bytes free beside a step's peak, less the margin."""
-    return max(0, total - peak - margin(total))
+def spare_after(total: int, available: int, peak: int) -> int:
+    """Device bytes free beside a step's ``peak``, less the margin: of what the allocator holds or could get now
+    (``available``: free plus reserved), on a device of ``total`` bytes."""
+    return max(0, available - peak - margin(total))
 
 
 def room_beside(total: int, activations: int) -> int:
@@ -101,23 +108,29 @@ class Refit:
             accel.reset_peak()
 
     def after_step(self) -> None:
-        """After a step that finished: the first one refits, once."""
+        """After the first step: the refit, once (every rank, as it agrees on the room)."""
         if not self.armed:
             return
         self.armed = False
-        total = self.accel.total_bytes()
-        assert total is not None  # armed only where the device has a size
-        peak = self.accel.memory_stats().peak_allocated
-        spare = smallest(spare_after(total, peak), self.group, self.accel.device)
+        # A host thread's failure surfaces on every rank here, not on one alone (see [Note: one rank's failed step]).
+        agreement.drained(self.optimizer, self.group, self.accel, "the refit's agreement on the device's room")
+        total, free = self.accel.total_bytes(), self.accel.free_bytes()
+        assert total is not None and free is not None  # armed only where the device has a size
+        stats = self.accel.memory_stats()
+        # What the allocator holds or could get now (the CUDA context, a collective's buffers and other processes
+        # take the rest), less the first step's peak and the margin.
+        spare = smallest(spare_after(total, free + stats.reserved, stats.peak_allocated), self.group,
+                         self.accel.device)
         moved = self.apply(spare)
         logger.info("rank %d: the first step peaked at %.2f GiB of the device's %.2f GiB; offload_optimizer.ratio "
-                    "auto %s", self.group.rank, peak / 2**30, total / 2**30,
+                    "auto %s", self.group.rank, stats.peak_allocated / 2**30, total / 2**30,
                     f"moved the optimizer state of {moved} more units to the device, which steps it from now on"
                     if moved else "keeps its split (no more room beside the peak and its margin)")
 
     def apply(self, spare: int) -> int:
         """Move what ``spare`` device bytes hold; returns the units moved. The device running out of memory part
-        way (another process took some) stops the move there: what moved steps on the device, the rest stays."""
+        way (another process took some) stops the move there on this rank: what moved steps on the device, the
+        rest stays (the ranks then differ in where some state lives, which no collective depends on)."""
         opt = self.optimizer
         params = opt.params
 
@@ -131,6 +144,7 @@ class Refit:
             return 0
         host_before = opt.host.used
         wanted = {m.unit for g, count in groups for m in g.members[:count]}
+        opt.drain()
         try:
             opt.move_to_device(groups)
         except torch.OutOfMemoryError as e:

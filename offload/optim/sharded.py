@@ -63,7 +63,7 @@ from offload.optim.update import ShardUpdate
 from offload.observe.telemetry import Telemetry
 from offload.aio.base import IOEngine
 from offload.store.budget import TierBudget
-from offload.store.optimizer_state import OptimizerStateStore, SubGroup
+from offload.store.optimizer_state import KINDS, OptimizerStateStore, SubGroup
 from offload.store.param_store import ParamStore
 from offload.store.tier import Tier
 from offload.store.swapdir import SwapDir
@@ -237,29 +237,34 @@ class ShardedAdam:
         """The first units of host sub-groups (each with how many: all of a sub-group, or the first ones split
         off it) become stepped on the compute device from the next step on, their shards homed there (moved from
         the host where they were homed there: see [Note: the split refitted] in offload/engine/refit.py); called
-        between steps. Each part moves whole
-        or not at all (the device's memory running out leaves it on the host); returns the host bytes given
-        back."""
-        self.drain()
+        between steps, drained. Each part moves whole or not at all: its device memory is taken before anything
+        changes, so the device running out of it leaves the part on the host. Returns the host bytes given back."""
         self.params.wait_copies_back()
         before = self.host.used
         for whole, count in choice:
-            g = whole if count == len(whole.members) else self.store.split(whole, count)
-            states = [self.shards[m.unit] for m in g.members]
+            members = whole.members[:count]
+            states = [self.shards[m.unit] for m in members]
             for state in states:
                 assert self.params.can_home_on_device(state.index), f"unit {state.name!r} cannot move its shard"
                 assert state.phase is ShardPhase.EMPTY, f"unit {state.name!r} holds a gradient"
+            device = self.accel.device
+            numel = sum(m.numel for m in members)
+            taken = torch.empty(KINDS, numel, dtype=torch.float32, device=device)
             grads = [state.on_device if state.on_device is not None else torch.empty(
-                state.numel, dtype=torch.float32, device=self.accel.device) for state in states]
-            self.store.move_to_device(g)  # allocates first: out of memory, nothing has changed
-            for state, grad in zip(states, grads):
+                state.numel, dtype=torch.float32, device=device) for state in states]
+            shards = [torch.empty(state.numel, dtype=self.compute_dtype, device=device)
+                      if self.params.home(state.index) is Tier.HOST else None for state in states]
+            # Nothing has changed above; nothing below allocates device memory.
+            g = whole if count == len(whole.members) else self.store.split(whole, count)
+            self.store.move_to_device(g, taken)
+            for state, grad, shard in zip(states, grads, shards):
                 if state.landing is not None:
                     self.host.give(state.landing.numel() * state.landing.element_size(), "gradient landing")
                     self.accel.forget_host_buffer(state.landing)
                 if self._host_accumulators and state.on_device is None:
                     self.host.give(4 * state.numel, "gradient accumulators")
-                if self.params.home(state.index) is Tier.HOST:  # its shard is what the host step wrote
-                    self.host.give(self.params.home_on_device(state.index), "parameter copies")
+                if shard is not None:  # its shard is what the host step wrote
+                    self.host.give(self.params.home_on_device(state.index, shard), "parameter copies")
                 else:
                     self.host.give(self.params.drop_host_copy(state.index), "parameter copies")
                 state.grad, state.landing, state.on_device, state.device_holds = grad.zero_(), None, None, False

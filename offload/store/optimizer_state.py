@@ -411,14 +411,15 @@ class OptimizerStateStore:
         self.by_unit.update({m.unit: (x, m) for x in (head, g) for m in x.members})
         return head
 
-    def move_to_device(self, g: SubGroup) -> None:
-        """Host sub-group ``g`` (state settled: no step in flight) moves to the compute device, each unit's state
-        from its current slot; host memory of its own is given back (see [Note: the split refitted] in
-        offload/engine/refit.py)."""
+    def move_to_device(self, g: SubGroup, moved: torch.Tensor) -> None:
+        """Host sub-group ``g`` (state settled: no step in flight) moves into ``moved`` (``KINDS`` x its elements,
+        on the compute device), each unit's state from its current slot; host memory of its own is given back
+        (see [Note: the split refitted] in offload/engine/refit.py)."""
         assert g.tier is Tier.HOST and g.resident is not None, f"sub-group {g.index} is not on the host"
-        moved = torch.empty(KINDS, g.numel, dtype=torch.float32, device=self.accel.device)
+        assert moved.shape == (KINDS, g.numel), f"sub-group {g.index} moves into {KINDS} x {g.numel} elements"
         for m in g.members:
-            moved[:, m.offset:m.offset + m.numel].copy_(torch.stack(g.views(m)))
+            for kind, view in enumerate(g.views(m)):
+                moved[kind, m.offset:m.offset + m.numel].copy_(view)
         if not g.borrowed:
             for slot, what in ((g.resident, "optimizer state"), (g.spare, SPECULATIVE_SLOT)):
                 if slot is not None:

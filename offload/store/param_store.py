@@ -291,16 +291,16 @@ class ParamStore:
         home = self.homes[index]
         return home is Tier.DEVICE or (home is Tier.HOST and not self.host_is_device)
 
-    def home_on_device(self, index: int) -> int:
-        """A host-homed shard whose step moved to the device moves too (see [Note: the split refitted] in
-        offload/engine/refit.py): the device keeps it, as it keeps a unit homed there at start-up, and the host
-        buffer is freed; returns its bytes."""
+    def home_on_device(self, index: int, device: torch.Tensor) -> int:
+        """A host-homed shard whose step moved to the device moves too, into ``device`` (its elements, on the
+        compute device: see [Note: the split refitted] in offload/engine/refit.py): the device keeps it, as it
+        keeps a unit homed there at start-up, and the host buffer is freed; returns its bytes."""
         shard = self.shards[index]
         assert shard.home is Tier.HOST and shard.host is not None and not self.host_is_device
+        assert device.numel() == shard.numel and device.dtype == self.dtype
         self.wait_step(index)
         if shard.fetched is not None:  # the last copy from it to the device
             self.accel.wait(shard.fetched, "a shard's copy before it moves to the device")
-        device = torch.empty(shard.numel, dtype=self.dtype, device=self.accel.device)
         device.copy_(shard.host)
         self.accel.forget_host_buffer(shard.host)
         nbytes = shard.host.numel() * shard.host.element_size()
