@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from offload.machine.launch import _free_port
+
 HERE = Path(__file__).parent / "ds_battery"
 
 # script -> (config, whether it takes --save_dir, processes); every config is fp32
@@ -47,7 +49,7 @@ def run(impl: str, name: str, tmp: Path) -> dict:
     args = ["--deepspeed", "--deepspeed_config", str(HERE / "configs" / config)]
     if saves:
         args += ["--save_dir", str(tmp / f"{impl}-save")]
-    port = str(29500 + (os.getpid() * 7 + len(name)) % 1000)
+    port = str(_free_port())  # another test's ranks may hold a port a formula would pick (xdist workers)
     procs = []
     for rank in range(world):
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank),
