@@ -17,6 +17,9 @@
 # plan44b: the CUDA tests (the refit's real trigger among them: test_engine_cuda.py); the 8B Llama through
 #   offload.hf.Trainer, DeepSpeed and plain PyTorch; the 4.5B under a 68 GiB device budget. trainer-8b-refit (a
 #   stage of its own) runs the 8B's offload side with no device budget: auto and its refit choose the split.
+# largest (a stage of its own, about 3-5 minutes): the largest model `offload estimate` says that machine trains
+#   (its RAM, its disk under /tmp as NVMe, the GPU), at 0.9 of that size, three steps: tokens/s and each tier's
+#   peak against the estimate (tools/largest_pace.py).
 # Then, with time to spare, what was open after the H200's third loan of 2026-11-26 (docs/performance.md, "On a GPU"):
 # plan1 (about 5-6 minutes): install; the CUDA tests and the same under torch's stream sanitizer; the headline step
 #   (the regression check) beside its host Adam on two threads fewer (`host-spare-cores`: whether the Adam inside
@@ -39,7 +42,7 @@
 #   bench-step-delayed bench-step-hiding bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
 #   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b
 #   bench-deepspeed-nvme bench-step-checkpointing bench-step-threads profile sanitizer suite
-#   pace-0p9b pace-4p5b pace-4p5b-budget trainer-8b trainer-8b-refit
+#   pace-0p9b pace-4p5b pace-4p5b-budget trainer-8b trainer-8b-refit largest
 # bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
 # a call of its own (SUITE_S, default 420 s, 14 workers).
 # Then replay the same model's recorded step graph here (`offload bench schedule`, docs/performance.md) and put the
@@ -280,6 +283,7 @@ for s in "${stages[@]}"; do
     pace-4p5b) stage pace-4p5b pace pace-4p5b "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants full,auto,auto-params-device ;;
     pace-4p5b-budget) stage pace-4p5b-budget pace pace-4p5b-budget "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --device-budget 68Gi --variants auto,auto-params-device ;;
     trainer-8b) STAGE_S=${TRAINER_S:-240} stage trainer-8b trainer_8b ;;
+    largest) stage largest py tools/largest_pace.py --nvme-path /tmp/nvme-largest --out "$OUT/largest.json" ;;
     trainer-8b-refit) TRAINER_SIDES=offload TRAINER_BUDGET= TRAINER_TAG=-refit STAGE_S=${TRAINER_S:-240} stage trainer-8b-refit trainer_8b ;;
     *) echo "unknown stage $s" ;;
   esac
