@@ -133,6 +133,7 @@ class Refit:
         rest stays (the ranks then differ in where some state lives, which no collective depends on)."""
         opt = self.optimizer
         params = opt.params
+        opt.drain()  # every shard's gradient used and every step run before the choice reads them
 
         def shard_bytes(unit: int) -> int | None:
             if not params.can_home_on_device(unit):
@@ -144,7 +145,6 @@ class Refit:
             return 0
         host_before = opt.host.used
         wanted = {m.unit for g, count in groups for m in g.members[:count]}
-        opt.drain()
         try:
             opt.move_to_device(groups)
         except torch.OutOfMemoryError as e:
