@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,13 +57,18 @@ def base_config(micro: int, accum: int, world: int, clip: float = 1.0, unit_byte
 
 
 def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps: int, micro: int,
-                 accum: int, save_dir: str | None = None) -> dict[str, Any]:
+                 accum: int, save_dir: str | None = None, started: Callable[[Any], None] | None = None,
+                 after_step: Callable[[int, Any], None] | None = None,
+                 finished: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Train with offload on this rank's slices of each global batch; every rank's mean loss per step
-    (and a checkpoint in ``save_dir`` at the end)."""
+    (and a checkpoint in ``save_dir`` at the end). ``started(engine)`` runs after initialize,
+    ``after_step(i, engine)`` after step i, and ``finished(engine)`` adds to the result before the engine closes."""
     model = make_any(name)
     engine, _, _, _ = offload.initialize(model=model, config=config)
+    if started is not None:
+        started(engine)
     losses = []
-    for tokens in batches(steps, micro * accum * world):
+    for i, tokens in enumerate(batches(steps, micro * accum * world)):
         total = 0.0
         for a in range(accum):
             rows = tokens[(a * world + rank) * micro:(a * world + rank + 1) * micro].to(engine.accel.device)
@@ -73,6 +79,8 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
         if world > 1:
             dist.all_reduce(mean)
         losses.append(float(mean) / world)
+        if after_step is not None:
+            after_step(i, engine)
     eval_tokens = batches(1, 4, seed=7)[0][:, :-1].to(engine.accel.device)
     engine.eval()
     with torch.no_grad():
@@ -89,6 +97,8 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
            "mismatches": engine.runtime.prefetch.mismatches, "skipped": engine.skipped_steps,
            "scale": engine.loss_scale, "memory": engine.memory_summary(), "mode": engine.step_mode,
            "tiers": dict(engine.optimizer.store.placement.tiers)}
+    if finished is not None:
+        out |= finished(engine)
     engine.close()
     return out
 

@@ -4,10 +4,9 @@ PyTorch's, bitwise as if they had never moved where both tiers run the same kern
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import offload
-from engine_cases import base_config, batches, check_parity, loss_of, make_model, train_reference
+from engine_cases import base_config, batches, check_parity, loss_of, make_model, train_engine, train_reference
 from offload.commands.estimate import estimate, model_units
 from offload.config import Config
 from offload.engine.refit import MARGIN_MIN, refit_choice, refits, spare_after
@@ -28,42 +27,33 @@ def split_config(world, accum, ratio=0.75, **offload_section):
 
 def train_refitted(rank, world, config, steps, micro, accum, spare, started=None):
     """Train ``steps`` steps; after the first, the refit moves what ``spare`` bytes hold (None: only what the
-    engine's step does itself). Returns losses, the state, the tiers at start and end, and the split and host
-    budget before and after the move; ``started(engine)`` runs after initialize."""
-    engine = offload.initialize(model=make_model("gpt"), config=config)[0]
-    opt = engine.optimizer
-    if started is not None:
-        started(engine)
-    seen = {"start": [g.tier for g in opt.store.groups]}
+    engine's step does itself). Returns train_engine's result with the tiers at start and end, and the split and
+    host budget before and after the move; ``started(engine)`` runs after initialize."""
+    seen = {"moved": 0}
 
-    def split():
+    def split(engine):
+        opt = engine.optimizer
         return {"tiers": [g.tier for g in opt.store.groups], "host": dict(opt.host.parts),
                 "device": dict(engine.memory_summary()["device"])}
 
-    losses, moved = [], 0
-    for i, tokens in enumerate(batches(steps, micro * accum * world)):
-        total = 0.0
-        for a in range(accum):
-            rows = tokens[(a * world + rank) * micro:(a * world + rank + 1) * micro].to(engine.accel.device)
-            loss = engine.backward(loss_of(engine, "gpt", rows))
-            engine.step()
-            total += loss.item()
-        mean = torch.tensor([total / accum], dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(mean)
-        losses.append(float(mean) / world)
+    def begin(engine):
+        if started is not None:
+            started(engine)
+        seen["start"] = [g.tier for g in engine.optimizer.store.groups]
+
+    def after(i, engine):
         if i == 0 and spare is not None:
-            seen["before"] = split()
-            moved = engine.refit.apply(spare)
-            seen["after"] = split()
-    engine.eval()
-    with torch.no_grad():
-        logits = engine(batches(1, 4, seed=7)[0][:, :-1].to(engine.accel.device))
-    out = {"losses": losses, "state": engine.full_state_dict(), "eval_logits": logits.cpu(), "moved": moved,
-           "end": [g.tier for g in opt.store.groups],
-           "end_by_unit": [opt.store.by_unit[u][0].tier for u in sorted(opt.store.by_unit)], **seen}
-    engine.close()
-    return out
+            seen["before"] = split(engine)
+            seen["moved"] = engine.refit.apply(spare)
+            seen["after"] = split(engine)
+
+    def finished(engine):
+        store = engine.optimizer.store
+        return {"end": [g.tier for g in store.groups],
+                "end_by_unit": [store.by_unit[u][0].tier for u in sorted(store.by_unit)], **seen}
+
+    return train_engine(rank, world, "gpt", config, steps, micro, accum, started=begin, after_step=after,
+                        finished=finished)
 
 
 @pytest.mark.parametrize("world,accum,env", [pytest.param(1, 2, EMULATED_GPU, marks=pytest.mark.slow),

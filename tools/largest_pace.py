@@ -14,17 +14,15 @@ peak as the engine accounted it (the GPU's from torch's allocator), tokens/s, an
 from __future__ import annotations
 
 import argparse
-import json
-import resource
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
+from trainer_pace import record  # this folder's: the same JSON, error and peaks as the Trainer row
 
 WIDE = dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672,
             vocab_size=128256)  # Llama-3-70B's layer and vocabulary
@@ -48,18 +46,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     args = p.parse_args()
-    out: dict[str, Any] = {}
-    started = time.perf_counter()
-    try:
-        out |= run(args)
-    except BaseException as e:  # out of memory included: shown as it happened
-        out["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        out["traceback"] = traceback.format_exc()[-4000:]
-    out["wall_s"] = time.perf_counter() - started
-    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(json.dumps({k: v for k, v in out.items() if k not in ("traceback", "estimate")}))
-    return 0 if "error" not in out else 1
+    return record(args.out, {}, lambda: run(args), unprinted=("traceback", "estimate"))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

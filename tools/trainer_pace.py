@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,17 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="a tiny Llama on this machine's device: a smoke run")
     args = p.parse_args()
-    out: dict[str, Any] = {"side": args.side, "seq": args.seq, "config": args.config}
+    return record(args.out, {"side": args.side, "seq": args.seq, "config": args.config}, lambda: train(args))
+
+
+def record(path: str, out: dict[str, Any], work: Callable[[], dict[str, Any]],
+           unprinted: tuple[str, ...] = ("traceback",)) -> int:
+    """Run ``work`` into ``out`` and write it to ``path`` as JSON, with the wall time, the process's peak RSS and
+    the GPU's high water; a failure (out of memory included) is written as it happened instead of a figure. Prints
+    the result but ``unprinted``; returns the exit status (1: it failed)."""
     started = time.perf_counter()
     try:
-        out |= train(args)
+        out |= work()
     except BaseException as e:  # out of memory included: shown as it happened
         out["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         out["traceback"] = traceback.format_exc()[-4000:]
@@ -69,8 +77,8 @@ def main() -> int:
     out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if torch.cuda.is_available():
         out["gpu_peak"] = torch.cuda.max_memory_allocated()
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(json.dumps({k: v for k, v in out.items() if k != "traceback"}))
+    Path(path).write_text(json.dumps(out, indent=2))
+    print(json.dumps({k: v for k, v in out.items() if k not in unprinted}))
     return 0 if "error" not in out else 1
 
 
