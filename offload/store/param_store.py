@@ -302,9 +302,8 @@ class ParamStore:
         if shard.fetched is not None:  # the last copy from it to the device
             self.accel.wait(shard.fetched, "a shard's copy before it moves to the device")
         device.copy_(shard.host)
-        self.accel.forget_host_buffer(shard.host)
-        nbytes = shard.host.numel() * shard.host.element_size()
-        shard.device, shard.host, shard.home, shard.ready, shard.fetched = device, None, Tier.DEVICE, None, None
+        nbytes = self._free_host(shard)
+        shard.device, shard.home, shard.ready, shard.fetched = device, Tier.DEVICE, None, None
         self.homes[index] = Tier.DEVICE
         return nbytes
 
@@ -314,6 +313,11 @@ class ParamStore:
         shard = self.shards[index]
         if shard.home is not Tier.DEVICE or shard.host is None or shard.host is shard.device:
             return 0
+        return self._free_host(shard)
+
+    def _free_host(self, shard: ParamShard) -> int:
+        """The shard's host buffer is freed once its last view goes; returns the bytes its budget part held."""
+        assert shard.host is not None
         self.accel.forget_host_buffer(shard.host)
         nbytes = shard.host.numel() * shard.host.element_size()
         shard.host = None
