@@ -33,8 +33,8 @@ import torch
 
 from offload.machine import cpus, native
 from offload.optim import AdamHyper, adam_step
+from offload.store.step_cost import ADAM_BYTES  # read p, g, m, v; write p, m, v (fp32)
 
-ADAM_BYTES = 28      # read p, g, m, v; write p, m, v (fp32)
 FUSED_BYTES = 30     # bf16 grad read twice (norm + step), p/m/v read and written, bf16 copy written
 AXPY_BYTES = 12      # a += s * b: read a, b; write a
 HYPER = AdamHyper(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -33,7 +33,8 @@ from offload.engine.step_schedule import wanted
 from offload.models.catalog import MODELS, ModelError, build_model
 from offload.store.optimizer_state import SubGroup, unpipelined_note
 from offload.store.param_swap import describe_placement
-from offload.store.placement import Speculation, plan
+from offload.store.placement import Speculation, plan, traffic
+from offload.store.step_cost import ADAM_BYTES, NVME_BYTES, Rates, StepPrediction, adam_ms, predict
 from offload.store.tier import Tier
 from offload.zero.stage import Stage
 
@@ -135,63 +136,17 @@ class StepRates:
     others_source: str = ""  # where the compute and PCIe rates came from
 
 
-@dataclass
-class StepPrediction:
-    """A step's terms in ms at the estimate's rates (None: a rate or the shape unknown), and the step they make:
-    the longest where every stage overlaps (the floor), their sum where they run one after another."""
-
-    terms: dict[str, float | None]
-
-    def _known(self) -> list[float] | None:
-        """Every term, or None when one is unknown (then no step is predicted)."""
-        known = [t for t in self.terms.values() if t is not None]
-        return known if known and len(known) == len(self.terms) else None
-
-    @property
-    def overlapped_ms(self) -> float | None:
-        known = self._known()
-        return max(known) if known else None
-
-    @property
-    def serial_ms(self) -> float | None:
-        known = self._known()
-        return sum(known) if known else None
-
-    def note(self, source: str) -> str:
-        terms = ", ".join(f"{k} {'?' if v is None else f'{v:,.0f} ms'}" for k, v in self.terms.items())
-        if self.overlapped_ms is None:
-            return f"the step's terms: {terms} (a term without its rate or the model's shape is unknown)"
-        slowest = max(self.terms, key=lambda k: self.terms[k] or 0.0)
-        return (f"the step predicted: {terms}; overlapped {self.overlapped_ms:,.0f} ms (the {slowest}), one after "
-                f"another {self.serial_ms:,.0f} ms" + (f", at {source}" if source else ""))
+    def for_step(self, compute_ms: float | None) -> Rates:
+        """The rates the plan and the prediction price a step at, with the model's compute known or not."""
+        return Rates(compute_ms, self.device_gbps, self.host_gbps, self.nvme_gbps, self.h2d_gbps, self.d2h_gbps)
 
 
-def predict_step(est: Estimate, placement: Any, sizes: list[tuple[int, int]], shape: ActivationShape | None,
-                 config: Config, rates: StepRates) -> StepPrediction:
-    """The terms a step of one rank is made of: compute (6 FLOPs a parameter a token, 8 with checkpointed blocks
-    recomputing), the host's and the device's Adam (est.step_ms), the parameters brought from the host (each gather
-    in forward and again in backward) and the gradients of the host-stepped units sent there."""
-    item = compute_bytes(config)
-    compute = None
-    if shape is not None and rates.device_tflops:
-        per_token = 8 if config.offload.checkpoint_blocks else 6
-        compute = per_token * est.params * shape.seq * shape.micro / (rates.device_tflops * 1e12) * 1e3
-    from_host = sum(n for i, n in sizes if placement.homes[i] is not Tier.DEVICE)  # this rank's shards
-    host_stepped = sum(g.numel for g in placement.groups if g.tier is not Tier.DEVICE)
-    on_device = any(g.tier is Tier.DEVICE for g in placement.groups)
-
-    def adam(*tiers: Tier) -> float | None:
-        known = [est.step_ms[t.value] for t in tiers if t.value in est.step_ms]
-        return sum(known) if known else None
-
-    terms: dict[str, float | None] = {"compute": compute,
-                                      "host Adam": adam(Tier.HOST, Tier.NVME) if host_stepped else 0.0,
-                                      "device Adam": adam(Tier.DEVICE) if on_device else 0.0}
-    if from_host:  # each shard crosses before its gather in forward, and again in backward
-        terms["parameters up"] = 2 * item * from_host / (rates.h2d_gbps * 1e9) * 1e3 if rates.h2d_gbps else None
-    if host_stepped:
-        terms["gradients down"] = item * host_stepped / (rates.d2h_gbps * 1e9) * 1e3 if rates.d2h_gbps else None
-    return StepPrediction(terms)
+def compute_ms(est_params: int, shape: ActivationShape | None, config: Config, rates: StepRates) -> float | None:
+    """One step's forward and backward: 6 FLOPs a parameter a token, 8 with checkpointed blocks recomputing."""
+    if shape is None or not rates.device_tflops:
+        return None
+    per_token = 8 if config.offload.checkpoint_blocks else 6
+    return per_token * est_params * shape.seq * shape.micro / (rates.device_tflops * 1e12) * 1e3
 
 
 def estimate(unit_numels: list[int], config: Config, world: int,
@@ -211,12 +166,14 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     param_dev = zero.offload_param.device
     dtype = torch.float16 if config.fp16.enabled is True else torch.bfloat16 if item == 2 else torch.float32
     want = wanted(config, dtype)
+    rates = rates or StepRates()
+    priced = rates.for_step(compute_ms(est.params, activations, config, rates))
 
-    def placed(refit_room: int | None = None) -> Any:  # the engine's own plan
+    def placed(refit_room: int | None = None) -> Any:  # the engine's own plan: auto's split by rates, not compute
         return plan(sizes, {i for i, _ in sizes}, config, item, parts=parts, resident_params=stage.resident_params,
                     whole_grads=0 if stage.reduce_every_micro_batch else est.params, discrete=discrete,
                     device_free=device_free, speculation=want.speculation, delayed=want.delayed,
-                    refit_room=refit_room)
+                    refit_room=refit_room, rates=rates.for_step(None))
 
     placement = placed()
     if activations is not None:
@@ -236,12 +193,11 @@ def estimate(unit_numels: list[int], config: Config, world: int,
         est.notes.append(describe_placement(sizes, placement.nvme_params, zero.offload_param))
     nvme.update(placement.nvme)
     host.update(placement.host)
-    rates = rates or StepRates()
     if zero.offload_optimizer.device != "none" and placement.placed:
-        note, est.step_ms = step_traffic(placement.groups, item, rates)
+        note, est.step_ms = step_traffic(placement.groups, item, priced, rates.source)
         est.notes.append(note)
         if discrete:
-            est.prediction = predict_step(est, placement, sizes, activations, config, rates)
+            est.prediction = predict(traffic(placement, sizes, item), priced)
             est.notes.append(est.prediction.note("; ".join(x for x in (rates.source, rates.others_source) if x)))
     if placement.state_on_device:
         on_device = sum(g.numel for g in placement.groups if g.tier is Tier.DEVICE)
@@ -291,36 +247,28 @@ def _refitted(est: Estimate, start_up: Any, refitted: Any) -> Any:
     return refitted
 
 
-ADAM_BYTES = 28  # per element of one Adam step: fp32 master, moments and gradient read, master and moments written
-
-
-def step_traffic(groups: list[SubGroup], item: int, rates: StepRates) -> tuple[str, dict[str, float]]:
+def step_traffic(groups: list[SubGroup], item: int, rates: Rates, source: str) -> tuple[str, dict[str, float]]:
     """What one optimizer step moves on each tier its state lives on, per rank, and what that costs in ms at
-    ``rates`` (the bandwidths `offload bench adam` and `offload tune-nvme` measure): a tier on NVMe costs its
-    disk time or its host-memory time, whichever is longer (they overlap). The tiers step side by side (device
-    Adam on the GPU beside the host's), so the longest is what the step waits for."""
+    ``rates`` (the bandwidths `offload bench adam` and `offload tune-nvme` measure; offload/store/step_cost.py
+    prices them). The tiers step side by side (device Adam on the GPU beside the host's), so the longest is what
+    the step waits for."""
     per_tier: dict[Tier, int] = {}
     for g in groups:
         per_tier[g.tier] = per_tier.get(g.tier, 0) + g.numel
     parts, cost_ms = [], {}  # cost_ms by the tier's name: it is the estimate's step_ms, written to JSON
     for tier, n in per_tier.items():
-        memory_gb = n * (ADAM_BYTES + item) / 1e9
         memory = "device memory" if tier is Tier.DEVICE else "host memory"
-        part = f"{tier.value}: {n:,} elements, {memory_gb:.2f} GB through {memory}"
-        rate = rates.device_gbps if tier is Tier.DEVICE else rates.host_gbps
-        times = [memory_gb / rate * 1e3] if rate else []
+        part = f"{tier.value}: {n:,} elements, {n * (ADAM_BYTES + item) / 1e9:.2f} GB through {memory}"
         if tier is Tier.NVME:
-            disk_gb = n * 24 / 1e9
-            part += f" and {disk_gb:.2f} GB read and written on NVMe"
-            # Without the disk's rate its share is unknown, and so is the tier's cost: bytes only.
-            times = times + [disk_gb / rates.nvme_gbps * 1e3] if rates.nvme_gbps else []
-        if times:
-            cost_ms[tier.value] = max(times)
-            part += f", about {cost_ms[tier.value]:,.0f} ms"
+            part += f" and {n * NVME_BYTES / 1e9:.2f} GB read and written on NVMe"
+        ms = adam_ms(tier, n, item, rates)  # without the disk's rate an NVMe tier's cost is unknown: bytes only
+        if ms is not None:
+            cost_ms[tier.value] = ms
+            part += f", about {ms:,.0f} ms"
         parts.append(part)
     note = "optimizer step traffic per rank and step, by where the state lives: " + "; ".join(parts)
     if cost_ms:
-        note += f", at {rates.source}" if rates.source else ""
+        note += f", at {source}" if source else ""
         if len(cost_ms) > 1:
             slowest = max(cost_ms, key=cost_ms.__getitem__)
             note += f"; the tiers step side by side, so the {slowest}'s {cost_ms[slowest]:,.0f} ms is the step's"

@@ -23,10 +23,11 @@ from offload.machine.accelerator import Accelerator
 from offload.aio.base import IOEngine
 from offload.aio.choose import engine_from_config
 from offload.config import Config
-from offload.config.fields import resolved
+from offload.config.fields import AUTO, resolved
 from offload.engine.errors import EngineError
 from offload.engine import step_schedule
 from offload.engine.memory import MemoryAccount
+from offload.engine import rates
 from offload.engine.refit import Refit
 from offload.engine.step_schedule import StepSchedule
 from offload.optim.lr_schedules import build_lr_schedule
@@ -38,7 +39,8 @@ from offload.store.budget import TierBudget
 from offload.store.param_store import ParamStore
 from offload.store.optimizer_state import unpipelined_note
 from offload.store.param_swap import ParamSwap, describe_placement
-from offload.store.placement import describe_split, plan as plan_placement
+from offload.store.placement import describe_split, plan as plan_placement, traffic
+from offload.store.step_cost import predict
 from offload.store.swapdir import PREFIX, SwapDir
 from offload.store.tier import Tier
 from offload.observe.telemetry import Telemetry
@@ -128,19 +130,28 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         whole_grads = 0 if stage.reduce_every_micro_batch else sum(
             s.numel for p in plans for s in p.slots if s.param.requires_grad)
         want = step_schedule.wanted(config, compute_dtype)
+        device_free = accel.free_bytes()
+        ratio = zero.offload_optimizer.ratio
+        # auto's split by this machine's rates, where it has a split to choose (see [Note: rates measured at
+        # start-up]): an offloaded optimizer on a device with memory of its own, bounded by a budget or its size
+        measured = (rates.measure(accel, config.offload.cpu_threads, group)
+                    if ratio is AUTO and zero.offload_optimizer.device != "none" and not accel.host_is_device
+                    and (config.offload.budgets.device is not None or device_free is not None) else None)
         placement = plan_placement(shard_sizes, trained, config, compute_dtype.itemsize, parts=parts,
                                    resident_params=stage.resident_params, whole_grads=whole_grads,
-                                   discrete=not accel.host_is_device, device_free=accel.free_bytes(),
-                                   speculation=want.speculation, delayed=want.delayed)
+                                   discrete=not accel.host_is_device, device_free=device_free,
+                                   speculation=want.speculation, delayed=want.delayed, rates=measured)
         nvme_params = placement.nvme_params
-        ratio = zero.offload_optimizer.ratio
         if zero.offload_optimizer.device != "none" and placement.state_fits_device and ratio == 1.0:
             logger.info("rank %d: the whole optimizer state would fit on the device beside the rest, where it steps "
                         "faster than on the host: offload_optimizer.ratio \"auto\" keeps it there", group.rank)
-        if placement.state_on_device:
+        if placement.state_on_device or measured:
+            step = predict(traffic(placement, shard_sizes, compute_dtype.itemsize), measured) if measured else None
+            priced = (f"; at this machine's rates ({rates.describe(measured)}) offload's terms of a step: "
+                      f"{step.terms_text(skip=('compute',))}" if measured and step else "")
             logger.info("rank %d: offload_optimizer.ratio %s keeps the optimizer state of %d of %d units on the "
-                        "device; %s", group.rank, ratio, len(placement.state_on_device), len(trained),
-                        describe_split(placement, shard_sizes))
+                        "device; %s%s", group.rank, ratio, len(placement.state_on_device), len(trained),
+                        describe_split(placement, shard_sizes), priced)
         if zero.offload_param.device == "nvme":
             logger.info("rank %d: %s", group.rank, describe_placement(shard_sizes, nvme_params, zero.offload_param))
         placement.check()  # every budget, before anything is allocated

@@ -14,6 +14,9 @@ copies a GPU needs there (``host_is_device``; see [Note: host memory is the devi
 in store/param_store.py). ``OFFLOAD_EMULATED_DISCRETE_DEVICE=1`` (implied by a copy
 delay) makes the CPU device behave as a separate memory instead: every copy a GPU
 needs is made, on the emulated streams, so their ordering is tested here too.
+``OFFLOAD_EMULATED_RATES`` (``host_gbps=135,h2d_gbps=53,...``) gives such a device the rates a GPU machine
+would measure at start-up (offload/engine/rates.py): a CPU's own say nothing of a GPU's, and would make a test's
+split depend on the box it runs on.
 
 [Note: events re-recorded] An owner that records an event for the same purpose every step
 (a shard's landing buffer is free, its copy back is done) passes its last one back,
@@ -396,6 +399,21 @@ class MemoryStats:
     reserved: int
 
 
+def _emulated_rates(text: str) -> dict[str, float] | None:
+    """``OFFLOAD_EMULATED_RATES`` read: name=GB/s pairs, comma-separated (None: not set)."""
+    if not text.strip():
+        return None
+    rates = {}
+    for pair in text.split(","):
+        name, _, value = pair.partition("=")
+        try:
+            rates[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"OFFLOAD_EMULATED_RATES: {pair.strip()!r} is not name=GB/s (e.g. host_gbps=135)"
+                             ) from None
+    return rates
+
+
 class Accelerator:
     """The compute device and everything that orders work on it."""
 
@@ -414,6 +432,7 @@ class Accelerator:
             0.0 if self.is_cuda else self._delay_s)
         discrete = os.environ.get("OFFLOAD_EMULATED_DISCRETE_DEVICE", "0") not in ("", "0") or self._delay_s > 0
         self.host_is_device = not self.is_cuda and not discrete  # compute reads host memory where it lies
+        self.emulated_rates = _emulated_rates(os.environ.get("OFFLOAD_EMULATED_RATES", "")) if discrete else None
         self._streams: list[CopyStream] = []
         self._host_buffers: list[AlignedBuffer] = []  # unpinned at close()
         self.ledger = SyncLedger()  # every host-blocking wait, by who waited (see [Note: sync ledger])

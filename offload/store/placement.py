@@ -24,6 +24,7 @@ from offload.store.optimizer_state import (SPECULATIVE_SLOT, SubGroup, nvme_buff
                                           plan_sub_groups)
 from offload.store.param_store import HOST_PARAMS
 from offload.store.param_swap import WRITE_BUFFERS, param_buffer_bytes, place_params, plan_homes
+from offload.store.step_cost import Rates, StepPrediction, Traffic, best, predict
 from offload.store.tier import Tier
 from offload.store.two_slots import layout
 
@@ -93,7 +94,7 @@ class Placement:
 def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, item: int, *, parts: int = 1,
          resident_params: bool = False, whole_grads: int = 0, discrete: bool = True,
          device_free: int | None = None, speculation: Speculation = Speculation.NONE,
-         delayed: bool = False, refit_room: int | None = None) -> Placement:
+         delayed: bool = False, refit_room: int | None = None, rates: Rates | None = None) -> Placement:
     """The placement of one rank's units (``shard_sizes``: (unit, shard elements) in unit order; ``trained``:
     the units the optimizer steps) under ``config``, whose compute dtype has ``item`` bytes. The ZeRO stage's
     part: each unit is split in ``parts``; ``resident_params``, every unit stays whole on the device (stages 0-2);
@@ -105,7 +106,8 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     sub-groups the step speculates on; ``delayed``: the
     delayed update stages each new shard in a host buffer of its own. ``refit_room``: the device bytes the first
     step's refit leaves offload beside the activations (offload/engine/refit.py), which auto fills as it fills a
-    device budget: the split the refit ends with, as ``offload estimate`` predicts it. Raises only for a
+    device budget: the split the refit ends with, as ``offload estimate`` predicts it. ``rates``: what auto
+    chooses its split by (see [Note: auto by rates]; None: state first, as much as the room holds). Raises only for a
     setting that no budget could fix (offload_param.buffer_size below a shard)."""
     zero = config.zero_optimization
     one_micro_batch = (config.gradient_accumulation_steps or 1) == 1  # a step's gradients are each unit's only ones
@@ -121,7 +123,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
     _plan_device_resident(out, shard_sizes, trained_sizes, config, item, parts, resident_params, whole_grads)
     if opt.device != "none" and trained_sizes:
-        _plan_state_on_device(out, shard_sizes, trained_sizes, config, item, parts, device_free, refit_room)
+        _plan_state_on_device(out, shard_sizes, trained_sizes, config, item, parts, device_free, refit_room, rates)
         if alias:  # the units homed on the device beside offloaded parameters are read there too
             out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
     nvme_params = out.nvme_params
@@ -285,14 +287,16 @@ def gather_bytes(out: Placement, shard_sizes: list[tuple[int, int]], config: Any
 
 def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], trained_sizes: list[tuple[int, int]],
                           config: Any, item: int, parts: int, device_free: int | None,
-                          refit_room: int | None = None) -> None:
+                          refit_room: int | None = None, rates: Rates | None = None) -> None:
     """A partial optimizer offload (offload_optimizer.ratio below 1, or auto): the optimizer state of the first
     units, the ones the next forward needs first, stays on the device with an fp32 gradient accumulator each, and
-    is stepped there. ratio r keeps the units nearest (1 - r) of the elements; auto as many as the device's
-    room holds (none where nothing bounds it: a CPU device's memory is the host's). Beside offloaded parameters
+    is stepped there. ratio r keeps the units nearest (1 - r) of the elements; auto, within the device's room
+    (none where nothing bounds it: a CPU device's memory is the host's), as many as make the fastest step at
+    ``rates`` (see [Note: auto by rates]), or without them as many as the room holds. Beside offloaded parameters
     the kept units' shards are homed on the device too (see [Note: a split beside offloaded parameters])."""
     zero = config.zero_optimization
     ratio, params_offloaded = zero.offload_optimizer.ratio, zero.offload_param.device != "none"
+    opt_tier = Tier.NVME if zero.offload_optimizer.device == "nvme" else Tier.HOST
     room = _device_room(out, shard_sizes, config, item, parts, device_free, refit_room)
     # state (a sub-group each at worst), the fp32 accumulator and, beside offloaded parameters, the shard itself
     cost = [(i, n, round_up(12 * n) + 4 * n + (item * n if params_offloaded else 0))
@@ -303,13 +307,15 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
     if ratio is AUTO:
         if room is None:
             return  # a CPU device without a budget gains nothing
-        used = 0
-        for i, n, c in cost:
-            if used + c > room:
-                break
-            chosen.append((i, n))
-            used += c
-        spare = room - used
+        if rates is not None and rates.prices_a_split:
+            k = _fastest_prefix(cost, shard_sizes, room, item, params_offloaded, opt_tier, rates)
+        else:  # state first: as many units as the room holds
+            k, used = 0, 0
+            while k < len(cost) and used + cost[k][2] <= room:
+                used += cost[k][2]
+                k += 1
+        chosen = [(i, n) for i, n, _ in cost[:k]]
+        spare = room - sum(c for *_, c in cost[:k])
     elif ratio < 1:
         target, total = (1 - ratio) * sum(n for _, n in trained_sizes), 0
         for i, n in trained_sizes:  # the prefix whose size is nearest the target
@@ -326,6 +332,51 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
         _home_on_device(out, shard_sizes, item, out.state_on_device, spare)
 
 
+def _fastest_prefix(cost: list[tuple[int, int, int]], shard_sizes: list[tuple[int, int]], room: int, item: int,
+                    params_offloaded: bool, opt_tier: Tier, rates: Rates) -> int:
+    """[Note: auto by rates] With the host's Adam rate and the bus's known, auto keeps on the device the state of
+    the first k units (``cost``: (unit, elements, device bytes) in the order of need) for the k whose step is
+    fastest at ``rates`` (offload/store/step_cost.py: the longest lane, then the sum), each k's leftover room homing
+    shards as [Note: a split beside offloaded parameters] says, rather than as many as fit. Moving state shortens
+    the host's Adam and lengthens the GPU's lane by the device Adam; the room it takes cannot keep parameters from
+    crossing the bus. So once the host's share of Adam fits under the GPU's compute (unknown at start-up: taken
+    as none) or under the parameters' crossing, more state buys nothing, and the room is better spent homing
+    shards. The state-first choice is one of the candidates: by these rates it is never faster."""
+    total = {i: n for i, n, _ in cost}
+    candidates: list[tuple[StepPrediction, int]] = []
+    used = 0
+    for k in range(len(cost) + 1):
+        if k:
+            used += cost[k - 1][2]
+            if used > room:
+                break
+        stepped_there = frozenset(i for i, _, _ in cost[:k])
+        homed = (homed_on_device(shard_sizes, item, stepped_there, room - used) if params_offloaded
+                 else {i for i, _ in shard_sizes})
+        off = sum(n for i, n in total.items() if i not in stepped_there)
+        traffic = Traffic({Tier.DEVICE: sum(total[i] for i in stepped_there), opt_tier: off},
+                          gathered_up=sum(n for i, n in shard_sizes if i not in homed),
+                          copied_up=sum(n for i, n in total.items() if i in homed and i not in stepped_there),
+                          item=item)
+        candidates.append((predict(traffic, rates), k))
+    return best(candidates)
+
+
+def homed_on_device(shard_sizes: list[tuple[int, int]], item: int, stepped_there: frozenset[int],
+                    spare: int) -> set[int]:
+    """The units homed on the device beside offloaded parameters: those stepped there, then the next ones in the
+    forward's order whose shards ``spare`` bytes hold (see [Note: a split beside offloaded parameters])."""
+    moved = set(stepped_there)
+    for i, n in shard_sizes:  # the order of need: the next forward's first units first
+        if i in moved:
+            continue
+        if item * n > spare:
+            break
+        moved.add(i)
+        spare -= item * n
+    return moved
+
+
 def _home_on_device(out: Placement, shard_sizes: list[tuple[int, int]], item: int, stepped_there: frozenset[int],
                     spare: int) -> None:
     """[Note: a split beside offloaded parameters] A unit whose optimizer state stays on the device is stepped
@@ -337,14 +388,7 @@ def _home_on_device(out: Placement, shard_sizes: list[tuple[int, int]], item: in
     the home offload_param gives them. A unit homed on the device is never brought over from the host again; with
     one rank on a GPU it is read where it lives, never gathered (``aliased``, set by ``plan``), as every unit is
     with offload_param none."""
-    moved = set(stepped_there)
-    for i, n in shard_sizes:  # the order of need: the next forward's first units first
-        if i in moved:
-            continue
-        if item * n > spare:
-            break
-        moved.add(i)
-        spare -= item * n
+    moved = homed_on_device(shard_sizes, item, stepped_there, spare)
     if not moved:
         return
     out.homes.update(dict.fromkeys(moved, Tier.DEVICE))
@@ -401,6 +445,18 @@ def _check_device(out: Placement, shard_sizes: list[tuple[int, int]], config: An
             "offload.unit_bytes"))
         return
     out.gather_room = (budget - resident) // item
+
+
+def traffic(out: Placement, shard_sizes: list[tuple[int, int]], item: int) -> Traffic:
+    """What a step of this plan moves (offload/store/step_cost.py prices it): the elements stepped on each tier,
+    the shards gathered from off the device, and the device homes stepped elsewhere, whose new shard is copied up."""
+    stepped: dict[Tier, int] = {}
+    for g in out.groups:
+        stepped[g.tier] = stepped.get(g.tier, 0) + g.numel
+    off_device = {m.unit for g in out.groups if g.tier is not Tier.DEVICE for m in g.members}
+    return Traffic(stepped, gathered_up=sum(n for i, n in shard_sizes if out.homes[i] is not Tier.DEVICE),
+                   copied_up=sum(n for i, n in shard_sizes if i in off_device and out.homes[i] is Tier.DEVICE),
+                   item=item)
 
 
 def describe_split(out: Placement, shard_sizes: list[tuple[int, int]]) -> str:

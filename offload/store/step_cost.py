@@ -1,0 +1,140 @@
+"""A step's time from rates: the one model that `auto`'s split is chosen by and `offload estimate` prints.
+
+[Note: the step as lanes] A step of one rank is made of terms, each the bytes or FLOPs of one stage over the rate
+of what runs it: the model's compute and the device Adam (the GPU), the host Adam (host memory, and the disk for
+state on NVMe), the parameter shards brought up from the host (pinned host to device) and the gradients sent down
+(device to host). The terms that share a resource run one after another on it, so they form a lane: the GPU's is
+compute plus the device Adam; each of the others is a lane alone. Where every stage overlaps the step is its
+longest lane (the floor); where they run one after another, the sum of the terms. A split is chosen for the
+shortest longest lane, and of splits within ``TIE`` of it, for the shortest sum: the max is what an overlapped step
+reaches, the sum what it falls back to where an overlap fails, and the second never buys the first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offload.store.tier import Tier
+
+ADAM_BYTES = 28  # per element of one Adam step: fp32 master, moments and gradient read, master and moments written
+NVME_BYTES = 24  # per element on the disk: master and moments read, and written to the other slot
+TIE = 0.01  # lanes this close (relative) are equal, and the serial sum decides
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What a step's stages run at, each None where not known (a term it prices is then unknown)."""
+
+    compute_ms: float | None = None  # forward and backward of one step on the device
+    device_gbps: float | None = None  # device memory, as the device Adam streams it
+    host_gbps: float | None = None  # host memory, as the host Adam streams it (`offload bench adam`)
+    nvme_gbps: float | None = None  # the swap path, reads and writes together (`offload tune-nvme`)
+    h2d_gbps: float | None = None  # pinned host -> device (`offload bench pcie`)
+    d2h_gbps: float | None = None
+
+    @property
+    def prices_a_split(self) -> bool:
+        """Whether the rates tell the host's Adam from the buses (else a split is chosen state first)."""
+        return self.host_gbps is not None and self.h2d_gbps is not None
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one step of one rank moves, in elements (see [Note: the step as lanes])."""
+
+    stepped: dict[Tier, int]  # optimizer elements stepped, by the tier their state lives on
+    gathered_up: int  # shard elements brought up from the host for the forward's gather, and again the backward's
+    copied_up: int  # device-homed shards stepped off the device: each new shard is copied up once
+    item: int  # bytes of an element in the compute dtype
+
+
+def adam_ms(tier: Tier, numel: int, item: int, rates: Rates) -> float | None:
+    """One step's Adam over ``numel`` elements whose state lives on ``tier``: its memory traffic (and on NVMe its
+    disk's, whichever is longer: they overlap); None without the rate."""
+    rate = rates.device_gbps if tier is Tier.DEVICE else rates.host_gbps
+    times = [numel * (ADAM_BYTES + item) / (rate * 1e9) * 1e3] if rate else []
+    if tier is Tier.NVME:
+        if not rates.nvme_gbps:
+            return None
+        times.append(numel * NVME_BYTES / (rates.nvme_gbps * 1e9) * 1e3)
+    return max(times) if times else None
+
+
+@dataclass
+class StepPrediction:
+    """A step's terms in ms (None: a rate unknown), the lanes they form, and the step they make (the longest lane
+    where every stage overlaps, the floor; the sum where they run one after another)."""
+
+    terms: dict[str, float | None]
+
+    def _known(self) -> bool:
+        return bool(self.terms) and all(t is not None for t in self.terms.values())
+
+    @property
+    def lanes(self) -> dict[str, float] | None:
+        """The terms that share a resource summed (the GPU's compute and device Adam), None where one is unknown."""
+        if not self._known():
+            return None
+        t = {k: v or 0.0 for k, v in self.terms.items()}
+        gpu = t.pop("compute", 0.0) + t.pop("device Adam", 0.0)
+        return {"GPU (compute + device Adam)": gpu} | t
+
+    @property
+    def overlapped_ms(self) -> float | None:
+        lanes = self.lanes
+        return max(lanes.values()) if lanes else None
+
+    @property
+    def serial_ms(self) -> float | None:
+        return sum(v or 0.0 for v in self.terms.values()) if self._known() else None
+
+    def terms_text(self, skip: tuple[str, ...] = ()) -> str:
+        return ", ".join(f"{k} {'?' if v is None else f'{v:,.0f} ms'}" for k, v in self.terms.items()
+                         if k not in skip)
+
+    def note(self, source: str) -> str:
+        terms = self.terms_text()
+        lanes = self.lanes
+        if lanes is None:
+            return f"the step's terms: {terms} (a term without its rate or the model's shape is unknown)"
+        slowest = max(lanes, key=lanes.__getitem__)
+        return (f"the step predicted: {terms}; overlapped {max(lanes.values()):,.0f} ms (the {slowest}), one after "
+                f"another {self.serial_ms:,.0f} ms" + (f", at {source}" if source else ""))
+
+
+def predict(traffic: Traffic, rates: Rates) -> StepPrediction:
+    """The terms of a step that moves ``traffic`` at ``rates`` (see [Note: the step as lanes])."""
+    item = traffic.item
+    on_device = traffic.stepped.get(Tier.DEVICE, 0)
+    host_stepped = sum(n for tier, n in traffic.stepped.items() if tier is not Tier.DEVICE)
+    host_adam: float | None = 0.0
+    for tier in (Tier.HOST, Tier.NVME):
+        if traffic.stepped.get(tier):
+            ms = adam_ms(tier, traffic.stepped[tier], item, rates)
+            host_adam = None if ms is None or host_adam is None else host_adam + ms
+    terms: dict[str, float | None] = {
+        "compute": rates.compute_ms,
+        "host Adam": host_adam,
+        "device Adam": adam_ms(Tier.DEVICE, on_device, item, rates) if on_device else 0.0}
+    up = item * (2 * traffic.gathered_up + traffic.copied_up)
+    if up:
+        terms["parameters up"] = up / (rates.h2d_gbps * 1e9) * 1e3 if rates.h2d_gbps else None
+    if host_stepped:
+        terms["gradients down"] = item * host_stepped / (rates.d2h_gbps * 1e9) * 1e3 if rates.d2h_gbps else None
+    return StepPrediction(terms)
+
+
+def sort_key(prediction: StepPrediction) -> tuple[float, float]:
+    """What a split is chosen by: the longest lane, then the sum (both with unknown terms as nothing)."""
+    t = {k: v or 0.0 for k, v in prediction.terms.items()}
+    gpu = t.pop("compute", 0.0) + t.pop("device Adam", 0.0)
+    return max([gpu, *t.values()]), gpu + sum(t.values())
+
+
+def best(candidates: list[tuple[StepPrediction, int]]) -> int:
+    """Of (prediction, choice) pairs, the choice whose longest lane is shortest, of those within ``TIE`` of it the
+    one whose sum is; the first such where they tie."""
+    keys = [(sort_key(p), c) for p, c in candidates]
+    floor = min(k[0] for k, _ in keys)
+    near = [(k, c) for k, c in keys if k[0] <= floor * (1 + TIE)]
+    return min(near, key=lambda kc: kc[0][1])[1]
