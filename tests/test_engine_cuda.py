@@ -131,3 +131,30 @@ def test_auto_refits_after_the_first_step_into_the_memory_it_left(monkeypatch, p
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-4)
     for key, value in ref["state"].items():
         torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_start_up_measures_this_gpus_rates_and_auto_chooses_its_split_by_them():
+    """[Note: rates measured at start-up]: the host's Adam, the bus each way and the device's memory, each within what
+    any GPU machine has; the engine's split under a device budget is the plan's at those rates, and trains as torch."""
+    from offload.commands.estimate import model_units
+    from offload.config import Config
+    from offload.engine.rates import measure
+    from offload.machine.accelerator import Accelerator
+    from offload.store.placement import plan
+    from offload.zero.collectives import Group
+    from test_partial_offload import splitting_budget
+    rates = measure(Accelerator("cuda"), None, Group(0, 1, None))
+    assert 1 < rates.h2d_gbps < 1000 and 1 < rates.d2h_gbps < 1000
+    assert 1 < rates.host_gbps < 2000 and 50 < rates.device_gbps < 20_000
+    config = base_config(2, 2, 1)
+    config["zero_optimization"].update(offload_param={"device": "cpu"},
+                                       offload_optimizer={"device": "cpu", "ratio": "auto"})
+    config["offload"]["budgets"] = {"device": splitting_budget()}
+    ours = train_engine(0, 1, name="gpt", config=config, steps=10, micro=2, accum=2)
+    resolved = Config.load(config).resolve(world_size=1)
+    sizes = list(enumerate(model_units(make_model("gpt"), resolved)))
+    expected = plan(sizes, {i for i, _ in sizes}, resolved, 4, rates=rates)  # measured once a process: the same
+    assert ours["memory"]["device"]["optimizer state"] == expected.device["optimizer state"]
+    assert ours["memory"]["device"]["shards"] == expected.device["shards"]
+    ref = train_reference("gpt", 10, 4, 2, world=1)
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-4)
