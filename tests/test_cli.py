@@ -107,6 +107,17 @@ def test_bench_pcie_compares_pinned_and_pageable(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_estimate_on_a_gpu_machine_prices_the_step_at_the_rates_it_measures_there(capsys):
+    """Without --machine, the rates initialize measures (offload/engine/rates.py), so auto's split is start-up's;
+    --machine h100 prices at the preset's."""
+    assert main(["estimate", "--model", "gpt2", "--offload-optimizer", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "GB/s measured on this machine" in out and "from the h100 preset" in out  # compute: the preset's
+    assert main(["estimate", "--model", "gpt2", "--offload-optimizer", "cpu", "--machine", "h100"]) == 0
+    assert "measured on this machine" not in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_bench_step_on_the_gpu_reports_both_high_waters(tmp_path, capsys):
     out = tmp_path / "step.json"
     assert main(["bench", "step", "--device", "cuda", "--world", "1", "--hidden", "64", "--layers", "2", "--seq",

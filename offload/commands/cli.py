@@ -290,7 +290,7 @@ def _stages(text: str) -> tuple[int, ...]:
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from offload.bench.replay import MACHINES
     from offload.commands.estimate import run_cli
-    return run_cli(args, MACHINES[args.machine])
+    return run_cli(args, MACHINES[args.machine or "h100"])
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -429,8 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory (default: the config's)")
     p.add_argument("--nvme-path", default="offload-swap", help="where NVMe swap would go (its free space counts)")
     from offload.bench.replay import MACHINES
-    p.add_argument("--machine", default="h100", choices=sorted(MACHINES), help="the bandwidths the optimizer "
-                   "step's cost per tier is estimated at: a preset of `offload bench replay` (default h100)")
+    p.add_argument("--machine", default=None, choices=sorted(MACHINES), help="the rates the step is estimated at: "
+                   "a preset of `offload bench replay` (default: on a GPU machine, the rates start-up measures "
+                   "there, with the h100 preset's compute; elsewhere h100)")
     p.add_argument("--device-gbps", type=positive_float, default=None, help="device memory GB/s instead of the "
                                                                             "preset's")
     p.add_argument("--host-gbps", type=positive_float, default=None, help="host memory GB/s as Adam streams it "

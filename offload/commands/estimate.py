@@ -488,7 +488,10 @@ def build_config(path: str | None, overrides: dict[str, Any], nvme_path: str, st
 def step_rates(args: Any, preset: Any) -> StepRates:
     """The bandwidths the step's cost is estimated at: ``preset`` (a machine of `offload bench replay`, with a
     name, device_gbps and host_gbps), each rate overridable (--host-gbps with what `offload bench adam` measured on
-    yours)."""
+    yours); on a GPU machine without --machine, the rates start-up measures there (offload/engine/rates.py), so
+    the estimate's `auto` split is the one initialize would choose."""
+    if torch.cuda.is_available() and getattr(args, "machine", "h100") is None:
+        return measured_here(args, preset)
     chosen = [(name, given or default, "given" if given else f"{preset.name} preset")
               for name, given, default in (("device", args.device_gbps, preset.device_gbps),
                                            ("host", args.host_gbps, preset.host_gbps),
@@ -504,6 +507,25 @@ def step_rates(args: Any, preset: Any) -> StepRates:
               f"host<->device {preset.h2d_gbps:g}/{preset.d2h_gbps:g} GB/s from the {preset.name} preset")
     return StepRates(rate["device"], rate["host"], rate.get("NVMe"), source, tflops or preset.device_tflops,
                      preset.h2d_gbps, preset.d2h_gbps, others)
+
+
+def measured_here(args: Any, preset: Any) -> StepRates:
+    """This GPU machine's rates, measured as initialize measures them; a rate given on the command line wins."""
+    from offload.engine.rates import measure
+    from offload.machine.accelerator import Accelerator
+    from offload.zero.collectives import Group
+    here = measure(Accelerator(), None, Group(0, 1, None))
+    assert here is not None  # a GPU measures
+    device = args.device_gbps or here.device_gbps
+    host = args.host_gbps or here.host_gbps
+    given_tflops = getattr(args, "device_tflops", None)
+    tflops = given_tflops or preset.device_tflops
+    source = (f"device {device:,.0f} and host {host:,.0f} GB/s measured on this machine" +
+              (" (some as given)" if args.device_gbps or args.host_gbps else "") +
+              (f", NVMe {args.nvme_gbps:g} GB/s as given" if args.nvme_gbps else ""))
+    others = (f"compute {tflops:g} TFLOP/s {'as given' if given_tflops else f'from the {preset.name} preset'}, "
+              f"host<->device {here.h2d_gbps:,.1f}/{here.d2h_gbps:,.1f} GB/s measured on this machine")
+    return StepRates(device, host, args.nvme_gbps, source, tflops, here.h2d_gbps, here.d2h_gbps, others)
 
 
 def device_memory(preset: Any) -> tuple[int | None, str]:
