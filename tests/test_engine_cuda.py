@@ -133,9 +133,11 @@ def test_auto_refits_after_the_first_step_into_the_memory_it_left(monkeypatch, p
         torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=1e-5)
 
 
-def test_start_up_measures_this_gpus_rates_and_auto_chooses_its_split_by_them():
+def test_start_up_measures_this_gpus_rates_and_auto_chooses_its_split_by_them(caplog):
     """[Note: rates measured at start-up]: the host's Adam, the bus each way and the device's memory, each within what
-    any GPU machine has; the engine's split under a device budget is the plan's at those rates, and trains as torch."""
+    any GPU machine has; the engine's split under a device budget is the plan's at those rates, logged with them,
+    and trains as torch."""
+    import logging
     from offload.commands.estimate import model_units
     from offload.config import Config
     from offload.engine.rates import measure
@@ -150,7 +152,9 @@ def test_start_up_measures_this_gpus_rates_and_auto_chooses_its_split_by_them():
     config["zero_optimization"].update(offload_param={"device": "cpu"},
                                        offload_optimizer={"device": "cpu", "ratio": "auto"})
     config["offload"]["budgets"] = {"device": splitting_budget()}
-    ours = train_engine(0, 1, name="gpt", config=config, steps=10, micro=2, accum=2)
+    with caplog.at_level(logging.INFO, logger="offload.engine"):
+        ours = train_engine(0, 1, name="gpt", config=config, steps=10, micro=2, accum=2)
+    assert f"host to device {rates.h2d_gbps:,.1f} GB/s" in caplog.text and "offload's terms of a step" in caplog.text
     resolved = Config.load(config).resolve(world_size=1)
     sizes = list(enumerate(model_units(make_model("gpt"), resolved)))
     expected = plan(sizes, {i for i, _ in sizes}, resolved, 4, rates=rates)  # measured once a process: the same

@@ -169,11 +169,13 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     rates = rates or StepRates()
     priced = rates.for_step(compute_ms(est.params, activations, config, rates))
 
-    def placed(refit_room: int | None = None) -> Any:  # the engine's own plan: auto's split by rates, not compute
+    def placed(refit_room: int | None = None) -> Any:
+        """The engine's own plan: at start-up auto's split by the rates (the compute is not known there); the
+        refit's, state first as the refit moves it (offload/engine/refit.py)."""
         return plan(sizes, {i for i, _ in sizes}, config, item, parts=parts, resident_params=stage.resident_params,
                     whole_grads=0 if stage.reduce_every_micro_batch else est.params, discrete=discrete,
                     device_free=device_free, speculation=want.speculation, delayed=want.delayed,
-                    refit_room=refit_room, rates=rates.for_step(None))
+                    refit_room=refit_room, rates=rates.for_step(None) if refit_room is None else None)
 
     placement = placed()
     if activations is not None:
@@ -197,7 +199,7 @@ def estimate(unit_numels: list[int], config: Config, world: int,
         note, est.step_ms = step_traffic(placement.groups, item, priced, rates.source)
         est.notes.append(note)
         if discrete:
-            est.prediction = predict(traffic(placement, sizes, item), priced)
+            est.prediction = predict(traffic(placement, sizes, item, config), priced)
             est.notes.append(est.prediction.note("; ".join(x for x in (rates.source, rates.others_source) if x)))
     if placement.state_on_device:
         on_device = sum(g.numel for g in placement.groups if g.tier is Tier.DEVICE)
@@ -485,13 +487,19 @@ def build_config(path: str | None, overrides: dict[str, Any], nvme_path: str, st
     return raw
 
 
-def step_rates(args: Any, preset: Any) -> StepRates:
+def step_rates(args: Any, preset: Any, threads: int | None = None) -> StepRates:
     """The bandwidths the step's cost is estimated at: ``preset`` (a machine of `offload bench replay`, with a
     name, device_gbps and host_gbps), each rate overridable (--host-gbps with what `offload bench adam` measured on
-    yours); on a GPU machine without --machine, the rates start-up measures there (offload/engine/rates.py), so
-    the estimate's `auto` split is the one initialize would choose."""
-    if torch.cuda.is_available() and getattr(args, "machine", "h100") is None:
-        return measured_here(args, preset)
+    yours); on a GPU machine without --machine, the rates start-up measures there with ``threads`` (the config's
+    offload.cpu_threads; offload/engine/rates.py), so the estimate's `auto` split is the one initialize would
+    choose, as far as two measurements of one machine agree (several ranks measure at once, and slower)."""
+    measured = (measured_here(args, preset, threads)
+                if torch.cuda.is_available() and getattr(args, "machine", "h100") is None else None)
+    return measured or preset_rates(args, preset)
+
+
+def preset_rates(args: Any, preset: Any) -> StepRates:
+    """``preset``'s rates, each a flag overrides."""
     chosen = [(name, given or default, "given" if given else f"{preset.name} preset")
               for name, given, default in (("device", args.device_gbps, preset.device_gbps),
                                            ("host", args.host_gbps, preset.host_gbps),
@@ -509,13 +517,14 @@ def step_rates(args: Any, preset: Any) -> StepRates:
                      preset.h2d_gbps, preset.d2h_gbps, others)
 
 
-def measured_here(args: Any, preset: Any) -> StepRates:
+def measured_here(args: Any, preset: Any, threads: int | None) -> StepRates | None:
     """This GPU machine's rates, measured as initialize measures them; a rate given on the command line wins."""
     from offload.engine.rates import measure
     from offload.machine.accelerator import Accelerator
     from offload.zero.collectives import Group
-    here = measure(Accelerator(), None, Group(0, 1, None))
-    assert here is not None  # a GPU measures
+    here = measure(Accelerator(), threads, Group(0, 1, None))
+    if here is None:  # the measuring failed, and said why: the preset's
+        return None
     device = args.device_gbps or here.device_gbps
     host = args.host_gbps or here.host_gbps
     given_tflops = getattr(args, "device_tflops", None)
@@ -564,7 +573,8 @@ def run_cli(args: Any, preset: Any) -> int:
         print(f"offload estimate: {e}", file=sys.stderr)
         return 2
     device_free, where = device_memory(preset)
-    est = estimate(units, config, args.world, shape, rates=step_rates(args, preset), device_free=device_free)
+    est = estimate(units, config, args.world, shape, rates=step_rates(args, preset, config.offload.cpu_threads),
+                   device_free=device_free)
     if device_free is not None:
         est.notes.append(f"device memory: {device_free / 2**30:.1f} GiB ({where})")
     print(format_estimate(est, config))

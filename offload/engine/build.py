@@ -133,9 +133,10 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         device_free = accel.free_bytes()
         ratio = zero.offload_optimizer.ratio
         # auto's split by this machine's rates, where it has a split to choose (see [Note: rates measured at
-        # start-up]): an offloaded optimizer on a device with memory of its own, bounded by a budget or its size
+        # start-up]): the state on the host (on NVMe the disk's rate is not measured: state first), on a device with
+        # memory of its own, bounded by a budget or its size
         measured = (rates.measure(accel, config.offload.cpu_threads, group)
-                    if ratio is AUTO and zero.offload_optimizer.device != "none" and not accel.host_is_device
+                    if ratio is AUTO and zero.offload_optimizer.device == "cpu" and not accel.host_is_device
                     and (config.offload.budgets.device is not None or device_free is not None) else None)
         placement = plan_placement(shard_sizes, trained, config, compute_dtype.itemsize, parts=parts,
                                    resident_params=stage.resident_params, whole_grads=whole_grads,
@@ -146,9 +147,11 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
             logger.info("rank %d: the whole optimizer state would fit on the device beside the rest, where it steps "
                         "faster than on the host: offload_optimizer.ratio \"auto\" keeps it there", group.rank)
         if placement.state_on_device or measured:
-            step = predict(traffic(placement, shard_sizes, compute_dtype.itemsize), measured) if measured else None
-            priced = (f"; at this machine's rates ({rates.describe(measured)}) offload's terms of a step: "
-                      f"{step.terms_text(skip=('compute',))}" if measured and step else "")
+            priced = ""
+            if measured:
+                step = predict(traffic(placement, shard_sizes, compute_dtype.itemsize, config), measured)
+                priced = (f"; at this machine's rates ({rates.describe(measured)}) offload's terms of a step: "
+                          f"{step.terms_text(skip=('compute',))}")
             logger.info("rank %d: offload_optimizer.ratio %s keeps the optimizer state of %d of %d units on the "
                         "device; %s%s", group.rank, ratio, len(placement.state_on_device), len(trained),
                         describe_split(placement, shard_sizes), priced)

@@ -13,6 +13,7 @@ refit after the first step (offload/engine/refit.py) moves more state into the r
 from __future__ import annotations
 
 import functools
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -20,9 +21,12 @@ from collections.abc import Callable
 import torch
 
 from offload.machine.accelerator import Accelerator
+from offload.machine.buffers import AlignedBuffer
 from offload.optim.adam import AdamHyper, adam_step
 from offload.store.step_cost import ADAM_BYTES, Rates
 from offload.zero.collectives import Group, smallest
+
+logger = logging.getLogger("offload.engine")
 
 ADAM_ELEMENTS = 16 << 20  # 64 MiB a buffer, 288 MiB in all: past a host's caches
 COPY_BYTES = 64 << 20
@@ -45,22 +49,30 @@ NAMES = ("device_gbps", "host_gbps", "h2d_gbps", "d2h_gbps")
 
 
 def measure(accel: Accelerator, threads: int | None, group: Group) -> Rates | None:
-    """This machine's rates (see [Note: rates measured at start-up]), the slowest rank's each: every rank plans
-    with the same figures, so the ranks' splits are alike. On a CPU device, those an emulated GPU is given
-    (``OFFLOAD_EMULATED_RATES``), or None: a CPU's own say nothing of a GPU's."""
-    if accel.is_cuda:
-        mine = _measured(accel.device, threads)
-    elif accel.emulated_rates is not None:
-        unknown = set(accel.emulated_rates) - set(NAMES)
-        if unknown or len(accel.emulated_rates) != len(NAMES):
-            raise ValueError(f"OFFLOAD_EMULATED_RATES names {', '.join(sorted(unknown)) or 'too few rates'}; it "
-                             f"gives each of {', '.join(NAMES)}")
-        mine = Rates(**accel.emulated_rates)
-    else:
+    """This machine's rates (see [Note: rates measured at start-up]), the slowest rank's each: every rank prices
+    the same way (their splits differ only where their shards or room do). On a CPU device, those an emulated GPU
+    is given (``OFFLOAD_EMULATED_RATES``), or None: a CPU's own say nothing of a GPU's. A rank whose measuring
+    fails says why, and every rank then plans without rates (state first): none is left waiting in the agreement."""
+    if not accel.is_cuda and accel.emulated_rates is None:
         return None
-    agreed = {name: smallest(int(getattr(mine, name) * 1e3), group, accel.device) / 1e3  # MB/s
+    smallest(0, group, accel.device)  # the ranks start together: they share the host's memory as they will in Adam
+    mine: Rates | None = None
+    try:
+        mine = _measured(accel.device, threads) if accel.is_cuda else _given(accel.emulated_rates or {})
+    except (RuntimeError, ValueError) as e:  # out of memory, a pinned allocation refused, a bad emulated figure
+        logger.warning("rank %d: measuring this machine's rates failed (%s); offload_optimizer.ratio auto keeps "
+                       "the state first, as much as the room holds", group.rank, str(e).splitlines()[0])
+    agreed = {name: smallest(int(getattr(mine, name) * 1e3) if mine else 0, group, accel.device) / 1e3  # MB/s
               for name in NAMES}
-    return Rates(**agreed)
+    return Rates(**agreed) if all(v > 0 for v in agreed.values()) else None
+
+
+def _given(rates: dict[str, float]) -> Rates:
+    unknown = set(rates) - set(NAMES)
+    if unknown or len(rates) != len(NAMES):
+        raise ValueError(f"OFFLOAD_EMULATED_RATES names {', '.join(sorted(unknown)) or 'too few rates'}; it gives "
+                         f"each of {', '.join(NAMES)}")
+    return Rates(**rates)
 
 
 @functools.cache
@@ -68,15 +80,24 @@ def _measured(device: torch.device, threads: int | None) -> Rates:
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     adam = _adam_seconds(threads)
-    host = torch.empty(COPY_BYTES, dtype=torch.uint8, pin_memory=cuda)
-    on_device = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
-    other = torch.empty_like(on_device)
-    up = _median_seconds(lambda: on_device.copy_(host, non_blocking=True), sync)
-    down = _median_seconds(lambda: host.copy_(on_device, non_blocking=True), sync)
-    within = _median_seconds(lambda: other.copy_(on_device), sync)
+    pinned = AlignedBuffer(COPY_BYTES, pin=cuda)  # unpinned after: it is no part of any budget
+    try:
+        up, down, within = _copy_seconds(pinned.tensor, device, sync)
+    finally:
+        pinned.release_pin()
     return Rates(device_gbps=2 * COPY_BYTES / within / 1e9,
                  host_gbps=ADAM_ELEMENTS * (ADAM_BYTES + 2) / adam / 1e9,
                  h2d_gbps=COPY_BYTES / up / 1e9, d2h_gbps=COPY_BYTES / down / 1e9)
+
+
+def _copy_seconds(host: torch.Tensor, device: torch.device, sync: Callable[[], None]
+                  ) -> tuple[float, float, float]:
+    """A copy of ``host`` up, one down, and one within the device (its buffers freed after)."""
+    on_device = torch.empty_like(host, device=device)
+    other = torch.empty_like(on_device)
+    return (_median_seconds(lambda: on_device.copy_(host, non_blocking=True), sync),
+            _median_seconds(lambda: host.copy_(on_device, non_blocking=True), sync),
+            _median_seconds(lambda: other.copy_(on_device), sync))
 
 
 def _adam_seconds(threads: int | None) -> float:

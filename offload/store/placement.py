@@ -292,11 +292,11 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
     units, the ones the next forward needs first, stays on the device with an fp32 gradient accumulator each, and
     is stepped there. ratio r keeps the units nearest (1 - r) of the elements; auto, within the device's room
     (none where nothing bounds it: a CPU device's memory is the host's), as many as make the fastest step at
-    ``rates`` (see [Note: auto by rates]), or without them as many as the room holds. Beside offloaded parameters
+    ``rates`` with the state offloaded to the host (see [Note: auto by rates]), or without them (or with the state
+    on NVMe) as many as the room holds. Beside offloaded parameters
     the kept units' shards are homed on the device too (see [Note: a split beside offloaded parameters])."""
     zero = config.zero_optimization
     ratio, params_offloaded = zero.offload_optimizer.ratio, zero.offload_param.device != "none"
-    opt_tier = Tier.NVME if zero.offload_optimizer.device == "nvme" else Tier.HOST
     room = _device_room(out, shard_sizes, config, item, parts, device_free, refit_room)
     # state (a sub-group each at worst), the fp32 accumulator and, beside offloaded parameters, the shard itself
     cost = [(i, n, round_up(12 * n) + 4 * n + (item * n if params_offloaded else 0))
@@ -307,8 +307,9 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
     if ratio is AUTO:
         if room is None:
             return  # a CPU device without a budget gains nothing
-        if rates is not None and rates.prices_a_split:
-            k = _fastest_prefix(cost, shard_sizes, room, item, params_offloaded, opt_tier, rates)
+        # On NVMe the disk's rate is not measured at start-up: state first there (offload/engine/rates.py).
+        if rates is not None and rates.prices_a_split and zero.offload_optimizer.device == "cpu":
+            k = _fastest_prefix(cost, shard_sizes, room, item, params_offloaded, rates, config)
         else:  # state first: as many units as the room holds
             k, used = 0, 0
             while k < len(cost) and used + cost[k][2] <= room:
@@ -333,7 +334,7 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
 
 
 def _fastest_prefix(cost: list[tuple[int, int, int]], shard_sizes: list[tuple[int, int]], room: int, item: int,
-                    params_offloaded: bool, opt_tier: Tier, rates: Rates) -> int:
+                    params_offloaded: bool, rates: Rates, config: Any) -> int:
     """[Note: auto by rates] With the host's Adam rate and the bus's known, auto keeps on the device the state of
     the first k units (``cost``: (unit, elements, device bytes) in the order of need) for the k whose step is
     fastest at ``rates`` (offload/store/step_cost.py: the longest lane, then the sum), each k's leftover room homing
@@ -341,7 +342,8 @@ def _fastest_prefix(cost: list[tuple[int, int, int]], shard_sizes: list[tuple[in
     the host's Adam and lengthens the GPU's lane by the device Adam; the room it takes cannot keep parameters from
     crossing the bus. So once the host's share of Adam fits under the GPU's compute (unknown at start-up: taken
     as none) or under the parameters' crossing, more state buys nothing, and the room is better spent homing
-    shards. The state-first choice is one of the candidates: by these rates it is never faster."""
+    shards. The state-first choice is one of the candidates: by these rates it is never faster by more than the
+    tie (1%) the sum decides within."""
     total = {i: n for i, n, _ in cost}
     candidates: list[tuple[StepPrediction, int]] = []
     used = 0
@@ -354,11 +356,11 @@ def _fastest_prefix(cost: list[tuple[int, int, int]], shard_sizes: list[tuple[in
         homed = (homed_on_device(shard_sizes, item, stepped_there, room - used) if params_offloaded
                  else {i for i, _ in shard_sizes})
         off = sum(n for i, n in total.items() if i not in stepped_there)
-        traffic = Traffic({Tier.DEVICE: sum(total[i] for i in stepped_there), opt_tier: off},
-                          gathered_up=sum(n for i, n in shard_sizes if i not in homed),
-                          copied_up=sum(n for i, n in total.items() if i in homed and i not in stepped_there),
-                          item=item)
-        candidates.append((predict(traffic, rates), k))
+        moved = Traffic({Tier.DEVICE: sum(total[i] for i in stepped_there), Tier.HOST: off},
+                        gathered_up=sum(n for i, n in shard_sizes if i not in homed),
+                        copied_up=sum(n for i, n in total.items() if i in homed and i not in stepped_there),
+                        item=item, **_micro_batches(config))
+        candidates.append((predict(moved, rates), k))
     return best(candidates)
 
 
@@ -447,16 +449,24 @@ def _check_device(out: Placement, shard_sizes: list[tuple[int, int]], config: An
     out.gather_room = (budget - resident) // item
 
 
-def traffic(out: Placement, shard_sizes: list[tuple[int, int]], item: int) -> Traffic:
+def _micro_batches(config: Any) -> dict[str, Any]:
+    """The micro-batches of a step, each gathering and sending gradients down (or, accumulated on the device, sent
+    once: offload.accumulate_on_device)."""
+    return {"micro_batches": int(config.gradient_accumulation_steps or 1),
+            "grads_accumulated_on_device": bool(config.offload.accumulate_on_device)}
+
+
+def traffic(out: Placement, shard_sizes: list[tuple[int, int]], item: int, config: Any) -> Traffic:
     """What a step of this plan moves (offload/store/step_cost.py prices it): the elements stepped on each tier,
-    the shards gathered from off the device, and the device homes stepped elsewhere, whose new shard is copied up."""
+    the shards gathered from off the device, and the device homes stepped elsewhere, whose new shard is copied up;
+    with ``config``'s micro-batches a step."""
     stepped: dict[Tier, int] = {}
     for g in out.groups:
         stepped[g.tier] = stepped.get(g.tier, 0) + g.numel
     off_device = {m.unit for g in out.groups if g.tier is not Tier.DEVICE for m in g.members}
     return Traffic(stepped, gathered_up=sum(n for i, n in shard_sizes if out.homes[i] is not Tier.DEVICE),
                    copied_up=sum(n for i, n in shard_sizes if i in off_device and out.homes[i] is Tier.DEVICE),
-                   item=item)
+                   item=item, **_micro_batches(config))
 
 
 def describe_split(out: Placement, shard_sizes: list[tuple[int, int]]) -> str:

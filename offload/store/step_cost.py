@@ -34,8 +34,9 @@ class Rates:
 
     @property
     def prices_a_split(self) -> bool:
-        """Whether the rates tell the host's Adam from the buses (else a split is chosen state first)."""
-        return self.host_gbps is not None and self.h2d_gbps is not None
+        """Whether these rates price every term a split of host-stepped state changes (else a split is chosen state
+        first): the device's and the host's Adam, and the bus each way."""
+        return all(r for r in (self.device_gbps, self.host_gbps, self.h2d_gbps, self.d2h_gbps))
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,11 @@ class Traffic:
     """What one step of one rank moves, in elements (see [Note: the step as lanes])."""
 
     stepped: dict[Tier, int]  # optimizer elements stepped, by the tier their state lives on
-    gathered_up: int  # shard elements brought up from the host for the forward's gather, and again the backward's
-    copied_up: int  # device-homed shards stepped off the device: each new shard is copied up once
+    gathered_up: int  # shard elements brought up from the host for each forward's gather, and again each backward's
+    copied_up: int  # device-homed shards stepped off the device: each new shard is copied up once a step
     item: int  # bytes of an element in the compute dtype
+    micro_batches: int = 1  # forwards and backwards a step: each gathers, each sends its gradients down
+    grads_accumulated_on_device: bool = False  # several micro-batches' gradients sent down once, in fp32
 
 
 def adam_ms(tier: Tier, numel: int, item: int, rates: Rates) -> float | None:
@@ -73,11 +76,7 @@ class StepPrediction:
     @property
     def lanes(self) -> dict[str, float] | None:
         """The terms that share a resource summed (the GPU's compute and device Adam), None where one is unknown."""
-        if not self._known():
-            return None
-        t = {k: v or 0.0 for k, v in self.terms.items()}
-        gpu = t.pop("compute", 0.0) + t.pop("device Adam", 0.0)
-        return {"GPU (compute + device Adam)": gpu} | t
+        return _lanes(self.terms) if self._known() else None
 
     @property
     def overlapped_ms(self) -> float | None:
@@ -102,6 +101,12 @@ class StepPrediction:
                 f"another {self.serial_ms:,.0f} ms" + (f", at {source}" if source else ""))
 
 
+def _lanes(terms: dict[str, float | None]) -> dict[str, float]:
+    t = {k: v or 0.0 for k, v in terms.items()}
+    gpu = t.pop("compute", 0.0) + t.pop("device Adam", 0.0)
+    return {"GPU (compute + device Adam)": gpu} | t
+
+
 def predict(traffic: Traffic, rates: Rates) -> StepPrediction:
     """The terms of a step that moves ``traffic`` at ``rates`` (see [Note: the step as lanes])."""
     item = traffic.item
@@ -116,19 +121,23 @@ def predict(traffic: Traffic, rates: Rates) -> StepPrediction:
         "compute": rates.compute_ms,
         "host Adam": host_adam,
         "device Adam": adam_ms(Tier.DEVICE, on_device, item, rates) if on_device else 0.0}
-    up = item * (2 * traffic.gathered_up + traffic.copied_up)
+    micro = traffic.micro_batches
+    up = item * (2 * micro * traffic.gathered_up + traffic.copied_up)
     if up:
         terms["parameters up"] = up / (rates.h2d_gbps * 1e9) * 1e3 if rates.h2d_gbps else None
     if host_stepped:
-        terms["gradients down"] = item * host_stepped / (rates.d2h_gbps * 1e9) * 1e3 if rates.d2h_gbps else None
+        down = 4 * host_stepped if micro > 1 and traffic.grads_accumulated_on_device else item * micro * host_stepped
+        terms["gradients down"] = down / (rates.d2h_gbps * 1e9) * 1e3 if rates.d2h_gbps else None
     return StepPrediction(terms)
 
 
 def sort_key(prediction: StepPrediction) -> tuple[float, float]:
-    """What a split is chosen by: the longest lane, then the sum (both with unknown terms as nothing)."""
-    t = {k: v or 0.0 for k, v in prediction.terms.items()}
-    gpu = t.pop("compute", 0.0) + t.pop("device Adam", 0.0)
-    return max([gpu, *t.values()]), gpu + sum(t.values())
+    """What a split is chosen by: the longest lane, then the sum. The compute is the one term that may be unknown
+    there (at start-up: the batch is not known yet), and counts as nothing: it is the same for every split."""
+    unknown = [k for k, v in prediction.terms.items() if v is None and k != "compute"]
+    assert not unknown, f"a split priced without the rate of {unknown}"  # Rates.prices_a_split holds this
+    lanes = _lanes(prediction.terms)
+    return max(lanes.values()), sum(lanes.values())
 
 
 def best(candidates: list[tuple[StepPrediction, int]]) -> int:
