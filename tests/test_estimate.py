@@ -58,18 +58,22 @@ def test_the_estimate_matches_the_engines_accounting(tmp_path, world, params, op
         assert "optimizer state" in est.tiers["host"] and est.tiers["nvme"], "the budget splits host and NVMe"
 
 
+@pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world", [2, 4])
-def test_each_stage_holds_what_the_zero_formula_says(stage, world):
+def test_each_stage_holds_what_the_zero_formula_says(stage, world, accum):
     """Model states per rank: 16N, 4N + 12N/W, 2N + 14N/W, 16N/W (bf16 Adam), plus what offload keeps in another
-    form: fp32 gradient accumulators where the formula counts 16-bit gradients. The estimate names the same parts
-    with the same bytes."""
-    raw = {**base_config(2, 2, world, stage=stage, offload_optimizer={"device": "none"}), "bf16": {"enabled": True}}
+    form: with gradient accumulation fp32 gradient accumulators where the formula counts 16-bit gradients; with one
+    micro-batch the 16-bit gradients themselves (see [Note: a device gradient kept as it landed]), so stages 2-3 hold
+    the formula's bytes. The estimate names the same parts with the same bytes."""
+    raw = {**base_config(2, accum, world, stage=stage, offload_optimizer={"device": "none"}),
+           "bf16": {"enabled": True}}
     measured = run_ranks(describe_engine, world, config=raw)[0]["memory"]["device"]
     config = Config.load(raw).resolve(world_size=world)
     est = estimate(model_units(make_model("gpt"), config), config, world)
     n, parts = est.params, world if stage else 1
-    extra = 4 * n // parts if stage < 2 else 2 * n // world  # fp32 accumulators (stages 0-1 keep .grad too)
+    grad = 4 if accum > 1 else 2  # an fp32 accumulator, or the one 16-bit gradient kept
+    extra = grad * n // parts if stage < 2 else (grad - 2) * n // world  # stages 0-1 keep the whole .grad too
     ours = {k: v for k, v in measured.items() if not k.startswith("gathered")}
     padding = 4096 + 20 * world * est.units  # sub-groups round to 4 KiB; units pad to a multiple of W
     assert 0 <= sum(ours.values()) - model_state_formula(stage, n, world) - extra < padding, ours

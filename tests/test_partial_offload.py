@@ -165,14 +165,15 @@ def test_the_device_tier_steps_with_torchs_fused_kernel_on_a_discrete_device_onl
     tier's."""
     if discrete:
         monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
+    from offload.optim.sharded import ShardedAdam
     calls, norms = [], []
-    fused, total_norm = update.device_adam_step, torch.nn.utils.get_total_norm
+    fused, device_norm = update.device_adam_step, ShardedAdam.device_grad_sq_norm
     monkeypatch.setattr(update, "device_adam_step", lambda *args, **kw: (calls.append(args[4]), fused(*args, **kw)))
-    monkeypatch.setattr(torch.nn.utils, "get_total_norm",
-                        lambda *args, **kw: (norms.append(1), total_norm(*args, **kw))[1])
+    monkeypatch.setattr(ShardedAdam, "device_grad_sq_norm",
+                        lambda self: (lambda n: (norms.append(n is not None), n)[1])(device_norm(self)))
     results = train_engine(0, 1, name="gpt", config=ratio_config(1, 1, 0.0), steps=2, micro=2, accum=1)
     assert sorted(set(calls)) == ([1, 2] if discrete else [])
-    assert len(norms) == (2 if discrete else 0)  # one multi-tensor norm a step over the device's gradients
+    assert norms == [discrete, discrete]  # a step's norm of the device's gradients taken there, once
     check_parity([results], train_reference("gpt", 2, 2, 2, world=1))
 
 

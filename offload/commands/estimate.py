@@ -33,7 +33,7 @@ from offload.engine.step_schedule import wanted
 from offload.models.catalog import MODELS, ModelError, build_model
 from offload.store.optimizer_state import SubGroup, unpipelined_note
 from offload.store.param_swap import describe_placement
-from offload.store.placement import Speculation, plan, traffic
+from offload.store.placement import KEPT_GRADS, Speculation, plan, traffic
 from offload.store.step_cost import ADAM_BYTES, NVME_BYTES, Rates, StepPrediction, adam_ms, predict
 from offload.store.tier import Tier
 from offload.zero.stage import Stage
@@ -58,9 +58,11 @@ class Estimate:
     @property
     def model_states(self) -> int:
         """Parameters, gradients and optimizer state on every tier: what the ZeRO formula counts (ours keeps fp32
-        gradient accumulators, and 16-bit gradients only whole in stages 0-1, where the formula has 16-bit
-        gradients throughout), without buffers, pools or gathered units."""
-        one = ("parameters", "shards", "gradients (whole, in .grad)", "optimizer state", "gradient accumulators")
+        gradient accumulators, or with one 16-bit micro-batch the 16-bit gradients themselves, and 16-bit gradients
+        whole in stages 0-1 too, where the formula has 16-bit gradients throughout), without buffers, pools or
+        gathered units."""
+        one = ("parameters", "shards", "gradients (whole, in .grad)", "optimizer state", "gradient accumulators",
+               KEPT_GRADS)
         two = ("parameter shards (two slots per unit)", "optimizer state (two slots per sub-group)")
         return sum(n if part in one else n // 2 for tier in self.tiers.values() for part, n in tier.items()
                    if part in one + two)

@@ -177,6 +177,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
                            buffer_count=zero.offload_optimizer.buffer_count, host=host_budget, nvme=nvme_budget,
                            device_accumulated=placement.device_accumulated,
                            grads_read_where_they_land=placement.grads_read_where_they_land,
+                           device_grads_kept=placement.device_grads_kept,
                            second_slots=step_schedule.second_slots(want, placement), delayed=want.delayed,
                            staged=placement.staged,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)

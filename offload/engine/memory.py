@@ -37,18 +37,15 @@ class MemoryAccount:
     def device_parts(self) -> dict[str, int]:
         """What stays on the device between uses: parameters (stage 3: this rank's shards), the whole gradients
         stages 0-1 keep in .grad until the last micro-batch, the optimizer state and fp32 gradient accumulators
-        of the units stepped on the device, and an offloaded optimizer's accumulators placed on the device."""
+        (or the 16-bit gradients they keep until the step) of the units stepped on the device, and an offloaded
+        optimizer's accumulators placed on the device."""
         parts = {"parameters" if self.stage.resident_params else "shards": sum(
             u.full.numel() * u.full.element_size() if u.resident else self.params.device_nbytes(u.index)
             for u in self.units)}
         if not self.stage.reduce_every_micro_batch:
             parts["gradients (whole, in .grad)"] = self.compute_dtype.itemsize * sum(
                 s.numel for u in self.units for s in u.slots if s.param.requires_grad)
-        state, accumulators = self.optimizer.device_bytes()
-        if state:
-            parts["optimizer state"] = state  # all of it, or a partial offload's share
-        if accumulators:
-            parts["gradient accumulators"] = accumulators
+        parts.update(self.optimizer.device_bytes())  # state (all, or a partial offload's share), gradients
         return parts
 
     def device_resident_bytes(self) -> int:

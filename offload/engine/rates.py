@@ -33,7 +33,7 @@ COPY_BYTES = 64 << 20
 ROUNDS = 3
 
 
-def _median_seconds(run: Callable[[], None], sync: Callable[[], None]) -> float:
+def _median_seconds(run: Callable[[], object], sync: Callable[[], None]) -> float:
     run()
     sync()
     times = []

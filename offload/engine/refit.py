@@ -7,7 +7,8 @@ step the device's high-water mark is known: every activation, gather and device 
 room between that peak and the device's memory, less a margin for allocator slack and longer batches, takes
 the optimizer state of more units, unit by unit in the order of need (the units after those already there:
 the next forward's first), a host sub-group split where the room ends. Their state is copied to the device
-from its current slot, their fp32 gradient accumulators are made there, and their host memory (state,
+from its current slot, their gradients are kept there (an fp32 accumulator each, or the 16-bit gradient of
+one micro-batch: [Note: a device gradient kept as it landed] in offload/optim/sharded.py), and their host memory (state,
 speculative slot, landing buffer, host copy of the shard) is given back; from the next step on they are
 stepped by the device Adam. Beside offloaded parameters a unit's shard moves with its state where it was
 homed on the host (as `auto` homes the units it keeps on the device at start-up), counted in the room; a
@@ -44,11 +45,12 @@ MARGIN_MIN = 1 << 30
 
 
 def refit_choice(groups: list[SubGroup], spare: int, shard_bytes: Callable[[int], int | None],
-                 accumulated_on_device: frozenset[int]) -> list[tuple[SubGroup, int]]:
+                 accumulated_on_device: frozenset[int], grad_bytes: int = 4) -> list[tuple[SubGroup, int]]:
     """The units whose state moves to the device within ``spare`` bytes, in the order of need (unit order), as
-    (host sub-group, how many of its first units): each unit costs its state, the fp32 accumulator it does not
-    have there yet and ``shard_bytes(unit)``, what its shard takes on the device beyond what it takes now (None:
-    it cannot move, homed on NVMe); the first that does not fit, or cannot move, ends the choice."""
+    (host sub-group, how many of its first units): each unit costs its state, the gradient it does not have there
+    yet (``grad_bytes`` an element: an fp32 accumulator, or a 16-bit gradient kept until the step) and
+    ``shard_bytes(unit)``, what its shard takes on the device beyond what it takes now (None: it cannot move, homed
+    on NVMe); the first that does not fit, or cannot move, ends the choice."""
     chosen, used = [], 0
     for g in groups:
         if g.tier is Tier.DEVICE:
@@ -60,7 +62,7 @@ def refit_choice(groups: list[SubGroup], spare: int, shard_bytes: Callable[[int]
             shard = shard_bytes(m.unit)
             if shard is None:
                 break
-            cost = 12 * m.numel + (0 if m.unit in accumulated_on_device else 4 * m.numel) + shard
+            cost = 12 * m.numel + (0 if m.unit in accumulated_on_device else grad_bytes * m.numel) + shard
             if used + cost > spare:
                 break
             used += cost
@@ -140,7 +142,8 @@ class Refit:
                 return None
             return 0 if params.home(unit) is Tier.DEVICE else params.shards[unit].numel * params.dtype.itemsize
 
-        groups = refit_choice(opt.store.groups, spare, shard_bytes, opt.landing.device_accumulated)
+        groups = refit_choice(opt.store.groups, spare, shard_bytes, opt.landing.device_accumulated,
+                              opt.device_grad_bytes)
         if not groups:
             return 0
         host_before = opt.host.used

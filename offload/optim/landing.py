@@ -70,7 +70,7 @@ import torch
 
 from offload.machine import native
 from offload.machine.accelerator import Accelerator, Event
-from offload.optim.shard_state import Overlap, ShardPhase, ShardState, accumulate, add_into
+from offload.optim.shard_state import Overlap, ShardPhase, ShardState, accumulate, add_into, keep_as_landed
 from offload.observe.telemetry import Telemetry
 
 # Gradient bytes whose landings are handed to the worker together (see [Note: landings handed over in batches]):
@@ -92,9 +92,11 @@ class GradientLanding:
     def __init__(self, accel: Accelerator, shards: dict[int, ShardState], *, offload: bool, threads: int | None,
                  telemetry: Telemetry, device_accumulated: frozenset[int], reads_in_place: bool,
                  offloaded: Callable[[int], bool], claim: Callable[[ShardState], None],
-                 after: Callable[[int, Overlap | None], None]) -> None:
+                 after: Callable[[int, Overlap | None], None], keeps_device_grads: bool = False) -> None:
         """``shards``: the optimizer's, by unit (this room reads and fills them); ``offloaded(index)``: the unit's
-        state is stepped on the host; ``device_accumulated``: units whose sum is kept on the compute device."""
+        state is stepped on the host; ``device_accumulated``: units whose sum is kept on the compute device;
+        ``keeps_device_grads``: the units stepped on the device keep their one gradient as it landed (see [Note: a
+        device gradient kept as it landed] in offload/optim/sharded.py)."""
         self.accel = accel
         self.shards = shards
         self.threads = threads
@@ -107,6 +109,7 @@ class GradientLanding:
         self.phase = Landing.COLLECTING
         self.overlap: Overlap | None = None  # the last backward's plan for stepping shards as they land
         self.reads_in_place = reads_in_place  # where the plan counted no accumulators
+        self.keeps_device_grads = keeps_device_grads
         self._sent_in_place: set[int] = set()  # units whose gradient this backward left in its landing buffer
         self.device_accumulated = device_accumulated if self.d2h is not None else frozenset()
         self._held: set[int] = set()  # device-accumulated units holding gradients not yet sent down
@@ -147,7 +150,9 @@ class GradientLanding:
         state = self.shards.get(index)
         if state is None or not self._offloaded(index):  # no optimizer state, or the state is on the device
             self.accel.compute_wait(ready)
-            if state is not None:
+            if state is not None and self.keeps_device_grads and state.grad is None:
+                keep_as_landed(state, shard_grad, scale, self.threads)
+            elif state is not None:
                 accumulate(state, shard_grad, scale, self.threads)
             return
         assert self.worker is not None

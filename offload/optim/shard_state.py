@@ -152,6 +152,32 @@ def accumulate(state: ShardState, grad: torch.Tensor, scale: float, threads: int
     state.phase = ShardPhase.HOLDING
 
 
+def keep_as_landed(state: ShardState, grad: torch.Tensor, scale: float, threads: int | None) -> None:
+    """A device-stepped unit's gradient kept as it landed, with its factor (see [Note: a device gradient kept as it
+    landed] in offload/optim/sharded.py); a second one in the same step is added to the first in fp32 (a transient
+    accumulator, dropped with the step), as an accumulator would have added them."""
+    if state.phase is ShardPhase.EMPTY:
+        state.landed, state.landed_scale = grad, scale
+    else:
+        assert state.landed is not None, f"unit {state.name!r} holds a gradient that was not kept"
+        if state.landed.dtype != torch.float32:  # the first one, widened and scaled as an accumulator takes it
+            first = torch.empty(state.numel, dtype=torch.float32, device=grad.device)
+            add_into(first, state.landed, state.landed_scale, overwrite=True, threads=threads)
+            state.landed, state.landed_scale = first, 1.0
+        add_into(state.landed, grad, scale, overwrite=False, threads=threads)
+    state.phase = ShardPhase.HOLDING
+
+
+def widened(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """``grad`` x ``scale`` in fp32, rounded as an accumulator holds it (``add_into`` overwriting); ``grad`` itself
+    where it is that already (an accumulator's, factor 1)."""
+    if grad.dtype == torch.float32 and scale == 1.0:
+        return grad
+    out = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
+    add_into(out, grad, scale, overwrite=True, threads=None)
+    return out
+
+
 def add_into(acc: torch.Tensor, grad: torch.Tensor, scale: float, *, overwrite: bool, threads: int | None) -> None:
     """acc = scale x grad (``overwrite``) or acc += scale x grad, rounded as the native kernel rounds (a product,
     then a fused multiply-add). Host buffers go through that kernel on offload's threads: a torch op on a host

@@ -35,6 +35,14 @@ returns (in stream order, so the next forward needs no wait for them). Beside of
 parameters those units' shards are homed on the device too (offload/store/placement.py:
 [Note: a split beside offloaded parameters]).
 
+[Note: a device gradient kept as it landed] With one micro-batch a step in a 16-bit dtype, a unit stepped on the
+device needs no fp32 accumulator: its one gradient is kept as the reduction left it (2 bytes an element, as plain
+PyTorch keeps ``.grad``, instead of 4), with its factor, until the step. The norm and the device Adam read it
+widened to fp32 and scaled one unit at a time, the values an accumulator would have held (so bitwise the same
+step), and it is dropped when the step is done. A unit whose gradient is reduced twice in one backward has the two
+added up in fp32 then, as an accumulator would. The placement counts these gradients where it counted the
+accumulators (offload/store/placement.py: ``device_grads``).
+
 [Note: parameter return] The step writes each new compute-dtype shard where the
 parameter store says (offload/store/param_store.py: [Note: the step's target]); a shard
 homed on the device is then copied back by the store, whose event the next gather of
@@ -56,7 +64,7 @@ from offload.optim.adam import AdamHyper
 from offload.optim.early_step import EarlyStep, EarlyStepLost
 from offload.optim.landing import GradientLanding
 from offload.optim.loss_scale import LossScaler
-from offload.optim.shard_state import Overlap, Segment, ShardPhase, ShardState, gaps, unstep
+from offload.optim.shard_state import Overlap, Segment, ShardPhase, ShardState, gaps, unstep, widened
 from offload.optim.speculation import Speculation
 from offload.optim.speculation_lane import SpeculationLane
 from offload.optim.update import ShardUpdate
@@ -65,6 +73,7 @@ from offload.aio.base import IOEngine
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import KINDS, OptimizerStateStore, SubGroup
 from offload.store.param_store import ParamStore
+from offload.store.placement import device_grads
 from offload.store.tier import Tier
 from offload.store.swapdir import SwapDir
 
@@ -90,6 +99,7 @@ class StatePlan:
     second_slots: bool = False  # host sub-groups have a second slot, to speculate into (speculation.py)
     delayed: bool = False  # the delayed update runs (see [Note: delayed update] in early_step.py)
     staged: frozenset[int] = frozenset()  # ... and these units' new shards wait in staging buffers (the placement's)
+    device_grads_kept: bool = False  # see [Note: a device gradient kept as it landed] (the placement's)
 
 
 class StepVote(Protocol):
@@ -133,6 +143,7 @@ class ShardedAdam:
         self.face = OptimizerFace(param_groups)
         self.accel = accel
         self.offload = plan.device != "none"
+        self.device_grads_kept = plan.device_grads_kept
         self.compute_dtype = compute_dtype
         self.adamw_mode = adamw_mode
         self.bias_correction = bias_correction
@@ -149,6 +160,7 @@ class ShardedAdam:
         self.landing = GradientLanding(accel, self.shards, offload=self.offload, threads=threads,
                                        telemetry=self.telemetry, device_accumulated=plan.device_accumulated,
                                        reads_in_place=plan.grads_read_where_they_land, offloaded=self.steps_on_host,
+                                       keeps_device_grads=plan.device_grads_kept,
                                        claim=lambda state: self.speculation.claim(state),
                                        after=self._step_during_backward)
         # The delayed update's Adam runs on a thread of its own, so the next backward's gradients land beside it
@@ -226,7 +238,7 @@ class ShardedAdam:
                 on_device = torch.empty(n, dtype=torch.float32, device=self.accel.device)
             elif self.landing.d2h is not None:
                 landing = self._host_tensor(n, self.compute_dtype)
-        else:
+        elif not self.device_grads_kept:
             grad = torch.zeros(n, dtype=torch.float32, device=self.accel.device)
         self.early.add_staging(index, n, self.compute_dtype)
         self.shards[index] = ShardState(index, name, grad, segments, gaps(segments, n), numel=n, landing=landing,
@@ -250,8 +262,8 @@ class ShardedAdam:
             device = self.accel.device
             numel = sum(m.numel for m in members)
             taken = torch.empty(KINDS, numel, dtype=torch.float32, device=device)
-            grads = [state.on_device if state.on_device is not None else torch.empty(
-                state.numel, dtype=torch.float32, device=device) for state in states]
+            grads = [state.on_device if state.on_device is not None else None if self.device_grads_kept
+                     else torch.empty(state.numel, dtype=torch.float32, device=device) for state in states]
             shards = [torch.empty(state.numel, dtype=self.compute_dtype, device=device)
                       if self.params.home(state.index) is Tier.HOST else None for state in states]
             # Nothing has changed above; nothing below allocates device memory.
@@ -267,23 +279,30 @@ class ShardedAdam:
                     self.host.give(self.params.home_on_device(state.index, shard), "parameter copies")
                 else:
                     self.host.give(self.params.drop_host_copy(state.index), "parameter copies")
-                state.grad, state.landing, state.on_device, state.device_holds = grad.zero_(), None, None, False
+                state.grad = grad.zero_() if grad is not None else None
+                state.landing, state.on_device, state.device_holds = None, None, False
             moved = frozenset(m.unit for m in g.members)
             self._device_state |= moved
             self.landing.device_accumulated -= moved
         return before - self.host.used
 
-    def device_bytes(self) -> tuple[int, int]:
-        """Bytes this optimizer keeps on the compute device: (its state: all of it, or a partial offload's share;
-        fp32 gradient accumulators: of the units stepped there, and an offloaded optimizer's kept there)."""
-        state = sum(g.nbytes for g in self.store.groups if g.tier is Tier.DEVICE)
-        accumulators = 0
-        for i, st in self.shards.items():
-            if not self.steps_on_host(i):
-                assert st.grad is not None  # made with the shard (add_shard)
-                accumulators += st.grad.numel() * 4
-        accumulators += sum(st.on_device.numel() * 4 for st in self.shards.values() if st.on_device is not None)
-        return state, accumulators
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes this optimizer keeps on the compute device, by part: its state (all of it, or a partial offload's
+        share); fp32 gradient accumulators (of the units stepped there, and an offloaded optimizer's kept there);
+        or, where the units stepped there keep their 16-bit gradients (see [Note: a device gradient kept as it
+        landed]), what those take from backward to the step."""
+        parts = {"optimizer state": sum(g.nbytes for g in self.store.groups if g.tier is Tier.DEVICE)}
+        stepped_there = [st for i, st in self.shards.items() if not self.steps_on_host(i)]
+        part, per_element = device_grads(self.device_grads_kept, self.compute_dtype.itemsize)
+        parts[part] = per_element * sum(st.numel for st in stepped_there)
+        on_device = sum(st.on_device.numel() * 4 for st in self.shards.values() if st.on_device is not None)
+        parts["gradient accumulators"] = parts.get("gradient accumulators", 0) + on_device
+        return {k: v for k, v in parts.items() if v}
+
+    @property
+    def device_grad_bytes(self) -> int:
+        """Device bytes an element of a unit stepped there takes for its gradient (an accumulator or one kept)."""
+        return device_grads(self.device_grads_kept, self.compute_dtype.itemsize)[1]
 
     def trains(self, index: int) -> bool:
         """Whether unit ``index`` has optimizer state (trained parameters)."""
@@ -407,14 +426,21 @@ class ShardedAdam:
 
     def device_grad_sq_norm(self) -> torch.Tensor | None:
         """With state on a discrete device: [sum of squares, count of non-finite segments] as a float64 tensor there,
-        so the step reads it once (None when no gradient is there). One multi-tensor norm over the segments, in
-        float32 as plain PyTorch's ``clip_grad_norm_`` takes it; the host's parts are float64 sums."""
-        grads = [state.gradient()[0][seg.start:seg.end] for state in self.shards.values()
-                 if state.phase is not ShardPhase.EMPTY and self.update.on_discrete_device(state.index)
-                 for seg in state.segments]
-        if not grads:
+        so the step reads it once (None when no gradient is there). Each segment's norm as plain PyTorch's
+        ``clip_grad_norm_`` takes it (float32, a multi-tensor kernel a unit), then the norm of those; the host's
+        parts are float64 sums."""
+        norms: list[torch.Tensor] = []
+        for state in self.shards.values():
+            if state.phase is ShardPhase.EMPTY or not self.update.on_discrete_device(state.index):
+                continue
+            values = widened(*state.gradient())  # a kept gradient as an accumulator holds it, one unit at a time
+            segments = [values[seg.start:seg.end] for seg in state.segments]
+            # each segment's norm as get_total_norm takes it (a multi-tensor kernel where there is one), then theirs
+            norms.extend(torch._foreach_norm(segments, 2.0) if values.is_cuda
+                         else [torch.linalg.vector_norm(t, 2.0) for t in segments])
+        if not norms:
             return None
-        norm = torch.nn.utils.get_total_norm(grads, 2.0).double()
+        norm = torch.linalg.vector_norm(torch.stack(norms), 2.0).double()
         return torch.stack([norm.square(), (~norm.isfinite()).double()])
 
     def hyper(self, group: int) -> AdamHyper:

@@ -10,7 +10,7 @@ import torch
 
 from offload.machine.accelerator import Accelerator, Event
 from offload.optim.adam import AdamHyper, adam_step, device_adam_step
-from offload.optim.shard_state import ShardPhase, ShardState, by_group
+from offload.optim.shard_state import ShardPhase, ShardState, by_group, widened
 from offload.observe.step_graph import COMPUTE
 from offload.store.param_store import ParamStore
 
@@ -59,10 +59,11 @@ class ShardUpdate:
         self.accel.graph.work("adam", index, nbytes=master.numel() * (24 + grad.element_size() + (
             out.element_size() if out is not None else 0)), lane=COMPUTE if self.on_discrete_device(index) else None)
         if out is None and self.on_discrete_device(index):  # torch's fused kernel
-            assert into is None and pre_scale == 1.0  # neither speculated nor read where it landed: host state only
+            assert into is None  # never speculated: host state only
             for group, segs in by_group(state.segments).items():
                 slices = [slice(seg.start, seg.end) for seg in segs]
-                device_adam_step([master[s] for s in slices], [grad[s] for s in slices],
+                # fp32 as the kernel reads it: a gradient kept as it landed widened and scaled, one unit at a time
+                device_adam_step([master[s] for s in slices], [widened(grad[s], pre_scale) for s in slices],
                                  [exp_avg[s] for s in slices], [exp_avg_sq[s] for s in slices], step, hypers[group],
                                  grad_scale)
         else:

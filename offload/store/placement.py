@@ -76,6 +76,9 @@ class Placement:
     # gradient where it lands and makes no fp32 accumulators (offload/optim/sharded.py: [Note: gradients read
     # where they land]). The plan owns this fact: the budget counts accumulators exactly when it is false.
     grads_read_where_they_land: bool = False
+    # One 16-bit micro-batch a step: a unit stepped on the device keeps its one gradient as it was reduced until the
+    # step, instead of an fp32 accumulator (offload/optim/sharded.py: [Note: a device gradient kept as it landed]).
+    device_grads_kept: bool = False
     state_fits_device: bool = False  # the whole optimizer state would fit in the device's room
     speculative: bool = False  # the step speculates (host sub-groups with a second slot, NVMe ones, or both)
     speculative_why: str = ""  # why not, when it was asked for
@@ -118,6 +121,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     homes = {i: off_device for i, _ in shard_sizes} | {i: Tier.NVME for i, _ in nvme_params}
     trained_sizes = [(i, n) for i, n in shard_sizes if i in trained]
     out = Placement(homes, nvme_params, plan_sub_groups(trained_sizes, int(zero.sub_group_size)), False)
+    out.device_grads_kept = one_micro_batch and item == 2
     alias = parts == 1 and discrete and not resident_params
     if alias:
         out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
@@ -256,7 +260,8 @@ def _plan_device_resident(out: Placement, shard_sizes: list[tuple[int, int]], tr
         out.device["gradients (whole, in .grad)"] = item * whole_grads
     if not offloaded and trained_sizes:
         out.device["optimizer state"] = sum(g.nbytes for g in out.groups)
-        out.device["gradient accumulators"] = 4 * sum(n for _, n in trained_sizes)
+        part, per_element = device_grads(out.device_grads_kept, item)
+        out.device[part] = per_element * sum(n for _, n in trained_sizes)
 
 
 def _device_room(out: Placement, shard_sizes: list[tuple[int, int]], config: Any, item: int, parts: int,
@@ -285,6 +290,15 @@ def gather_bytes(out: Placement, shard_sizes: list[tuple[int, int]], config: Any
     return (2 * max(gathered) * parts + bucket) * item
 
 
+KEPT_GRADS = "gradients (16-bit, kept from backward to the step)"
+
+
+def device_grads(kept: bool, item: int) -> tuple[str, int]:
+    """The device part that holds the gradients of the units stepped there, and its bytes an element: an fp32
+    accumulator, or the one 16-bit gradient of a step kept as it landed (``Placement.device_grads_kept``)."""
+    return (KEPT_GRADS, item) if kept else ("gradient accumulators", 4)
+
+
 def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], trained_sizes: list[tuple[int, int]],
                           config: Any, item: int, parts: int, device_free: int | None,
                           refit_room: int | None = None, rates: Rates | None = None) -> None:
@@ -298,8 +312,10 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
     zero = config.zero_optimization
     ratio, params_offloaded = zero.offload_optimizer.ratio, zero.offload_param.device != "none"
     room = _device_room(out, shard_sizes, config, item, parts, device_free, refit_room)
-    # state (a sub-group each at worst), the fp32 accumulator and, beside offloaded parameters, the shard itself
-    cost = [(i, n, round_up(12 * n) + 4 * n + (item * n if params_offloaded else 0))
+    # state (a sub-group each at worst), the gradient (an fp32 accumulator, or the 16-bit one kept) and, beside
+    # offloaded parameters, the shard itself
+    part, grad_bytes = device_grads(out.device_grads_kept, item)
+    cost = [(i, n, round_up(12 * n) + grad_bytes * n + (item * n if params_offloaded else 0))
             for i, n in trained_sizes]
     out.state_fits_device = room is not None and sum(c for *_, c in cost) <= room
     chosen: list[tuple[int, int]] = []
@@ -328,7 +344,7 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
         out.state_on_device = frozenset(i for i, _ in chosen)
         out.groups = plan_sub_groups(trained_sizes, int(zero.sub_group_size), out.state_on_device)
         out.device["optimizer state"] = sum(g.nbytes for g in out.groups if g.tier is Tier.DEVICE)
-        out.device["gradient accumulators"] = 4 * sum(n for _, n in chosen)
+        out.device[part] = grad_bytes * sum(n for _, n in chosen)
     if params_offloaded:
         _home_on_device(out, shard_sizes, item, out.state_on_device, spare)
 
