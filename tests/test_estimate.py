@@ -299,3 +299,15 @@ def test_without_the_models_shape_the_compute_term_is_unknown_and_no_step_is_pre
                                    d2h_gbps=40.0))
     assert est.prediction.terms["compute"] is None and est.prediction.overlapped_ms is None
     assert any(n.startswith("the step's terms: compute ?") for n in est.notes)
+
+
+def test_a_blocks_activations_count_the_attention_scores_only_where_attention_keeps_them():
+    """Korthikanti et al.'s s*b*h*(34 + 5*a*s/h): the second term is the attention's scores, softmax and mask, which
+    SDPA's fused kernels (the default of the built-in GPT and of Hugging Face's models) never keep."""
+    from offload.commands.estimate import ActivationShape
+    s, b, h, a = 1024, 4, 512, 8
+    fused = ActivationShape(layers=2, hidden=h, heads=a, seq=s, micro=b, vocab=100)
+    eager = ActivationShape(layers=2, hidden=h, heads=a, seq=s, micro=b, vocab=100, scores_kept=True)
+    assert fused.per_layer(2) == 34 * s * b * h
+    assert eager.per_layer(2) - fused.per_layer(2) == 5 * a * s * s * b
+    assert fused.per_layer(4) == 2 * fused.per_layer(2)

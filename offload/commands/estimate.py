@@ -89,12 +89,15 @@ class ActivationShape:
     seq: int
     micro: int
     vocab: int
+    scores_kept: bool = False  # eager attention keeps its s x s scores for backward; SDPA's fused kernels do not
 
     def per_layer(self, item: int) -> int:
         """Bytes one block keeps for backward: s*b*h*(34 + 5*a*s/h) in 16-bit (Korthikanti et al., 2022, without
-        sequence or tensor parallelism), scaled to the compute dtype."""
+        sequence or tensor parallelism), scaled to the compute dtype; the 5*a*s/h term (the attention's scores,
+        its softmax and dropout mask) only where attention keeps them, not under SDPA's fused kernels (what the
+        built-in GPT and Hugging Face's models run by default), which keep a log-sum-exp a row instead."""
         s, b, h, a = self.seq, self.micro, self.hidden, self.heads
-        return int(s * b * h * (34 + 5 * a * s / h) * item / 2)
+        return int(s * b * h * (34 + (5 * a * s / h if self.scores_kept else 0)) * item / 2)
 
     def block_input(self, item: int) -> int:
         return self.seq * self.micro * self.hidden * item
@@ -111,7 +114,8 @@ def add_activations(est: Estimate, shape: ActivationShape, config: Config) -> No
     device = est.tiers[Tier.DEVICE.value]
     if not config.offload.checkpoint_blocks:
         device["activations"] = shape.layers * shape.per_layer(item) + shape.logits(item)
-        est.notes.append("activations: every block's, by Korthikanti et al.'s per-layer formula (no checkpointing)")
+        est.notes.append("activations: every block's, by Korthikanti et al.'s per-layer formula (no checkpointing"
+                         + (")" if shape.scores_kept else "; no attention scores kept: SDPA)"))
         return
     inputs = shape.layers * shape.block_input(item)
     if config.activation_checkpointing.cpu_checkpointing:
@@ -569,8 +573,9 @@ def run_cli(args: Any, preset: Any) -> int:
             config = Config.load(raw).resolve(world_size=args.world, hidden_size=hidden_size)
             units = model_units(model, config)
             micro = args.micro or int(config.train_micro_batch_size_per_gpu or 1)
+            eager = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager"
             shape = ActivationShape(args.layers or layers, hidden_size, heads * hidden_size // hidden, args.seq,
-                                    micro, vocab)
+                                    micro, vocab, scores_kept=eager)
     except (ModelError, ConfigError) as e:
         print(f"offload estimate: {e}", file=sys.stderr)
         return 2
