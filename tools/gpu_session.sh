@@ -14,7 +14,8 @@
 # plan44a: install; the 0.91B GPT's pace against the floor (full offload, auto with params offloaded); the 4.5B's
 #   (full, auto, auto with params on the GPU: auto is refitted after the first step by its measured peak, see
 #   [Note: the split refitted] in offload/engine/refit.py, so the timed steps run the refitted split).
-# plan44b: the CUDA tests (the refit's real trigger among them: test_engine_cuda.py); the 8B Llama through
+# plan44b: the CUDA tests (the refit's real trigger, the rates start-up measures and the split auto chooses by them:
+#   test_engine_cuda.py; offload estimate at the measured rates: test_cli.py); the 8B Llama through
 #   offload.hf.Trainer, DeepSpeed and plain PyTorch; the 4.5B under a 68 GiB device budget. trainer-8b-refit (a
 #   stage of its own) runs the 8B's offload side with no device budget: auto and its refit choose the split.
 # largest (a stage of its own, about 3-5 minutes): the largest model `offload estimate` says that machine trains
