@@ -437,7 +437,8 @@ def format_stages(stages: dict[int, Estimate], raw: dict[str, Any]) -> str:
     first = next(iter(stages.values()))
     n, w = first.params, first.world
     lines = [f"per rank by ZeRO stage ({_count(n)} parameters, W={w}); the ZeRO formula counts 16-bit "
-             "gradients where offload keeps fp32 accumulators:",
+             "gradients where offload keeps fp32 accumulators (with one 16-bit micro-batch a step, the 16-bit "
+             "gradients themselves):",
              f"  {'stage':5s} {'device':>10s} {'host':>10s} {'nvme':>10s} {'model states':>13s} {'ZeRO formula':>13s}"
              "  offload"]
     for stage, est in stages.items():

@@ -99,7 +99,8 @@ class ShardState:
     adam_read: Event | None = None  # the delayed update's Adam has read this shard's gradient (optimizer thread)
     norm: list[native.SqNorm] | None = None  # the final gradient's norm per segment, taken as it landed
     # This step's only gradient, read in its landing buffer with its factor (see [Note: gradients read where they
-    # land]); None while the accumulator holds the gradient.
+    # land]), or a device-stepped unit's kept as it was reduced (or, reduced twice, their fp32 sum: see [Note: a
+    # device gradient kept as it landed] in sharded.py); None while the accumulator holds the gradient.
     landed: torch.Tensor | None = None
     landed_scale: float = 1.0
     # The fp32 accumulator on the compute device (see [Note: gradients accumulated on the device]), and whether it

@@ -438,6 +438,7 @@ class ShardedAdam:
             # each segment's norm as get_total_norm takes it (a multi-tensor kernel where there is one), then theirs
             norms.extend(torch._foreach_norm(segments, 2.0) if values.is_cuda
                          else [torch.linalg.vector_norm(t, 2.0) for t in segments])
+            del values, segments  # one unit's widened copy at a time
         if not norms:
             return None
         norm = torch.linalg.vector_norm(torch.stack(norms), 2.0).double()
