@@ -237,3 +237,48 @@ def test_a_failed_backward_in_stage_1_drops_the_whole_accumulation_and_training_
     clean, after_failure = _train_stage1(False), _train_stage1(True)
     for key, value in clean.items():
         assert torch.equal(after_failure[key], value), key
+
+
+class BreaksMidway(nn.Module):
+    """Boom between two units: backward reduces the later unit's gradient, then breaks before the earlier one's."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.b(Boom.apply(self.a(x))).pow(2).mean()
+
+
+def _train_after_a_backward_broke_midway(fail: bool, ratio: float, bf16: bool):
+    torch.manual_seed(0)
+    config = _config(offload_optimizer={"device": "cpu", "ratio": ratio})
+    config["gradient_clipping"] = 1.0  # no step overlapped with backward: a broken pass leaves it unapplied
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    engine, *_ = offload.initialize(model=BreaksMidway(), config=config)
+    x = torch.randn(2, 32, dtype=torch.bfloat16 if bf16 else torch.float32)
+    if fail:
+        Boom.fail = True
+        try:
+            with pytest.raises(RuntimeError, match="boom in backward"):
+                engine.backward(engine(x))
+        finally:
+            Boom.fail = False
+    for _ in range(2):
+        engine.backward(engine(x))
+        engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+@pytest.mark.parametrize("ratio,bf16", [(1.0, False), (0.0, False), (0.0, True)])
+def test_a_backward_that_broke_after_some_units_reduced_leaves_nothing_of_them_in_the_retry(ratio, bf16):
+    """Stage 3, one micro-batch: the units the broken pass reduced (stepped on the host, or on the device with an
+    fp32 accumulator or their 16-bit gradient kept) keep nothing of it, so the retried step is the clean one, bit
+    for bit."""
+    clean = _train_after_a_backward_broke_midway(False, ratio, bf16)
+    retried = _train_after_a_backward_broke_midway(True, ratio, bf16)
+    for key, value in clean.items():
+        assert torch.equal(retried[key], value), key

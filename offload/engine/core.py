@@ -151,12 +151,13 @@ class Engine(DeepSpeedAccessors, Persistence):
             self.life.left_collectives("backward", e, collectives=not self.stage.resident_params or reduce)
             self.runtime.abort_backward()
             self.activations.discard()
-            if not self.stage.reduce_every_micro_batch and self.accumulation.pending:
-                # Stages 0-1 keep the earlier micro-batches' gradients in .grad, which the failed pass mixed with
-                # its own: the whole accumulation is dropped, and the next backward starts a new one.
-                logger.warning("backward failed: the %d earlier micro-batch(es) of this step are dropped too (ZeRO "
-                               "stage %d accumulates them in .grad)", self.accumulation.pending, self.stage.number)
-                self.discard_gradients()
+            # What the pass reduced before it broke is in the gradients already (in .grad at stages 0-1, in the
+            # shards' accumulators or kept gradients at 2-3) and would add to the retry's: the step's gradients are
+            # dropped, the earlier micro-batches' with them, and the next backward starts a new accumulation.
+            if self.accumulation.pending:
+                logger.warning("backward failed: the %d earlier micro-batch(es) of this step are dropped too (the "
+                               "failed pass's gradients were added to theirs)", self.accumulation.pending)
+            self.discard_gradients()
             if overlapped and self.optimizer.abandon_overlap():
                 raise errors.half_applied_step() from e
             raise
