@@ -101,16 +101,23 @@ class WithUnused(nn.Module):
         return Boom.apply(self.b(self.a(x) * self.used)).pow(2).mean()
 
 
+def _break_a_backward(engine, x):
+    """One backward through ``Boom``, raising."""
+    Boom.fail = True
+    try:
+        with pytest.raises(RuntimeError, match="boom in backward"):
+            engine.backward(engine(x))
+    finally:
+        Boom.fail = False
+
+
 def _train(fail_first: bool):
     torch.manual_seed(0)
     model = WithUnused()
     engine, *_ = offload.initialize(model=model, config=_config())
     x = torch.randn(4, 32)
     if fail_first:
-        Boom.fail = True
-        with pytest.raises(RuntimeError, match="boom in backward"):
-            engine.backward(engine(x))
-        Boom.fail = False
+        _break_a_backward(engine, x)
         engine.zero_grad()
     live = []
     for _ in range(3):
@@ -216,12 +223,7 @@ def _train_stage1(fail_second_micro: bool):
     x = torch.randn(4, 32)
     if fail_second_micro:
         engine.backward(engine(x))
-        Boom.fail = True
-        try:
-            with pytest.raises(RuntimeError, match="boom in backward"):
-                engine.backward(engine(x))
-        finally:
-            Boom.fail = False
+        _break_a_backward(engine, x)
         with pytest.raises(offload.EngineError, match="without a backward"):
             engine.step()  # nothing is pending: the accumulation was dropped
     for _ in range(2):
@@ -259,12 +261,7 @@ def _train_after_a_backward_broke_midway(fail: bool, ratio: float, bf16: bool):
     engine, *_ = offload.initialize(model=BreaksMidway(), config=config)
     x = torch.randn(2, 32, dtype=torch.bfloat16 if bf16 else torch.float32)
     if fail:
-        Boom.fail = True
-        try:
-            with pytest.raises(RuntimeError, match="boom in backward"):
-                engine.backward(engine(x))
-        finally:
-            Boom.fail = False
+        _break_a_backward(engine, x)
     for _ in range(2):
         engine.backward(engine(x))
         engine.step()

@@ -161,21 +161,19 @@ def keep_as_landed(state: ShardState, grad: torch.Tensor, scale: float, threads:
         state.landed, state.landed_scale = grad, scale
     else:
         assert state.landed is not None, f"unit {state.name!r} holds a gradient that was not kept"
-        if state.landed.dtype != torch.float32:  # the first one, widened and scaled as an accumulator takes it
-            first = torch.empty(state.numel, dtype=torch.float32, device=grad.device)
-            add_into(first, state.landed, state.landed_scale, overwrite=True, threads=threads)
-            state.landed, state.landed_scale = first, 1.0
+        # the first one widened and scaled as an accumulator takes it (the sum already, from a third on)
+        state.landed, state.landed_scale = widened(state.landed, state.landed_scale, threads), 1.0
         add_into(state.landed, grad, scale, overwrite=False, threads=threads)
     state.phase = ShardPhase.HOLDING
 
 
-def widened(grad: torch.Tensor, scale: float) -> torch.Tensor:
+def widened(grad: torch.Tensor, scale: float, threads: int | None = None) -> torch.Tensor:
     """``grad`` x ``scale`` in fp32, rounded as an accumulator holds it (``add_into`` overwriting); ``grad`` itself
     where it is that already (an accumulator's, factor 1)."""
     if grad.dtype == torch.float32 and scale == 1.0:
         return grad
     out = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
-    add_into(out, grad, scale, overwrite=True, threads=None)
+    add_into(out, grad, scale, overwrite=True, threads=threads)
     return out
 
 

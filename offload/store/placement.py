@@ -371,12 +371,9 @@ def _fastest_prefix(cost: list[tuple[int, int, int]], shard_sizes: list[tuple[in
         stepped_there = frozenset(i for i, _, _ in cost[:k])
         homed = (homed_on_device(shard_sizes, item, stepped_there, room - used) if params_offloaded
                  else {i for i, _ in shard_sizes})
-        off = sum(n for i, n in total.items() if i not in stepped_there)
-        moved = Traffic({Tier.DEVICE: sum(total[i] for i in stepped_there), Tier.HOST: off},
-                        gathered_up=sum(n for i, n in shard_sizes if i not in homed),
-                        copied_up=sum(n for i, n in total.items() if i in homed and i not in stepped_there),
-                        item=item, **_micro_batches(config))
-        candidates.append((predict(moved, rates), k))
+        off = {i for i in total if i not in stepped_there}
+        stepped = {Tier.DEVICE: sum(total[i] for i in stepped_there), Tier.HOST: sum(total[i] for i in off)}
+        candidates.append((predict(_traffic(shard_sizes, stepped, off, homed, item, config), rates), k))
     return best(candidates)
 
 
@@ -465,24 +462,26 @@ def _check_device(out: Placement, shard_sizes: list[tuple[int, int]], config: An
     out.gather_room = (budget - resident) // item
 
 
-def _micro_batches(config: Any) -> dict[str, Any]:
-    """The micro-batches of a step, each gathering and sending gradients down (or, accumulated on the device, sent
-    once: offload.accumulate_on_device)."""
-    return {"micro_batches": int(config.gradient_accumulation_steps or 1),
-            "grads_accumulated_on_device": bool(config.offload.accumulate_on_device)}
-
-
 def traffic(out: Placement, shard_sizes: list[tuple[int, int]], item: int, config: Any) -> Traffic:
-    """What a step of this plan moves (offload/store/step_cost.py prices it): the elements stepped on each tier,
-    the shards gathered from off the device, and the device homes stepped elsewhere, whose new shard is copied up;
-    with ``config``'s micro-batches a step."""
+    """What a step of this plan moves (offload/store/step_cost.py prices it)."""
     stepped: dict[Tier, int] = {}
     for g in out.groups:
         stepped[g.tier] = stepped.get(g.tier, 0) + g.numel
     off_device = {m.unit for g in out.groups if g.tier is not Tier.DEVICE for m in g.members}
-    return Traffic(stepped, gathered_up=sum(n for i, n in shard_sizes if out.homes[i] is not Tier.DEVICE),
-                   copied_up=sum(n for i, n in shard_sizes if i in off_device and out.homes[i] is Tier.DEVICE),
-                   item=item, **_micro_batches(config))
+    homed = {i for i, _ in shard_sizes if out.homes[i] is Tier.DEVICE}
+    return _traffic(shard_sizes, stepped, off_device, homed, item, config)
+
+
+def _traffic(shard_sizes: list[tuple[int, int]], stepped: dict[Tier, int], stepped_off: set[int], homed: set[int],
+             item: int, config: Any) -> Traffic:
+    """A step's traffic, by the one rule a plan and auto's candidates both follow: the elements ``stepped`` on each
+    tier; each shard not ``homed`` on the device gathered up; each device home stepped off it (``stepped_off``)
+    copied up once; with ``config``'s micro-batches a step, each gathering and sending gradients down (or,
+    accumulated on the device, sent once: offload.accumulate_on_device)."""
+    return Traffic(stepped, gathered_up=sum(n for i, n in shard_sizes if i not in homed),
+                   copied_up=sum(n for i, n in shard_sizes if i in stepped_off and i in homed), item=item,
+                   micro_batches=int(config.gradient_accumulation_steps or 1),
+                   grads_accumulated_on_device=bool(config.offload.accumulate_on_device))
 
 
 def describe_split(out: Placement, shard_sizes: list[tuple[int, int]]) -> str:
