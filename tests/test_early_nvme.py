@@ -34,10 +34,11 @@ def nvme_config(path, world: int = 1, accum: int = 1, early: str = "on", specula
                                                            (1, 2, "auto", 1.0), (2, 1, "auto", 1.0)],
                          ids=["W1-after-backward", "W1-adaptive-mixed", "W1-accum2-adaptive", "W2-adaptive"])
 def test_the_early_nvme_step_trains_bitwise_as_the_whole_step(tmp_path, world, accum, speculative, clip):
-    """``auto`` speculation on NVMe runs only after a step whose clipping did not fire (and on the first), so the
-    first step speculates and recomputes (it clips) and the next returns early; at W = 1 with a max norm of 2.0
-    the later steps do not clip, so they speculate and keep, their pass run in backward and finished in the
-    step."""
+    """``auto`` speculation on NVMe runs only after a step whose clipping did not fire (and on the first step that
+    can step during backward, the second: the first shows how many backward calls make a step), so the second step
+    speculates and recomputes (it clips) and the next returns early; at W = 1 with a max norm of 2.0
+    the steps after the first do not clip, so they speculate and keep, their pass run in backward and finished in
+    the step."""
     runs = {early: run_ranks(train_engine, world, env=HOST_LAG, name="gpt", steps=5, micro=2, accum=accum,
                              config=nvme_config(tmp_path / early, world, accum, early, speculative, clip=clip))
             for early in ("on", "off")}
@@ -45,7 +46,7 @@ def test_the_early_nvme_step_trains_bitwise_as_the_whole_step(tmp_path, world, a
     assert "step() returns after Adam" in runs["off"][0]["mode"]
     counts = runs["on"][0]["counts"]
     assert counts.get("optimizer_early", 0) > 0 and "optimizer_early" not in runs["off"][0]["counts"]
-    if speculative == "auto":
+    if speculative == "auto" and clip == 1.0:  # every step clips: the second speculates and recomputes
         assert counts.get("speculation_recomputed", 0) > 0, counts
     if clip == 2.0:
         assert counts.get("speculation_kept", 0) > 0, counts

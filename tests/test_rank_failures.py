@@ -256,7 +256,9 @@ def _drain_fails_on_rank_1_with_overlap(rank: int, world: int) -> dict:
     config = base_config(2, 1, world, clip=0.0)
     config["offload"]["overlap_step"] = "on"  # no clipping: shards step during backward
     engine = offload.initialize(model=make_model("gpt"), config=config)[0]
-    tokens = batches(1, 2 * world)[0][2 * rank:2 * rank + 2]
+    first, tokens = (t[2 * rank:2 * rank + 2] for t in batches(2, 2 * world))
+    engine.backward(loss_of(engine, "gpt", first))  # a step of one call: the next one's update begins during it
+    engine.step()
     engine.backward(loss_of(engine, "gpt", tokens))
     if rank == 1:
         real = engine.optimizer.drain

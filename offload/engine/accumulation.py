@@ -18,6 +18,21 @@ count goes on and the boundary steps with the later ones. The engine does the sa
 says so once at stages 0-1). Once the accumulation is complete (COLLECTING no more),
 ``zero_grad`` instead of ``step`` drops it, as a torch loop that skips a batch expects;
 ``discard_gradients`` drops it at any phase.
+
+[Note: more backward calls than micro-batches] A GAN's discriminator takes two losses from
+two forward passes, ``engine.backward`` on each, then one ``engine.step()``; PyTorch steps on
+their sum. So a backward at the BOUNDARY (the accumulation complete, step() not yet called)
+adds to the accumulation as one more micro-batch, scaled as every one is, and step() applies
+them all, as DeepSpeed's stage 0 does (its stage 2 keeps only the last call's: wrong by
+PyTorch, not followed). What a backward that completes the accumulation does early is undone
+by such a call where it can be: its gradients left where they landed are added up, their
+norms are taken again, stages 0-1 reduce this one too. What cannot be undone is an update
+that already ran during that backward (the overlapped or speculative step), so the engine
+steps during a backward only when it is surely the step's last: the user said so
+(``end_early``), or the loop has shown how many calls make its steps (``calls_per_step``, the
+most any step took; never before the first step) and this is the last of them. A step whose
+calls grow past that after an update began is refused with an error that names the call,
+before that backward runs: its gradient is not taken, and step() applies the rest.
 """
 
 from __future__ import annotations
@@ -41,6 +56,9 @@ class Accumulation:
     micro_steps: int = 0  # every backward since the start (a checkpoint keeps it)
     early: bool = False  # the coming (or last) backward ends this accumulation, however many are in
     stepped: bool = True  # step() was called after the last backward (so "the current micro-batch" is the next)
+    # The most backward calls a step took (None before the first): see [Note: more backward calls than ...].
+    calls_per_step: int | None = None
+    _taken: int = 0  # the calls the step under way took (a retry restores them)
 
     @property
     def phase(self) -> Phase:
@@ -49,8 +67,25 @@ class Accumulation:
         return Phase.BOUNDARY if self.pending >= self.steps or self.early else Phase.COLLECTING
 
     def next_is_last(self) -> bool:
-        """The coming backward completes the accumulation."""
-        return self.early or self.pending + 1 == self.steps
+        """The coming backward completes the accumulation (or, past it, adds to it: see [Note: more backward calls
+        than micro-batches])."""
+        return self.early or self.pending + 1 >= self.steps
+
+    def next_surely_last(self) -> bool:
+        """The coming backward is the step's last for sure, so an update may begin during it: the user ended the
+        accumulation early, or the loop's calls per step are known and this is the last of them."""
+        if self.early:
+            return True
+        return self.calls_per_step is not None and self.pending + 1 >= max(self.steps, self.calls_per_step)
+
+    def next_is_only(self) -> bool:
+        """The coming backward is the step's only one as far as is known (its gradients may be read where they
+        land: a later call adds them up first)."""
+        return self.pending == 0 and max(self.steps, self.calls_per_step or 1) == 1
+
+    def next_adds_past_boundary(self) -> bool:
+        """The coming backward adds to an accumulation that was already complete."""
+        return self.pending > 0 and self.phase is Phase.BOUNDARY
 
     def end_early(self, ends: bool = True) -> None:
         """The coming backward ends the accumulation with fewer micro-batches than ``steps`` (``ends`` false:
@@ -77,12 +112,13 @@ class Accumulation:
         self.stepped = True
         if self.phase is Phase.COLLECTING:
             return False
+        self._taken, self.calls_per_step = self.pending, max(self.pending, self.calls_per_step or 0)
         self.pending, self.early = 0, False
         return True
 
     def retry(self) -> None:
         """The step failed before applying anything: its gradients are intact, and step() retries it."""
-        self.pending, self.stepped = self.steps, False
+        self.pending, self.stepped = max(self._taken, self.steps), False
 
     def clear(self) -> None:
         self.pending, self.early, self.stepped = 0, False, True

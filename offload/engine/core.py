@@ -137,13 +137,16 @@ class Engine(DeepSpeedAccessors, Persistence):
         if not loss.requires_grad:
             raise EngineError("the loss does not require grad: was the forward run under torch.no_grad(), or are "
                               "all parameters frozen?")
+        acc = self.accumulation
+        if acc.next_adds_past_boundary() and self.schedule.stepped_in_backward:
+            raise errors.backward_after_update_began(acc.pending + 1, acc.calls_per_step)
         self.accel.graph.mark("backward")
-        scale = self.loss_scaler.scale / (self.accumulation.steps if scale_wrt_gas else 1)
-        last_micro = self.accumulation.next_is_last()
+        scale = self.loss_scaler.scale / (acc.steps if scale_wrt_gas else 1)
+        last_micro = acc.next_is_last()  # past the boundary too: see [Note: more backward calls than micro-batches]
         reduce = last_micro or self.stage.reduce_every_micro_batch
         self.runtime.begin_backward(reduce)
-        overlapped = last_micro and self.schedule.last_backward_begins(self.optimizer, self.loss_scaler.scale,
-                                                                         only=self.accumulation.pending == 0)
+        overlapped = last_micro and self.schedule.last_backward_begins(
+            self.optimizer, self.loss_scaler.scale, only=acc.next_is_only(), sure=acc.next_surely_last())
         try:
             with self.telemetry.span("backward"):
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)

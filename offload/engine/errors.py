@@ -53,6 +53,18 @@ def half_applied_step() -> EngineError:
                        "every step all-or-nothing")
 
 
+def backward_after_update_began(call: int, calls_per_step: int | None) -> EngineError:
+    """See [Note: more backward calls than micro-batches] in accumulation.py."""
+    shown = (f"no step before took more than {calls_per_step}" if calls_per_step is not None
+             else "the accumulation was complete")
+    return EngineError(f"engine.backward() call {call} since the last step comes after the call that completed this "
+                       f"step ({shown}), and the optimizer update already began during that one "
+                       "(offload.overlap_step / speculative_step), so this call's gradients cannot join the step: "
+                       "they were not taken. Call engine.step() now to apply the step without them; keep the same "
+                       "number of backward calls in every step, or set offload.overlap_step and "
+                       "offload.speculative_step to \"off\" for a loop whose calls vary")
+
+
 def params_behind(step: int, strerror: str | None) -> EngineError:
     return EngineError(f"step {step} was applied, but writing new parameter shards to NVMe failed: {strerror}. The "
                        "master weights hold the step; the units left behind are rewritten from them before the next "

@@ -194,17 +194,22 @@ class StepSchedule:
     during: DuringBackward
     returns: StepReturn
     stepped_in_backward: bool = False  # the last backward stepped shards as they landed
+    could_step: bool = False  # the last backward was surely the step's last (it could step shards as they landed)
 
-    def last_backward_begins(self, optimizer: ShardedAdam, loss_scale: float, only: bool) -> bool:
-        """The coming backward is the accumulation's last (``only``: its only one); returns whether it steps
-        shards as they land."""
-        steps, guess = self.during.begins(loss_scale)
+    def last_backward_begins(self, optimizer: ShardedAdam, loss_scale: float, only: bool, sure: bool = True) -> bool:
+        """The coming backward completes the accumulation (``only``: its only one; ``sure``: no other call can
+        follow it before step(), see [Note: more backward calls than micro-batches] in accumulation.py); returns
+        whether it steps shards as they land (never when not ``sure``)."""
+        steps, guess = self.during.begins(loss_scale) if sure else (False, None)
         optimizer.last_backward_begins(overlap=steps, only=only, guess=guess, early=self.returns.forward_order)
-        self.stepped_in_backward = steps
+        self.stepped_in_backward, self.could_step = steps, sure
         return steps
 
     def norm_known(self, clipped: bool) -> None:
-        self.during.norm_known(clipped)
+        """The step's norm is known. A step that could not step during backward (the first: it shows how many
+        backward calls make a step) teaches the adaptive speculation nothing: the first step that can, does."""
+        if self.could_step:
+            self.during.norm_known(clipped)
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, vote: VoteFor) -> bool:
         """Step ``step``'s Adam with the known factor; returns whether it has finished."""

@@ -119,8 +119,9 @@ class GradientLanding:
     def last_begins(self, only: bool, overlap: Overlap | None) -> None:
         """The coming backward is the last micro-batch's (``only``: the step's only one); ``overlap``: its plan for
         stepping shards as they land."""
+        # A call past the boundary comes after another final one (see [Note: more backward calls than micro-batches]
+        # in offload/engine/accumulation.py): what that one left where it landed is added up before this one's.
         self.phase = Landing.FINAL_IN_PLACE if only and self.reads_in_place else Landing.FINAL
-        self._sent_in_place.clear()
         self.overlap = overlap
 
     def stop_overlap(self) -> None:
@@ -132,13 +133,13 @@ class GradientLanding:
         the next gradient of every device accumulator a new sum."""
         self.overlap = None
         self.phase = Landing.COLLECTING
+        self._sent_in_place.clear()
         self._held.clear()
         for index in self.device_accumulated:
             self.shards[index].device_holds = False
 
     def clear(self) -> None:
         """The gradients are dropped (zero_grad)."""
-        self._sent_in_place.clear()
         self.end_accumulation()
 
     def accumulate(self, index: int, shard_grad: torch.Tensor, scale: float, ready: Event | None = None,
