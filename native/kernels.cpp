@@ -122,6 +122,38 @@ struct Vec {
   static void stream16(void* out, DType dtype, bool native_bf16, size_t i, F x) {  // 32-byte aligned
     _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), to16(dtype, native_bf16, x));
   }
+  // The state formats (see [Note: state formats]).
+  static F load_split(const uint16_t* hi, const uint16_t* lo, size_t i) {
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + i)));
+    const __m512i l = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + i)));
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 16), l));
+  }
+  static void store_split(uint16_t* hi, uint16_t* lo, size_t i, F x) {
+    const __m512i b = _mm512_castps_si512(x);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i h = _mm512_mask_mov_epi32(_mm512_srli_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x8000)), 16),
+                                            nan, _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm512_cvtepi32_epi16(h));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), _mm512_cvtepi32_epi16(_mm512_maskz_mov_epi32(~nan, b)));
+  }
+  static void store_stochastic(uint16_t* out, size_t i, F x, uint32_t at, uint32_t seed) {
+    __m512i k = _mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32(int(at)),
+                                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                                 _mm512_set1_epi32(int(seed)));
+    k = _mm512_xor_si512(k, _mm512_srli_epi32(k, 16));  // lowbias32, as scalar::mix32
+    k = _mm512_mullo_epi32(k, _mm512_set1_epi32(0x7feb352d));
+    k = _mm512_xor_si512(k, _mm512_srli_epi32(k, 15));
+    k = _mm512_mullo_epi32(k, _mm512_set1_epi32(int(0x846ca68bu)));
+    k = _mm512_xor_si512(k, _mm512_srli_epi32(k, 16));
+    const __m512i b = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_and_si512(k, _mm512_set1_epi32(0xffff)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i h = _mm512_mask_mov_epi32(_mm512_srli_epi32(b, 16), nan, _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(h));
+  }
+  static void copy16(void* out, const uint16_t* from, size_t i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + i)));
+  }
 };
 
 #elif defined(__AVX2__)
@@ -217,6 +249,41 @@ struct Vec {
   static void stream16(void* out, DType dtype, bool, size_t i, F x) {  // 16-byte aligned
     _mm_stream_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), to16(dtype, x));
   }
+  // The state formats (see [Note: state formats]).
+  static __m128i low16(__m256i x) {  // each lane's low 16 bits, in order
+    const __m256i m = _mm256_and_si256(x, _mm256_set1_epi32(0xffff));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(m, m), 0x08));
+  }
+  static F load_split(const uint16_t* hi, const uint16_t* lo, size_t i) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi + i)));
+    const __m256i l = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo + i)));
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(h, 16), l));
+  }
+  static void store_split(uint16_t* hi, uint16_t* lo, size_t i, F x) {
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i h = _mm256_blendv_epi8(_mm256_srli_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x8000)), 16),
+                                         _mm256_set1_epi32(0x7fc0), nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), low16(h));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i), low16(_mm256_andnot_si256(nan, b)));
+  }
+  static void store_stochastic(uint16_t* out, size_t i, F x, uint32_t at, uint32_t seed) {
+    __m256i k = _mm256_xor_si256(_mm256_add_epi32(_mm256_set1_epi32(int(at)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                 _mm256_set1_epi32(int(seed)));
+    k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 16));  // lowbias32, as scalar::mix32
+    k = _mm256_mullo_epi32(k, _mm256_set1_epi32(0x7feb352d));
+    k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 15));
+    k = _mm256_mullo_epi32(k, _mm256_set1_epi32(int(0x846ca68bu)));
+    k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 16));
+    const __m256i b = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_and_si256(k, _mm256_set1_epi32(0xffff)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     low16(_mm256_blendv_epi8(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x7fc0), nan)));
+  }
+  static void copy16(void* out, const uint16_t* from, size_t i) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i)));
+  }
 };
 
 #elif defined(__aarch64__) && defined(__ARM_NEON)
@@ -284,6 +351,32 @@ struct Vec {
   static void stream16(void* out, DType dtype, bool native_bf16, size_t i, F x) {
     store16(out, dtype, native_bf16, i, x);
   }
+  // The state formats (see [Note: state formats]).
+  static F load_split(const uint16_t* hi, const uint16_t* lo, size_t i) {
+    const uint32x4_t h = vshll_n_u16(vld1_u16(hi + i), 16);
+    const uint32x4_t l = vreinterpretq_u32_s32(vmovl_s16(vreinterpret_s16_u16(vld1_u16(lo + i))));
+    return vreinterpretq_f32_u32(vaddq_u32(h, l));
+  }
+  static void store_split(uint16_t* hi, uint16_t* lo, size_t i, F x) {
+    const uint32x4_t b = vreinterpretq_u32_f32(x);
+    const uint32x4_t ok = vceqq_f32(x, x);  // all ones where not NaN
+    const uint32x4_t h = vbslq_u32(ok, vshrq_n_u32(vaddq_u32(b, vdupq_n_u32(0x8000)), 16), vdupq_n_u32(0x7fc0));
+    vst1_u16(hi + i, vmovn_u32(h));
+    vst1_u16(lo + i, vmovn_u32(vandq_u32(b, ok)));
+  }
+  static void store_stochastic(uint16_t* out, size_t i, F x, uint32_t at, uint32_t seed) {
+    const uint32_t lanes[4] = {0, 1, 2, 3};
+    uint32x4_t k = veorq_u32(vaddq_u32(vdupq_n_u32(at), vld1q_u32(lanes)), vdupq_n_u32(seed));
+    k = veorq_u32(k, vshrq_n_u32(k, 16));  // lowbias32, as scalar::mix32
+    k = vmulq_u32(k, vdupq_n_u32(0x7feb352du));
+    k = veorq_u32(k, vshrq_n_u32(k, 15));
+    k = vmulq_u32(k, vdupq_n_u32(0x846ca68bu));
+    k = veorq_u32(k, vshrq_n_u32(k, 16));
+    const uint32x4_t b = vaddq_u32(vreinterpretq_u32_f32(x), vandq_u32(k, vdupq_n_u32(0xffff)));
+    const uint32x4_t h = vbslq_u32(vceqq_f32(x, x), vshrq_n_u32(b, 16), vdupq_n_u32(0x7fc0));
+    vst1_u16(out + i, vmovn_u32(h));
+  }
+  static void copy16(void* out, const uint16_t* from, size_t i) { vst1_u16(static_cast<uint16_t*>(out) + i, vld1_u16(from + i)); }
 };
 
 #else
@@ -315,6 +408,13 @@ struct Scalar {
   static F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
   static void store16(void* out, DType dtype, bool, size_t i, F x) { scalar::store16(out, int(dtype), i, x); }
   static void stream16(void* out, DType dtype, bool, size_t i, F x) { scalar::store16(out, int(dtype), i, x); }
+  // The state formats (see [Note: state formats]).
+  static F load_split(const uint16_t* hi, const uint16_t* lo, size_t i) { return scalar::join_split(hi[i], lo[i]); }
+  static void store_split(uint16_t* hi, uint16_t* lo, size_t i, F x) { scalar::split(x, hi + i, lo + i); }
+  static void store_stochastic(uint16_t* out, size_t i, F x, uint32_t at, uint32_t seed) {
+    out[i] = scalar::bf16_stochastic(x, scalar::mix32(at ^ seed));
+  }
+  static void copy16(void* out, const uint16_t* from, size_t i) { static_cast<uint16_t*>(out)[i] = from[i]; }
 };
 
 #if defined(OFFLOAD_NO_VECTOR)
@@ -352,20 +452,67 @@ bool aligned(const void* p, size_t bytes = sizeof(float)) {  // for V's streamin
 // memory. The 16-bit copy is written the same way wherever it is aligned for it, in place or not: it is a pinned
 // buffer a copy engine reads next, or compute weights the next forward reads after the pass has evicted them
 // (2 bytes an element less: 1.05x on the Xeon at 32M elements).
-template <class V, DType G, int OUT, bool ELSEWHERE>
+// [Note: state formats] The master weights and the moments may be held in fewer bytes than float32 (each 4 bytes an
+// element, 12 of state). The arithmetic is always float32, as above; only what is loaded and stored differs:
+// - moments in bfloat16 (DType::BF16): widened on load, rounded to nearest even on store (bf16 keeps float32's
+//   exponent range, so the second moment neither flushes to zero nor overflows where float32's would not);
+// - Master::SPLIT, 16+16: the float32 master as two 16-bit halves, the high one the bf16 weights the forward reads.
+//   The high half is the master rounded to nearest, ties away from zero (plain mixed precision rounds ties to even:
+//   they differ on exact ties only, one element in 65536, by one bf16 unit), and the low half is the float's own
+//   low 16 bits: high << 16 plus the low half sign-extended is the float32 bit for bit, because rounding moves the
+//   high half by at most the low half's weight. A NaN master is stored as the quiet NaN 0x7fc0 with a zero low half
+//   (a payload must not carry into the sign). So the split master steps exactly as the float32 one;
+// - Master::BF16, rounded to nearest even (DeepSpeed's bf16 master), or Master::BF16_STOCHASTIC: rounded up in
+//   magnitude with the probability of the dropped bits, from random bits that hash the step's seed with the
+//   element's index in the stream, so the result depends on neither the tiles nor the threads, and a run resumed
+//   with the same seeds rounds the same way.
+// The 16-bit copy (out16) of a 16-bit master is the master itself, copied.
+template <class V, int MASTER>
+typename V::F load_master(const void* param, const uint16_t* lo, size_t i) {
+  if constexpr (MASTER == int(Master::F32)) return V::load(static_cast<const float*>(param) + i);
+  else if constexpr (MASTER == int(Master::SPLIT)) return V::load_split(static_cast<const uint16_t*>(param), lo, i);
+  else return V::load_any(param, DType::BF16, i);
+}
+
+template <class V, int MASTER>
+void store_master(void* param, uint16_t* lo, size_t i, typename V::F x, bool native_bf16, uint32_t at,
+                  uint32_t seed) {
+  if constexpr (MASTER == int(Master::F32)) V::store(static_cast<float*>(param) + i, x);
+  else if constexpr (MASTER == int(Master::SPLIT)) V::store_split(static_cast<uint16_t*>(param), lo, i, x);
+  else if constexpr (MASTER == int(Master::BF16)) V::store16(param, DType::BF16, native_bf16, i, x);
+  else V::store_stochastic(static_cast<uint16_t*>(param), i, x, at, seed);
+}
+
+template <class V, bool BF16>
+typename V::F load_moment(const void* m, size_t i) {
+  if constexpr (BF16) return V::load_any(m, DType::BF16, i);
+  else return V::load(static_cast<const float*>(m) + i);
+}
+
+template <class V, bool BF16>
+void store_moment(void* m, size_t i, typename V::F x, bool native_bf16) {
+  if constexpr (BF16) V::store16(m, DType::BF16, native_bf16, i, x);
+  else V::store(static_cast<float*>(m) + i, x);
+}
+
+template <class V, DType G, int OUT, bool ELSEWHERE, int MASTER, bool BF16M>
 size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
   using F = typename V::F;
+  constexpr bool WIDE = MASTER == int(Master::F32) && !BF16M;  // the float32 state, which may stream
   // Written; read too when in place.
-  float* __restrict param = ELSEWHERE ? a.param_out : a.param;
-  float* __restrict exp_avg = ELSEWHERE ? a.exp_avg_out : a.exp_avg;
-  float* __restrict exp_avg_sq = ELSEWHERE ? a.exp_avg_sq_out : a.exp_avg_sq;
+  void* __restrict param = ELSEWHERE ? a.param_out : a.param;
+  uint16_t* __restrict param_lo = ELSEWHERE ? a.param_lo_out : a.param_lo;
+  void* __restrict exp_avg = ELSEWHERE ? a.exp_avg_out : a.exp_avg;
+  void* __restrict exp_avg_sq = ELSEWHERE ? a.exp_avg_sq_out : a.exp_avg_sq;
   // Read, when the new state goes elsewhere (never dereferenced in place).
-  const float* __restrict param_src = ELSEWHERE ? a.param : nullptr;
-  const float* __restrict exp_avg_src = ELSEWHERE ? a.exp_avg : nullptr;
-  const float* __restrict exp_avg_sq_src = ELSEWHERE ? a.exp_avg_sq : nullptr;
+  const void* __restrict param_src = ELSEWHERE ? a.param : nullptr;
+  const uint16_t* __restrict param_lo_src = ELSEWHERE ? a.param_lo : nullptr;
+  const void* __restrict exp_avg_src = ELSEWHERE ? a.exp_avg : nullptr;
+  const void* __restrict exp_avg_sq_src = ELSEWHERE ? a.exp_avg_sq : nullptr;
   const void* __restrict grad = a.grad;
   void* __restrict out16 = a.out16;
   const bool native_bf16 = a.native_bf16;
+  const uint32_t seed = scalar::mix32(a.seed), at0 = uint32_t(a.index0);
   const F pre = V::set1(a.pre_scale), scale = V::set1(a.grad_scale), decay = V::set1(a.decay), l2 = V::set1(a.l2);
   const F b1c = V::set1(a.one_minus_beta1), b2 = V::set1(a.beta2), b2c = V::set1(a.one_minus_beta2);
   // One divide less per element (see [Note: one divide]).
@@ -373,49 +520,68 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
   const bool use_bc2 = a.bc2_sqrt != 1.0f;
   const bool use_pre = a.pre_scale != 1.0f, use_scale = a.grad_scale != 1.0f;
   const bool use_decay = a.decay != 1.0f, use_l2 = a.l2 != 0.0f;
-  const bool stream = ELSEWHERE && aligned<V>(param + i) && aligned<V>(exp_avg + i) &&
-                      aligned<V>(exp_avg_sq + i);  // see [Note: streaming stores]
+  const bool stream = WIDE && ELSEWHERE && aligned<V>(static_cast<float*>(param) + i) &&
+                      aligned<V>(static_cast<float*>(exp_avg) + i) &&
+                      aligned<V>(static_cast<float*>(exp_avg_sq) + i);  // see [Note: streaming stores]
   const bool stream16 = OUT != 0 && aligned<V>(static_cast<uint16_t*>(out16) + i, sizeof(uint16_t));
   for (; i + V::W <= end; i += V::W) {
     F g = V::load_any(grad, G, i);
     if (use_pre) g = V::mul(g, pre);               // a landed gradient: what its accumulation would have rounded
     if (use_scale) g = V::mul(g, scale);
-    const F p0 = V::load(ELSEWHERE ? param_src + i : param + i);
+    const F p0 = load_master<V, MASTER>(ELSEWHERE ? param_src : param, ELSEWHERE ? param_lo_src : param_lo, i);
     F p = use_decay ? V::mul(p0, decay) : p0;     // AdamW: param.mul_(1 - lr * wd)
     if (use_l2) g = V::fmadd(l2, p0, g);          // Adam: grad.add(param, alpha=wd); skipped, not * 0 (0 * inf)
-    F m = V::load(ELSEWHERE ? exp_avg_src + i : exp_avg + i);
+    F m = load_moment<V, BF16M>(ELSEWHERE ? exp_avg_src : exp_avg, i);
     m = V::fmadd(b1c, V::sub(g, m), m);           // exp_avg.lerp_(grad, 1 - beta1)
-    F v = V::load(ELSEWHERE ? exp_avg_sq_src + i : exp_avg_sq + i);
+    F v = load_moment<V, BF16M>(ELSEWHERE ? exp_avg_sq_src : exp_avg_sq, i);
     v = V::fmadd(V::mul(b2c, g), g, V::mul(v, b2));  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
     const F root = V::sqrt(v);
     const F denom = V::add(use_bc2 ? V::mul(root, inv_bc2) : root, eps);
     p = V::sub(p, V::div(V::mul(step, m), denom));  // param.addcdiv_(m, denom, -step_size)
     if (stream) {
-      V::stream(param + i, p);
-      V::stream(exp_avg + i, m);
-      V::stream(exp_avg_sq + i, v);
+      V::stream(static_cast<float*>(param) + i, p);
+      V::stream(static_cast<float*>(exp_avg) + i, m);
+      V::stream(static_cast<float*>(exp_avg_sq) + i, v);
     } else {
-      V::store(param + i, p);
-      V::store(exp_avg + i, m);
-      V::store(exp_avg_sq + i, v);
+      store_master<V, MASTER>(param, param_lo, i, p, native_bf16, at0 + uint32_t(i), seed);
+      store_moment<V, BF16M>(exp_avg, i, m, native_bf16);
+      store_moment<V, BF16M>(exp_avg_sq, i, v, native_bf16);
     }
-    if (OUT != 0 && stream16) V::stream16(out16, OUT == 1 ? DType::BF16 : DType::F16, native_bf16, i, p);
-    else if (OUT != 0) V::store16(out16, OUT == 1 ? DType::BF16 : DType::F16, native_bf16, i, p);
+    if constexpr (OUT != 0 && MASTER != int(Master::F32)) {
+      V::copy16(out16, static_cast<const uint16_t*>(param), i);  // the weights are the master's 16 bits
+    } else if constexpr (OUT != 0) {
+      if (stream16) V::stream16(out16, OUT == 1 ? DType::BF16 : DType::F16, native_bf16, i, p);
+      else V::store16(out16, OUT == 1 ? DType::BF16 : DType::F16, native_bf16, i, p);
+    }
   }
   if (stream || stream16) V::fence();
   return i;
 }
 
-template <class V, DType G, bool ELSEWHERE>
+template <class V, DType G, bool ELSEWHERE, int MASTER, bool BF16M>
 size_t adam_span_out(const AdamArgs& a, size_t i, size_t end) {
-  if (a.out16 == nullptr) return adam_loop<V, G, 0, ELSEWHERE>(a, i, end);
-  if (a.out_dtype == DType::BF16) return adam_loop<V, G, 1, ELSEWHERE>(a, i, end);
-  return adam_loop<V, G, 2, ELSEWHERE>(a, i, end);
+  if (a.out16 == nullptr) return adam_loop<V, G, 0, ELSEWHERE, MASTER, BF16M>(a, i, end);
+  if (a.out_dtype == DType::BF16) return adam_loop<V, G, 1, ELSEWHERE, MASTER, BF16M>(a, i, end);
+  if constexpr (MASTER == int(Master::F32)) return adam_loop<V, G, 2, ELSEWHERE, MASTER, BF16M>(a, i, end);
+  return i;  // a 16-bit master has no float16 copy (refused by the binding)
+}
+
+template <class V, DType G, bool ELSEWHERE, bool BF16M>
+size_t adam_span_master(const AdamArgs& a, size_t i, size_t end) {
+  switch (a.master) {
+    case Master::SPLIT: return adam_span_out<V, G, ELSEWHERE, int(Master::SPLIT), BF16M>(a, i, end);
+    case Master::BF16: return adam_span_out<V, G, ELSEWHERE, int(Master::BF16), BF16M>(a, i, end);
+    case Master::BF16_STOCHASTIC: return adam_span_out<V, G, ELSEWHERE, int(Master::BF16_STOCHASTIC), BF16M>(a, i, end);
+    default: return adam_span_out<V, G, ELSEWHERE, int(Master::F32), BF16M>(a, i, end);
+  }
 }
 
 template <class V, DType G>
 size_t adam_span_g(const AdamArgs& a, size_t i, size_t end) {
-  return a.param_out != nullptr ? adam_span_out<V, G, true>(a, i, end) : adam_span_out<V, G, false>(a, i, end);
+  const bool bf16m = a.moment_dtype == DType::BF16;
+  if (a.param_out != nullptr)
+    return bf16m ? adam_span_master<V, G, true, true>(a, i, end) : adam_span_master<V, G, true, false>(a, i, end);
+  return bf16m ? adam_span_master<V, G, false, true>(a, i, end) : adam_span_master<V, G, false, false>(a, i, end);
 }
 
 template <class V>
@@ -431,12 +597,13 @@ size_t adam_span(const AdamArgs& a, size_t i, size_t end) {
 // vector pass's streaming stores (see [Note: streaming stores]); returns where the vector pass starts.
 template <class V>
 size_t align_elsewhere(const AdamArgs& a, size_t i, size_t end) {
-  if (!V::STREAMS || a.param_out == nullptr) return i;
+  if (!V::STREAMS || a.param_out == nullptr || a.master != Master::F32 || a.moment_dtype != DType::F32) return i;
   const size_t width = V::W * sizeof(float);  // the vector pass's store, bytes
-  const uintptr_t off = reinterpret_cast<uintptr_t>(a.param_out + i) % width;
+  const uintptr_t off = reinterpret_cast<uintptr_t>(static_cast<float*>(a.param_out) + i) % width;
   const size_t lead = off == 0 ? 0 : (width - off) / sizeof(float);
   const size_t stop = i + lead < end ? i + lead : end;
-  if (!aligned<V>(a.exp_avg_out + stop) || !aligned<V>(a.exp_avg_sq_out + stop)) return i;  // offsets differ
+  if (!aligned<V>(static_cast<float*>(a.exp_avg_out) + stop) || !aligned<V>(static_cast<float*>(a.exp_avg_sq_out) + stop))
+    return i;  // offsets differ
   return adam_span<Scalar>(a, i, stop);
 }
 

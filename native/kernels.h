@@ -22,21 +22,35 @@ struct SqNorm {
   uint64_t nonfinite = 0;
 };
 
+// How the master weights are held (see [Note: state formats] in kernels.cpp).
+enum class Master : int {
+  F32 = 0,              // float32
+  SPLIT = 1,            // 16+16: the high halves are the bf16 weights (rounded), the low halves beside them
+  BF16 = 2,             // bfloat16, rounded to nearest even
+  BF16_STOCHASTIC = 3,  // bfloat16, rounded stochastically from the step's stream (seed, element index)
+};
+
 // One Adam/AdamW step over flat buffers. Scalars are computed by the caller in
 // double and rounded to float once, as torch.optim.Adam does with Python floats.
 struct AdamArgs {
-  float* param = nullptr;
+  void* param = nullptr;          // float (Master::F32), else bf16: SPLIT's high halves
+  uint16_t* param_lo = nullptr;   // SPLIT: the low halves
   const void* grad = nullptr;
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
+  void* exp_avg = nullptr;        // moment_dtype, both moments
+  void* exp_avg_sq = nullptr;
   void* out16 = nullptr;  // optional 16-bit copy of the updated params
-  // Where the new param and moments go: all three, or none for in place. A step written elsewhere leaves the old
+  // Where the new param and moments go: all of them, or none for in place. A step written elsewhere leaves the old
   // state intact (the speculative step's second slot).
-  float* param_out = nullptr;
-  float* exp_avg_out = nullptr;
-  float* exp_avg_sq_out = nullptr;
+  void* param_out = nullptr;
+  uint16_t* param_lo_out = nullptr;
+  void* exp_avg_out = nullptr;
+  void* exp_avg_sq_out = nullptr;
   DType grad_dtype = DType::F32;
   DType out_dtype = DType::BF16;
+  DType moment_dtype = DType::F32;  // F32, or BF16 (stored rounded to nearest even; arithmetic in float32)
+  Master master = Master::F32;
+  uint32_t seed = 0;      // BF16_STOCHASTIC: the step's stream ...
+  uint64_t index0 = 0;    // ... and the stream index of element 0 (the rounding depends on neither tiles nor threads)
   float pre_scale = 1.0f;       // a landed 16-bit gradient's own factor, first: what its accumulation multiplied by
   float grad_scale = 1.0f;      // unscale and clip in one factor (1: off)
   float decay = 1.0f;           // AdamW: param *= 1 - lr * weight_decay

@@ -74,15 +74,52 @@ float* fp32_buffer(const RwArray& a, const char* what, size_t n) {
   return static_cast<float*>(a.data());
 }
 
+// A buffer of the kernel's element type `want` (float32 or bfloat16), dense, on the CPU, of n elements.
+void* typed_buffer(const RwArray& a, const char* what, size_t n, DType want) {
+  require_dense_cpu(a, what);
+  require_size(a, what, n);
+  if (dtype_of(a, what) != want)
+    throw std::invalid_argument(std::string(what) + " must be " + (want == DType::F32 ? "float32" : "bfloat16") +
+                                " like the state it goes with");
+  return a.data();
+}
+
+uint16_t* half_buffer(const RwArray& a, const char* what, size_t n) {  // the split master's low halves: 16-bit
+  require_dense_cpu(a, what);
+  require_size(a, what, n);
+  const nb::dlpack::dtype d = a.dtype();
+  if (d.bits != 16 || d.lanes != 1) throw std::invalid_argument(std::string(what) + " must be a 16-bit buffer");
+  return static_cast<uint16_t*>(a.data());
+}
+
 void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg, const RwArray& exp_avg_sq,
              std::optional<RwArray> out16, std::optional<RwArray> param_out, std::optional<RwArray> exp_avg_out,
-             std::optional<RwArray> exp_avg_sq_out, float pre_scale, float grad_scale, float decay, float l2, float one_minus_beta1, float beta2,
-             float one_minus_beta2, float bc2_sqrt, float eps, float step_size, int threads) {
+             std::optional<RwArray> exp_avg_sq_out, float pre_scale, float grad_scale, float decay, float l2,
+             float one_minus_beta1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float step_size,
+             int threads, std::optional<RwArray> param_lo, std::optional<RwArray> param_lo_out, bool stochastic,
+             uint32_t seed, uint64_t index0) {
   AdamArgs a;
   const size_t n = param.size();
-  a.param = fp32_buffer(param, "param", n);
-  a.exp_avg = fp32_buffer(exp_avg, "exp_avg", n);
-  a.exp_avg_sq = fp32_buffer(exp_avg_sq, "exp_avg_sq", n);
+  require_dense_cpu(param, "param");
+  const DType master_dtype = dtype_of(param, "param");
+  if (master_dtype == DType::F16) throw std::invalid_argument("param must be float32 or bfloat16 (a master weight)");
+  if (master_dtype == DType::F32) {
+    if (param_lo || stochastic)
+      throw std::invalid_argument("param_lo and stochastic rounding go with a bfloat16 master, and param is float32");
+    a.master = Master::F32;
+  } else if (param_lo) {
+    if (stochastic) throw std::invalid_argument("a 16+16 master (param_lo given) is exact: no stochastic rounding");
+    a.master = Master::SPLIT;
+    a.param_lo = half_buffer(*param_lo, "param_lo", n);
+  } else {
+    a.master = stochastic ? Master::BF16_STOCHASTIC : Master::BF16;
+  }
+  a.param = typed_buffer(param, "param", n, master_dtype);
+  require_dense_cpu(exp_avg, "exp_avg");
+  a.moment_dtype = dtype_of(exp_avg, "exp_avg");
+  if (a.moment_dtype == DType::F16) throw std::invalid_argument("exp_avg must be float32 or bfloat16");
+  a.exp_avg = typed_buffer(exp_avg, "exp_avg", n, a.moment_dtype);
+  a.exp_avg_sq = typed_buffer(exp_avg_sq, "exp_avg_sq", n, a.moment_dtype);
   require_dense_cpu(grad, "grad");
   a.grad_dtype = dtype_of(grad, "grad");
   a.grad = grad.data();
@@ -91,16 +128,22 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
     require_dense_cpu(*out16, "out16");
     a.out_dtype = dtype_of(*out16, "out16");
     if (a.out_dtype == DType::F32) throw std::invalid_argument("out16 must be bfloat16 or float16");
+    if (a.master != Master::F32 && a.out_dtype != DType::BF16)
+      throw std::invalid_argument("out16 of a bfloat16 master is bfloat16: the copy is the master's own bits");
     require_size(*out16, "out16", n);
     a.out16 = out16->data();
   }
-  if (param_out || exp_avg_out || exp_avg_sq_out) {  // the new state elsewhere: all three or none
-    if (!(param_out && exp_avg_out && exp_avg_sq_out))
-      throw std::invalid_argument("param_out, exp_avg_out and exp_avg_sq_out go together: give all three or none");
-    a.param_out = fp32_buffer(*param_out, "param_out", n);
-    a.exp_avg_out = fp32_buffer(*exp_avg_out, "exp_avg_out", n);
-    a.exp_avg_sq_out = fp32_buffer(*exp_avg_sq_out, "exp_avg_sq_out", n);
+  if (param_out || exp_avg_out || exp_avg_sq_out || param_lo_out) {  // the new state elsewhere: all or none
+    if (!(param_out && exp_avg_out && exp_avg_sq_out) || bool(param_lo_out) != bool(param_lo))
+      throw std::invalid_argument("param_out, exp_avg_out and exp_avg_sq_out (and param_lo_out with param_lo) go "
+                                  "together: give all of them or none");
+    a.param_out = typed_buffer(*param_out, "param_out", n, master_dtype);
+    if (param_lo_out) a.param_lo_out = half_buffer(*param_lo_out, "param_lo_out", n);
+    a.exp_avg_out = typed_buffer(*exp_avg_out, "exp_avg_out", n, a.moment_dtype);
+    a.exp_avg_sq_out = typed_buffer(*exp_avg_sq_out, "exp_avg_sq_out", n, a.moment_dtype);
   }
+  a.seed = seed;
+  a.index0 = index0;
   a.pre_scale = pre_scale;
   a.grad_scale = grad_scale;
   a.decay = decay;
@@ -164,8 +207,11 @@ NB_MODULE(_native, m) {
         nb::arg("param_out").none(), nb::arg("exp_avg_out").none(), nb::arg("exp_avg_sq_out").none(),
         nb::arg("pre_scale"), nb::arg("grad_scale"), nb::arg("decay"), nb::arg("l2"), nb::arg("one_minus_beta1"), nb::arg("beta2"),
         nb::arg("one_minus_beta2"), nb::arg("bc2_sqrt"), nb::arg("eps"), nb::arg("step_size"), nb::arg("threads"),
+        nb::arg("param_lo").none() = nb::none(), nb::arg("param_lo_out").none() = nb::none(),
+        nb::arg("stochastic") = false, nb::arg("seed") = 0, nb::arg("index0") = 0,
         "One fused Adam/AdamW step over flat CPU buffers (scalars precomputed by offload.native.adam_step), in place "
-        "or into param_out/exp_avg_out/exp_avg_sq_out.");
+        "or into param_out/exp_avg_out/exp_avg_sq_out; the master float32, 16+16 (bfloat16 param and its param_lo) "
+        "or bfloat16 (rounded to nearest, or stochastic from seed and index0), the moments float32 or bfloat16.");
   m.def("cpu_has_bf16", &cpu_has_bf16);
   m.def("accumulate", &py_accumulate, nb::arg("acc").noconvert(), nb::arg("grad").noconvert(), nb::arg("s"),
         nb::arg("overwrite"), nb::arg("threads"), "acc = s * grad (overwrite) or acc += s * grad.");

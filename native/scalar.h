@@ -86,6 +86,36 @@ static inline void store16(void* out, int dtype, size_t i, float f) {
   static_cast<uint16_t*>(out)[i] = dtype == 1 ? f32_to_bf16(f) : f32_to_f16(f);
 }
 
+// [Note: state formats] in kernels.cpp. The 16+16 master: the high half rounded to nearest (ties away from zero,
+// so that the low half, the float's own low 16 bits, always restores it), NaN to the quiet 0x7fc0 with a zero low half.
+static inline void split(float f, uint16_t* hi, uint16_t* lo) {
+  const uint32_t x = f32_to_bits(f);
+  const bool nan = (x & 0x7fffffffu) > 0x7f800000u;
+  *hi = nan ? uint16_t(0x7fc0) : uint16_t((x + 0x8000u) >> 16);
+  *lo = nan ? uint16_t(0) : uint16_t(x);
+}
+
+static inline float join_split(uint16_t hi, uint16_t lo) {
+  return bits_to_f32((uint32_t(hi) << 16) + uint32_t(int32_t(int16_t(lo))));
+}
+
+// A 32-bit integer hash (lowbias32): the stochastic rounding's random bits of one element.
+static inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// binary32 -> bfloat16 rounded up in magnitude with probability (dropped bits) / 2^16: unbiased; NaN -> 0x7fc0.
+static inline uint16_t bf16_stochastic(float f, uint32_t random) {
+  const uint32_t x = f32_to_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return uint16_t((x + (random & 0xffffu)) >> 16);
+}
+
 static inline bool nonfinite(float f) { return (f32_to_bits(f) & 0x7f800000u) == 0x7f800000u; }
 
 }  // namespace scalar

@@ -265,7 +265,9 @@ def test_a_step_written_elsewhere_refuses_overlapping_or_partial_targets():
 BAD = [
     (lambda n: dict(master=torch.ones(n, n)[:, 0]), "param is not contiguous"),
     (lambda n: dict(master=torch.ones(n, dtype=torch.float64)), "param has dtype torch.float64"),
-    (lambda n: dict(exp_avg=torch.ones(n, dtype=torch.bfloat16)), "exp_avg has dtype torch.bfloat16; Adam's master"),
+    (lambda n: dict(exp_avg=torch.ones(n, dtype=torch.float16)), "exp_avg has dtype torch.float16; Adam's moments"),
+    (lambda n: dict(exp_avg=torch.ones(n, dtype=torch.bfloat16)), "exp_avg_sq has dtype torch.float32; the moments "
+                                                                   "share one dtype"),
     (lambda n: dict(grad=torch.ones(n + 1)), "grad has 9 elements but param has 8"),
     (lambda n: dict(exp_avg_sq=torch.ones(n - 1)), "exp_avg_sq has 7 elements but param has 8"),
     (lambda n: dict(out16=torch.ones(n)), "out16 has dtype torch.float32"),

@@ -17,6 +17,9 @@ Two comparisons at each size, medians of repeated runs on the same machine:
 2. The whole CPU side of an offloaded step: bf16 grads in -> global norm -> clip -> AdamW ->
    bf16 params out. Ours is one norm pass plus one fused step pass; torch's is the best
    composition of its ops (grad.float(), clip_grad_norm_, fused AdamW, param.to(bfloat16)).
+3. The same CPU side with the state in fewer bytes (offload/store/state_format.py), each format
+   beside the fp32 one: its time as a fraction of fp32's, and its bandwidth for its own bytes
+   against the ceiling.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 
 from offload.machine import cpus, native
 from offload.optim import AdamHyper, adam_step
+from offload.store.state_format import FORMATS, Master, StateFormat, split_master
 from offload.store.step_cost import ADAM_BYTES  # read p, g, m, v; write p, m, v (fp32)
 
 FUSED_BYTES = 30     # bf16 grad read twice (norm + step), p/m/v read and written, bf16 copy written
@@ -202,7 +206,41 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
     t = interleaved({torch_name: torch_side, ours_name: ours_fused}, repeats, before=flush)
     row("cpu-side", torch_name, t[torch_name], FUSED_BYTES, None)
     row("cpu-side", ours_name, t[ours_name], FUSED_BYTES, t[torch_name])
+
+    # 3. The CPU side per state format, beside fp32's.
+    steps = {name: _format_step(fmt, p, g16, threads, step) for name, fmt in FORMATS.items()}
+    t = interleaved({name: fn for name, (fn, _) in steps.items()}, repeats, before=flush)
+    base = t["fp32"]
+    for name, seconds in t.items():
+        r = row("format", f"{name}: {FORMATS[name].describe()}", seconds, steps[name][1], None)
+        r.ratio_vs_baseline = seconds / base  # here: the format's time as a fraction of the fp32 state's
+        say(f"  {n:>11,}  {'':<10} {'':<48} {seconds / base:4.2f}x the fp32 state's time")
     return rows
+
+
+def _format_step(fmt: StateFormat, p0: torch.Tensor, g16: torch.Tensor, threads: int, step: list[int]
+                 ) -> tuple[Callable[[], None], int]:
+    """The CPU side of a step (norm of the bf16 gradient, the clipped step, the bf16 weights out) with the state
+    held in ``fmt``, and the bytes an element it moves: the gradient read twice, the state read and written, the
+    weights written (a 16-bit master is the weights: nothing more to write)."""
+    n = p0.numel()
+    m, v = torch.zeros(n, dtype=fmt.moments), torch.zeros(n, dtype=fmt.moments)
+    lo = None
+    if fmt.master is Master.SPLIT:
+        master, lo = split_master(p0)
+    else:
+        master = p0.to(fmt.master_dtype)
+    out16 = torch.empty(n, dtype=torch.bfloat16) if fmt.master is Master.FP32 else None
+    stochastic = native.Stochastic(1) if fmt.master is Master.BF16_STOCHASTIC else None
+
+    def run() -> None:
+        norm = native.grad_sq_norm(g16, threads=threads)
+        scale = 1.0 if norm.nonfinite else min(1.0, MAX_NORM / (norm.norm + 1e-6))
+        step[0] += 1
+        adam_step(master, g16, m, v, step[0], HYPER, grad_scale=scale, out16=out16, threads=threads, master_lo=lo,
+                  stochastic=stochastic)
+
+    return run, 2 * fmt.bytes_per_element + 2 * g16.element_size() + (2 if out16 is not None else 0)
 
 
 def run(sizes: list[int], repeats: int = 5, threads: int | None = None, out: Path | None = None,

@@ -101,29 +101,69 @@ def grad_sq_norm(grad: torch.Tensor, threads: int | None = None, scale: float = 
     return SqNorm(sum_sq, nonfinite)
 
 
+MASTER_DTYPES = (torch.float32, torch.bfloat16)  # a master weight: float32, or bfloat16 (alone, or 16+16's high half)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class Stochastic(NamedTuple):
+    """A bfloat16 master rounded stochastically: the stream's seed, and the stream index of the buffer's first
+    element (see [Note: state formats] in native/kernels.cpp)."""
+
+    seed: int
+    index0: int = 0
+
+
 def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 out16: torch.Tensor | None, *, grad_scale: float, decay: float, l2: float, one_minus_beta1: float,
                 beta2: float, one_minus_beta2: float, bc2_sqrt: float, eps: float, step_size: float,
                 threads: int | None = None, pre_scale: float = 1.0,
-                into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                into: tuple[torch.Tensor, ...] | None = None, param_lo: torch.Tensor | None = None,
+                stochastic: Stochastic | None = None) -> None:
     """The fused Adam pass with its scalars precomputed (offload.optim.adam_step computes them); ``into``: where
-    the new (param, exp_avg, exp_avg_sq) go, leaving the inputs as they were (None: in place)."""
+    the new (param, exp_avg, exp_avg_sq[, param_lo]) go, leaving the inputs as they were (None: in place).
+
+    The state's format follows its buffers (see [Note: state formats] in native/kernels.cpp): ``param`` float32, or
+    bfloat16 (with ``param_lo``, the low halves of a 16+16 master; without, a bfloat16 master rounded to nearest
+    even, or ``stochastic``ally); the moments both float32 or both bfloat16."""
     tensors = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if out16 is not None:
         tensors["out16"] = out16
-    state = ("param", "exp_avg", "exp_avg_sq")
+    state = ("param", "exp_avg", "exp_avg_sq") + (("param_lo",) if param_lo is not None else ())
+    if param_lo is not None:
+        tensors["param_lo"] = param_lo
     if into is not None:
+        if len(into) != len(state):
+            raise NativeError(f"into holds {len(into)} buffers; a step written elsewhere gives one for each of "
+                              f"{', '.join(state)}")
         tensors.update({f"{name}_out": t for name, t in zip(state, into)})
-    checked = {name: _check_buffer(t, name) for name, t in tensors.items()}
+    checked = {name: _check_buffer(t, name, None if name.startswith("param_lo") else KERNEL_DTYPES)
+               for name, t in tensors.items()}
     if into is not None:
         for name in state:
             if _overlaps(checked[name], checked[f"{name}_out"]):
                 raise NativeError(f"{name}_out overlaps {name}: a step written elsewhere needs its own buffers")
-    for name in state + (("param_out", "exp_avg_out", "exp_avg_sq_out") if into is not None else ()):
-        if checked[name].dtype != torch.float32:
-            raise NativeError(f"{name} has dtype {checked[name].dtype}; Adam's master weights and moments are float32")
+    master, moments = checked["param"].dtype, checked["exp_avg"].dtype
+    if master not in MASTER_DTYPES:
+        raise NativeError(f"param has dtype {master}; a master weight is float32 or bfloat16")
+    if moments not in MOMENT_DTYPES:
+        raise NativeError(f"exp_avg has dtype {moments}; Adam's moments are float32 or bfloat16")
+    for name in state[1:] + tuple(f"{n}_out" for n in state if into is not None):
+        want = moments if "exp_avg" in name else (master if not name.startswith("param_lo") else None)
+        got = checked[name].dtype
+        if name.startswith("param_lo"):
+            if got.itemsize != 2:
+                raise NativeError(f"{name} has dtype {got}; the low halves of a 16+16 master are 16-bit")
+        elif got != want:
+            what = "the moments share one dtype" if "exp_avg" in name else "the new master is held as the old"
+            raise NativeError(f"{name} has dtype {got}; {what} ({want})")
+    if master == torch.float32 and (param_lo is not None or stochastic is not None):
+        raise NativeError("param_lo and stochastic rounding go with a bfloat16 master, and param is float32")
+    if param_lo is not None and stochastic is not None:
+        raise NativeError("a 16+16 master (param_lo) is exact: it takes no stochastic rounding")
     if out16 is not None and checked["out16"].dtype == torch.float32:
         raise NativeError("out16 has dtype torch.float32; the copy is bfloat16 or float16")
+    if out16 is not None and master != torch.float32 and checked["out16"].dtype != torch.bfloat16:
+        raise NativeError(f"out16 has dtype {checked['out16'].dtype}; a bfloat16 master's copy is bfloat16 (its bits)")
     n = param.numel()
     for name, t in checked.items():
         if t.numel() != n:
@@ -131,10 +171,12 @@ def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     n_threads = default_threads() if threads is None else int(threads)
     if n_threads < 1:
         raise NativeError(f"threads must be >= 1, got {threads}")
+    seed, index0 = (int(stochastic.seed) & 0xFFFFFFFF, int(stochastic.index0)) if stochastic is not None else (0, 0)
     _native.adam(_dl(checked["param"]), _dl(checked["grad"]), _dl(checked["exp_avg"]), _dl(checked["exp_avg_sq"]),
                  _dl(checked.get("out16")), _dl(checked.get("param_out")), _dl(checked.get("exp_avg_out")),
                  _dl(checked.get("exp_avg_sq_out")), pre_scale,
-                 grad_scale, decay, l2, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size, n_threads)
+                 grad_scale, decay, l2, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size, n_threads,
+                 _dl(checked.get("param_lo")), _dl(checked.get("param_lo_out")), stochastic is not None, seed, index0)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

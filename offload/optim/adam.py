@@ -88,7 +88,8 @@ def _uncorrected_adam(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torc
 def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
               step: int, hyper: AdamHyper, grad_scale: float = 1.0, out16: torch.Tensor | None = None,
               threads: int | None = None, pre_scale: float = 1.0,
-              into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+              into: tuple[torch.Tensor, ...] | None = None, master_lo: torch.Tensor | None = None,
+              stochastic: native.Stochastic | None = None) -> None:
     """One fused pass: unscale/clip the gradient by ``grad_scale``, update master/exp_avg/exp_avg_sq
     in place (or write the new ones ``into`` another three buffers, bitwise the same values, the old ones left as
     they were), and (optionally) write the new params as bf16/fp16 into ``out16``. ``pre_scale`` multiplies the
@@ -96,6 +97,9 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
 
     ``step`` counts from 1, as torch's optimizers do after incrementing. Scalars are computed here
     in double and rounded once, the way torch.optim.Adam passes Python floats to its kernels.
+
+    The state may be held in fewer bytes (see [Note: state formats] in native/kernels.cpp): moments in bfloat16; the
+    master in bfloat16 with ``master_lo`` (16+16, exact), rounded to nearest, or ``stochastic``ally.
     """
     _check_step(step, grad_scale)
     beta1, beta2 = hyper.betas
@@ -106,4 +110,5 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         decay=1.0 - hyper.lr * hyper.weight_decay if hyper.adamw_mode else 1.0,
         l2=0.0 if hyper.adamw_mode else hyper.weight_decay,
         one_minus_beta1=1.0 - beta1, beta2=beta2, one_minus_beta2=1.0 - beta2, bc2_sqrt=math.sqrt(bc2),
-        eps=hyper.eps, step_size=hyper.lr / bc1, threads=threads, into=into)
+        eps=hyper.eps, step_size=hyper.lr / bc1, threads=threads, into=into, param_lo=master_lo,
+        stochastic=stochastic)

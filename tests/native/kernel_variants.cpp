@@ -102,6 +102,53 @@ void check_adam(const KernelTable& k, std::mt19937& rng, size_t n) {
   }
 }
 
+// The state formats ([Note: state formats] in kernels.cpp): every master and moment format, with and without the
+// 16-bit copy, bitwise as the portable kernel (stochastic rounding too: the same random bits for the same index).
+void check_formats(const KernelTable& k, std::mt19937& rng, size_t n) {
+  const Master masters[] = {Master::F32, Master::SPLIT, Master::BF16, Master::BF16_STOCHASTIC};
+  for (Master master : masters) {
+    for (DType moments : {DType::F32, DType::BF16}) {
+      for (int out = 0; out < 2; ++out) {
+        const std::vector<float> p = random_floats(rng, n, 1.0f, false);
+        const std::vector<uint8_t> grad = as_dtype(random_floats(rng, n, 1e-1f, false), DType::BF16);
+        const size_t pbytes = master == Master::F32 ? 4 : 2, mbytes = moments == DType::F32 ? 4 : 2;
+        std::vector<uint8_t> p1 = as_dtype(p, master == Master::F32 ? DType::F32 : DType::BF16), p2 = p1;
+        std::vector<uint16_t> lo1(n + 8), lo2;
+        for (size_t i = 0; i < n; ++i) lo1[i] = uint16_t(rng());
+        lo2 = lo1;
+        std::vector<uint8_t> m1 = as_dtype(random_floats(rng, n, 1e-2f, false), moments), m2 = m1;
+        std::vector<uint8_t> v1 = as_dtype(random_floats(rng, n, 1e-4f, true), moments), v2 = v1;
+        std::vector<uint16_t> o1(n + 8), o2(n + 8);
+        AdamArgs a;
+        a.grad = grad.data();
+        a.grad_dtype = DType::BF16;
+        a.moment_dtype = moments;
+        a.master = master;
+        a.seed = 77;
+        a.index0 = 1000003;
+        a.decay = 1.0f - 1e-3f * 0.1f;
+        a.bc2_sqrt = std::sqrt(1.0f - std::pow(0.95f, 4.0f));
+        a.beta2 = 0.95f;
+        a.one_minus_beta2 = 1.0f - 0.95f;
+        a.step_size = 1e-3f / (1 - 0.6561f);
+        AdamArgs b = a;
+        a.param = p1.data(), a.exp_avg = m1.data(), a.exp_avg_sq = v1.data(), a.out16 = out ? o1.data() : nullptr;
+        b.param = p2.data(), b.exp_avg = m2.data(), b.exp_avg_sq = v2.data(), b.out16 = out ? o2.data() : nullptr;
+        if (master == Master::SPLIT) a.param_lo = lo1.data(), b.param_lo = lo2.data();
+        kernels_portable.adam(a, 0, n);
+        k.adam(b, 0, n);
+        char what[96];
+        std::snprintf(what, sizeof what, "master=%d moments=%d out=%d", int(master), int(moments), out);
+        if (!same_bits(p1.data(), p2.data(), pbytes * n)) fail(k.name, "format params", n, what);
+        if (master == Master::SPLIT && !same_bits(lo1.data(), lo2.data(), 2 * n)) fail(k.name, "format low halves", n, what);
+        if (!same_bits(m1.data(), m2.data(), mbytes * n)) fail(k.name, "format exp_avg", n, what);
+        if (!same_bits(v1.data(), v2.data(), mbytes * n)) fail(k.name, "format exp_avg_sq", n, what);
+        if (out && !same_bits(o1.data(), o2.data(), 2 * n)) fail(k.name, "format 16-bit copy", n, what);
+      }
+    }
+  }
+}
+
 void check_norm_and_accumulate(const KernelTable& k, std::mt19937& rng, size_t n) {
   const DType dtypes[] = {DType::F32, DType::BF16, DType::F16};
   for (DType g : dtypes) {
@@ -198,6 +245,7 @@ int main() {
     ++variants;
     for (size_t n : {1, 3, 4, 7, 8, 17, 1023, 4101, 100003}) {
       check_adam(*k, rng, n);
+      check_formats(*k, rng, n);
       check_norm_and_accumulate(*k, rng, n);
       check_landed(*k, rng, n);
     }
