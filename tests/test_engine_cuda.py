@@ -77,7 +77,8 @@ def test_only_what_copies_touch_is_pinned():
     engine, optimizer, _, _ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
     assert engine.accel.is_cuda and engine.params.read(0).is_cuda
     group = optimizer.store.groups[0]
-    assert group.tier is Tier.HOST and group.resident.device.type == "cpu" and not group.resident.is_pinned()
+    assert group.tier is Tier.HOST and group.resident.master.device.type == "cpu"
+    assert not group.resident.master.is_pinned()
     state = next(iter(optimizer.shards.values()))
     # The gradient's landing buffer is what the D2H copy writes: pinned. With one micro-batch a step the gradient is
     # read there, and no fp32 accumulator is ever made.

@@ -23,13 +23,15 @@ from offload.machine.buffers import AlignedBuffer, round_up
 from offload.config import ConfigError
 from offload.store.budget import BudgetExceeded, TierBudget
 from offload.config import Config
-from offload.store.optimizer_state import KINDS, OptimizerStateStore, place_sub_groups, plan_sub_groups
+from offload.store.optimizer_state import OptimizerStateStore, place_sub_groups, plan_sub_groups
 from offload.store.placement import plan
 from offload.store.param_store import ParamStore
 from offload.store.tier import Tier
 from offload.store.param_swap import WRITE_BUFFERS, BufferState, ParamSwap, ParamSwapError, param_buffer_bytes
 from offload.store.swapdir import SwapDir
 from offload.observe.telemetry import Telemetry
+
+KINDS = 3  # master, exp_avg, exp_avg_sq: the fp32 state these rooms are tested with
 
 BLOCK = 4096  # the engine's block: most units below span two or three, so requests have several pieces
 DTYPE = torch.bfloat16
@@ -611,7 +613,7 @@ def stepped(state: dict[int, torch.Tensor], k: int) -> dict[int, torch.Tensor]:
 
 
 def read_state(store: OptimizerStateStore) -> dict[int, torch.Tensor]:
-    return {g.index: g.resident.clone() for g in store.one_at_a_time(read=True, write=False)}
+    return {g.index: torch.stack(list(g.resident)) for g in store.one_at_a_time(read=True, write=False)}
 
 
 def assert_state(store: OptimizerStateStore, expected: dict[int, torch.Tensor]) -> None:
@@ -760,7 +762,8 @@ def test_optimizer_one_at_a_time_write_replaces_the_state_in_place(rooms):
     replaced = {i: torch.full_like(s, float(i) + 0.5) for i, s in state.items()}
     for g in store.one_at_a_time(read=False, write=True):
         assert g.resident is not None
-        g.resident.copy_(replaced[g.index])
+        for kind, values in enumerate(g.resident):
+            values.copy_(replaced[g.index][kind])
     assert_state(store, replaced)
     run_pass(store, 1)
     assert_state(store, stepped(replaced, 1))

@@ -181,7 +181,12 @@ class StepBench:
                     "noclip-after": {"device": "cpu", "clip": 0.0, "overlap": "off"},
                     # Parameters homed on the host too (the early step needs host homes), stepped whole and early.
                     "params-host": {"device": "cpu", "params": "cpu", "early": "off"},
-                    "params-host-early": {"device": "cpu", "params": "cpu", "early": "on"}}
+                    "params-host-early": {"device": "cpu", "params": "cpu", "early": "on"},
+                    # The state in fewer bytes (run when named; a bf16 master needs --dtype bf16).
+                    "params-host-bf16-moments": {"device": "cpu", "params": "cpu", "early": "off",
+                                                 "state": ("fp32", "bf16")},
+                    "params-host-bf16-master": {"device": "cpu", "params": "cpu", "early": "off",
+                                                "state": ("bf16-stochastic", "bf16")}}
         return {"nvme": {"device": "nvme", "buffer_count": self.buffer_count, "params": "nvme"},
                 "host": {"device": "cpu", "params": "cpu"},
                 "nvme-optimizer": {"device": "nvme", "buffer_count": self.buffer_count, "params": "cpu"},
@@ -202,7 +207,12 @@ class StepBench:
                                          "early": "on"},
                 # ... with the parameter shards on NVMe too, written after step() returned (run when named).
                 "nvme-early": {"device": "nvme", "buffer_count": self.buffer_count, "params": "nvme",
-                               "early": "on"}}
+                               "early": "on"},
+                # ... and the state in fewer bytes, read and written each step (run when named).
+                "nvme-optimizer-bf16-moments": {"device": "nvme", "buffer_count": self.buffer_count, "params": "cpu",
+                                                "state": ("fp32", "bf16")},
+                "nvme-optimizer-bf16-master": {"device": "nvme", "buffer_count": self.buffer_count, "params": "cpu",
+                                               "state": ("bf16-stochastic", "bf16")}}
 
     def model_config(self) -> Any:
         from offload.models import GPTConfig
@@ -286,6 +296,7 @@ def engine_config(b: StepBench, variant: dict[str, Any]) -> dict[str, Any]:
                           "speculative_step": variant.get("speculative", "auto"),
                           "delayed_update": {"warmup_steps": variant.get("delayed")},
                           "checkpoint_blocks": b.checkpointing != "none",
+                          "optimizer_state": dict(zip(("master", "moments"), variant.get("state", ("fp32", "fp32")))),
                           "budgets": {"device": b.device_budget}},
               "activation_checkpointing": {"cpu_checkpointing": b.checkpointing == "cpu"}}
     return config

@@ -130,6 +130,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _cmd_schedule(args, out)
     elif what == "adam":
         adam.run(args.sizes, repeats=args.repeats, threads=args.threads, out=out, stream=sys.stdout)
+    elif what == "formats":
+        from offload.bench import formats
+        unknown = [f for f in args.formats if f not in formats.FORMATS]
+        if unknown:
+            raise UsageError(f"--formats: {', '.join(unknown)} is not one of {', '.join(formats.FORMATS)}")
+        bench = formats.FormatsBench(steps=args.steps, seeds=args.seeds, hidden=args.hidden, layers=args.layers,
+                                     seq=args.seq, micro=args.micro, lr=args.lr, warmup=min(args.warmup, args.steps),
+                                     eval_every=args.eval_every, formats=args.formats)
+        formats.run(bench, out, sys.stdout)
     elif what == "nvme":
         nvme.run(_directory(args.path, "--path"), size=args.file_size, rounds=args.rounds or 3,
                  blocks=tuple(args.blocks), depths=tuple(args.depths), out=out, stream=sys.stdout)
@@ -475,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench_parsers(p: argparse.ArgumentParser) -> None:
     """Each benchmark its own flags (a flag of another benchmark is an error, not silently ignored)."""
     from offload.models.catalog import MODELS
-    bsub = p.add_subparsers(dest="what", required=True, metavar="{adam,all,hooks,nvme,pcie,replay,schedule,step}")
+    bsub = p.add_subparsers(dest="what", required=True,
+                            metavar="{adam,all,formats,hooks,nvme,pcie,replay,schedule,step}")
 
     def bench(name: str, help: str, out: str = "JSON path (default bench-results/<benchmark>.json)"
               ) -> argparse.ArgumentParser:
@@ -489,6 +499,22 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                    help="parameter counts, comma-separated (default 10M,100M)")
     b.add_argument("--repeats", type=positive_int, default=5, help="timed runs per size; the median is reported")
     b.add_argument("--threads", type=positive_int, default=None, help="threads (default: physical cores)")
+
+    b = bench("formats", "the optimizer state's formats trained to the end beside fp32's seeds (the convergence "
+                         "A/B); a plot beside the JSON")
+    b.add_argument("--steps", type=positive_int, default=2000, help="steps a run (default 2000)")
+    b.add_argument("--seeds", type=positive_int, default=3, help="fp32 runs that make the band (default 3)")
+    b.add_argument("--hidden", type=positive_int, default=96, help="model width (default 96)")
+    b.add_argument("--layers", type=positive_int, default=3, help="blocks (default 3)")
+    b.add_argument("--seq", type=positive_int, default=64, help="bytes a sequence (default 64)")
+    b.add_argument("--micro", type=positive_int, default=16, help="sequences a step (default 16)")
+    b.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
+    b.add_argument("--warmup", type=positive_int, default=100, help="warmup steps (default 100)")
+    b.add_argument("--eval-every", type=positive_int, default=100, help="held-out loss every this many steps")
+    b.add_argument("--formats", type=lambda text: [f.strip() for f in text.split(",") if f.strip()],
+                   default="fp32,bf16 moments,bf16 master stochastic,bf16 master nearest",
+                   help="formats, comma-separated (default all: fp32, bf16 moments, bf16 master stochastic, bf16 "
+                        "master nearest)")
 
     b = bench("all", "every benchmark this machine supports; one all.json and a summary plot",
               out="output directory (default bench-results/)")

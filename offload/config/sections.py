@@ -63,6 +63,14 @@ class BF16Config:
     immediate_grad_update: bool = setting(False, "DeepSpeed's bf16 optimizer option.", support=NO_EFFECT,
                                           note="each unit's gradient is reduced and handed to the optimizer as "
                                                "soon as backward finishes it.")
+    bf16_optimizer_states: bool = setting(False, "DeepSpeed's: Adam's moments held in bf16 (2 bytes each instead of "
+                                                 "4; arithmetic in fp32, stored rounded to nearest even), on every "
+                                                 "tier; the same as offload.optimizer_state.moments \"bf16\".")
+    bf16_master_weights_and_grads: bool = setting(
+        False, "DeepSpeed's: the master weights held in bf16, rounded to nearest even (2 bytes instead of 4). Updates "
+               "smaller than half a bf16 unit of a weight are lost, so long runs at small learning rates stall; "
+               "offload.optimizer_state.master \"bf16-stochastic\" rounds them stochastically instead. The same as "
+               "offload.optimizer_state.master \"bf16\"; gradients still accumulate in fp32.")
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -486,7 +494,23 @@ class HostMallocConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class OptimizerStateConfig:
+    master: str = setting("fp32", "How the master weights are held: fp32 (PyTorch's, the default: every step as "
+                                  "torch's AdamW); bf16 (rounded to nearest even, DeepSpeed's "
+                                  "bf16_master_weights_and_grads: small updates are lost); bf16-stochastic "
+                                  "(rounded stochastically: updates kept in expectation). A bf16 master needs "
+                                  "bf16.enabled.", choices=("fp32", "bf16", "bf16-stochastic"))
+    moments: str = setting("fp32", "How Adam's moments are held: fp32, or bf16 (arithmetic in fp32, stored rounded to "
+                                   "nearest even: 4 bytes an element instead of 8).", choices=("fp32", "bf16"))
+    seed: int = setting(0, "The stochastic rounding's seed (each rank, step and unit draws its own stream from it, so "
+                           "a resumed run rounds as the run that never stopped).", ge=0)
+
+
+@dataclass(kw_only=True, slots=True)
 class OffloadExtConfig:
+    optimizer_state: OptimizerStateConfig = section(OptimizerStateConfig, "The optimizer state in fewer bytes "
+                                                    "(docs/performance.md, \"the state in fewer bytes\", says when "
+                                                    "each format suits).")
     budgets: BudgetsConfig = section(BudgetsConfig, "Hard byte budgets per tier; sizes may be written \"24GiB\".")
     host_malloc: HostMallocConfig = section(HostMallocConfig, "The C library's allocator (glibc).")
     unit_bytes: int = setting(64 * MiB, "Target bytes of a ZeRO-3 unit (parameters gathered and released together).",

@@ -39,6 +39,7 @@ from offload.store.budget import TierBudget
 from offload.store.param_store import ParamStore
 from offload.store.optimizer_state import unpipelined_note
 from offload.store.param_swap import ParamSwap, describe_placement
+from offload.store.state_format import Master, from_config, mix_seed
 from offload.store.placement import describe_split, plan as plan_placement, traffic
 from offload.store.step_cost import predict
 from offload.store.swapdir import PREFIX, SwapDir
@@ -179,7 +180,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
                            grads_read_where_they_land=placement.grads_read_where_they_land,
                            device_grads_kept=placement.device_grads_kept,
                            second_slots=step_schedule.second_slots(want, placement), delayed=want.delayed,
-                           staged=placement.staged,
+                           staged=placement.staged, stochastic=_stochastic_stream(config, group.rank),
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))
         units = [_shard_unit(model, plan, partition, group, stage, accel, compute_dtype, params, optimizer,
@@ -283,3 +284,10 @@ def _activation_store(model: nn.Module, config: Config, accel: Accelerator, host
         logger.info("activation checkpointing: %d blocks%s", count,
                     ", saved inputs in host memory" if ac.cpu_checkpointing else "")
     return store
+
+
+def _stochastic_stream(config: Config, rank: int) -> int | None:
+    """This rank's stream of stochastic rounding, where the master is bf16 rounded so (state_format.py)."""
+    if from_config(config).master is not Master.BF16_STOCHASTIC:
+        return None
+    return mix_seed(config.offload.optimizer_state.seed, rank)

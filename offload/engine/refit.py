@@ -62,7 +62,8 @@ def refit_choice(groups: list[SubGroup], spare: int, shard_bytes: Callable[[int]
             shard = shard_bytes(m.unit)
             if shard is None:
                 break
-            cost = 12 * m.numel + (0 if m.unit in accumulated_on_device else grad_bytes * m.numel) + shard
+            cost = (g.fmt.bytes_per_element * m.numel + (0 if m.unit in accumulated_on_device else grad_bytes * m.numel)
+                    + shard)
             if used + cost > spare:
                 break
             used += cost

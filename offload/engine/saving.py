@@ -24,6 +24,7 @@ from offload.files import small_state
 from offload.files.checkpoint_files import (FORMAT, LATEST, READS, CheckpointError, RankWriter, ShardReader, partitions,
                                             phase, publish, read_meta, resolve, save_small, sweep_stale, tmp_dir,
                                             verify, write_atomic, writer_lock)
+from offload.store.state_format import FP32, StateFormat
 from offload.version import __version__
 from offload.zero.collectives import all_ok
 
@@ -113,6 +114,15 @@ def _read_relaid(reader: ShardReader, meta: dict[str, Any], saved_at: dict[str, 
     return out
 
 
+def _format_meta(fmt: StateFormat) -> dict[str, str]:
+    """How a checkpoint says its optimizer state is held (absent in older ones: fp32)."""
+    return {"master": fmt.master.value, "moments": str(fmt.moments).removeprefix("torch.")}
+
+
+def _format_text(meta: dict[str, str]) -> str:
+    return f"master {meta['master']}, moments {meta['moments']}"
+
+
 def _barrier(group: Any) -> None:
     if group.pg is not None:
         torch.distributed.barrier(group=group.pg)
@@ -195,7 +205,7 @@ def _save_locked(engine: Any, root: Path, tag: str, client_state: dict[str, Any]
                 "partitions": engine.partition.world,
                 "global_steps": train["global_steps"], "skipped_steps": train["skipped_steps"],
                 "micro_steps": train["micro_steps"], "global_samples": train["global_samples"],
-                "adam_steps": engine.optimizer.adam_steps,
+                "adam_steps": engine.optimizer.adam_steps, "state_format": _format_meta(engine.optimizer.store.fmt),
                 "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
                 "params": params,
                 "config": engine.config.to_dict(), "files": {k: v for f in every for k, v in f.items()}}
@@ -374,6 +384,11 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
     # zero_optimization.load_from_fp32_weights false: the master weights are rebuilt from the checkpoint's
     # compute-dtype weights (rounded), as DeepSpeed does from its 16-bit ones.
     rounded = None if engine.config.zero_optimization.load_from_fp32_weights else getattr(torch, meta["compute_dtype"])
+    saved_format, our_format = meta.get("state_format", _format_meta(FP32)), _format_meta(engine.optimizer.store.fmt)
+    if saved_format != our_format and rank == 0:
+        logger.warning("loading %s: its optimizer state is held as %s and this engine holds it as %s: converted "
+                       "(bf16 to fp32 exactly, fp32 to bf16 rounded to nearest)", path, _format_text(saved_format),
+                       _format_text(our_format))
     def load_state(index: int, views: tuple[torch.Tensor, ...]) -> bool:
         master, exp_avg, exp_avg_sq = views
         saved = take(units[index], "master")

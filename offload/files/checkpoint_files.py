@@ -274,7 +274,7 @@ class ShardReader:
         self.path = path
         self.world = partitions(meta)
         self.units = meta["units"]
-        self.dtype = getattr(torch, meta["compute_dtype"])  # of frozen units' shards; the rest is fp32
+        self.dtype = getattr(torch, meta["compute_dtype"])  # of frozen units' shards; the state: as its entries say
         self._index: dict[int, dict[tuple[int, str], Entry]] = {}
         self._files: dict[int, io.BufferedReader] = {}
 
@@ -289,10 +289,13 @@ class ShardReader:
             raise CheckpointError(f"{self.path / f'rank{rank}.json'} has no {kind} for unit {unit}") from None
 
     def read(self, unit: int, kind: str, start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) of the unit's ``kind`` array (beyond its parameters: zeros)."""
+        """Elements [start, stop) of the unit's ``kind`` array (beyond its parameters: zeros), in the dtype it was
+        saved in (the optimizer state as it was held: fp32, or bf16 in a format of fewer bytes)."""
         numel = self.units[unit]["numel"]
         shard = self.units[unit]["padded"] // self.world
         dtype = self.dtype if kind == "shard" else torch.float32
+        if start < min(stop, numel):
+            dtype = getattr(torch, self._entry(start // shard, unit, kind).dtype)
         out = torch.zeros(stop - start, dtype=dtype)
         raw = out.view(torch.int16) if dtype.itemsize == 2 else out
         i = start

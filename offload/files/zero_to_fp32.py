@@ -70,9 +70,12 @@ class Units:
                       for r in range(self.world)]
 
     def read(self, unit: int) -> torch.Tensor:
+        """The unit's master as fp32 (a bf16 one, of a state held in fewer bytes, widened: exact)."""
         info = self.units[unit]
         kind, dtype = ("master", torch.float32) if info["trained"] else ("shard", self.frozen_dtype)
         numel, shard = info["numel"], info["padded"] // self.world
+        if numel:
+            dtype = getattr(torch, self.index[0][(unit, kind)]["dtype"])
         out = torch.empty(numel, dtype=dtype)
         raw = memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
         size = dtype.itemsize
@@ -86,7 +89,7 @@ class Units:
                 if f.readinto(raw[i * size:(i + n) * size]) != n * size:
                     sys.exit(f"{self.path / f'rank{rank}.bin'} ends early (a truncated file)")
             i += n
-        return out
+        return out.float() if kind == "master" else out
 
 
 def header(specs: list[Spec]) -> bytes:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.optim.adam import adam as torch_adam
@@ -71,6 +72,25 @@ def device_adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_
     functional = torch_adamw if hyper.adamw_mode else torch_adam
     functional(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, amsgrad=False, beta1=hyper.betas[0],
                beta2=hyper.betas[1], lr=hyper.lr, weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=False)
+
+
+def device_adam_step_held(slots: list[Any], grads: list[torch.Tensor], step: int, hyper: AdamHyper,
+                          grad_scale: float, stochastic: native.Stochastic | None) -> None:
+    """The device step of state held in fewer bytes (``slots``: StateSlot views, offload/store/state_format.py):
+    widened to fp32, stepped as ``device_adam_step``, stored back as held (moments and a bf16 master to nearest, a
+    16+16 master split, a stochastic master by torch's generator from the stream's seed)."""
+    from offload.store.state_format import stochastic_round_
+    masters = [slot.master_fp32() for slot in slots]
+    exp_avgs = [slot.exp_avg.float() for slot in slots]
+    exp_avg_sqs = [slot.exp_avg_sq.float() for slot in slots]
+    device_adam_step(masters, grads, exp_avgs, exp_avg_sqs, step, hyper, grad_scale)
+    for i, (slot, master, m, v) in enumerate(zip(slots, masters, exp_avgs, exp_avg_sqs)):
+        slot.exp_avg.copy_(m)
+        slot.exp_avg_sq.copy_(v)
+        if stochastic is not None and slot.master_lo is None and slot.master.dtype == torch.bfloat16:
+            stochastic_round_(slot.master, master, (stochastic.seed + i) & 0xFFFFFFFF)
+        else:
+            slot.set_master(master)
 
 
 def _uncorrected_adam(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamHyper) -> None:

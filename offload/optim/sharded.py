@@ -71,7 +71,8 @@ from offload.optim.update import ShardUpdate
 from offload.observe.telemetry import Telemetry
 from offload.aio.base import IOEngine
 from offload.store.budget import TierBudget
-from offload.store.optimizer_state import KINDS, OptimizerStateStore, SubGroup
+from offload.store.state_format import StateSlot
+from offload.store.optimizer_state import OptimizerStateStore, SubGroup
 from offload.store.param_store import ParamStore
 from offload.store.placement import device_grads
 from offload.store.tier import Tier
@@ -100,6 +101,7 @@ class StatePlan:
     delayed: bool = False  # the delayed update runs (see [Note: delayed update] in early_step.py)
     staged: frozenset[int] = frozenset()  # ... and these units' new shards wait in staging buffers (the placement's)
     device_grads_kept: bool = False  # see [Note: a device gradient kept as it landed] (the placement's)
+    stochastic: int | None = None  # this rank's stream, where a bf16 master rounds stochastically (state_format.py)
 
 
 class StepVote(Protocol):
@@ -171,7 +173,8 @@ class ShardedAdam:
         lane = SpeculationLane(accel) if self.offload and plan.second_slots else None
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         nvme_units = frozenset(i for i, _ in sizes if params.home(i) is Tier.NVME)
-        self.update = ShardUpdate(accel, self.shards, params, threads, self.steps_on_host, nvme_units)
+        self.update = ShardUpdate(accel, self.shards, params, threads, self.steps_on_host, nvme_units,
+                                  plan.stochastic)
         if self.offload and sizes:
             self._reserve_host(plan.step_buffers)
         self._host_accumulators = "gradient accumulators" in plan.step_buffers  # the plan counted them
@@ -261,7 +264,7 @@ class ShardedAdam:
                 assert state.phase is ShardPhase.EMPTY, f"unit {state.name!r} holds a gradient"
             device = self.accel.device
             numel = sum(m.numel for m in members)
-            taken = torch.empty(KINDS, numel, dtype=torch.float32, device=device)
+            taken = whole.fmt.empty_slot(numel, device)
             grads = [state.on_device if state.on_device is not None else None if self.device_grads_kept
                      else torch.empty(state.numel, dtype=torch.float32, device=device) for state in states]
             shards = [torch.empty(state.numel, dtype=self.compute_dtype, device=device)
@@ -588,8 +591,7 @@ class ShardedAdam:
         except Exception as e:  # noqa: BLE001 - a failed transfer: engine.step() raises it, and can be retried
             self._nvme_error = e
 
-    def _step_overlapped(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                         hypers: list[AdamHyper], step: int) -> None:
+    def _step_overlapped(self, index: int, views: StateSlot, hypers: list[AdamHyper], step: int) -> None:
         state = self.shards[index]
         if state.phase is ShardPhase.STEPPED:  # a failed backward stepped it ([Note: shard phases], shard_state.py)
             return

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import logging
 
-import torch
 
 from offload.optim.adam import AdamHyper
 from offload.optim.shard_state import Guess, Overlap, ShardPhase, ShardState, unstep
 from offload.optim.speculation_lane import SpeculationLane, TicketPhase
 from offload.optim.update import ShardUpdate
+from offload.store.state_format import StateSlot
 from offload.store.optimizer_state import Member, OptimizerStateStore, SubGroup
 from offload.store.tier import Tier
 from offload.observe.telemetry import Telemetry
@@ -95,8 +95,7 @@ class Speculation:
             with self.telemetry.span("speculation_cancelled", state.name):
                 pass
 
-    def in_place(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                            overlap: Overlap) -> None:
+    def in_place(self, index: int, views: StateSlot, overlap: Overlap) -> None:
         """On the landing worker: an NVMe sub-group's shard stepped with the guess in its read buffer."""
         state = self.shards[index]
         if state.phase is not ShardPhase.HOLDING:

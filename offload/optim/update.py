@@ -9,7 +9,9 @@ from collections.abc import Callable
 import torch
 
 from offload.machine.accelerator import Accelerator, Event
-from offload.optim.adam import AdamHyper, adam_step, device_adam_step
+from offload.machine.native import Stochastic
+from offload.optim.adam import AdamHyper, adam_step, device_adam_step, device_adam_step_held
+from offload.store.state_format import StateSlot, mix_seed
 from offload.optim.shard_state import ShardPhase, ShardState, by_group, widened
 from offload.observe.step_graph import COMPUTE
 from offload.store.param_store import ParamStore
@@ -20,10 +22,12 @@ class ShardUpdate:
     the host kernel runs on."""
 
     def __init__(self, accel: Accelerator, shards: dict[int, ShardState], params: ParamStore, threads: int | None,
-                 offloaded: Callable[[int], bool], nvme_units: frozenset[int]) -> None:
+                 offloaded: Callable[[int], bool], nvme_units: frozenset[int], stochastic: int | None = None) -> None:
         """``offloaded(index)``: the unit's state is stepped on the host (it writes a host copy of the shard);
-        ``nvme_units``: units whose parameter shard is homed on NVMe."""
+        ``nvme_units``: units whose parameter shard is homed on NVMe; ``stochastic``: this rank's stream of a bf16
+        master rounded stochastically (None: no such master)."""
         self.accel, self.shards, self.params, self.threads = accel, shards, params, threads
+        self.stochastic = stochastic
         self._offloaded = offloaded
         self.nvme_units = nvme_units
         self._compute_done: Event | None = None  # where the step orders copies after compute (re-recorded)
@@ -38,12 +42,11 @@ class ShardUpdate:
         norm and Adam run in torch's kernels there (see [Note: Adam on a discrete device] in optim/adam.py)."""
         return not self._offloaded(index) and not self.accel.host_is_device
 
-    def step_shard(self, index: int, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int,
-                    hypers: list[AdamHyper], grad_scale: float,
-                    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    target: torch.Tensor | None = None) -> None:
+    def step_shard(self, index: int, views: StateSlot, step: int, hypers: list[AdamHyper], grad_scale: float,
+                   into: StateSlot | None = None, target: torch.Tensor | None = None) -> None:
         """One shard's Adam, in place or (``into``: host state) into another slot; the new shard goes to the
-        parameter store's target, or to ``target`` (the delayed update's staging)."""
+        parameter store's target, or to ``target`` (the delayed update's staging). The state is held in the
+        format its views have (see offload/store/state_format.py)."""
         state = self.shards[index]
         master, exp_avg, exp_avg_sq = views
         empty = state.phase is ShardPhase.EMPTY  # no gradient reached this unit since the last step: Adam sees zeros
@@ -56,22 +59,30 @@ class ShardUpdate:
         out16 = out if out is not None and out.dtype != torch.float32 else None
         grad, pre_scale = (torch.zeros_like(master), 1.0) if empty else state.gradient()
         # Master, moments read and written, the gradient read, the new shard written.
-        self.accel.graph.work("adam", index, nbytes=master.numel() * (24 + grad.element_size() + (
+        state_bytes = 2 * sum(b.element_size() for b in views.buffers())
+        self.accel.graph.work("adam", index, nbytes=master.numel() * (state_bytes + grad.element_size() + (
             out.element_size() if out is not None else 0)), lane=COMPUTE if self.on_discrete_device(index) else None)
         if out is None and self.on_discrete_device(index):  # torch's fused kernel
             assert into is None  # never speculated: host state only
             for group, segs in by_group(state.segments).items():
                 slices = [slice(seg.start, seg.end) for seg in segs]
+                parts = [views.narrow(s.start, s.stop - s.start) for s in slices]
                 # fp32 as the kernel reads it: a gradient kept as it landed widened and scaled, one unit at a time
-                device_adam_step([master[s] for s in slices], [widened(grad[s], pre_scale) for s in slices],
-                                 [exp_avg[s] for s in slices], [exp_avg_sq[s] for s in slices], step, hypers[group],
-                                 grad_scale)
+                grads = [widened(grad[s], pre_scale) for s in slices]
+                if views.master.dtype == torch.float32 and exp_avg.dtype == torch.float32:
+                    device_adam_step([p.master for p in parts], grads, [p.exp_avg for p in parts],
+                                     [p.exp_avg_sq for p in parts], step, hypers[group], grad_scale)
+                else:
+                    device_adam_step_held(parts, grads, step, hypers[group], grad_scale,
+                                          self._stream(index, step, slices[0].start))
         else:
+            lo = views.master_lo
             for seg in state.segments:
                 s = slice(seg.start, seg.end)
                 adam_step(master[s], grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
                           grad_scale, out16=out16[s] if out16 is not None else None, threads=self.threads,
-                          pre_scale=pre_scale, into=None if into is None else (into[0][s], into[1][s], into[2][s]))
+                          pre_scale=pre_scale, into=None if into is None else tuple(b[s] for b in into.buffers()),
+                          master_lo=None if lo is None else lo[s], stochastic=self._stream(index, step, seg.start))
         if into is not None:
             master = into[0]
         if out is None:  # state on the compute device: the shard is written straight away
@@ -82,6 +93,13 @@ class ShardUpdate:
                     out[seg.start:seg.end].copy_(master[seg.start:seg.end])
             if target is None:
                 self.params.wrote(index)
+
+    def _stream(self, index: int, step: int, start: int) -> Stochastic | None:
+        """The stochastic rounding of unit ``index``'s elements from ``start`` on at ``step``: one stream per
+        rank, step and unit (see [Note: state formats] in native/kernels.cpp), indexed by the element."""
+        if self.stochastic is None:
+            return None
+        return Stochastic(mix_seed(self.stochastic, step, index), start)
 
     def restore_target(self, index: int, master: torch.Tensor) -> None:
         out, segments = self.params.step_target(index), self.shards[index].segments

@@ -2,7 +2,8 @@
 
 A rank's optimizer state is cut into sub-groups of whole units' shards, up to
 ``sub_group_size`` elements each. A sub-group's master, exp_avg and exp_avg_sq are one
-buffer [3, n] whose home is a tier:
+buffer (a ``StateSlot``: fp32 [3, n], or fewer bytes in another format, see
+offload/store/state_format.py) whose home is a tier:
 - ``device``: the compute device (no optimizer offload);
 - ``host``: host memory, updated in place, no copies at all;
 - ``nvme``: a swap file, read into one of ``buffer_count`` host buffers for the step.
@@ -66,6 +67,7 @@ from offload.machine.accelerator import Accelerator
 from offload.observe.sync_ledger import SyncLedger
 from offload.aio.base import IOEngine, Request, RequestGroup, wait_quietly
 from offload.machine.buffers import AlignedBuffer, BufferPool, round_up
+from offload.store.state_format import FP32, StateFormat, StateSlot
 from offload.store.two_slots import TwoSlotFile, layout
 from offload.store.budget import TierBudget
 from offload.store.swapdir import SwapDir
@@ -74,7 +76,6 @@ from offload.observe.telemetry import Telemetry
 
 logger = logging.getLogger("offload.store")
 
-KINDS = 3  # master, exp_avg, exp_avg_sq: fp32 each
 SPECULATIVE_SLOT = "optimizer state (speculative slot)"  # the host budget's name for the second slots
 
 
@@ -93,23 +94,23 @@ class SubGroup:
     members: list[Member]
     numel: int
     tier: Tier = Tier.HOST
-    resident: torch.Tensor | None = None  # [3, numel] fp32 while in memory (always, for device/host)
-    spare: torch.Tensor | None = None  # host: the second slot of the speculative step (see [Note: the speculative ...])
+    resident: StateSlot | None = None  # its state while in memory (always, for device/host)
+    spare: StateSlot | None = None  # host: the second slot of the speculative step (see [Note: the speculative ...])
     in_spare: set[int] = field(default_factory=set)  # units whose current state is in ``spare``
     borrowed: bool = False  # host: its slots are views of a buffer a split shares (``split``), not its own
+    fmt: StateFormat = FP32  # how its state is held
 
     @property
     def nbytes(self) -> int:
-        return round_up(KINDS * self.numel * 4)
+        return round_up(self.fmt.slot_bytes(self.numel))
 
-    def views(self, member: Member, *, other: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(master, exp_avg, exp_avg_sq) of one unit's shard in its current slot (``other``: in the slot the
-        speculative step writes); only while the sub-group is resident."""
+    def views(self, member: Member, *, other: bool = False) -> StateSlot:
+        """(master, exp_avg, exp_avg_sq[, master_lo]) of one unit's shard in its current slot (``other``: in the
+        slot the speculative step writes); only while the sub-group is resident."""
         assert self.resident is not None, f"sub-group {self.index} is not in memory"
         slot = self.resident if (member.unit in self.in_spare) == other else self.spare
         assert slot is not None, f"sub-group {self.index} has no second slot"
-        s = slice(member.offset, member.offset + member.numel)
-        return slot[0, s], slot[1, s], slot[2, s]
+        return slot.narrow(member.offset, member.numel)
 
     def flip(self, member: Member) -> None:
         """The other slot holds the unit's state of the step just taken: it becomes current."""
@@ -118,14 +119,15 @@ class SubGroup:
 
 
 def plan_sub_groups(sizes: list[tuple[int, int]], sub_group_size: int,
-                    on_device: frozenset[int] = frozenset()) -> list[SubGroup]:
+                    on_device: frozenset[int] = frozenset(), fmt: StateFormat = FP32) -> list[SubGroup]:
     """Consecutive units' shards packed up to ``sub_group_size`` elements (a larger unit is one alone); the units
-    ``on_device`` (the first ones: see offload/store/placement.py) form sub-groups of their own, on the device."""
+    ``on_device`` (the first ones: see offload/store/placement.py) form sub-groups of their own, on the device;
+    every one holds its state in ``fmt``."""
     groups: list[SubGroup] = []
     for unit, numel in sizes:
         device = unit in on_device
         if not groups or groups[-1].numel + numel > sub_group_size or (groups[-1].tier is Tier.DEVICE) != device:
-            groups.append(SubGroup(len(groups), [], 0, tier=Tier.DEVICE if device else Tier.HOST))
+            groups.append(SubGroup(len(groups), [], 0, tier=Tier.DEVICE if device else Tier.HOST, fmt=fmt))
         g = groups[-1]
         g.members.append(Member(unit, g.numel, numel))
         g.numel += numel
@@ -221,6 +223,7 @@ class OptimizerStateStore:
         self.accel = accel
         self.telemetry = telemetry or Telemetry()
         self.groups = groups
+        self.fmt = groups[0].fmt if groups else FP32  # every sub-group's (plan_sub_groups gives them one)
         self.by_unit = {m.unit: (g, m) for g in self.groups for m in g.members}
         self.host, self.nvme = host, nvme
         self.placement = StatePlacement()
@@ -233,17 +236,17 @@ class OptimizerStateStore:
         for g in self.groups:
             self.placement.tiers[g.tier.value] = self.placement.tiers.get(g.tier.value, 0) + g.numel
             if g.tier is Tier.DEVICE:
-                g.resident = torch.zeros(KINDS, g.numel, dtype=torch.float32, device=accel.device)
+                g.resident = g.fmt.empty_slot(g.numel, accel.device)
             elif g.tier is Tier.HOST:
                 # Read and written by host threads only (Adam, checkpoints): no copy engine touches it.
-                t, buf = accel.host_buffer(KINDS * g.numel, torch.float32, dma=False)
+                t, buf = accel.host_buffer(g.fmt.slot_bytes(g.numel), torch.uint8, dma=False)
                 host.take(buf.capacity, "optimizer state")
-                g.resident = t.view(KINDS, g.numel)
+                g.resident = g.fmt.slot(t, g.numel)
                 g.resident.zero_()
                 if spare:  # written before it is read (the speculative step fills every element it flips)
-                    t, buf = accel.host_buffer(KINDS * g.numel, torch.float32, dma=False)
+                    t, buf = accel.host_buffer(g.fmt.slot_bytes(g.numel), torch.uint8, dma=False)
                     host.take(buf.capacity, SPECULATIVE_SLOT)
-                    g.spare = t.view(KINDS, g.numel)
+                    g.spare = g.fmt.slot(t, g.numel)
         nvme_groups = [g for g in self.groups if g.tier is Tier.NVME]
         if nvme_groups:
             assert swap is not None, "nvme optimizer state needs a swap directory and an I/O engine"
@@ -265,29 +268,29 @@ class OptimizerStateStore:
         written to its slot when its last unit has arrived, so building holds one sub-group at a time."""
         g, m = self.by_unit[unit]
         if g.tier is not Tier.NVME:
-            g.views(m)[0].copy_(master)
+            g.views(m).set_master(master)
             return
         self.drop_read_ahead()
         if m.offset == 0:
             self._fill = self._buffers[0]
-            g.resident = self._fill.view(torch.float32, KINDS * g.numel).view(KINDS, g.numel)
+            g.resident = g.fmt.slot(self._fill.tensor, g.numel)
             g.resident.zero_()
-        g.views(m)[0].copy_(master)
+        g.views(m).set_master(master)
         if m is g.members[-1]:
             assert self._file is not None and self._fill is not None
             self._file.write_current(g.index, self._fill.tensor).wait()
             g.resident, self._fill = None, None
 
     def read_master(self, unit: int) -> torch.Tensor:
-        """A copy of one unit's fp32 master shard (from NVMe when that is its home)."""
+        """A copy of one unit's master shard as fp32 (from NVMe when that is its home; a 16-bit master widened)."""
         g, m = self.by_unit[unit]
         if g.tier is not Tier.NVME:
-            return g.views(m)[0].detach().clone()
+            return g.views(m).master_fp32().detach()
         assert self._file is not None
         self.drop_read_ahead()
         buf = self._buffers[0]
         self._file.read(g.index, buf.tensor).wait()
-        return buf.view(torch.float32, KINDS * g.numel)[m.offset:m.offset + m.numel].clone()
+        return g.fmt.slot(buf.tensor, g.numel).narrow(m.offset, m.numel).master_fp32()
 
     def one_at_a_time(self, *, read: bool, write: bool) -> Iterator[SubGroup]:
         """Every sub-group resident in turn, an NVMe one through one buffer: read from its current slot first
@@ -303,7 +306,7 @@ class OptimizerStateStore:
             if read:
                 self._file.read(g.index, buf.tensor).wait()
                 self.telemetry.add_bytes("nvme_read", g.nbytes)
-            g.resident = buf.view(torch.float32, KINDS * g.numel).view(KINDS, g.numel)
+            g.resident = g.fmt.slot(buf.tensor, g.numel)
             try:
                 yield g
                 if write:
@@ -400,30 +403,30 @@ class OptimizerStateStore:
         assert g.tier is Tier.HOST and g.resident is not None and 0 < count < len(g.members)
         cut = g.members[count].offset
         head = SubGroup(max(x.index for x in self.groups) + 1, g.members[:count], cut, Tier.HOST,
-                        g.resident[:, :cut], None if g.spare is None else g.spare[:, :cut],
-                        {m.unit for m in g.members[:count]} & g.in_spare, borrowed=True)
+                        g.resident.narrow(0, cut), None if g.spare is None else g.spare.narrow(0, cut),
+                        {m.unit for m in g.members[:count]} & g.in_spare, borrowed=True, fmt=g.fmt)
         g.members = [Member(m.unit, m.offset - cut, m.numel) for m in g.members[count:]]
         g.numel -= cut
-        g.resident, g.spare = g.resident[:, cut:], None if g.spare is None else g.spare[:, cut:]
+        g.resident = g.resident.narrow(cut, g.numel)
+        g.spare = None if g.spare is None else g.spare.narrow(cut, g.numel)
         g.in_spare -= head.in_spare
         g.borrowed = True
         self.groups.insert(self.groups.index(g), head)
         self.by_unit.update({m.unit: (x, m) for x in (head, g) for m in x.members})
         return head
 
-    def move_to_device(self, g: SubGroup, moved: torch.Tensor) -> None:
-        """Host sub-group ``g`` (state settled: no step in flight) moves into ``moved`` (``KINDS`` x its elements,
-        on the compute device), each unit's state from its current slot; host memory of its own is given back
-        (see [Note: the split refitted] in offload/engine/refit.py)."""
+    def move_to_device(self, g: SubGroup, moved: StateSlot) -> None:
+        """Host sub-group ``g`` (state settled: no step in flight) moves into ``moved`` (a slot of its elements in
+        its format, on the compute device), each unit's state from its current slot; host memory of its own is
+        given back (see [Note: the split refitted] in offload/engine/refit.py)."""
         assert g.tier is Tier.HOST and g.resident is not None, f"sub-group {g.index} is not on the host"
-        assert moved.shape == (KINDS, g.numel), f"sub-group {g.index} moves into {KINDS} x {g.numel} elements"
+        assert moved.master.numel() == g.numel, f"sub-group {g.index} moves into a slot of {g.numel} elements"
         for m in g.members:
-            for kind, view in enumerate(g.views(m)):
-                moved[kind, m.offset:m.offset + m.numel].copy_(view)
+            moved.narrow(m.offset, m.numel).copy_(g.views(m))
         if not g.borrowed:
             for slot, what in ((g.resident, "optimizer state"), (g.spare, SPECULATIVE_SLOT)):
                 if slot is not None:
-                    self.host.give(self.accel.forget_host_buffer(slot), what)
+                    self.host.give(self.accel.forget_host_buffer(slot.master), what)
         g.tier, g.resident, g.spare, g.in_spare = Tier.DEVICE, moved, None, set()
         self.placement.tiers[Tier.HOST.value] -= g.numel
         self.placement.tiers[Tier.DEVICE.value] = self.placement.tiers.get(Tier.DEVICE.value, 0) + g.numel
@@ -500,7 +503,7 @@ class NvmePass:
         with self.tel.span("nvme_wait", "read"):
             self.ledger.block("optimizer state read")
             read.wait()
-        g.resident = memory.view(torch.float32)[:KINDS * g.numel].view(KINDS, g.numel)
+        g.resident = g.fmt.slot(memory, g.numel)
         return g
 
     def release(self, g: SubGroup) -> None:

@@ -23,6 +23,7 @@ from offload.store.budget import TierBudget
 from offload.store.optimizer_state import (SPECULATIVE_SLOT, SubGroup, nvme_buffers, place_sub_groups,
                                           plan_sub_groups)
 from offload.store.param_store import HOST_PARAMS
+from offload.store.state_format import from_config
 from offload.store.param_swap import WRITE_BUFFERS, param_buffer_bytes, place_params, plan_homes
 from offload.store.step_cost import Rates, StepPrediction, Traffic, best, predict
 from offload.store.tier import Tier
@@ -120,7 +121,8 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     off_device = Tier.HOST if param.device != "none" else Tier.DEVICE
     homes = {i: off_device for i, _ in shard_sizes} | {i: Tier.NVME for i, _ in nvme_params}
     trained_sizes = [(i, n) for i, n in shard_sizes if i in trained]
-    out = Placement(homes, nvme_params, plan_sub_groups(trained_sizes, int(zero.sub_group_size)), False)
+    fmt = from_config(config)
+    out = Placement(homes, nvme_params, plan_sub_groups(trained_sizes, int(zero.sub_group_size), fmt=fmt), False)
     out.device_grads_kept = one_micro_batch and item == 2
     alias = parts == 1 and discrete and not resident_params
     if alias:
@@ -207,7 +209,8 @@ def _plan_optimizer_state(out: Placement, nvme_limit: int | None, buffer_count: 
         if nvme_limit is not None and used + file_bytes > nvme_limit:
             out.problems.append(ConfigError(
                 "offload.budgets.nvme", f"{nvme_limit:,} bytes cannot hold the optimizer state on NVMe: "
-                f"{file_bytes:,} bytes ({sum(g.numel for g in on_nvme):,} elements x 12 bytes, two slots each so a "
+                f"{file_bytes:,} bytes ({sum(g.numel for g in on_nvme):,} elements x "
+                f"{on_nvme[0].fmt.bytes_per_element} bytes, two slots each so a "
                 "failed step never loses the last one); raise the budget, give the host a larger budget "
                 "(offload.budgets.host), or use more ranks"))
         count, size = nvme_buffers(on_nvme, buffer_count)
@@ -315,7 +318,8 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
     # state (a sub-group each at worst), the gradient (an fp32 accumulator, or the 16-bit one kept) and, beside
     # offloaded parameters, the shard itself
     part, grad_bytes = device_grads(out.device_grads_kept, item)
-    cost = [(i, n, round_up(12 * n) + grad_bytes * n + (item * n if params_offloaded else 0))
+    fmt = from_config(config)
+    cost = [(i, n, round_up(fmt.slot_bytes(n)) + grad_bytes * n + (item * n if params_offloaded else 0))
             for i, n in trained_sizes]
     out.state_fits_device = room is not None and sum(c for *_, c in cost) <= room
     chosen: list[tuple[int, int]] = []
@@ -342,7 +346,8 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
             total += n
     if chosen:
         out.state_on_device = frozenset(i for i, _ in chosen)
-        out.groups = plan_sub_groups(trained_sizes, int(zero.sub_group_size), out.state_on_device)
+        out.groups = plan_sub_groups(trained_sizes, int(zero.sub_group_size), out.state_on_device,
+                                     from_config(config))
         out.device["optimizer state"] = sum(g.nbytes for g in out.groups if g.tier is Tier.DEVICE)
         out.device[part] = grad_bytes * sum(n for _, n in chosen)
     if params_offloaded:

@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from collections.abc import Iterator
+from typing import Any
 
 import torch
+
+from offload.config import ConfigError
 
 
 class Master(enum.Enum):
@@ -70,12 +74,140 @@ class StateFormat:
     def is_default(self) -> bool:
         return self.master is Master.FP32 and self.moments == torch.float32
 
+    @property
+    def kinds(self) -> tuple[torch.dtype, ...]:
+        """The dtype of each buffer a slot holds, in its order: master (16+16: its high half, then its low half),
+        exp_avg, exp_avg_sq."""
+        if self.master is Master.SPLIT:
+            return (torch.bfloat16, torch.int16, self.moments, self.moments)
+        return (self.master_dtype, self.moments, self.moments)
+
+    def slot_bytes(self, numel: int) -> int:
+        """Bytes of one slot of ``numel`` elements: each kind after the last, starting where its element size
+        divides the offset (all-fp32: the [3, numel] layout, no gaps)."""
+        at = 0
+        for dtype in self.kinds:
+            at = _aligned(at, dtype.itemsize) + numel * dtype.itemsize
+        return at
+
+    def slot(self, memory: torch.Tensor, numel: int) -> StateSlot:
+        """One slot's buffers as views of ``memory`` (bytes, at least ``slot_bytes``, 4-byte aligned)."""
+        raw = memory.view(torch.uint8) if memory.dtype != torch.uint8 else memory
+        views, at = [], 0
+        for dtype in self.kinds:
+            at = _aligned(at, dtype.itemsize)
+            views.append(raw[at:at + numel * dtype.itemsize].view(dtype))
+            at += numel * dtype.itemsize
+        if self.master is Master.SPLIT:
+            return StateSlot(views[0], views[2], views[3], views[1])
+        return StateSlot(*views)
+
+    def empty_slot(self, numel: int, device: torch.device | str) -> StateSlot:
+        """A zeroed slot of its own on ``device``."""
+        return self.slot(torch.zeros(self.slot_bytes(numel), dtype=torch.uint8, device=device), numel)
+
     def describe(self) -> str:
         moments = "fp32" if self.moments == torch.float32 else "bf16"
         return f"master {self.master.value}, moments {moments} ({self.bytes_per_element} bytes an element)"
 
 
+@dataclass(frozen=True, slots=True)
+class StateSlot:
+    """One slot of optimizer state over some elements: the master (16+16: its high half, ``master_lo`` its low
+    half), exp_avg and exp_avg_sq, each a view of the slot's memory. Unpacks and indexes as (master, exp_avg,
+    exp_avg_sq)."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    master_lo: torch.Tensor | None = None
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter((self.master, self.exp_avg, self.exp_avg_sq))
+
+    def __getitem__(self, kind: int) -> torch.Tensor:
+        return (self.master, self.exp_avg, self.exp_avg_sq)[kind]
+
+    def narrow(self, start: int, length: int) -> StateSlot:
+        lo = self.master_lo
+        return StateSlot(self.master[start:start + length], self.exp_avg[start:start + length],
+                         self.exp_avg_sq[start:start + length], None if lo is None else lo[start:start + length])
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer, the low half too."""
+        return [self.master, self.exp_avg, self.exp_avg_sq] + ([self.master_lo] if self.master_lo is not None else [])
+
+    def copy_(self, other: StateSlot) -> None:
+        """Every buffer from ``other`` (the same format)."""
+        for mine, theirs in zip(self.buffers(), other.buffers(), strict=True):
+            mine.copy_(theirs)
+
+    def zero_(self) -> None:
+        for t in self.buffers():
+            t.zero_()
+
+    def master_fp32(self) -> torch.Tensor:
+        """The master as float32 (a copy): the 16+16 one joined, a bf16 one widened."""
+        if self.master_lo is not None:
+            return join_master(self.master, self.master_lo)
+        return self.master.float() if self.master.dtype != torch.float32 else self.master.clone()
+
+    def set_master(self, values: torch.Tensor) -> None:
+        """The master from ``values``, held as this slot holds it (16+16: split; bf16: to nearest)."""
+        if self.master_lo is not None:
+            hi, lo = split_master(values.float())
+            self.master.copy_(hi)
+            self.master_lo.copy_(lo)
+        else:
+            self.master.copy_(values)
+
+
+def _aligned(at: int, size: int) -> int:
+    return (at + size - 1) // size * size
+
+
 FP32 = StateFormat()
+
+def mix_seed(*parts: int) -> int:
+    """A 32-bit seed from several integers (a rank's stream, a step, a unit): the stochastic rounding's streams."""
+    x = 0x243F6A88
+    for part in parts:
+        x = (x ^ (part & 0xFFFFFFFF)) * 0x9E3779B1 & 0xFFFFFFFF
+        x ^= x >> 15
+        x ^= (part >> 32) & 0xFFFFFFFF
+    return x
+
+
+def stochastic_round_(out: torch.Tensor, values: torch.Tensor, seed: int) -> None:
+    """``values`` (float32) into the bfloat16 ``out`` rounded stochastically, in torch's ops (on any device): what
+    the native kernel does for a bf16 master, with random bits of torch's generator (another stream than the
+    kernel's: a unit stepped on a GPU rounds alike in distribution, not bit for bit)."""
+    gen = torch.Generator(device=values.device).manual_seed(seed)
+    noise = torch.randint(0, 1 << 16, values.shape, generator=gen, device=values.device, dtype=torch.int32)
+    bits = (values.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF) + noise
+    high = ((bits >> 16) & 0xFFFF).to(torch.int32)
+    high = torch.where(values.isnan(), torch.full_like(high, 0x7FC0), high)
+    out.copy_(torch.where(high >= 0x8000, high - 0x10000, high).to(torch.int16).view(torch.bfloat16))
+
+
+def from_config(config: Any) -> StateFormat:
+    """The run's format: offload.optimizer_state, or DeepSpeed's bf16 keys (the same formats by their names)."""
+    ours, bf16 = config.offload.optimizer_state, config.bf16
+    master = Master(ours.master)
+    if bf16.bf16_master_weights_and_grads:
+        if master is Master.BF16_STOCHASTIC:
+            raise ConfigError("bf16.bf16_master_weights_and_grads",
+                              "DeepSpeed's bf16 master rounds to nearest, and offload.optimizer_state.master asks "
+                              "for bf16-stochastic: keep one of them (the stochastic one keeps small updates)")
+        master = Master.BF16
+    moments = torch.bfloat16 if bf16.bf16_optimizer_states or ours.moments == "bf16" else torch.float32
+    if master is not Master.FP32 and config.bf16.enabled is not True:
+        key = ("bf16.bf16_master_weights_and_grads" if bf16.bf16_master_weights_and_grads
+               else "offload.optimizer_state.master")
+        raise ConfigError(key, f"a bf16 master ({master.value}) trains bf16 weights: set bf16.enabled true, or keep "
+                               "the master in fp32 (moments in bf16 need no bf16 compute)")
+    return StateFormat(master, moments)
+
 
 # The formats by the names the config, the benchmark and the docs give them.
 FORMATS = {
