@@ -240,3 +240,23 @@ def test_the_convergence_ab_writes_its_curves_its_verdicts_and_a_plot(tmp_path, 
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "(the negative control: expected outside)" in capsys.readouterr().out
     assert main(["bench", "formats", "--formats", "fp16", "--out", str(out)]) == 2
+
+
+def test_the_estimate_prices_each_format_by_its_bytes():
+    """`offload estimate`: the host holds and the host Adam moves each format's bytes (2 x state + the fp32
+    gradient read + the 16-bit weights written: 30, 22 and 18 an element)."""
+    from offload.commands.estimate import StepRates, estimate
+    units = [1_000_000] * 4
+    rates = StepRates(device_gbps=2000.0, host_gbps=100.0, h2d_gbps=50.0, d2h_gbps=50.0)
+    host, adam = {}, {}
+    for name, (master, moments) in {"fp32": ("fp32", "fp32"), "bf16 moments": ("fp32", "bf16"),
+                                    "bf16 master": ("bf16-stochastic", "bf16")}.items():
+        raw = fmt_config(1, master=master, moments=moments, bf16=True)
+        config = Config.load(raw).resolve(world_size=1)
+        est = estimate(units, config, 1, discrete=True, rates=rates)
+        host[name] = est.tiers["host"]["optimizer state"]
+        adam[name] = est.prediction.terms["host Adam"]
+    for name, state in {"fp32": 12, "bf16 moments": 8, "bf16 master": 6}.items():
+        assert state * 4_000_000 <= host[name] < state * 4_000_000 + 4 * 4096
+    assert adam["bf16 moments"] / adam["fp32"] == pytest.approx(22 / 30)
+    assert adam["bf16 master"] / adam["fp32"] == pytest.approx(18 / 30)

@@ -34,7 +34,7 @@ from offload.models.catalog import MODELS, ModelError, build_model
 from offload.store.optimizer_state import SubGroup, unpipelined_note
 from offload.store.param_swap import describe_placement
 from offload.store.placement import KEPT_GRADS, Speculation, plan, traffic
-from offload.store.step_cost import ADAM_BYTES, NVME_BYTES, Rates, StepPrediction, adam_ms, predict
+from offload.store.step_cost import STATE_BYTES, Rates, StepPrediction, adam_bytes, adam_ms, predict
 from offload.store.tier import Tier
 from offload.zero.stage import Stage
 
@@ -263,13 +263,14 @@ def step_traffic(groups: list[SubGroup], item: int, rates: Rates, source: str) -
     per_tier: dict[Tier, int] = {}
     for g in groups:
         per_tier[g.tier] = per_tier.get(g.tier, 0) + g.numel
+    state = groups[0].fmt.bytes_per_element if groups else STATE_BYTES
     parts, cost_ms = [], {}  # cost_ms by the tier's name: it is the estimate's step_ms, written to JSON
     for tier, n in per_tier.items():
         memory = "device memory" if tier is Tier.DEVICE else "host memory"
-        part = f"{tier.value}: {n:,} elements, {n * (ADAM_BYTES + item) / 1e9:.2f} GB through {memory}"
+        part = f"{tier.value}: {n:,} elements, {n * (adam_bytes(state) + item) / 1e9:.2f} GB through {memory}"
         if tier is Tier.NVME:
-            part += f" and {n * NVME_BYTES / 1e9:.2f} GB read and written on NVMe"
-        ms = adam_ms(tier, n, item, rates)  # without the disk's rate an NVMe tier's cost is unknown: bytes only
+            part += f" and {n * 2 * state / 1e9:.2f} GB read and written on NVMe"
+        ms = adam_ms(tier, n, item, rates, state)  # without the disk's rate an NVMe tier's cost is unknown: bytes only
         if ms is not None:
             cost_ms[tier.value] = ms
             part += f", about {ms:,.0f} ms"

@@ -486,7 +486,8 @@ def _traffic(shard_sizes: list[tuple[int, int]], stepped: dict[Tier, int], stepp
     return Traffic(stepped, gathered_up=sum(n for i, n in shard_sizes if i not in homed),
                    copied_up=sum(n for i, n in shard_sizes if i in stepped_off and i in homed), item=item,
                    micro_batches=int(config.gradient_accumulation_steps or 1),
-                   grads_accumulated_on_device=bool(config.offload.accumulate_on_device))
+                   grads_accumulated_on_device=bool(config.offload.accumulate_on_device),
+                   state_bytes=from_config(config).bytes_per_element)
 
 
 def describe_split(out: Placement, shard_sizes: list[tuple[int, int]]) -> str:

@@ -18,6 +18,12 @@ from offload.store.tier import Tier
 
 ADAM_BYTES = 28  # per element of one Adam step: fp32 master, moments and gradient read, master and moments written
 NVME_BYTES = 24  # per element on the disk: master and moments read, and written to the other slot
+STATE_BYTES = 12  # per element of fp32 state (master and moments); fewer in another format (state_format.py)
+
+
+def adam_bytes(state_bytes: int = STATE_BYTES) -> int:
+    """Host memory an element of one Adam step moves: its state read and written, the fp32 gradient read."""
+    return 2 * state_bytes + ADAM_BYTES - 2 * STATE_BYTES
 TIE = 0.01  # lanes this close (relative) are equal, and the serial sum decides
 
 
@@ -49,17 +55,18 @@ class Traffic:
     item: int  # bytes of an element in the compute dtype
     micro_batches: int = 1  # forwards and backwards a step: each gathers, each sends its gradients down
     grads_accumulated_on_device: bool = False  # several micro-batches' gradients sent down once, in fp32
+    state_bytes: int = STATE_BYTES  # bytes an element of optimizer state (its format's)
 
 
-def adam_ms(tier: Tier, numel: int, item: int, rates: Rates) -> float | None:
-    """One step's Adam over ``numel`` elements whose state lives on ``tier``: its memory traffic (and on NVMe its
-    disk's, whichever is longer: they overlap); None without the rate."""
+def adam_ms(tier: Tier, numel: int, item: int, rates: Rates, state_bytes: int = STATE_BYTES) -> float | None:
+    """One step's Adam over ``numel`` elements whose state (``state_bytes`` an element) lives on ``tier``: its
+    memory traffic (and on NVMe its disk's, whichever is longer: they overlap); None without the rate."""
     rate = rates.device_gbps if tier is Tier.DEVICE else rates.host_gbps
-    times = [numel * (ADAM_BYTES + item) / (rate * 1e9) * 1e3] if rate else []
+    times = [numel * (adam_bytes(state_bytes) + item) / (rate * 1e9) * 1e3] if rate else []
     if tier is Tier.NVME:
         if not rates.nvme_gbps:
             return None
-        times.append(numel * NVME_BYTES / (rates.nvme_gbps * 1e9) * 1e3)
+        times.append(numel * 2 * state_bytes / (rates.nvme_gbps * 1e9) * 1e3)
     return max(times) if times else None
 
 
@@ -115,12 +122,12 @@ def predict(traffic: Traffic, rates: Rates) -> StepPrediction:
     host_adam: float | None = 0.0
     for tier in (Tier.HOST, Tier.NVME):
         if traffic.stepped.get(tier):
-            ms = adam_ms(tier, traffic.stepped[tier], item, rates)
+            ms = adam_ms(tier, traffic.stepped[tier], item, rates, traffic.state_bytes)
             host_adam = None if ms is None or host_adam is None else host_adam + ms
     terms: dict[str, float | None] = {
         "compute": rates.compute_ms,
         "host Adam": host_adam,
-        "device Adam": adam_ms(Tier.DEVICE, on_device, item, rates) if on_device else 0.0}
+        "device Adam": adam_ms(Tier.DEVICE, on_device, item, rates, traffic.state_bytes) if on_device else 0.0}
     micro = traffic.micro_batches
     up = item * (2 * micro * traffic.gathered_up + traffic.copied_up)
     if up:
