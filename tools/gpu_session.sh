@@ -18,6 +18,8 @@
 #   test_engine_cuda.py; offload estimate at the measured rates: test_cli.py); the 8B Llama through
 #   offload.hf.Trainer, DeepSpeed and plain PyTorch; the 4.5B under a 68 GiB device budget. trainer-8b-refit (a
 #   stage of its own) runs the 8B's offload side with no device budget: auto and its refit choose the split.
+# plan55 (#55's GPU rows): install; the 4.5B GPT full offload and auto with bf16 moments and with a bf16 master
+#   (stochastic), each against its floor at its own host step's rate (pace-4p5b-formats); pace-4p5b is the fp32 row.
 # largest (a stage of its own, about 3-5 minutes): the largest model `offload estimate` says that machine trains
 #   (its RAM, its disk under /tmp as NVMe, the GPU), at 0.9 of that size, three steps: tokens/s and each tier's
 #   peak against the estimate (tools/largest_pace.py).
@@ -43,7 +45,7 @@
 #   bench-step-delayed bench-step-hiding bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
 #   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b
 #   bench-deepspeed-nvme bench-step-checkpointing bench-step-threads profile sanitizer suite
-#   pace-0p9b pace-4p5b pace-4p5b-budget trainer-8b trainer-8b-refit largest
+#   pace-0p9b pace-4p5b pace-4p5b-budget pace-4p5b-formats trainer-8b trainer-8b-refit largest
 # bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
 # a call of its own (SUITE_S, default 420 s, 14 workers).
 # Then replay the same model's recorded step graph here (`offload bench schedule`, docs/performance.md) and put the
@@ -196,6 +198,13 @@ pace() {  # name, extra flags...
   py -m offload bench step --baseline floor --clip 0 --unit-bytes 64Mi "$@" --out "$OUT/$name/step-vs-floor.json"
 }
 
+pace_formats() {  # #55: the 4.5B GPT, full offload and auto, with the state in fewer bytes (beside pace-4p5b's fp32)
+  local fmt
+  for fmt in bf16-moments bf16-master; do
+    pace "pace-4p5b-$fmt" "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants full,auto --state-format "$fmt"
+  done
+}
+
 # #44's 8B Llama-3-shaped model (hidden 4096, 32 layers, 8 KV heads, intermediate 14336, vocabulary 128256, seq 2048,
 # bf16, activation checkpointing) through offload.hf.Trainer, then DeepSpeed through transformers' deepspeed=, then
 # plain PyTorch (its out-of-memory shown): tools/trainer_pace.py, one process a side. offload reads the config with
@@ -225,6 +234,7 @@ for s in "$@"; do
     # OUT=/tmp/gs STAGE_S=280 tools/gpu_session.sh plan44a'), then plan44b the same way, with install first if cold).
     plan44a) stages+=(install pace-0p9b pace-4p5b) ;;
     plan44b) stages+=(cuda-tests trainer-8b pace-4p5b-budget) ;;
+    plan55) stages+=(install pace-4p5b-formats) ;;
     *) stages+=("$s") ;;
   esac
 done
@@ -283,6 +293,7 @@ for s in "${stages[@]}"; do
     pace-0p9b) stage pace-0p9b pace pace-0p9b "${M091[@]}" --steps 4 --warmup 2 --rounds 2 --variants full,auto,auto-params-device ;;
     pace-4p5b) stage pace-4p5b pace pace-4p5b "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants full,auto,auto-params-device ;;
     pace-4p5b-budget) stage pace-4p5b-budget pace pace-4p5b-budget "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --device-budget 68Gi --variants auto,auto-params-device ;;
+    pace-4p5b-formats) stage pace-4p5b-formats pace_formats ;;
     trainer-8b) STAGE_S=${TRAINER_S:-240} stage trainer-8b trainer_8b ;;
     largest) stage largest py tools/largest_pace.py --nvme-path /tmp/nvme-largest --out "$OUT/largest.json" ;;
     trainer-8b-refit) TRAINER_SIDES=offload TRAINER_BUDGET= TRAINER_TAG=-refit STAGE_S=${TRAINER_S:-240} stage trainer-8b-refit trainer_8b ;;

@@ -68,25 +68,19 @@ class PaceResult:
     errors: dict[str, str] = field(default_factory=dict)  # side -> why it did not run (its last line)
 
 
-def host_step_rate(rank: int, world: int, elements: int) -> float:
-    """Seconds per element of the native host step (norm + fused AdamW, bf16 gradient in and parameter out), on
-    the engine's own thread count, each call from a cold cache; median of five after one warm-up."""
-    from offload.bench.adam import HYPER, CacheFlush, interleaved
+def host_step_rate(rank: int, world: int, elements: int, state: tuple[str, str] = ("fp32", "fp32")) -> float:
+    """Seconds per element of the native host step (norm + fused AdamW, bf16 gradient in and parameter out) with
+    the state held as ``state`` (offload.optimizer_state's master and moments), on the engine's own thread count,
+    each call from a cold cache; median of five after one warm-up."""
+    from offload.bench.adam import CacheFlush, _format_step, interleaved
     from offload.machine import native
-    from offload.optim import adam_step
+    from offload.store.state_format import Master, StateFormat
     threads = native.default_threads()
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(elements, generator=gen)
-    m, v = torch.zeros(elements), torch.zeros(elements)
     g16 = (torch.randn(elements, generator=gen) * 1e-3).to(torch.bfloat16)
-    out16 = torch.empty(elements, dtype=torch.bfloat16)
-    steps = [0]
-
-    def host_step() -> None:
-        steps[0] += 1
-        native.grad_sq_norm(g16, threads=threads)  # the engine's norm pass (clipping, or the overflow check)
-        adam_step(p, g16, m, v, steps[0], HYPER, out16=out16, threads=threads)
-
+    fmt = StateFormat(Master(state[0]), torch.bfloat16 if state[1] == "bf16" else torch.float32)
+    host_step, _ = _format_step(fmt, p, g16, threads, [0])  # the engine's norm pass and its step
     return interleaved({"host step": host_step}, repeats=5, before=CacheFlush())["host step"] / elements
 
 
@@ -126,7 +120,7 @@ def run(b: StepBench, out: Path, clip: float, log: TextIO | None = None, names: 
         (out.parent / f"config-{name}.json").write_text(json.dumps(configs[name], indent=2))
     params = b.num_parameters()
     elements = min(max(params, HOST_RATE_ELEMENTS[0]), HOST_RATE_ELEMENTS[1])
-    rate = run_ranks(host_step_rate, 1, timeout=3600, elements=elements)[0]
+    rate = run_ranks(host_step_rate, 1, timeout=3600, elements=elements, state=b.state)[0]
     result = PaceResult(asdict(b), params, clip, rate * 1e9,
                         {n: str(out.parent / f"config-{n}.json") for n in chosen})
     plain = tuple(s for s in PLAIN if s != "torch-bf16" or b.dtype == "bf16")

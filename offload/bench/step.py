@@ -103,6 +103,8 @@ class StepBench:
     # offload.budgets.device of offload's variants (None: what is free at start). A budget below the optimizer
     # state's size makes ratio "auto" split it as it would on a smaller GPU; plain PyTorch is not bounded.
     device_budget: int | None = None
+    # offload.optimizer_state (master, moments) of every variant that names none (`--state-format`)
+    state: tuple[str, str] = ("fp32", "fp32")
 
     def __post_init__(self) -> None:
         if self.warmup < 1:  # bytes count from the last warm-up step, begun with nothing in flight
@@ -296,7 +298,7 @@ def engine_config(b: StepBench, variant: dict[str, Any]) -> dict[str, Any]:
                           "speculative_step": variant.get("speculative", "auto"),
                           "delayed_update": {"warmup_steps": variant.get("delayed")},
                           "checkpoint_blocks": b.checkpointing != "none",
-                          "optimizer_state": dict(zip(("master", "moments"), variant.get("state", ("fp32", "fp32")))),
+                          "optimizer_state": dict(zip(("master", "moments"), variant.get("state", b.state))),
                           "budgets": {"device": b.device_budget}},
               "activation_checkpointing": {"cpu_checkpointing": b.checkpointing == "cpu"}}
     return config
@@ -666,3 +668,8 @@ def print_table(result: StepResult, out: TextIO) -> None:
             print(f"  stepping NVMe sub-groups during backward: "
                   f"{v['nvme-optimizer']['step_s'] / v['nvme-optimizer-overlap']['step_s']:.2f}x the step after "
                   "backward (that one clips, this one cannot)", file=out)
+
+
+# `--state-format`: offload.optimizer_state's (master, moments) by the names the benchmarks give them
+STATE_FORMATS = {"fp32": ("fp32", "fp32"), "bf16-moments": ("fp32", "bf16"), "bf16-master": ("bf16-stochastic", "bf16"),
+                 "bf16-master-nearest": ("bf16", "bf16")}

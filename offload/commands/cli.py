@@ -240,6 +240,7 @@ def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
                           sub_group_size=args.sub_group_size, trace_dir=str(out.parent), device=args.device,
                           stages=_stages(args.stage), checkpointing=args.checkpointing, profile=args.profile,
                           headline_only=args.headline_only, device_budget=args.device_budget,
+                          state=step.STATE_FORMATS[args.state_format],
                           only=() if args.baseline != "torch" else _names(args.variants))
 
 
@@ -637,6 +638,10 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                         "max(compute, the host's Adam share at the rate measured in the run)")
     b.add_argument("--clip", type=float, default=1.0, help="gradient_clipping with --baseline floor (0: off; "
                                                             "default 1.0)")
+    b.add_argument("--state-format", choices=["fp32", "bf16-moments", "bf16-master", "bf16-master-nearest"],
+                   default="fp32", help="offload.optimizer_state of offload's variants that name none: fp32 (default), "
+                                        "bf16 moments, a bf16 master rounded stochastically (needs --dtype bf16) or "
+                                        "to nearest; --baseline floor prices the host Adam at that format's rate")
 
 
 def _output(args: argparse.Namespace) -> Path:
