@@ -509,7 +509,7 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
     b.add_argument("--layers", type=positive_int, default=3, help="blocks (default 3)")
     b.add_argument("--seq", type=positive_int, default=64, help="bytes a sequence (default 64)")
     b.add_argument("--micro", type=positive_int, default=16, help="sequences a step (default 16)")
-    b.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
+    b.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (default 1e-3)")
     b.add_argument("--warmup", type=positive_int, default=100, help="warmup steps (default 100)")
     b.add_argument("--eval-every", type=positive_int, default=100, help="held-out loss every this many steps")
     b.add_argument("--formats", type=lambda text: [f.strip() for f in text.split(",") if f.strip()],
