@@ -47,9 +47,40 @@ def fp16_overflow(rank, world):
 def test_fp16_overflow_skips_the_step_on_every_rank_and_halves_the_scale():
     for log in run_ranks(fp16_overflow, 2):
         scales, skipped, unchanged, _ = zip(*log)
-        assert scales == (256.0, 512.0, 256.0, 256.0, 512.0)  # x2 every 2 good steps; /2 on the overflow
+        # /2 on the overflow; x2 only on the 3rd clean step of a run (window 2, DeepSpeed's count), not reached
+        assert scales == (256.0, 256.0, 128.0, 128.0, 128.0)
         assert skipped == (0, 0, 1, 1, 1)
         assert unchanged == (False, False, True, False, False)
+
+
+def _scales(scaler: LossScaler, overflows: str) -> list[float]:
+    seen = []
+    for mark in overflows:
+        scaler.update(overflow=mark == "x")
+        seen.append(scaler.scale)
+    return seen
+
+
+def test_the_dynamic_scale_counts_clean_steps_as_deepspeed_does():
+    """DeepSpeed 0.19.8's DynamicLossScaler doubles on the step whose clean run since the last overflow, less one,
+    is a positive multiple of the window (the (window + 1)-th clean step, then every window), and hysteresis 2 halves
+    on the second overflow; these sequences are its, worked by hand from its rule (x: an overflow)."""
+    scaler = LossScaler.from_config(FP16Config(enabled=True, initial_scale_power=8, hysteresis=2,
+                                               loss_scale_window=2))
+    assert _scales(scaler, ".xx...x...") == [256, 256, 128, 128, 128, 256, 256, 256, 256, 512]
+    fresh = LossScaler.from_config(FP16Config(enabled=True, initial_scale_power=8, hysteresis=1, loss_scale_window=3))
+    assert _scales(fresh, "........") == [256, 256, 256, 512, 512, 512, 1024, 1024]  # from the start too
+    # hysteresis is refilled by a doubling only, not by a clean step (consecutive_hysteresis off)
+    third = LossScaler.from_config(FP16Config(enabled=True, initial_scale_power=8, hysteresis=2, loss_scale_window=2))
+    assert _scales(third, "xx...x...x...") == [256, 128, 128, 128, 256, 256, 256, 256, 512, 512, 512, 512, 1024]
+    held = LossScaler.from_config(FP16Config(enabled=True, initial_scale_power=8, hysteresis=2, loss_scale_window=9))
+    assert _scales(held, "x.x") == [256, 256, 128]
+    resumed = LossScaler.from_config(FP16Config(enabled=True, initial_scale_power=8, hysteresis=2,
+                                                loss_scale_window=2))
+    resumed.load_state_dict(scaler.state_dict())
+    again = LossScaler.from_config(FP16Config(enabled=True, initial_scale_power=8, hysteresis=2, loss_scale_window=2))
+    _scales(again, ".xx...x...")
+    assert _scales(resumed, "..x...") == _scales(again, "..x...")
 
 
 @pytest.mark.parametrize("hysteresis,expected", [(1, [128.0, 64.0]), (2, [256.0, 128.0])])

@@ -14,8 +14,11 @@ class LossScaler:
     """The scale the loss is multiplied by before backward; 1.0 when fp16 is off.
 
     Dynamic: an overflow (a non-finite gradient) skips the step; after ``hysteresis``
-    overflows the scale halves (never below ``min_scale``); after ``window``
-    overflow-free steps it doubles and the hysteresis refills.
+    overflows the scale halves (never below ``min_scale``); it doubles, and the hysteresis
+    refills, on each step whose run of overflow-free steps since the last overflow, less
+    one, is a positive multiple of ``window``: DeepSpeed's count, so the first doubling
+    comes on the (window + 1)-th clean step after an overflow (or after the start), the
+    next ones every ``window`` steps.
     """
 
     scale: float = 1.0
@@ -24,7 +27,8 @@ class LossScaler:
     hysteresis: int = 2
     min_scale: float = 1.0
     consecutive_hysteresis: bool = False
-    good_steps: int = 0
+    steps: int = 0  # updates so far (applied or skipped)
+    last_overflow: int = -1  # the update that last overflowed (-1: none)
     hysteresis_left: int = 2
     overflows: int = 0
 
@@ -40,9 +44,10 @@ class LossScaler:
 
     def update(self, overflow: bool) -> None:
         """Called once per optimizer step (applied or skipped)."""
+        step, self.steps = self.steps, self.steps + 1
         if overflow:
             self.overflows += 1
-            self.good_steps = 0
+            self.last_overflow = step
             if not self.dynamic:
                 return
             if self.hysteresis_left <= 1:
@@ -52,19 +57,21 @@ class LossScaler:
             return
         if not self.dynamic:
             return
-        self.good_steps += 1
         if self.consecutive_hysteresis:
             self.hysteresis_left = self.hysteresis
-        if self.good_steps % self.window == 0:
+        stable = step - self.last_overflow - 1  # clean steps before this one since the last overflow
+        if stable > 0 and stable % self.window == 0:
             self.hysteresis_left = self.hysteresis
             self.scale *= 2
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "good_steps": self.good_steps, "hysteresis_left": self.hysteresis_left,
-                "overflows": self.overflows}
+        return {"scale": self.scale, "steps": self.steps, "last_overflow": self.last_overflow,
+                "hysteresis_left": self.hysteresis_left, "overflows": self.overflows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("scale", "good_steps", "hysteresis_left", "overflows"):
+        if "good_steps" in state and "steps" not in state:  # a checkpoint from before DeepSpeed's count
+            state = {**state, "steps": state["good_steps"], "last_overflow": -1}
+        for key in ("scale", "steps", "last_overflow", "hysteresis_left", "overflows"):
             setattr(self, key, type(getattr(self, key))(state[key]))
 
 
