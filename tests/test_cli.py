@@ -270,9 +270,11 @@ def test_bench_step_early_nvme_moves_the_bytes_of_the_whole_step(tmp_path, monke
     counted 0.8 GB a step more for nvme-early when the window cut passes)."""
     monkeypatch.setenv("OFFLOAD_EMULATED_HOST_DELAY_S", "0.002")
     out = tmp_path / "step.json"
+    # Four warm-up steps: the first steps nothing during backward (it shows how many backward calls make a step),
+    # the second speculates (no step has clipped yet) and recomputes, whole; the passes settle from the fourth on.
     assert main(["bench", "step", "--offload", "nvme", "--path", str(tmp_path / "swap"), "--hidden", "64",
                  "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "2", "--rounds", "1", "--world", "1",
-                 "--variants", "nvme,nvme-early", "--out", str(out)]) == 0
+                 "--warmup", "4", "--variants", "nvme,nvme-early", "--out", str(out)]) == 0
     variants = json.loads(out.read_text())["variants"]
     assert variants["nvme-early"]["early"] == 1.0 and variants["nvme"]["early"] == 0.0
     assert variants["nvme-early"]["nvme_bytes"] == variants["nvme"]["nvme_bytes"] > 0

@@ -65,7 +65,8 @@ from offload.observe.telemetry import BACKGROUND, FOREGROUND
 NOISE_FLOOR_S = 0.05  # CPU steps shorter than this time mostly the machine's noise (thread wake-ups, other tenants)
 # Variants that run only when --variants names them.
 NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "host-spare-cores", "nvme-optimizer-speculative",
-              "nvme-optimizer-speculative-kept", "nvme-optimizer-early", "nvme-early")
+              "nvme-optimizer-speculative-kept", "nvme-optimizer-early", "nvme-early", "params-host-bf16-moments",
+              "params-host-bf16-master", "nvme-optimizer-bf16-moments", "nvme-optimizer-bf16-master")
 
 
 @dataclass(kw_only=True)

@@ -112,14 +112,21 @@ class OptimizerConfig:
 @dataclass(kw_only=True, slots=True)
 class WarmupLRParams:
     warmup_min_lr: float | Auto = setting(0.0, "Learning rate at step 0.", ge=0, auto=True)
-    warmup_max_lr: float | Auto = setting(1e-3, "Learning rate reached at the end of warmup.", ge=0, auto=True)
+    warmup_max_lr: float | Auto | None = setting(None, "Learning rate reached at the end of warmup (null: the "
+                                                       "optimizer's lr, as DeepSpeed's WarmupLR).", ge=0, auto=True)
     warmup_num_steps: int | Auto = setting(1000, "Steps of warmup.", ge=0, auto=True)
     warmup_type: str = setting("log", "Warmup curve.", choices=("log", "linear"))
     last_batch_iteration: int = setting(-1, "Step to resume the schedule from (-1: start).", ge=-1)
 
 
 @dataclass(kw_only=True, slots=True)
-class WarmupDecayLRParams(WarmupLRParams):
+class WarmupDecayLRParams:
+    # DeepSpeed's WarmupDecayLR keeps 0.001 as the peak when none is given (its WarmupLR takes the optimizer's lr)
+    warmup_min_lr: float | Auto = setting(0.0, "Learning rate at step 0.", ge=0, auto=True)
+    warmup_max_lr: float | Auto = setting(1e-3, "Learning rate reached at the end of warmup.", ge=0, auto=True)
+    warmup_num_steps: int | Auto = setting(1000, "Steps of warmup.", ge=0, auto=True)
+    warmup_type: str = setting("log", "Warmup curve.", choices=("log", "linear"))
+    last_batch_iteration: int = setting(-1, "Step to resume the schedule from (-1: start).", ge=-1)
     total_num_steps: int | Auto | None = setting(None, "Total steps; the rate decays linearly to 0 at this step. "
                                                        "Required.",
                                                  ge=1, auto=True)
@@ -142,17 +149,53 @@ class WarmupCosineLRParams:
 
 
 def _check_total_steps(total: Any, warmup: Any, path: str) -> None:
+    """total_num_steps is required; a warmup longer than it runs as DeepSpeed runs it (the schedule warns when it
+    is built: offload/optim/lr_schedules.py)."""
     if total is None:
         raise ConfigError(f"{path}.total_num_steps", "is required by this scheduler type (a whole number of steps)")
-    if isinstance(total, int) and isinstance(warmup, int) and warmup > total:
-        raise ConfigError(f"{path}.warmup_num_steps",
-                          f"warmup ({warmup} steps) is longer than total_num_steps ({total})")
+
+
+@dataclass(kw_only=True, slots=True)
+class OneCycleParams:
+    cycle_min_lr: float | None = setting(None, "The cycle's lower learning rate (where it starts and ends). Required.",
+                                         ge=0)
+    cycle_max_lr: float | None = setting(None, "The cycle's upper learning rate, reached at its middle. Required.",
+                                         ge=0)
+    decay_lr_rate: float = setting(0.0, "After the cycle: lr = cycle_min_lr / (1 + rate x decay steps).", ge=0)
+    cycle_first_step_size: int = setting(2000, "Steps of the rising half of the cycle.", ge=1)
+    cycle_second_step_size: int | None = setting(None, "Steps of the falling half (null: as the rising one).", ge=1)
+    cycle_first_stair_count: int = setting(0, "Stairs in the rising half (0: continuous).", ge=0)
+    cycle_second_stair_count: int | None = setting(None, "Stairs in the falling half (null: as the rising one).",
+                                                   ge=0)
+    decay_step_size: int = setting(0, "Steps per decay interval after the cycle (0: no decay).", ge=0)
+    cycle_momentum: bool = setting(True, "Cycle Adam's beta1 inversely to the rate, between cycle_max_mom and "
+                                         "cycle_min_mom; as DeepSpeed's, beta2 is then 0.99.")
+    cycle_min_mom: float = setting(0.8, "beta1 at the cycle's middle.", ge=0, lt=1)
+    cycle_max_mom: float = setting(0.9, "beta1 where the cycle starts and ends.", ge=0, lt=1)
+    decay_mom_rate: float = setting(0.0, "After the cycle: beta1 = cycle_max_mom x (1 + rate x decay steps).", ge=0)
+    last_batch_iteration: int = setting(-1, "Step to resume the schedule from (-1: start).", ge=-1)
+
+    def check(self, path: str) -> None:
+        for key in ("cycle_min_lr", "cycle_max_lr"):
+            if getattr(self, key) is None:
+                raise ConfigError(f"{path}.{key}", "is required by OneCycle (a learning rate)")
+
+
+@dataclass(kw_only=True, slots=True)
+class LRRangeTestParams:
+    lr_range_test_min_lr: float = setting(1e-3, "The rate the test starts from.", ge=0)
+    lr_range_test_step_size: int = setting(2000, "Steps per interval of the rate's growth.", ge=1)
+    lr_range_test_step_rate: float = setting(1.0, "Growth: lr = min_lr x (1 + rate x intervals).", ge=0)
+    lr_range_test_staircase: bool = setting(False, "Grow in whole intervals (a staircase), not continuously.")
+    last_batch_iteration: int = setting(-1, "Step to resume the schedule from (-1: start).", ge=-1)
 
 
 SCHEDULER_PARAMS: dict[str, type] = {
     "WarmupLR": WarmupLRParams,
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
+    "OneCycle": OneCycleParams,
+    "LRRangeTest": LRRangeTestParams,
 }
 
 
