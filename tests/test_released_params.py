@@ -135,3 +135,29 @@ def test_after_a_step_that_returns_before_adam_small_parameters_wait_for_their_n
     assert got["seen"][:2] == [([], []), ([], [])]
     for after_use, after_step in zip(got["seen"][2::2], got["seen"][3::2]):
         assert after_use == (got["small"], []) and after_step == ([], [])
+
+
+def _small_model(rank, world):
+    """A model wholly under the default persistence threshold (1e5 elements): one unit, kept whole."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3}}
+    engine = offload.initialize(model=model, config=config)[0]
+    gen = torch.Generator().manual_seed(rank)
+    seen = []
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 16, generator=gen)).square().mean())
+        engine.step()
+        full = engine.full_state_dict()  # a collective: every rank calls it
+        seen.append({n: bool(p.numel()) and torch.equal(p.detach(), full[n])
+                     for n, p in engine.module.named_parameters()})
+    engine.close()
+    return seen
+
+
+def test_a_small_models_weights_read_whole_with_each_steps_values_on_two_ranks():
+    """#57 item 4: every parameter of a small model is under stage3_param_persistence_threshold's default, so after
+    each step it reads whole, with that step's values, as DeepSpeed's does (it read empty after the first step)."""
+    for seen in run_ranks(_small_model, 2):
+        assert all(all(step.values()) for step in seen), seen

@@ -125,7 +125,10 @@ class ZeroRuntime:
             persisted += unit.numel if small else 0
             unit.persistent = unit.keeps_full or small
             unit.unbinds = unit.in_place and not small
-            kept = []
+            # A small unit is whole between its uses; after a step it is released (its copy is stale), and its
+            # parameters stay whole as kept ones, refreshed with the step's values as DeepSpeed's persistent ones
+            # are (at W = 1 they are views of the shard the step writes).
+            kept = [i for i, slot in enumerate(unit.slots) if slot.numel > 0] if small else []
             if not small and not unit.resident:
                 for i, slot in enumerate(unit.slots):
                     if 0 < slot.numel <= persistence_threshold and persisted + slot.numel <= persistence_cap:
