@@ -256,3 +256,29 @@ def test_load_checkpoint_returns_the_keys_deepspeed_adds_to_client_state(tmp_pat
     _, client = engine.load_checkpoint(tmp_path)
     assert client["global_samples"] == "mine" and engine.global_samples == 2
     engine.close()
+
+
+class _HalfRate(torch.optim.lr_scheduler.LambdaLR):
+    """A scheduler class a script hands initialize() as lr_scheduler: DeepSpeed calls it with its optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer, lambda step: 0.5 ** step)
+
+
+@pytest.mark.parametrize("given", ["class", "factory"])
+def test_lr_scheduler_may_be_a_scheduler_class_or_a_factory(given):
+    """#57 item 10: a callable (a factory, or a scheduler class, whose step() made it look like a scheduler object)
+    is called with the engine's optimizer, as DeepSpeed does."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3}}
+    scheduler = _HalfRate if given == "class" else (lambda opt: _HalfRate(opt))
+    engine, optimizer, _, scheduler = offload.initialize(model=model, config=config, lr_scheduler=scheduler)
+    assert isinstance(scheduler, _HalfRate) and engine.lr_scheduler is scheduler
+    rates = [engine.get_lr()[0]]
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 8)).sum())
+        engine.step()
+        rates.append(engine.get_lr()[0])
+    engine.close()
+    assert rates == pytest.approx([1e-3, 5e-4, 2.5e-4])

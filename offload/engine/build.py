@@ -209,8 +209,8 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
                 raise EngineError("the config has a scheduler section and initialize() was given lr_scheduler; "
                                   "keep one of them")
             lr_scheduler = build_lr_schedule(optimizer.face, config.scheduler)
-        elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-            lr_scheduler = lr_scheduler(optimizer.face)
+        elif callable(lr_scheduler):  # DeepSpeed's rule: a callable (a factory, or a scheduler class) gets the
+            lr_scheduler = lr_scheduler(optimizer.face)  # optimizer; a scheduler object is not callable
         undo.pop_all()
     return Parts(units, params, optimizer, optimizer.landing, runtime, activations, memory, swaps, telemetry,
                  trained_names, schedule, lr_scheduler, Refit(config, accel, optimizer, group, want.delayed))
