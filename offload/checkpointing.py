@@ -26,6 +26,7 @@ CUDA) and autocast are those of the original forward, so dropout masks match.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -268,12 +269,32 @@ class ActivationStore:
 
 _store: ActivationStore | None = None  # set by offload.initialize (configure), like DeepSpeed's module state
 _mp_group: Group | None = None
+_configured = False  # configure() was called (DeepSpeed's is_configured)
+_overrides: dict[str, bool] = {}  # the settings configure()'s keywords set, over the config's section
 
 
-def configure(mpu_: Any = None, *, store: ActivationStore | None = None, group: Any = None) -> None:
+def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
+              contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
+              checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None, profile: bool | None = None, *,
+              store: ActivationStore | None = None, group: Any = None) -> None:
     """Set what ``checkpoint`` uses: the engine's store, and (for partition_activations) the model-parallel group,
-    as an ``mpu_`` with get_model_parallel_group/rank/world_size (Megatron's) or a torch ProcessGroup."""
-    global _store, _mp_group
+    as an ``mpu_`` with get_model_parallel_group/rank/world_size (Megatron's) or a torch ProcessGroup. DeepSpeed's
+    keywords override the config's activation_checkpointing section (``deepspeed_config``: a config, its path or
+    dict, whose section is read first); contiguous_checkpointing and num_checkpoints have no effect (offload keeps
+    each saved input in a buffer of its own pool)."""
+    global _store, _mp_group, _configured
+    _configured = True
+    if deepspeed_config is not None:
+        from offload.config import Config
+        section = Config.load(deepspeed_config).activation_checkpointing
+        _overrides.update(cpu_checkpointing=section.cpu_checkpointing,
+                          partition_activations=section.partition_activations,
+                          synchronize_checkpoint_boundary=section.synchronize_checkpoint_boundary,
+                          profile=section.profile)
+    for key, value in (("partition_activations", partition_activations), ("cpu_checkpointing", checkpoint_in_cpu),
+                       ("synchronize_checkpoint_boundary", synchronize), ("profile", profile)):
+        if value is not None:
+            _overrides[key] = bool(value)
     if store is not None:
         _store = store
     if mpu_ is not None or group is not None:
@@ -282,19 +303,28 @@ def configure(mpu_: Any = None, *, store: ActivationStore | None = None, group: 
         _mp_group = Group(dist.get_rank(pg), dist.get_world_size(pg), pg)
     if _store is not None and _mp_group is not None:
         _store.group = _mp_group
+    if _store is not None and _overrides:
+        _store.settings = dataclasses.replace(_store.settings, **_overrides)
+
+
+def is_configured() -> bool:
+    """Whether ``configure`` was called (an engine calls it at initialize), as DeepSpeed's."""
+    return _configured
 
 
 def current_store(device: torch.device) -> ActivationStore:
     global _store
     if _store is None or _store.accel.device != device:
-        _store = ActivationStore(Accelerator(device), group=_mp_group)
+        _store = ActivationStore(Accelerator(device), dataclasses.replace(CheckpointSettings(), **_overrides),
+                                 group=_mp_group)
     return _store
 
 
 def reset() -> None:
-    """Forget the configured store and group (an engine closing)."""
-    global _store, _mp_group
-    _store, _mp_group = None, None
+    """Forget the configured store, group and overrides (an engine closing)."""
+    global _store, _mp_group, _configured
+    _store, _mp_group, _configured = None, None, False
+    _overrides.clear()
 
 
 class _Checkpoint(torch.autograd.Function):

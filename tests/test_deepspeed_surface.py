@@ -282,3 +282,68 @@ def test_lr_scheduler_may_be_a_scheduler_class_or_a_factory(given):
         rates.append(engine.get_lr()[0])
     engine.close()
     assert rates == pytest.approx([1e-3, 5e-4, 2.5e-4])
+
+
+def _adam_run(optimizer_of, config_optimizer: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    if config_optimizer:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}
+    engine, *_ = deepspeed.initialize(model=model, config=config,
+                                      optimizer=None if config_optimizer else optimizer_of(model))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, 8, generator=gen)).square().mean())
+        engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+@pytest.mark.parametrize("name", ["DeepSpeedCPUAdam", "FusedAdam"])
+def test_deepspeeds_adam_classes_train_as_the_config_optimizer(name):
+    """#57 item 9: deepspeed.ops.adam's classes, handed to initialize as a script builds them, step as the config's
+    AdamW (FusedAdam's default mode is AdamW: torch's decoupled weight decay)."""
+    cls = getattr(deepspeed.ops.adam, name)
+    ours = _adam_run(lambda m: cls(m.parameters(), lr=1e-2, weight_decay=0.1), config_optimizer=False)
+    reference = _adam_run(None, config_optimizer=True)
+    for key, value in reference.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="amsgrad=True\\): AMSGrad is not supported"):
+        cls(torch.nn.Linear(2, 2).parameters(), amsgrad=True)
+
+
+def test_deepspeeds_other_engine_names_answer_as_deepspeeds():
+    """#57 item 9: the names a DeepSpeed script reads off the engine and its modules."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    try:
+        assert isinstance(engine, deepspeed.DeepSpeedEngine)
+        assert engine.bfloat16_enabled() and engine.get_data_types() == (torch.bfloat16, torch.float32)
+        assert engine.zero_optimization_partition_gradients() and engine.zero_offload_optimizer()
+        assert not engine.zero_offload_param() and engine.mp_world_size == 1
+        assert engine.steps_per_print() == 10 and engine.wall_clock_breakdown() is False
+        assert engine.monitor.enabled is False
+        engine.monitor.write_events([("loss", 1.0, 1)])
+        assert deepspeed.checkpointing.is_configured()  # the engine configured it
+    finally:
+        engine.close()
+    assert not deepspeed.checkpointing.is_configured()
+
+
+def test_checkpointing_configure_takes_deepspeeds_keywords_and_they_reach_the_store():
+    """#57 item 9: DeepSpeed's checkpointing.configure(None, partition_activations=..., contiguous_checkpointing=...,
+    checkpoint_in_cpu=..., synchronize=..., profile=...) before initialize overrides the config's section."""
+    deepspeed.checkpointing.configure(None, partition_activations=False, contiguous_checkpointing=True,
+                                      num_checkpoints=4, checkpoint_in_cpu=True, synchronize=False, profile=False)
+    assert deepspeed.checkpointing.is_configured()
+    engine, *_ = deepspeed.initialize(model=torch.nn.Sequential(torch.nn.Linear(4, 4)),
+                                      config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+                                              "zero_optimization": {"stage": 3}})
+    try:
+        assert engine.activations.settings.cpu_checkpointing is True
+    finally:
+        engine.close()

@@ -35,8 +35,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("offload.store",),
     ("offload.optim",),
     ("offload.zero",),
-    # activation checkpointing; the files of weights and checkpoints
-    ("offload.checkpointing", "offload.files"),
+    # activation checkpointing; the files of weights and checkpoints; DeepSpeed's optimizer names over optim
+    ("offload.checkpointing", "offload.files", "offload.ops"),
     # "offload" is the package's __init__ only: the public API over the engine; utils, DeepSpeed's helpers over it
     ("offload.engine", "offload", "offload.utils"),
     ("offload.hf",),

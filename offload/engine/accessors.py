@@ -115,8 +115,44 @@ class DeepSpeedAccessors:
     def bf16_enabled(self) -> bool:
         return self.compute_dtype == torch.bfloat16
 
+    def bfloat16_enabled(self) -> bool:
+        """DeepSpeed 0.19.8's name for ``bf16_enabled``."""
+        return self.bf16_enabled()
+
     def fp16_enabled(self) -> bool:
         return self.compute_dtype == torch.float16
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """(the model's compute dtype, the dtype gradients accumulate in): fp32 accumulators, here always."""
+        return self.compute_dtype, torch.float32
+
+    def steps_per_print(self) -> int:
+        """The config's, or DeepSpeed's default of 10 (offload itself reports per steps_per_print only when set)."""
+        return self.config.steps_per_print if self.config.steps_per_print is not None else 10
+
+    def wall_clock_breakdown(self) -> bool:
+        return bool(self.config.wall_clock_breakdown)
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        """Whether gradients are partitioned over the ranks (ZeRO stage 2 or 3)."""
+        return self.stage.number >= 2
+
+    def zero_offload_optimizer(self) -> bool:
+        return self.config.zero_optimization.offload_optimizer.device != "none"
+
+    def zero_offload_param(self) -> bool:
+        return self.config.zero_optimization.offload_param.device != "none"
+
+    @property
+    def mp_world_size(self) -> int:
+        """Model-parallel ranks: offload is data-parallel only."""
+        return 1
+
+    @property
+    def monitor(self) -> Monitor:
+        """DeepSpeed's monitor: offload writes no monitor files (the config's monitor sections have no effect;
+        engine.telemetry holds the per-phase times), so it is never enabled and takes events without writing."""
+        return _MONITOR
 
     @property
     def global_rank(self) -> int:
@@ -157,3 +193,15 @@ class DeepSpeedAccessors:
     def peak_live_parameters(self) -> int:
         """The most parameter elements this rank held gathered at once (the engine's own accounting)."""
         return self.runtime.peak_live
+
+
+class Monitor:
+    """What DeepSpeed's ``engine.monitor`` answers a script: ``enabled`` and ``write_events``."""
+
+    enabled = False
+
+    def write_events(self, event_list: list[tuple[str, float, int]]) -> None:
+        """Events a script logs through DeepSpeed's monitor: not written, as the config's monitor keys say."""
+
+
+_MONITOR = Monitor()

@@ -138,7 +138,10 @@ def _optimizer_groups(model: nn.Module, model_parameters: Iterable[Any] | None, 
         elif isinstance(client, (torch.optim.AdamW, torch.optim.Adam)):
             if any(g.get("amsgrad") for g in client.param_groups):
                 raise EngineError("amsgrad is not supported; use amsgrad=False")
-            adamw, bias = isinstance(client, torch.optim.AdamW), True
+            # torch's Adam with decoupled weight decay is AdamW (DeepSpeed's FusedAdam in its default mode)
+            adamw = isinstance(client, torch.optim.AdamW) or any(g.get("decoupled_weight_decay")
+                                                                 for g in client.param_groups)
+            bias = True
         else:
             raise EngineError(f"optimizer {type(client).__name__} is not supported: offload runs Adam/AdamW "
                               "(pass torch.optim.Adam/AdamW, offload.optim.CPUAdam, or an optimizer section)")
