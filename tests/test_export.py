@@ -238,7 +238,8 @@ def test_the_recovery_script_beside_every_checkpoint_gives_export_weights_own_va
                                                       "sys", "collections", "pathlib", "typing", "torch"}
     moved = shutil.copytree(tmp_path / "save", tmp_path / "elsewhere")
     out = subprocess.run([sys.executable, "-I", str(moved / "zero_to_fp32.py"), str(moved), str(tmp_path / "fp32"),
-                          "--max-shard-size", "60000"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          "--max-shard-size", "60000", "--safe_serialization"], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     export_weights(tmp_path / "save", tmp_path / "exported", max_shard_bytes=60000)
     ours = sorted(p.name for p in (tmp_path / "fp32").iterdir())
@@ -247,3 +248,51 @@ def test_the_recovery_script_beside_every_checkpoint_gives_export_weights_own_va
         if name.endswith(".safetensors"):
             got, want = load_file(tmp_path / "fp32" / name), load_file(tmp_path / "exported" / name)
             assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+
+
+def _trained_checkpoint(tmp_path):
+    import offload
+    from engine_cases import batches, loss_of
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
+    engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
+    engine.step()
+    engine.save_checkpoint(tmp_path / "save")
+    full = engine.full_state_dict()
+    engine.close()
+    return full
+
+
+def test_the_recovery_script_takes_deepspeeds_flags_and_writes_what_deepspeeds_writes(tmp_path):
+    """#57 item 8: `python zero_to_fp32.py DIR OUT` writes pytorch_model.bin, which the torch.load of DeepSpeed's
+    own docstring reads; sharded past --max_shard_size (DeepSpeed's spelling and units), with its index."""
+    full = _trained_checkpoint(tmp_path)
+    script = tmp_path / "save" / "zero_to_fp32.py"
+    one = subprocess.run([sys.executable, "-I", str(script), str(tmp_path / "save"), str(tmp_path / "bin"), "-d"],
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    assert sorted(p.name for p in (tmp_path / "bin").iterdir()) == ["pytorch_model.bin"]
+    state = torch.load(tmp_path / "bin" / "pytorch_model.bin", weights_only=True)
+    assert state.keys() >= {k for k in full} and all(torch.equal(state[k], v) for k, v in full.items())
+    sharded = subprocess.run([sys.executable, "-I", str(script), str(tmp_path / "save"), str(tmp_path / "shards"),
+                              "--max_shard_size", "60KB"], capture_output=True, text=True, timeout=300)
+    assert sharded.returncode == 0, sharded.stderr
+    index = json.loads((tmp_path / "shards" / "pytorch_model.bin.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"pytorch_model-00001-of-{len(files):05d}.bin"
+    for name in files:
+        part = torch.load(tmp_path / "shards" / name, weights_only=True)
+        assert part and all(torch.equal(v, full[k]) for k, v in part.items() if k in full), name
+
+
+def test_deepspeeds_zero_to_fp32_functions_read_an_offload_checkpoint(tmp_path):
+    """#57 item 8: deepspeed.utils.zero_to_fp32's functions, after the import swap."""
+    import offload as deepspeed
+    full = _trained_checkpoint(tmp_path)
+    z2f = deepspeed.utils.zero_to_fp32
+    state = z2f.get_fp32_state_dict_from_zero_checkpoint(tmp_path / "save")
+    assert all(state[k].dtype == torch.float32 and torch.equal(state[k], v) for k, v in full.items())
+    model = z2f.load_state_dict_from_zero_checkpoint(make_model("gpt", seed=5), tmp_path / "save")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in full.items())
+    written = z2f.convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "save", tmp_path / "safe",
+                                                             safe_serialization=True)
+    assert written == ["model.safetensors"]

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """fp32 weights out of an offload checkpoint with nothing but Python and torch: copied beside every checkpoint.
 
-    python zero_to_fp32.py SAVE_DIR OUT_DIR [--tag TAG] [--max-shard-size BYTES]
+    python zero_to_fp32.py SAVE_DIR OUT_DIR [--tag TAG] [--max_shard_size 5GB] [--safe_serialization]
 
-writes ``OUT_DIR/model.safetensors`` (or ``model-0000i-of-0000N.safetensors`` with
-``model.safetensors.index.json``), which ``model.load_state_dict(safetensors.torch.load_file(...))``
-and ``from_pretrained`` read, streaming one unit's values at a time: memory stays near one
-unit whatever the model's size. Every file it reads is checked against the sha256 in
-meta.json first; nothing is unpickled but the buffers, by torch's restricted unpickler.
+takes DeepSpeed's flags and writes what DeepSpeed's script writes for them: ``OUT_DIR/pytorch_model.bin``
+(or ``pytorch_model-0000i-of-0000N.bin`` with ``pytorch_model.bin.index.json``), torch.save's format, one
+shard in memory at a time; with ``--safe_serialization`` ``model.safetensors`` (or its shards and index),
+streamed one unit's values at a time, which ``safetensors.torch.load_file`` and ``from_pretrained``
+read. Every file it reads is checked against the sha256 in meta.json first; nothing is unpickled but
+the buffers, by torch's restricted unpickler.
 
 [Note: a recovery script with no offload] It is DeepSpeed's ``zero_to_fp32.py`` for
 offload: for the person who has the checkpoint folder and not the package (another
@@ -103,7 +104,10 @@ def header(specs: list[Spec]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def recover(save_dir: Path, out: Path, tag: str | None = None, max_shard_bytes: int = 5 << 30) -> list[str]:
+def _opened(save_dir: Path, tag: str | None, exclude_frozen: bool = False
+            ) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor], dict[int, list[tuple[str, int, list[int]]]]]:
+    """A checkpoint checked: its directory, meta, buffers, and its parameters by unit (the units nothing trained
+    left out with ``exclude_frozen``)."""
     path = checkpoint_dir(save_dir, tag)
     meta = json.loads((path / "meta.json").read_text())
     world = meta.get("partitions", meta["world_size"])
@@ -111,7 +115,37 @@ def recover(save_dir: Path, out: Path, tag: str | None = None, max_shard_bytes: 
     buffers = torch.load(path / "rank0.pt", weights_only=True, map_location="cpu")["buffers"]
     by_unit: dict[int, list[tuple[str, int, list[int]]]] = {}
     for key, unit, offset, shape in meta["params"]:
+        if exclude_frozen and not meta["units"][unit]["trained"]:
+            continue
         by_unit.setdefault(unit, []).append((key, offset, shape))
+    return path, meta, buffers, by_unit
+
+
+def fp32_state_dict(save_dir: Path, tag: str | None = None, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model as an fp32 state dict in memory (DeepSpeed's get_fp32_state_dict_from_zero_checkpoint):
+    parameters from the masters (a frozen unit's from its shard), then buffers as saved."""
+    path, meta, buffers, by_unit = _opened(Path(save_dir), tag, exclude_frozen)
+    units = Units(path, meta)
+    out: dict[str, torch.Tensor] = {}
+    for unit in sorted(by_unit):
+        flat = units.read(unit).float()
+        for key, offset, shape in by_unit[unit]:
+            out[key] = flat[offset:offset + int(torch.Size(shape).numel())].clone().view(shape)
+    out.update(buffers)
+    return out
+
+
+def _shard_names(stem: str, ext: str, count: int) -> list[str]:
+    return [f"{stem}.{ext}"] if count == 1 else [f"{stem}-{i + 1:05d}-of-{count:05d}.{ext}" for i in range(count)]
+
+
+def recover(save_dir: Path, out: Path, tag: str | None = None, max_shard_bytes: int = 5 << 30,
+            safe_serialization: bool = True, exclude_frozen: bool = False) -> list[str]:
+    """The checkpoint's fp32 weights into ``out``: safetensors files (``model.safetensors``, or shards with their
+    index) streamed a unit at a time; or, not ``safe_serialization``, as DeepSpeed's script writes by default,
+    ``pytorch_model.bin`` (or its shards and ``pytorch_model.bin.index.json``), torch.save's format, one shard in
+    memory at a time."""
+    path, meta, buffers, by_unit = _opened(save_dir, tag, exclude_frozen)
     specs: list[Spec] = []  # in the order they are written
     for unit in sorted(by_unit):
         for key, _, shape in by_unit[unit]:
@@ -125,8 +159,8 @@ def recover(save_dir: Path, out: Path, tag: str | None = None, max_shard_bytes: 
             size = 0
         files[-1].append(spec)
         size += spec[3]
-    names = (["model.safetensors"] if len(files) == 1 else
-             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    names = _shard_names("model", "safetensors", len(files)) if safe_serialization else \
+        _shard_names("pytorch_model", "bin", len(files))
 
     def values() -> Iterator[torch.Tensor]:
         units = Units(path, meta)
@@ -140,28 +174,51 @@ def recover(save_dir: Path, out: Path, tag: str | None = None, max_shard_bytes: 
     source = values()
     for name, part in zip(names, files):
         tmp = out / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(header(part))
-            for _ in part:
-                t = next(source).contiguous()
-                f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if safe_serialization:
+            with open(tmp, "wb") as f:
+                f.write(header(part))
+                for _ in part:
+                    t = next(source).contiguous()
+                    f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            torch.save({key: next(source).clone().view(shape) for key, _, shape, _ in part}, tmp)
         os.replace(tmp, out / name)
     if len(files) > 1:
         weight_map = {spec[0]: name for name, part in zip(names, files) for spec in part}
-        (out / "model.safetensors.index.json").write_text(json.dumps(
+        index = "model.safetensors.index.json" if safe_serialization else "pytorch_model.bin.index.json"
+        (out / index).write_text(json.dumps(
             {"metadata": {"total_size": sum(s[3] for s in specs)}, "weight_map": weight_map}, indent=1))
-        names.append("model.safetensors.index.json")
+        names.append(index)
     return names
+
+
+def shard_size(text: str) -> int:
+    """A shard size as DeepSpeed's script takes it: bytes, or digits and a unit ("5GB" is 5e9, "5GiB" 5 x 2**30)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    digits = text.strip().upper().rstrip("BKMGTI")
+    unit = text.strip().upper()[len(digits):]
+    if not digits.replace(".", "", 1).isdigit() or unit not in units:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or digits and a unit (5GB, 500MiB)")
+    return int(float(digits) * units[unit])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="the save_dir (its `latest` is used) or a checkpoint directory")
-    parser.add_argument("out", type=Path, help="where the safetensors files go")
-    parser.add_argument("--tag", default=None, help="a tag inside save_dir instead of `latest`")
-    parser.add_argument("--max-shard-size", type=int, default=5 << 30, help="bytes per file at most (5 GiB)")
+    parser.add_argument("out", type=Path, help="where the weight files go")
+    parser.add_argument("-t", "--tag", default=None, help="a tag inside save_dir instead of `latest`")
+    parser.add_argument("--max_shard_size", "--max-shard-size", type=shard_size, default=5 * 10**9,
+                        help="the largest file before the weights are sharded: bytes, or as DeepSpeed's 5GB (the "
+                             "default)")
+    parser.add_argument("--safe_serialization", action="store_true",
+                        help="safetensors (model.safetensors); without it, as DeepSpeed's script, pytorch_model.bin")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true",
+                        help="leave out the parameters of units nothing trained")
+    parser.add_argument("-d", "--debug", action="store_true", help="DeepSpeed's flag: nothing more is printed")
     args = parser.parse_args()
-    for name in recover(args.checkpoint, args.out, args.tag, args.max_shard_size):
+    for name in recover(args.checkpoint, args.out, args.tag, args.max_shard_size, args.safe_serialization,
+                        args.exclude_frozen_parameters):
         print(args.out / name)
 
 

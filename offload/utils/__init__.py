@@ -14,7 +14,7 @@ from offload.engine.life import Life
 from offload.zero.plan import engine_of
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
+           "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "zero_to_fp32"]
 
 
 def _engine_of(param: torch.Tensor) -> Any:
@@ -61,3 +61,6 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     raise _not_one_at_a_time(f"safe_set_full_optimizer_state({optim_state_key!r})",
                              "load a checkpoint that holds the state you want (engine.load_checkpoint)")
+
+
+from offload.utils import zero_to_fp32  # noqa: E402 - DeepSpeed's deepspeed.utils.zero_to_fp32, over the files
