@@ -347,3 +347,66 @@ def test_checkpointing_configure_takes_deepspeeds_keywords_and_they_reach_the_st
         assert engine.activations.settings.cpu_checkpointing is True
     finally:
         engine.close()
+
+
+class _Critic(torch.nn.Module):
+    """DeepSpeed-Chat's critic in small: ``forward_value`` calls the submodules itself, never ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.body = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32))
+        self.v_head = torch.nn.Linear(32, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.forward_value(ids).mean()
+
+    def forward_value(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.v_head(self.body(self.embed(ids))).squeeze(-1)
+
+
+def _critic_steps(rank: int, world: int, unit_bytes: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "offload": {"unit_bytes": unit_bytes}}
+    engine, *_ = deepspeed.initialize(model=_Critic(), config=config)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2 * world, 5), generator=gen)[rank * 2:(rank + 1) * 2]
+        engine.backward(engine.forward_value(ids).square().mean())  # DeepSpeed hands the name on to the model
+        engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+@pytest.mark.parametrize("world,unit_bytes", [(1, 64 << 20), (2, 64 << 20), (2, 4096)],
+                         ids=["W1-one-unit", "W2-one-unit", "W2-units"])
+def test_a_method_other_than_forward_trains_as_torch(world, unit_bytes):
+    """#57 item 6: ``engine.forward_value(...)`` reaches the model's method, and at ZeRO-3 the units its submodules
+    use are gathered though the root's forward never runs (a small model is one unit, anchored there)."""
+    from offload.machine.launch import run_ranks
+    results = run_ranks(_critic_steps, world, unit_bytes=unit_bytes)
+    torch.manual_seed(0)
+    model = _Critic()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # the config's (DeepSpeed's) default
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        opt.zero_grad()
+        model.forward_value(torch.randint(0, 64, (2 * world, 5), generator=gen)).square().mean().backward()
+        opt.step()
+    for state in results:
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(state[key], value, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_an_attribute_neither_has_is_an_attribute_error_naming_both():
+    engine, *_ = deepspeed.initialize(model=_Critic(), config={"train_micro_batch_size_per_gpu": 1,
+                                                              "optimizer": {"type": "AdamW"},
+                                                              "zero_optimization": {"stage": 3}})
+    try:
+        with pytest.raises(AttributeError, match="'Engine' object has no attribute 'forward_valu' \\(nor has its"):
+            engine.forward_valu
+    finally:
+        engine.close()

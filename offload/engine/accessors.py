@@ -4,7 +4,7 @@ drives a step; it reads the engine's fields and changes none of them."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -41,6 +41,14 @@ class DeepSpeedAccessors:
     _clip: float
 
     def close(self) -> None: ...  # the engine's
+
+    def __getattr__(self, name: str) -> Any:
+        """What the engine does not have, its module's: DeepSpeed's engine hands a script's ``engine.forward_value``
+        (a method other than ``forward``) to the model. Reached only where normal lookup found nothing."""
+        module = self.__dict__.get("module")
+        if module is not None and not name.startswith("__") and hasattr(module, name):
+            return getattr(module, name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}' (nor has its module)")
 
     # The batch as DeepSpeed's engine answers it: methods, as there.
     def gradient_accumulation_steps(self) -> int:

@@ -144,7 +144,7 @@ class ZeroRuntime:
         by_name = dict(model.named_modules(remove_duplicate=False))
         users: dict[int, tuple[nn.Module, list[Unit]]] = {}
         for unit in self.units:
-            for name in unit.plan.anchors + unit.plan.borrowers:
+            for name in unit.plan.anchors + unit.plan.borrowers + _root_unit_owners(unit):
                 module = by_name[name]
                 entry = users.setdefault(id(module), (module, []))
                 if unit not in entry[1]:
@@ -518,6 +518,19 @@ class ZeroRuntime:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _root_unit_owners(unit: Unit) -> list[str]:
+    """[Note: a method other than forward] A unit anchored at the model's root (a small model whole, or what no
+    block took: embeddings, a head) is gathered by the root's forward, which a script may go around: DeepSpeed-Chat's
+    critic calls ``model.forward_value``, which calls the submodules itself. DeepSpeed gathers each submodule's own
+    parameters, so that works there; here the modules that hold such a unit's parameters gather it too. Inside the
+    root's forward they find it held already and only count their use; the root's unit is a handful of modules, so
+    the step keeps its hooks."""
+    if "" not in unit.plan.anchors:
+        return []
+    owners = {slot.name.rpartition(".")[0] for slot in unit.slots}
+    return sorted(name for name in owners if name and name not in unit.plan.anchors + unit.plan.borrowers)
 
 
 def _wire_bytes(nbytes: int, world: int) -> int:
