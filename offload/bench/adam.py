@@ -208,7 +208,7 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
     row("cpu-side", ours_name, t[ours_name], FUSED_BYTES, t[torch_name])
 
     # 3. The CPU side per state format, beside fp32's.
-    steps = {name: _format_step(fmt, p, g16, threads, step) for name, fmt in FORMATS.items()}
+    steps = {name: format_step(fmt, p, g16, threads, step) for name, fmt in FORMATS.items()}
     t = interleaved({name: fn for name, (fn, _) in steps.items()}, repeats, before=flush)
     base = t["fp32"]
     for name, seconds in t.items():
@@ -218,7 +218,7 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
     return rows
 
 
-def _format_step(fmt: StateFormat, p0: torch.Tensor, g16: torch.Tensor, threads: int, step: list[int]
+def format_step(fmt: StateFormat, p0: torch.Tensor, g16: torch.Tensor, threads: int, step: list[int]
                  ) -> tuple[Callable[[], None], int]:
     """The CPU side of a step (norm of the bf16 gradient, the clipped step, the bf16 weights out) with the state
     held in ``fmt``, and the bytes an element it moves: the gradient read twice, the state read and written, the

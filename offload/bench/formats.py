@@ -23,13 +23,10 @@ import torch
 
 import offload
 from offload.models import GPT, GPTConfig
+from offload.store import state_format
 
-FORMATS = {  # name: (offload.optimizer_state.master, .moments)
-    "fp32": ("fp32", "fp32"),
-    "bf16 moments": ("fp32", "bf16"),
-    "bf16 master stochastic": ("bf16-stochastic", "bf16"),
-    "bf16 master nearest": ("bf16", "bf16"),
-}
+# The formats the engine holds (the 16+16 master is the kernels' only), by state_format.FORMATS's names
+FORMATS = {name: fmt for name, fmt in state_format.FORMATS.items() if fmt.master is not state_format.Master.SPLIT}
 CONTROL = "bf16 master nearest"  # expected outside the band
 
 
@@ -69,7 +66,7 @@ def corpus() -> torch.Tensor:
 
 
 def _config(b: FormatsBench, name: str) -> dict[str, Any]:
-    master, moments = FORMATS[name]
+    master, moments = FORMATS[name].names()
     return {"train_micro_batch_size_per_gpu": b.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": b.lr, "betas": [0.9, 0.95], "weight_decay": 0.1}},

@@ -72,15 +72,14 @@ def host_step_rate(rank: int, world: int, elements: int, state: tuple[str, str] 
     """Seconds per element of the native host step (norm + fused AdamW, bf16 gradient in and parameter out) with
     the state held as ``state`` (offload.optimizer_state's master and moments), on the engine's own thread count,
     each call from a cold cache; median of five after one warm-up."""
-    from offload.bench.adam import CacheFlush, _format_step, interleaved
+    from offload.bench.adam import CacheFlush, format_step, interleaved
     from offload.machine import native
-    from offload.store.state_format import Master, StateFormat
+    from offload.store.state_format import StateFormat
     threads = native.default_threads()
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(elements, generator=gen)
     g16 = (torch.randn(elements, generator=gen) * 1e-3).to(torch.bfloat16)
-    fmt = StateFormat(Master(state[0]), torch.bfloat16 if state[1] == "bf16" else torch.float32)
-    host_step, _ = _format_step(fmt, p, g16, threads, [0])  # the engine's norm pass and its step
+    host_step, _ = format_step(StateFormat.named(*state), p, g16, threads, [0])  # the engine's norm pass and step
     return interleaved({"host step": host_step}, repeats=5, before=CacheFlush())["host step"] / elements
 
 

@@ -60,9 +60,14 @@ from offload.machine.cpus import default_threads, usable_cpus
 from offload.machine.launch import run_ranks
 from offload.models.catalog import lm_loss
 from offload.observe.telemetry import BACKGROUND, FOREGROUND
+from offload.store.state_format import FORMATS
 
 
 NOISE_FLOOR_S = 0.05  # CPU steps shorter than this time mostly the machine's noise (thread wake-ups, other tenants)
+# `--state-format`: offload.optimizer_state's (master, moments) by the names the benchmarks give them
+STATE_FORMATS = {cli: FORMATS[name].names() for cli, name in (
+    ("fp32", "fp32"), ("bf16-moments", "bf16 moments"), ("bf16-master", "bf16 master stochastic"),
+    ("bf16-master-nearest", "bf16 master nearest"))}
 # Variants that run only when --variants names them.
 NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "host-spare-cores", "nvme-optimizer-speculative",
               "nvme-optimizer-speculative-kept", "nvme-optimizer-early", "nvme-early", "params-host-bf16-moments",
@@ -105,7 +110,7 @@ class StepBench:
     # state's size makes ratio "auto" split it as it would on a smaller GPU; plain PyTorch is not bounded.
     device_budget: int | None = None
     # offload.optimizer_state (master, moments) of every variant that names none (`--state-format`)
-    state: tuple[str, str] = ("fp32", "fp32")
+    state: tuple[str, str] = STATE_FORMATS["fp32"]
 
     def __post_init__(self) -> None:
         if self.warmup < 1:  # bytes count from the last warm-up step, begun with nothing in flight
@@ -187,9 +192,9 @@ class StepBench:
                     "params-host-early": {"device": "cpu", "params": "cpu", "early": "on"},
                     # The state in fewer bytes (run when named; a bf16 master needs --dtype bf16).
                     "params-host-bf16-moments": {"device": "cpu", "params": "cpu", "early": "off",
-                                                 "state": ("fp32", "bf16")},
+                                                 "state": STATE_FORMATS["bf16-moments"]},
                     "params-host-bf16-master": {"device": "cpu", "params": "cpu", "early": "off",
-                                                "state": ("bf16-stochastic", "bf16")}}
+                                                "state": STATE_FORMATS["bf16-master"]}}
         return {"nvme": {"device": "nvme", "buffer_count": self.buffer_count, "params": "nvme"},
                 "host": {"device": "cpu", "params": "cpu"},
                 "nvme-optimizer": {"device": "nvme", "buffer_count": self.buffer_count, "params": "cpu"},
@@ -213,9 +218,9 @@ class StepBench:
                                "early": "on"},
                 # ... and the state in fewer bytes, read and written each step (run when named).
                 "nvme-optimizer-bf16-moments": {"device": "nvme", "buffer_count": self.buffer_count, "params": "cpu",
-                                                "state": ("fp32", "bf16")},
+                                                "state": STATE_FORMATS["bf16-moments"]},
                 "nvme-optimizer-bf16-master": {"device": "nvme", "buffer_count": self.buffer_count, "params": "cpu",
-                                               "state": ("bf16-stochastic", "bf16")}}
+                                               "state": STATE_FORMATS["bf16-master"]}}
 
     def model_config(self) -> Any:
         from offload.models import GPTConfig
@@ -669,8 +674,3 @@ def print_table(result: StepResult, out: TextIO) -> None:
             print(f"  stepping NVMe sub-groups during backward: "
                   f"{v['nvme-optimizer']['step_s'] / v['nvme-optimizer-overlap']['step_s']:.2f}x the step after "
                   "backward (that one clips, this one cannot)", file=out)
-
-
-# `--state-format`: offload.optimizer_state's (master, moments) by the names the benchmarks give them
-STATE_FORMATS = {"fp32": ("fp32", "fp32"), "bf16-moments": ("fp32", "bf16"), "bf16-master": ("bf16-stochastic", "bf16"),
-                 "bf16-master-nearest": ("bf16", "bf16")}

@@ -120,13 +120,9 @@ class WarmupLRParams:
 
 
 @dataclass(kw_only=True, slots=True)
-class WarmupDecayLRParams:
+class WarmupDecayLRParams(WarmupLRParams):
     # DeepSpeed's WarmupDecayLR keeps 0.001 as the peak when none is given (its WarmupLR takes the optimizer's lr)
-    warmup_min_lr: float | Auto = setting(0.0, "Learning rate at step 0.", ge=0, auto=True)
     warmup_max_lr: float | Auto = setting(1e-3, "Learning rate reached at the end of warmup.", ge=0, auto=True)
-    warmup_num_steps: int | Auto = setting(1000, "Steps of warmup.", ge=0, auto=True)
-    warmup_type: str = setting("log", "Warmup curve.", choices=("log", "linear"))
-    last_batch_iteration: int = setting(-1, "Step to resume the schedule from (-1: start).", ge=-1)
     total_num_steps: int | Auto | None = setting(None, "Total steps; the rate decays linearly to 0 at this step. "
                                                        "Required.",
                                                  ge=1, auto=True)

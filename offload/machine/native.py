@@ -148,14 +148,14 @@ def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     if moments not in MOMENT_DTYPES:
         raise NativeError(f"exp_avg has dtype {moments}; Adam's moments are float32 or bfloat16")
     for name in state[1:] + tuple(f"{n}_out" for n in state if into is not None):
-        want = moments if "exp_avg" in name else (master if not name.startswith("param_lo") else None)
         got = checked[name].dtype
         if name.startswith("param_lo"):
             if got.itemsize != 2:
                 raise NativeError(f"{name} has dtype {got}; the low halves of a 16+16 master are 16-bit")
-        elif got != want:
-            what = "the moments share one dtype" if "exp_avg" in name else "the new master is held as the old"
-            raise NativeError(f"{name} has dtype {got}; {what} ({want})")
+        elif "exp_avg" in name and got != moments:
+            raise NativeError(f"{name} has dtype {got}; the moments share one dtype ({moments})")
+        elif "exp_avg" not in name and got != master:
+            raise NativeError(f"{name} has dtype {got}; the new master is held as the old ({master})")
     if master == torch.float32 and (param_lo is not None or stochastic is not None):
         raise NativeError("param_lo and stochastic rounding go with a bfloat16 master, and param is float32")
     if param_lo is not None and stochastic is not None:

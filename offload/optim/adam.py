@@ -24,6 +24,7 @@ from torch.optim.adam import adam as torch_adam
 from torch.optim.adamw import adamw as torch_adamw
 
 from offload.machine import native
+from offload.store.state_format import stochastic_round_
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,6 @@ def device_adam_step_held(slots: list[Any], grads: list[torch.Tensor], step: int
     """The device step of state held in fewer bytes (``slots``: StateSlot views, offload/store/state_format.py):
     widened to fp32, stepped as ``device_adam_step``, stored back as held (moments and a bf16 master to nearest, a
     16+16 master split, a stochastic master by torch's generator from the stream's seed)."""
-    from offload.store.state_format import stochastic_round_
     masters = [slot.master_fp32() for slot in slots]
     exp_avgs = [slot.exp_avg.float() for slot in slots]
     exp_avg_sqs = [slot.exp_avg_sq.float() for slot in slots]

@@ -79,7 +79,7 @@ class WarmupLR(_LRSchedule):
     """From warmup_min_lr to warmup_max_lr (None: the optimizer's first group's lr) over warmup_num_steps, then
     constant."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: WarmupLRParams | WarmupDecayLRParams) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, params: WarmupLRParams) -> None:
         self.params = params
         peak = params.warmup_max_lr
         self.max_lr: float = _resolved(peak) if peak is not None else float(optimizer.param_groups[0]["lr"])

@@ -65,14 +65,15 @@ class StateFormat:
         """Master and both moments."""
         return self.master_bytes + 2 * self.moment_bytes
 
-    @property
-    def exact_master(self) -> bool:
-        """The master steps as float32 does, bit for bit."""
-        return self.master in (Master.FP32, Master.SPLIT)
+    @classmethod
+    def named(cls, master: str, moments: str) -> StateFormat:
+        """The format offload.optimizer_state's values name (master fp32|16+16|bf16|bf16-stochastic, moments
+        fp32|bf16)."""
+        return cls(Master(master), torch.bfloat16 if moments == "bf16" else torch.float32)
 
-    @property
-    def is_default(self) -> bool:
-        return self.master is Master.FP32 and self.moments == torch.float32
+    def names(self) -> tuple[str, str]:
+        """(master, moments) as offload.optimizer_state names them."""
+        return self.master.value, "bf16" if self.moments == torch.bfloat16 else "fp32"
 
     @property
     def kinds(self) -> tuple[torch.dtype, ...]:
@@ -107,8 +108,8 @@ class StateFormat:
         return self.slot(torch.zeros(self.slot_bytes(numel), dtype=torch.uint8, device=device), numel)
 
     def describe(self) -> str:
-        moments = "fp32" if self.moments == torch.float32 else "bf16"
-        return f"master {self.master.value}, moments {moments} ({self.bytes_per_element} bytes an element)"
+        master, moments = self.names()
+        return f"master {master}, moments {moments} ({self.bytes_per_element} bytes an element)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,20 +194,20 @@ def stochastic_round_(out: torch.Tensor, values: torch.Tensor, seed: int) -> Non
 def from_config(config: Any) -> StateFormat:
     """The run's format: offload.optimizer_state, or DeepSpeed's bf16 keys (the same formats by their names)."""
     ours, bf16 = config.offload.optimizer_state, config.bf16
-    master = Master(ours.master)
+    master = ours.master
     if bf16.bf16_master_weights_and_grads:
-        if master is Master.BF16_STOCHASTIC:
+        if master == Master.BF16_STOCHASTIC.value:
             raise ConfigError("bf16.bf16_master_weights_and_grads",
                               "DeepSpeed's bf16 master rounds to nearest, and offload.optimizer_state.master asks "
                               "for bf16-stochastic: keep one of them (the stochastic one keeps small updates)")
-        master = Master.BF16
-    moments = torch.bfloat16 if bf16.bf16_optimizer_states or ours.moments == "bf16" else torch.float32
-    if master is not Master.FP32 and config.bf16.enabled is not True:
+        master = Master.BF16.value
+    fmt = StateFormat.named(master, "bf16" if bf16.bf16_optimizer_states else ours.moments)
+    if fmt.master is not Master.FP32 and config.bf16.enabled is not True:
         key = ("bf16.bf16_master_weights_and_grads" if bf16.bf16_master_weights_and_grads
                else "offload.optimizer_state.master")
-        raise ConfigError(key, f"a bf16 master ({master.value}) trains bf16 weights: set bf16.enabled true, or keep "
+        raise ConfigError(key, f"a bf16 master ({master}) trains bf16 weights: set bf16.enabled true, or keep "
                                "the master in fp32 (moments in bf16 need no bf16 compute)")
-    return StateFormat(master, moments)
+    return fmt
 
 
 # The formats by the names the config, the benchmark and the docs give them.
