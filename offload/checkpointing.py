@@ -1,5 +1,8 @@
 """Activation checkpointing: forward keeps only each checkpointed block's inputs; backward recomputes the block.
 
+(Under DeepSpeed's public name ``deepspeed.checkpointing``. Training checkpoints, the files a run saves and
+resumes from, are another matter: offload/files/training_checkpoint.py and offload/engine/checkpoint_io.py.)
+
 ``checkpoint(function, *args)`` has the call shape of ``deepspeed.checkpointing.checkpoint``
 and of ``torch.utils.checkpoint.checkpoint``; ``wrap_blocks(model)`` (the config switch
 ``offload.checkpoint_blocks``) checkpoints every transformer block of a model. Where the

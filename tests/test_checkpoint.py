@@ -14,8 +14,8 @@ import torch
 
 import offload
 from engine_cases import SEQ, VOCAB, base_config, batches, loss_of, make_model
-from offload.files import checkpoint_files as checkpoint
-from offload.files.checkpoint_files import CheckpointError
+from offload.files import training_checkpoint as checkpoint
+from offload.files.training_checkpoint import CheckpointError
 from offload.machine.launch import RankError, run_ranks
 from offload.models import GPT, GPTConfig
 
@@ -47,7 +47,7 @@ def train(rank, world, config, save_dir, start=0, stop=STEPS, save_at=None, resu
     """Steps [start, stop) of one fixed run; optionally resume first, save after step ``save_at``, or die
     (SIGKILL) at a named point of that save."""
     if kill_at is not None:
-        from offload.files import checkpoint_files as checkpoint
+        from offload.files import training_checkpoint as checkpoint
         checkpoint.phase_hook = lambda phase: os.kill(os.getpid(), signal.SIGKILL) if phase == kill_at else None
     torch.manual_seed(0)
     engine, *_ = offload.initialize(model=make_model("gpt"), config=config)

@@ -16,7 +16,7 @@ import offload
 from engine_cases import base_config, batches, loss_of, make_model
 from offload.commands.cli import main
 from offload.files import small_state
-from offload.files.checkpoint_files import CheckpointError
+from offload.files.training_checkpoint import CheckpointError
 
 
 class _Payload:

@@ -213,3 +213,11 @@ def test_the_installed_version_is_the_packages_own():
 
     import offload
     assert importlib.metadata.version("offload") == offload.__version__
+
+
+def test_the_engine_package_names_each_of_its_modules():
+    """A reader starts at offload/engine/__init__.py: its docstring names every room of the package."""
+    listing = ast.get_docstring(ast.parse(modules()["offload.engine"].read_text())) or ""
+    unnamed = [m for m, path in modules().items() if _in(m, "offload.engine") and m != "offload.engine"
+               and path.name not in listing]
+    assert unnamed == [], "offload/engine/__init__.py's docstring does not name these modules"

@@ -99,7 +99,7 @@ def test_the_progress_bar_redraws_in_place_on_a_terminal_and_keeps_lines_in_a_lo
 
 KILLED = """
 import os, signal, sys
-from offload.files import checkpoint_files
+from offload.files import training_checkpoint
 from offload.commands.cli import main
 saves = []
 def hook(name):
@@ -107,7 +107,7 @@ def hook(name):
         saves.append(name)
         if len(saves) == 4:  # the fourth save (step 8) dies before it is published: `latest` is step 6's
             os.kill(os.getpid(), signal.SIGKILL)
-checkpoint_files.phase_hook = hook
+training_checkpoint.phase_hook = hook
 main(sys.argv[1:])
 """
 

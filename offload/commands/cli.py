@@ -16,7 +16,7 @@ import torch
 
 import offload
 from offload.machine import cpus, native
-from offload.files.checkpoint_files import CheckpointError
+from offload.files.training_checkpoint import CheckpointError
 from offload.commands.cli_types import (directory_problem, non_negative_float, non_negative_int, output_file_problem,
                                positive_float, positive_int, positive_ints, positive_size, positive_sizes)
 from offload.config import Config, ConfigError
@@ -304,7 +304,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from offload.files.checkpoint_files import read_meta
+    from offload.files.training_checkpoint import read_meta
     from offload.files.export import checkpoint_dir, describe
     from offload.files.small_state import unsafe_content
     path = checkpoint_dir(args.checkpoint, args.tag)  # no checkpoint there: the handler's exit 2

@@ -1,9 +1,19 @@
 """The engine: ``offload.initialize`` and the Engine it returns.
 
-core.py is the Engine itself (forward, backward, step, state); build.py wires its parts
-from the config; accumulation.py is where it stands between steps; memory.py its
-per-tier accounting; weights.py whole weights out of it; saving.py its checkpoints;
-initialize.py DeepSpeed's entry point.
+Its rooms (tests/test_imports.py checks that each module is named here):
+
+- core.py: the Engine itself (forward, backward, step), with two mixins: accessors.py (what DeepSpeed's engine
+  answers: batch, clipping, stage, rank, learning rate) and persistence.py (whole-model reads and writes: gathered
+  parameters, state dicts, 16-bit saves, training checkpoints).
+- initialize.py: DeepSpeed's entry point; build.py wires the parts from the config.
+- life.py: whether the engine takes work; accumulation.py: where it stands between steps; step_schedule.py: how
+  the step runs against backward, chosen once; agreement.py: what the ranks agree on around a step.
+- memory.py: the per-tier accounting; rates.py: the machine's rates measured at start-up; refit.py: the split
+  corrected by the first step's peak.
+- weights.py: whole weights out of a live engine; checkpoint_io.py: which engine state goes into which training
+  checkpoint file and back (the format is offload/files/training_checkpoint.py; activation checkpointing is
+  offload/checkpointing.py, DeepSpeed's name for it).
+- errors.py: the engine's one error type and its messages.
 """
 
 from offload.engine.core import Engine

@@ -56,7 +56,8 @@ class Accumulation:
     micro_steps: int = 0  # every backward since the start (a checkpoint keeps it)
     early: bool = False  # the coming (or last) backward ends this accumulation, however many are in
     stepped: bool = True  # step() was called after the last backward (so "the current micro-batch" is the next)
-    # The most backward calls a step took (None before the first): see [Note: more backward calls than ...].
+    # The most backward calls a step took (None before the first): see [Note: more backward calls than
+    # micro-batches].
     calls_per_step: int | None = None
     _taken: int = 0  # the calls the step under way took (a retry restores them)
 

@@ -1,6 +1,6 @@
 """The engine's methods that read or write the model whole: gathered parameters, state dicts, 16-bit saves and
 checkpoints. A mixin of ``Engine`` (offload/engine/core.py): each call checks the engine is usable, lets every
-host thread finish agreed by every rank, rewrites stale NVMe shards, then hands over to weights.py or saving.py,
+host thread finish agreed by every rank, rewrites stale NVMe shards, then hands over to weights.py or checkpoint_io.py,
 which do the work."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload.engine import saving, weights
+from offload.engine import checkpoint_io, weights
 from offload.engine.accumulation import Accumulation
 from offload.engine.errors import EngineError
 from offload.engine.life import Lifetime
@@ -87,7 +87,7 @@ class Persistence:
         self.optimizer.repair_stale()
         return weights.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
-    # ----------------------------------------------------------------- checkpoints (offload/engine/saving.py)
+    # ----------------------------------------------------------------- checkpoints (offload/engine/checkpoint_io.py)
 
     def write_weights(self, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors") -> None:
         """The gathered compute-dtype weights into one file whatever stage3_gather_16bit_weights_on_model_save
@@ -106,7 +106,7 @@ class Persistence:
         self._drain("saving the checkpoint", publish=True)  # parameters and masters of the same step
         self.optimizer.repair_stale()
         with self.telemetry.span("checkpoint", "save"):
-            return str(saving.save(self, save_dir, tag, client_state, save_latest))
+            return str(checkpoint_io.save(self, save_dir, tag, client_state, save_latest))
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | int | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -124,14 +124,14 @@ class Persistence:
                               "of the module and refuses a checkpoint that lacks one; pass load_module_strict=True")
         tag = None if tag is None else str(tag)  # DeepSpeed's tags may be numbers
         self.life.check()
-        if tag is None and not saving.found_latest(self, load_dir):
+        if tag is None and not checkpoint_io.found_latest(self, load_dir):
             logger.warning("load_checkpoint: %s holds no checkpoint ('latest' is missing), so nothing was loaded "
                            "and training goes on from the engine's state; pass tag= to load a specific one",
                            os.fspath(load_dir))
             return None, None
         self._drain("loading the checkpoint")
         with self.telemetry.span("checkpoint", "load"):
-            path, client_state = saving.load(self, load_dir, tag, load_optimizer_states,
+            path, client_state = checkpoint_io.load(self, load_dir, tag, load_optimizer_states,
                                              load_lr_scheduler_states, load_module_only, trust_client_state)
         self.optimizer.drop_pending()  # a delayed update staged before the load is not the loaded state's
         return str(path), client_state

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from offload.files import small_state
-from offload.files.checkpoint_files import CheckpointError, ShardReader, partitions, read_meta, resolve, verify
+from offload.files.training_checkpoint import CheckpointError, ShardReader, partitions, read_meta, resolve, verify
 from offload.files.weights_file import SafetensorsStream, TensorSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

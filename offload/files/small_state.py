@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from offload.files.checkpoint_files import CheckpointError
+from offload.files.training_checkpoint import CheckpointError
 
 PICKLED_CLIENT_STATE = "client_state.pt"  # the script's values that are not plain data (see the Note)
 _LEAVES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
@@ -139,7 +139,7 @@ def convert(path: Path) -> list[str]:
     changed, one line a file."""
     import json
 
-    from offload.files.checkpoint_files import FORMAT, read_meta, save_small, verify, write_atomic
+    from offload.files.training_checkpoint import FORMAT, read_meta, save_small, verify, write_atomic
     meta = read_meta(path)
     verify(path, meta, sorted(meta["files"]))  # damage first: a damaged file is not converted
     done, pickled, kinds = [], {}, dict(meta.get("client_state_pickled", {}))

@@ -13,7 +13,7 @@ the buffers, by torch's restricted unpickler.
 [Note: a recovery script with no offload] It is DeepSpeed's ``zero_to_fp32.py`` for
 offload: for the person who has the checkpoint folder and not the package (another
 machine, years later). So it imports only the standard library and torch, and repeats
-what it needs of offload's format (offload/files/checkpoint_files.py: the rank files,
+what it needs of offload's format (offload/files/training_checkpoint.py: the rank files,
 ShardReader's cut; offload/files/weights_file.py: the safetensors header) instead of
 importing it. ``offload export-weights`` is the same output for those who have offload;
 a test holds the two equal and keeps this file free of offload imports.

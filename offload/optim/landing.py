@@ -83,7 +83,8 @@ class Landing(enum.Enum):
 
     COLLECTING = "collecting"  # an earlier micro-batch's: added up
     FINAL = "final"  # the last micro-batch's: their norm is taken as they land
-    FINAL_IN_PLACE = "final, read where they land"  # ... and each unit's only one (see [Note: gradients read ...])
+    # ... and each unit's only one (see [Note: gradients read where they land])
+    FINAL_IN_PLACE = "final, read where they land"
 
 
 class GradientLanding:

@@ -95,7 +95,8 @@ class SubGroup:
     numel: int
     tier: Tier = Tier.HOST
     resident: StateSlot | None = None  # its state while in memory (always, for device/host)
-    spare: StateSlot | None = None  # host: the second slot of the speculative step (see [Note: the speculative ...])
+    # host: the second slot of the speculative step (see [Note: the speculative slot])
+    spare: StateSlot | None = None
     in_spare: set[int] = field(default_factory=set)  # units whose current state is in ``spare``
     borrowed: bool = False  # host: its slots are views of a buffer a split shares (``split``), not its own
     fmt: StateFormat = FP32  # how its state is held

@@ -117,7 +117,8 @@ class ZeroRuntime:
         # gathered]); their release after it keeps them gathered.
         self._keep_after: dict[int, frozenset[int]] = {}
         self._reduced: dict[int, Event] = {}  # per unit: its last reduction's event (re-recorded)
-        self.order = ReductionOrder()  # this rank's reductions since the last step (see [Note: gradient ...])
+        # this rank's reductions since the last step (see [Note: gradient reduction order])
+        self.order = ReductionOrder()
         persisted = 0  # elements kept whole between uses, against the cap
         for unit in units:
             small = (not unit.resident and unit.numel <= persistence_threshold
@@ -246,7 +247,9 @@ class ZeroRuntime:
         """Backward raised: autograd will not run the end-of-backward callback, so undo its state here.
         Gradients of the failed pass are dropped; units are released; the next backward starts clean."""
         self._in_backward = False
-        self.order.take()  # the engine takes no more collective work after this at W > 1 (see [Note: one ...])
+        # the engine takes no more collective work after this at W > 1 (see [Note: one rank's failed pass] in
+        # offload/engine/agreement.py)
+        self.order.take()
         for unit in self.units:
             unit.backward_active = False
             unit.grads_seen.clear()
@@ -328,7 +331,9 @@ class ZeroRuntime:
         if self.swap is not None:
             # NVMe reads run further ahead than gathers: this unit's first, then the trace's next ones.
             if unit.on_nvme and unit.state is UnitState.SHARDED:
-                unit.params.wait_step(unit.index)  # an early step's new shard first (see [Note: an early step's ...])
+                # an early step's new shard first (see [Note: an early step's parameter writes] in
+                # offload/store/param_swap.py)
+                unit.params.wait_step(unit.index)
                 unit.params.repair_if_stale(unit.index)
                 self.swap.start(unit.index)
             if upcoming:

@@ -1,4 +1,4 @@
-"""Checkpoint files: all or nothing, checksummed, streamed shard by shard (the on-disk format).
+"""Training checkpoint files: all or nothing, checksummed, streamed shard by shard (the on-disk format).
 
 Layout of ``save_dir``::
 

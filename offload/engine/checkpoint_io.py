@@ -1,7 +1,7 @@
-"""Saving and resuming an engine: which of its state goes into which checkpoint file, and back.
+"""Saving and resuming an engine: which of its state goes into which training checkpoint file, and back.
 
 The files and their guarantees (all or nothing, checksums, locks, sweeping what a killed
-save left) are offload/files/checkpoint_files.py's. This room reads the engine only through
+save left) are offload/files/training_checkpoint.py's. This room reads the engine only through
 what it exposes: its units' layout, the optimizer's state store, the parameter store, the
 module's state_dict and ``train_state()`` / ``load_train_state()`` for the counters and
 the loss scale.
@@ -21,9 +21,9 @@ import torch
 
 from offload.engine.weights import rewrite_units, spread_rewritten, state_dict_layout
 from offload.files import small_state
-from offload.files.checkpoint_files import (FORMAT, LATEST, READS, CheckpointError, RankWriter, ShardReader, partitions,
-                                            phase, publish, read_meta, resolve, save_small, sweep_stale, tmp_dir,
-                                            verify, write_atomic, writer_lock)
+from offload.files.training_checkpoint import (FORMAT, LATEST, READS, CheckpointError, RankWriter, ShardReader,
+                                               partitions, phase, publish, read_meta, resolve, save_small,
+                                               sweep_stale, tmp_dir, verify, write_atomic, writer_lock)
 from offload.store.state_format import FP32, StateFormat
 from offload.version import __version__
 from offload.zero.collectives import all_ok
