@@ -15,6 +15,7 @@ import torch
 from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine
 from offload.machine import native
 from offload.machine.launch import run_ranks
+from offload.optim.landing import ReducedShard
 from offload.optim.shard_state import ShardPhase
 from offload.store.tier import Tier
 
@@ -80,8 +81,8 @@ def test_a_gradient_whose_landing_buffer_is_busy_is_copied_by_the_worker_in_orde
     index, state = next(iter(optimizer.shards.items()))
     n = state.numel
     first, second = torch.full((n,), 1.5), torch.full((n,), 0.25)
-    optimizer.landing.accumulate(index, first, 1.0)
-    optimizer.landing.accumulate(index, second, 0.5)
+    optimizer.landing.land(ReducedShard(index, first, None, None, 1.0))
+    optimizer.landing.land(ReducedShard(index, second, None, None, 0.5))
     assert optimizer.landing.deferred_copies == 1
     optimizer.drain()
     assert torch.equal(state.grad, torch.full((n,), 1.625))
@@ -143,9 +144,10 @@ def test_a_unit_whose_gradient_lands_again_adds_the_first_up_before_the_next_com
     index, state = next(iter(optimizer.shards.items()))
     n = state.numel
     optimizer.last_backward_begins(overlap=False, only=True)
-    optimizer.landing.accumulate(index, torch.full((n,), 1.5), 1.0)
-    optimizer.landing.accumulate(index, torch.full((n,), 0.25), 0.5)
-    optimizer.landing.accumulate(index, torch.full((n,), 0.5), 0.25)  # and a third is added too, not left in place
+    optimizer.landing.land(ReducedShard(index, torch.full((n,), 1.5), None, None, 1.0))
+    optimizer.landing.land(ReducedShard(index, torch.full((n,), 0.25), None, None, 0.5))
+    # and a third is added too, not left in place
+    optimizer.landing.land(ReducedShard(index, torch.full((n,), 0.5), None, None, 0.25))
     optimizer.drain()
     assert state.landed is None and state.phase is ShardPhase.HOLDING
     assert torch.equal(state.grad, torch.full((n,), 1.75))
@@ -192,8 +194,9 @@ def test_a_device_sum_without_a_gradient_in_the_last_micro_batch_comes_over_when
     optimizer = engine.optimizer
     index, state = next(iter(optimizer.shards.items()))
     n = state.numel
-    optimizer.landing.accumulate(index, torch.full((n,), 1.5), 0.5)  # an earlier micro-batch's: stays on the device
-    optimizer.landing.accumulate(index, torch.full((n,), 0.25), 0.5)
+    # an earlier micro-batch's: stays on the device
+    optimizer.landing.land(ReducedShard(index, torch.full((n,), 1.5), None, None, 0.5))
+    optimizer.landing.land(ReducedShard(index, torch.full((n,), 0.25), None, None, 0.5))
     optimizer.drain()
     assert state.phase is ShardPhase.EMPTY and state.landed is None
     optimizer.last_backward_begins(overlap=False)  # the last micro-batch gives this unit nothing
@@ -202,7 +205,8 @@ def test_a_device_sum_without_a_gradient_in_the_last_micro_batch_comes_over_when
     assert state.phase is ShardPhase.HOLDING and torch.equal(state.landed, torch.full((n,), 0.875))
     assert state.gradient() == (state.landed, 1.0) and state.norm is not None
     optimizer.clear_grads()
-    optimizer.landing.accumulate(index, torch.full((n,), 2.0), 1.0)  # a new step's first gradient starts a new sum
+    # a new step's first gradient starts a new sum
+    optimizer.landing.land(ReducedShard(index, torch.full((n,), 2.0), None, None, 1.0))
     assert torch.equal(state.on_device, torch.full((n,), 2.0))
     engine.close()
 

@@ -76,8 +76,7 @@ def commit_vote(nvme_state: bool, partition: Group, group: Group, accel: Acceler
     ``nvme_state``) and there are other ranks (see [Note: one rank's failed step])."""
     if partition.world == 1 or not nvme_state:
         return None
-    rank = group.rank
-    return Vote(partition, accel.device, lambda: errors.peer_step_failed(rank, step, retryable=True))
+    return Vote(partition, accel.device, errors.peer_step_failed(group.rank, step, retryable=True))
 
 
 def drained(optimizer: ShardedAdam, group: Group, accel: Accelerator, before: str, publish: bool = False) -> None:

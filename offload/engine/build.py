@@ -32,7 +32,7 @@ from offload.engine.refit import Refit
 from offload.engine.step_schedule import StepSchedule
 from offload.optim.lr_schedules import build_lr_schedule
 from offload.optim.shard_state import shard_segments
-from offload.optim.landing import GradientLanding
+from offload.optim.landing import GradientLanding, LandingPolicy
 from offload.optim.sharded import ShardedAdam, StatePlan
 from offload.files.pretrained import PretrainedWeights
 from offload.store.budget import TierBudget
@@ -48,7 +48,7 @@ from offload.observe.telemetry import Telemetry
 from offload.zero.collectives import Group, broadcast
 from offload.zero.init import give_memory, materialize_unit
 from offload.zero.plan import plan_units
-from offload.zero.runtime import ZeroRuntime
+from offload.zero.runtime import RuntimeSettings, ZeroRuntime
 from offload.zero.stage import Stage
 from offload.zero.unit import Unit
 
@@ -176,9 +176,8 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
             plan=StatePlan(device=zero.offload_optimizer.device, groups=placement.groups,
                            step_buffers=placement.step_buffers,
                            buffer_count=zero.offload_optimizer.buffer_count, host=host_budget, nvme=nvme_budget,
-                           device_accumulated=placement.device_accumulated,
-                           grads_read_where_they_land=placement.grads_read_where_they_land,
-                           device_grads_kept=placement.device_grads_kept,
+                           landing=LandingPolicy(placement.device_accumulated, placement.grads_read_where_they_land,
+                                                 placement.device_grads_kept),
                            second_slots=step_schedule.second_slots(want, placement), delayed=want.delayed,
                            staged=placement.staged, stochastic=_stochastic_stream(config, group.rank),
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
@@ -191,14 +190,11 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         memory = MemoryAccount(config, stage, compute_dtype, units, params, optimizer, host_budget, nvme_budget,
                                placement.gather_room)
         pre = float(group.world if config.prescale_gradients else config.gradient_predivide_factor)
-        post = pre / group.world  # gradients are averaged over the group, as DeepSpeed does
-        runtime = ZeroRuntime(model, units, group, accel, limit=memory.live_limit(),
-                              persistence_threshold=int(resolved(zero.stage3_param_persistence_threshold)),
-                              persistence_cap=zero.stage3_model_persistence_threshold,
-                              grad_sink=lambda unit, shard, ready, keep: optimizer.landing.accumulate(
-                                  unit.index, shard, post, ready, keep), grad_predivide=pre, telemetry=telemetry,
-                              prefetch_elements=int(resolved(zero.stage3_prefetch_bucket_size)), stage=stage,
-                              overlap_comm=zero.overlap_comm_effective, grads_sent=optimizer.landing.gradients_sent)
+        runtime = ZeroRuntime(model, units, group, accel, optimizer.landing, RuntimeSettings(
+            limit=memory.live_limit(), persistence_threshold=int(resolved(zero.stage3_param_persistence_threshold)),
+            persistence_cap=zero.stage3_model_persistence_threshold, grad_predivide=pre,
+            prefetch_elements=int(resolved(zero.stage3_prefetch_bucket_size)), stage=stage,
+            overlap_comm=zero.overlap_comm_effective), telemetry)
         undo.callback(runtime.close)
         activations = _activation_store(model, config, accel, host_budget, telemetry)
         undo.callback(checkpointing.reset)

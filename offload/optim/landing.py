@@ -1,7 +1,8 @@
 """Gradients from backward's hooks into the optimizer's shards: the D2H stream, the landing worker, landing
-buffers, device accumulators and the norms taken as gradients land. The update over the shards is ShardedAdam's
-(offload/optim/sharded.py); it hands this room two callbacks: ``claim`` (before a shard's gradient is touched:
-its speculation may be reading it) and ``after`` (a final gradient is in: step it if the backward steps).
+buffers, device accumulators and the norms taken as gradients land. Backward's hooks hand each unit's reduced
+shard over as a ``ReducedShard`` (``land``); the update over the shards is ShardedAdam's (offload/optim/sharded.py),
+told what lands through the ``LandingListener`` it implements: ``claim`` (before a shard's gradient is touched: its
+speculation may be reading it) and ``landed`` (a gradient is in: step it if the backward steps).
 
 [Note: gradients land] A unit's reduce-scattered gradient shard leaves the device as
 soon as it exists, and nothing on the way blocks autograd's thread (the sync ledger
@@ -63,14 +64,15 @@ sends its sum when the step begins (``send_held``).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from offload.machine import native
 from offload.machine.accelerator import Accelerator, Event
-from offload.optim.shard_state import Overlap, ShardPhase, ShardState, accumulate, add_into, keep_as_landed
+from offload.optim.shard_state import (Overlap, ShardPhase, ShardState, StateSplit, accumulate, add_into,
+                                       keep_as_landed)
 from offload.observe.telemetry import Telemetry
 
 # Gradient bytes whose landings are handed to the worker together (see [Note: landings handed over in batches]):
@@ -87,32 +89,62 @@ class Landing(enum.Enum):
     FINAL_IN_PLACE = "final, read where they land"
 
 
+class ReducedShard(NamedTuple):
+    """One unit's reduced gradient shard as backward hands it over, with what guards it: nothing reads ``grad``
+    before ``ready``, and ``source`` lives until then."""
+
+    unit: int  # the unit's index
+    grad: torch.Tensor  # this rank's shard of the unit's reduced gradient (compute dtype, on the compute device)
+    ready: Event | None  # the reduction (None: done already)
+    source: torch.Tensor | None  # what the reduction reads (the unit's flat gradient): kept alive until ``ready``
+    factor: float  # what the accumulation multiplies ``grad`` by (the average over ranks, after any predivide)
+
+
+class LandingListener(Protocol):
+    """What the landing tells as gradients arrive (ShardedAdam, offload/optim/sharded.py)."""
+
+    def claim(self, state: ShardState) -> None:
+        """Before this thread touches the shard's gradient or state: a speculative Adam may be reading it."""
+
+    def landed(self, index: int, overlap: Overlap | None) -> None:
+        """On the landing worker, right after unit ``index``'s gradient is in (``overlap``: the plan of the
+        backward it came from, for stepping as it lands)."""
+
+
+@dataclass(frozen=True)
+class LandingPolicy:
+    """How gradients land, as the placement chose (offload/store/placement.py)."""
+
+    device_accumulated: frozenset[int] = frozenset()  # units whose sum is kept on the compute device
+    # the plan counted no host accumulators (see [Note: gradients read where they land])
+    reads_in_place: bool = False
+    keeps_device_grads: bool = False  # see [Note: a device gradient kept as it landed] in optim/sharded.py
+
+
 class GradientLanding:
     """This rank's gradients on their way into the shards' accumulators (or left where they land)."""
 
-    def __init__(self, accel: Accelerator, shards: dict[int, ShardState], *, offload: bool, threads: int | None,
-                 telemetry: Telemetry, device_accumulated: frozenset[int], reads_in_place: bool,
-                 offloaded: Callable[[int], bool], claim: Callable[[ShardState], None],
-                 after: Callable[[int, Overlap | None], None], keeps_device_grads: bool = False) -> None:
-        """``shards``: the optimizer's, by unit (this room reads and fills them); ``offloaded(index)``: the unit's
-        state is stepped on the host; ``device_accumulated``: units whose sum is kept on the compute device;
-        ``keeps_device_grads``: the units stepped on the device keep their one gradient as it landed (see [Note: a
-        device gradient kept as it landed] in offload/optim/sharded.py)."""
+    def __init__(self, accel: Accelerator, shards: dict[int, ShardState], split: StateSplit,
+                 listener: LandingListener, policy: LandingPolicy, *, threads: int | None,
+                 telemetry: Telemetry) -> None:
+        """``shards``: the optimizer's, by unit (this room reads and fills them); ``split``: which units' state is
+        stepped on the host."""
         self.accel = accel
         self.shards = shards
         self.threads = threads
         self.telemetry = telemetry
-        self._offloaded, self._claim, self._after = offloaded, claim, after
+        self.split, self.listener = split, listener
+        offload = split.offload
         # Gradients leave the device on a stream of their own (no D2H when host memory is the device's), and the
         # landing worker adds them up (see [Note: gradients land]).
         self.d2h = accel.copy_stream("d2h") if offload and not accel.host_is_device else None
         self.worker = accel.host_queue("grad-land") if offload else None
         self.phase = Landing.COLLECTING
         self.overlap: Overlap | None = None  # the last backward's plan for stepping shards as they land
-        self.reads_in_place = reads_in_place  # where the plan counted no accumulators
-        self.keeps_device_grads = keeps_device_grads
+        self.reads_in_place = policy.reads_in_place  # where the plan counted no accumulators
+        self.keeps_device_grads = policy.keeps_device_grads
         self._sent_in_place: set[int] = set()  # units whose gradient this backward left in its landing buffer
-        self.device_accumulated = device_accumulated if self.d2h is not None else frozenset()
+        self.device_accumulated = policy.device_accumulated if self.d2h is not None else frozenset()
         self._held: set[int] = set()  # device-accumulated units holding gradients not yet sent down
         self.deferred_copies = 0  # gradients that found their landing buffer busy (the worker copied them)
         self._unsent = 0  # bytes of gradient whose landing is held back (see [Note: landings handed over in batches])
@@ -143,14 +175,13 @@ class GradientLanding:
         """The gradients are dropped (zero_grad)."""
         self.end_accumulation()
 
-    def accumulate(self, index: int, shard_grad: torch.Tensor, scale: float, ready: Event | None = None,
-                   keep: torch.Tensor | None = None) -> None:
-        """Add ``scale`` x the reduce-scattered gradient shard into unit ``index``'s fp32 accumulator (or, the
-        step's only one, leave it where it lands: see [Note: gradients read where they land]), once ``ready`` (the
-        reduction) completes; ``keep`` (its input) stays referenced until then. Called by backward's hooks: it
-        never blocks the calling thread (see [Note: gradients land])."""
+    def land(self, reduced: ReducedShard) -> None:
+        """Add ``factor`` x the reduced gradient shard into its unit's fp32 accumulator (or, the step's only one,
+        leave it where it lands: see [Note: gradients read where they land]), once the reduction completes. Called
+        by backward's hooks: it never blocks the calling thread (see [Note: gradients land])."""
+        index, shard_grad, ready, keep, scale = reduced
         state = self.shards.get(index)
-        if state is None or not self._offloaded(index):  # no optimizer state, or the state is on the device
+        if state is None or not self.split.steps_on_host(index):  # no optimizer state, or the state is on the device
             self.accel.compute_wait(ready)
             if state is not None and self.keeps_device_grads and state.grad is None:
                 keep_as_landed(state, shard_grad, scale, self.threads)
@@ -229,7 +260,7 @@ class GradientLanding:
         self._held.discard(state.index)
         if not state.free.query():  # the worker still reads what landed here before (a second sum this backward)
             self.accel.wait(state.free, "a device-accumulated gradient's landing buffer")
-        self._claim(state)  # ... and so may that sum's speculative Adam
+        self.listener.claim(state)  # ... and so may that sum's speculative Adam
         if state.adam_read is not None and not state.adam_read.query():  # the delayed Adam still reads it (rare:
             # the last micro-batch's sum, sent while the last step's Adam has not reached this unit)
             self.accel.wait(state.adam_read, "a landing buffer the delayed update reads")
@@ -273,7 +304,7 @@ class GradientLanding:
         if arrived is not None:
             self.accel.wait(arrived, "gradient landed")
         del refs[:]  # a device gradient's copy is done: its memory may go
-        self._claim(state)  # another gradient of the unit: its speculation is stale
+        self.listener.claim(state)  # another gradient of the unit: its speculation is stale
         if state.phase is ShardPhase.STEPPED:  # a half-applied step's shard: this step is done with it
             return
         if state.phase is ShardPhase.SPECULATED:  # another gradient: the speculation is stale (it runs again)
@@ -291,11 +322,11 @@ class GradientLanding:
             with self.telemetry.span("landed_norm", state.name):
                 state.norm = [native.grad_sq_norm(values[seg.start:seg.end], threads=self.threads, scale=factor)
                               for seg in state.segments]
-        self._after(state.index, overlap)
+        self.listener.landed(state.index, overlap)
 
     def _materialize(self, state: ShardState) -> None:
         """On the landing worker: a gradient left where it landed goes into the accumulator (another is coming)."""
-        self._claim(state)
+        self.listener.claim(state)
         if state.phase is ShardPhase.SPECULATED:  # stale now (it runs again when the next gradient lands)
             state.phase = ShardPhase.HOLDING
         if state.landed is None or state.phase is not ShardPhase.HOLDING:

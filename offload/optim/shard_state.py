@@ -42,6 +42,27 @@ def shard_segments(slots: Iterable[Any], start: int, numel: int, group_of: dict[
     return segments
 
 
+@dataclass
+class StateSplit:
+    """Which units' optimizer state is stepped on the host and which on the compute device (see [Note: a partial
+    offload] in offload/optim/sharded.py): the one owner of that fact, read by the landing, the update and the step;
+    the refit moves units to the device (``move_to_device``)."""
+
+    offload: bool  # offload_optimizer.device is not "none"
+    on_device: frozenset[int] = frozenset()  # an offloading optimizer's units stepped on the device all the same
+
+    def steps_on_host(self, index: int) -> bool:
+        """Whether unit ``index``'s state is offloaded (its step writes a host copy of the shard)."""
+        return self.offload and index not in self.on_device
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.on_device)
+
+    def move_to_device(self, units: frozenset[int]) -> None:
+        self.on_device |= units
+
+
 class ShardPhase(enum.Enum):
     """Where one shard is in the current step.
 

@@ -62,9 +62,9 @@ from offload.machine import native
 from offload.machine.accelerator import Accelerator
 from offload.optim.adam import AdamHyper
 from offload.optim.early_step import EarlyStep, EarlyStepLost
-from offload.optim.landing import GradientLanding
+from offload.optim.landing import GradientLanding, LandingPolicy
 from offload.optim.loss_scale import LossScaler
-from offload.optim.shard_state import Overlap, Segment, ShardPhase, ShardState, gaps, unstep, widened
+from offload.optim.shard_state import Overlap, Segment, ShardPhase, ShardState, StateSplit, gaps, unstep, widened
 from offload.optim.speculation import Speculation
 from offload.optim.speculation_lane import SpeculationLane
 from offload.optim.update import ShardUpdate
@@ -95,12 +95,10 @@ class StatePlan:
     nvme: TierBudget = field(default_factory=lambda: TierBudget(Tier.NVME, None))
     swap: tuple[SwapDir, IOEngine] | None = None
     rank: int = 0
-    device_accumulated: frozenset[int] = frozenset()  # units with an fp32 accumulator on the compute device
-    grads_read_where_they_land: bool = False  # the placement's ([Note: gradients read where they land], landing.py)
+    landing: LandingPolicy = field(default_factory=LandingPolicy)  # how gradients land (the placement's)
     second_slots: bool = False  # host sub-groups have a second slot, to speculate into (speculation.py)
     delayed: bool = False  # the delayed update runs (see [Note: delayed update] in early_step.py)
     staged: frozenset[int] = frozenset()  # ... and these units' new shards wait in staging buffers (the placement's)
-    device_grads_kept: bool = False  # see [Note: a device gradient kept as it landed] (the placement's)
     stochastic: int | None = None  # this rank's stream, where a bf16 master rounds stochastically (state_format.py)
 
 
@@ -145,7 +143,7 @@ class ShardedAdam:
         self.face = OptimizerFace(param_groups)
         self.accel = accel
         self.offload = plan.device != "none"
-        self.device_grads_kept = plan.device_grads_kept
+        self.device_grads_kept = plan.landing.keeps_device_grads
         self.compute_dtype = compute_dtype
         self.adamw_mode = adamw_mode
         self.bias_correction = bias_correction
@@ -154,17 +152,13 @@ class ShardedAdam:
         self.host = plan.host
         self.params = params
         # A partial offload's units stepped on the device (see [Note: a partial offload]).
-        self._device_state = frozenset(m.unit for g in plan.groups if g.tier is Tier.DEVICE for m in g.members
-                                       ) if self.offload else frozenset()
+        self.split = StateSplit(self.offload, frozenset(m.unit for g in plan.groups if g.tier is Tier.DEVICE
+                                                        for m in g.members) if self.offload else frozenset())
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
         self.loss_scaler: LossScaler | None = None  # the engine's, for cur_scale
-        self.landing = GradientLanding(accel, self.shards, offload=self.offload, threads=threads,
-                                       telemetry=self.telemetry, device_accumulated=plan.device_accumulated,
-                                       reads_in_place=plan.grads_read_where_they_land, offloaded=self.steps_on_host,
-                                       keeps_device_grads=plan.device_grads_kept,
-                                       claim=lambda state: self.speculation.claim(state),
-                                       after=self._step_during_backward)
+        self.landing = GradientLanding(accel, self.shards, self.split, self, plan.landing, threads=threads,
+                                       telemetry=self.telemetry)
         # The delayed update's Adam runs on a thread of its own, so the next backward's gradients land beside it
         # (see [Note: delayed update] in offload/optim/early_step.py).
         adam = accel.host_queue("delayed-adam") if self.offload and plan.delayed else None
@@ -173,12 +167,11 @@ class ShardedAdam:
         lane = SpeculationLane(accel) if self.offload and plan.second_slots else None
         self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         nvme_units = frozenset(i for i, _ in sizes if params.home(i) is Tier.NVME)
-        self.update = ShardUpdate(accel, self.shards, params, threads, self.steps_on_host, nvme_units,
-                                  plan.stochastic)
+        self.update = ShardUpdate(accel, self.shards, params, threads, self.split, nvme_units, plan.stochastic)
         if self.offload and sizes:
             self._reserve_host(plan.step_buffers)
         self._host_accumulators = "gradient accumulators" in plan.step_buffers  # the plan counted them
-        params.repair = self.repair_stale  # a stale NVMe shard met inside a forward is rewritten there
+        params.repairs_with(self)  # a stale NVMe shard met inside a forward is rewritten there
         self.store = OptimizerStateStore(plan.groups, accel=accel, host=plan.host, nvme=plan.nvme,
                                          buffer_count=plan.buffer_count, swap=plan.swap, rank=plan.rank,
                                          telemetry=self.telemetry, spare=plan.second_slots)
@@ -219,11 +212,11 @@ class ShardedAdam:
     @property
     def partial(self) -> bool:
         """Part of the optimizer state stays on the device (see [Note: a partial offload])."""
-        return bool(self._device_state)
+        return self.split.partial
 
     def steps_on_host(self, index: int) -> bool:
         """Whether unit ``index``'s optimizer state is offloaded (its step writes a host copy of the shard)."""
-        return self.offload and index not in self._device_state
+        return self.split.steps_on_host(index)
 
     def _host_tensor(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return self.accel.host_buffer(n, dtype)[0]
@@ -286,7 +279,7 @@ class ShardedAdam:
                 state.grad = grad.zero_() if grad is not None else None
                 state.landing, state.on_device, state.device_holds = None, None, False
             moved = frozenset(m.unit for m in g.members)
-            self._device_state |= moved
+            self.split.move_to_device(moved)
             self.landing.device_accumulated -= moved
         return before - self.host.used
 
@@ -329,8 +322,9 @@ class ShardedAdam:
         return self.store.read_master(index)
 
     def repair_stale(self) -> None:
-        """Rewrite NVMe parameter shards a failed write left behind their master weights (see [Note: parameter
-        slots] in offload/store/param_swap.py); the parameter store asks for it before it reads such a shard."""
+        """(``StaleRepair``) Rewrite NVMe parameter shards a failed write left behind their master weights (see
+        [Note: parameter slots] in offload/store/param_swap.py); the parameter store asks for it before it reads such
+        a shard."""
         stale = self.params.stale()
         if stale:  # an early step may still be writing other units through the same buffers: let it finish
             self.drain()
@@ -566,10 +560,15 @@ class ShardedAdam:
         except Exception:  # noqa: BLE001 - the caller is already raising the first failure
             pass
 
-    def _step_during_backward(self, index: int, overlap: Overlap | None) -> None:
-        """On the host thread, right after unit ``index``'s gradient was accumulated (``overlap``: the overlapped
-        micro-batch's plan when the gradient came from it). A host shard steps at once; an NVMe sub-group once
-        all of its units' gradients are in, in the store's pass order."""
+    def claim(self, state: ShardState) -> None:
+        """The landing is about to touch the shard's gradient or state (``LandingListener``): its speculation may
+        be reading them."""
+        self.speculation.claim(state)
+
+    def landed(self, index: int, overlap: Overlap | None) -> None:
+        """(``LandingListener``) On the landing worker, right after unit ``index``'s gradient was accumulated
+        (``overlap``: the overlapped micro-batch's plan when the gradient came from it). A host shard steps at once;
+        an NVMe sub-group once all of its units' gradients are in, in the store's pass order."""
         if overlap is None or index not in overlap.units:
             return
         hypers, step = overlap.hypers, overlap.step

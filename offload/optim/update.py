@@ -4,15 +4,13 @@ or delayed; the optimizer (sharded.py) and its early step (early_step.py) and sp
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from offload.machine.accelerator import Accelerator, Event
 from offload.machine.native import Stochastic
 from offload.optim.adam import AdamHyper, adam_step, device_adam_step, device_adam_step_held
 from offload.store.state_format import StateSlot, mix_seed
-from offload.optim.shard_state import ShardPhase, ShardState, by_group, widened
+from offload.optim.shard_state import ShardPhase, ShardState, StateSplit, by_group, widened
 from offload.observe.step_graph import COMPUTE
 from offload.store.param_store import ParamStore
 
@@ -22,13 +20,13 @@ class ShardUpdate:
     the host kernel runs on."""
 
     def __init__(self, accel: Accelerator, shards: dict[int, ShardState], params: ParamStore, threads: int | None,
-                 offloaded: Callable[[int], bool], nvme_units: frozenset[int], stochastic: int | None = None) -> None:
-        """``offloaded(index)``: the unit's state is stepped on the host (it writes a host copy of the shard);
+                 split: StateSplit, nvme_units: frozenset[int], stochastic: int | None = None) -> None:
+        """``split``: which units' state is stepped on the host (those write a host copy of the shard);
         ``nvme_units``: units whose parameter shard is homed on NVMe; ``stochastic``: this rank's stream of a bf16
         master rounded stochastically (None: no such master)."""
         self.accel, self.shards, self.params, self.threads = accel, shards, params, threads
         self.stochastic = stochastic
-        self._offloaded = offloaded
+        self.split = split
         self.nvme_units = nvme_units
         self._compute_done: Event | None = None  # where the step orders copies after compute (re-recorded)
 
@@ -40,7 +38,7 @@ class ShardUpdate:
     def on_discrete_device(self, index: int) -> bool:
         """Whether unit ``index``'s state lives on a device apart from the host (a GPU, or the emulated one): its
         norm and Adam run in torch's kernels there (see [Note: Adam on a discrete device] in optim/adam.py)."""
-        return not self._offloaded(index) and not self.accel.host_is_device
+        return not self.split.steps_on_host(index) and not self.accel.host_is_device
 
     def step_shard(self, index: int, views: StateSlot, step: int, hypers: list[AdamHyper], grad_scale: float,
                    into: StateSlot | None = None, target: torch.Tensor | None = None) -> None:
@@ -51,7 +49,7 @@ class ShardUpdate:
         master, exp_avg, exp_avg_sq = views
         empty = state.phase is ShardPhase.EMPTY  # no gradient reached this unit since the last step: Adam sees zeros
         out = target if target is not None else (
-            self.params.step_target(index) if self._offloaded(index) else None)
+            self.params.step_target(index) if self.split.steps_on_host(index) else None)
         if index in self.nvme_units:  # a fresh write buffer: what the step does not write keeps its value
             assert out is not None
             for start, end in state.gaps:

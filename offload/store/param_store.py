@@ -34,7 +34,7 @@ the compute stream (``await_home``), as a gather from the shard would.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +64,12 @@ class ParamShard:
     fetched: Event | None = None  # a host home's last copy to the device (re-recorded each time)
 
 
+class StaleRepair(Protocol):
+    """What rewrites NVMe shards a failed write left stale, from their master weights (ShardedAdam)."""
+
+    def repair_stale(self) -> None: ...
+
+
 class ParamStore:
     """Every compute-dtype parameter shard of this rank, by unit index."""
 
@@ -87,9 +93,9 @@ class ParamStore:
         self._compute_done: Event | None = None  # before each copy to the device (re-recorded)
         self.host_is_device = accel.host_is_device  # see [Note: host memory is the device's]
         self.keep_host_copies = keep_host_copies
-        # Rewrites every stale NVMe shard from its master (the engine's), so a read never meets one that an early
-        # step's failed write left behind (see [Note: an early step's parameter writes] in param_swap.py).
-        self.repair: Callable[[], None] | None = None
+        # Rewrites every stale NVMe shard from its master, so a read never meets one that an early step's failed
+        # write left behind (see [Note: an early step's parameter writes] in param_swap.py): ``repairs_with``.
+        self._repair: StaleRepair | None = None
         self._nvme_stepping: set[int] = set()  # NVMe-homed units with an early step not waited for (the hot path's)
         # [Note: kept values of an NVMe shard] An NVMe shard's small ranges that stay whole (``kept_values``) are
         # taken from the values on their way to the disk, so that refreshing them after a step reads nothing back:
@@ -374,10 +380,14 @@ class ParamStore:
             shard.stepped = None
             self._nvme_stepping.discard(index)
 
+    def repairs_with(self, repair: StaleRepair) -> None:
+        """Stale NVMe shards are rewritten by ``repair`` (the optimizer, which holds their masters)."""
+        self._repair = repair
+
     def repair_if_stale(self, index: int) -> None:
         """Before reading an NVMe shard: if a failed write left it stale, have it rewritten first (rank-local)."""
-        if self.swap is not None and self.repair is not None and index in self.swap.stats.stale:
-            self.repair()
+        if self.swap is not None and self._repair is not None and index in self.swap.stats.stale:
+            self._repair.repair_stale()
 
     def stepping(self) -> set[int]:
         """NVMe-homed units an early step has not finished writing: not to be read ahead yet (see [Note: an early

@@ -8,7 +8,6 @@ With one rank and no process group every function is a local copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -111,19 +110,19 @@ def smallest(value: int, group: Group, device: torch.device) -> int:
 class Vote:
     """One agreement of every rank at a step's commit point: each rank votes exactly once, yes where it reached
     the point (``commit``) or no where it failed before (``fail``), so a rank whose step failed never leaves the
-    others waiting, and no rank commits a step another could not. ``refused`` makes the error raised where this
-    rank was ready but another was not."""
+    others waiting, and no rank commits a step another could not. ``refused`` is the error raised where this rank
+    was ready but another was not."""
 
-    def __init__(self, group: Group, device: torch.device, refused: Callable[[], BaseException]) -> None:
+    def __init__(self, group: Group, device: torch.device, refused: BaseException) -> None:
         self.group, self.device, self.refused = group, device, refused
         self.cast = False
 
     def commit(self) -> None:
-        """Every rank reached the commit point, or raise ``refused()``."""
+        """Every rank reached the commit point, or raise ``refused``."""
         assert not self.cast, "a vote is cast once"
         self.cast = True
         if not all_ok(True, self.group, self.device):
-            raise self.refused()
+            raise self.refused
 
     def fail(self) -> None:
         """This rank failed: vote no, unless it already voted (it failed after, or the vote was refused)."""

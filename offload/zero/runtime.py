@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -52,13 +52,23 @@ from offload.machine.accelerator import Accelerator, Event, WorkEvent
 from offload.zero.prefetch import PrefetchTrace
 from offload.observe.step_graph import COMPUTE, HOST
 from offload.observe.telemetry import Telemetry
+from offload.optim.landing import ReducedShard
 from offload.zero.collectives import Group, ReductionOrder, all_reduce_sum, reduce_scatter
 from offload.zero.stage import Stage
 from offload.zero.unit import Unit, UnitState
 
 logger = logging.getLogger("offload.zero")
 
-GradSink = Callable[[Unit, torch.Tensor, Event, torch.Tensor], None]  # unit, shard, ready, buffer to keep alive
+
+class GradientSink(Protocol):
+    """What takes the reduced gradient shards backward produces: the optimizer's landing (offload/optim/landing.py's
+    ``GradientLanding``)."""
+
+    def land(self, reduced: ReducedShard) -> None:
+        """Take one unit's reduced shard; never blocks backward."""
+
+    def gradients_sent(self) -> None:
+        """Backward is over (or failed): what the sink holds back goes on now."""
 
 
 class LiveLimitError(RuntimeError):
@@ -74,36 +84,48 @@ class LiveLimit:
     remedy: str = "Raise stage3_max_live_parameters or lower offload.unit_bytes"
 
 
+@dataclass(frozen=True, kw_only=True)
+class RuntimeSettings:
+    """What the config asks of the hooks (zero_optimization, resolved by offload/engine/build.py)."""
+
+    limit: LiveLimit  # the most elements gathered at once
+    # Units of at most this many elements stay gathered, and parameters of at most this many stay whole between
+    # uses (see [Note: small parameters stay whole] in zero/unit.py), while their elements together stay within
+    # ``persistence_cap`` (counted in unit order, as DeepSpeed counts).
+    persistence_threshold: int
+    persistence_cap: int = 2**63 - 1
+    grad_predivide: float = 1.0  # gradients are divided by this before their reduction, by W / this after
+    prefetch_elements: int = 0  # how far ahead gathers run
+    stage: Stage = Stage(3)
+    overlap_comm: bool = True  # false: each reduction completes before backward goes on (DeepSpeed's)
+
+
 class ZeroRuntime:
     """Owns the units of one model, the hooks on it, and the count of gathered elements."""
 
-    def __init__(self, model: nn.Module, units: list[Unit], group: Group, accel: Accelerator, *,
-                 limit: LiveLimit, persistence_threshold: int, grad_sink: GradSink, grad_predivide: float,
-                 telemetry: Telemetry, prefetch_elements: int = 0, stage: Stage = Stage(3),
-                 overlap_comm: bool = True, grads_sent: Callable[[], None] | None = None,
-                 persistence_cap: int = 2**63 - 1) -> None:
-        """``persistence_threshold``: units of at most this many elements stay gathered, and parameters of at most
-        this many stay whole between uses (see [Note: small parameters stay whole] in zero/unit.py), while their
-        elements together stay within ``persistence_cap`` (counted in unit order, as DeepSpeed counts)."""
+    def __init__(self, model: nn.Module, units: list[Unit], group: Group, accel: Accelerator, sink: GradientSink,
+                 settings: RuntimeSettings, telemetry: Telemetry) -> None:
+        """``sink`` takes every reduced gradient shard (the optimizer's landing)."""
+        persistence_threshold, persistence_cap = settings.persistence_threshold, settings.persistence_cap
         self.model = model
-        self.stage = stage
-        self.overlap_comm = overlap_comm  # false: each reduction completes before backward goes on (DeepSpeed's)
+        self.stage = settings.stage
+        self.overlap_comm = settings.overlap_comm
         self.units = units
         self.group = group
         self.accel = accel
         self.graph = accel.graph
-        self.limit = limit
-        self.grad_sink = grad_sink
-        self.grads_sent = grads_sent  # backward is over: what the sink holds back goes on now
+        self.limit = settings.limit
+        self.sink = sink
         self.got_grad: set[int] = set()  # ids of the parameters whose gradient landed since the last step
-        self.grad_predivide = grad_predivide
+        self.grad_predivide = settings.grad_predivide
+        self.grad_factor = settings.grad_predivide / group.world  # the average over ranks, after the predivide
         self.telemetry = telemetry
         # Brings host- and NVMe-homed shards (offload_param: cpu, nvme) to the device before their gather; on a
         # GPU its own stream so the copies can be issued ahead of use.
         self.h2d = accel.copy_stream("param-h2d", urgent=True) if any(u.off_device for u in units) else None
         self.params = units[0].params if units else None  # every unit's shards (one store)
         self.swap = self.params.swap if self.params is not None else None  # NVMe shards' reads, run ahead of gathers
-        self.prefetch = PrefetchTrace(prefetch_elements)
+        self.prefetch = PrefetchTrace(settings.prefetch_elements)
         self.prefetched_gathers = 0  # gathers issued ahead of use
         self.live = sum(u.padded for u in units if u.resident)  # elements gathered now (or being gathered)
         self.peak_live = self.live
@@ -257,8 +279,7 @@ class ZeroRuntime:
                 slot.param.grad = None
             if unit.holders == 0:
                 self._done_with(unit)
-        if self.grads_sent is not None:
-            self.grads_sent()
+        self.sink.gradients_sent()
 
     def _end_of_backward(self) -> None:
         for unit in self.units:
@@ -271,8 +292,7 @@ class ZeroRuntime:
             if unit.holders == 0:
                 self._done_with(unit)
         self._in_backward = False
-        if self.grads_sent is not None:
-            self.grads_sent()
+        self.sink.gradients_sent()
 
     def _reduce_or_keep(self, unit: Unit) -> None:
         if self.reduce_grads:
@@ -310,7 +330,7 @@ class ZeroRuntime:
             ready: Event = WorkEvent(work)
         else:  # the reduction ran on the compute stream: the unit's event, re-recorded each time
             ready = self._reduced[unit.index] = self.accel.compute_event(into=self._reduced.get(unit.index))
-        self.grad_sink(unit, shard, ready, flat)
+        self.sink.land(ReducedShard(unit.index, shard, ready, flat, self.grad_factor))
 
     # ----------------------------------------------------------------- accounting
 

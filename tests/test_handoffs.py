@@ -1,0 +1,118 @@
+"""Hand-offs between rooms are named methods on named objects, not callables passed in or patched on.
+
+A lambda or a bound method handed to a constructor of one of offload's classes, or stored on another object, is a
+call that climbs back up the layers unseen: a reader (or a tool following a value through calls) loses the trail
+there. Each such hand-off takes an interface (a Protocol the receiving room names) instead. The few left are listed
+in ALLOWED with why; an entry that no longer exists fails, so the list only shrinks.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+
+from conftest import REPO
+
+PACKAGE = REPO / "offload"
+
+# (module, enclosing function, what receives the callable): each with why it stays.
+ALLOWED: dict[tuple[str, str, str], str] = {}
+
+
+@functools.cache
+def _sources() -> dict[str, ast.Module]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = ast.parse(path.read_text(), str(path))
+    return found
+
+
+@functools.cache
+def _classes_and_methods() -> tuple[frozenset[str], frozenset[str]]:
+    """The names of offload's classes, and of the plain methods defined in any of them (a name that is also a
+    property, a field or an attribute somewhere is left out: ``x.start`` may be data)."""
+    classes, methods, data = set(), set(), set()
+    for tree in _sources().values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes.add(node.name)
+                for f in node.body:
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        plain = not any(_name(d) in ("property", "cached_property", "setter") for d in f.decorator_list)
+                        (methods if plain else data).add(f.name)
+                    elif isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name):
+                        data.add(f.target.id)
+                    elif isinstance(f, ast.Assign):
+                        data |= {t.id for t in f.targets if isinstance(t, ast.Name)}
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    for leaf in ast.walk(t):
+                        if isinstance(leaf, ast.Attribute):
+                            data.add(leaf.attr)
+    return frozenset(classes), frozenset(methods - data)
+
+
+def _callable_value(node: ast.AST) -> bool:
+    """A lambda, or a method named without being called (a bound method)."""
+    _, methods = _classes_and_methods()
+    return isinstance(node, ast.Lambda) or (isinstance(node, ast.Attribute) and node.attr in methods)
+
+
+def _name(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return type(node).__name__
+
+
+def handoffs() -> list[tuple[str, str, str, int]]:
+    """(module, enclosing function, receiver, line) of each callable handed to an offload class or another
+    object's attribute."""
+    classes, _ = _classes_and_methods()
+    out = []
+    for module, tree in _sources().items():
+        def visit(node: ast.AST, where: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
+                if isinstance(child, ast.Call) and _name(child.func) in classes:
+                    args = list(child.args) + [k.value for k in child.keywords]
+                    if any(_callable_value(a) for a in args):
+                        out.append((module, where, _name(child.func), child.lineno))
+                if isinstance(child, ast.Assign) and _callable_value(child.value):
+                    for target in child.targets:
+                        if isinstance(target, ast.Attribute) and not (isinstance(target.value, ast.Name)
+                                                                      and target.value.id == "self"):
+                            out.append((module, where, f"{_name(target.value)}.{target.attr}", child.lineno))
+                visit(child, inner)
+        visit(tree, "<module>")
+    return out
+
+
+def test_the_check_sees_a_hand_off():
+    tree = ast.parse("class Sink:\n    def take(self): ...\n\ndef f(other, sink):\n    other.cb = sink.take\n"
+                     "    Sink(after=lambda: None)\n")
+    _sources()["offload._probe"] = tree
+    _classes_and_methods.cache_clear()
+    try:
+        found = {(w, r) for m, w, r, _ in handoffs() if m == "offload._probe"}
+    finally:
+        del _sources()["offload._probe"]
+        _classes_and_methods.cache_clear()
+    assert found == {("f", "other.cb"), ("f", "Sink")}
+
+
+def test_no_callable_carries_a_hand_off_between_rooms():
+    found = [h for h in handoffs() if h[:3] not in ALLOWED]
+    assert found == [], ("callables handed to another room (give the receiver a Protocol and pass the object, or "
+                         "add the place to ALLOWED with why):\n" + "\n".join(
+                             f"offload/{m.replace('.', '/')}.py:{line}: in {w}, to {r}" for m, w, r, line in found))
+
+
+def test_allowed_hand_offs_still_exist():
+    seen = {h[:3] for h in handoffs()}
+    assert [k for k in ALLOWED if k not in seen] == [], "remove these from ALLOWED: they are gone"
