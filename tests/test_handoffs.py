@@ -110,9 +110,58 @@ def test_no_callable_carries_a_hand_off_between_rooms():
     found = [h for h in handoffs() if h[:3] not in ALLOWED]
     assert found == [], ("callables handed to another room (give the receiver a Protocol and pass the object, or "
                          "add the place to ALLOWED with why):\n" + "\n".join(
-                             f"offload/{m.replace('.', '/')}.py:{line}: in {w}, to {r}" for m, w, r, line in found))
+                             f"{m.replace('.', '/')}.py:{line}: in {w}, to {r}" for m, w, r, line in found))
 
 
 def test_allowed_hand_offs_still_exist():
     seen = {h[:3] for h in handoffs()}
     assert [k for k in ALLOWED if k not in seen] == [], "remove these from ALLOWED: they are gone"
+
+
+MUTATORS = {"add", "clear", "discard", "append", "extend", "update", "pop", "remove", "insert"}
+
+
+def _unit_fields() -> frozenset[str]:
+    """The attributes ``Unit`` gives itself (``self.x = ...`` in zero/unit.py's class Unit)."""
+    tree = _sources()["offload.zero.unit"]
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Unit")
+    return frozenset(t.attr for node in ast.walk(cls) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                     for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                     if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self")
+
+
+def unit_writes(receivers: tuple[str, ...] = ("unit", "other", "u")) -> list[str]:
+    """Places outside zero/unit.py that assign or mutate a field of a ``Unit`` (a value named as units are)."""
+    fields = _unit_fields()
+    found = []
+    for module, tree in _sources().items():
+        if module == "offload.zero.unit":
+            continue
+        for node in ast.walk(tree):
+            targets: list[ast.AST] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in MUTATORS):
+                targets = [node.func.value]
+            for t in targets:
+                if (isinstance(t, ast.Attribute) and t.attr in fields and isinstance(t.value, ast.Name)
+                        and t.value.id in receivers):
+                    found.append(f"{module.replace('.', '/')}.py:{node.lineno}: {t.value.id}.{t.attr}")
+    return found
+
+
+def test_the_unit_check_sees_a_write():
+    assert {"holders", "use", "grads_seen", "persistent"} <= _unit_fields()
+    _sources()["offload._probe"] = ast.parse("def f(unit):\n    unit.holders += 1\n    unit.grads_seen.add(3)\n")
+    try:
+        assert unit_writes() == ["offload/_probe.py:2: unit.holders", "offload/_probe.py:3: unit.grads_seen"]
+    finally:
+        del _sources()["offload._probe"]
+
+
+def test_a_unit_changes_only_its_own_state():
+    """A unit's life reads in zero/unit.py: every other room calls its transitions."""
+    assert unit_writes() == []

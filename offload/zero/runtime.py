@@ -146,8 +146,6 @@ class ZeroRuntime:
             small = (not unit.resident and unit.numel <= persistence_threshold
                      and persisted + unit.numel <= persistence_cap)
             persisted += unit.numel if small else 0
-            unit.persistent = unit.keeps_full or small
-            unit.unbinds = unit.in_place and not small
             # A small unit is whole between its uses; after a step it is released (its copy is stale), and its
             # parameters stay whole as kept ones, refreshed with the step's values as DeepSpeed's persistent ones
             # are (at W = 1 they are views of the shard the step writes).
@@ -157,8 +155,7 @@ class ZeroRuntime:
                     if 0 < slot.numel <= persistence_threshold and persisted + slot.numel <= persistence_cap:
                         persisted += slot.numel
                         kept.append(i)
-            unit.keep(kept)
-            unit.unbind()  # released until first used, as every gathered unit starts
+            unit.persist(small, kept)
         self._install(model)
 
     # ----------------------------------------------------------------- hooks
@@ -231,13 +228,12 @@ class ZeroRuntime:
     def _grad_hook(self, unit: Unit) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             self.got_grad.add(id(param))
-            unit.grads_seen.add(id(param))
-            if len(unit.grads_seen) == len(unit.trainable):
+            if unit.grad_arrived(param):
                 if self.graph.on:
                     self.graph.work("hook_backward", unit.index, lane=HOST)
                 self._reduce_or_keep(unit)
                 if not unit.has_frozen:
-                    unit.backward_active = False
+                    unit.end_backward()
                     self._done_with(unit)
         return hook
 
@@ -245,12 +241,11 @@ class ZeroRuntime:
 
     def acquire(self, unit: Unit) -> None:
         self._unshard(unit)
-        unit.holders += 1
+        unit.hold()
 
     def release(self, unit: Unit, keep: bool = False) -> None:
         """``keep``: a later anchor of the unit is about to run (see [Note: when a unit is gathered])."""
-        unit.holders -= 1
-        if unit.holders == 0 and not self._in_backward and not keep:
+        if unit.let_go() and not self._in_backward and not keep:
             self._done_with(unit)
 
     # ----------------------------------------------------------------- backward
@@ -262,7 +257,7 @@ class ZeroRuntime:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         for unit in units:
-            unit.backward_active = True
+            unit.begin_backward()
             self._unshard(unit)
 
     def abort_backward(self) -> None:
@@ -273,10 +268,8 @@ class ZeroRuntime:
         # offload/engine/agreement.py)
         self.order.take()
         for unit in self.units:
-            unit.backward_active = False
-            unit.grads_seen.clear()
-            for slot in unit.slots:
-                slot.param.grad = None
+            unit.end_backward()
+            unit.drop_grads()
             if unit.holders == 0:
                 self._done_with(unit)
         self.sink.gradients_sent()
@@ -288,7 +281,7 @@ class ZeroRuntime:
                                    and any(s.param.grad is not None for s in unit.slots)):
                 self._reduce_or_keep(unit)
         for unit in self.units:
-            unit.backward_active = False
+            unit.end_backward()
             if unit.holders == 0:
                 self._done_with(unit)
         self._in_backward = False
@@ -298,7 +291,7 @@ class ZeroRuntime:
         if self.reduce_grads:
             self._reduce(unit)
         else:  # stages 0-1 before the last micro-batch: the gradients stay in .grad, where autograd adds to them
-            unit.grads_seen.clear()
+            unit.grads_taken()
 
     def _reduce(self, unit: Unit) -> None:
         """Start the reduction of the unit's gradients into this rank's partition (reduce-scatter; stage 0:
@@ -325,7 +318,7 @@ class ZeroRuntime:
         # A ring all-reduce moves twice what a reduce-scatter does.
         self.telemetry.add_bytes(kind, _wire_bytes(unit.padded * unit.dtype.itemsize, self.group.world)
                                  * (2 if self.stage.all_reduce else 1))
-        unit.grads_seen.clear()
+        unit.grads_taken()
         if work is not None:
             ready: Event = WorkEvent(work)
         else:  # the reduction ran on the compute stream: the unit's event, re-recorded each time
@@ -347,7 +340,7 @@ class ZeroRuntime:
             upcoming = self.prefetch.needed(unit.index)
         else:
             upcoming = []  # already gathered for an earlier use (a persistent unit, or still held)
-        unit.prefetched = False
+        unit.used()
         if self.swap is not None:
             # NVMe reads run further ahead than gathers: this unit's first, then the trace's next ones.
             if unit.on_nvme and unit.state is UnitState.SHARDED:
@@ -393,7 +386,7 @@ class ZeroRuntime:
             with self.telemetry.span("prefetch", unit.name):
                 unit.start_unshard(self.h2d)
             self._graph_gather(unit)
-            unit.prefetched = True
+            unit.mark_prefetched()
             ahead += unit.padded
             self.prefetched_gathers += 1
             self._count_gather(unit)
@@ -449,7 +442,7 @@ class ZeroRuntime:
             unit.unbind()
 
     def _reshard(self, unit: Unit) -> None:
-        unit.prefetched = False
+        unit.used()
         if unit.reshard():
             self.live -= unit.padded
 
@@ -485,9 +478,7 @@ class ZeroRuntime:
         """Stages 0-1 between micro-batches: the ``.grad`` kept so far is cleared (DeepSpeed's zero_grad); which
         parameters got a gradient since the step is still known."""
         for unit in self.units:
-            unit.grads_seen.clear()
-            for slot in unit.slots:
-                slot.param.grad = None
+            unit.drop_grads()
 
     def drop_grads(self) -> None:
         """The gradients since the last step are dropped (``discard_gradients``): those kept in ``.grad`` (stages

@@ -26,6 +26,17 @@ class UnitState(enum.Enum):
     """``full`` holds every parameter's values and the module's parameters point into it."""
 
 
+class Use(enum.Enum):
+    """What claims a unit between forwards (the running forwards themselves are counted by ``Unit.holders``)."""
+
+    IDLE = "idle"
+    """No backward and no prefetch claims it: gathered or not, the runtime may release it when it needs room."""
+    PREFETCHED = "prefetched"
+    """Gathered (or gathering) ahead of its use by the prefetcher, and not used since."""
+    BACKWARD = "backward"
+    """Gathered for a backward that has not finished with it: not released to make room."""
+
+
 class Kept(enum.Enum):
     """Where a unit's small parameters that stay whole between uses (``Unit.kept``) stand; see [Note: small
     parameters stay whole]."""
@@ -76,18 +87,17 @@ class Unit:
         self._full_bytes = self.full.untyped_storage().nbytes()
         self.state = UnitState.UNSHARDED if self.keeps_full else UnitState.SHARDED
         self.holders = 0  # forwards currently running inside one of this unit's anchors
-        self.persistent = False
-        self.prefetched = False  # gathered ahead of use by the prefetcher and not used since
+        self.persistent = False  # stays gathered between uses (set once by ``persist``)
+        self.use = Use.IDLE
         self._work: Work | None = None  # the in-flight all-gather while GATHERING
         self._transient: torch.Tensor | None = None  # the device shard it reads, kept until the gather is done
         self.trainable = {id(s.param) for s in self.slots if s.param.requires_grad}
         self.has_frozen = len(self.trainable) < len(self.slots)
-        self.grads_seen: set[int] = set()
-        self.backward_active = False  # gathered for a backward that has not finished with it
+        self.grads_seen: set[int] = set()  # ids of the trainable parameters whose gradient this backward gave
         self._views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self._bound = False  # the parameters are views into ``full`` (else the empty tensor)
-        self.unbinds = False  # in place, and released between uses all the same (the runtime sets it)
+        self.unbinds = False  # in place, and released between uses all the same (``persist``)
         self.kept: list[int] = []  # slots whole between uses (the runtime's ``keep``)
         self._kept_copies: list[torch.Tensor] = []  # a gathered unit's own whole copies of them
         self.kept_state = Kept.UNARMED
@@ -104,6 +114,71 @@ class Unit:
         for s, view in zip(self.slots, self._views, strict=True):
             s.param.data = view
         self._bound = True
+
+    def persist(self, whole: bool, kept: list[int]) -> None:
+        """Set once by the runtime: the unit stays gathered between uses (``whole``: small enough, or it keeps its
+        buffer anyway), and ``kept`` slots stay whole when it is released (see ``keep``). It then starts released,
+        as every gathered unit does until first used."""
+        self.persistent = self.keeps_full or whole
+        self.unbinds = self.in_place and not whole
+        self.keep(kept)
+        self.unbind()
+
+    # ----------------------------------------------------------------- uses
+
+    @property
+    def prefetched(self) -> bool:
+        return self.use is Use.PREFETCHED
+
+    @property
+    def backward_active(self) -> bool:
+        return self.use is Use.BACKWARD
+
+    def hold(self) -> None:
+        """A forward inside one of its anchors begins."""
+        self.holders += 1
+
+    def let_go(self) -> bool:
+        """That forward ends; returns whether no forward holds the unit now."""
+        self.holders -= 1
+        return self.holders == 0
+
+    def mark_prefetched(self) -> None:
+        """IDLE -> PREFETCHED: its gather was issued ahead of use."""
+        assert self.use is Use.IDLE, f"unit {self.name!r} is {self.use.value}, not idle"
+        self.use = Use.PREFETCHED
+
+    def used(self) -> None:
+        """PREFETCHED -> IDLE: a use reached it (or it was released) since its prefetch; idempotent."""
+        if self.use is Use.PREFETCHED:
+            self.use = Use.IDLE
+
+    def begin_backward(self) -> None:
+        """-> BACKWARD: a gradient reached one of its modules; it stays gathered until backward is done with it."""
+        self.use = Use.BACKWARD
+
+    def end_backward(self) -> None:
+        """BACKWARD -> IDLE: backward is done with it (all its gradients in, backward over, or failed);
+        idempotent."""
+        if self.use is Use.BACKWARD:
+            self.use = Use.IDLE
+
+    def grad_arrived(self, param: torch.Tensor) -> bool:
+        """One of its parameters' gradient was accumulated; returns whether every trainable one's now has."""
+        self.grads_seen.add(id(param))
+        return len(self.grads_seen) == len(self.trainable)
+
+    def grads_taken(self) -> None:
+        """Its gradients were reduced, kept in ``.grad`` for a later micro-batch, or dropped: the next backward
+        counts them afresh."""
+        self.grads_seen.clear()
+
+    def drop_grads(self) -> None:
+        """Its parameters' ``.grad`` and the count of them are dropped (a failed backward, zero_grad between
+        micro-batches)."""
+        self.grads_seen.clear()
+        for slot in self.slots:
+            slot.param.grad = None
 
     def keep(self, slots: list[int]) -> None:
         """[Note: small parameters stay whole] DeepSpeed keeps each parameter at or below
