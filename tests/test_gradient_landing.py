@@ -17,6 +17,7 @@ from offload.machine import native
 from offload.machine.launch import run_ranks
 from offload.optim.landing import ReducedShard
 from offload.optim.shard_state import ShardPhase
+from offload.optim.sharded import LastBackward
 from offload.store.tier import Tier
 
 LAG = {"OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}  # implies a discrete device: every copy a GPU makes
@@ -143,7 +144,7 @@ def test_a_unit_whose_gradient_lands_again_adds_the_first_up_before_the_next_com
     optimizer = engine.optimizer
     index, state = next(iter(optimizer.shards.items()))
     n = state.numel
-    optimizer.last_backward_begins(overlap=False, only=True)
+    optimizer.last_backward_begins(LastBackward(only=True, steps=False))
     optimizer.landing.land(ReducedShard(index, torch.full((n,), 1.5), None, None, 1.0))
     optimizer.landing.land(ReducedShard(index, torch.full((n,), 0.25), None, None, 0.5))
     # and a third is added too, not left in place
@@ -199,7 +200,8 @@ def test_a_device_sum_without_a_gradient_in_the_last_micro_batch_comes_over_when
     optimizer.landing.land(ReducedShard(index, torch.full((n,), 0.25), None, None, 0.5))
     optimizer.drain()
     assert state.phase is ShardPhase.EMPTY and state.landed is None
-    optimizer.last_backward_begins(overlap=False)  # the last micro-batch gives this unit nothing
+    # the last micro-batch gives this unit nothing
+    optimizer.last_backward_begins(LastBackward(only=False, steps=False))
     optimizer.landing.send_held()
     optimizer.drain()
     assert state.phase is ShardPhase.HOLDING and torch.equal(state.landed, torch.full((n,), 0.875))

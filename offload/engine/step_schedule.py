@@ -30,7 +30,7 @@ from offload.machine.accelerator import Accelerator
 from offload.config import Config, ConfigError
 from offload.config.fields import resolved
 from offload.optim.loss_scale import unclipped_factor
-from offload.optim.sharded import ShardedAdam, StepVote
+from offload.optim.sharded import LastBackward, ShardedAdam, StepVote
 from offload.store.placement import Placement, Speculation
 from offload.zero.stage import Stage
 
@@ -201,7 +201,8 @@ class StepSchedule:
         follow it before step(), see [Note: more backward calls than micro-batches] in accumulation.py); returns
         whether it steps shards as they land (never when not ``sure``)."""
         steps, guess = self.during.begins(loss_scale) if sure else (False, None)
-        optimizer.last_backward_begins(overlap=steps, only=only, guess=guess, early=self.returns.forward_order)
+        optimizer.last_backward_begins(LastBackward(only=only, steps=steps, guess=guess,
+                                                    forward_order=self.returns.forward_order))
         self.stepped_in_backward, self.could_step = steps, sure
         return steps
 

@@ -89,6 +89,17 @@ class Landing(enum.Enum):
     FINAL_IN_PLACE = "final, read where they land"
 
 
+class Route(enum.Enum):
+    """How a unit's reduced shard reaches its optimizer state: fixed by where that state is stepped and whether
+    the machine copies it down, so chosen once a unit (``GradientLanding._route``), not at every landing."""
+
+    NOWHERE = "no optimizer state: only waited for"
+    DEVICE = "stepped on the device: added into its device accumulator, or kept as it landed"
+    DEVICE_SUM = "offloaded, summed on the device: the sum goes down once, in fp32, on the last micro-batch"
+    HOST_READ = "offloaded, and host memory is the device's: the landing worker reads it where it lies"
+    COPIED = "offloaded: copied down into its landing buffer, where the landing worker reads it"
+
+
 class ReducedShard(NamedTuple):
     """One unit's reduced gradient shard as backward hands it over, with what guards it: nothing reads ``grad``
     before ``ready``, and ``source`` lives until then."""
@@ -148,6 +159,7 @@ class GradientLanding:
         self._held: set[int] = set()  # device-accumulated units holding gradients not yet sent down
         self.deferred_copies = 0  # gradients that found their landing buffer busy (the worker copied them)
         self._unsent = 0  # bytes of gradient whose landing is held back (see [Note: landings handed over in batches])
+        self._routes: dict[int, Route] = {}  # each unit's, once chosen
 
     def last_begins(self, only: bool, overlap: Overlap | None) -> None:
         """The coming backward is the last micro-batch's (``only``: the step's only one); ``overlap``: its plan for
@@ -179,24 +191,56 @@ class GradientLanding:
         """Add ``factor`` x the reduced gradient shard into its unit's fp32 accumulator (or, the step's only one,
         leave it where it lands: see [Note: gradients read where they land]), once the reduction completes. Called
         by backward's hooks: it never blocks the calling thread (see [Note: gradients land])."""
-        index, shard_grad, ready, keep, scale = reduced
-        state = self.shards.get(index)
-        if state is None or not self.split.steps_on_host(index):  # no optimizer state, or the state is on the device
-            self.accel.compute_wait(ready)
-            if state is not None and self.keeps_device_grads and state.grad is None:
-                keep_as_landed(state, shard_grad, scale, self.threads)
-            elif state is not None:
-                accumulate(state, shard_grad, scale, self.threads)
+        state = self.shards.get(reduced.unit)
+        route = self._route(reduced.unit, state)
+        if route is Route.NOWHERE:
+            self.accel.compute_wait(reduced.ready)
             return
-        assert self.worker is not None
+        assert state is not None
+        if route is Route.DEVICE:
+            self.accel.compute_wait(reduced.ready)
+            if self.keeps_device_grads and state.grad is None:
+                keep_as_landed(state, reduced.grad, reduced.factor, self.threads)
+            else:
+                accumulate(state, reduced.grad, reduced.factor, self.threads)
+            return
         # Decided now, on the calling thread: the worker may still be adding an earlier micro-batch's gradients
         # when the last one's backward begins, and those are neither final nor stepped.
         final, overlap = self.phase is not Landing.COLLECTING, self.overlap
-        if state.on_device is not None:  # its sum's send waits for the delayed Adam, if need be
-            self._add_on_device(state, shard_grad, scale, ready)
+        if route is Route.DEVICE_SUM:  # its sum's send waits for the delayed Adam, if need be
+            self._add_on_device(state, reduced.grad, reduced.factor, reduced.ready)
             if final:
                 self._send_sum(state, overlap)
             return
+        self._land_on_host(state, reduced, route, final, overlap)
+
+    def _route(self, index: int, state: ShardState | None) -> Route:
+        """Unit ``index``'s route, chosen once (and again after ``moved_to_device``)."""
+        route = self._routes.get(index)
+        if route is None:
+            if state is None:
+                route = Route.NOWHERE
+            elif not self.split.steps_on_host(index):
+                route = Route.DEVICE
+            elif state.on_device is not None:
+                route = Route.DEVICE_SUM
+            else:
+                route = Route.HOST_READ if self.d2h is None else Route.COPIED
+            self._routes[index] = route
+        return route
+
+    def moved_to_device(self, units: frozenset[int]) -> None:
+        """These units are stepped on the device from now on (the refit): their gradients take the device route."""
+        self.device_accumulated -= units
+        for index in units:
+            self._routes.pop(index, None)
+
+    def _land_on_host(self, state: ShardState, reduced: ReducedShard, route: Route, final: bool,
+                      overlap: Overlap | None) -> None:
+        """An offloaded unit's gradient: to the landing worker, through its landing buffer (``Route.COPIED``) or
+        where it lies (``Route.HOST_READ``)."""
+        assert self.worker is not None
+        index, shard_grad, ready, keep, scale = reduced
         land = self.worker
         adam_busy = state.adam_read is not None and not state.adam_read.query()
         if adam_busy:  # the delayed Adam still reads the last gradient: nothing of this unit lands before it has
@@ -212,7 +256,7 @@ class GradientLanding:
         if again:
             land.run(lambda: self._materialize(state), held=True)
         nbytes = shard_grad.numel() * shard_grad.element_size()
-        if self.d2h is None:  # host memory is the device's: the worker reads the reduced shard where it lies
+        if route is Route.HOST_READ:
             land.run(lambda: self._landed(state, shard_grad, ready, scale, final, overlap, refs, in_place), held=True)
         else:
             assert state.landing is not None

@@ -102,6 +102,20 @@ class StatePlan:
     stochastic: int | None = None  # this rank's stream, where a bf16 master rounds stochastically (state_format.py)
 
 
+@dataclass(frozen=True, kw_only=True)
+class LastBackward:
+    """What the step's schedule chose for the backward that completes the accumulation (offload/engine/
+    step_schedule.py), handed to the optimizer whole."""
+
+    # The step's only micro-batch: where the state is all on the host its gradients are read where they land (see
+    # [Note: gradients read where they land] in landing.py).
+    only: bool
+    steps: bool  # each shard's Adam runs as its gradient lands (see [Note: overlapped step])
+    guess: float | None = None  # with ``steps``: speculate that the factor is this (see [Note: speculative step])
+    # The step will return early: the NVMe reads go in the forward's order (see [Note: the early step on NVMe]).
+    forward_order: bool = False
+
+
 class StepVote(Protocol):
     """Every rank's agreement at the step's commit point (offload/zero/collectives.py's ``Vote``)."""
 
@@ -280,7 +294,7 @@ class ShardedAdam:
                 state.landing, state.on_device, state.device_holds = None, None, False
             moved = frozenset(m.unit for m in g.members)
             self.split.move_to_device(moved)
-            self.landing.device_accumulated -= moved
+            self.landing.moved_to_device(moved)
         return before - self.host.used
 
     def device_bytes(self) -> dict[str, int]:
@@ -343,19 +357,14 @@ class ShardedAdam:
 
     # ----------------------------------------------------------------- gradients in
 
-    def last_backward_begins(self, overlap: bool, only: bool = False, guess: float | None = None,
-                             early: bool = False) -> None:
-        """The coming backward is the last micro-batch's: its gradients are final as they land, so their norm is
-        taken then; the step's first NVMe reads start (see the store's [Note: reads ahead of the step]); with
-        ``overlap``, each shard's Adam runs as its gradient lands (see [Note: overlapped step]). ``only``: it is
-        the step's only micro-batch, so its gradients are read where they land where the state is all on the host
-        (see [Note: gradients read where they land] in landing.py). ``guess``: with ``overlap``, speculate that the
-        step's factor is this (see [Note: speculative step] in speculation.py). ``early``: the step will return
-        early, so the NVMe reads go in the forward's order (see [Note: the early step on NVMe] in early_step.py)."""
-        self.landing.last_begins(only, self._overlap_plan(guess) if overlap else None)
-        forward = early and not overlap
+    def last_backward_begins(self, chosen: LastBackward) -> None:
+        """The coming backward is the last micro-batch's, run as the schedule ``chosen``: its gradients are final
+        as they land, so their norm is taken then; the step's first NVMe reads start (see the store's [Note: reads
+        ahead of the step])."""
+        self.landing.last_begins(chosen.only, self._overlap_plan(chosen.guess) if chosen.steps else None)
+        forward = chosen.forward_order and not chosen.steps
         worker = self.landing.worker
-        if early and self.can_return_early_with_nvme and worker is not None:
+        if chosen.forward_order and self.can_return_early_with_nvme and worker is not None:
             # Queued behind the last step's pass, which may still hold the buffers (the queue orders the two).
             worker.run(lambda: self._read_ahead_quietly(forward))
         else:
