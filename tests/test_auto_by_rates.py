@@ -12,7 +12,7 @@ from offload.commands.estimate import model_units
 from offload.config import Config
 from offload.machine.accelerator import Accelerator
 from offload.machine.launch import run_ranks
-from offload.store.placement import plan, traffic
+from offload.store.placement import MachineOffer, Shards, StageLayout, plan, traffic
 from offload.store.step_cost import Rates, StepPrediction, Traffic, best, predict, sort_key
 from offload.store.tier import Tier
 from offload.zero.collectives import Group
@@ -95,7 +95,8 @@ def planned(params, budget, rates, world=1, **kwargs):
     config = auto_config(params, budget, world, **kwargs)
     units = model_units(make_model("gpt"), config)
     sizes = [(i, -(-n // world)) for i, n in enumerate(units)]
-    out = plan(sizes, {i for i, _ in sizes}, config, 2, parts=world, rates=rates)
+    out = plan(Shards(sizes, {i for i, _ in sizes}, 2), config, StageLayout(parts=world),
+               MachineOffer(rates=rates))
     out.check()
     return out, sizes
 
@@ -162,7 +163,8 @@ def test_no_prefix_of_the_order_of_need_makes_a_faster_step_than_the_one_auto_ch
         raw = ratio_config(1, 1, 1 - sum(n for _, n in sizes[:k]) / sum(n for _, n in sizes), budget)
         raw["bf16"] = {"enabled": True}
         raw["zero_optimization"]["offload_param"] = {"device": "cpu"}
-        out = plan(sizes, {i for i, _ in sizes}, Config.load(raw).resolve(world_size=1), 2, rates=rates)
+        out = plan(Shards(sizes, {i for i, _ in sizes}, 2), Config.load(raw).resolve(world_size=1),
+                   machine=MachineOffer(rates=rates))
         if out.problems or len(out.state_on_device) != k:
             continue
         fits += 1
@@ -281,8 +283,8 @@ def test_initialize_chooses_by_the_rates_logs_them_and_trains_as_plain_pytorch()
     config = Config.load(raw).resolve(world_size=1)
     units = model_units(make_model("gpt"), config)
     sizes = list(enumerate(units))
-    by_rates = plan(sizes, {i for i, _ in sizes}, config, 4, rates=BUS_BOUND)
-    state_first = plan(sizes, {i for i, _ in sizes}, config, 4)
+    by_rates = plan(Shards(sizes, {i for i, _ in sizes}, 4), config, machine=MachineOffer(rates=BUS_BOUND))
+    state_first = plan(Shards(sizes, {i for i, _ in sizes}, 4), config)
     assert memory["device"]["optimizer state"] == by_rates.device["optimizer state"]
     assert memory["device"]["shards"] == by_rates.device["shards"] > state_first.device["shards"]
     assert by_rates.device["optimizer state"] < state_first.device["optimizer state"]

@@ -143,7 +143,7 @@ def test_start_up_measures_this_gpus_rates_and_auto_chooses_its_split_by_them(ca
     from offload.config import Config
     from offload.engine.rates import measure
     from offload.machine.accelerator import Accelerator
-    from offload.store.placement import plan
+    from offload.store.placement import MachineOffer, Shards, plan
     from offload.zero.collectives import Group
     from test_partial_offload import splitting_budget
     rates = measure(Accelerator("cuda"), None, Group(0, 1, None))
@@ -158,7 +158,8 @@ def test_start_up_measures_this_gpus_rates_and_auto_chooses_its_split_by_them(ca
     assert f"host to device {rates.h2d_gbps:,.1f} GB/s" in caplog.text and "offload's terms of a step" in caplog.text
     resolved = Config.load(config).resolve(world_size=1)
     sizes = list(enumerate(model_units(make_model("gpt"), resolved)))
-    expected = plan(sizes, {i for i, _ in sizes}, resolved, 4, rates=rates)  # measured once a process: the same
+    # measured once a process: the same
+    expected = plan(Shards(sizes, {i for i, _ in sizes}, 4), resolved, machine=MachineOffer(rates=rates))
     assert ours["memory"]["device"]["optimizer state"] == expected.device["optimizer state"]
     assert ours["memory"]["device"]["shards"] == expected.device["shards"]
     ref = train_reference("gpt", 10, 4, 2, world=1)

@@ -48,7 +48,7 @@ def test_frozen_host_shards_count_in_the_plan_and_its_host_budget_check():
     """Shards kept on the host that the optimizer does not step (here: a frozen embedding) are planned: a host
     budget of exactly the plan's total starts, one byte less is the plan's ConfigError, not a bug error later."""
     import offload
-    from offload.store.placement import plan
+    from offload.store.placement import MachineOffer, Shards, StageLayout, plan
     from offload.zero.plan import plan_units
 
     def frozen_model():
@@ -62,7 +62,8 @@ def test_frozen_host_shards_count_in_the_plan_and_its_host_budget_check():
     units = plan_units(frozen_model(), resolved.offload.unit_bytes, 4)
     trained = {u.index for u in units if any(s.param.requires_grad for s in u.slots)}
     assert len(trained) < len(units)
-    placement = plan([(u.index, u.numel) for u in units], trained, resolved, 4, parts=1, discrete=False)  # this CPU
+    placement = plan(Shards([(u.index, u.numel) for u in units], trained, 4), resolved, StageLayout(parts=1),
+                     MachineOffer(discrete=False))  # this CPU
     assert placement.host["parameter shards not stepped on the host"] > 0 and not placement.problems
 
     config["offload"]["budgets"] = {"host": sum(placement.host.values())}

@@ -15,7 +15,7 @@ from offload.config import Config, ConfigError
 from offload.commands.estimate import model_units
 from offload.machine.buffers import round_up
 from offload.machine.launch import run_ranks
-from offload.store.placement import plan
+from offload.store.placement import MachineOffer, Shards, plan
 from offload.store.tier import Tier
 from test_partial_offload import device_state, ratio_config
 
@@ -116,7 +116,7 @@ def test_the_plan_homes_the_device_units_there_in_the_order_of_need_and_holds_th
     raw["offload"]["budgets"] = {"device": budget}
     config = Config.load(raw).resolve(world_size=1)
     sizes = list(enumerate(model_units(make_model("gpt"), config)))
-    out = plan(sizes, {i for i, _ in sizes}, config, 4, discrete=True)
+    out = plan(Shards(sizes, {i for i, _ in sizes}, 4), config, machine=MachineOffer(discrete=True))
     kept = sorted(out.state_on_device)
     assert kept == [i for i, _ in sizes][:len(kept)] and 0 < len(kept) < len(sizes)
     homed = sorted(i for i, h in out.homes.items() if h is Tier.DEVICE)
@@ -148,7 +148,7 @@ def test_a_fixed_ratio_that_overfills_the_device_budget_says_to_raise_it_or_use_
     with pytest.raises(ConfigError, match=r"offload.budgets.device: 600,000 bytes cannot hold .*shards and the "
                                           r"optimizer state offload_optimizer.ratio keeps there.*raise "
                                           r"offload_optimizer.ratio \(or set it to auto, which fills the budget\)"):
-        plan(sizes, {i for i, _ in sizes}, config, 4, discrete=True).check()
+        plan(Shards(sizes, {i for i, _ in sizes}, 4), config, machine=MachineOffer(discrete=True)).check()
 
 
 def test_start_up_logs_the_split_in_one_line(tmp_path, caplog):
@@ -173,7 +173,7 @@ def _frozen_plan(tmp_path, budget, params="cpu"):
     units = plan_units(model, config.offload.unit_bytes, 4, fold_below=0)
     sizes = [(u.index, u.numel) for u in units]
     trained = {u.index for u in units if any(s.param.requires_grad for s in u.slots)}
-    return sizes, trained, plan(sizes, trained, config, 4, discrete=True)
+    return sizes, trained, plan(Shards(sizes, trained, 4), config, machine=MachineOffer(discrete=True))
 
 
 @pytest.mark.parametrize("params", ["cpu", "nvme"])

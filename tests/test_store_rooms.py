@@ -24,7 +24,7 @@ from offload.config import ConfigError
 from offload.store.budget import BudgetExceeded, TierBudget
 from offload.config import Config
 from offload.store.optimizer_state import OptimizerStateStore, place_sub_groups, plan_sub_groups
-from offload.store.placement import plan
+from offload.store.placement import Shards, plan
 from offload.store.param_store import ParamStore
 from offload.store.tier import Tier
 from offload.store.param_swap import WRITE_BUFFERS, BufferState, ParamSwap, ParamSwapError, param_buffer_bytes
@@ -957,12 +957,12 @@ def plan_config(param: str = "none", opt: str = "nvme", **budgets: int) -> Confi
 @pytest.mark.parametrize("tier", ["nvme", "host"])
 def test_a_parameter_swap_over_budget_is_a_config_error_naming_it(tier):
     need = dict(zip(("nvme", "host"), param_needs()))
-    placement = plan(list(UNITS), set(), plan_config("nvme", "cpu", **{tier: need[tier] - 1}), DTYPE.itemsize)
+    placement = plan(Shards(list(UNITS), set(), DTYPE.itemsize), plan_config("nvme", "cpu", **{tier: need[tier] - 1}))
     assert placement.problems[0].path == f"offload.budgets.{tier}"  # the first: what initialize raises
     assert f"{need[tier] - 1:,} bytes cannot hold" in str(placement.problems[0])
     with pytest.raises(ConfigError, match=f"{need[tier] - 1:,} bytes cannot hold"):
         placement.check()
-    fits = plan(list(UNITS), set(), plan_config("nvme", "cpu", **{tier: need[tier]}), DTYPE.itemsize)
+    fits = plan(Shards(list(UNITS), set(), DTYPE.itemsize), plan_config("nvme", "cpu", **{tier: need[tier]}))
     assert fits.problems == [] and fits.homes == {u: Tier.NVME for u, _ in UNITS}
     assert (fits.nvme["parameter shards (two slots per unit)"], fits.host["parameter NVMe buffers"]) == param_needs()
 
@@ -992,14 +992,14 @@ def test_optimizer_state_over_budget_is_a_config_error_naming_it(device, tier):
     them whatever happens), then places the sub-groups in what is left."""
     nvme_need, buffers = opt_needs()
     units = list(OPT_UNITS)
-    reserved = sum(plan(units, {u for u, _ in units}, plan_config(opt=device), DTYPE.itemsize).host.values())
+    reserved = sum(plan(Shards(units, {u for u, _ in units}, DTYPE.itemsize), plan_config(opt=device)).host.values())
     reserved -= {"nvme": buffers, "cpu": 4 * round_up(KINDS * 1000 * 4)}[device]
     need = {"nvme": nvme_need, "host": reserved + (buffers if device == "nvme" else 4 * round_up(KINDS * 1000 * 4))}
     limit = need[tier] - 1
-    placement = plan(units, {u for u, _ in units}, plan_config(opt=device, **{tier: limit}), DTYPE.itemsize)
+    placement = plan(Shards(units, {u for u, _ in units}, DTYPE.itemsize), plan_config(opt=device, **{tier: limit}))
     assert placement.problems[0].path == f"offload.budgets.{tier}"  # the first: what initialize raises
     assert f"{limit:,} bytes cannot hold" in str(placement.problems[0])
-    fits = plan(units, {u for u, _ in units}, plan_config(opt=device, **{tier: need[tier]}), DTYPE.itemsize)
+    fits = plan(Shards(units, {u for u, _ in units}, DTYPE.itemsize), plan_config(opt=device, **{tier: need[tier]}))
     assert fits.problems == [] and fits.placed
     assert [g.tier for g in fits.groups] == [Tier.NVME if device == "nvme" else Tier.HOST] * 4
 

@@ -33,7 +33,8 @@ from offload.engine.step_schedule import wanted
 from offload.models.catalog import MODELS, ModelError, build_model
 from offload.store.optimizer_state import SubGroup, unpipelined_note
 from offload.store.param_swap import describe_placement
-from offload.store.placement import KEPT_GRADS, Speculation, plan, traffic
+from offload.store.placement import (KEPT_GRADS, MachineOffer, Shards, Speculation, StageLayout, StepAsks, plan,
+                                     traffic)
 from offload.store.step_cost import STATE_BYTES, Rates, StepPrediction, adam_bytes, adam_ms, predict
 from offload.store.tier import Tier
 from offload.zero.stage import Stage
@@ -178,10 +179,12 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     def placed(refit_room: int | None = None) -> Any:
         """The engine's own plan: at start-up auto's split by the rates (the compute is not known there); the
         refit's, state first as the refit moves it (offload/engine/refit.py)."""
-        return plan(sizes, {i for i, _ in sizes}, config, item, parts=parts, resident_params=stage.resident_params,
-                    whole_grads=0 if stage.reduce_every_micro_batch else est.params, discrete=discrete,
-                    device_free=device_free, speculation=want.speculation, delayed=want.delayed,
-                    refit_room=refit_room, rates=rates.for_step(None) if refit_room is None else None)
+        return plan(Shards(sizes, {i for i, _ in sizes}, item), config,
+                    StageLayout(parts=parts, resident_params=stage.resident_params,
+                                whole_grads=0 if stage.reduce_every_micro_batch else est.params),
+                    MachineOffer(discrete=discrete, device_free=device_free, refit_room=refit_room,
+                                 rates=rates.for_step(None) if refit_room is None else None),
+                    StepAsks(speculation=want.speculation, delayed=want.delayed))
 
     placement = placed()
     if activations is not None:

@@ -40,7 +40,8 @@ from offload.store.param_store import ParamStore
 from offload.store.optimizer_state import unpipelined_note
 from offload.store.param_swap import ParamSwap, describe_placement
 from offload.store.state_format import Master, from_config, mix_seed
-from offload.store.placement import describe_split, plan as plan_placement, traffic
+from offload.store.placement import (MachineOffer, Shards, StageLayout, StepAsks, describe_split,
+                                     plan as plan_placement, traffic)
 from offload.store.step_cost import predict
 from offload.store.swapdir import PREFIX, SwapDir
 from offload.store.tier import Tier
@@ -139,10 +140,11 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         measured = (rates.measure(accel, config.offload.cpu_threads, group)
                     if ratio is AUTO and zero.offload_optimizer.device == "cpu" and not accel.host_is_device
                     and (config.offload.budgets.device is not None or device_free is not None) else None)
-        placement = plan_placement(shard_sizes, trained, config, compute_dtype.itemsize, parts=parts,
-                                   resident_params=stage.resident_params, whole_grads=whole_grads,
-                                   discrete=not accel.host_is_device, device_free=device_free,
-                                   speculation=want.speculation, delayed=want.delayed, rates=measured)
+        placement = plan_placement(
+            Shards(shard_sizes, trained, compute_dtype.itemsize), config,
+            StageLayout(parts=parts, resident_params=stage.resident_params, whole_grads=whole_grads),
+            MachineOffer(discrete=not accel.host_is_device, device_free=device_free, rates=measured),
+            StepAsks(speculation=want.speculation, delayed=want.delayed))
         nvme_params = placement.nvme_params
         if zero.offload_optimizer.device != "none" and placement.state_fits_device and ratio == 1.0:
             logger.info("rank %d: the whole optimizer state would fit on the device beside the rest, where it steps "

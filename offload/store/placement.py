@@ -1,7 +1,9 @@
 """Where one rank's state goes, decided before anything is allocated: one pure function.
 
-``plan`` takes the units' shard sizes, which of them train, the config and the compute
-dtype's size, and returns a ``Placement``: each parameter shard's home, the optimizer's
+``plan`` takes what is placed (``Shards``: the units' shard sizes, which of them train, the
+compute dtype's size), the config, and three policies that travel whole: what the ZeRO stage
+makes of the shards (``StageLayout``), what the machine offers (``MachineOffer``) and what the
+step's schedule asks (``StepAsks``); it returns a ``Placement``: each parameter shard's home, the optimizer's
 sub-groups with their tiers, the bytes reserved up front on the host and on NVMe, by
 part, and what stays on the device between uses with the room left there for gathered
 units. Every budget check of start-up is made here, in the order start-up meets them,
@@ -54,6 +56,55 @@ class Speculation(Enum):
     ALL = "all"  # the host's too, with a second slot of their state where the host budget holds it
 
 
+@dataclass(frozen=True)
+class Shards:
+    """What is placed: one rank's units."""
+
+    sizes: list[tuple[int, int]]  # (unit, shard elements), in unit order
+    trained: set[int] | frozenset[int]  # the units the optimizer steps
+    item: int  # bytes an element of the compute dtype
+
+    @property
+    def trained_sizes(self) -> list[tuple[int, int]]:
+        return [(i, n) for i, n in self.sizes if i in self.trained]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageLayout:
+    """What the ZeRO stage makes of the shards."""
+
+    parts: int = 1  # each unit is split in this many (the ranks it is sharded over)
+    resident_params: bool = False  # every unit stays whole on the device (stages 0-2)
+    whole_grads: int = 0  # elements of gradient kept whole in ``.grad`` until the last micro-batch (stages 0-1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineOffer:
+    """What the machine offers the plan."""
+
+    # The compute device has memory of its own (a GPU); a CPU device reads host memory in place, so gradients need
+    # no landing buffers and device-homed shards no host copies (see [Note: host memory is the device's] in
+    # offload/store/param_store.py).
+    discrete: bool = True
+    # Bytes free on the device at start, which bound the gradient accumulators kept there when no device budget is
+    # set (None: no bound).
+    device_free: int | None = None
+    # The device bytes the first step's refit leaves offload beside the activations (offload/engine/refit.py),
+    # which auto fills as it fills a device budget: the split the refit ends with, as ``offload estimate``
+    # predicts it.
+    refit_room: int | None = None
+    # What auto chooses its split by (see [Note: auto by rates]; None: state first, as much as the room holds).
+    rates: Rates | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepAsks:
+    """What the step's schedule asks of the plan before any budget is looked at (offload/engine/step_schedule.py)."""
+
+    speculation: Speculation = Speculation.NONE  # which sub-groups the step speculates on
+    delayed: bool = False  # the delayed update stages each new shard in a host buffer of its own
+
+
 @dataclass
 class Placement:
     homes: dict[int, Tier]  # every unit's compute-dtype shard
@@ -95,24 +146,12 @@ class Placement:
             raise self.problems[0]
 
 
-def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, item: int, *, parts: int = 1,
-         resident_params: bool = False, whole_grads: int = 0, discrete: bool = True,
-         device_free: int | None = None, speculation: Speculation = Speculation.NONE,
-         delayed: bool = False, refit_room: int | None = None, rates: Rates | None = None) -> Placement:
-    """The placement of one rank's units (``shard_sizes``: (unit, shard elements) in unit order; ``trained``:
-    the units the optimizer steps) under ``config``, whose compute dtype has ``item`` bytes. The ZeRO stage's
-    part: each unit is split in ``parts``; ``resident_params``, every unit stays whole on the device (stages 0-2);
-    ``whole_grads``, elements of gradient kept whole in ``.grad`` until the last micro-batch (stages 0-1).
-    ``discrete``: the compute device has memory of its own (a GPU); a CPU device reads host memory in place, so
-    gradients need no landing buffers and device-homed shards no host copies (see [Note: host memory is the
-    device's] in offload/store/param_store.py). ``device_free``: bytes free on the device at start, which bound
-    the gradient accumulators kept there when no device budget is set (None: no bound). ``speculation``: which
-    sub-groups the step speculates on; ``delayed``: the
-    delayed update stages each new shard in a host buffer of its own. ``refit_room``: the device bytes the first
-    step's refit leaves offload beside the activations (offload/engine/refit.py), which auto fills as it fills a
-    device budget: the split the refit ends with, as ``offload estimate`` predicts it. ``rates``: what auto
-    chooses its split by (see [Note: auto by rates]; None: state first, as much as the room holds). Raises only for a
-    setting that no budget could fix (offload_param.buffer_size below a shard)."""
+def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machine: MachineOffer = MachineOffer(),
+         step: StepAsks = StepAsks()) -> Placement:
+    """The placement of one rank's ``shards`` under ``config``, as the stage lays them out, the machine offers and
+    the step asks. Raises only for a setting that no budget could fix (offload_param.buffer_size below a shard)."""
+    shard_sizes, trained, item = shards.sizes, shards.trained, shards.item
+    discrete = machine.discrete
     zero = config.zero_optimization
     one_micro_batch = (config.gradient_accumulation_steps or 1) == 1  # a step's gradients are each unit's only ones
     host_limit, nvme_limit = config.offload.budgets.host, config.offload.budgets.nvme
@@ -120,26 +159,29 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
     nvme_params = place_params(shard_sizes, param) if param.device == "nvme" else []
     off_device = Tier.HOST if param.device != "none" else Tier.DEVICE
     homes = {i: off_device for i, _ in shard_sizes} | {i: Tier.NVME for i, _ in nvme_params}
-    trained_sizes = [(i, n) for i, n in shard_sizes if i in trained]
+    trained_sizes = shards.trained_sizes
     fmt = from_config(config)
     out = Placement(homes, nvme_params, plan_sub_groups(trained_sizes, int(zero.sub_group_size), fmt=fmt), False)
     out.device_grads_kept = one_micro_batch and item == 2
-    alias = parts == 1 and discrete and not resident_params
+    alias = stage.parts == 1 and discrete and not stage.resident_params
     if alias:
         out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
-    _plan_device_resident(out, shard_sizes, trained_sizes, config, item, parts, resident_params, whole_grads)
+    _plan_device_resident(out, shards, config, stage)
     if opt.device != "none" and trained_sizes:
-        _plan_state_on_device(out, shard_sizes, trained_sizes, config, item, parts, device_free, refit_room, rates)
+        _plan_state_on_device(out, shards, config, stage, machine)
         if alias:  # the units homed on the device beside offloaded parameters are read there too
             out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
     nvme_params = out.nvme_params
     offloaded_sizes = [(i, n) for i, n in trained_sizes if i not in out.state_on_device]
-    if (opt.device != "none" and discrete and not one_micro_batch and not whole_grads
-            and config.offload.accumulate_on_device and offloaded_sizes):
-        _plan_device_accumulators(out, shard_sizes, offloaded_sizes, config, item, parts, device_free)
+    # Several micro-batches a step on a GPU, gradients reduced once a step (stage 3): an offloaded optimizer's
+    # accumulators go on the device as far as its room allows (see [Note: gradients accumulated on the device]).
+    sums_on_device = (opt.device != "none" and discrete and not one_micro_batch and not stage.whole_grads
+                      and config.offload.accumulate_on_device)
+    if sums_on_device and offloaded_sizes:
+        _plan_device_accumulators(out, shards, offloaded_sizes, config, stage, machine.device_free)
 
     if nvme_params:
-        shards, file_bytes = plan_homes(nvme_params, item)
+        nvme_homes, file_bytes = plan_homes(nvme_params, item)
         buffers = param_buffer_bytes([n for _, n in nvme_params], item, param.buffer_count)
         if nvme_limit is not None and file_bytes > nvme_limit:
             out.problems.append(ConfigError(
@@ -147,7 +189,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
                 f"{file_bytes:,} bytes (two slots per unit) beside 0 already planned; raise the budget, keep more "
                 "parameters on the host (offload_param.max_in_cpu), or use more ranks"))
         if host_limit is not None and buffers > host_limit:
-            largest = max(h.nbytes for h in shards.values())
+            largest = max(h.nbytes for h in nvme_homes.values())
             out.problems.append(ConfigError(
                 "offload.budgets.host", f"{host_limit:,} bytes cannot hold the {param.buffer_count} + "
                 f"{WRITE_BUFFERS} parameter NVMe buffers of {largest:,} bytes (one unit's shard) beside 0 already "
@@ -165,7 +207,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
                                                      landing=discrete,
                                                      accumulators=not out.grads_read_where_they_land,
                                                      on_device=out.device_accumulated)
-        if delayed:
+        if step.delayed:
             out.staged = frozenset(i for i, _ in offloaded_sizes if not (discrete and homes[i] is Tier.DEVICE))
             if out.staged:
                 step_buffers["delayed update copies"] = item * sum(n for i, n in offloaded_sizes if i in out.staged)
@@ -178,7 +220,7 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
 
     budget = TierBudget(Tier.HOST, host_limit, used=sum(out.host.values()))
     try:
-        place_sub_groups(out.groups, opt.device, budget, opt.buffer_count, spare=speculation is Speculation.ALL)
+        place_sub_groups(out.groups, opt.device, budget, opt.buffer_count, spare=step.speculation is Speculation.ALL)
         out.placed = True
     except ConfigError as e:
         out.problems.append(e)
@@ -190,11 +232,10 @@ def plan(shard_sizes: list[tuple[int, int]], trained: set[int], config: Any, ite
         out.step_buffers.pop("gradient accumulators", None)
     if out.placed:
         _plan_optimizer_state(out, nvme_limit, opt.buffer_count)
-    _plan_host_params(out, shard_sizes, trained - out.state_on_device if opt.device != "none" else set(), item,
-                      host_limit)
-    if speculation is not Speculation.NONE and out.placed:  # last: it is the one part that may be left out
-        _plan_speculative_slot(out, host_limit, spare=speculation is Speculation.ALL)
-    _check_device(out, shard_sizes, config, item, parts, resident_params)
+    _plan_host_params(out, shards, trained - out.state_on_device if opt.device != "none" else set(), host_limit)
+    if step.speculation is not Speculation.NONE and out.placed:  # last: it is the one part that may be left out
+        _plan_speculative_slot(out, host_limit, spare=step.speculation is Speculation.ALL)
+    _check_device(out, shards, config, stage)
     return out
 
 
@@ -234,10 +275,11 @@ def _plan_speculative_slot(out: Placement, host_limit: int | None, spare: bool) 
         out.speculative = True
 
 
-def _plan_host_params(out: Placement, shard_sizes: list[tuple[int, int]], stepped_on_host: set[int], item: int,
+def _plan_host_params(out: Placement, shards: Shards, stepped_on_host: set[int] | frozenset[int],
                       host_limit: int | None) -> None:
     """Host-homed shards the optimizer does not step there (frozen units; every unit when the optimizer stays on
     the device): the parameter store holds them in host buffers of its own."""
+    shard_sizes, item = shards.sizes, shards.item
     own = sum(round_up(n * item) for i, n in shard_sizes
               if out.homes[i] is Tier.HOST and i not in stepped_on_host)
     if not own:
@@ -251,9 +293,10 @@ def _plan_host_params(out: Placement, shard_sizes: list[tuple[int, int]], steppe
     out.host[HOST_PARAMS] = own
 
 
-def _plan_device_resident(out: Placement, shard_sizes: list[tuple[int, int]], trained_sizes: list[tuple[int, int]],
-                          config: Any, item: int, parts: int, resident_params: bool, whole_grads: int) -> None:
+def _plan_device_resident(out: Placement, shards: Shards, config: Any, stage: StageLayout) -> None:
     """What stays on the device between uses, gradient accumulators of an offloaded optimizer aside."""
+    shard_sizes, trained_sizes, item = shards.sizes, shards.trained_sizes, shards.item
+    parts, resident_params, whole_grads = stage.parts, stage.resident_params, stage.whole_grads
     offloaded = config.zero_optimization.offload_optimizer.device != "none"
     if resident_params:
         out.device["parameters"] = item * parts * sum(n for _, n in shard_sizes)
@@ -267,8 +310,8 @@ def _plan_device_resident(out: Placement, shard_sizes: list[tuple[int, int]], tr
         out.device[part] = per_element * sum(n for _, n in trained_sizes)
 
 
-def _device_room(out: Placement, shard_sizes: list[tuple[int, int]], config: Any, item: int, parts: int,
-                 device_free: int | None, refit_room: int | None = None) -> int | None:
+def _device_room(out: Placement, shards: Shards, config: Any, stage: StageLayout, device_free: int | None,
+                 refit_room: int | None = None) -> int | None:
     """Bytes the device can give to optimizer state and gradient accumulators: the device budget (or the room a
     refit leaves, ``refit_room``) less what is planned there and the gathers (twice the largest unit and a
     prefetch bucket), or without a budget half of what was free at start less those (the rest is the
@@ -276,17 +319,17 @@ def _device_room(out: Placement, shard_sizes: list[tuple[int, int]], config: Any
     budget = config.offload.budgets.device if refit_room is None else refit_room
     if budget is None and device_free is None:
         return None
-    taken = sum(out.device.values()) + gather_bytes(out, shard_sizes, config, item, parts)
+    taken = sum(out.device.values()) + gather_bytes(out, shards, config, stage)
     if budget is not None:
         return budget - taken
     assert device_free is not None  # neither bounding it returned None above
     return (device_free - taken) // 2
 
 
-def gather_bytes(out: Placement, shard_sizes: list[tuple[int, int]], config: Any, item: int, parts: int) -> int:
+def gather_bytes(out: Placement, shards: Shards, config: Any, stage: StageLayout) -> int:
     """Device room the gathers may take at once: two units besides a prefetch bucket (a tied embedding stays
     through backward), over the units that are gathered at all (not ``out.aliased``)."""
-    gathered = out.gathered(shard_sizes)
+    gathered, parts, item = out.gathered(shards.sizes), stage.parts, shards.item
     if not gathered:
         return 0
     bucket = min(int(config.zero_optimization.stage3_prefetch_bucket_size), parts * sum(gathered))
@@ -302,9 +345,8 @@ def device_grads(kept: bool, item: int) -> tuple[str, int]:
     return (KEPT_GRADS, item) if kept else ("gradient accumulators", 4)
 
 
-def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], trained_sizes: list[tuple[int, int]],
-                          config: Any, item: int, parts: int, device_free: int | None,
-                          refit_room: int | None = None, rates: Rates | None = None) -> None:
+def _plan_state_on_device(out: Placement, shards: Shards, config: Any, stage: StageLayout,
+                          machine: MachineOffer) -> None:
     """A partial optimizer offload (offload_optimizer.ratio below 1, or auto): the optimizer state of the first
     units, the ones the next forward needs first, stays on the device with an fp32 gradient accumulator each, and
     is stepped there. ratio r keeps the units nearest (1 - r) of the elements; auto, within the device's room
@@ -313,8 +355,9 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
     on NVMe) as many as the room holds. Beside offloaded parameters
     the kept units' shards are homed on the device too (see [Note: a split beside offloaded parameters])."""
     zero = config.zero_optimization
+    shard_sizes, trained_sizes, item, rates = shards.sizes, shards.trained_sizes, shards.item, machine.rates
     ratio, params_offloaded = zero.offload_optimizer.ratio, zero.offload_param.device != "none"
-    room = _device_room(out, shard_sizes, config, item, parts, device_free, refit_room)
+    room = _device_room(out, shards, config, stage, machine.device_free, machine.refit_room)
     # state (a sub-group each at worst), the gradient (an fp32 accumulator, or the 16-bit one kept) and, beside
     # offloaded parameters, the shard itself
     part, grad_bytes = device_grads(out.device_grads_kept, item)
@@ -329,7 +372,7 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
             return  # a CPU device without a budget gains nothing
         # On NVMe the disk's rate is not measured at start-up: state first there (offload/engine/rates.py).
         if rates is not None and rates.prices_a_split and zero.offload_optimizer.device == "cpu":
-            k = _fastest_prefix(cost, shard_sizes, room, item, params_offloaded, rates, config)
+            k = _fastest_prefix(cost, shards, room, params_offloaded, rates, config)
         else:  # state first: as many units as the room holds
             k, used = 0, 0
             while k < len(cost) and used + cost[k][2] <= room:
@@ -354,8 +397,8 @@ def _plan_state_on_device(out: Placement, shard_sizes: list[tuple[int, int]], tr
         _home_on_device(out, shard_sizes, item, out.state_on_device, spare)
 
 
-def _fastest_prefix(cost: list[tuple[int, int, int]], shard_sizes: list[tuple[int, int]], room: int, item: int,
-                    params_offloaded: bool, rates: Rates, config: Any) -> int:
+def _fastest_prefix(cost: list[tuple[int, int, int]], shards: Shards, room: int, params_offloaded: bool,
+                    rates: Rates, config: Any) -> int:
     """[Note: auto by rates] With the host's Adam rate and the bus's known, auto keeps on the device the state of
     the first k units (``cost``: (unit, elements, device bytes) in the order of need) for the k whose step is
     fastest at ``rates`` (offload/store/step_cost.py: the longest lane, then the sum), each k's leftover room homing
@@ -365,6 +408,7 @@ def _fastest_prefix(cost: list[tuple[int, int, int]], shard_sizes: list[tuple[in
     as none) or under the parameters' crossing, more state buys nothing, and the room is better spent homing
     shards. The state-first choice is one of the candidates: by these rates it is never faster by more than the
     tie (1%) the sum decides within."""
+    shard_sizes, item = shards.sizes, shards.item
     total = {i: n for i, n, _ in cost}
     candidates: list[tuple[StepPrediction, int]] = []
     used = 0
@@ -416,13 +460,12 @@ def _home_on_device(out: Placement, shard_sizes: list[tuple[int, int]], item: in
     out.device["shards"] = out.device.get("shards", 0) + item * sum(n for i, n in shard_sizes if i in moved)
 
 
-def _plan_device_accumulators(out: Placement, shard_sizes: list[tuple[int, int]],
-                              trained_sizes: list[tuple[int, int]], config: Any, item: int, parts: int,
-                              device_free: int | None) -> None:
+def _plan_device_accumulators(out: Placement, shards: Shards, trained_sizes: list[tuple[int, int]], config: Any,
+                              stage: StageLayout, device_free: int | None) -> None:
     """With gradient accumulation, an offloaded optimizer's fp32 accumulators (``trained_sizes``: the units whose
     state is offloaded) go on the device, in unit order, as far as its room allows (``_device_room``). The other
     units accumulate on the host (see [Note: gradients accumulated on the device] in offload/optim/landing.py)."""
-    room = _device_room(out, shard_sizes, config, item, parts, device_free)
+    room = _device_room(out, shards, config, stage, device_free)
     chosen: set[int] = set()
     used = 0
     for i, n in trained_sizes:
@@ -435,16 +478,16 @@ def _plan_device_accumulators(out: Placement, shard_sizes: list[tuple[int, int]]
         out.device["gradient accumulators"] = out.device.get("gradient accumulators", 0) + used
 
 
-def _check_device(out: Placement, shard_sizes: list[tuple[int, int]], config: Any, item: int, parts: int,
-                  resident_params: bool) -> None:
+def _check_device(out: Placement, shards: Shards, config: Any, stage: StageLayout) -> None:
     """The device budget against what stays there, and its room for gathers."""
+    shard_sizes, item, parts = shards.sizes, shards.item, stage.parts
     offloaded = config.zero_optimization.offload_optimizer.device != "none"
     budget = config.offload.budgets.device
     if budget is None:
         return
     resident = sum(out.device.values())
     optimizer = "" if offloaded else " and the optimizer state"
-    if resident_params:
+    if stage.resident_params:
         if resident > budget:
             out.problems.append(ConfigError(
                 "offload.budgets.device", f"{budget:,} bytes cannot hold this rank's resident state ({resident:,} "
