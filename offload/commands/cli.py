@@ -279,7 +279,14 @@ def _cmd_tune_nvme(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from offload.commands.train import main_args, run
-    record = run(main_args(args))
+    try:
+        record = run(main_args(args))
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once (see [Note: stopping at an agreed step])
+        print("offload train: interrupted at once by a second SIGINT; the last complete checkpoint, if any, is what "
+              "'latest' in the checkpoint directory names", file=sys.stderr)
+        return 130
+    if record.stopped is not None:
+        return int(record.stopped["exit_status"])
     if args.expect_loss_drop and len(record.losses) >= 2 and not record.losses[-1] < record.losses[0]:
         print(f"offload train: --expect-loss-drop: the last step's loss ({record.losses[-1]:.4f}) is not below the "
               f"first's ({record.losses[0]:.4f})", file=sys.stderr)
@@ -408,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=non_negative_int, default=0, help="save a checkpoint every N steps")
     p.add_argument("--save-dir", default=None, help="checkpoint directory (default <out>/checkpoints)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    p.add_argument("--no-save-on-stop", dest="save_on_stop", action="store_false",
+                   help="on SIGTERM or SIGINT, stop after the step under way without saving a checkpoint of it "
+                        "(default: save one, then exit 143 / 130)")
     p.add_argument("--tag", default=None, help="with --resume: this checkpoint tag instead of the latest (to step "
                                                "around a damaged one)")
     p.add_argument("--print-every", type=positive_int, default=None, help="steps between progress lines")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import resource
 import sys
 import time
@@ -64,6 +65,7 @@ class TrainArgs:
     save_dir: str | None = None  # default: <out>/checkpoints
     resume: bool = False
     tag: str | None = None  # with resume: this checkpoint tag instead of the latest
+    save_on_stop: bool = True  # a SIGTERM or SIGINT saves a checkpoint of the step it stops after
     print_every: int | None = None  # None: the config's steps_per_print
 
 
@@ -84,6 +86,9 @@ class TrainRecord:
     peak_device_bytes: int = 0
     memory: dict[str, dict[str, int]] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
+    # Stopped early by a signal (see [Note: stopping at an agreed step] in offload/engine/stopping.py): the reason,
+    # the step, the checkpoint saved of it (or None) and the process's exit status.
+    stopped: dict[str, Any] | None = None
 
 
 # ----------------------------------------------------------------------------- checks, before any work
@@ -384,6 +389,7 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
     engine.telemetry.start_trace()
     engine.accel.reset_peak()
     start = time.perf_counter()
+    signals = engine.stop_on_signals().install()
     try:
         for step in range(first_step, args.steps):
             total = 0.0
@@ -404,13 +410,19 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
             line = f"step {done:5d}/{args.steps}  loss {total:7.4f}  {rate:9,.0f} tok/s  " \
                    f"{_tier_line(engine.memory_summary())}"
             bar.update(done, line, keep=done == first_step + 1 or done % every == 0 or done == args.steps)
-            if args.save_every and done % args.save_every == 0:
+            saved = None
+            if (args.save_every and done % args.save_every == 0) or (engine.should_stop and args.save_on_stop):
                 # The losses so far go into the checkpoint and the record, so that a killed run loses none of them.
-                engine.save_checkpoint(save_dir, client_state={"step": done, "losses": list(record.losses),
-                                                               "first_step": record.first_step})
+                saved = engine.save_checkpoint(save_dir, client_state={"step": done, "losses": list(record.losses),
+                                                                       "first_step": record.first_step})
                 if rank0:
                     _write_record(record, out_dir)
+            if engine.should_stop:
+                record.stopped = {"reason": engine.stop.reason, "step": done, "checkpoint": saved,
+                                  "exit_status": engine.stop.exit_status}
+                break
     finally:
+        signals.uninstall()
         elapsed = time.perf_counter() - start
         ran = len(record.losses) - len(history)  # steps of this run (a resumed record keeps the earlier ones)
         steps_run = max(1, ran)
@@ -431,7 +443,24 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
             _write_record(record, out_dir)
         engine.close()
     _summary(record, say)
+    if record.stopped is not None:
+        say(_stopped_line(record.stopped, args, save_dir))
     return record
+
+
+def _stopped_line(stopped: dict[str, Any], args: TrainArgs, save_dir: Path) -> str:
+    """One line: why and where the run stopped, its checkpoint, and the command that resumes it."""
+    argv = sys.argv[1:]
+    command = (shlex.join(["offload", *argv, *([] if "--resume" in argv else ["--resume"])])
+               if argv[:1] == ["train"] else "the same offload train command with --resume")
+    if stopped["checkpoint"] is not None:
+        saved = f"saved checkpoint {stopped['checkpoint']}"
+    else:
+        latest = save_dir / "latest"
+        last = latest.read_text().strip() if latest.is_file() else None
+        saved = ("no checkpoint saved (--no-save-on-stop); " if not args.save_on_stop else "") + (
+            f"the last one is {save_dir / last}" if last else "no checkpoint to resume from")
+    return f"offload train: stopped by {stopped['reason']} after step {stopped['step']}; {saved}; resume: {command}"
 
 
 class ProgressBar:

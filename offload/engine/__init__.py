@@ -13,7 +13,8 @@ Its rooms (tests/test_imports.py checks that each module is named here):
 - weights.py: whole weights out of a live engine; checkpoint_io.py: which engine state goes into which training
   checkpoint file and back (the format is offload/files/training_checkpoint.py; activation checkpointing is
   offload/checkpointing.py, DeepSpeed's name for it).
-- errors.py: the engine's one error type and its messages.
+- errors.py: the engine's one error type and its messages; stopping.py: a stop request (a signal, the loop) agreed
+  by every rank at a step.
 """
 
 from offload.engine.core import Engine

@@ -38,6 +38,8 @@ the engine stays usable, as before.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from offload.machine.accelerator import Accelerator
@@ -47,13 +49,26 @@ from offload.observe.telemetry import Telemetry
 from offload.zero.collectives import Group, ReductionOrder, Vote, all_ok, all_reduce_sum
 
 
+class StepAgreement(NamedTuple):
+    """What one all-reduce at the step tells every rank."""
+
+    sum_sq: float  # the squared global gradient norm
+    nonfinite: int  # non-finite gradient elements, over every rank
+    peers_failed: bool  # some rank failed before its norm (see [Note: one rank's failed step])
+    in_order: bool  # every rank issued its reductions in the same order (see [Note: gradient reduction order])
+    stop: bool  # some rank was asked to stop (see [Note: stopping at an agreed step] in engine/stopping.py)
+
+
 def global_grad_sq_norm(optimizer: ShardedAdam, group: Group, partition: Group, accel: Accelerator,
-                        telemetry: Telemetry, failed: bool, order: list[float]) -> tuple[float, int, bool, bool]:
+                        telemetry: Telemetry, failed: bool, order: list[float], stop: bool = False
+                        ) -> StepAgreement:
     """The sum of squared gradients and the count of non-finite ones over every partition, whether another
     rank ``failed`` before its norm (see [Note: one rank's failed step]; a rank that failed adds nothing to the
-    norm), and whether every rank issued its reductions in the same ``order`` (``ReductionOrder.take``)."""
+    norm), whether every rank issued its reductions in the same ``order`` (``ReductionOrder.take``), and whether
+    any rank was asked to ``stop``."""
     with telemetry.span("optimizer", "norm"):
-        totals = torch.tensor([0.0, 0.0, 1.0 if failed else 0.0, *order], dtype=torch.float64, device=accel.device)
+        totals = torch.tensor([0.0, 0.0, 1.0 if failed else 0.0, 1.0 if stop else 0.0, *order],
+                              dtype=torch.float64, device=accel.device)
         if not failed:
             host_sq, host_nonfinite = optimizer.grad_sq_norm()  # host shards' parts, mostly taken as they landed
             totals[0], totals[1] = host_sq, float(host_nonfinite)
@@ -61,14 +76,14 @@ def global_grad_sq_norm(optimizer: ShardedAdam, group: Group, partition: Group, 
             if on_device is not None:
                 totals[:2] += on_device
         if partition.world < group.world:
-            # Stage 0: every rank holds the whole gradient already, so only the failure flag (a parameter
-            # unused here fails only this rank) and the reductions' order are summed over the ranks.
+            # Stage 0: every rank holds the whole gradient already, so only the failure and stop flags (a
+            # parameter unused here fails only this rank) and the reductions' order are summed over the ranks.
             all_reduce_sum(totals[2:], group)
         else:
             all_reduce_sum(totals, partition)
-        sum_sq, nonfinite, failures, *summed = accel.read_scalars(totals, "global gradient norm")  # one sync
+        sum_sq, nonfinite, failures, stops, *summed = accel.read_scalars(totals, "global gradient norm")  # one sync
         in_order = ReductionOrder.agreed(summed, group.world)
-        return sum_sq, int(nonfinite), failures > 0, in_order
+        return StepAgreement(sum_sq, int(nonfinite), failures > 0, in_order, stops > 0)
 
 
 def commit_vote(nvme_state: bool, partition: Group, group: Group, accel: Accelerator, step: int) -> Vote | None:

@@ -37,6 +37,7 @@ from offload.engine import errors
 from offload.engine.errors import EngineError
 from offload.engine.life import Lifetime
 from offload.engine.persistence import Persistence
+from offload.engine.stopping import SignalStop, Stop, StopRequest
 from offload.optim.loss_scale import LossScaler, gradient_factor, unclipped_factor
 from offload.files.pretrained import PretrainedWeights
 from offload.store.param_swap import ParamSwapError
@@ -68,6 +69,7 @@ class Engine(DeepSpeedAccessors, Persistence):
         self.global_steps = self.skipped_steps = self.global_samples = 0
         self.step_applied = False  # the last step() changed the weights (was_step_applied)
         self.life = Lifetime(group.rank, group.world)
+        self.stop = StopRequest()  # see [Note: stopping at an agreed step] in engine/stopping.py
         self.last_grad_norm: float | None = None
         parts = build(model, config, param_groups, adamw_mode=adamw_mode, bias_correction=bias_correction,
                       group=group, stage=self.stage, accel=accel, compute_dtype=self.compute_dtype,
@@ -197,8 +199,9 @@ class Engine(DeepSpeedAccessors, Persistence):
             self.optimizer.publish()
         except Exception as e:  # noqa: BLE001 - raised once every rank knows (see [Note: one rank's failed step])
             failed = e
-        sum_sq, nonfinite, peers_failed, in_order = agreement.global_grad_sq_norm(
-            self.optimizer, self.group, self.partition, self.accel, self.telemetry, failed is not None, order)
+        sum_sq, nonfinite, peers_failed, in_order, stop = agreement.global_grad_sq_norm(
+            self.optimizer, self.group, self.partition, self.accel, self.telemetry, failed is not None, order,
+            self.stop.requested)
         if failed is not None:
             raise failed
         if peers_failed or not in_order:
@@ -222,6 +225,7 @@ class Engine(DeepSpeedAccessors, Persistence):
             self.optimizer.clear_grads()
             self.runtime.step_taken()
             self._report_every_steps_per_print()
+            self._stop_if_agreed(stop)
             return
         self.last_grad_norm, grad_scale = gradient_factor(sum_sq, nonfinite, scale, self._clip)
         self.schedule.norm_known(clipped=grad_scale != unclipped_factor(scale))
@@ -262,9 +266,32 @@ class Engine(DeepSpeedAccessors, Persistence):
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
                 self.lr_scheduler.step()
         self._report_every_steps_per_print()
+        self._stop_if_agreed(stop)
         if behind is not None:
             raise errors.params_behind(self.global_steps, behind.strerror) from behind
         self.runtime.read_ahead_first()
+
+    # ----------------------------------------------------------------- stopping
+
+    def request_stop(self, reason: str = "the training loop asked", signum: int | None = None) -> None:
+        """Ask every rank to stop after the next step (safe from a signal handler: it only sets a flag); the loop
+        reads ``should_stop`` after each step() (see [Note: stopping at an agreed step] in engine/stopping.py)."""
+        self.stop.request(reason, signum)
+
+    @property
+    def should_stop(self) -> bool:
+        """True on every rank after the same step() once any rank asked to stop: save, close and end there."""
+        return self.stop.state is Stop.AGREED
+
+    def stop_on_signals(self) -> SignalStop:
+        """``with engine.stop_on_signals():`` SIGTERM and SIGINT ask to stop after the next step; a second one stops
+        at once."""
+        return SignalStop(self)
+
+    def _stop_if_agreed(self, stop: bool) -> None:
+        if stop:
+            self.stop.agreed(self.global_steps, by_peer=not self.stop.requested)
+            logger.info("rank %d: stopping after step %d (%s)", self.group.rank, self.global_steps, self.stop.reason)
 
     def _drain(self, before: str, publish: bool = False) -> None:
         agreement.drained(self.optimizer, self.group, self.accel, before, publish)
