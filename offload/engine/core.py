@@ -37,7 +37,7 @@ from offload.engine import errors
 from offload.engine.errors import EngineError
 from offload.engine.life import Lifetime
 from offload.engine.persistence import Persistence
-from offload.engine.stopping import SignalStop, Stop, StopRequest
+from offload.engine.stopping import Stoppable, StopRequest
 from offload.optim.loss_scale import LossScaler, gradient_factor, unclipped_factor
 from offload.files.pretrained import PretrainedWeights
 from offload.store.param_swap import ParamSwapError
@@ -50,7 +50,7 @@ from offload.zero.stage import Stage
 logger = logging.getLogger("offload.engine")
 
 
-class Engine(DeepSpeedAccessors, Persistence):
+class Engine(DeepSpeedAccessors, Persistence, Stoppable):
     """A model sharded over the data-parallel group with its optimizer; see ``offload.initialize``."""
 
     def __init__(self, model: nn.Module, config: Config, param_groups: list[dict[str, Any]], adamw_mode: bool,
@@ -270,28 +270,6 @@ class Engine(DeepSpeedAccessors, Persistence):
         if behind is not None:
             raise errors.params_behind(self.global_steps, behind.strerror) from behind
         self.runtime.read_ahead_first()
-
-    # ----------------------------------------------------------------- stopping
-
-    def request_stop(self, reason: str = "the training loop asked", signum: int | None = None) -> None:
-        """Ask every rank to stop after the next step (safe from a signal handler: it only sets a flag); the loop
-        reads ``should_stop`` after each step() (see [Note: stopping at an agreed step] in engine/stopping.py)."""
-        self.stop.request(reason, signum)
-
-    @property
-    def should_stop(self) -> bool:
-        """True on every rank after the same step() once any rank asked to stop: save, close and end there."""
-        return self.stop.state is Stop.AGREED
-
-    def stop_on_signals(self) -> SignalStop:
-        """``with engine.stop_on_signals():`` SIGTERM and SIGINT ask to stop after the next step; a second one stops
-        at once."""
-        return SignalStop(self)
-
-    def _stop_if_agreed(self, stop: bool) -> None:
-        if stop:
-            self.stop.agreed(self.global_steps, by_peer=not self.stop.requested)
-            logger.info("rank %d: stopping after step %d (%s)", self.group.rank, self.global_steps, self.stop.reason)
 
     def _drain(self, before: str, publish: bool = False) -> None:
         agreement.drained(self.optimizer, self.group, self.accel, before, publish)

@@ -126,3 +126,32 @@ def stop_on_signals(target: Any) -> Iterator[SignalStop]:
     """``with stop_on_signals(engine):`` SIGTERM and SIGINT ask the engine to stop after its next step."""
     with SignalStop(target) as installed:
         yield installed
+
+
+class Stoppable:
+    """The stop API of ``Engine`` (offload/engine/core.py), a mixin: its step() carries ``stop.requested`` in the
+    norm's all-reduce and calls ``_stop_if_agreed`` with what came back."""
+
+    stop: StopRequest
+    global_steps: int
+    group: Any
+
+    def request_stop(self, reason: str = "the training loop asked", signum: int | None = None) -> None:
+        """Ask every rank to stop after the next step (safe from a signal handler: it only sets a flag); the loop
+        reads ``should_stop`` after each step() (see [Note: stopping at an agreed step])."""
+        self.stop.request(reason, signum)
+
+    @property
+    def should_stop(self) -> bool:
+        """True on every rank after the same step() once any rank asked to stop: save, close and end there."""
+        return self.stop.state is Stop.AGREED
+
+    def stop_on_signals(self) -> SignalStop:
+        """``with engine.stop_on_signals():`` SIGTERM and SIGINT ask to stop after the next step; a second one stops
+        at once."""
+        return SignalStop(self)
+
+    def _stop_if_agreed(self, stop: bool) -> None:
+        if stop:
+            self.stop.agreed(self.global_steps, by_peer=not self.stop.requested)
+            logger.info("rank %d: stopping after step %d (%s)", self.group.rank, self.global_steps, self.stop.reason)
