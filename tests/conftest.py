@@ -12,6 +12,30 @@ def repo() -> pathlib.Path:
     return REPO
 
 
+@pytest.fixture
+def small_fs(tmp_path):
+    """A factory of real, small ext4 file systems (loop-mounted, so O_DIRECT works and a full disk is the kernel's
+    ENOSPC), where the machine lets us mount one (root, losetup); skips elsewhere. Each is unmounted after."""
+    import subprocess
+    mounted = []
+
+    def make(mib: int) -> pathlib.Path:
+        image, mnt = tmp_path / f"fs{len(mounted)}.img", tmp_path / f"fs{len(mounted)}"
+        mnt.mkdir()
+        with open(image, "wb") as f:
+            f.truncate(mib << 20)
+        made = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True)
+        if made.returncode != 0 or subprocess.run(["mount", "-o", "loop", str(image), str(mnt)],
+                                                  capture_output=True).returncode != 0:
+            pytest.skip("cannot loop-mount a small ext4 here (needs root and mkfs.ext4)")
+        mounted.append(mnt)
+        return mnt
+
+    yield make
+    for mnt in mounted:  # lazily: a closed engine's io_uring may let go of its files a moment later
+        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
+
+
 @pytest.fixture(params=native.supported_variants())
 def variant(request):
     """Run the test once per kernel variant this CPU can execute (portable included)."""

@@ -16,7 +16,7 @@ import torch
 
 import offload
 from offload.machine import cpus, native
-from offload.files.training_checkpoint import CheckpointError
+from offload.files.training_checkpoint import CheckpointDiskFull, CheckpointError
 from offload.commands.cli_types import (directory_problem, non_negative_float, non_negative_int, output_file_problem,
                                positive_float, positive_int, positive_ints, positive_size, positive_sizes)
 from offload.config import Config, ConfigError
@@ -281,6 +281,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from offload.commands.train import main_args, run
     try:
         record = run(main_args(args))
+    except CheckpointDiskFull as e:  # said in one paragraph; status 1, as any run that failed
+        print(f"offload train: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once (see [Note: stopping at an agreed step])
         print("offload train: interrupted at once by a second SIGINT; the last complete checkpoint, if any, is what "
               "'latest' in the checkpoint directory names", file=sys.stderr)
@@ -415,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=non_negative_int, default=0, help="save a checkpoint every N steps")
     p.add_argument("--save-dir", default=None, help="checkpoint directory (default <out>/checkpoints)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    p.add_argument("--keep-last", type=positive_int, default=None,
+                   help="keep only the newest N checkpoints in --save-dir (offload.checkpoints.keep_last; default: "
+                        "every one)")
     p.add_argument("--no-save-on-stop", dest="save_on_stop", action="store_false",
                    help="on SIGTERM or SIGINT, stop after the step under way without saving a checkpoint of it "
                         "(default: save one, then exit 143 / 130)")

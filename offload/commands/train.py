@@ -66,6 +66,7 @@ class TrainArgs:
     resume: bool = False
     tag: str | None = None  # with resume: this checkpoint tag instead of the latest
     save_on_stop: bool = True  # a SIGTERM or SIGINT saves a checkpoint of the step it stops after
+    keep_last: int | None = None  # offload.checkpoints.keep_last: the newest N checkpoints kept (None: the config's)
     print_every: int | None = None  # None: the config's steps_per_print
 
 
@@ -289,6 +290,8 @@ def build_config(args: TrainArgs) -> dict[str, Any]:
         if zero.get(section, {}).get("device") == "nvme":
             path = zero[section].get("nvme_path") or args.nvme_path
             zero[section]["nvme_path"] = str(Path(path).absolute())
+    if args.keep_last is not None:
+        raw.setdefault("offload", {}).setdefault("checkpoints", {})["keep_last"] = args.keep_last
     malloc = raw.setdefault("offload", {}).setdefault("host_malloc", {})
     if malloc.get("mmap_threshold") is None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         malloc["mmap_threshold"] = DEFAULT_THRESHOLD  # an application may fix it: RSS then tracks the budgets
@@ -434,13 +437,16 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
         record.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         record.peak_device_bytes = engine.accel.memory_stats().peak_allocated
         record.memory = engine.memory_summary()
-        if rank0:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            record.files = {"trace": str(engine.telemetry.export_chrome_trace(out_dir / "trace.json", 0)),
-                            "record": str(out_dir / "record.json")}
-            if record.losses:
-                record.files["loss_plot"] = str(_plot(record, out_dir / "loss.png"))
-            _write_record(record, out_dir)
+        try:
+            if rank0:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                record.files = {"trace": str(engine.telemetry.export_chrome_trace(out_dir / "trace.json", 0)),
+                                "record": str(out_dir / "record.json")}
+                if record.losses:
+                    record.files["loss_plot"] = str(_plot(record, out_dir / "loss.png"))
+                _write_record(record, out_dir)
+        except OSError as e:  # a full disk under --out too: the run's own error (if any) is the one to see
+            say(f"could not write the run's record under {out_dir}: {e}")
         engine.close()
     _summary(record, say)
     if record.stopped is not None:

@@ -546,7 +546,17 @@ class OptimizerStateConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CheckpointsConfig:
+    keep_last: int | None = setting(None, "Keep only the newest N training checkpoints in a save directory: after each "
+                                          "save is published (and `latest` names it), the older ones beyond N are "
+                                          "removed, never the one `latest` names and never one being written "
+                                          "(null: keep every one, as DeepSpeed does). offload.hf.Trainer takes "
+                                          "TrainingArguments.save_total_limit for it.", ge=1)
+
+
+@dataclass(kw_only=True, slots=True)
 class OffloadExtConfig:
+    checkpoints: CheckpointsConfig = section(CheckpointsConfig, "Training checkpoints (engine.save_checkpoint).")
     optimizer_state: OptimizerStateConfig = section(OptimizerStateConfig, "The optimizer state in fewer bytes "
                                                     "(docs/performance.md, \"the state in fewer bytes\", says when "
                                                     "each format suits).")

@@ -10,9 +10,11 @@ the loss scale.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -21,9 +23,10 @@ import torch
 
 from offload.engine.weights import rewrite_units, spread_rewritten, state_dict_layout
 from offload.files import small_state
-from offload.files.training_checkpoint import (FORMAT, LATEST, READS, CheckpointError, RankWriter, ShardReader,
-                                               partitions, phase, publish, read_meta, resolve, save_small,
-                                               sweep_stale, tmp_dir, verify, write_atomic, writer_lock)
+from offload.files.training_checkpoint import (FORMAT, LATEST, READS, CheckpointDiskFull, CheckpointError,
+                                               RankWriter, ShardReader, fsync_dir, full_disk_errno, partitions,
+                                               phase, publish, read_meta, resolve, save_small, sweep_stale,
+                                               tmp_dir, tree_bytes, verify, write_atomic, writer_lock)
 from offload.store.state_format import FP32, StateFormat
 from offload.version import __version__
 from offload.zero.collectives import all_ok
@@ -194,27 +197,102 @@ def _save_locked(engine: Any, root: Path, tag: str, client_state: dict[str, Any]
     # A rank whose write failed (a full disk) says so before the next collective, so none is left waiting in it;
     # nothing is published, and the last checkpoint stays what `latest` names.
     if not all_ok(error is None, group, engine.accel.device):
-        raise error or CheckpointError(f"rank {rank}: another rank could not write its part of checkpoint {tag!r} "
-                                       f"under {root} (its error says why); nothing was published, the last "
-                                       "checkpoint is intact")
+        raise _failed(engine, root, tag, error)
     every = _gather_objects(files, group)
+    error = None
     if rank == 0:
-        train = engine.train_state()
-        params = [[key, unit, slot.offset, list(slot.shape)] for key, unit, slot in layout]
-        meta = {"format": FORMAT, "version": __version__, "tag": tag, "world_size": group.world,
-                "partitions": engine.partition.world,
-                "global_steps": train["global_steps"], "skipped_steps": train["skipped_steps"],
-                "micro_steps": train["micro_steps"], "global_samples": train["global_samples"],
-                "adam_steps": engine.optimizer.adam_steps, "state_format": _format_meta(engine.optimizer.store.fmt),
-                "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
-                "params": params,
-                "config": engine.config.to_dict(), "files": {k: v for f in every for k, v in f.items()}}
-        if kinds:
-            meta["client_state_pickled"] = kinds
-        publish(root, tag, meta, update_latest=save_latest)
-        _place_recovery_script(root)
+        try:
+            _publish(engine, root, tag, layout, kinds, every, save_latest)
+        except Exception as e:  # noqa: BLE001 - raised once every rank knows (meta.json on a full disk, say)
+            error = e
+    if not all_ok(error is None, group, engine.accel.device):
+        raise _failed(engine, root, tag, error)
+    if rank == 0 and save_latest:
+        retire_old(root, engine.config.offload.checkpoints.keep_last)
     _barrier(group)
     return root / tag
+
+
+def _failed(engine: Any, root: Path, tag: str, error: BaseException | None) -> BaseException:
+    """What every rank raises when some rank's part of a save failed: the partial save is removed at once (rank 0,
+    once every rank has stopped writing), and a full disk is said in one message, the same on every rank."""
+    group, rank = engine.group, engine.group.rank
+    full = full_disk_errno(error)
+    fulls = _gather_objects(full, group)  # a collective every rank reaches: all of them are here
+    if rank == 0:
+        shutil.rmtree(tmp_dir(root, tag), ignore_errors=True)
+    _barrier(group)
+    number = next((n for n in fulls if n is not None), None)
+    if number is not None:
+        message = _disk_full_message(engine, root, tag, number)
+        full_error = CheckpointDiskFull(message, number)
+        if error is not None:
+            full_error.__cause__ = error
+        return full_error
+    return error or CheckpointError(f"rank {rank}: another rank could not write its part of checkpoint {tag!r} "
+                                    f"under {root} (its error says why); nothing was published, the last "
+                                    "checkpoint is intact")
+
+
+def _disk_full_message(engine: Any, root: Path, tag: str, number: int) -> str:
+    """Bytes a checkpoint takes (the last complete one's, else this rank's state times the ranks), bytes free,
+    the checkpoint to resume from, and what to do."""
+    last = root / (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    if last is not None and last.is_dir():
+        needed = tree_bytes(last)
+    else:
+        last = None
+        needed = engine.partition.world * sum(g.nbytes for g in engine.optimizer.store.groups)
+    free = shutil.disk_usage(root).free
+    return (f"checkpoint {tag!r} did not fit in {root}: its file system is full ({errno.errorcode[number]}); a "
+            f"checkpoint of this run takes about {needed:,} bytes and {free:,} are free there. The partial save "
+            f"was removed, so the disk is as it was; "
+            + (f"the last complete checkpoint is {last} (resume from it). " if last is not None
+               else "there is no complete checkpoint to resume from. ")
+            + "Free space there, save to another disk, or keep fewer checkpoints (offload.checkpoints.keep_last, "
+              "--keep-last)")
+
+
+def retire_old(root: Path, keep_last: int | None) -> list[str]:
+    """After a save is published: the oldest complete checkpoints beyond the newest ``keep_last`` removed (None:
+    every one kept), never the one ``latest`` names; rank 0, holding the writer lock, so no save is under way.
+    Returns the tags removed."""
+    if keep_last is None:
+        return []
+    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    complete = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+                       and (p / "meta.json").is_file()), key=lambda p: (p / "meta.json").stat().st_mtime_ns)
+    keep = {p.name for p in complete[-keep_last:]} | {latest}
+    gone = [p.name for p in complete if p.name not in keep]
+    for name in gone:
+        # moved aside first, so a kill part-way leaves a name the next save sweeps, never a half-removed tag
+        aside = root / f".tmp-retired-{name}"
+        os.replace(root / name, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    if gone:
+        fsync_dir(root)
+        logger.info("checkpoints in %s: removed %s (keeping the newest %d)", root, ", ".join(gone), keep_last)
+    return gone
+
+
+def _publish(engine: Any, root: Path, tag: str, layout: list[Any], kinds: dict[str, str],
+             every: list[dict[str, str]], save_latest: bool) -> None:
+    """Rank 0: the checkpoint's meta.json, then the directory, then ``latest`` (training_checkpoint.publish)."""
+    group = engine.group
+    train = engine.train_state()
+    params = [[key, unit, slot.offset, list(slot.shape)] for key, unit, slot in layout]
+    meta = {"format": FORMAT, "version": __version__, "tag": tag, "world_size": group.world,
+            "partitions": engine.partition.world,
+            "global_steps": train["global_steps"], "skipped_steps": train["skipped_steps"],
+            "micro_steps": train["micro_steps"], "global_samples": train["global_samples"],
+            "adam_steps": engine.optimizer.adam_steps, "state_format": _format_meta(engine.optimizer.store.fmt),
+            "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
+            "params": params,
+            "config": engine.config.to_dict(), "files": {k: v for f in every for k, v in f.items()}}
+    if kinds:
+        meta["client_state_pickled"] = kinds
+    publish(root, tag, meta, update_latest=save_latest)
+    _place_recovery_script(root)
 
 
 def _write_rank_files(engine: Any, tmp: Path, client_state: dict[str, Any], pickled: dict[str, Any],

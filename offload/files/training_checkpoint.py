@@ -30,6 +30,7 @@ one in), and logs what it did.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import io
@@ -57,6 +58,33 @@ phase_hook: Callable[[str], None] | None = None
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, damaged, or does not fit this engine; the message names the file."""
+
+
+class CheckpointDiskFull(CheckpointError):
+    """A save that ran out of room on its file system; the partial save is removed. ``errno`` is the system's
+    (ENOSPC, or EDQUOT for a quota)."""
+
+    def __init__(self, message: str, error_number: int) -> None:
+        super().__init__(message)
+        self.errno = error_number
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def full_disk_errno(error: BaseException | None) -> int | None:
+    """The errno of a full file system in ``error`` or what caused it, else None."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, OSError) and error.errno in FULL:
+            return error.errno
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def phase(name: str) -> None:
