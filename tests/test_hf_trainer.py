@@ -463,3 +463,56 @@ def test_auto_resolution_is_hugging_faces_own_where_deepspeed_is_installed(tmp_p
         assert our_error is not None
         assert [line for line in our_error.splitlines() if line.startswith("- ds ")] == \
             [line for line in their_error.splitlines() if line.startswith("- ds ")]
+
+
+STOPPED_TRAINER = """
+import json, os, signal, sys
+sys.path.insert(0, sys.argv[1])
+path, out, at, resume = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "resume"
+import torch
+import offload.hf
+from offload.engine.core import Engine
+from test_hf_trainer import DS, arguments, logged
+calls = []
+backward = Engine.backward
+def signalled(self, loss, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == at:
+        os.kill(os.getpid(), signal.SIGTERM)  # inside the step's second micro-batch
+    return backward(self, loss, *args, **kwargs)
+Engine.backward = signalled
+torch.manual_seed(0)
+rows = [{"input_ids": t, "labels": t} for t in torch.randint(0, 128, (24, 16))]
+trainer = offload.hf.Trainer(model=offload.hf.meta_model(path), weights=path, offload_config=DS,
+                             args=arguments(out), train_dataset=rows)
+trainer.train(resume_from_checkpoint=True if resume else None)
+print("LOSSES", json.dumps(logged(trainer)))
+"""
+
+
+def test_a_sigterm_stops_the_trainer_after_its_step_with_a_checkpoint_that_resumes(tmp_path):
+    """save_strategy "no", and still a checkpoint of the step the signal stopped: the Trainer's loop saves it and
+    the process exits 143; train(resume_from_checkpoint=True) then goes on as the run that never stopped."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    def run(out, at, resume):
+        return subprocess.run([sys.executable, "-c", STOPPED_TRAINER, str(REPO / "tests"), str(path), str(out),
+                               str(at), "resume" if resume else "start"], capture_output=True, text=True,
+                              timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+    path = save(tiny("llama"), tmp_path / "ckpt")
+    straight = run(tmp_path / "straight", 0, False)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    stopped = run(tmp_path / "out", 6, False)  # backward calls 5 and 6 make step 3
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert (f"offload.hf.Trainer: stopped by SIGTERM after step 3; saved checkpoint {tmp_path / 'out'}/checkpoint-3;"
+            in stopped.stdout), stopped.stdout[-2000:]
+    assert (tmp_path / "out" / "checkpoint-3" / "offload" / "latest").read_text() == "global_step3"
+    resumed = run(tmp_path / "out", 0, True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = [json.loads(r.stdout.split("LOSSES ")[-1]) for r in (straight, resumed)]
+    assert len(losses[0]) == 6 and losses[1] == pytest.approx(losses[0], rel=1e-6)

@@ -550,8 +550,9 @@ class CheckpointsConfig:
     keep_last: int | None = setting(None, "Keep only the newest N training checkpoints in a save directory: after each "
                                           "save is published (and `latest` names it), the older ones beyond N are "
                                           "removed, never the one `latest` names and never one being written "
-                                          "(null: keep every one, as DeepSpeed does). offload.hf.Trainer takes "
-                                          "TrainingArguments.save_total_limit for it.", ge=1)
+                                          "(null: keep every one, as DeepSpeed does). offload.hf.Trainer saves each "
+                                          "checkpoint in a checkpoint-N folder of its own, which "
+                                          "TrainingArguments.save_total_limit rotates.", ge=1)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -107,11 +107,15 @@ class Trainer(transformers.Trainer):
     """``transformers.Trainer`` whose model and optimizer run through an offload engine, configured by
     ``offload_config`` (a DeepSpeed-format config: a path, a dict or a Config; ``"auto"`` values resolved from
     ``args`` as Hugging Face resolves them for DeepSpeed). ``weights``: a local checkpoint directory the model
-    starts from, read into the shards (build ``model`` with ``offload.hf.meta_model`` so it is never whole)."""
+    starts from, read into the shards (build ``model`` with ``offload.hf.meta_model`` so it is never whole).
+    During ``train()`` SIGTERM and SIGINT stop it after the step under way, every rank at the same step, with a
+    checkpoint of that step (``save_on_stop``, as save_strategy would write one), and the process exits 143 / 130
+    (see [Note: stopping at an agreed step] in offload/engine/stopping.py)."""
 
     def __init__(self, model: nn.Module | None = None, args: transformers.TrainingArguments | None = None, *,
                  offload_config: str | os.PathLike[str] | dict[str, Any] | Config,
-                 weights: str | os.PathLike[str] | PretrainedWeights | None = None, **kwargs: Any) -> None:
+                 weights: str | os.PathLike[str] | PretrainedWeights | None = None, save_on_stop: bool = True,
+                 **kwargs: Any) -> None:
         if int(transformers.__version__.split(".")[0]) < 5:
             raise ImportError(f"offload.hf.Trainer needs transformers 5 or newer (it drives the Trainer's v5 loop); "
                               f"this is {transformers.__version__}: pip install -U 'offload[hf]'")
@@ -140,6 +144,26 @@ class Trainer(transformers.Trainer):
         self.step_lr: list[float] | None = None  # the learning rate of the step last applied
         self._built_for: dict[str, Any] = {}  # the arguments of _FIXED_AT_BUILD the engine was built with
         super().__init__(model=model, args=args, **kwargs)
+        self._stop = _StopOnSignals(self, save_on_stop)
+        self.add_callback(self._stop)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' train(); a run stopped by a signal ends the process after its checkpoint (see the class
+        docstring)."""
+        try:
+            out = super().train(*args, **kwargs)
+        finally:
+            self._stop.uninstall()
+        if self.engine is not None and self.engine.should_stop:
+            stop, step = self.engine.stop, self.state.global_step
+            saved = self._stop.saved_to
+            if self.args.should_log:
+                print(f"offload.hf.Trainer: stopped by {stop.reason} after step {step}; "
+                      + (f"saved checkpoint {saved}" if saved else "no checkpoint saved (save_on_stop=False)")
+                      + "; resume: trainer.train(resume_from_checkpoint=True) in the same script", flush=True)
+            self.engine.close()
+            raise SystemExit(stop.exit_status)
+        return out
 
     # ----------------------------------------------------------------- the engine
 
@@ -310,6 +334,32 @@ class Trainer(transformers.Trainer):
         if not (Path(resume_from_checkpoint) / ENGINE_CHECKPOINT).is_dir():
             raise ValueError(f"{resume_from_checkpoint} holds no offload engine checkpoint ({ENGINE_CHECKPOINT}/): "
                              "was it written by offload.hf.Trainer?")
+
+
+class _StopOnSignals(transformers.TrainerCallback):
+    """The Trainer's side of a stop: signals become the engine's stop request while train() runs; after the step
+    every rank agreed to stop at, the Trainer saves (``save_on_stop``) and ends its loop."""
+
+    def __init__(self, trainer: Trainer, save_on_stop: bool) -> None:
+        self.trainer, self.save_on_stop = trainer, save_on_stop
+        self.signals: Any = None
+        self.saved_to: str | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.saved_to = None
+        self.signals = self.trainer.engine.stop_on_signals().install()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer.engine.should_stop:
+            control.should_save = control.should_save or self.save_on_stop
+            control.should_training_stop = True
+            if control.should_save:
+                self.saved_to = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+
+    def uninstall(self) -> None:
+        if self.signals is not None:
+            self.signals.uninstall()
+            self.signals = None
 
 
 # The Trainer's own optimizers the engine's Adam/AdamW reproduces (the rest are refused by name).
