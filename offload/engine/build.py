@@ -107,12 +107,15 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
     zero = config.zero_optimization
     partition = stage.partition(group)  # what a unit's flat buffer is split over
     group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
-    if not group_of:
+    if not group_of and param_groups:
         raise EngineError("the optimizer has no parameters: model_parameters (or the optimizer's param groups) "
                           "must include at least one parameter that requires grad")
     trained_names = {id(p): n for n, p in model.named_parameters() if id(p) in group_of}
     untracked = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
-    if untracked:
+    if not param_groups:
+        logger.info("no optimizer: the engine runs forward only, its %d parameters sharded and frozen "
+                    "(ZeRO-Inference)", sum(1 for _ in model.parameters()))
+    elif untracked:
         logger.warning("%d parameters require grad but are in no optimizer group and will not be updated: %s",
                        len(untracked), ", ".join(untracked[:5]) + (" ..." if len(untracked) > 5 else ""))
 

@@ -69,6 +69,7 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable):
         self.global_steps = self.skipped_steps = self.global_samples = 0
         self.step_applied = False  # the last step() changed the weights (was_step_applied)
         self.life = Lifetime(group.rank, group.world)
+        self.trains = bool(param_groups)  # an engine without an optimizer runs forward only (ZeRO-Inference)
         self.stop = StopRequest()  # see [Note: stopping at an agreed step] in engine/stopping.py
         self.last_grad_norm: float | None = None
         parts = build(model, config, param_groups, adamw_mode=adamw_mode, bias_correction=bias_correction,
@@ -133,6 +134,8 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable):
         """Backward of ``loss`` scaled by loss_scale / gradient_accumulation_steps (``scale_wrt_gas`` false: by
         loss_scale only, for a caller that scaled it already, as DeepSpeed's flag); returns ``loss``."""
         self.life.check()
+        if not self.trains:
+            raise errors.no_optimizer("backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise EngineError(f"backward() takes the scalar loss tensor, got "
                               f"{type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
@@ -179,6 +182,8 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable):
     def step(self) -> None:
         """Apply the update at an accumulation boundary (a no-op between micro-batches, as in DeepSpeed)."""
         self.life.check()
+        if not self.trains:
+            raise errors.no_optimizer("step()")
         self.step_applied = False
         if not self.accumulation.take():
             return

@@ -119,3 +119,9 @@ def out_of_step(rank: int, where: str, error: BaseException) -> str:
             "with that pass's collectives, so this rank's collectives are out of step with theirs and this engine "
             "takes no more work (pairing mismatched collectives gives a hang or wrong weights); stop every rank and "
             "resume from the last checkpoint (close() still releases this rank's memory)")
+
+
+def no_optimizer(call: str) -> EngineError:
+    return EngineError(f"{call}: this engine was built without an optimizer (no optimizer section in the config, no "
+                       "optimizer= to initialize), so it runs forward only, as DeepSpeed's ZeRO-Inference; to train "
+                       "the model, build its engine with an optimizer section")

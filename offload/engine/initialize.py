@@ -66,7 +66,8 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
     if accel.is_cuda:
         torch.cuda.set_device(accel.device)  # NCCL and the caching allocator use the current device
     cfg = loaded.resolve(world_size=group.world, hidden_size=hidden_size_of(model))
-    _check_supported(cfg)
+    inference = optimizer is None and cfg.optimizer is None  # ZeRO-Inference: forward only (see _optimizer_groups)
+    _check_supported(cfg, inference)
     if cfg.no_effect and group.rank == 0:
         logger.warning("config: %d key(s) set here have no effect in offload: %s", len(cfg.no_effect),
                        "; ".join(cfg.no_effect))
@@ -82,7 +83,7 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
             training_data, num_replicas=group.world, rank=group.rank)
         loader = torch.utils.data.DataLoader(training_data, batch_size=resolved(cfg.train_micro_batch_size_per_gpu),
                                              sampler=sampler, collate_fn=collate_fn)
-    return engine, engine.optimizer, loader, engine.lr_scheduler
+    return engine, None if inference else engine.optimizer, loader, engine.lr_scheduler
 
 
 def hidden_size_of(model: nn.Module) -> int | None:
@@ -111,9 +112,13 @@ def _default_device() -> torch.device:
     return torch.device("cuda", index)
 
 
-def _check_supported(cfg: Config) -> None:
+def _check_supported(cfg: Config, inference: bool) -> None:
     zero = cfg.zero_optimization
-    if zero.offload_param.device != "none" and zero.offload_optimizer.device == "none":
+    if inference and cfg.scheduler is not None:
+        raise ConfigError("scheduler", "there is no optimizer to schedule (no optimizer section, no optimizer=): "
+                                       "the engine runs forward only; add an optimizer section to train, or drop "
+                                       "the scheduler")
+    if zero.offload_param.device != "none" and zero.offload_optimizer.device == "none" and not inference:
         raise ConfigError("zero_optimization.offload_param.device",
                           f"{zero.offload_param.device!r} needs the optimizer offloaded too: the step writes the new "
                           "parameter shards into their host home; set offload_optimizer.device to cpu or nvme")
@@ -148,9 +153,8 @@ def _optimizer_groups(model: nn.Module, model_parameters: Iterable[Any] | None, 
         groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
                   for g in client.param_groups]
         return _trainable(groups), adamw, bias
-    if cfg.optimizer is None:
-        raise ConfigError("optimizer", "no optimizer: add an optimizer section (type Adam or AdamW) to the config "
-                                       "or pass optimizer= to initialize")
+    if cfg.optimizer is None:  # DeepSpeed's engine without an optimizer: ZeRO-Inference, forward only
+        return [], True, True
     p = cfg.optimizer.params
     hyper = {"lr": p.lr, "betas": tuple(resolved(p.betas)), "eps": p.eps, "weight_decay": p.weight_decay}
     source: list[Any] = list(model_parameters) if model_parameters is not None else list(model.parameters())

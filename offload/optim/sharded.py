@@ -129,7 +129,9 @@ class OptimizerFace(torch.optim.Optimizer):
     reads. The step is ``engine.step()`` and the state lives in the shards, per rank, so the rest refuses."""
 
     def __init__(self, param_groups: list[dict[str, Any]]) -> None:
-        super().__init__(param_groups, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
+        # An engine without an optimizer (forward only) still has the face, with one empty group: torch's refuses none.
+        super().__init__(param_groups or [{"params": []}],
+                         {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         raise RuntimeError("the sharded optimizer steps through engine.step(), which also reduces, clips and "
