@@ -308,14 +308,18 @@ class Trainer(transformers.Trainer):
         output_dir = output_dir or self.args.output_dir
         self._ensure_engine()
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self.engine.write_weights(output_dir, "model.safetensors")
+        if _is_peft(self.model):  # the adapter alone, as the plain Trainer (and DeepSpeed's) saves it
+            self._save_adapter(output_dir)
+        else:
+            self.engine.write_weights(output_dir, "model.safetensors")
         if self.args.should_save:
             unwrapped = self.model
-            if hasattr(unwrapped, "config"):
-                unwrapped.config.save_pretrained(output_dir)
-            if getattr(unwrapped, "generation_config", None) is not None and hasattr(unwrapped, "can_generate") \
-                    and unwrapped.can_generate():
-                unwrapped.generation_config.save_pretrained(output_dir)
+            if not _is_peft(unwrapped):  # PEFT writes its adapter_config.json (and the base's stays the base's)
+                if hasattr(unwrapped, "config"):
+                    unwrapped.config.save_pretrained(output_dir)
+                if getattr(unwrapped, "generation_config", None) is not None \
+                        and hasattr(unwrapped, "can_generate") and unwrapped.can_generate():
+                    unwrapped.generation_config.save_pretrained(output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             elif getattr(self.data_collator, "tokenizer", None) is not None:  # as the plain Trainer falls back
@@ -323,6 +327,16 @@ class Trainer(transformers.Trainer):
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         if self.args.push_to_hub and not _internal_call:  # a user's save_model, as the plain Trainer's
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_adapter(self, output_dir: str) -> None:
+        """A PEFT model's trained parameters (its adapters), gathered from the shards (a collective: every rank
+        calls it), saved by PEFT itself on the rank that saves: adapter_config.json and adapter_model.safetensors,
+        which ``PeftModel.from_pretrained`` loads onto the base model."""
+        trained = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+        with self.engine.gathered_parameters(params=list(trained.values())):
+            state = {name: p.detach().to("cpu", copy=True) for name, p in trained.items()}
+        if self.args.should_save:
+            self.model.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self.engine.save_checkpoint(Path(output_dir) / ENGINE_CHECKPOINT)
@@ -334,6 +348,11 @@ class Trainer(transformers.Trainer):
         if not (Path(resume_from_checkpoint) / ENGINE_CHECKPOINT).is_dir():
             raise ValueError(f"{resume_from_checkpoint} holds no offload engine checkpoint ({ENGINE_CHECKPOINT}/): "
                              "was it written by offload.hf.Trainer?")
+
+
+def _is_peft(model: nn.Module) -> bool:
+    """A PEFT model (LoRA and its kin): saved as its adapters, as PEFT and the plain Trainer save it."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "save_pretrained", None))
 
 
 class _StopOnSignals(transformers.TrainerCallback):
