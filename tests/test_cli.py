@@ -152,9 +152,11 @@ def test_bench_step_splits_the_step_and_compares_with_torch(tmp_path, capsys):
     assert set(variants) == {"host", "host-no-prefetch", "clip-after", "clip-speculative-kept",
                              "clip-speculative-recomputed", "noclip-overlap", "noclip-after", "params-host",
                              "params-host-early"}
-    units = variants["clip-speculative-kept"]["speculation_kept"]  # every trained unit, every step
-    assert units > 0 and variants["clip-speculative-kept"]["speculation_recomputed"] == 0
-    assert variants["clip-speculative-recomputed"]["speculation_recomputed"] == units
+    # A speculation is kept where clipping does not fire and recomputed where it does. How many ran before the step
+    # claimed their shard depends on the speculation lane's pace (the step steps the rest itself): some, not all.
+    kept, recomputed = variants["clip-speculative-kept"], variants["clip-speculative-recomputed"]
+    assert kept["speculation_kept"] > 0 and kept["speculation_recomputed"] == 0
+    assert recomputed["speculation_recomputed"] > 0 and recomputed["speculation_kept"] == 0
     assert variants["clip-after"]["speculation_kept"] == variants["clip-after"]["speculation_recomputed"] == 0
     # Adam's time wherever it ran: on the training thread for the whole step, on the worker for the early one.
     assert variants["clip-after"]["adam_s"] == variants["clip-after"]["optimizer_s"]
