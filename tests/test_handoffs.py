@@ -176,12 +176,6 @@ WIDE_CONSTRUCTORS: dict[str, str] = {
     "offload.zero.init.Init": "deepspeed.zero.Init's public signature",
     "offload.engine.core.Engine": "the parts build.py made; to take them as build.Parts",
     "offload.optim.sharded.ShardedAdam": "Adam's settings beside the StatePlan; to take an AdamSettings",
-    "offload.optim.early_step.EarlyStep": "the optimizer's collaborators one by one; to share one record with "
-                                          "Speculation",
-    "offload.store.optimizer_state.OptimizerStateStore": "budgets, swap and rank loose; to share a record with "
-                                                         "ParamSwap",
-    "offload.store.param_swap.ParamSwap": "budgets, swap and rank loose; to share a record with "
-                                          "OptimizerStateStore",
 }
 
 

@@ -28,7 +28,7 @@ from offload.store.placement import Shards, plan
 from offload.store.param_store import ParamStore
 from offload.store.tier import Tier
 from offload.store.param_swap import WRITE_BUFFERS, BufferState, ParamSwap, ParamSwapError, param_buffer_bytes
-from offload.store.swapdir import SwapDir
+from offload.store.swapdir import SwapDir, TierRoom
 from offload.observe.telemetry import Telemetry
 
 KINDS = 3  # master, exp_avg, exp_avg_sq: the fp32 state these rooms are tested with
@@ -258,9 +258,9 @@ class Rooms:
 
     def param_swap(self, sizes=UNITS, *, buffer_count: int = 2, host: TierBudget | None = None,
                    nvme: TierBudget | None = None) -> ParamSwap:
-        swap = ParamSwap(list(sizes), DTYPE, swap=self.swap, rank=0, host=host or TierBudget(Tier.HOST, None),
-                         nvme=nvme or TierBudget(Tier.NVME, None), buffer_count=buffer_count, pin=False,
-                         telemetry=Telemetry())
+        swap = ParamSwap(list(sizes), DTYPE, TierRoom(host or TierBudget(Tier.HOST, None),
+                                                      nvme or TierBudget(Tier.NVME, None), self.swap, 0, buffer_count),
+                         pin=False, telemetry=Telemetry())
         self._closers.append(swap.close)
         return swap
 
@@ -274,8 +274,8 @@ class Rooms:
         host = host or TierBudget(Tier.HOST, None)
         groups = plan_sub_groups(list(sizes), sub_group_size)
         place_sub_groups(groups, device, host, buffer_count)  # as the placement plan does
-        store = OptimizerStateStore(groups, accel=self.accel(), host=host, nvme=nvme or TierBudget(Tier.NVME, None),
-                                    buffer_count=buffer_count, swap=self.swap, telemetry=Telemetry())
+        store = OptimizerStateStore(groups, TierRoom(host, nvme or TierBudget(Tier.NVME, None), self.swap, 0,
+                                                     buffer_count), accel=self.accel(), telemetry=Telemetry())
         self._closers.append(store.close)
         return store
 

@@ -43,7 +43,7 @@ from offload.store.state_format import Master, from_config, mix_seed
 from offload.store.placement import (MachineOffer, Shards, StageLayout, StepAsks, describe_split,
                                      plan as plan_placement, traffic)
 from offload.store.step_cost import predict
-from offload.store.swapdir import PREFIX, SwapDir
+from offload.store.swapdir import PREFIX, SwapDir, TierRoom
 from offload.store.tier import Tier
 from offload.observe.telemetry import Telemetry
 from offload.zero.collectives import Group, broadcast
@@ -167,10 +167,10 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         unpipelined = unpipelined_note(placement.groups, int(zero.sub_group_size))
         if unpipelined:
             logger.warning("rank %d: %s", group.rank, unpipelined)
-        param_swap = ParamSwap(nvme_params, compute_dtype, swap=swaps.at(zero.offload_param.nvme_path),
-                               rank=group.rank, host=host_budget, nvme=nvme_budget,
-                               buffer_count=zero.offload_param.buffer_count, pin=accel.is_cuda,
-                               telemetry=telemetry, ledger=accel.ledger) if nvme_params else None
+        param_swap = ParamSwap(nvme_params, compute_dtype,
+                               TierRoom(host_budget, nvme_budget, swaps.at(zero.offload_param.nvme_path),
+                                        group.rank, zero.offload_param.buffer_count),
+                               pin=accel.is_cuda, telemetry=telemetry, ledger=accel.ledger) if nvme_params else None
         params = ParamStore(accel, compute_dtype, placement.homes, swap=param_swap, host=host_budget,
                             telemetry=telemetry, keep_host_copies=any(g.tier is Tier.NVME for g in placement.groups))
         undo.callback(params.close)

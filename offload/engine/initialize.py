@@ -37,7 +37,7 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
                training_data: Any = None, device: torch.device | str | None = None, config_params: Any = None,
                args: Any = None, dist_init_required: bool | None = None, collate_fn: Callable[..., Any] | None = None,
                weights: str | os.PathLike[str] | PretrainedWeights | None = None,
-               ) -> tuple[Engine, ShardedAdam, Any, Any]:
+               ) -> tuple[Engine, ShardedAdam | None, Any, Any]:
     """``engine, optimizer, dataloader, lr_scheduler``, as ``deepspeed.initialize`` returns them.
 
     Joins (or starts, under torchrun) the default process group; with no launcher it

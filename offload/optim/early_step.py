@@ -53,13 +53,12 @@ from collections.abc import Callable
 
 import torch
 
-from offload.machine.accelerator import Accelerator, Event, WorkerStream
+from offload.machine.accelerator import Event, WorkerStream
 from offload.optim.adam import AdamHyper
-from offload.optim.shard_state import ShardPhase, ShardState
+from offload.optim.shard_state import ShardPhase
 from offload.optim.speculation import Speculation
 from offload.optim.update import ShardUpdate
 from offload.store.optimizer_state import Member, NvmePass, OptimizerStateStore, SubGroup
-from offload.store.param_store import ParamStore
 from offload.store.tier import Tier
 from offload.observe.telemetry import Telemetry
 
@@ -72,12 +71,14 @@ class EarlyStep:
     """The early and the delayed step's work on their threads, and what they leave: the NVMe pass in flight, the
     delayed update's staged shards and the units not yet published, a lost step."""
 
-    def __init__(self, accel: Accelerator, shards: dict[int, ShardState], store: OptimizerStateStore,
-                 params: ParamStore, update: ShardUpdate, speculation: Speculation, telemetry: Telemetry,
-                 worker: WorkerStream | None, adam: WorkerStream | None, staged_units: frozenset[int]) -> None:
-        """``worker``: the landing worker, which runs the early step; ``adam``: the delayed update's thread (None:
-        no delayed update); ``staged_units``: the placement's units whose new shard waits in a staging buffer."""
-        self.accel, self.shards, self.store, self.params = accel, shards, store, params
+    def __init__(self, update: ShardUpdate, store: OptimizerStateStore, speculation: Speculation,
+                 telemetry: Telemetry, worker: WorkerStream | None, adam: WorkerStream | None,
+                 staged_units: frozenset[int]) -> None:
+        """``update``: one shard's Adam, with the accelerator, the shards and the parameter store it writes (this
+        step's too); ``worker``: the landing worker, which runs the early step; ``adam``: the delayed update's
+        thread (None: no delayed update); ``staged_units``: the placement's units whose new shard waits in a
+        staging buffer."""
+        self.accel, self.shards, self.store, self.params = update.accel, update.shards, store, update.params
         self.update, self.speculation, self.telemetry = update, speculation, telemetry
         self._land, self.adam = worker, adam
         self._staged_units = staged_units

@@ -76,7 +76,7 @@ from offload.store.optimizer_state import OptimizerStateStore, SubGroup
 from offload.store.param_store import ParamStore
 from offload.store.placement import device_grads
 from offload.store.tier import Tier
-from offload.store.swapdir import SwapDir
+from offload.store.swapdir import SwapDir, TierRoom
 
 
 logger = logging.getLogger("offload.optim")
@@ -188,12 +188,12 @@ class ShardedAdam:
             self._reserve_host(plan.step_buffers)
         self._host_accumulators = "gradient accumulators" in plan.step_buffers  # the plan counted them
         params.repairs_with(self)  # a stale NVMe shard met inside a forward is rewritten there
-        self.store = OptimizerStateStore(plan.groups, accel=accel, host=plan.host, nvme=plan.nvme,
-                                         buffer_count=plan.buffer_count, swap=plan.swap, rank=plan.rank,
-                                         telemetry=self.telemetry, spare=plan.second_slots)
+        self.store = OptimizerStateStore(plan.groups, TierRoom(plan.host, plan.nvme, plan.swap, plan.rank,
+                                                               plan.buffer_count),
+                                         accel=accel, telemetry=self.telemetry, spare=plan.second_slots)
         self.speculation = Speculation(self.shards, self.store, self.update, self.telemetry, lane)
-        self.early = EarlyStep(accel, self.shards, self.store, params, self.update, self.speculation, self.telemetry,
-                               self.landing.worker, adam, plan.staged)  # the landing worker runs the early step
+        self.early = EarlyStep(self.update, self.store, self.speculation, self.telemetry, self.landing.worker, adam,
+                               plan.staged)  # the landing worker runs the early step
 
     def _reserve_host(self, parts: dict[str, int]) -> None:
         """Account the host bytes of accumulators, copies and landing buffers (the plan sized them and checked

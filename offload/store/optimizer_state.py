@@ -65,12 +65,12 @@ import torch
 
 from offload.machine.accelerator import Accelerator
 from offload.observe.sync_ledger import SyncLedger
-from offload.aio.base import IOEngine, Request, RequestGroup, wait_quietly
+from offload.aio.base import Request, RequestGroup, wait_quietly
 from offload.machine.buffers import AlignedBuffer, BufferPool, round_up
 from offload.store.state_format import FP32, StateFormat, StateSlot
 from offload.store.two_slots import TwoSlotFile, layout
 from offload.store.budget import TierBudget
-from offload.store.swapdir import SwapDir
+from offload.store.swapdir import TierRoom
 from offload.store.tier import Tier
 from offload.observe.telemetry import Telemetry
 
@@ -215,12 +215,12 @@ class StatePlacement:
 class OptimizerStateStore:
     """Owns every sub-group's master/moment buffer on its tier, and the pass that the step runs over them."""
 
-    def __init__(self, groups: list[SubGroup], *, accel: Accelerator, host: TierBudget, nvme: TierBudget,
-                 buffer_count: int = 4, swap: tuple[SwapDir, IOEngine] | None = None, rank: int = 0,
+    def __init__(self, groups: list[SubGroup], room: TierRoom, *, accel: Accelerator,
                  telemetry: Telemetry | None = None, spare: bool = False) -> None:
         """``groups``: the sub-groups with their tiers, as the placement plan (offload/store/placement.py) made
-        them within the budgets; ``swap`` is needed for NVMe ones; ``spare``: host sub-groups get a second slot
-        (see [Note: the speculative slot])."""
+        them within ``room``'s budgets (its swap is needed for NVMe ones); ``spare``: host sub-groups get a second
+        slot (see [Note: the speculative slot])."""
+        host, nvme, swap, rank, buffer_count = room.host, room.nvme, room.swap, room.rank, room.buffer_count
         self.accel = accel
         self.telemetry = telemetry or Telemetry()
         self.groups = groups

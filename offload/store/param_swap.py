@@ -51,10 +51,9 @@ from typing import Any
 import torch
 
 from offload.machine.accelerator import Event
-from offload.aio.base import IOEngine, Request, RequestGroup, SwapIOError, wait_quietly
+from offload.aio.base import Request, RequestGroup, SwapIOError, wait_quietly
 from offload.machine.buffers import AlignedBuffer, BufferPool, round_up
-from offload.store.budget import TierBudget
-from offload.store.swapdir import SwapDir
+from offload.store.swapdir import TierRoom
 from offload.store.two_slots import TwoSlotFile, layout
 from offload.observe.sync_ledger import SyncLedger
 from offload.observe.telemetry import Telemetry
@@ -145,11 +144,13 @@ class ParamSwapError(SwapIOError):
 class ParamSwap:
     """Owns the parameter swap file of one rank, its read and write buffers, and every unit's two slots."""
 
-    def __init__(self, sizes: list[tuple[int, int]], dtype: torch.dtype, *, swap: tuple[SwapDir, IOEngine],
-                 rank: int, host: TierBudget, nvme: TierBudget, buffer_count: int, pin: bool,
+    def __init__(self, sizes: list[tuple[int, int]], dtype: torch.dtype, room: TierRoom, *, pin: bool,
                  telemetry: Telemetry | None = None, ledger: SyncLedger | None = None) -> None:
-        """``sizes``: (unit index, shard elements) of the units homed on NVMe (the placement plan checked the
-        budgets: offload/store/placement.py)."""
+        """``sizes``: (unit index, shard elements) of the units homed on NVMe, within ``room`` (the placement plan
+        checked its budgets: offload/store/placement.py)."""
+        if room.swap is None:
+            raise ValueError("parameter shards on NVMe need a swap directory and an I/O engine (TierRoom.swap)")
+        swap, rank, host, nvme, buffer_count = room.swap, room.rank, room.host, room.nvme, room.buffer_count
         self.dtype = dtype
         self.telemetry = telemetry or Telemetry()
         self.ledger = ledger or SyncLedger()  # the accelerator's: every wait here is a host block

@@ -30,11 +30,25 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from offload.aio.base import SwapFile, SwapIOError
+from offload.aio.base import IOEngine, SwapFile, SwapIOError
 from offload.machine.buffers import round_up
+from offload.store.budget import TierBudget
 
 logger = logging.getLogger("offload.store")
 PREFIX = "offload-swap-"
+
+
+@dataclass(frozen=True)
+class TierRoom:
+    """What a store may take, as the placement planned it (offload/store/placement.py): the host and NVMe budgets,
+    its swap directory with the I/O engine over it (None: nothing of it on NVMe), this rank (its files' names) and
+    how many host buffers its transfers use."""
+
+    host: TierBudget
+    nvme: TierBudget
+    swap: tuple[SwapDir, IOEngine] | None = None
+    rank: int = 0
+    buffer_count: int = 4
 
 
 class SwapDirError(RuntimeError):
