@@ -174,8 +174,6 @@ WIDE_CONSTRUCTORS: dict[str, str] = {
     "offload.ops.adam.FusedAdam": "DeepSpeed's public signature, keyword for keyword",
     "offload.optim.cpu_adam.CPUAdam": "torch.optim's AdamW signature, as a drop-in",
     "offload.zero.init.Init": "deepspeed.zero.Init's public signature",
-    "offload.engine.core.Engine": "the parts build.py made; to take them as build.Parts",
-    "offload.optim.sharded.ShardedAdam": "Adam's settings beside the StatePlan; to take an AdamSettings",
 }
 
 

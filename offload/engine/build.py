@@ -33,7 +33,7 @@ from offload.engine.step_schedule import StepSchedule
 from offload.optim.lr_schedules import build_lr_schedule
 from offload.optim.shard_state import shard_segments
 from offload.optim.landing import GradientLanding, LandingPolicy
-from offload.optim.sharded import ShardedAdam, StatePlan
+from offload.optim.sharded import AdamRule, ShardedAdam, StatePlan
 from offload.files.pretrained import PretrainedWeights
 from offload.store.budget import TierBudget
 from offload.store.param_store import ParamStore
@@ -99,12 +99,24 @@ class Parts:
     refit: Refit  # auto's split, corrected once by the first step's measured peak
 
 
-def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], *, adamw_mode: bool,
-          bias_correction: bool, group: Group, stage: Stage, accel: Accelerator, compute_dtype: torch.dtype,
-          lr_scheduler: Any, pretrained: PretrainedWeights | None = None) -> Parts:
+@dataclass
+class OptimizerChoice:
+    """What the script asked of the optimizer (offload/engine/initialize.py works it out): param groups with Adam's
+    hyperparameters (none: the engine runs forward only), the Adam variant, and the LR scheduler or what builds
+    one."""
+
+    param_groups: list[dict[str, Any]]
+    adamw_mode: bool = True
+    bias_correction: bool = True
+    lr_scheduler: Any = None
+
+
+def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: Group, stage: Stage,
+          accel: Accelerator, compute_dtype: torch.dtype, pretrained: PretrainedWeights | None = None) -> Parts:
     """Shard ``model`` over ``group`` and build everything the engine drives; ``pretrained``: its starting values
     come from a checkpoint (bound to ``model`` already) instead of the model's own."""
     zero = config.zero_optimization
+    param_groups, lr_scheduler = choice.param_groups, choice.lr_scheduler
     partition = stage.partition(group)  # what a unit's flat buffer is split over
     group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
     if not group_of and param_groups:
@@ -176,8 +188,7 @@ def build(model: nn.Module, config: Config, param_groups: list[dict[str, Any]], 
         undo.callback(params.close)
         optimizer = ShardedAdam(
             param_groups, accel, [(i, n) for i, n in shard_sizes if i in trained], params=params,
-            compute_dtype=compute_dtype, adamw_mode=adamw_mode, bias_correction=bias_correction,
-            threads=config.offload.cpu_threads, telemetry=telemetry,
+            rule=AdamRule(choice.adamw_mode, choice.bias_correction, config.offload.cpu_threads), telemetry=telemetry,
             plan=StatePlan(device=zero.offload_optimizer.device, groups=placement.groups,
                            step_buffers=placement.step_buffers,
                            buffer_count=zero.offload_optimizer.buffer_count, host=host_budget, nvme=nvme_budget,

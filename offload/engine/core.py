@@ -32,7 +32,7 @@ from offload.config.fields import resolved
 from offload.engine import agreement, memory
 from offload.engine.accessors import DeepSpeedAccessors
 from offload.engine.accumulation import Accumulation, Phase
-from offload.engine.build import build
+from offload.engine.build import OptimizerChoice, build
 from offload.engine import errors
 from offload.engine.errors import EngineError
 from offload.engine.life import Lifetime
@@ -53,8 +53,7 @@ logger = logging.getLogger("offload.engine")
 class Engine(DeepSpeedAccessors, Persistence, Stoppable):
     """A model sharded over the data-parallel group with its optimizer; see ``offload.initialize``."""
 
-    def __init__(self, model: nn.Module, config: Config, param_groups: list[dict[str, Any]], adamw_mode: bool,
-                 bias_correction: bool, group: Group, accel: Accelerator, lr_scheduler: Any = None,
+    def __init__(self, model: nn.Module, config: Config, choice: OptimizerChoice, group: Group, accel: Accelerator,
                  pretrained: PretrainedWeights | None = None) -> None:
         self.config = config
         self.group = group
@@ -69,12 +68,11 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable):
         self.global_steps = self.skipped_steps = self.global_samples = 0
         self.step_applied = False  # the last step() changed the weights (was_step_applied)
         self.life = Lifetime(group.rank, group.world)
-        self.trains = bool(param_groups)  # an engine without an optimizer runs forward only (ZeRO-Inference)
+        self.trains = bool(choice.param_groups)  # an engine without an optimizer runs forward only (ZeRO-Inference)
         self.stop = StopRequest()  # see [Note: stopping at an agreed step] in engine/stopping.py
         self.last_grad_norm: float | None = None
-        parts = build(model, config, param_groups, adamw_mode=adamw_mode, bias_correction=bias_correction,
-                      group=group, stage=self.stage, accel=accel, compute_dtype=self.compute_dtype,
-                      lr_scheduler=lr_scheduler, pretrained=pretrained)
+        parts = build(model, config, choice, group=group, stage=self.stage, accel=accel,
+                      compute_dtype=self.compute_dtype, pretrained=pretrained)
         self.module = model
         self.units, self.params, self.optimizer = parts.units, parts.params, parts.optimizer
         self.landing, self.optimizer.loss_scaler = parts.landing, self.loss_scaler

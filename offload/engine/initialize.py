@@ -20,6 +20,7 @@ from torch import nn
 from offload.machine.accelerator import Accelerator
 from offload.config import Config, ConfigError
 from offload.config.fields import resolved
+from offload.engine.build import OptimizerChoice
 from offload.engine.core import Engine
 from offload.engine.errors import EngineError
 from offload.machine.host_malloc import set_mmap_threshold
@@ -72,7 +73,8 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         logger.warning("config: %d key(s) set here have no effect in offload: %s", len(cfg.no_effect),
                        "; ".join(cfg.no_effect))
     param_groups, adamw_mode, bias_correction = _optimizer_groups(model, model_parameters, cfg, optimizer)
-    engine = Engine(model, cfg, param_groups, adamw_mode, bias_correction, group, accel, lr_scheduler, weights)
+    engine = Engine(model, cfg, OptimizerChoice(param_groups, adamw_mode, bias_correction, lr_scheduler), group, accel,
+                    weights)
     if isinstance(optimizer, torch.optim.Optimizer):
         _share_groups(optimizer, engine.optimizer)
     loader = None

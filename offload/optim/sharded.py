@@ -102,6 +102,15 @@ class StatePlan:
     stochastic: int | None = None  # this rank's stream, where a bf16 master rounds stochastically (state_format.py)
 
 
+@dataclass(frozen=True)
+class AdamRule:
+    """Which Adam the script asked for, and the host threads its kernel runs on."""
+
+    adamw_mode: bool  # decoupled weight decay (AdamW), else L2 (Adam)
+    bias_correction: bool
+    threads: int | None = None  # offload.cpu_threads (None: the physical cores this process may use)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LastBackward:
     """What the step's schedule chose for the backward that completes the accumulation (offload/engine/
@@ -152,18 +161,17 @@ class ShardedAdam:
     the torch optimizer LR schedulers are built on); the step is ``engine.step()``."""
 
     def __init__(self, param_groups: list[dict[str, Any]], accel: Accelerator, sizes: list[tuple[int, int]], *,
-                 plan: StatePlan, params: ParamStore, compute_dtype: torch.dtype, adamw_mode: bool,
-                 bias_correction: bool, threads: int | None, telemetry: Telemetry | None = None) -> None:
+                 plan: StatePlan, params: ParamStore, rule: AdamRule, telemetry: Telemetry | None = None) -> None:
         """``sizes``: (unit index, shard elements) of every unit with trained parameters, in unit order;
         ``params`` holds their compute-dtype shards, which the step writes."""
         self.face = OptimizerFace(param_groups)
         self.accel = accel
         self.offload = plan.device != "none"
         self.device_grads_kept = plan.landing.keeps_device_grads
-        self.compute_dtype = compute_dtype
-        self.adamw_mode = adamw_mode
-        self.bias_correction = bias_correction
-        self.threads = threads
+        self.compute_dtype = params.dtype  # the shards' (the step writes them in it)
+        self.adamw_mode = rule.adamw_mode
+        self.bias_correction = rule.bias_correction
+        self.threads = threads = rule.threads
         self.telemetry = telemetry or Telemetry()
         self.host = plan.host
         self.params = params
