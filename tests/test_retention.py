@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from offload.commands.cli import main
-from offload.engine.checkpoint_io import retire_old
+from offload.files.training_checkpoint import retire_old
 
 
 def _tags(path):

@@ -30,6 +30,7 @@ from torch import nn
 
 from offload.commands.cli_types import directory_problem
 from offload.config import Config, ConfigError
+from offload.files.training_checkpoint import latest_tag
 from offload.machine.host_malloc import DEFAULT_THRESHOLD
 from offload.models.catalog import ModelError
 from offload.models.catalog import build_model as build_named_model
@@ -462,8 +463,7 @@ def _stopped_line(stopped: dict[str, Any], args: TrainArgs, save_dir: Path) -> s
     if stopped["checkpoint"] is not None:
         saved = f"saved checkpoint {stopped['checkpoint']}"
     else:
-        latest = save_dir / "latest"
-        last = latest.read_text().strip() if latest.is_file() else None
+        last = latest_tag(save_dir)
         saved = ("no checkpoint saved (--no-save-on-stop); " if not args.save_on_stop else "") + (
             f"the last one is {save_dir / last}" if last else "no checkpoint to resume from")
     return f"offload train: stopped by {stopped['reason']} after step {stopped['step']}; {saved}; resume: {command}"

@@ -24,9 +24,10 @@ import torch
 from offload.engine.weights import rewrite_units, spread_rewritten, state_dict_layout
 from offload.files import small_state
 from offload.files.training_checkpoint import (FORMAT, LATEST, READS, CheckpointDiskFull, CheckpointError,
-                                               RankWriter, ShardReader, fsync_dir, full_disk_errno, partitions,
-                                               phase, publish, read_meta, resolve, save_small, sweep_stale,
-                                               tmp_dir, tree_bytes, verify, write_atomic, writer_lock)
+                                               RankWriter, ShardReader, full_disk_errno, latest_tag, partitions,
+                                               phase, publish, read_meta, resolve, retire_old, save_small,
+                                               sweep_stale, tmp_dir, tree_bytes, verify, write_atomic,
+                                               writer_lock)
 from offload.store.state_format import FP32, StateFormat
 from offload.version import __version__
 from offload.zero.collectives import all_ok
@@ -237,7 +238,8 @@ def _failed(engine: Any, root: Path, tag: str, error: BaseException | None) -> B
 def _disk_full_message(engine: Any, root: Path, tag: str, number: int) -> str:
     """Bytes a checkpoint takes (the last complete one's, else this rank's state times the ranks), bytes free,
     the checkpoint to resume from, and what to do."""
-    last = root / (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    tag_now = latest_tag(root)
+    last = root / tag_now if tag_now is not None else None
     if last is not None and last.is_dir():
         needed = tree_bytes(last)
     else:
@@ -251,28 +253,6 @@ def _disk_full_message(engine: Any, root: Path, tag: str, number: int) -> str:
                else "there is no complete checkpoint to resume from. ")
             + "Free space there, save to another disk, or keep fewer checkpoints (offload.checkpoints.keep_last, "
               "--keep-last)")
-
-
-def retire_old(root: Path, keep_last: int | None) -> list[str]:
-    """After a save is published: the oldest complete checkpoints beyond the newest ``keep_last`` removed (None:
-    every one kept), never the one ``latest`` names; rank 0, holding the writer lock, so no save is under way.
-    Returns the tags removed."""
-    if keep_last is None:
-        return []
-    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
-    complete = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
-                       and (p / "meta.json").is_file()), key=lambda p: (p / "meta.json").stat().st_mtime_ns)
-    keep = {p.name for p in complete[-keep_last:]} | {latest}
-    gone = [p.name for p in complete if p.name not in keep]
-    for name in gone:
-        # moved aside first, so a kill part-way leaves a name the next save sweeps, never a half-removed tag
-        aside = root / f".tmp-retired-{name}"
-        os.replace(root / name, aside)
-        shutil.rmtree(aside, ignore_errors=True)
-    if gone:
-        fsync_dir(root)
-        logger.info("checkpoints in %s: removed %s (keeping the newest %d)", root, ", ".join(gone), keep_last)
-    return gone
 
 
 def _publish(engine: Any, root: Path, tag: str, layout: list[Any], kinds: dict[str, str],

@@ -21,8 +21,6 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -119,13 +117,6 @@ class SignalStop:
             previous(signum, frame)  # SIGINT's default raises KeyboardInterrupt here
         else:  # SIG_DFL (SIGTERM's: the process ends) or SIG_IGN
             signal.raise_signal(signum)
-
-
-@contextmanager
-def stop_on_signals(target: Any) -> Iterator[SignalStop]:
-    """``with stop_on_signals(engine):`` SIGTERM and SIGINT ask the engine to stop after its next step."""
-    with SignalStop(target) as installed:
-        yield installed
 
 
 class Stoppable:

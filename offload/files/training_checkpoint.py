@@ -246,16 +246,21 @@ def publish(save_dir: Path, tag: str, meta: dict[str, Any], update_latest: bool 
     return final
 
 
+def latest_tag(save_dir: Path) -> str | None:
+    """The tag ``latest`` names in ``save_dir`` (None: no pointer there)."""
+    pointer = save_dir / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
 def resolve(load_dir: Path, tag: str | None) -> Path:
     """The checkpoint directory for ``tag`` (``latest``'s when None), checked to be complete."""
     if tag is None:
-        pointer = load_dir / LATEST
-        if not pointer.is_file():
+        tag = latest_tag(load_dir)
+        if tag is None:
             where = (f"{load_dir} holds no complete checkpoint" if load_dir.is_dir() else
                      f"{load_dir} does not exist, so it holds no complete checkpoint")
-            raise CheckpointError(f"{pointer} does not exist: {where} (name one by its tag to load a specific "
-                                  "one: tag= in Python, --tag on the command line)")
-        tag = pointer.read_text().strip()
+            raise CheckpointError(f"{load_dir / LATEST} does not exist: {where} (name one by its tag to load a "
+                                  "specific one: tag= in Python, --tag on the command line)")
     path = load_dir / tag
     if not (path / "meta.json").is_file():
         raise CheckpointError(f"{path / 'meta.json'} does not exist: no complete checkpoint with tag {tag!r} in "
@@ -265,6 +270,27 @@ def resolve(load_dir: Path, tag: str | None) -> Path:
 
 def tags(load_dir: Path) -> list[str]:
     return sorted(p.name for p in load_dir.iterdir() if (p / "meta.json").is_file()) if load_dir.is_dir() else []
+
+
+def retire_old(root: Path, keep_last: int | None) -> list[str]:
+    """After a save is published: the oldest complete checkpoints beyond the newest ``keep_last`` removed (None:
+    every one kept), never the one ``latest`` names; rank 0, holding the writer lock, so no save is under way.
+    Returns the tags removed."""
+    if keep_last is None:
+        return []
+    complete = sorted((root / t for t in tags(root) if not t.startswith(".")),
+                      key=lambda p: (p / "meta.json").stat().st_mtime_ns)
+    keep = {p.name for p in complete[-keep_last:]} | {latest_tag(root)}
+    gone = [p.name for p in complete if p.name not in keep]
+    for name in gone:
+        # moved aside first, so a kill part-way leaves a name the next save sweeps, never a half-removed tag
+        aside = root / f".tmp-retired-{name}"
+        os.replace(root / name, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    if gone:
+        fsync_dir(root)
+        logger.info("checkpoints in %s: removed %s (keeping the newest %d)", root, ", ".join(gone), keep_last)
+    return gone
 
 
 def read_meta(path: Path) -> dict[str, Any]:
