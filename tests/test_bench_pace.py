@@ -41,7 +41,8 @@ def test_every_placement_is_timed_beside_plain_pytorch_against_its_floor(tmp_pat
 def test_an_unknown_floor_variant_is_a_usage_error(tmp_path, capsys):
     assert main(["bench", "step", "--baseline", "floor", *TINY, "--variants", "full,nope",
                  "--out", str(tmp_path / "f.json")]) == 2
-    assert "no floor variant 'nope': choose from full, auto, auto-params-device, nvme" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no floor variant 'nope': choose from full, full-overlap, auto, auto-params-device, nvme" in err
 
 
 def test_the_variants_default_to_the_three_placements_of_a_model_larger_than_the_gpu():

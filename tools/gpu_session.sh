@@ -10,6 +10,12 @@
 # Each Python command is cut at STAGE_S seconds (default 300) so one stage cannot eat the call, and the work folder
 # is re-tarred into $BUNDLE after every stage (BUNDLE before OUT: the tool's $OUT, expanded before OUT is set), so a
 # call cut at its limit still brings back what finished.
+# What the H200 loan of 2026-11-27 (session 34) taught: the machine's start and the install took about 65 s of the 900;
+# pace-0p9b with 2 rounds does not finish in 170 s (one round: 120 s); pace-4p5b did not finish its first round in
+# 170 s (building the 4.5B model on every side and timing plain PyTorch), so it needs a call of its own with
+# STAGE_S=400 and fewer sides (--variants full-overlap,auto). The first call should be:
+#   run(carry=[".whl"], timeout_s=560, command='BUNDLE=$OUT/p.tgz OUT=/tmp/gs STAGE_S=200 tools/gpu_session.sh plan59')
+# then, the moment it returns, pace-4p5b alone (STAGE_S=400, `install` first only if the machine went cold).
 # #44 first (a task now has 15 minutes of device time in all, so plan44a, then plan44b if time is left):
 # plan44a: install; the 0.91B GPT's pace against the floor (full offload, auto with params offloaded); the 4.5B's
 #   (full, auto, auto with params on the GPU: auto is refitted after the first step by its measured peak, see
@@ -198,10 +204,10 @@ pace() {  # name, extra flags...
   py -m offload bench step --baseline floor --clip 0 --unit-bytes 64Mi "$@" --out "$OUT/$name/step-vs-floor.json"
 }
 
-pace_formats() {  # #55: the 4.5B GPT, full offload and auto, with the state in fewer bytes (beside pace-4p5b's fp32)
+pace_formats() {  # #55: the 4.5B GPT, full offload (FORMAT_VARIANTS: full,auto for auto too), with the state in fewer bytes (beside pace-4p5b's fp32)
   local fmt
   for fmt in bf16-moments bf16-master; do
-    pace "pace-4p5b-$fmt" "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants full,auto --state-format "$fmt"
+    pace "pace-4p5b-$fmt" "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants "${FORMAT_VARIANTS:-full}" --state-format "$fmt"
   done
 }
 
@@ -235,6 +241,7 @@ for s in "$@"; do
     plan44a) stages+=(install pace-0p9b pace-4p5b) ;;
     plan44b) stages+=(cuda-tests trainer-8b pace-4p5b-budget) ;;
     plan55) stages+=(install pace-4p5b-formats) ;;
+    plan59) stages+=(install cuda-tests pace-0p9b) ;;  # cuda-tests: 15 s on the H200 (2026-11-27)
     *) stages+=("$s") ;;
   esac
 done
@@ -290,8 +297,10 @@ for s in "${stages[@]}"; do
     bench-step-nvme-optimizer) stage bench-step-nvme-optimizer py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 3 --rounds 2 --variants nvme-optimizer,nvme-optimizer-speculative-kept --out "$OUT/step-nvme-optimizer/step.json" ;;
     # Params and optimizer state on NVMe, stepped whole beside their NVMe passes run after step() returned (early on).
     bench-step-nvme-early) stage bench-step-nvme-early py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants nvme,nvme-early --out "$OUT/step-nvme-early/step.json" ;;
-    pace-0p9b) stage pace-0p9b pace pace-0p9b "${M091[@]}" --steps 4 --warmup 2 --rounds 2 --variants full,auto,auto-params-device ;;
-    pace-4p5b) stage pace-4p5b pace pace-4p5b "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants full,auto,auto-params-device ;;
+    # 0.91B: auto keeps nearly all the state on an H200 (33.6M of 910.8M elements on the host), so params-device adds
+    # nothing there; full beside full-overlap (the host Adam during backward) is the open question.
+    pace-0p9b) stage pace-0p9b pace pace-0p9b "${M091[@]}" --steps 4 --warmup 2 --rounds 1 --variants full,full-overlap,auto ;;
+    pace-4p5b) stage pace-4p5b pace pace-4p5b "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants "${PACE_4P5B_VARIANTS:-full-overlap,auto,auto-params-device}" ;;
     pace-4p5b-budget) stage pace-4p5b-budget pace pace-4p5b-budget "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --device-budget 68Gi --variants auto,auto-params-device ;;
     pace-4p5b-formats) stage pace-4p5b-formats pace_formats ;;
     trainer-8b) STAGE_S=${TRAINER_S:-240} stage trainer-8b trainer_8b ;;

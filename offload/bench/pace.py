@@ -11,7 +11,8 @@ stages run one after another takes their sum. Each variant's row gives its step 
 plain PyTorch and against its floor.
 
 The variants (all ZeRO-3, one rank, the config `offload` writes for `bench step`):
-``full``, parameters and optimizer state on the host; ``auto``, the same with
+``full``, parameters and optimizer state on the host; ``full-overlap``, the same with the
+host Adam run during backward (``offload.overlap_step: on``); ``auto``, the same with
 ``offload_optimizer.ratio: auto`` (the device keeps the state and the parameters of the
 units the next forward needs first, as much as it holds); ``auto-params-device``, the
 parameters on the device and the state split by ``auto``; ``nvme``, parameters and state
@@ -38,6 +39,9 @@ from offload.machine.launch import RankError, run_ranks
 # Where each variant puts parameters and optimizer state, and what it keeps on the device (the step bench's keys).
 VARIANTS: dict[str, dict[str, Any]] = {
     "full": {"params": "cpu", "device": "cpu"},
+    # full with the host Adam during backward: on a GPU `overlap_step: auto` steps after backward (measured faster
+    # on a 156M model), which the H200 showed costs a host-bound model backward + Adam in series
+    "full-overlap": {"params": "cpu", "device": "cpu", "overlap": "on"},
     "auto": {"params": "cpu", "device": "cpu", "ratio": "auto"},
     "auto-params-device": {"params": "none", "device": "cpu", "ratio": "auto"},
     "nvme": {"params": "nvme", "device": "nvme", "buffer_count": 4},
