@@ -401,6 +401,85 @@ def test_a_method_other_than_forward_trains_as_torch(world, unit_bytes):
             torch.testing.assert_close(state[key], value, msg=lambda m, k=key: f"{k}: {m}")
 
 
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc2(torch.tanh(self.fc1(h)))
+
+
+class _DeepCritic(torch.nn.Module):
+    """A critic whose ``forward_value`` goes around its blocks' forwards too: it calls their linears itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+        self.v_head = torch.nn.Linear(32, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.v_head(h).squeeze(-1).square().mean()
+
+    def forward_value(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + block.fc2(torch.tanh(block.fc1(h)))
+        return self.v_head(h).squeeze(-1)
+
+
+def _deep_critic_steps(rank: int, world: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "gradient_clipping": 0.0, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "offload": {"unit_bytes": 9000}}  # a block (8,448 bytes) a unit
+    engine, *_ = deepspeed.initialize(model=_DeepCritic(), config=config)
+    gen = torch.Generator().manual_seed(7)
+    values = []
+    for step in range(4):
+        ids = torch.randint(0, 64, (2 * world, 5), generator=gen)[rank * 2:(rank + 1) * 2]
+        if step % 2:  # the block's own forward and the direct calls, one after the other
+            loss = engine(ids)
+        else:
+            loss = engine.forward_value(ids).square().mean()
+        engine.backward(loss)
+        engine.step()
+    with torch.no_grad():  # a value read outside any forward, as DeepSpeed-Chat's experience maker does
+        values.append(engine.module.forward_value(torch.arange(10).view(2, 5)))
+    state = engine.full_state_dict()
+    anchors = [u.plan.anchors for u in engine.runtime.units]
+    engine.close()
+    return {"state": state, "values": values, "anchors": anchors}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_blocks_submodule_called_directly_gathers_its_unit(world):
+    """#57 item 6, the rare case: a method that calls a block's submodules itself, going around the block's
+    forward (each block a unit of its own), trains as plain PyTorch and reads whole weights outside any forward."""
+    from offload.machine.launch import run_ranks
+    results = run_ranks(_deep_critic_steps, world)
+    torch.manual_seed(0)
+    model = _DeepCritic()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(4):
+        ids = torch.randint(0, 64, (2 * world, 5), generator=gen)
+        opt.zero_grad()
+        (model(ids) if step % 2 else model.forward_value(ids).square().mean()).backward()
+        opt.step()
+    with torch.no_grad():
+        value = model.forward_value(torch.arange(10).view(2, 5))
+    for result in results:
+        assert ["blocks.0"] in result["anchors"] and ["blocks.2"] in result["anchors"], result["anchors"]
+        torch.testing.assert_close(result["values"][0], value)
+        for key, expected in model.state_dict().items():
+            torch.testing.assert_close(result["state"][key], expected, msg=lambda m, k=key: f"{k}: {m}")
+
+
 def test_an_attribute_neither_has_is_an_attribute_error_naming_both():
     engine, *_ = deepspeed.initialize(model=_Critic(), config={"train_micro_batch_size_per_gpu": 1,
                                                               "optimizer": {"type": "AdamW"},

@@ -176,6 +176,15 @@ class ZeroRuntime:
         for module, units in users.values():
             self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(units)))
             self._handles.append(module.register_forward_hook(self._post_forward_hook(units), always_call=True))
+        direct: dict[int, tuple[nn.Module, list[Unit]]] = {}
+        for unit in self.units:
+            for name in _direct_call_owners(unit):
+                module = by_name[name]
+                if id(module) not in users:
+                    direct.setdefault(id(module), (module, []))[1].append(unit)
+        for module, units in direct.values():
+            self._handles.append(module.register_forward_pre_hook(self._direct_pre_hook(units)))
+            self._handles.append(module.register_forward_hook(self._direct_post_hook(units), always_call=True))
         for unit in self.units:
             for slot in unit.slots:
                 if slot.param.requires_grad:
@@ -216,13 +225,40 @@ class ZeroRuntime:
             keep = self._keep_after.get(id(module), frozenset())
             for unit in stack.pop() if stack else ():
                 self.release(unit, keep=unit.index in keep)
-            if torch.is_grad_enabled():
-                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                if len(tensors) == 1:  # the common case, without the multi-hook's per-graph-task bookkeeping
-                    tensors[0].register_hook(lambda _grad: self._pre_backward(units))
-                elif tensors:
-                    torch.autograd.graph.register_multi_grad_hook(
-                        tensors, lambda _grad: self._pre_backward(units), mode="any")
+            self._claim_in_backward(output, units)
+        return hook
+
+    def _claim_in_backward(self, output: Any, units: list[Unit]) -> None:
+        """Backward through ``output`` gathers ``units`` again before their gradients come."""
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if len(tensors) == 1:  # the common case, without the multi-hook's per-graph-task bookkeeping
+            tensors[0].register_hook(lambda _grad: self._pre_backward(units))
+        elif tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda _grad: self._pre_backward(units), mode="any")
+
+    def _direct_pre_hook(self, units: list[Unit]) -> Callable[..., None]:
+        """[Note: a submodule called directly] A module inside a unit's anchor, called while no forward of the
+        anchor runs (a script's own method calling ``model.blocks[0].mlp(x)``, as DeepSpeed-Chat's critic calls its
+        submodules): the units it reads are gathered for that call, as DeepSpeed's per-module gathering does. Inside
+        the anchor's forward (every other call) the hook finds them held and does nothing more."""
+        def hook(module: nn.Module, args: Any) -> None:
+            idle = [unit for unit in units if unit.holders == 0]
+            self._acquired.setdefault(id(module), []).append(idle)
+            for unit in idle:
+                self.acquire(unit)
+        return hook
+
+    def _direct_post_hook(self, units: list[Unit]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            stack = self._acquired.get(id(module))
+            acquired = stack.pop() if stack else []
+            for unit in acquired:
+                self.release(unit)
+            if acquired:
+                self._claim_in_backward(output, acquired)
         return hook
 
     def _grad_hook(self, unit: Unit) -> Callable[[torch.Tensor], None]:
@@ -544,6 +580,15 @@ def _root_unit_owners(unit: Unit) -> list[str]:
     root's forward they find it held already and only count their use; the root's unit is a handful of modules, so
     the step keeps its hooks."""
     if "" not in unit.plan.anchors:
+        return []
+    owners = {slot.name.rpartition(".")[0] for slot in unit.slots}
+    return sorted(name for name in owners if name and name not in unit.plan.anchors + unit.plan.borrowers)
+
+
+def _direct_call_owners(unit: Unit) -> list[str]:
+    """The modules holding a unit's parameters inside its anchors, which a script may call directly (see [Note: a
+    submodule called directly]); a unit anchored at the root has its owners gathering it whole already."""
+    if "" in unit.plan.anchors:
         return []
     owners = {slot.name.rpartition(".")[0] for slot in unit.slots}
     return sorted(name for name in owners if name and name not in unit.plan.anchors + unit.plan.borrowers)
