@@ -30,12 +30,17 @@ SCRIPTS = {
     "zero_grad_each_micro_batch": ("zero2_gas2.json", False, 1),
     "weights_outside_forward": ("zero3.json", False, 1),
     "two_ranks": ("zero3.json", False, 2),
+    "gan_two_backwards": ("zero3.json", False, 1),
+    "rlhf_actor_critic": ("zero3.json", False, 1),
 }
 # Where offload answers otherwise, and why (docs/deepspeed-api.md says the same); nothing else may differ.
 KNOWN: dict[tuple[str, str], str] = {
     ("two_ranks", "written_row_master"): "what GatheredParameters(modifier_rank=r) writes is kept in the fp32 master "
                                          "too here; DeepSpeed 0.19.8's ZeRO-3 with the optimizer offloaded keeps it "
-                                         "in the 16-bit weights only, until the next step overwrites it"}
+                                         "in the 16-bit weights only, until the next step overwrites it",
+    ("rlhf_actor_critic", "ref_optimizer"): "an engine without an optimizer returns None as its optimizer here; "
+                                            "DeepSpeed 0.19.8 returns its ZeRO-3 parameter-offload object there, "
+                                            "which has no step a script could call"}
 REL = 2e-5  # losses, in one run on one machine: DeepSpeed's and offload's fp32 Adam agree to a few ulps a step
 # Against the recorded run (another CPU, whose kernels round otherwise, may run the test): a few ulps a step,
 # grown by eight Adam steps at a high learning rate, stay far inside this; a different training does not.
@@ -116,9 +121,9 @@ def test_a_deepspeed_script_runs_the_same_under_offload(name, tmp_path):
         assert not differences, f"offload differs from DeepSpeed 0.19.8 in the same run of {name}: {differences}"
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
+if __name__ == "__main__" and sys.argv[1:2] == ["--record"]:  # every script, or those named after --record
     import tempfile
-    for script in sorted(SCRIPTS):
+    for script in sys.argv[2:] or sorted(SCRIPTS):
         with tempfile.TemporaryDirectory() as d:
             observed = run("deepspeed", script, Path(d))
         (HERE / "expected" / f"{script}.json").write_text(json.dumps(observed, indent=1, sort_keys=True) + "\n")

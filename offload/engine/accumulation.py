@@ -53,7 +53,7 @@ class Phase(enum.Enum):
 class Accumulation:
     steps: int  # gradient_accumulation_steps
     pending: int = 0  # micro-batches since the last step
-    micro_steps: int = 0  # every backward since the start (a checkpoint keeps it)
+    micro_steps: int = 0  # every step() call since the start, as DeepSpeed counts them (a checkpoint keeps it)
     early: bool = False  # the coming (or last) backward ends this accumulation, however many are in
     stepped: bool = True  # step() was called after the last backward (so "the current micro-batch" is the next)
     # The most backward calls a step took (None before the first): see [Note: more backward calls than
@@ -97,7 +97,6 @@ class Accumulation:
 
     def add(self) -> None:
         self.pending += 1
-        self.micro_steps += 1
         self.stepped = False
 
     def current_ends(self) -> bool:
@@ -111,6 +110,7 @@ class Accumulation:
             raise EngineError("step() was called without a backward() since the last step; call "
                               "engine.backward(loss) first")
         self.stepped = True
+        self.micro_steps += 1
         if self.phase is Phase.COLLECTING:
             return False
         self._taken, self.calls_per_step = self.pending, max(self.pending, self.calls_per_step or 0)
@@ -120,6 +120,7 @@ class Accumulation:
     def retry(self) -> None:
         """The step failed before applying anything: its gradients are intact, and step() retries it."""
         self.pending, self.stepped = max(self._taken, self.steps), False
+        self.micro_steps -= 1  # the failed call did not count
 
     def clear(self) -> None:
         self.pending, self.early, self.stepped = 0, False, True

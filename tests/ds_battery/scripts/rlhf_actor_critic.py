@@ -45,7 +45,7 @@ critic_engine, *_ = deepspeed.initialize(args=args, model=critic, model_paramete
 ref_engine, ref_optimizer, *_ = deepspeed.initialize(model=reference, config=eval_config)
 ref_engine.eval()
 batches = data(24).view(6, 4, 9)
-observed = {"actor_loss": [], "critic_loss": [], "kl": [], "values": []}
+observed = {"actor_loss": [], "critic_loss": [], "ref_loss": [], "value_rms": []}
 for tokens in batches:
     with torch.no_grad():
         ref_loss = ref_engine(tokens)
@@ -61,8 +61,8 @@ for tokens in batches:
     critic_engine.step()
     observed["actor_loss"].append(float(actor_loss))
     observed["critic_loss"].append(float(critic_loss))
-    observed["kl"].append(float(kl))
-    observed["values"].append(float(values.mean()))
+    observed["ref_loss"].append(float(ref_loss))  # kl and the values' mean cancel: their parts are compared
+    observed["value_rms"].append(float(values.square().mean().sqrt()))
 with torch.no_grad():
     observed["ref_loss_after"] = float(ref_engine(batches[0]))
 report(**observed, ref_optimizer=ref_optimizer is None, actor_steps=actor_engine.global_steps,
