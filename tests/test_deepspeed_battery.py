@@ -32,6 +32,7 @@ SCRIPTS = {
     "two_ranks": ("zero3.json", False, 2),
     "gan_two_backwards": ("zero3.json", False, 1),
     "rlhf_actor_critic": ("zero3.json", False, 1),
+    "peft_lora": ("zero3.json", False, 1),
 }
 # Where offload answers otherwise, and why (docs/deepspeed-api.md says the same); nothing else may differ.
 KNOWN: dict[tuple[str, str], str] = {
