@@ -18,7 +18,7 @@ from offload.files.export import export_weights, load_exported
 from offload.machine.launch import run_ranks
 from offload.machine.native import Stochastic
 from offload.optim import AdamHyper, adam_step
-from offload.store.state_format import FORMATS, Master, StateFormat, from_config
+from offload.store.state_format import FORMATS, Master, StateFormat, from_config, join_master, split_master
 
 STEPS, MICRO = 4, 2
 HYPER = AdamHyper(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -87,6 +87,68 @@ def test_bf16_moments_train_as_torch_stepping_bf16_moments(tmp_path, world, devi
             torch.testing.assert_close(rank["state"][key], value, msg=lambda m, k=key: f"{k}: {m}", **tol)
 
 
+def train_masters(rank: int, world: int, config: dict[str, Any], steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """The engine's whole fp32 master of every parameter after ``steps``, and the 16-bit weights beside it."""
+    from offload.utils import safe_get_full_fp32_param
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    for tokens in batches(steps, MICRO * world):
+        engine.backward(loss_of(engine, "gpt", tokens[rank * MICRO:(rank + 1) * MICRO]))
+        engine.step()
+    out = {name: safe_get_full_fp32_param(p).cpu() for name, p in engine.module.named_parameters()}
+    with offload.zero.GatheredParameters(list(engine.module.parameters())):  # the weights the forward reads
+        out.update({f"weights:{name}": p.detach().float().cpu() for name, p in engine.module.named_parameters()})
+    engine.close()
+    return out
+
+
+def reference_split(world: int, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """Plain PyTorch in bf16 whose weights are the high halves of a 16+16 master split from the fp32 init, each
+    parameter stepped by the kernel in that format: what the engine's 16+16 master must equal, bit for bit."""
+    model = make_model("gpt")
+    halves = [split_master(p.detach().reshape(-1).clone()) for p in model.parameters()]
+    model = model.to(torch.bfloat16)
+    params = list(model.parameters())
+    for p, (hi, _) in zip(params, halves):
+        p.data.copy_(hi.view_as(p))
+    moments = [(torch.zeros(p.numel(), dtype=torch.bfloat16), torch.zeros(p.numel(), dtype=torch.bfloat16))
+               for p in params]
+    for step, tokens in enumerate(batches(steps, MICRO * world), 1):
+        model.zero_grad()
+        loss_of(model, "gpt", tokens).backward()
+        for p, (_, lo), (m, v) in zip(params, halves, moments):
+            adam_step(p.data.view(-1), p.grad.reshape(-1), m, v, step, HYPER, master_lo=lo)
+    out = {name: join_master(p.data.reshape(-1), lo).view(p.shape) for (name, p), (_, lo)
+           in zip(model.named_parameters(), halves)}
+    out.update({f"weights:{name}": p.detach().float() for name, p in model.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme", "none"])
+def test_the_16_16_master_trains_as_torch_stepping_the_same_halves(tmp_path, device):
+    """The master held as the bf16 weights and a low half is an fp32 master exactly: bitwise what plain PyTorch
+    gets stepping the same halves, on every tier. The weights the forward reads are the high halves, the master
+    rounded to nearest with ties away from zero (where plain mixed precision breaks ties to even)."""
+    config = fmt_config(1, master="16+16", moments="bf16", device=device, path=tmp_path, bf16=True)
+    result = train_masters(0, 1, config)  # in this process: both sides compute with the same threads
+    for key, value in reference_split(1).items():
+        assert torch.equal(result[key], value), key
+    for name, master in ((k, v) for k, v in result.items() if not k.startswith("weights:")):
+        high = split_master(master.reshape(-1))[0].view_as(master).float()
+        assert torch.equal(result[f"weights:{name}"], high), name
+
+
+@pytest.mark.parametrize("world,device", [(1, "cpu"), (2, "cpu"), (2, "nvme")])
+def test_a_step_of_the_16_16_master_is_bitwise_the_fp32_masters(tmp_path, world, device):
+    """From the same weights and gradients, a step of the 16+16 master lands on the fp32 master's bits (beside
+    bf16 moments both: the format changes how the master is held, not the arithmetic), each rank's shard of it."""
+    masters = {m: run_ranks(train_masters, world, steps=1, config=fmt_config(
+        world, master=m, moments="bf16", device=device, path=tmp_path / m.replace("+", "p"), bf16=True))
+        for m in ("fp32", "16+16")}
+    for rank in range(world):
+        for name in (k for k in masters["fp32"][rank] if not k.startswith("weights:")):
+            assert torch.equal(masters["16+16"][rank][name], masters["fp32"][rank][name]), name
+
+
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_a_bf16_master_rounded_to_nearest_trains_as_torch_stepping_its_bf16_weights(tmp_path, device):
     config = fmt_config(1, master="bf16", moments="bf16", device=device, path=tmp_path, bf16=True)
@@ -99,17 +161,19 @@ def test_a_bf16_master_rounded_to_nearest_trains_as_torch_stepping_its_bf16_weig
 def test_the_host_holds_the_bytes_each_format_says():
     sizes = {}
     for name, (master, moments) in {"fp32": ("fp32", "fp32"), "bf16 moments": ("fp32", "bf16"),
-                                    "bf16 master": ("bf16-stochastic", "bf16")}.items():
+                                    "bf16 master": ("bf16-stochastic", "bf16"), "16+16": ("16+16", "bf16")}.items():
         config = fmt_config(1, master=master, moments=moments, bf16=True)
         engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
         elements = engine.optimizer.store.placement.tiers["host"]
         groups = len(engine.optimizer.store.groups)
         sizes[name] = (engine.memory_summary()["host"]["optimizer state"], elements, groups)
         engine.close()
-    for name, per_element in {"fp32": 12, "bf16 moments": 8, "bf16 master": 6}.items():
+    for name, per_element in {"fp32": 12, "bf16 moments": 8, "bf16 master": 6, "16+16": 6}.items():
         nbytes, elements, groups = sizes[name]  # each sub-group's buffer is whole pages
         assert per_element * elements <= nbytes < per_element * elements + 4096 * groups, (name, nbytes)
     assert sizes["bf16 master"][0] < sizes["bf16 moments"][0] < sizes["fp32"][0]
+    # the 16+16 master's high halves are the weights the parameter store holds anyway: 6 bytes, the same values
+    assert sizes["16+16"][0] < sizes["bf16 moments"][0]
 
 
 def _resume(tmp_path: Path, config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -119,7 +183,8 @@ def _resume(tmp_path: Path, config: dict[str, Any]) -> tuple[dict[str, Any], dic
     return whole, resumed
 
 
-@pytest.mark.parametrize("master,moments,device", [("fp32", "bf16", "cpu"), ("bf16-stochastic", "bf16", "cpu"),
+@pytest.mark.parametrize("master,moments,device", [("fp32", "bf16", "cpu"), ("16+16", "bf16", "cpu"),
+                                                   ("16+16", "bf16", "nvme"), ("bf16-stochastic", "bf16", "cpu"),
                                                    ("bf16-stochastic", "bf16", "nvme"), ("bf16", "bf16", "nvme")])
 def test_a_resumed_run_equals_the_run_that_never_stopped(tmp_path, master, moments, device):
     config = fmt_config(1, master=master, moments=moments, device=device, path=tmp_path / "swap", bf16=True)
@@ -156,6 +221,24 @@ def test_the_checkpoint_holds_the_state_as_held_and_loads_into_another_format_wi
         assert exported[key].dtype == torch.float32 and torch.equal(exported[key], value.float()), key
 
 
+def test_a_16_16_checkpoint_holds_the_exact_master_and_loads_into_fp32_bit_for_bit(tmp_path, caplog):
+    config = fmt_config(1, master="16+16", moments="bf16", bf16=True)
+    saved = run_ranks(train, 1, config=config, steps=2, save=str(tmp_path / "ckpt"))[0]["state"]  # fp32 masters
+    tag = (tmp_path / "ckpt" / "latest").read_text().strip()
+    meta = json.loads((tmp_path / "ckpt" / tag / "meta.json").read_text())
+    assert meta["state_format"] == {"master": "16+16", "moments": "bfloat16"}
+    index = json.loads((tmp_path / "ckpt" / tag / "rank0.json").read_text())
+    assert {e["dtype"] for e in index if e["kind"] == "master"} == {"float32"}  # both halves, as one float
+    with caplog.at_level(logging.WARNING, logger="offload.checkpoint"):
+        engine, *_ = offload.initialize(model=make_model("gpt"), config=fmt_config(1, moments="bf16", bf16=True))
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        loaded = engine.full_state_dict()
+        engine.close()
+    assert "held as master 16+16, moments bfloat16 and this engine holds it as master fp32" in caplog.text
+    for key, value in loaded.items():
+        assert torch.equal(value, saved[key]), key
+
+
 def test_deepspeeds_bf16_keys_choose_the_same_formats():
     raw = fmt_config(1, bf16=True)
     raw["bf16"].update(bf16_optimizer_states=True)
@@ -165,9 +248,10 @@ def test_deepspeeds_bf16_keys_choose_the_same_formats():
 
 
 @pytest.mark.parametrize("change, path, message", [
-    (dict(master="bf16"), "offload.optimizer_state.master", "a bf16 master (bf16) trains bf16 weights: set "
+    (dict(master="bf16"), "offload.optimizer_state.master", "a 16-bit master (bf16) trains bf16 weights: set "
                                                             "bf16.enabled true"),
-    (dict(master="16+16"), "offload.optimizer_state.master", "not one of 'fp32', 'bf16', 'bf16-stochastic'"),
+    (dict(master="16+16"), "offload.optimizer_state.master", "a 16-bit master (16+16) trains bf16 weights"),
+    (dict(master="fp16"), "offload.optimizer_state.master", "not one of 'fp32', '16+16', 'bf16', 'bf16-stochastic'"),
     (dict(moments="fp16"), "offload.optimizer_state.moments", "not one of 'fp32', 'bf16'"),
 ])
 def test_a_format_that_cannot_work_is_refused_naming_its_key(change, path, message):
@@ -230,7 +314,8 @@ def test_the_convergence_ab_writes_its_curves_its_verdicts_and_a_plot(tmp_path, 
                  "--hidden", "32", "--layers", "1", "--seq", "16", "--micro", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [(r["format"], r["seed"]) for r in result["runs"]] == [
-        ("fp32", 0), ("fp32", 1), ("bf16 moments", 0), ("bf16 master stochastic", 0), ("bf16 master nearest", 0)]
+        ("fp32", 0), ("fp32", 1), ("bf16 moments", 0), ("16+16 master", 0), ("bf16 master stochastic", 0),
+        ("bf16 master nearest", 0)]
     assert all(r["steps"] == [3, 6] and len(r["eval_loss"]) == 2 for r in result["runs"])
     bytes_of = {r["format"]: r["optimizer_state_bytes"] for r in result["runs"]}
     assert bytes_of["bf16 master nearest"] < bytes_of["bf16 moments"] < bytes_of["fp32"]
@@ -250,13 +335,54 @@ def test_the_estimate_prices_each_format_by_its_bytes():
     rates = StepRates(device_gbps=2000.0, host_gbps=100.0, h2d_gbps=50.0, d2h_gbps=50.0)
     host, adam = {}, {}
     for name, (master, moments) in {"fp32": ("fp32", "fp32"), "bf16 moments": ("fp32", "bf16"),
-                                    "bf16 master": ("bf16-stochastic", "bf16")}.items():
+                                    "bf16 master": ("bf16-stochastic", "bf16"), "16+16": ("16+16", "bf16")}.items():
         raw = fmt_config(1, master=master, moments=moments, bf16=True)
         config = Config.load(raw).resolve(world_size=1)
         est = estimate(units, config, 1, discrete=True, rates=rates)
         host[name] = est.tiers["host"]["optimizer state"]
         adam[name] = est.prediction.terms["host Adam"]
-    for name, state in {"fp32": 12, "bf16 moments": 8, "bf16 master": 6}.items():
-        assert state * 4_000_000 <= host[name] < state * 4_000_000 + 4 * 4096
+    for name, state in {"fp32": 12, "bf16 moments": 8, "bf16 master": 6, "16+16": 6}.items():
+        assert state * 4_000_000 <= host[name] < state * 4_000_000 + 4 * 4096, name
     assert adam["bf16 moments"] / adam["fp32"] == pytest.approx(22 / 30)
     assert adam["bf16 master"] / adam["fp32"] == pytest.approx(18 / 30)
+    assert adam["16+16"] / adam["fp32"] == pytest.approx(22 / 30)  # its high half stepped as the weights
+
+
+def test_a_16_16_master_on_an_emulated_gpu_steps_as_on_the_host(monkeypatch):
+    """Units whose state the device keeps (a partial offload) step the 16+16 master in torch's ops there, widened
+    to fp32 and split back: the same training as the host's kernel, to fp32 rounding."""
+    monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
+    config = fmt_config(1, master="16+16", moments="bf16", bf16=True)
+    config["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+    result = train_masters(0, 1, config)
+    for key, value in reference_split(1).items():
+        torch.testing.assert_close(result[key], value, atol=2e-5 if "weights" not in key else 8e-3, rtol=1e-4,
+                                   msg=lambda m, k=key: f"{k}: {m}")
+
+
+def _schedule_run(config: dict[str, Any]) -> dict[str, Any]:
+    out = train_masters(0, 1, config)
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    out["lent"] = [g.fmt.high_elsewhere for g in engine.optimizer.store.groups]
+    engine.close()
+    return out
+
+
+def test_where_a_step_writes_a_second_place_first_the_16_16_master_keeps_its_high_half_and_trains_the_same():
+    """The speculative step writes the other slot before its factor is known, and the delayed update a staging
+    buffer: there the high half is held in the state (the weights cannot be it); the speculated run trains
+    bitwise as the plain one, whose high halves are the weights."""
+    plain = fmt_config(1, master="16+16", moments="bf16", bf16=True, clip=1.0)
+    plain["offload"]["speculative_step"] = "off"
+    speculated = fmt_config(1, master="16+16", moments="bf16", bf16=True, clip=1.0)
+    speculated["offload"]["speculative_step"] = "on"
+    delayed = fmt_config(1, master="16+16", moments="bf16", bf16=True)
+    delayed["offload"]["delayed_update"] = {"warmup_steps": 2}
+    runs = {name: _schedule_run(c) for name, c in (("plain", plain), ("speculated", speculated),
+                                                   ("delayed", delayed))}
+    assert all(runs["plain"]["lent"]) and not any(runs["speculated"]["lent"]) and not any(runs["delayed"]["lent"])
+    for key, value in runs["plain"].items():
+        if key != "lent":
+            assert torch.equal(runs["speculated"][key], value), key
+    for name, master in ((k, v) for k, v in runs["delayed"].items() if k != "lent" and not k.startswith("weights:")):
+        assert torch.isfinite(master).all() and not torch.equal(master, runs["plain"][name]), name

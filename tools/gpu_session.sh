@@ -206,7 +206,7 @@ pace() {  # name, extra flags...
 
 pace_formats() {  # #55: the 4.5B GPT, full offload (FORMAT_VARIANTS: full,auto for auto too), with the state in fewer bytes (beside pace-4p5b's fp32)
   local fmt
-  for fmt in bf16-moments bf16-master; do
+  for fmt in bf16-moments 16+16 bf16-master; do
     pace "pace-4p5b-$fmt" "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants "${FORMAT_VARIANTS:-full}" --state-format "$fmt"
   done
 }

@@ -25,8 +25,7 @@ import offload
 from offload.models import GPT, GPTConfig
 from offload.store import state_format
 
-# The formats the engine holds (the 16+16 master is the kernels' only), by state_format.FORMATS's names
-FORMATS = {name: fmt for name, fmt in state_format.FORMATS.items() if fmt.master is not state_format.Master.SPLIT}
+FORMATS = state_format.FORMATS  # every format the engine holds, by its name
 CONTROL = "bf16 master nearest"  # expected outside the band
 
 

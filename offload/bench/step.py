@@ -66,12 +66,14 @@ from offload.store.state_format import FORMATS
 NOISE_FLOOR_S = 0.05  # CPU steps shorter than this time mostly the machine's noise (thread wake-ups, other tenants)
 # `--state-format`: offload.optimizer_state's (master, moments) by the names the benchmarks give them
 STATE_FORMATS = {cli: FORMATS[name].names() for cli, name in (
-    ("fp32", "fp32"), ("bf16-moments", "bf16 moments"), ("bf16-master", "bf16 master stochastic"),
+    ("fp32", "fp32"), ("bf16-moments", "bf16 moments"), ("16+16", "16+16 master"),
+    ("bf16-master", "bf16 master stochastic"),
     ("bf16-master-nearest", "bf16 master nearest"))}
 # Variants that run only when --variants names them.
 NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "host-spare-cores", "nvme-optimizer-speculative",
               "nvme-optimizer-speculative-kept", "nvme-optimizer-early", "nvme-early", "params-host-bf16-moments",
-              "params-host-bf16-master", "nvme-optimizer-bf16-moments", "nvme-optimizer-bf16-master")
+              "params-host-bf16-master", "params-host-16-16", "nvme-optimizer-bf16-moments",
+              "nvme-optimizer-bf16-master")
 
 
 @dataclass(kw_only=True)
@@ -194,7 +196,10 @@ class StepBench:
                     "params-host-bf16-moments": {"device": "cpu", "params": "cpu", "early": "off",
                                                  "state": STATE_FORMATS["bf16-moments"]},
                     "params-host-bf16-master": {"device": "cpu", "params": "cpu", "early": "off",
-                                                "state": STATE_FORMATS["bf16-master"]}}
+                                                "state": STATE_FORMATS["bf16-master"]},
+                    # the 16+16 master, its high halves the host-homed weights (6 bytes of state an element)
+                    "params-host-16-16": {"device": "cpu", "params": "cpu", "early": "off",
+                                          "state": STATE_FORMATS["16+16"]}}
         return {"nvme": {"device": "nvme", "buffer_count": self.buffer_count, "params": "nvme"},
                 "host": {"device": "cpu", "params": "cpu"},
                 "nvme-optimizer": {"device": "nvme", "buffer_count": self.buffer_count, "params": "cpu"},

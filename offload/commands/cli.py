@@ -529,9 +529,9 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
     b.add_argument("--warmup", type=positive_int, default=100, help="warmup steps (default 100)")
     b.add_argument("--eval-every", type=positive_int, default=100, help="held-out loss every this many steps")
     b.add_argument("--formats", type=lambda text: [f.strip() for f in text.split(",") if f.strip()],
-                   default="fp32,bf16 moments,bf16 master stochastic,bf16 master nearest",
-                   help="formats, comma-separated (default all: fp32, bf16 moments, bf16 master stochastic, bf16 "
-                        "master nearest)")
+                   default="fp32,bf16 moments,16+16 master,bf16 master stochastic,bf16 master nearest",
+                   help="formats, comma-separated (default all: fp32, bf16 moments, 16+16 master, bf16 master "
+                        "stochastic, bf16 master nearest)")
 
     b = bench("all", "every benchmark this machine supports; one all.json and a summary plot",
               out="output directory (default bench-results/)")
@@ -654,10 +654,11 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                         "max(compute, the host's Adam share at the rate measured in the run)")
     b.add_argument("--clip", type=float, default=1.0, help="gradient_clipping with --baseline floor (0: off; "
                                                             "default 1.0)")
-    b.add_argument("--state-format", choices=["fp32", "bf16-moments", "bf16-master", "bf16-master-nearest"],
+    b.add_argument("--state-format", choices=["fp32", "bf16-moments", "16+16", "bf16-master", "bf16-master-nearest"],
                    default="fp32", help="offload.optimizer_state of offload's variants that name none: fp32 (default), "
-                                        "bf16 moments, a bf16 master rounded stochastically (needs --dtype bf16) or "
-                                        "to nearest; --baseline floor prices the host Adam at that format's rate")
+                                        "bf16 moments, a 16+16 master with bf16 moments, a bf16 master rounded "
+                                        "stochastically or to nearest (the last three need --dtype bf16); --baseline "
+                                        "floor prices the host Adam at that format's rate")
 
 
 def _output(args: argparse.Namespace) -> Path:

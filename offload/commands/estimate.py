@@ -266,7 +266,7 @@ def step_traffic(groups: list[SubGroup], item: int, rates: Rates, source: str) -
     per_tier: dict[Tier, int] = {}
     for g in groups:
         per_tier[g.tier] = per_tier.get(g.tier, 0) + g.numel
-    state = groups[0].fmt.bytes_per_element if groups else STATE_BYTES
+    state = groups[0].fmt.stepped_bytes if groups else STATE_BYTES
     parts, cost_ms = [], {}  # cost_ms by the tier's name: it is the estimate's step_ms, written to JSON
     for tier, n in per_tier.items():
         memory = "device memory" if tier is Tier.DEVICE else "host memory"

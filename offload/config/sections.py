@@ -535,10 +535,12 @@ class HostMallocConfig:
 @dataclass(kw_only=True, slots=True)
 class OptimizerStateConfig:
     master: str = setting("fp32", "How the master weights are held: fp32 (PyTorch's, the default: every step as "
-                                  "torch's AdamW); bf16 (rounded to nearest even, DeepSpeed's "
+                                  "torch's AdamW); 16+16 (the fp32 master exactly, as the bf16 weights the forward "
+                                  "reads, rounded to nearest with ties away from zero, and a 16-bit low half); "
+                                  "bf16 (rounded to nearest even, DeepSpeed's "
                                   "bf16_master_weights_and_grads: small updates are lost); bf16-stochastic "
                                   "(rounded stochastically: updates kept in expectation). A bf16 master needs "
-                                  "bf16.enabled.", choices=("fp32", "bf16", "bf16-stochastic"))
+                                  "bf16.enabled.", choices=("fp32", "16+16", "bf16", "bf16-stochastic"))
     moments: str = setting("fp32", "How Adam's moments are held: fp32, or bf16 (arithmetic in fp32, stored rounded to "
                                    "nearest even: 4 bytes an element instead of 8).", choices=("fp32", "bf16"))
     seed: int = setting(0, "The stochastic rounding's seed (each rank, step and unit draws its own stream from it, so "

@@ -28,7 +28,7 @@ from offload.files.training_checkpoint import (FORMAT, LATEST, READS, Checkpoint
                                                phase, publish, read_meta, resolve, retire_old, save_small,
                                                sweep_stale, tmp_dir, tree_bytes, verify, write_atomic,
                                                writer_lock)
-from offload.store.state_format import FP32, StateFormat
+from offload.store.state_format import FP32, StateFormat, StateSlot
 from offload.version import __version__
 from offload.zero.collectives import all_ok
 
@@ -287,7 +287,7 @@ def _write_rank_files(engine: Any, tmp: Path, client_state: dict[str, Any], pick
         try:
             for g in engine.optimizer.one_at_a_time(read=True, write=False):
                 for m in g.members:
-                    for kind, values in zip(("master", "exp_avg", "exp_avg_sq"), g.views(m)):
+                    for kind, values in zip(("master", "exp_avg", "exp_avg_sq"), g.views(m).held()):
                         writer.add(m.unit, kind, values)
                         phase("writing")
             for unit in engine.units:
@@ -445,15 +445,14 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
     saved_format, our_format = meta.get("state_format", _format_meta(FP32)), _format_meta(engine.optimizer.store.fmt)
     if saved_format != our_format and rank == 0:
         logger.warning("loading %s: its optimizer state is held as %s and this engine holds it as %s: converted "
-                       "(bf16 to fp32 exactly, fp32 to bf16 rounded to nearest)", path, _format_text(saved_format),
-                       _format_text(our_format))
-    def load_state(index: int, views: tuple[torch.Tensor, ...]) -> bool:
-        master, exp_avg, exp_avg_sq = views
+                       "(to fp32 or 16+16 exactly, to a bf16 master or bf16 moments rounded to nearest)", path,
+                       _format_text(saved_format), _format_text(our_format))
+    def load_state(index: int, views: StateSlot) -> bool:
         saved = take(units[index], "master")
-        master.copy_(saved if rounded is None else saved.to(rounded).float())
+        views.set_master(saved if rounded is None else saved.to(rounded).float())
         if moments:
-            exp_avg.copy_(take(units[index], "exp_avg"))
-            exp_avg_sq.copy_(take(units[index], "exp_avg_sq"))
+            views.exp_avg.copy_(take(units[index], "exp_avg"))
+            views.exp_avg_sq.copy_(take(units[index], "exp_avg_sq"))
         return True
 
     try:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from offload.engine.errors import EngineError
+from offload.store.state_format import StateSlot
 from offload.files.weights_file import TensorSpec, stream_for
 from offload.zero.collectives import all_gather, all_ok, broadcast
 
@@ -101,13 +102,14 @@ def _edits(engine: Any, modifier_rank: int, before: dict[int, torch.Tensor], uni
     return edits
 
 
-def rewrite_units(engine: Any, *, read: bool, state: Callable[[int, tuple[torch.Tensor, ...]], bool],
+def rewrite_units(engine: Any, *, read: bool, state: Callable[[int, StateSlot], bool],
                   shard: Callable[[int], torch.Tensor | None]) -> None:
     """New weights into a live engine, one sub-group of optimizer state in memory at a time: ``state`` writes a
     trained unit's (master, exp_avg, exp_avg_sq) views (``read``: as they were first) and says whether it did,
-    then the unit's compute copy follows its master; ``shard`` gives an untrained unit's new compute shard (None:
-    it keeps its own). For checkpoint and state-dict loads and kept edits; the caller has drained the optimizer and
-    resharded the units, and calls ``spread_rewritten`` after it on every rank."""
+    then the unit's compute copy follows its master (a 16+16 master's high half); ``shard`` gives an untrained
+    unit's new compute shard (None: it keeps its own). For checkpoint and state-dict loads and kept edits; the
+    caller has drained the optimizer and resharded the units, and calls ``spread_rewritten`` after it on every
+    rank."""
     for g in engine.optimizer.one_at_a_time(read=read, write=True):
         for m in g.members:
             views = g.views(m)
@@ -129,11 +131,13 @@ def spread_rewritten(engine: Any) -> None:
 
 
 def _apply_edits(engine: Any, edits: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    def edit_master(unit: int, views: tuple[torch.Tensor, ...]) -> bool:
+    def edit_master(unit: int, views: StateSlot) -> bool:
         if unit not in edits:
             return False
         where, values = edits[unit]
-        views[0][where.to(views[0].device)] = values.to(views[0].device)
+        master = views.master_fp32()  # held in 16 bits, or as two halves: edited whole, stored back as held
+        master[where.to(master.device)] = values.to(master.device)
+        views.set_master(master)
         return True
 
     def edited_shard(unit: int) -> torch.Tensor | None:
@@ -213,10 +217,10 @@ def load_full_state_dict(engine: Any, state_dict: dict[str, Any], strict: bool =
             if id(s.param) in given:
                 flat[s.offset:s.offset + s.numel] = state_dict[keys[id(s.param)]].detach().reshape(-1).float().cpu()
         shards[unit.index] = flat[unit.shard_start:unit.shard_start + unit.shard_numel].clone()
-    def load_master(unit: int, views: tuple[torch.Tensor, ...]) -> bool:
+    def load_master(unit: int, views: StateSlot) -> bool:
         values = shards.get(unit)
         if values is not None:
-            views[0].copy_(values.to(views[0].device))
+            views.set_master(values.to(views.master.device))
         return values is not None
 
     engine.runtime.reshard_all()

@@ -54,12 +54,15 @@ class ShardUpdate:
             assert out is not None
             for start, end in state.gaps:
                 out[start:end].copy_(master[start:end])
-        out16 = out if out is not None and out.dtype != torch.float32 else None
+        # the weights are the master's high half (see [Note: the weights are the high half]): written in place
+        in_place = out is not None and views.master.numel() > 0 and out.data_ptr() == views.master.data_ptr()
+        out16 = out if out is not None and out.dtype != torch.float32 and not in_place else None
         grad, pre_scale = (torch.zeros_like(master), 1.0) if empty else state.gradient()
         # Master, moments read and written, the gradient read, the new shard written.
         state_bytes = 2 * sum(b.element_size() for b in views.buffers())
-        self.accel.graph.work("adam", index, nbytes=master.numel() * (state_bytes + grad.element_size() + (
-            out.element_size() if out is not None else 0)), lane=COMPUTE if self.on_discrete_device(index) else None)
+        out_bytes = out.element_size() if out is not None and not in_place else 0
+        self.accel.graph.work("adam", index, nbytes=master.numel() * (state_bytes + grad.element_size() + out_bytes),
+                              lane=COMPUTE if self.on_discrete_device(index) else None)
         if out is None and self.on_discrete_device(index):  # torch's fused kernel
             assert into is None  # never speculated: host state only
             for group, segs in by_group(state.segments).items():
@@ -86,7 +89,7 @@ class ShardUpdate:
         if out is None:  # state on the compute device: the shard is written straight away
             self.params.write_device(index, master)
         else:
-            if out16 is None:
+            if out16 is None and not in_place:
                 for seg in state.segments:
                     out[seg.start:seg.end].copy_(master[seg.start:seg.end])
             if target is None:

@@ -46,6 +46,15 @@ the state of the last completed step stays intact until the step's factor is kno
 kept per unit (``in_spare``), so units flip one at a time, as the early step reaches
 them; every reader goes through ``views``, which follows it.
 
+[Note: the weights are the high half] A 16+16 master (offload/store/state_format.py) is the bf16 weights and a
+16-bit low half. Where a host sub-group's units keep their weights in host memory that the step writes in place
+(the parameter store's host shards: a host home, or a device home's host copy), the sub-group holds the low halves
+and the moments alone, and each unit's high half is lent to it (``lend_high``): the kernel updates the weights and
+the master in one write, 6 bytes of state an element with bf16 moments instead of 8, and nothing more to copy. Not
+where a step writes into a second place before it counts (the speculative slot, the delayed update's staging), nor
+where the state moves after start-up (the refit), nor for NVMe state or NVMe-homed weights: there the high half is
+held in the state, beside the weights' copy, as exact but no smaller.
+
 [Note: a failed step loses nothing] Each NVMe sub-group has two slots in the swap
 file; a step reads the slot holding the last completed step and writes the other, and
 flips which slot is current only when every write of the step has completed. Host
@@ -100,6 +109,7 @@ class SubGroup:
     in_spare: set[int] = field(default_factory=set)  # units whose current state is in ``spare``
     borrowed: bool = False  # host: its slots are views of a buffer a split shares (``split``), not its own
     fmt: StateFormat = FP32  # how its state is held
+    highs: dict[int, torch.Tensor] = field(default_factory=dict)  # per unit, its lent high half (fmt.high_elsewhere)
 
     @property
     def nbytes(self) -> int:
@@ -111,7 +121,10 @@ class SubGroup:
         assert self.resident is not None, f"sub-group {self.index} is not in memory"
         slot = self.resident if (member.unit in self.in_spare) == other else self.spare
         assert slot is not None, f"sub-group {self.index} has no second slot"
-        return slot.narrow(member.offset, member.numel)
+        views = slot.narrow(member.offset, member.numel)
+        if self.fmt.high_elsewhere:  # see [Note: the weights are the high half]
+            views = StateSlot(self.highs[member.unit], views.exp_avg, views.exp_avg_sq, views.master_lo)
+        return views
 
     def flip(self, member: Member) -> None:
         """The other slot holds the unit's state of the step just taken: it becomes current."""
@@ -264,6 +277,18 @@ class OptimizerStateStore:
 
     # ----------------------------------------------------------------- filling and reading
 
+    def keeps_high_elsewhere(self, unit: int) -> bool:
+        """Whether the unit's 16+16 high half is lent by the parameter store (see [Note: the weights are the high
+        half])."""
+        return self.by_unit[unit][0].fmt.high_elsewhere
+
+    def lend_high(self, unit: int, weights: torch.Tensor) -> None:
+        """The unit's weights (its shard's host memory, which the step writes in place) become its master's high
+        half; before ``init_member``."""
+        g, m = self.by_unit[unit]
+        assert g.fmt.high_elsewhere and weights.numel() == m.numel and weights.dtype == torch.bfloat16, unit
+        g.highs[unit] = weights
+
     def init_member(self, unit: int, master: torch.Tensor) -> None:
         """Set a unit's master weights (moments start at zero). Units arrive in order; an NVMe sub-group is
         written to its slot when its last unit has arrived, so building holds one sub-group at a time."""
@@ -402,6 +427,7 @@ class OptimizerStateStore:
         """Host sub-group ``g``'s first ``count`` units become a sub-group of their own, placed before it; both
         keep views of the one buffer they share (``borrowed``), each unit's state where it was."""
         assert g.tier is Tier.HOST and g.resident is not None and 0 < count < len(g.members)
+        assert not g.fmt.high_elsewhere, "a sub-group whose high halves are lent stays where it is"
         cut = g.members[count].offset
         head = SubGroup(max(x.index for x in self.groups) + 1, g.members[:count], cut, Tier.HOST,
                         g.resident.narrow(0, cut), None if g.spare is None else g.spare.narrow(0, cut),
@@ -422,6 +448,7 @@ class OptimizerStateStore:
         given back (see [Note: the split refitted] in offload/engine/refit.py)."""
         assert g.tier is Tier.HOST and g.resident is not None, f"sub-group {g.index} is not on the host"
         assert moved.master.numel() == g.numel, f"sub-group {g.index} moves into a slot of {g.numel} elements"
+        assert not g.fmt.high_elsewhere, "a sub-group whose high halves are lent stays where it is"
         for m in g.members:
             moved.narrow(m.offset, m.numel).copy_(g.views(m))
         if not g.borrowed:

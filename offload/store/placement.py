@@ -25,7 +25,7 @@ from offload.store.budget import TierBudget
 from offload.store.optimizer_state import (SPECULATIVE_SLOT, SubGroup, nvme_buffers, place_sub_groups,
                                           plan_sub_groups)
 from offload.store.param_store import HOST_PARAMS
-from offload.store.state_format import from_config
+from offload.store.state_format import Master, from_config
 from offload.store.param_swap import WRITE_BUFFERS, param_buffer_bytes, place_params, plan_homes
 from offload.store.step_cost import Rates, StepPrediction, Traffic, best, predict
 from offload.store.tier import Tier
@@ -218,6 +218,7 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
                 "optimizer state; raise the budget or use more ranks"))
         out.host.update(step_buffers)
 
+    _lend_highs(out, config, step)
     budget = TierBudget(Tier.HOST, host_limit, used=sum(out.host.values()))
     try:
         place_sub_groups(out.groups, opt.device, budget, opt.buffer_count, spare=step.speculation is Speculation.ALL)
@@ -237,6 +238,20 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
         _plan_speculative_slot(out, host_limit, spare=step.speculation is Speculation.ALL)
     _check_device(out, shards, config, stage)
     return out
+
+
+def _lend_highs(out: Placement, config: Any, step: StepAsks) -> None:
+    """Host sub-groups of a 16+16 master whose high halves are the weights (see [Note: the weights are the high
+    half] in offload/store/optimizer_state.py): the state offloaded to the host, where nothing moves it after
+    start-up (not auto, whose refit may) and no step writes a second place first (the speculative slot, the delayed
+    update), each unit's weights homed off NVMe."""
+    opt = config.zero_optimization.offload_optimizer
+    if (opt.device != "cpu" or opt.ratio is AUTO or step.delayed or step.speculation is Speculation.ALL
+            or not out.groups or out.groups[0].fmt.master is not Master.SPLIT):
+        return
+    for g in out.groups:
+        if g.tier is not Tier.DEVICE and all(out.homes[m.unit] is not Tier.NVME for m in g.members):
+            g.fmt = g.fmt.high_in_params()
 
 
 def _plan_optimizer_state(out: Placement, nvme_limit: int | None, buffer_count: int) -> None:
@@ -530,7 +545,7 @@ def _traffic(shard_sizes: list[tuple[int, int]], stepped: dict[Tier, int], stepp
                    copied_up=sum(n for i, n in shard_sizes if i in stepped_off and i in homed), item=item,
                    micro_batches=int(config.gradient_accumulation_steps or 1),
                    grads_accumulated_on_device=bool(config.offload.accumulate_on_device),
-                   state_bytes=from_config(config).bytes_per_element)
+                   state_bytes=from_config(config).stepped_bytes)
 
 
 def describe_split(out: Placement, shard_sizes: list[tuple[int, int]]) -> str:

@@ -19,7 +19,7 @@ buffers by them and the optimizer hands the kernel the buffers they describe.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,10 +41,20 @@ class StateFormat:
 
     master: Master = Master.FP32
     moments: torch.dtype = torch.float32
+    # A 16+16 master whose high halves are the parameter store's own host shards (see [Note: the weights are the
+    # high half] in offload/store/optimizer_state.py): the slot holds the low half and the moments only. The same
+    # format (equal, the same bytes in a checkpoint), held in fewer bytes.
+    high_elsewhere: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.moments not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the moments are float32 or bfloat16, got {self.moments}")
+        if self.high_elsewhere and self.master is not Master.SPLIT:
+            raise ValueError(f"only a 16+16 master keeps its high half elsewhere, not {self.master.value}")
+
+    def high_in_params(self) -> StateFormat:
+        """This 16+16 format with its high halves held by the parameter store."""
+        return replace(self, high_elsewhere=True)
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -53,8 +63,14 @@ class StateFormat:
 
     @property
     def master_bytes(self) -> int:
-        """Bytes an element of master the optimizer state holds (16+16: both halves)."""
-        return 2 if self.master in (Master.BF16, Master.BF16_STOCHASTIC) else 4
+        """Bytes an element of master the optimizer state holds (16+16: both halves, or the low one alone)."""
+        return 2 if self.master in (Master.BF16, Master.BF16_STOCHASTIC) or self.high_elsewhere else 4
+
+    @property
+    def stepped_bytes(self) -> int:
+        """Bytes of state an element the step reads and writes: a lent high half is the weights, stepped all the
+        same (the pricing then counts the weights' write as well, 2 bytes over the kernel's 20 for 16+16)."""
+        return self.bytes_per_element + (2 if self.high_elsewhere else 0)
 
     @property
     def moment_bytes(self) -> int:
@@ -80,7 +96,8 @@ class StateFormat:
         """The dtype of each buffer a slot holds, in its order: master (16+16: its high half, then its low half),
         exp_avg, exp_avg_sq."""
         if self.master is Master.SPLIT:
-            return (torch.bfloat16, torch.int16, self.moments, self.moments)
+            high = () if self.high_elsewhere else (torch.bfloat16,)
+            return (*high, torch.int16, self.moments, self.moments)
         return (self.master_dtype, self.moments, self.moments)
 
     def slot_bytes(self, numel: int) -> int:
@@ -99,6 +116,8 @@ class StateFormat:
             at = _aligned(at, dtype.itemsize)
             views.append(raw[at:at + numel * dtype.itemsize].view(dtype))
             at += numel * dtype.itemsize
+        if self.high_elsewhere:  # the master's high halves are lent per unit (SubGroup.views)
+            return StateSlot(raw[:0].view(torch.bfloat16), views[1], views[2], views[0])
         if self.master is Master.SPLIT:
             return StateSlot(views[0], views[2], views[3], views[1])
         return StateSlot(*views)
@@ -146,6 +165,12 @@ class StateSlot:
     def zero_(self) -> None:
         for t in self.buffers():
             t.zero_()
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(master, exp_avg, exp_avg_sq) as a checkpoint holds them: each as held, but a 16+16 master as the float32
+        its halves are, bit for bit (the same bytes, and what every reader of a checkpoint takes)."""
+        master = join_master(self.master, self.master_lo) if self.master_lo is not None else self.master
+        return master, self.exp_avg, self.exp_avg_sq
 
     def master_fp32(self) -> torch.Tensor:
         """The master as float32 (a copy): the 16+16 one joined, a bf16 one widened."""
@@ -205,7 +230,7 @@ def from_config(config: Any) -> StateFormat:
     if fmt.master is not Master.FP32 and config.bf16.enabled is not True:
         key = ("bf16.bf16_master_weights_and_grads" if bf16.bf16_master_weights_and_grads
                else "offload.optimizer_state.master")
-        raise ConfigError(key, f"a bf16 master ({master}) trains bf16 weights: set bf16.enabled true, or keep "
+        raise ConfigError(key, f"a 16-bit master ({master}) trains bf16 weights: set bf16.enabled true, or keep "
                                "the master in fp32 (moments in bf16 need no bf16 compute)")
     return fmt
 
