@@ -386,3 +386,43 @@ def test_where_a_step_writes_a_second_place_first_the_16_16_master_keeps_its_hig
             assert torch.equal(runs["speculated"][key], value), key
     for name, master in ((k, v) for k, v in runs["delayed"].items() if k != "lent" and not k.startswith("weights:")):
         assert torch.isfinite(master).all() and not torch.equal(master, runs["plain"][name]), name
+
+
+def _tied_model() -> torch.nn.Module:
+    """The test GPT with every weight an exact bf16 tie (low 16 bits 0x8000, odd high half): nearest-even and
+    ties-away rounding disagree on each."""
+    model = make_model("gpt")
+    with torch.no_grad():
+        for p in model.parameters():
+            bits = p.detach().view(torch.int32)
+            p.copy_(((bits & ~0xFFFF) | 0x18000).view(torch.float32))
+    return model
+
+
+def _weights_after_build(rank: int, world: int, stage: int) -> dict[str, Any]:
+    from offload.utils import safe_get_full_fp32_param
+    config = fmt_config(world, master="16+16", moments="bf16", bf16=True, stage=stage)
+    engine, *_ = offload.initialize(model=_tied_model(), config=config)
+    masters = {name: safe_get_full_fp32_param(p).cpu() for name, p in engine.module.named_parameters()}
+    with offload.zero.GatheredParameters(list(engine.module.parameters())):
+        weights = {name: p.detach().float().cpu() for name, p in engine.module.named_parameters()}
+        for p in engine.module.parameters():  # a write no rank keeps (no modifier_rank)
+            p.data.add_(1.0)
+    after = {name: safe_get_full_fp32_param(p).cpu() for name, p in engine.module.named_parameters()}
+    engine.close()
+    return {"masters": masters, "weights": weights, "after": after}
+
+
+@pytest.mark.parametrize("world,stage", [(1, 3), (2, 1), (2, 3)])
+def test_every_copy_of_the_16_16_weights_is_the_masters_high_half_and_a_discarded_write_leaves_the_master(world,
+                                                                                                          stage):
+    """From the start every rank's copy of every part of the weights is the master's high half (ties away from
+    zero, on weights that are all ties), and a write inside GatheredParameters without a modifier rank, which no
+    rank keeps, leaves the master as it was, where the weights are its high half too."""
+    # one rank in this process: its units read their home in place, so the gathered weights are the lent halves
+    results = run_ranks(_weights_after_build, world, stage=stage) if world > 1 else [_weights_after_build(0, 1, stage)]
+    for result in results:
+        for name, master in result["masters"].items():
+            high = split_master(master.reshape(-1))[0].view_as(master).float()
+            assert torch.equal(result["weights"][name], high), name
+            assert torch.equal(result["after"][name], master), name

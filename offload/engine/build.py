@@ -251,7 +251,10 @@ def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, sta
         assert pretrained is not None  # fresh, without one
         start, stop = (0, unit.padded) if unit.keeps_full else (unit.shard_start, unit.shard_start + unit.shard_numel)
         values = pretrained.read_flat(plan, unit.padded, start, stop)
-    unit.load_initial(values, host_copy=group_of is not None and optimizer.steps_on_host(plan.index), start=start)
+    # a 16+16 master's weights are its high halves, on every rank's copy of every part (see [Note: the weights are
+    # the high half] in offload/store/optimizer_state.py); the master itself starts from ``values``
+    weights = optimizer.store.fmt.weights_of(values) if group_of is not None else values
+    unit.load_initial(weights, host_copy=group_of is not None and optimizer.steps_on_host(plan.index), start=start)
     if group_of is not None:
         optimizer.add_shard(unit.index, unit.name, unit.shard_of(values, start),
                             shard_segments(unit.slots, unit.shard_start, unit.shard_numel, group_of))

@@ -244,7 +244,8 @@ def _disk_full_message(engine: Any, root: Path, tag: str, number: int) -> str:
         needed = tree_bytes(last)
     else:
         last = None
-        needed = engine.partition.world * sum(g.nbytes for g in engine.optimizer.store.groups)
+        # what a checkpoint holds an element: a lent 16+16 high half is saved too (its master as one float32)
+        needed = engine.partition.world * sum(g.numel * g.fmt.stepped_bytes for g in engine.optimizer.store.groups)
     free = shutil.disk_usage(root).free
     return (f"checkpoint {tag!r} did not fit in {root}: its file system is full ({errno.errorcode[number]}); a "
             f"checkpoint of this run takes about {needed:,} bytes and {free:,} are free there. The partial save "

@@ -57,8 +57,12 @@ def gathered_parameters(engine: Any, modifier_rank: int | None = None,
         if unit.in_place:  # the flat buffer is the shard: a copy back may still be writing it (on a GPU)
             engine.params.await_home(unit.index)
     # Units that keep their buffer have their shard inside it: what the block writes there is compared with this.
+    # Where that shard is also a 16+16 master's high half (see [Note: the weights are the high half] in
+    # offload/store/optimizer_state.py), a write no rank keeps would change the master: it is undone at the end.
+    lent = {u.index for u in units if engine.optimizer is not None and engine.optimizer.trains(u.index)
+            and engine.optimizer.store.keeps_high_elsewhere(u.index)}
     before = {u.index: engine.params.read(u.index).clone() for u in units
-              if modifier_rank is not None and u.keeps_full}
+              if u.keeps_full and (modifier_rank is not None or u.index in lent)}
     edits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     try:
         yield engine.module
@@ -71,6 +75,8 @@ def gathered_parameters(engine: Any, modifier_rank: int | None = None,
         raise
     finally:
         for unit in units:
+            if modifier_rank is None and unit.index in before:  # a lent high half: the block's writes are not kept
+                unit.full[unit.shard_start:unit.shard_start + unit.shard_numel].copy_(before[unit.index])
             unit.reshard()
     if edits:
         _apply_edits(engine, edits)

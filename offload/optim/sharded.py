@@ -71,7 +71,7 @@ from offload.optim.update import ShardUpdate
 from offload.observe.telemetry import Telemetry
 from offload.aio.base import IOEngine
 from offload.store.budget import TierBudget
-from offload.store.state_format import Master, StateSlot, split_master
+from offload.store.state_format import StateSlot
 from offload.store.optimizer_state import OptimizerStateStore, SubGroup
 from offload.store.param_store import ParamStore
 from offload.store.placement import device_grads
@@ -266,8 +266,6 @@ class ShardedAdam:
         if self.store.keeps_high_elsewhere(index):
             self.store.lend_high(index, self.params.step_target(index))
         self.store.init_member(index, master)
-        if self.store.fmt.master is Master.SPLIT:  # the weights are the master's high half from the start
-            self.params.overwrite(index, split_master(master.float())[0])
 
     def move_to_device(self, choice: list[tuple[SubGroup, int]]) -> int:
         """The first units of host sub-groups (each with how many: all of a sub-group, or the first ones split
@@ -358,7 +356,7 @@ class ShardedAdam:
             self.drain()
             stale = self.params.stale()
         for index in sorted(stale):
-            self.params.overwrite(index, self.master_of(index))
+            self.params.overwrite(index, self.store.fmt.weights_of(self.master_of(index)))
             logger.info("rewrote unit %s's parameter shard on NVMe from its master weights", self.shards[index].name)
 
     def _settle(self) -> None:

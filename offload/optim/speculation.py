@@ -131,7 +131,7 @@ class Speculation:
             return
         unstep(self.shards, self.store.abort_pass())
         for state in speculated:
-            self.update.restore_target(state.index, self.store.read_master(state.index))
+            self.update.restore_target(state.index, self.store.fmt.weights_of(self.store.read_master(state.index)))
 
     def settle(self, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper],
                             grad_scale: float) -> None:

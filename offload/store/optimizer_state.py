@@ -472,6 +472,7 @@ class OptimizerStateStore:
         self._buffers.clear()
         for g in self.groups:
             g.resident = None
+            g.highs.clear()  # the parameter store's shards: not kept alive from here
 
 
 @dataclass

@@ -126,6 +126,11 @@ class StateFormat:
         """A zeroed slot of its own on ``device``."""
         return self.slot(torch.zeros(self.slot_bytes(numel), dtype=torch.uint8, device=device), numel)
 
+    def weights_of(self, master: torch.Tensor) -> torch.Tensor:
+        """The 16-bit weights a float32 ``master`` gives in this format: a 16+16 master's high half (ties away from
+        zero), else the master itself (the copy into the weights rounds it to nearest even)."""
+        return split_master(master.float())[0] if self.master is Master.SPLIT else master
+
     def describe(self) -> str:
         master, moments = self.names()
         return f"master {master}, moments {moments} ({self.bytes_per_element} bytes an element)"
