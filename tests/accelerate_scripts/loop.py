@@ -1,0 +1,66 @@
+"""An accelerate training loop as people write it, run as a script: with accelerate's own Accelerator (``plain``)
+or with the import changed to offload's (``offload``), the same config and data. Writes what it observed to OUT
+(torch.save): losses, the final weights, and what the accelerator's calls returned.
+
+    python loop.py {plain,offload} OUT [--epochs N] [--save DIR] [--load DIR]
+"""
+
+import argparse
+import sys
+
+import torch
+from accelerate.utils import DeepSpeedPlugin, set_seed
+
+parser = argparse.ArgumentParser()
+parser.add_argument("impl", choices=["plain", "offload"])
+parser.add_argument("out")
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--save")
+parser.add_argument("--load")
+args = parser.parse_args()
+
+if args.impl == "offload":
+    from offload.accelerate import Accelerator
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                    "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=2)
+else:
+    from accelerate import Accelerator
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+
+set_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+gen = torch.Generator().manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=gen), torch.randn(32, 1, generator=gen))
+loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
+model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+first = 0
+if args.load:
+    accelerator.load_state(args.load)
+    first = 1
+losses, norms, lrs = [], [], []
+for epoch in range(first, args.epochs):
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and args.impl == "plain":
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            if accelerator.sync_gradients and args.impl == "offload":
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+        losses.append(float(loss))
+        lrs.append(scheduler.get_last_lr()[0])
+    if args.save and epoch == 0:
+        accelerator.save_state(args.save)
+state = {k: v.detach().float().cpu() for k, v in accelerator.get_state_dict(model).items()}
+torch.save({"losses": losses, "norms": norms, "lrs": lrs, "state": state,
+            "unwrapped": type(accelerator.unwrap_model(model)).__name__,
+            "deepspeed_imported": any(m == "deepspeed" or m.startswith("deepspeed.") for m in sys.modules)},
+           args.out)

@@ -1,0 +1,62 @@
+"""offload.accelerate.Accelerator: an accelerate loop with the DeepSpeed plugin, its import changed, trains as the
+same loop under accelerate's own Accelerator (tests/accelerate_scripts/loop.py, run as a script, once per side),
+resumes bitwise from save_state / load_state, and never imports DeepSpeed; what it cannot run is refused by name."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+LOOP = Path(__file__).parent / "accelerate_scripts" / "loop.py"
+
+
+def run_loop(impl: str, out: Path, *extra: str) -> dict:
+    proc = subprocess.run([sys.executable, str(LOOP), impl, str(out), *extra], capture_output=True, text=True,
+                          cwd=out.parent, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+def test_an_accelerate_loop_trains_on_the_engine_as_under_accelerate(tmp_path):
+    """Accumulation 2, clipping at 1.0, a StepLR the script steps every micro-batch: the same losses, norms,
+    learning rates and final weights (fp32, to the rounding of a gradient summed in another order)."""
+    plain = run_loop("plain", tmp_path / "plain.pt")
+    ours = run_loop("offload", tmp_path / "offload.pt")
+    assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    assert ours["norms"] == pytest.approx(plain["norms"], rel=1e-5)
+    assert ours["lrs"] == plain["lrs"]
+    assert ours["state"].keys() == plain["state"].keys()
+    for key, value in plain["state"].items():
+        torch.testing.assert_close(ours["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+    assert ours["unwrapped"] == "Sequential" and not ours["deepspeed_imported"]
+
+
+def test_save_state_and_load_state_resume_bitwise(tmp_path):
+    whole = run_loop("offload", tmp_path / "whole.pt")
+    run_loop("offload", tmp_path / "first.pt", "--epochs", "1", "--save", str(tmp_path / "state"))
+    assert (tmp_path / "state" / "pytorch_model").is_dir()  # the engine's checkpoint beside accelerate's state
+    resumed = run_loop("offload", tmp_path / "resumed.pt", "--load", str(tmp_path / "state"))
+    assert resumed["losses"] == whole["losses"][len(whole["losses"]) // 2:]
+    assert resumed["lrs"] == whole["lrs"][len(whole["lrs"]) // 2:]
+    for key, value in whole["state"].items():
+        assert torch.equal(resumed["state"][key], value), key
+
+
+@pytest.mark.parametrize("env, kwargs, message", [
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, {"deepspeed_plugin": True}, "ACCELERATE_USE_DEEPSPEED is set"),
+    ({}, {}, "needs deepspeed_plugin=DeepSpeedPlugin"),
+    ({}, {"deepspeed_plugin": True, "deepspeed_plugins": {"a": 1, "b": 2}}, "takes one DeepSpeed plugin"),
+])
+def test_what_it_cannot_run_is_refused_by_name(monkeypatch, env, kwargs, message):
+    from accelerate.utils import DeepSpeedPlugin
+    from offload.accelerate import Accelerator
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if kwargs.get("deepspeed_plugin"):
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 3}})
+    with pytest.raises(ValueError, match=message):
+        Accelerator(**kwargs)
