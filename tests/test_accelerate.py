@@ -1,7 +1,9 @@
 """offload.accelerate.Accelerator: an accelerate loop with the DeepSpeed plugin, its import changed, trains as the
 same loop under accelerate's own Accelerator (tests/accelerate_scripts/loop.py, run as a script, once per side),
-resumes bitwise from save_state / load_state, and never imports DeepSpeed; what it cannot run is refused by name."""
+resumes bitwise from save_state / load_state, one process and two under accelerate launch, and never imports
+DeepSpeed; what it cannot run is refused by name."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +62,29 @@ def test_what_it_cannot_run_is_refused_by_name(monkeypatch, env, kwargs, message
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 3}})
     with pytest.raises(ValueError, match=message):
         Accelerator(**kwargs)
+
+
+def launch(impl: str, out: Path, *extra: str) -> list[dict]:
+    """The loop on two processes, as `accelerate launch --multi_gpu --num_processes 2` starts them (on CPUs: gloo)."""
+    from offload.machine.launch import _free_port
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--main_process_port", str(_free_port()), str(LOOP), impl, str(out), *extra],
+                          capture_output=True, text=True, cwd=out.parent, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [torch.load(f"{out}.{rank}") for rank in range(2)]
+
+
+def test_two_processes_under_accelerate_launch_train_as_accelerate_and_resume_bitwise(tmp_path):
+    plain = launch("plain", tmp_path / "plain.pt")
+    ours = launch("offload", tmp_path / "offload.pt")
+    for mine, theirs in zip(ours, plain):
+        assert mine["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
+        for key, value in theirs["state"].items():
+            torch.testing.assert_close(mine["state"][key], value, rtol=1e-5, atol=1e-6)
+    launch("offload", tmp_path / "first.pt", "--epochs", "1", "--save", str(tmp_path / "state"))
+    resumed = launch("offload", tmp_path / "resumed.pt", "--load", str(tmp_path / "state"))
+    for whole, again in zip(ours, resumed):
+        assert again["losses"] == whole["losses"][len(whole["losses"]) // 2:]
+        for key, value in whole["state"].items():
+            assert torch.equal(again["state"][key], value), key

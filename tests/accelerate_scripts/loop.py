@@ -63,4 +63,4 @@ state = {k: v.detach().float().cpu() for k, v in accelerator.get_state_dict(mode
 torch.save({"losses": losses, "norms": norms, "lrs": lrs, "state": state,
             "unwrapped": type(accelerator.unwrap_model(model)).__name__,
             "deepspeed_imported": any(m == "deepspeed" or m.startswith("deepspeed.") for m in sys.modules)},
-           args.out)
+           args.out if accelerator.num_processes == 1 else f"{args.out}.{accelerator.process_index}")
