@@ -164,7 +164,7 @@ class ZeroRuntime:
         by_name = dict(model.named_modules(remove_duplicate=False))
         users: dict[int, tuple[nn.Module, list[Unit]]] = {}
         for unit in self.units:
-            for name in unit.plan.anchors + unit.plan.borrowers + _root_unit_owners(unit):
+            for name in unit.plan.anchors + unit.plan.borrowers + (_owners(unit) if _root_owned(unit) else []):
                 module = by_name[name]
                 entry = users.setdefault(id(module), (module, []))
                 if unit not in entry[1]:
@@ -177,8 +177,8 @@ class ZeroRuntime:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(units)))
             self._handles.append(module.register_forward_hook(self._post_forward_hook(units), always_call=True))
         direct: dict[int, tuple[nn.Module, list[Unit]]] = {}
-        for unit in self.units:
-            for name in _direct_call_owners(unit):
+        for unit in (u for u in self.units if not _root_owned(u)):
+            for name in _owners(unit):
                 module = by_name[name]
                 if id(module) not in users:
                     direct.setdefault(id(module), (module, []))[1].append(unit)
@@ -572,26 +572,22 @@ class ZeroRuntime:
         self._handles.clear()
 
 
-def _root_unit_owners(unit: Unit) -> list[str]:
-    """[Note: a method other than forward] A unit anchored at the model's root (a small model whole, or what no
+def _owners(unit: Unit) -> list[str]:
+    """The modules that hold a unit's parameters, but for its anchors and borrowers (which gather it already).
+
+    [Note: a method other than forward] A unit anchored at the model's root (a small model whole, or what no
     block took: embeddings, a head) is gathered by the root's forward, which a script may go around: DeepSpeed-Chat's
     critic calls ``model.forward_value``, which calls the submodules itself. DeepSpeed gathers each submodule's own
-    parameters, so that works there; here the modules that hold such a unit's parameters gather it too. Inside the
-    root's forward they find it held already and only count their use; the root's unit is a handful of modules, so
-    the step keeps its hooks."""
-    if "" not in unit.plan.anchors:
-        return []
+    parameters, so that works there; here the modules that hold such a unit's parameters gather it too, with the
+    full hooks (``_root_owned``). Inside the root's forward they find it held already and only count their use; the
+    root's unit is a handful of modules, so the step keeps its hooks. A unit anchored below the root gets the light
+    hooks of [Note: a submodule called directly] on the same modules instead."""
     owners = {slot.name.rpartition(".")[0] for slot in unit.slots}
     return sorted(name for name in owners if name and name not in unit.plan.anchors + unit.plan.borrowers)
 
 
-def _direct_call_owners(unit: Unit) -> list[str]:
-    """The modules holding a unit's parameters inside its anchors, which a script may call directly (see [Note: a
-    submodule called directly]); a unit anchored at the root has its owners gathering it whole already."""
-    if "" in unit.plan.anchors:
-        return []
-    owners = {slot.name.rpartition(".")[0] for slot in unit.slots}
-    return sorted(name for name in owners if name and name not in unit.plan.anchors + unit.plan.borrowers)
+def _root_owned(unit: Unit) -> bool:
+    return "" in unit.plan.anchors
 
 
 def _wire_bytes(nbytes: int, world: int) -> int:
