@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("offload.checkpointing", "offload.files", "offload.ops"),
     # "offload" is the package's __init__ only: the public API over the engine; utils, DeepSpeed's helpers over it
     ("offload.engine", "offload", "offload.utils"),
-    ("offload.hf", "offload.accelerate"),
+    ("offload.hf", "offload.accelerate", "offload.lightning"),
     ("offload.bench",),
     ("offload.commands", "offload.__main__"),  # the command line and its jobs (train uses estimate and demo)
 ]

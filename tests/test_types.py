@@ -11,7 +11,7 @@ from conftest import REPO
 
 # The packages mypy checks. This list only grows: add a package once mypy passes over it, never take one out.
 CHECKED = ("offload/store", "offload/zero", "offload/aio", "offload/config", "offload/optim", "offload/observe",
-           "offload/machine", "offload/files", "offload/engine")
+           "offload/machine", "offload/files", "offload/engine", "offload/lightning")
 
 # mypy's incremental cache, kept between runs (a warm run is several times faster), one per checkout so that
 # worktrees do not thrash one another's. mypy checks every entry against its source, so a stale one is harmless.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,17 @@ from offload.zero.plan import UnitPlan, sharded_elsewhere
 
 if TYPE_CHECKING:
     from torch.distributed import Work
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionNumel:
+    """DeepSpeed's ``param.partition_numel()``: the elements of the parameter this rank's shard holds (its part of
+    the unit's flat buffer), which Lightning's model summary of a sharded model counts."""
+
+    held: int
+
+    def __call__(self) -> int:
+        return self.held
 
 
 class UnitState(enum.Enum):
@@ -102,9 +114,12 @@ class Unit:
         self._kept_copies: list[torch.Tensor] = []  # a gathered unit's own whole copies of them
         self.kept_state = Kept.UNARMED
         self._dropped: set[int] = set()  # kept slots a GatheredParameters block named: released until refreshed
-        for s in self.slots:  # the whole shape, under DeepSpeed's names for it
+        shard_end = self.shard_start + self.shard_numel
+        for s in self.slots:  # the whole shape, and this rank's part of it, under DeepSpeed's names for them
             setattr(s.param, "ds_shape", torch.Size(s.shape))
             setattr(s.param, "ds_numel", s.numel)
+            held = max(0, min(s.offset + s.numel, shard_end) - max(s.offset, self.shard_start))
+            setattr(s.param, "partition_numel", PartitionNumel(held))
         self._bind()
         if not self.keeps_full:
             self._release_memory()

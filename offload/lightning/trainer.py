@@ -1,0 +1,256 @@
+"""Lightning's Trainer on offload's engine: ``OffloadStrategy``, DeepSpeed's strategy with the engine under it.
+
+    import offload.lightning                                     # registers the offload_* strategy names
+    trainer = Trainer(strategy="offload_stage_3_offload", precision="bf16-mixed")   # was "deepspeed_stage_3_offload"
+
+It *is* a ``DeepSpeedStrategy`` (a subclass), because Lightning gates on that class: the precision plugin it picks
+(``DeepSpeedPrecision``, which calls the engine's ``backward`` and ``step``), the model summary of a sharded model,
+the callbacks that refuse or adapt to DeepSpeed. It takes the same arguments and builds the same config; what
+differs is every place Lightning's class calls the ``deepspeed`` package: the process group is Lightning's own
+(DDP's), the model is built under ``offload.zero.Init`` and handed to ``offload.initialize``, checkpoints are the
+engine's (a folder, as DeepSpeed's), and it runs on CPUs too (gloo), where DeepSpeed's needs CUDA.
+
+Refused, by name: ``exclude_frozen_parameters`` (offload's checkpoint holds every parameter and loads strictly),
+non-strict loading (``strict_loading = False``), a second ``fit`` of a module an engine already trains.
+
+[Note: the loss is divided once]
+Lightning's automatic optimization divides each micro-batch's loss by ``accumulate_grad_batches`` before backward,
+whatever the strategy; DeepSpeed's engine divides it again by ``gradient_accumulation_steps`` (the same number, set
+from the Trainer), so under Lightning's DeepSpeed strategy the gradients are 1/N of plain Lightning's, its clipping
+threshold means N times as much and the grad norms it logs are 1/N. Adam barely notices (it is scale-free but for
+eps), which is why this goes unseen. Offload's strategy passes ``scale_wrt_gas=False`` to the engine's backward in
+automatic optimization, so that its gradients, clipping and norms are plain Lightning's (DDP's) at every
+``accumulate_grad_batches``: a difference from DeepSpeed's strategy, on purpose (docs/lightning.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.deepspeed import _validate_checkpoint_directory
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.optim import Optimizer
+
+from offload import checkpointing
+from offload.engine.initialize import initialize
+from offload.zero.gathered import GatheredParameters
+from offload.zero.init import Init
+from offload.zero.plan import engine_of
+
+logger = logging.getLogger(__name__)
+
+# DeepSpeedStrategy's arguments that go into the zero_optimization section of the config it builds by default
+ZERO_ARGUMENTS = ("stage", "contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter",
+                  "allgather_bucket_size", "reduce_bucket_size", "sub_group_size")
+# the other arguments of its default config: every named parameter of the method that builds it
+DEFAULT_CONFIG_ARGUMENTS = tuple(name for name, p in inspect.signature(DeepSpeedStrategy._create_default_config)
+                                 .parameters.items() if name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)
+KEPT_ARGUMENTS = ("remote_device", "load_full_weights", "exclude_frozen_parameters", "loss_scale",
+                  "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+
+
+class OffloadStrategy(DeepSpeedStrategy):
+    """``DeepSpeedStrategy``'s arguments and config (``config=`` a ds_config dict or path, or the keyword
+    arguments that build one), trained on offload's engine. Offload's own keys go in the config's ``"offload"``
+    section."""
+
+    strategy_name = "offload"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # DeepSpeedStrategy.__init__ stops where DeepSpeed is not installed, and imports it to set its logger. The
+        # arguments are bound against its signature (their defaults stay Lightning's) and set as it sets them.
+        bound = inspect.signature(DeepSpeedStrategy.__init__).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        if given["exclude_frozen_parameters"]:
+            raise ValueError("exclude_frozen_parameters=True: offload's checkpoint holds every parameter, frozen "
+                             "ones too, and loads every key; leave it False")
+        DDPStrategy.__init__(self, accelerator=given["accelerator"], parallel_devices=given["parallel_devices"],
+                             cluster_environment=given["cluster_environment"],
+                             precision_plugin=given["precision_plugin"],
+                             process_group_backend=given["process_group_backend"])
+        self._timeout = given["timeout"]
+        self.config = self._load_config(given["config"])
+        if self.config is None:
+            self.config = self._create_default_config(**{k: given[k] for k in DEFAULT_CONFIG_ARGUMENTS},
+                                                      **{k: given[k] for k in ZERO_ARGUMENTS})
+        self._config_initialized = False
+        self._engine: Any = None  # the fit's engine, kept for validate/test/predict after it (it owns the shards)
+        for name in KEPT_ARGUMENTS:
+            setattr(self, name, given[name])
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """DeepSpeed's names, with ``offload`` for ``deepspeed``: ``offload``, ``offload_stage_1`` ...
+        ``offload_stage_3_offload_nvme``, with the arguments DeepSpeed's name gives."""
+        from lightning.pytorch.strategies import StrategyRegistry
+        for name, entry in list(StrategyRegistry.items()):
+            if entry["strategy"] is DeepSpeedStrategy and name.startswith("deepspeed"):
+                strategy_registry.register("offload" + name[len("deepspeed"):], cls,
+                                           description=entry["description"].replace("DeepSpeed", "offload (as "
+                                                                                     "DeepSpeed's)", 1),
+                                           override=True, **entry["init_params"])
+
+    # ----------------------------------------------------------------- process group and device
+
+    def setup_environment(self) -> None:
+        """DDP's: a CPU or a CUDA device (DeepSpeed's strategy refuses all but CUDA)."""
+        DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        """Lightning's own process group (DDP's), which the engine joins."""
+        DDPStrategy.setup_distributed(self)
+
+    # ----------------------------------------------------------------- the engine
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
+        """The engine's backward, without its division by the accumulation steps where Lightning's loop has divided
+        the loss already (automatic optimization): the gradients are plain Lightning's, where DeepSpeed's strategy
+        divides twice (see [Note: the loss is divided once])."""
+        assert self.lightning_module is not None
+        if self.lightning_module.automatic_optimization:
+            kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _setup_model_and_optimizer(self, model: nn.Module, optimizer: Optimizer | None,
+                                   lr_scheduler: Any = None) -> tuple[Any, Any]:
+        if engine_of_module(model) is not None:
+            raise MisconfigurationException(
+                "this module is already trained by an offload engine (a second Trainer.fit on it): its parameters are "
+                "that engine's shards. Fit once per process (resume a later run with fit(ckpt_path=...)), or build "
+                "a new module")
+        assert self.config is not None
+        engine, engine_optimizer, _, _ = initialize(
+            args=argparse.Namespace(device_rank=self.root_device.index), config=self.config, model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
+            lr_scheduler=lr_scheduler, dist_init_required=False, device=self.root_device)
+        self._engine = engine
+        return engine, engine_optimizer
+
+    def _initialize_deepspeed_inference(self, model: nn.Module) -> None:
+        """Validation, test and predict without a fit in this process: an engine that runs forward only (the engine
+        of an earlier fit, where the module has one)."""
+        engine = engine_of_module(model)
+        if engine is not None:
+            self.model = engine
+            return
+        assert isinstance(self.config, dict)
+        config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        for key in ("fp16", "bf16", "zero_optimization", "offload"):
+            if key in self.config:
+                config[key] = self.config[key]
+        self._engine, _, _, _ = initialize(model=model, config=config, dist_init_required=False,
+                                                   device=self.root_device)
+        self.model = self._engine
+
+    def _initialize_deepspeed_train(self, model: nn.Module) -> None:
+        super()._initialize_deepspeed_train(model)
+        for config in self.lr_scheduler_configs:
+            # the script's scheduler is over its optimizer, whose step the engine does (it shares its param
+            # groups): told so, torch does not warn that the scheduler stepped before the optimizer
+            setattr(config.scheduler.optimizer, "_opt_called", True)
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds its layers here: on the meta device at stage 3, sharded by the engine."""
+        self._init_config_if_needed()
+        with Init(enabled=self.zero_stage_3, remote_device=self.remote_device,
+                               config_dict_or_path=self.config):
+            yield
+
+    def _set_deepspeed_activation_checkpointing(self) -> None:
+        assert isinstance(self.config, dict)
+        section = self.config.get("activation_checkpointing")
+        if section:
+            checkpointing.configure(mpu_=None, partition_activations=section.get("partition_activations"),
+                                    contiguous_checkpointing=section.get("contiguous_memory_optimization"),
+                                    checkpoint_in_cpu=section.get("cpu_checkpointing"),
+                                    profile=section.get("profile"))
+
+    def teardown(self) -> None:
+        """Lightning's, but its optimizer's state is not Lightning's to move to the CPU: the engine keeps it in
+        shards on their tiers."""
+        optimizers, self.optimizers = self.optimizers, []
+        super().teardown()
+        self.optimizers = optimizers
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Nothing: the engine's checkpoint holds the optimizer's state (Lightning leaves this key out of it)."""
+        return {}
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """The engine's checkpoint in the folder ``filepath`` (every rank), Lightning's state as its client
+        state."""
+        filepath = self.broadcast(filepath)
+        if storage_options is not None:
+            raise TypeError(f"Trainer.save_checkpoint(..., storage_options=...) is not supported by "
+                            f"{type(self).__name__}: the engine writes its own files, no CheckpointIO is used")
+        client_state = {k: plain_dicts(v) for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self.deepspeed_engine.save_checkpoint(filepath, tag="checkpoint", client_state=client_state)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """The engine's checkpoint (optimizer state only when fitting), and Lightning's state from it. Values
+        saved as objects are unpickled only with ``weights_only=False``, as Lightning's own loading."""
+        if self.load_full_weights and self.zero_stage_3:
+            return super(DeepSpeedStrategy, self).load_checkpoint(self.broadcast(checkpoint_path), weights_only)
+        _validate_checkpoint_directory(checkpoint_path)
+        assert self.lightning_module is not None
+        if not self.lightning_module.strict_loading:
+            raise MisconfigurationException("strict_loading = False: offload's checkpoint loads every key of the "
+                                            "module; set the LightningModule's strict_loading to True")
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        _, client_state = self.deepspeed_engine.load_checkpoint(
+            checkpoint_path, load_optimizer_states=fitting, load_lr_scheduler_states=False,
+            trust_client_state=weights_only is False)
+        if client_state is None:
+            raise MisconfigurationException(
+                f"{checkpoint_path} holds no offload checkpoint (no 'latest' file): pass the folder "
+                "Trainer.save_checkpoint wrote, or a single-file checkpoint with OffloadStrategy(load_full_weights="
+                "True)")
+        return client_state
+
+    def _restore_zero_state(self, ckpt: Mapping[str, Any], strict: bool) -> None:
+        """A single-file checkpoint's whole weights into the shards, one module's own parameters at a time, read
+        on rank 0 (``load_full_weights=True``)."""
+        assert self.lightning_module is not None
+        state_dict = ckpt["state_dict"]
+        missing: list[str] = []
+        unexpected: list[str] = []
+        errors: list[str] = []
+        for prefix, module in self.lightning_module.named_modules():
+            prefix = f"{prefix}." if prefix else ""
+            with GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
+                if self.is_global_zero:
+                    module._load_from_state_dict(state_dict, prefix, {}, strict, missing, unexpected, errors)
+        if errors:
+            raise RuntimeError(f"loading the full weights into {type(self.lightning_module).__name__}: "
+                               + "; ".join(errors))
+
+
+def engine_of_module(model: nn.Module) -> Any:
+    """The live offload engine whose shards ``model``'s parameters are (None: none)."""
+    return next((e for e in map(engine_of, model.parameters()) if e is not None), None)
+
+
+def plain_dicts(value: Any) -> Any:
+    """``value`` with dict subclasses (Lightning's AttributeDict of hyperparameters) as plain dicts, so that the
+    checkpoint keeps them as data, not as pickled objects."""
+    if isinstance(value, dict):
+        return {k: plain_dicts(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_dicts(v) for v in value]
+    return value

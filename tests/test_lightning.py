@@ -1,0 +1,129 @@
+"""offload.lightning: a LightningModule fitted by Lightning's Trainer with an offload_* strategy trains as under
+Lightning's own DDP (tests/lightning_scripts/fit.py, run as a script per side: losses, learning rates, validation,
+final weights), at one process and at two through Lightning's own launcher; fit(ckpt_path=...) from a
+ModelCheckpoint resumes bitwise; DeepSpeed is never imported; what it cannot run is refused by name."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+FIT = Path(__file__).parent / "lightning_scripts" / "fit.py"
+
+
+def fit(strategy: str, out: Path, *extra: str, devices: int = 1) -> list[dict]:
+    """Each rank's record of one run."""
+    proc = subprocess.run([sys.executable, str(FIT), strategy, str(out), "--devices", str(devices), *extra],
+                          capture_output=True, text=True, cwd=out.parent, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [torch.load(f"{out}.{rank}.pt") for rank in range(devices)]
+    for record in records:
+        record["stderr"] = proc.stderr
+    return records
+
+
+def assert_trains_as(ours: dict, plain: dict) -> None:
+    """fp32: equal to the rounding of a gradient reduced in another order."""
+    assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-5, abs=1e-6)
+    assert ours["val_losses"] == pytest.approx(plain["val_losses"], rel=1e-5, abs=1e-6)
+    assert ours["validated"] == pytest.approx(plain["validated"], rel=1e-5)
+    assert ours["lrs"] == plain["lrs"] and ours["global_step"] == plain["global_step"] == 8
+    assert ours["weights"].keys() == plain["weights"].keys()
+    for key, value in plain["weights"].items():
+        torch.testing.assert_close(ours["weights"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+    assert ours["strategy"] == "OffloadStrategy" and not ours["deepspeed_imported"]
+
+
+@pytest.mark.parametrize("strategy", ["offload_stage_3_offload", "offload_stage_2"])
+def test_a_lightning_module_trains_on_the_engine_as_under_ddp(tmp_path, strategy):
+    """Accumulation 2 (the loss divided once, see [Note: the loss is divided once]), clipping at 0.5, a StepLR
+    stepped by Lightning, validation inside the fit and trainer.validate after it (on the fit's engine)."""
+    plain, = fit("ddp", tmp_path / "ddp")
+    ours, = fit(strategy, tmp_path / "offload")
+    assert_trains_as(ours, plain)
+    whole = sum(v.numel() for v in plain["weights"].values())
+    assert ours["params_total"] == whole and sum(ours["params_per_device"][1:]) == whole  # the model summary
+
+
+def test_two_processes_through_lightnings_launcher(tmp_path):
+    plain = fit("ddp", tmp_path / "ddp", devices=2)
+    ours = fit("offload_stage_3_offload", tmp_path / "offload", devices=2)
+    for rank in range(2):
+        assert ours[rank]["world"] == 2
+        assert_trains_as(ours[rank], plain[rank])
+    whole = sum(v.numel() for v in plain[0]["weights"].values())
+    # the summary's "Params per Device": each rank's shard of the units, half of the model between them
+    assert ours[0]["params_per_device"][0] + ours[1]["params_per_device"][0] == whole
+    assert 0 < ours[0]["params_per_device"][0] < whole
+
+
+def test_fit_from_a_model_checkpoint_resumes_bitwise(tmp_path):
+    whole, = fit("offload_stage_3_offload", tmp_path / "whole", "--save", str(tmp_path / "saved"))
+    saved = tmp_path / "saved" / "epoch=0-step=4.ckpt"
+    assert (saved / "latest").is_file() and (saved / "checkpoint").is_dir()  # the engine's folder, as DeepSpeed's
+    resumed, = fit("offload_stage_3_offload", tmp_path / "resumed", "--resume", str(saved))
+    assert resumed["losses"] == whole["losses"][8:] and resumed["lrs"] == whole["lrs"][8:]
+    assert resumed["val_losses"] == whole["val_losses"][4:] and resumed["validated"] == whole["validated"]
+    for key, value in whole["weights"].items():
+        assert torch.equal(resumed["weights"][key], value), key
+    # Lightning's state (loops, callbacks, hyperparameters) was kept as plain data: nothing left out on load
+    assert "left out" not in resumed["stderr"]
+
+
+def test_a_single_file_checkpoint_loads_into_the_shards(tmp_path):
+    """OffloadStrategy(load_full_weights=True): a plain Lightning checkpoint (DDP's ModelCheckpoint file) read into
+    the stage-3 shards, one module at a time: the resumed run's first step sees DDP's weights exactly (the optimizer
+    state is not in such a file, as Lightning warns)."""
+    plain, = fit("ddp", tmp_path / "ddp", "--save", str(tmp_path / "saved"))
+    saved = tmp_path / "saved" / "epoch=0-step=4.ckpt"
+    assert saved.is_file()
+    ours, = fit("offload_stage_3_offload", tmp_path / "offload", "--full-weights", "--resume", str(saved))
+    assert ours["losses"][:2] == plain["losses"][8:10]  # the first step's micro-batches, before any update
+    assert "optimizer states cannot be restored" in ours["stderr"]
+
+
+def test_bf16_mixed_runs_the_engine_in_bf16(tmp_path):
+    """DeepSpeed's meaning of bf16-mixed under Lightning: bf16 weights and inputs, an fp32 master."""
+    fp32, = fit("offload_stage_3_offload", tmp_path / "fp32")
+    bf16, = fit("offload_stage_3_offload", tmp_path / "bf16", "--precision", "bf16-mixed")
+    assert bf16["losses"] != fp32["losses"]
+    assert bf16["losses"] == pytest.approx(fp32["losses"], rel=5e-2, abs=1e-2)
+    assert all(v.dtype == torch.float32 for v in bf16["weights"].values())  # the master, whole
+
+
+def test_the_strategy_names_mirror_deepspeeds():
+    import offload.lightning  # noqa: F401
+    from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+    from offload.lightning import OffloadStrategy
+    theirs = {k: v for k, v in StrategyRegistry.items() if v["strategy"] is DeepSpeedStrategy}
+    assert len(theirs) == 7
+    for name, entry in theirs.items():
+        ours = StrategyRegistry["offload" + name[len("deepspeed"):]]
+        assert ours["strategy"] is OffloadStrategy and ours["init_params"] == entry["init_params"]
+    assert issubclass(OffloadStrategy, DeepSpeedStrategy)  # what Lightning's precision plugin and callbacks gate on
+
+
+def test_the_trainer_gives_it_deepspeeds_precision_plugin_and_config():
+    import lightning as L
+    from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+    from offload.lightning import OffloadStrategy
+    trainer = L.Trainer(strategy="offload_stage_3_offload_nvme", accelerator="cpu", devices=1,
+                        precision="bf16-mixed", logger=False)
+    assert isinstance(trainer.strategy, OffloadStrategy) and isinstance(trainer.precision_plugin, DeepSpeedPrecision)
+    zero = trainer.strategy.config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "nvme"
+    given = OffloadStrategy(config={"zero_optimization": {"stage": 2}, "offload": {"unit_bytes": 1 << 20}})
+    assert given.config == {"zero_optimization": {"stage": 2}, "offload": {"unit_bytes": 1 << 20}}
+    assert not given.zero_stage_3
+
+
+def test_what_it_cannot_run_is_refused_by_name():
+    from offload.lightning import OffloadStrategy
+    with pytest.raises(ValueError, match="exclude_frozen_parameters=True: offload's checkpoint holds every"):
+        OffloadStrategy(exclude_frozen_parameters=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'stages'"):
+        OffloadStrategy(stages=3)  # DeepSpeedStrategy's signature, checked as it checks it
