@@ -27,18 +27,17 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.deepspeed import _validate_checkpoint_directory
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.optim import Optimizer
 
@@ -47,8 +46,6 @@ from offload.engine.initialize import initialize
 from offload.zero.gathered import GatheredParameters
 from offload.zero.init import Init
 from offload.zero.plan import engine_of
-
-logger = logging.getLogger(__name__)
 
 # DeepSpeedStrategy's arguments that go into the zero_optimization section of the config it builds by default
 ZERO_ARGUMENTS = ("stage", "contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter",
@@ -152,7 +149,7 @@ class OffloadStrategy(DeepSpeedStrategy):
             if key in self.config:
                 config[key] = self.config[key]
         self._engine, _, _, _ = initialize(model=model, config=config, dist_init_required=False,
-                                                   device=self.root_device)
+                                           device=self.root_device)
         self.model = self._engine
 
     def _initialize_deepspeed_train(self, model: nn.Module) -> None:
@@ -166,8 +163,7 @@ class OffloadStrategy(DeepSpeedStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model`` builds its layers here: on the meta device at stage 3, sharded by the engine."""
         self._init_config_if_needed()
-        with Init(enabled=self.zero_stage_3, remote_device=self.remote_device,
-                               config_dict_or_path=self.config):
+        with Init(enabled=self.zero_stage_3, remote_device=self.remote_device, config_dict_or_path=self.config):
             yield
 
     def _set_deepspeed_activation_checkpointing(self) -> None:
