@@ -1,6 +1,7 @@
 """What the battery's scripts share: a small model, fixed data and the one line each prints at the end.
 
-Kept apart from the scripts so that each reads as a script a DeepSpeed user writes; nothing here touches DeepSpeed.
+Kept apart from the scripts so that each reads as a script a DeepSpeed user writes; nothing here imports DeepSpeed
+(``train`` drives the engine a script hands it).
 """
 
 import json
@@ -31,6 +32,17 @@ class Net(nn.Module):
 def data(n=16, seq=9, vocab=64):
     g = torch.Generator().manual_seed(1234)
     return torch.randint(0, vocab, (n, seq), generator=g)
+
+
+def train(engine, batches, **forward_kwargs):
+    """The plain DeepSpeed loop (forward, ``engine.backward``, ``engine.step`` per batch): each step's loss."""
+    losses = []
+    for tokens in batches:
+        loss = engine(tokens, **forward_kwargs)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
 
 
 def report(**observed):

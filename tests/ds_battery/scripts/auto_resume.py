@@ -5,7 +5,7 @@ import os
 
 import deepspeed
 import torch
-from common import Net, data, report
+from common import Net, data, report, train
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--save_dir", required=True)
@@ -20,12 +20,7 @@ def run(steps, start):
     engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
     path, client = engine.load_checkpoint(args.save_dir)
     first = client["step"] if client else 0
-    losses = []
-    for tokens in data(32).split(4)[first:first + steps]:
-        loss = engine(tokens)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train(engine, data(32).split(4)[first:first + steps])
     engine.save_checkpoint(args.save_dir, client_state={"step": first + steps, "note": "mine"})
     return path is None, client.get("note") if client else None, first, losses, engine.global_steps
 

@@ -3,7 +3,7 @@ import argparse
 
 import deepspeed
 import torch
-from common import Net, data, report
+from common import Net, data, report, train
 
 parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
 args = parser.parse_args()
@@ -11,10 +11,5 @@ deepspeed.init_distributed()
 torch.manual_seed(0)
 model = Net()
 engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
-losses = []
-for tokens in data(24).split(4):
-    loss = engine(tokens)
-    engine.backward(loss)
-    engine.step()
-    losses.append(loss.item())
+losses = train(engine, data(24).split(4))
 report(losses=losses, clip=engine.gradient_clipping(), norm=float(engine.get_global_grad_norm()))

@@ -3,7 +3,7 @@ import argparse
 
 import deepspeed
 import torch
-from common import Net, data, report
+from common import Net, data, report, train
 
 parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
 args = parser.parse_args()
@@ -15,12 +15,7 @@ for name, p in model.named_parameters():
 base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
 engine, *_ = deepspeed.initialize(args=args, model=model,
                                   model_parameters=[p for p in model.parameters() if p.requires_grad])
-losses = []
-for tokens in data(16).split(4):
-    loss = engine(tokens)
-    engine.backward(loss)
-    engine.step()
-    losses.append(loss.item())
+losses = train(engine, data(16).split(4))
 with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
     moved = [n for n, p in engine.module.named_parameters() if n in base and not torch.equal(p.detach(), base[n])]
 report(losses=losses, moved=moved)

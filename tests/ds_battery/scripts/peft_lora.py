@@ -7,7 +7,7 @@ import os
 
 import deepspeed
 import torch
-from common import Net, data, report
+from common import Net, data, report, train
 from peft import LoraConfig, PeftModel, get_peft_model
 
 parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
@@ -18,12 +18,7 @@ model = get_peft_model(Net(), lora)
 trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
 engine, *_ = deepspeed.initialize(args=args, model=model,
                                   model_parameters=[p for p in model.parameters() if p.requires_grad])
-losses = []
-for tokens in data(24).split(4):
-    loss = engine(tokens)
-    engine.backward(loss)
-    engine.step()
-    losses.append(loss.item())
+losses = train(engine, data(24).split(4))
 with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
     engine.module.save_pretrained("adapter")
     with torch.no_grad():

@@ -3,7 +3,7 @@ import argparse
 
 import deepspeed
 import torch
-from common import Net, data, report
+from common import Net, data, report, train
 
 parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
 args = parser.parse_args()
@@ -11,10 +11,5 @@ deepspeed.init_distributed()
 torch.manual_seed(0)
 model = Net(unused_head=True)
 engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
-losses = []
-for tokens in data(16).split(4):
-    loss = engine(tokens)
-    engine.backward(loss)
-    engine.step()
-    losses.append(loss.item())
+losses = train(engine, data(16).split(4))
 report(losses=losses, steps=engine.global_steps)

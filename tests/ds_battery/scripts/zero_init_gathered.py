@@ -4,7 +4,7 @@ import argparse
 
 import deepspeed
 import torch
-from common import Net, data, report
+from common import Net, data, report, train
 from deepspeed.utils import safe_get_full_fp32_param
 
 parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
@@ -21,11 +21,6 @@ with deepspeed.zero.GatheredParameters(model.blocks[0][1].weight, modifier_rank=
 engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
 with deepspeed.zero.GatheredParameters(engine.module.head.weight, modifier_rank=0):
     head_sum = float(engine.module.head.weight.detach().sum())
-losses = []
-for tokens in data(16).split(4):
-    loss = engine(tokens)
-    engine.backward(loss)
-    engine.step()
-    losses.append(loss.item())
+losses = train(engine, data(16).split(4))
 row = safe_get_full_fp32_param(engine.module.blocks[0][1].weight)
 report(same_init=same_init, losses=losses, row_sum=float(row[0].sum()), shape=list(row.shape), head_sum=head_sum)
