@@ -416,3 +416,54 @@ def test_ranks_saving_under_different_tags(tmp_path):
         "meta.json", "rank0.bin", "rank0.json", "rank0.pt", "rank1.bin", "rank1.json", "rank1.pt", "zero_to_fp32.py"]
 
 
+
+
+def train_batchnorm(rank, world, save_dir, start=0, stop=6, save_at=None, resume=False):
+    """A model whose buffers move every forward (BatchNorm's running statistics and its count); every rank
+    sees the same batches, so the ranks' buffers stay alike."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 1))
+    engine, *_ = offload.initialize(model=model, config=base_config(4, 1, world))
+    if resume:
+        engine.load_checkpoint(save_dir)
+    data = torch.randn(stop, 4, 8, generator=torch.Generator().manual_seed(5))
+    losses = []
+    for step in range(start, stop):
+        loss = engine(data[step]).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if step == save_at:
+            engine.save_checkpoint(save_dir)
+    out = {"losses": losses, "state": engine.full_state_dict()}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_resumed_run_has_the_modules_buffers_as_saved(tmp_path, world):
+    """The checkpoint keeps the module's buffers (rank 0's) and the load puts them back on every rank."""
+    straight = run_ranks(train_batchnorm, world, save_dir=tmp_path / "unused")
+    run_ranks(train_batchnorm, world, save_dir=tmp_path / "ckpt", stop=3, save_at=2)
+    resumed = run_ranks(train_batchnorm, world, save_dir=tmp_path / "ckpt", start=3, resume=True)
+    for full, half in zip(straight, resumed):
+        assert int(full["state"]["1.num_batches_tracked"]) == 6
+        assert half["losses"] == full["losses"][3:]
+        for key, value in full["state"].items():
+            assert torch.equal(half["state"][key], value), key
+
+
+def test_a_checkpoint_whose_buffers_do_not_fit_is_refused_and_changes_nothing(tmp_path):
+    run_ranks(train_batchnorm, 1, save_dir=tmp_path / "ckpt", stop=1, save_at=0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32, track_running_stats=False),
+                                torch.nn.GELU(), torch.nn.Linear(32, 1))
+    engine, *_ = offload.initialize(model=model, config=base_config(4, 1, 1))
+    before = engine.full_state_dict()
+    with pytest.raises(CheckpointError, match=r"its buffers do not fit the module's: 1\.running_mean is in the "
+                                              r"checkpoint, not in the module"):
+        engine.load_checkpoint(tmp_path / "ckpt")
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    engine.close()

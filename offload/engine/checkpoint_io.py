@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from offload.engine.weights import rewrite_units, spread_rewritten, state_dict_layout
+from offload.engine.weights import live_buffers, rewrite_units, spread_rewritten, state_dict_layout
 from offload.files import small_state
 from offload.files.training_checkpoint import (FORMAT, LATEST, READS, CheckpointDiskFull, CheckpointError,
                                                RankWriter, ShardReader, full_disk_errno, latest_tag, partitions,
@@ -390,6 +390,18 @@ def found_latest(engine: Any, load_dir: str | os.PathLike[str]) -> bool:
                           "every rank; to resume, every rank must see the same directory (a shared file system)")
 
 
+def _buffers_to_load(engine: Any, saved: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's buffers for the module's, checked before anything is written: the same keys and shapes."""
+    live = live_buffers(engine)
+    problems = [f"{k} is not in the checkpoint" for k in live if k not in saved]
+    problems += [f"{k} is in the checkpoint, not in the module" for k in saved if k not in live]
+    problems += [f"{k} has shape {tuple(saved[k].shape)}, the module's is {tuple(t.shape)}"
+                 for k, t in live.items() if k in saved and saved[k].shape != t.shape]
+    if problems:
+        raise CheckpointError(f"{path}: its buffers do not fit the module's: " + "; ".join(problems))
+    return saved
+
+
 def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False, trust_client_state: bool = False
          ) -> tuple[Path, dict[str, Any]]:
@@ -422,6 +434,9 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
     error = None
     try:
         verify(path, meta, names)
+        small = small_state.read(path / f"rank{small_from}.pt")
+        main = small if small_from == 0 else small_state.read(path / "rank0.pt")
+        buffers = _buffers_to_load(engine, main["buffers"], path)
     except CheckpointError as e:
         error = e
     if not all_ok(error is None, engine.group, engine.accel.device):
@@ -459,14 +474,15 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
     try:
         rewrite_units(engine, read=not moments, state=load_state, shard=lambda index: take(units[index], "shard"))
         spread_rewritten(engine)
+        with torch.no_grad():  # rank 0's buffers on every rank, as DeepSpeed's one module file gives them
+            for key, live in live_buffers(engine).items():
+                live.copy_(buffers[key])
     except BaseException as e:
         engine.close()
         raise CheckpointError(f"loading {path} failed part-way ({e}); the engine's state is half replaced, so it "
                               "was closed: create a new engine and load again") from e
     finally:
         reader.close()
-    small = small_state.read(path / f"rank{small_from}.pt")
-    main = small if small_from == 0 else small_state.read(path / "rank0.pt")
     # a checkpoint written before global_samples was kept: the steps at this run's batch size
     samples = meta.get("global_samples", meta["global_steps"] * engine.train_batch_size())
     client_state = _deepspeed_keys(meta, main, samples, load_optimizer_states, load_lr_scheduler_states)

@@ -25,6 +25,12 @@ from offload.zero.collectives import all_gather, all_ok, broadcast
 logger = logging.getLogger("offload.engine")
 
 
+def live_buffers(engine: Any) -> dict[str, torch.Tensor]:
+    """The module's state_dict entries outside the units (its persistent buffers): the live tensors, by key."""
+    sharded = {id(s.param) for u in engine.units for s in u.slots}
+    return {k: t for k, t in engine.module.state_dict(keep_vars=True).items() if id(t) not in sharded}
+
+
 def state_dict_layout(engine: Any) -> tuple[list[tuple[str, int, Any]], dict[str, torch.Tensor]]:
     """Each state_dict key that is a parameter as (key, unit index, its ParamSlot), and the buffers (on the
     host); tied parameters appear under every key they have."""
