@@ -45,7 +45,7 @@ def test_a_lightning_module_trains_on_the_engine_as_under_ddp(tmp_path, strategy
     plain, = fit("ddp", tmp_path / "ddp")
     ours, = fit(strategy, tmp_path / "offload")
     assert_trains_as(ours, plain)
-    whole = sum(v.numel() for v in plain["weights"].values())
+    whole = sum(v.numel() for k, v in plain["weights"].items() if k != "batches")  # the parameters
     assert ours["params_total"] == whole and sum(ours["params_per_device"][1:]) == whole  # the model summary
 
 
@@ -55,7 +55,7 @@ def test_two_processes_through_lightnings_launcher(tmp_path):
     for rank in range(2):
         assert ours[rank]["world"] == 2
         assert_trains_as(ours[rank], plain[rank])
-    whole = sum(v.numel() for v in plain[0]["weights"].values())
+    whole = sum(v.numel() for k, v in plain[0]["weights"].items() if k != "batches")  # the parameters
     # the summary's "Params per Device": each rank's shard of the units, half of the model between them
     assert ours[0]["params_per_device"][0] + ours[1]["params_per_device"][0] == whole
     assert 0 < ours[0]["params_per_device"][0] < whole
@@ -68,7 +68,7 @@ def test_fit_from_a_model_checkpoint_resumes_bitwise(tmp_path):
     resumed, = fit("offload_stage_3_offload", tmp_path / "resumed", "--resume", str(saved))
     assert resumed["losses"] == whole["losses"][8:] and resumed["lrs"] == whole["lrs"][8:]
     assert resumed["val_losses"] == whole["val_losses"][4:] and resumed["validated"] == whole["validated"]
-    for key, value in whole["weights"].items():
+    for key, value in whole["weights"].items():  # the module's buffer too
         assert torch.equal(resumed["weights"][key], value), key
     # Lightning's state (loops, callbacks, hyperparameters) was kept as plain data: nothing left out on load
     assert "left out" not in resumed["stderr"]
@@ -76,14 +76,25 @@ def test_fit_from_a_model_checkpoint_resumes_bitwise(tmp_path):
 
 def test_a_single_file_checkpoint_loads_into_the_shards(tmp_path):
     """OffloadStrategy(load_full_weights=True): a plain Lightning checkpoint (DDP's ModelCheckpoint file) read into
-    the stage-3 shards, one module at a time: the resumed run's first step sees DDP's weights exactly (the optimizer
-    state is not in such a file, as Lightning warns)."""
-    plain, = fit("ddp", tmp_path / "ddp", "--save", str(tmp_path / "saved"))
+    the stage-3 shards at two ranks: the resumed run's first step sees DDP's weights exactly on each rank, and each
+    rank's buffer its saved value (the optimizer state is not in such a file, as Lightning warns). A file missing a
+    key of the model is refused before anything is written."""
+    plain = fit("ddp", tmp_path / "ddp", "--save", str(tmp_path / "saved"), devices=2)
     saved = tmp_path / "saved" / "epoch=0-step=4.ckpt"
     assert saved.is_file()
-    ours, = fit("offload_stage_3_offload", tmp_path / "offload", "--full-weights", "--resume", str(saved))
-    assert ours["losses"][:2] == plain["losses"][8:10]  # the first step's micro-batches, before any update
-    assert "optimizer states cannot be restored" in ours["stderr"]
+    ours = fit("offload_stage_3_offload", tmp_path / "offload", "--full-weights", "--resume", str(saved), devices=2)
+    for rank in range(2):
+        assert ours[rank]["losses"][:2] == plain[rank]["losses"][8:10]  # the first step, before any update
+        assert ours[rank]["batches"] == plain[rank]["batches"] == 16  # 8 saved, 8 more
+    assert "optimizer states cannot be restored" in ours[0]["stderr"]
+
+    checkpoint = torch.load(saved, weights_only=False)
+    del checkpoint["state_dict"]["net.head.bias"]
+    torch.save(checkpoint, tmp_path / "lacking.ckpt")
+    proc = subprocess.run([sys.executable, str(FIT), "offload_stage_3_offload", str(tmp_path / "lacking"),
+                           "--full-weights", "--resume", str(tmp_path / "lacking.ckpt")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode != 0 and "missing keys: net.head.bias" in proc.stderr
 
 
 def test_bf16_mixed_runs_the_engine_in_bf16(tmp_path):

@@ -43,7 +43,6 @@ from torch.optim import Optimizer
 
 from offload import checkpointing
 from offload.engine.initialize import initialize
-from offload.zero.gathered import GatheredParameters
 from offload.zero.init import Init
 from offload.zero.plan import engine_of
 
@@ -220,22 +219,10 @@ class OffloadStrategy(DeepSpeedStrategy):
         return client_state
 
     def _restore_zero_state(self, ckpt: Mapping[str, Any], strict: bool) -> None:
-        """A single-file checkpoint's whole weights into the shards, one module's own parameters at a time, read
-        on rank 0 (``load_full_weights=True``)."""
-        assert self.lightning_module is not None
-        state_dict = ckpt["state_dict"]
-        missing: list[str] = []
-        unexpected: list[str] = []
-        errors: list[str] = []
-        for prefix, module in self.lightning_module.named_modules():
-            prefix = f"{prefix}." if prefix else ""
-            with GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
-                if self.is_global_zero:
-                    module._load_from_state_dict(state_dict, prefix, {}, strict, missing, unexpected, errors)
-        if errors:
-            raise RuntimeError(f"loading the full weights into {type(self.lightning_module).__name__}: "
-                               + "; ".join(errors))
-
+        """A single-file checkpoint's whole weights into the shards (``load_full_weights=True``): the engine's
+        ``load_full_state_dict``, every rank cutting its shards out of the same dict, the fp32 masters taking its
+        values and each rank's buffers too; keys (with ``strict``) and shapes checked before anything is written."""
+        self.deepspeed_engine.load_full_state_dict(dict(ckpt["state_dict"]), strict=strict)
 
 def engine_of_module(model: nn.Module) -> Any:
     """The live offload engine whose shards ``model``'s parameters are (None: none)."""

@@ -29,6 +29,7 @@ class Blocks(L.LightningModule):
         self.lrs: list[float] = []
         self.val_losses: list[float] = []
         self.net: nn.Module | None = None
+        self.register_buffer("batches", torch.zeros((), dtype=torch.long))  # a buffer each rank keeps
 
     def configure_model(self) -> None:
         if self.net is not None:
@@ -53,6 +54,7 @@ class Blocks(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
         loss = self.loss(batch)
+        self.batches += 1
         self.losses.append(loss.item())
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
@@ -116,7 +118,7 @@ def main() -> None:
     summary = DeepSpeedSummary(module, max_depth=2) if args.strategy.startswith("offload") else None
     result = {"losses": module.losses, "lrs": module.lrs, "val_losses": module.val_losses,
               "weights": whole_weights(trainer, module), "global_step": trainer.global_step,
-              "strategy": type(trainer.strategy).__name__, "world": trainer.world_size,
+              "batches": int(module.batches), "strategy": type(trainer.strategy).__name__, "world": trainer.world_size,
               "params_per_device": getattr(summary, "parameters_per_layer", None),
               "params_total": getattr(summary, "total_parameters", None),
               "deepspeed_imported": "deepspeed" in sys.modules}
