@@ -21,6 +21,7 @@ from offload.engine.errors import EngineError
 from offload.store.state_format import StateSlot
 from offload.files.weights_file import TensorSpec, stream_for
 from offload.zero.collectives import all_gather, all_ok, broadcast
+from offload.zero.runtime import live_state_dict
 
 logger = logging.getLogger("offload.engine")
 
@@ -28,7 +29,7 @@ logger = logging.getLogger("offload.engine")
 def live_buffers(engine: Any) -> dict[str, torch.Tensor]:
     """The module's state_dict entries outside the units (its persistent buffers): the live tensors, by key."""
     sharded = {id(s.param) for u in engine.units for s in u.slots}
-    return {k: t for k, t in engine.module.state_dict(keep_vars=True).items() if id(t) not in sharded}
+    return {k: t for k, t in live_state_dict(engine.module).items() if id(t) not in sharded}
 
 
 def state_dict_layout(engine: Any) -> tuple[list[tuple[str, int, Any]], dict[str, torch.Tensor]]:
@@ -36,7 +37,7 @@ def state_dict_layout(engine: Any) -> tuple[list[tuple[str, int, Any]], dict[str
     host); tied parameters appear under every key they have."""
     where = {id(s.param): (u.index, s) for u in engine.units for s in u.slots}
     params, buffers = [], {}
-    for key, t in engine.module.state_dict(keep_vars=True).items():
+    for key, t in live_state_dict(engine.module).items():
         if id(t) in where:
             params.append((key, *where[id(t)]))
         else:
@@ -183,7 +184,7 @@ def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
             values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
     # keep_vars: the entries are the Parameter objects themselves (their storage may be empty now).
     return {key: values[id(t)] if id(t) in values else t.detach().cpu().clone()
-            for key, t in engine.module.state_dict(keep_vars=True).items()}
+            for key, t in live_state_dict(engine.module).items()}
 
 
 def load_full_state_dict(engine: Any, state_dict: dict[str, Any], strict: bool = True) -> tuple[list[str], list[str]]:
@@ -191,7 +192,7 @@ def load_full_state_dict(engine: Any, state_dict: dict[str, Any], strict: bool =
     same full state dict; trained parameters' fp32 masters take the values (Adam's moments and step count stay),
     the compute copies follow. Checked first on every rank (keys with ``strict``, shapes, types), then written, so
     a bad dict changes nothing. Returns (missing, unexpected) keys, as ``nn.Module.load_state_dict`` does."""
-    live = engine.module.state_dict(keep_vars=True)
+    live = live_state_dict(engine.module)
     where = {id(s.param): (u, s) for u in engine.units for s in u.slots}
     missing = [k for k in live if k not in state_dict]
     unexpected = [k for k in state_dict if k not in live]
@@ -285,7 +286,7 @@ def write_weights(engine: Any, save_dir: str | os.PathLike[str], save_filename: 
                  for key, slot in by_unit.get(unit.index, ())]
         specs += [TensorSpec(key, t.dtype, tuple(t.shape)) for key, t in buffers.items()]
         written = {s.key for s in specs}
-        writer.open(specs, [key for key in engine.module.state_dict(keep_vars=True) if key in written])
+        writer.open(specs, [key for key in live_state_dict(engine.module) if key in written])
     for unit in engine.units:  # one unit gathered at a time
         full = torch.empty(unit.padded, dtype=dtype, device=device)
         all_gather(full, engine.params.read(unit.index).to(device), unit.group)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,6 +59,19 @@ from offload.zero.stage import Stage
 from offload.zero.unit import Unit, UnitState
 
 logger = logging.getLogger("offload.zero")
+
+# set while offload itself reads a module's state_dict (its keys and live tensors), which is no user's call
+_OWN_READ: ContextVar[bool] = ContextVar("offload_own_state_dict_read", default=False)
+
+
+def live_state_dict(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict(keep_vars=True)``, the live tensors by key, read for offload's own use: without the
+    note a user's own ``state_dict()`` of a ZeRO-3 model gets (see ``ZeroRuntime._partitioned_state_dict``)."""
+    token = _OWN_READ.set(True)
+    try:
+        return module.state_dict(keep_vars=True)
+    finally:
+        _OWN_READ.reset(token)
 
 
 class GradientSink(Protocol):
@@ -197,6 +211,8 @@ class ZeroRuntime:
         """``model.state_dict()`` outside forward holds the released parameters as empty tensors, as DeepSpeed's
         does (see [Note: a released parameter] in zero/unit.py): it saves and loads, but holds no weights. Said once,
         with what gives the weights."""
+        if _OWN_READ.get():
+            return
         released = [s.name for u in self.units for s in u.slots if s.numel and not s.param.numel()]
         if released and not self._said_partitioned:
             self._said_partitioned = True
