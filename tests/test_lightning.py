@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("lightning")
 
 FIT = Path(__file__).parent / "lightning_scripts" / "fit.py"
+FABRIC_LOOP = Path(__file__).parent / "lightning_scripts" / "fabric_loop.py"
 
 
 def fit(strategy: str, out: Path, *extra: str, devices: int = 1) -> list[dict]:
@@ -106,6 +107,48 @@ def test_bf16_mixed_runs_the_engine_in_bf16(tmp_path):
     assert all(v.dtype == torch.float32 for v in bf16["weights"].values())  # the master, whole
 
 
+def fabric_loop(tmp_path: Path, devices: int) -> list[dict]:
+    """Each rank's record of the Fabric loop's four runs (ddp, offload, offload resumed, offload from DDP's file)."""
+    proc = subprocess.run([sys.executable, str(FABRIC_LOOP), str(tmp_path / "out"), "--folder", str(tmp_path),
+                           "--devices", str(devices)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [torch.load(tmp_path / f"out.{rank}.pt") for rank in range(devices)]
+    for record in records:
+        record["stderr"] = proc.stderr
+    return records
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_fabric_loop_trains_on_the_engine_as_under_ddp_and_resumes_bitwise(tmp_path, devices):
+    """The loop a Fabric user of DeepSpeed writes (fabric.init_module, fabric.setup(model, optimizer,
+    scheduler=...), accumulation 2 by two fabric.backward calls and one optimizer.step, clipping at 0.5 from the
+    config where DDP's loop calls fabric.clip_gradients, the scheduler stepped by the script, fabric.save and
+    fabric.load of model, optimizer, scheduler and a counter) against the same loop under ddp; at two processes
+    through Fabric's own launcher."""
+    for record in fabric_loop(tmp_path, devices):
+        plain, ours, resumed, full = record["ddp"], record["offload"], record["resumed"], record["full_weights"]
+        assert ours["strategy"] == "OffloadStrategy" and ours["world"] == devices and not record["deepspeed_imported"]
+        assert max(plain["norms"]) > 0.5  # the clipping bit
+        assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-5, abs=1e-6) and ours["lrs"] == plain["lrs"]
+        for key, value in plain["weights"].items():  # the module's buffer too
+            torch.testing.assert_close(ours["weights"][key], value, rtol=1e-5, atol=1e-6)
+        # resumed from the folder fabric.save wrote after step 4: the steps after it, bitwise
+        assert resumed["losses"] == ours["losses"][8:] and resumed["lrs"] == ours["lrs"][4:]
+        for key, value in ours["weights"].items():
+            assert torch.equal(resumed["weights"][key], value), key
+        # load_full_weights: DDP's single file cut into the shards; the next step's losses are DDP's exactly
+        assert full["losses"] == plain["losses"][8:10]
+        refused = resumed["refused"]
+        assert refused["load not strict"].startswith("ValueError: fabric.load(..., strict=False)")
+        assert refused["save without the model"].startswith("ValueError: fabric.save(path, state): the state must "
+                                                             "hold exactly one model")
+        assert refused["save with a filter"].startswith("TypeError: fabric.save(..., filter=...) is not supported")
+        assert refused["step with a closure"].startswith("TypeError: optimizer.step(closure)")
+        assert refused["clip_gradients"].startswith("NotImplementedError")  # DeepSpeed's: the config's clipping
+    assert "partitioned parameters as empty" not in record["stderr"]
+    assert "parameters on different devices" not in record["stderr"]  # the engine places them; nothing moves
+
+
 def test_the_strategy_names_mirror_deepspeeds():
     import offload.lightning  # noqa: F401
     from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
@@ -116,6 +159,14 @@ def test_the_strategy_names_mirror_deepspeeds():
         ours = StrategyRegistry["offload" + name[len("deepspeed"):]]
         assert ours["strategy"] is OffloadStrategy and ours["init_params"] == entry["init_params"]
     assert issubclass(OffloadStrategy, DeepSpeedStrategy)  # what Lightning's precision plugin and callbacks gate on
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeed
+    theirs = {k: v for k, v in STRATEGY_REGISTRY.items() if v["strategy"] is FabricDeepSpeed}
+    assert len(theirs) == 8  # Fabric's has deepspeed_stage_1_offload too
+    for name, entry in theirs.items():
+        ours = STRATEGY_REGISTRY["offload" + name[len("deepspeed"):]]
+        assert ours["strategy"] is offload.lightning.fabric.OffloadStrategy
+        assert ours["init_params"] == entry["init_params"]
 
 
 def test_the_trainer_gives_it_deepspeeds_precision_plugin_and_config():
@@ -130,6 +181,19 @@ def test_the_trainer_gives_it_deepspeeds_precision_plugin_and_config():
     given = OffloadStrategy(config={"zero_optimization": {"stage": 2}, "offload": {"unit_bytes": 1 << 20}})
     assert given.config == {"zero_optimization": {"stage": 2}, "offload": {"unit_bytes": 1 << 20}}
     assert not given.zero_stage_3
+
+
+def test_fabric_gives_it_deepspeeds_precision_and_joint_set_up():
+    import lightning as L
+    from lightning.fabric.plugins.precision import DeepSpeedPrecision
+    from offload.lightning.fabric import OffloadStrategy
+    fabric = L.Fabric(strategy="offload_stage_3_offload", accelerator="cpu", devices=1, precision="bf16-mixed")
+    assert isinstance(fabric.strategy, OffloadStrategy) and isinstance(fabric._precision, DeepSpeedPrecision)
+    zero = fabric.strategy.config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "cpu"
+    assert fabric.strategy._backward_sync_control is None  # no_backward_sync says so, as under DeepSpeed
+    with pytest.raises(ValueError, match="exclude_frozen_parameters=True"):
+        OffloadStrategy(exclude_frozen_parameters=True)
 
 
 def test_what_it_cannot_run_is_refused_by_name():

@@ -26,7 +26,6 @@ automatic optimization, so that its gradients, clipping and norms are plain Ligh
 from __future__ import annotations
 
 import argparse
-import inspect
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -41,19 +40,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
 
-from offload import checkpointing
 from offload.engine.initialize import initialize
+from offload.lightning.shared import (adopt_arguments, bind_arguments, configure_activation_checkpointing,
+                                      engine_of_module, plain_dicts, refuse_a_second_engine, register_twins)
 from offload.zero.init import Init
-from offload.zero.plan import engine_of
-
-# DeepSpeedStrategy's arguments that go into the zero_optimization section of the config it builds by default
-ZERO_ARGUMENTS = ("stage", "contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter",
-                  "allgather_bucket_size", "reduce_bucket_size", "sub_group_size")
-# the other arguments of its default config: every named parameter of the method that builds it
-DEFAULT_CONFIG_ARGUMENTS = tuple(name for name, p in inspect.signature(DeepSpeedStrategy._create_default_config)
-                                 .parameters.items() if name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)
-KEPT_ARGUMENTS = ("remote_device", "load_full_weights", "exclude_frozen_parameters", "loss_scale",
-                  "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
 
 
 class OffloadStrategy(DeepSpeedStrategy):
@@ -64,39 +54,20 @@ class OffloadStrategy(DeepSpeedStrategy):
     strategy_name = "offload"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # DeepSpeedStrategy.__init__ stops where DeepSpeed is not installed, and imports it to set its logger. The
-        # arguments are bound against its signature (their defaults stay Lightning's) and set as it sets them.
-        bound = inspect.signature(DeepSpeedStrategy.__init__).bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        given = bound.arguments
-        if given["exclude_frozen_parameters"]:
-            raise ValueError("exclude_frozen_parameters=True: offload's checkpoint holds every parameter, frozen "
-                             "ones too, and loads every key; leave it False")
+        # DeepSpeedStrategy.__init__ stops where DeepSpeed is not installed (see offload/lightning/shared.py)
+        given = bind_arguments(DeepSpeedStrategy, self, args, kwargs)
         DDPStrategy.__init__(self, accelerator=given["accelerator"], parallel_devices=given["parallel_devices"],
                              cluster_environment=given["cluster_environment"],
                              precision_plugin=given["precision_plugin"],
                              process_group_backend=given["process_group_backend"])
-        self._timeout = given["timeout"]
-        self.config = self._load_config(given["config"])
-        if self.config is None:
-            self.config = self._create_default_config(**{k: given[k] for k in DEFAULT_CONFIG_ARGUMENTS},
-                                                      **{k: given[k] for k in ZERO_ARGUMENTS})
-        self._config_initialized = False
+        adopt_arguments(DeepSpeedStrategy, self, given)
         self._engine: Any = None  # the fit's engine, kept for validate/test/predict after it (it owns the shards)
-        for name in KEPT_ARGUMENTS:
-            setattr(self, name, given[name])
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """DeepSpeed's names, with ``offload`` for ``deepspeed``: ``offload``, ``offload_stage_1`` ...
         ``offload_stage_3_offload_nvme``, with the arguments DeepSpeed's name gives."""
-        from lightning.pytorch.strategies import StrategyRegistry
-        for name, entry in list(StrategyRegistry.items()):
-            if entry["strategy"] is DeepSpeedStrategy and name.startswith("deepspeed"):
-                strategy_registry.register("offload" + name[len("deepspeed"):], cls,
-                                           description=entry["description"].replace("DeepSpeed", "offload (as "
-                                                                                     "DeepSpeed's)", 1),
-                                           override=True, **entry["init_params"])
+        register_twins(strategy_registry, DeepSpeedStrategy, cls)
 
     # ----------------------------------------------------------------- process group and device
 
@@ -122,11 +93,7 @@ class OffloadStrategy(DeepSpeedStrategy):
 
     def _setup_model_and_optimizer(self, model: nn.Module, optimizer: Optimizer | None,
                                    lr_scheduler: Any = None) -> tuple[Any, Any]:
-        if engine_of_module(model) is not None:
-            raise MisconfigurationException(
-                "this module is already trained by an offload engine (a second Trainer.fit on it): its parameters are "
-                "that engine's shards. Fit once per process (resume a later run with fit(ckpt_path=...)), or build "
-                "a new module")
+        refuse_a_second_engine(model, "Trainer.fit")
         assert self.config is not None
         engine, engine_optimizer, _, _ = initialize(
             args=argparse.Namespace(device_rank=self.root_device.index), config=self.config, model=model,
@@ -167,12 +134,7 @@ class OffloadStrategy(DeepSpeedStrategy):
 
     def _set_deepspeed_activation_checkpointing(self) -> None:
         assert isinstance(self.config, dict)
-        section = self.config.get("activation_checkpointing")
-        if section:
-            checkpointing.configure(mpu_=None, partition_activations=section.get("partition_activations"),
-                                    contiguous_checkpointing=section.get("contiguous_memory_optimization"),
-                                    checkpoint_in_cpu=section.get("cpu_checkpointing"),
-                                    profile=section.get("profile"))
+        configure_activation_checkpointing(self.config)
 
     def teardown(self) -> None:
         """Lightning's, but its optimizer's state is not Lightning's to move to the CPU: the engine keeps it in
@@ -223,17 +185,3 @@ class OffloadStrategy(DeepSpeedStrategy):
         ``load_full_state_dict``, every rank cutting its shards out of the same dict, the fp32 masters taking its
         values and each rank's buffers too; keys (with ``strict``) and shapes checked before anything is written."""
         self.deepspeed_engine.load_full_state_dict(dict(ckpt["state_dict"]), strict=strict)
-
-def engine_of_module(model: nn.Module) -> Any:
-    """The live offload engine whose shards ``model``'s parameters are (None: none)."""
-    return next((e for e in map(engine_of, model.parameters()) if e is not None), None)
-
-
-def plain_dicts(value: Any) -> Any:
-    """``value`` with dict subclasses (Lightning's AttributeDict of hyperparameters) as plain dicts, so that the
-    checkpoint keeps them as data, not as pickled objects."""
-    if isinstance(value, dict):
-        return {k: plain_dicts(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [plain_dicts(v) for v in value]
-    return value
