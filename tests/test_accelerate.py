@@ -34,7 +34,23 @@ def test_an_accelerate_loop_trains_on_the_engine_as_under_accelerate(tmp_path):
     assert ours["state"].keys() == plain["state"].keys()
     for key, value in plain["state"].items():
         torch.testing.assert_close(ours["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
-    assert ours["unwrapped"] == "Sequential" and not ours["deepspeed_imported"]
+    assert ours["unwrapped"] == "Sequential" and not ours["deepspeed_imported"] and not ours["bf16"]
+
+
+def test_the_configs_optimizer_and_scheduler_and_the_accelerators_bf16(tmp_path):
+    """DummyOptim / DummyScheduler (the config's AdamW; the StepLR from the scheduler's lr_scheduler_callable,
+    stepped by the engine at each step) train as the plain loop's own AdamW and StepLR. Accelerator(
+    mixed_precision="bf16") turns on the engine's bf16 (DeepSpeed's meaning: bf16 weights and activations, an fp32
+    master), where accelerate's own autocast keeps fp32 weights: close to fp32, not equal."""
+    plain = run_loop("plain", tmp_path / "plain.pt")
+    dummy = run_loop("offload", tmp_path / "dummy.pt", "--dummy")
+    assert dummy["losses"] == pytest.approx(plain["losses"], rel=1e-5) and dummy["lrs"] == plain["lrs"]
+    for key, value in plain["state"].items():
+        torch.testing.assert_close(dummy["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+    bf16 = run_loop("offload", tmp_path / "bf16.pt", "--dummy", "--precision", "bf16")
+    assert bf16["bf16"] and bf16["losses"] != dummy["losses"]
+    assert bf16["losses"] == pytest.approx(dummy["losses"], rel=5e-2, abs=1e-2)
+    assert all(v.dtype == torch.float32 for v in bf16["state"].values())  # the master, whole
 
 
 def test_save_state_and_load_state_resume_bitwise(tmp_path):

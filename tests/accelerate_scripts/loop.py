@@ -2,14 +2,18 @@
 or with the import changed to offload's (``offload``), the same config and data. Writes what it observed to OUT
 (torch.save): losses, the final weights, and what the accelerator's calls returned.
 
-    python loop.py {plain,offload} OUT [--epochs N] [--save DIR] [--load DIR]
+    python loop.py {plain,offload} OUT [--epochs N] [--save DIR] [--load DIR] [--precision bf16] [--dummy]
+
+--dummy (offload): the optimizer and scheduler from the config, through accelerate's DummyOptim and DummyScheduler
+(its lr_scheduler_callable builds the StepLR the plain loop builds), as a DeepSpeed script of accelerate's writes
+them.
 """
 
 import argparse
 import sys
 
 import torch
-from accelerate.utils import DeepSpeedPlugin, set_seed
+from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler, set_seed
 
 parser = argparse.ArgumentParser()
 parser.add_argument("impl", choices=["plain", "offload"])
@@ -17,6 +21,8 @@ parser.add_argument("out")
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--save")
 parser.add_argument("--load")
+parser.add_argument("--precision", default="no")
+parser.add_argument("--dummy", action="store_true")
 args = parser.parse_args()
 
 if args.impl == "offload":
@@ -25,15 +31,23 @@ if args.impl == "offload":
               "gradient_clipping": 1.0,
               "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                     "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}}
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=2)
+    if args.dummy:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=2,
+                              mixed_precision=args.precision)
 else:
     from accelerate import Accelerator
-    accelerator = Accelerator(gradient_accumulation_steps=2)
+    accelerator = Accelerator(gradient_accumulation_steps=2, mixed_precision=args.precision)
 
 set_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+if args.dummy:
+    optimizer = DummyOptim(model.parameters())
+    scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lambda opt: torch.optim.lr_scheduler.StepLR(
+        opt, step_size=3, gamma=0.5))
+else:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
 gen = torch.Generator().manual_seed(0)
 data = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=gen), torch.randn(32, 1, generator=gen))
 loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
@@ -46,7 +60,9 @@ losses, norms, lrs = [], [], []
 for epoch in range(first, args.epochs):
     for x, y in loader:
         with accelerator.accumulate(model):
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            if args.precision == "bf16" and args.impl == "offload":
+                x = x.to(torch.bfloat16)  # DeepSpeed's bf16 casts the weights, not the inputs: scripts cast them
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
             accelerator.backward(loss)
             if accelerator.sync_gradients and args.impl == "plain":
                 norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
@@ -62,5 +78,6 @@ for epoch in range(first, args.epochs):
 state = {k: v.detach().float().cpu() for k, v in accelerator.get_state_dict(model).items()}
 torch.save({"losses": losses, "norms": norms, "lrs": lrs, "state": state,
             "unwrapped": type(accelerator.unwrap_model(model)).__name__,
+            "bf16": bool(getattr(model, "bfloat16_enabled", lambda: False)()),
             "deepspeed_imported": any(m == "deepspeed" or m.startswith("deepspeed.") for m in sys.modules)},
            args.out if accelerator.num_processes == 1 else f"{args.out}.{accelerator.process_index}")
