@@ -23,10 +23,16 @@ def run_loop(impl: str, out: Path, *extra: str) -> dict:
     return torch.load(out)
 
 
-def test_an_accelerate_loop_trains_on_the_engine_as_under_accelerate(tmp_path):
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory) -> dict:
+    """accelerate's own loop at one process, the reference (run once per worker)."""
+    return run_loop("plain", tmp_path_factory.mktemp("plain") / "plain.pt")
+
+
+def test_an_accelerate_loop_trains_on_the_engine_as_under_accelerate(tmp_path, plain_run):
     """Accumulation 2, clipping at 1.0, a StepLR the script steps every micro-batch: the same losses, norms,
     learning rates and final weights (fp32, to the rounding of a gradient summed in another order)."""
-    plain = run_loop("plain", tmp_path / "plain.pt")
+    plain = plain_run
     ours = run_loop("offload", tmp_path / "offload.pt")
     assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-5)
     assert ours["norms"] == pytest.approx(plain["norms"], rel=1e-5)
@@ -37,12 +43,12 @@ def test_an_accelerate_loop_trains_on_the_engine_as_under_accelerate(tmp_path):
     assert ours["unwrapped"] == "Sequential" and not ours["deepspeed_imported"] and not ours["bf16"]
 
 
-def test_the_configs_optimizer_and_scheduler_and_the_accelerators_bf16(tmp_path):
+def test_the_configs_optimizer_and_scheduler_and_the_accelerators_bf16(tmp_path, plain_run):
     """DummyOptim / DummyScheduler (the config's AdamW; the StepLR from the scheduler's lr_scheduler_callable,
     stepped by the engine at each step) train as the plain loop's own AdamW and StepLR. Accelerator(
     mixed_precision="bf16") turns on the engine's bf16 (DeepSpeed's meaning: bf16 weights and activations, an fp32
     master), where accelerate's own autocast keeps fp32 weights: close to fp32, not equal."""
-    plain = run_loop("plain", tmp_path / "plain.pt")
+    plain = plain_run
     dummy = run_loop("offload", tmp_path / "dummy.pt", "--dummy")
     assert dummy["losses"] == pytest.approx(plain["losses"], rel=1e-5) and dummy["lrs"] == plain["lrs"]
     for key, value in plain["state"].items():

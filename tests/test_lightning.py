@@ -39,11 +39,18 @@ def assert_trains_as(ours: dict, plain: dict) -> None:
     assert ours["strategy"] == "OffloadStrategy" and not ours["deepspeed_imported"]
 
 
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> dict:
+    """Lightning's DDP at one process: the reference the one-process runs compare with (run once per worker)."""
+    plain, = fit("ddp", tmp_path_factory.mktemp("ddp") / "ddp")
+    return plain
+
+
 @pytest.mark.parametrize("strategy", ["offload_stage_3_offload", "offload_stage_2"])
-def test_a_lightning_module_trains_on_the_engine_as_under_ddp(tmp_path, strategy):
+def test_a_lightning_module_trains_on_the_engine_as_under_ddp(tmp_path, strategy, ddp_run):
     """Accumulation 2 (the loss divided once, see [Note: the loss is divided once]), clipping at 0.5, a StepLR
     stepped by Lightning, validation inside the fit and trainer.validate after it (on the fit's engine)."""
-    plain, = fit("ddp", tmp_path / "ddp")
+    plain = ddp_run
     ours, = fit(strategy, tmp_path / "offload")
     assert_trains_as(ours, plain)
     whole = sum(v.numel() for k, v in plain["weights"].items() if k != "batches")  # the parameters
@@ -98,9 +105,10 @@ def test_a_single_file_checkpoint_loads_into_the_shards(tmp_path):
     assert proc.returncode != 0 and "missing keys: net.head.bias" in proc.stderr
 
 
-def test_bf16_mixed_runs_the_engine_in_bf16(tmp_path):
-    """DeepSpeed's meaning of bf16-mixed under Lightning: bf16 weights and inputs, an fp32 master."""
-    fp32, = fit("offload_stage_3_offload", tmp_path / "fp32")
+def test_bf16_mixed_runs_the_engine_in_bf16(tmp_path, ddp_run):
+    """DeepSpeed's meaning of bf16-mixed under Lightning: bf16 weights and inputs, an fp32 master (beside the fp32
+    run, which the offload strategies equal to fp32 rounding: the test above)."""
+    fp32 = ddp_run
     bf16, = fit("offload_stage_3_offload", tmp_path / "bf16", "--precision", "bf16-mixed")
     assert bf16["losses"] != fp32["losses"]
     assert bf16["losses"] == pytest.approx(fp32["losses"], rel=5e-2, abs=1e-2)
