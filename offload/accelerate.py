@@ -39,6 +39,8 @@ from accelerate.utils.deepspeed import (DeepSpeedEngineWrapper, DeepSpeedOptimiz
 import offload
 from offload.engine.core import Engine
 
+__all__ = ["Accelerator", "DummyOptim", "DummyScheduler"]  # accelerate.utils exports the two only with DeepSpeed
+
 CHECKPOINT_TAG = "pytorch_model"  # the engine's checkpoint inside save_state's folder (accelerate's DeepSpeed name)
 
 

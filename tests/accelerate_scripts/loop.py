@@ -13,7 +13,7 @@ import argparse
 import sys
 
 import torch
-from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler, set_seed
+from accelerate.utils import DeepSpeedPlugin, set_seed
 
 parser = argparse.ArgumentParser()
 parser.add_argument("impl", choices=["plain", "offload"])
@@ -42,6 +42,7 @@ else:
 set_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
 if args.dummy:
+    from offload.accelerate import DummyOptim, DummyScheduler  # accelerate.utils has them only with DeepSpeed
     optimizer = DummyOptim(model.parameters())
     scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lambda opt: torch.optim.lr_scheduler.StepLR(
         opt, step_size=3, gamma=0.5))
