@@ -40,6 +40,7 @@ def train_refitted(rank, world, config, steps, micro, accum, spare, started=None
         if started is not None:
             started(engine)
         seen["start"] = [g.tier for g in engine.optimizer.store.groups]
+        seen["lent_at_start"] = [g.fmt.high_elsewhere for g in engine.optimizer.store.groups]
 
     def after(i, engine):
         if i == 0 and spare is not None:
@@ -49,7 +50,9 @@ def train_refitted(rank, world, config, steps, micro, accum, spare, started=None
 
     def finished(engine):
         store = engine.optimizer.store
-        return {"end": [g.tier for g in store.groups],
+        return {"end": [g.tier for g in store.groups], "lent_at_end": [g.fmt.high_elsewhere for g in store.groups],
+                "device_state_bytes": sum(g.nbytes for g in store.groups if g.tier is Tier.DEVICE),
+                "device_elements": sum(g.numel for g in store.groups if g.tier is Tier.DEVICE),
                 "end_by_unit": [store.by_unit[u][0].tier for u in sorted(store.by_unit)], **seen}
 
     return train_engine(rank, world, "gpt", config, steps, micro, accum, started=begin, after_step=after,
@@ -83,6 +86,31 @@ def test_a_refit_on_a_cpu_device_is_bitwise_the_run_that_never_moved():
     moved = run_ranks(train_refitted, 1, config=config, steps=3, micro=2, accum=1, spare=1 << 40)[0]
     stayed = run_ranks(train_refitted, 1, config=config, steps=3, micro=2, accum=1, spare=None)[0]
     assert moved["moved"] > 0
+    assert moved["losses"] == stayed["losses"]
+    for key, value in stayed["state"].items():
+        assert torch.equal(moved["state"][key], value), key
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU's device tier steps with torch's fused kernel")
+@pytest.mark.parametrize("sub_group_size,spare", [(3000, 1 << 40), (100_000, 16 * 8000)], ids=["all", "split"])
+def test_a_refit_takes_a_16_16_masters_lent_high_halves_into_the_device_state(sub_group_size, spare):
+    """On the host a 16+16 master's sub-groups hold the low halves and moments, the weights being the high halves
+    (see [Note: the weights are the high half] in offload/store/optimizer_state.py); moved by the refit, whole or
+    split, the device's state holds all of it, 8 bytes an element with bf16 moments, the high halves copied from
+    the weights. On a CPU device both tiers step with the same kernel: bitwise the run that never moved."""
+    config = split_config(1, 1)
+    config["zero_optimization"]["sub_group_size"] = sub_group_size
+    config["bf16"] = {"enabled": True}
+    config["offload"]["optimizer_state"] = {"master": "16+16", "moments": "bf16"}
+    moved = run_ranks(train_refitted, 1, config=config, steps=3, micro=2, accum=1, spare=spare)[0]
+    stayed = run_ranks(train_refitted, 1, config=config, steps=3, micro=2, accum=1, spare=None)[0]
+    assert moved["moved"] > 0
+    on_host = [lent for lent, tier in zip(moved["lent_at_start"], moved["start"]) if tier is Tier.HOST]
+    assert on_host and all(on_host)  # lent at start-up beside a ratio
+    assert not any(lent for lent, tier in zip(moved["lent_at_end"], moved["end"]) if tier is Tier.DEVICE)
+    assert moved["device_state_bytes"] >= 8 * moved["device_elements"] > stayed["device_state_bytes"]
+    if spare < 1 << 40:
+        assert Tier.HOST in moved["end"] and any(moved["lent_at_end"])  # the rest of the split group still lent
     assert moved["losses"] == stayed["losses"]
     for key, value in stayed["state"].items():
         assert torch.equal(moved["state"][key], value), key

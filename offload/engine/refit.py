@@ -62,8 +62,8 @@ def refit_choice(groups: list[SubGroup], spare: int, shard_bytes: Callable[[int]
             shard = shard_bytes(m.unit)
             if shard is None:
                 break
-            cost = (g.fmt.bytes_per_element * m.numel + (0 if m.unit in accumulated_on_device else grad_bytes * m.numel)
-                    + shard)
+            state = g.fmt.high_in_state().bytes_per_element * m.numel  # on the device, a lent high half too
+            cost = state + (0 if m.unit in accumulated_on_device else grad_bytes * m.numel) + shard
             if used + cost > spare:
                 break
             used += cost

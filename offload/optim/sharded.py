@@ -283,7 +283,9 @@ class ShardedAdam:
                 assert state.phase is ShardPhase.EMPTY, f"unit {state.name!r} holds a gradient"
             device = self.accel.device
             numel = sum(m.numel for m in members)
-            fmt = whole.fmt  # the state's memory in its format, taken here with the rest (all of it, or none)
+            # the state's memory in its format, every part its own (a lent high half taken back), taken here with
+            # the rest (all of it, or none)
+            fmt = whole.fmt.high_in_state()
             taken = fmt.slot(torch.empty(fmt.slot_bytes(numel), dtype=torch.uint8, device=device), numel)
             grads = [state.on_device if state.on_device is not None else None if self.device_grads_kept
                      else torch.empty(state.numel, dtype=torch.float32, device=device) for state in states]

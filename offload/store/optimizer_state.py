@@ -52,8 +52,10 @@ them; every reader goes through ``views``, which follows it.
 and the moments alone, and each unit's high half is lent to it (``lend_high``): the kernel updates the weights and
 the master in one write, 6 bytes of state an element with bf16 moments instead of 8, and nothing more to copy. Not
 where a step writes into a second place before it counts (the speculative slot, the delayed update's staging), nor
-where the state moves after start-up (the refit), nor for NVMe state or NVMe-homed weights: there the high half is
-held in the state, beside the weights' copy, as exact but no smaller.
+for NVMe state or NVMe-homed weights: there the high half is held in the state, beside the weights' copy, as exact
+but no smaller. A unit whose state the refit moves to the device (``auto``) takes its high half back: the device's
+state holds all of it, copied from the weights before the parameter store moves them there (or drops their host
+copy), as the units that start on the device hold theirs.
 
 [Note: a failed step loses nothing] Each NVMe sub-group has two slots in the swap
 file; a step reads the slot holding the last completed step and writes the other, and
@@ -427,11 +429,11 @@ class OptimizerStateStore:
         """Host sub-group ``g``'s first ``count`` units become a sub-group of their own, placed before it; both
         keep views of the one buffer they share (``borrowed``), each unit's state where it was."""
         assert g.tier is Tier.HOST and g.resident is not None and 0 < count < len(g.members)
-        assert not g.fmt.high_elsewhere, "a sub-group whose high halves are lent stays where it is"
         cut = g.members[count].offset
         head = SubGroup(max(x.index for x in self.groups) + 1, g.members[:count], cut, Tier.HOST,
                         g.resident.narrow(0, cut), None if g.spare is None else g.spare.narrow(0, cut),
-                        {m.unit for m in g.members[:count]} & g.in_spare, borrowed=True, fmt=g.fmt)
+                        {m.unit for m in g.members[:count]} & g.in_spare, borrowed=True, fmt=g.fmt,
+                        highs={m.unit: g.highs.pop(m.unit) for m in g.members[:count] if m.unit in g.highs})
         g.members = [Member(m.unit, m.offset - cut, m.numel) for m in g.members[count:]]
         g.numel -= cut
         g.resident = g.resident.narrow(cut, g.numel)
@@ -444,17 +446,19 @@ class OptimizerStateStore:
 
     def move_to_device(self, g: SubGroup, moved: StateSlot) -> None:
         """Host sub-group ``g`` (state settled: no step in flight) moves into ``moved`` (a slot of its elements in
-        its format, on the compute device), each unit's state from its current slot; host memory of its own is
-        given back (see [Note: the split refitted] in offload/engine/refit.py)."""
+        its format with every part its own, ``fmt.high_in_state()``, on the compute device), each unit's state from
+        its current slot, a lent high half from the weights that are it (before the parameter store moves or drops
+        them); host memory of its own is given back (see [Note: the split refitted] in offload/engine/refit.py)."""
         assert g.tier is Tier.HOST and g.resident is not None, f"sub-group {g.index} is not on the host"
         assert moved.master.numel() == g.numel, f"sub-group {g.index} moves into a slot of {g.numel} elements"
-        assert not g.fmt.high_elsewhere, "a sub-group whose high halves are lent stays where it is"
         for m in g.members:
             moved.narrow(m.offset, m.numel).copy_(g.views(m))
+        g.fmt = g.fmt.high_in_state()
+        g.highs.clear()
         if not g.borrowed:
             for slot, what in ((g.resident, "optimizer state"), (g.spare, SPECULATIVE_SLOT)):
                 if slot is not None:
-                    self.host.give(self.accel.forget_host_buffer(slot.master), what)
+                    self.host.give(self.accel.forget_host_buffer(slot.start()), what)
         g.tier, g.resident, g.spare, g.in_spare = Tier.DEVICE, moved, None, set()
         self.placement.tiers[Tier.HOST.value] -= g.numel
         self.placement.tiers[Tier.DEVICE.value] = self.placement.tiers.get(Tier.DEVICE.value, 0) + g.numel

@@ -242,11 +242,11 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
 
 def _lend_highs(out: Placement, config: Any, step: StepAsks) -> None:
     """Host sub-groups of a 16+16 master whose high halves are the weights (see [Note: the weights are the high
-    half] in offload/store/optimizer_state.py): the state offloaded to the host, where nothing moves it after
-    start-up (not auto, whose refit may) and no step writes a second place first (the speculative slot, the delayed
-    update), each unit's weights homed off NVMe."""
+    half] in offload/store/optimizer_state.py): the state offloaded to the host, where no step writes a second
+    place first (the speculative slot, the delayed update), each unit's weights homed off NVMe. A refit (auto)
+    takes the high halves back into the state it moves to the device."""
     opt = config.zero_optimization.offload_optimizer
-    if (opt.device != "cpu" or opt.ratio is AUTO or step.delayed or step.speculation is Speculation.ALL
+    if (opt.device != "cpu" or step.delayed or step.speculation is Speculation.ALL
             or not out.groups or out.groups[0].fmt.master is not Master.SPLIT):
         return
     for g in out.groups:

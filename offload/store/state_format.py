@@ -56,6 +56,10 @@ class StateFormat:
         """This 16+16 format with its high halves held by the parameter store."""
         return replace(self, high_elsewhere=True)
 
+    def high_in_state(self) -> StateFormat:
+        """This format with every part held in the state's own memory (a lent high half taken back)."""
+        return replace(self, high_elsewhere=False)
+
     @property
     def master_dtype(self) -> torch.dtype:
         """The dtype of the master's buffer (16+16: of its high half)."""
@@ -157,6 +161,10 @@ class StateSlot:
         lo = self.master_lo
         return StateSlot(self.master[start:start + length], self.exp_avg[start:start + length],
                          self.exp_avg_sq[start:start + length], None if lo is None else lo[start:start + length])
+
+    def start(self) -> torch.Tensor:
+        """The buffer at the start of the slot's memory (a lent high half's empty view is none: its low half)."""
+        return min((b for b in self.buffers() if b.numel()), key=torch.Tensor.data_ptr)
 
     def buffers(self) -> list[torch.Tensor]:
         """Every buffer, the low half too."""
