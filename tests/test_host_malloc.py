@@ -4,8 +4,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from offload.config import Config, ConfigError
+from offload.machine.host_malloc import resident
 
 from conftest import REPO
 
@@ -42,3 +44,13 @@ def test_the_setting_is_checked_and_off_unless_set():
         == 128 << 10
     with pytest.raises(ConfigError, match=r"offload.host_malloc.mmap_threshold: must be <= 3.3\d+e\+07"):
         Config.load({"offload": {"host_malloc": {"mmap_threshold": "64MiB"}}})
+
+
+def test_resident_counts_what_the_process_allocated():
+    """What `offload bench step` reports per variant: 128 MiB written grow the anonymous RSS by as much."""
+    before = resident()
+    block = torch.ones(32 << 20)  # 128 MiB, every page written
+    after = resident()
+    assert before.anon is not None and after.anon is not None  # Linux
+    assert after.anon - before.anon >= 120 << 20 and after.peak >= after.anon
+    del block

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from offload.machine.cpus import default_threads, usable_cpus
+from offload.machine.host_malloc import DEFAULT_THRESHOLD, resident
 from offload.machine.launch import run_ranks
 from offload.models.catalog import lm_loss
 from offload.observe.telemetry import BACKGROUND, FOREGROUND
@@ -270,6 +271,9 @@ class StepResult:
     variants: dict[str, dict[str, float]] = field(default_factory=dict)  # per variant: step, optimizer, NVMe stall
     peak_device_bytes: dict[str, int] = field(default_factory=dict)  # on a GPU: torch's and each variant's high water
     memory: dict[str, dict[str, int]] = field(default_factory=dict)  # per variant: rank 0's bytes per tier (accounting)
+    # per variant, measured: the largest rank's anonymous RSS after its timed steps ("rss", what it allocated; None
+    # where the system does not say) and its peak RSS ("peak", model construction included), in the last round
+    host_rss: dict[str, dict[str, int | None]] = field(default_factory=dict)
     torch_note: str = ""  # why plain PyTorch has no time ("": it ran)
 
     def vs_torch(self, seconds: float) -> str:
@@ -310,7 +314,9 @@ def engine_config(b: StepBench, variant: dict[str, Any]) -> dict[str, Any]:
                           "delayed_update": {"warmup_steps": variant.get("delayed")},
                           "checkpoint_blocks": b.checkpointing != "none",
                           "optimizer_state": dict(zip(("master", "moments"), variant.get("state", b.state))),
-                          "budgets": {"device": b.device_budget}},
+                          "budgets": {"device": b.device_budget},
+                          # as `offload train` sets it: the RSS each variant reports then tracks what is live
+                          "host_malloc": {"mmap_threshold": DEFAULT_THRESHOLD}},
               "activation_checkpointing": {"cpu_checkpointing": b.checkpointing == "cpu"}}
     return config
 
@@ -358,8 +364,9 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
     memory = {tier: sum(v for k, v in parts.items()
                         if k not in ("total", "peak", "budget", "gathered_now", "activations_now"))
               for tier, parts in engine.memory_summary().items()}
+    rss = resident()  # after the timed steps, the engine still open: what the training holds
     engine.close()
-    return {"times": times, "seconds": _since(start.seconds, timed.seconds),
+    return {"times": times, "rss": rss.anon, "peak_rss": rss.peak, "seconds": _since(start.seconds, timed.seconds),
             "counts": _since(start.counts, timed.counts),
             "bytes": {k: v * b.steps / counted for k, v in moved.items()},  # as for b.steps steps
             "overlap": overlap, "peak": peak, "memory": memory,
@@ -440,6 +447,7 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
     times: dict[str, list[float]] = {name: [] for name in variants}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     peaks: dict[str, int] = {}
+    last: dict[str, list[dict[str, Any]]] = {}  # each variant's ranks in the last round
     # A CPU comparison keeps a GPU out of it: the one-rank child would otherwise pick it up.
     env = {"CUDA_VISIBLE_DEVICES": ""} if b.device == "cpu" else {}
     torch_note = ""
@@ -460,6 +468,7 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
             peaks[name] = ranks[0]["peak"]
             times[name] += [max(ts) for ts in zip(*(rank["times"] for rank in ranks))]  # a step ends on the last rank
             runs[name].append(ranks[0])
+            last[name] = ranks
         if log:
             mine = f"{statistics.median(torch_times):.3f} s/step" if torch_times else "did not fit"
             print(f"  round {r + 1}/{b.repeats}: torch {mine}, " + ", ".join(
@@ -508,13 +517,20 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
                                                  for k in ("all_gather", "reduce_scatter", "all_reduce"))}
                   for name in variants},
         peak_device_bytes=peaks if b.device == "cuda" else {},
-        memory={name: runs[name][-1]["memory"] for name in variants}, torch_note=torch_note)
+        memory={name: runs[name][-1]["memory"] for name in variants}, torch_note=torch_note,
+        host_rss={name: rss_of(last[name]) for name in variants})
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(asdict(result), indent=2))
         if b.compares_stages:
             plot_stages(result, out_path.with_name("stages.png"))
     return result
+
+
+def rss_of(ranks: list[dict[str, Any]]) -> dict[str, int | None]:
+    """The largest rank's measured RSS after its timed steps, and its peak."""
+    now = [r["rss"] for r in ranks if r.get("rss") is not None]
+    return {"rss": max(now) if now else None, "peak": max(r["peak_rss"] for r in ranks)}
 
 
 def speculation_counts(row: dict[str, float]) -> str:
@@ -644,6 +660,13 @@ def print_table(result: StepResult, out: TextIO) -> None:
         print(f"  parameters on the host: step() whole {v['params-host']['step_s'] * 1e3:.1f} ms/step, returning "
               f"before Adam {v['params-host-early']['step_s'] * 1e3:.1f} ms/step; the early step's gain "
               f"{v['params-host']['step_s'] / v['params-host-early']['step_s']:.2f}x", file=out)
+    if result.host_rss:
+        print("  host memory per rank, measured after the timed steps (the largest rank's anonymous RSS; its peak RSS, "
+              "the model's construction included) against the engine's accounted host bytes:", file=out)
+        for name, rss in result.host_rss.items():
+            now = f"{rss['rss'] / 2**20:8.0f} MiB" if rss.get("rss") is not None else "       ? MiB"
+            print(f"    {name:28s} {now} (peak {(rss['peak'] or 0) / 2**20:.0f}), accounted "
+                  f"{result.memory.get(name, {}).get('host', 0) / 2**20:.0f} MiB", file=out)
     if any(name.startswith("nvme") for name in v):
         print("  optimizer state placement (step / optimizer phase / of which NVMe stall, per step):", file=out)
         for name, row in v.items():

@@ -16,6 +16,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import resource
+from dataclasses import dataclass
+from pathlib import Path
 
 logger = logging.getLogger("offload.machine.host_malloc")
 
@@ -37,3 +40,27 @@ def set_mmap_threshold(nbytes: int) -> bool:
     logger.info("malloc: allocations of %d bytes or more get their own mapping, returned to the system when freed",
                 nbytes)
     return True
+
+
+@dataclass(frozen=True)
+class Resident:
+    """The process's resident memory. ``anon``: what it allocated, resident now (RssAnon: not the mapped pages of
+    its libraries, which the kernel evicts and reloads with other work on the machine; None where the system does
+    not say). ``peak``: the high-water mark of all of it."""
+
+    anon: int | None
+    peak: int
+
+
+def resident() -> Resident:
+    """Linux's ``/proc/self/status`` (RssAnon, VmHWM), else the peak ``getrusage`` reports."""
+    fields: dict[str, int] = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "VmHWM") and value.strip().endswith("kB"):
+                fields[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    peak = fields.get("VmHWM", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return Resident(fields.get("RssAnon"), peak)
