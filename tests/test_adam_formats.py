@@ -2,6 +2,8 @@
 bf16 moments step in float32 and store rounded; the 16+16 master is the float32 master bit for bit; a bf16 master
 rounds to nearest (and stalls on small updates: the negative control) or stochastically (unbiased, reproducible)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -78,6 +80,35 @@ def test_the_split_restores_every_float_and_rounds_ties_away_from_zero():
     assert tied.bfloat16().view(torch.int16).tolist()[0] == 0x3F80
     hi, lo = split_master(torch.tensor([float("nan")]))
     assert hi.isnan().all() and lo.tolist() == [0]
+
+
+def test_a_large_master_splits_and_joins_in_chunks_with_little_memory_beside_it(monkeypatch):
+    """The split works through CHUNK elements at a time: the halves are the same across chunk edges (NaNs
+    included), and a master of 32M elements takes its outputs and about one chunk's temporaries beside it, not
+    the 50 bytes an element its int64 arithmetic would take all at once (1.6 GB; an 8B model's embedding: 26 GB)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from memwatch import AnonPeak
+    from offload.store import state_format
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randint(-2**31, 2**31, (3, 4321), generator=gen, dtype=torch.int64).to(torch.int32)
+    values = values.view(torch.float32)
+    whole = split_master(values)
+    monkeypatch.setattr(state_format, "CHUNK", 1000)
+    chunked = split_master(values)
+    assert chunked[0].shape == values.shape and torch.equal(chunked[0].view(torch.int16), whole[0].view(torch.int16))
+    assert torch.equal(chunked[1], whole[1])
+    joined = join_master(*chunked)
+    kept = ~values.isnan()
+    assert torch.equal(joined.view(torch.int32)[kept], values.view(torch.int32)[kept])
+    monkeypatch.undo()
+    large = torch.rand(32 << 20)  # 128 MiB
+    with AnonPeak() as peak:
+        before = peak.peak
+        hi, lo = split_master(large)
+        back = join_master(hi, lo)
+    assert torch.equal(back, large)
+    assert peak.peak - before < 128 * 2**20 + 128 * 2**20 + 400 * 2**20  # halves, the join's output, temporaries
 
 
 def test_the_kernels_split_is_the_python_one_and_a_nan_master_stays_nan(variant):

@@ -258,28 +258,39 @@ FORMATS = {
 }
 
 
+# Elements a split or a join converts at once: its int64 temporaries (about 50 bytes an element) stay near 200 MB
+# however large the tensor (an 8B model's embedding, 525M elements, would take 26 GB of them in one go).
+CHUNK = 1 << 22
+
+
 def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A float32 master as its 16+16 halves: (high, bfloat16, rounded to nearest with ties away from zero; low,
     int16, the float's own low 16 bits), as the kernel stores them; a NaN becomes the quiet NaN with a zero low."""
     if master.dtype != torch.float32:
         raise ValueError(f"the master to split is float32, got {master.dtype}")
-    bits = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    hi = ((bits + 0x8000) >> 16) & 0xFFFF
-    lo = bits & 0xFFFF
-    nan = master.isnan()
-    hi = torch.where(nan, torch.full_like(hi, 0x7FC0), hi)
-    lo = torch.where(nan, torch.zeros_like(lo), lo)
-    return _as16(hi).view(torch.bfloat16), _as16(lo)
+    flat = master.contiguous().view(-1)
+    hi = torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device)
+    lo = torch.empty(flat.shape, dtype=torch.int16, device=flat.device)
+    for at in range(0, flat.numel(), CHUNK):
+        part = flat[at:at + CHUNK]
+        bits = part.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        nan = part.isnan()
+        hi[at:at + CHUNK] = _as16(torch.where(nan, 0x7FC0, ((bits + 0x8000) >> 16) & 0xFFFF)).view(torch.bfloat16)
+        lo[at:at + CHUNK] = _as16(torch.where(nan, 0, bits & 0xFFFF))
+    return hi.view(master.shape), lo.view(master.shape)
 
 
 def join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """The float32 master a 16+16 pair holds: high << 16 plus the low half sign-extended, bit for bit."""
     if hi.dtype.itemsize != 2 or lo.dtype.itemsize != 2:
         raise ValueError(f"the halves are 16-bit, got {hi.dtype} and {lo.dtype}")
-    high = hi.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    low = lo.contiguous().view(torch.int16).to(torch.int64)  # sign-extended
-    bits = ((high << 16) + low) & 0xFFFFFFFF
-    return _as32(bits).view(torch.float32)
+    high_flat, low_flat = hi.contiguous().view(-1).view(torch.int16), lo.contiguous().view(-1).view(torch.int16)
+    out = torch.empty(high_flat.shape, dtype=torch.float32, device=hi.device)
+    for at in range(0, high_flat.numel(), CHUNK):
+        high = high_flat[at:at + CHUNK].to(torch.int64) & 0xFFFF
+        low = low_flat[at:at + CHUNK].to(torch.int64)  # sign-extended
+        out[at:at + CHUNK] = _as32(((high << 16) + low) & 0xFFFFFFFF).view(torch.float32)
+    return out.view(hi.shape)
 
 
 def _as16(values: torch.Tensor) -> torch.Tensor:
