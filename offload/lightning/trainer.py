@@ -21,6 +21,16 @@ threshold means N times as much and the grad norms it logs are 1/N. Adam barely 
 eps), which is why this goes unseen. Offload's strategy passes ``scale_wrt_gas=False`` to the engine's backward in
 automatic optimization, so that its gradients, clipping and norms are plain Lightning's (DDP's) at every
 ``accumulate_grad_batches``: a difference from DeepSpeed's strategy, on purpose (docs/lightning.md).
+
+[Note: manual optimization runs beside the forward]
+Lightning runs ``training_step`` as the forward of the model it wrapped (the engine's module), so under manual
+optimization ``optimizer.step()``, called inside ``training_step``, is the engine's step inside the engine's
+forward, while that forward holds the unit anchored at the root (the embeddings, the head, or a small model
+whole): the engine refuses to step parameters a running forward holds. So under manual optimization the strategy
+calls ``training_step`` as a method of its own, as Lightning does for an unwrapped module: each module it calls
+gathers its parameters itself (see [Note: a method other than forward] in offload/zero/runtime.py), and nothing is
+held between the calls, where ``manual_backward`` and the step run. Automatic optimization steps after the forward
+has returned and keeps Lightning's path.
 """
 
 from __future__ import annotations
@@ -90,6 +100,15 @@ class OffloadStrategy(DeepSpeedStrategy):
         if self.lightning_module.automatic_optimization:
             kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's, but under manual optimization the LightningModule's training_step runs as a method of its
+        own rather than inside the engine's forward (see [Note: manual optimization runs beside the forward])."""
+        assert self.lightning_module is not None
+        if self.lightning_module.automatic_optimization:
+            return super().training_step(*args, **kwargs)
+        with self.precision_plugin.train_step_context():
+            return self.lightning_module.training_step(*args, **kwargs)
 
     def _setup_model_and_optimizer(self, model: nn.Module, optimizer: Optimizer | None,
                                    lr_scheduler: Any = None) -> tuple[Any, Any]:

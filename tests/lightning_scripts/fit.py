@@ -22,9 +22,10 @@ import offload.lightning  # noqa: F401 - registers the offload_* strategy names
 class Blocks(L.LightningModule):
     """Two residual blocks over an embedding, built in configure_model (under the strategy's sharded context)."""
 
-    def __init__(self, lr: float = 1e-2, width: int = 64) -> None:
+    def __init__(self, lr: float = 1e-2, width: int = 64, manual: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.automatic_optimization = not manual
         self.losses: list[float] = []
         self.lrs: list[float] = []
         self.val_losses: list[float] = []
@@ -57,6 +58,12 @@ class Blocks(L.LightningModule):
         self.batches += 1
         self.losses.append(loss.item())
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        if not self.automatic_optimization:  # the loop a GAN's or an RL module's training_step writes
+            optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+            scheduler.step()
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> None:
@@ -97,11 +104,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--save", help="a ModelCheckpoint callback saving at each epoch's end into this folder")
     parser.add_argument("--resume", help="fit(ckpt_path=...) from this checkpoint")
+    parser.add_argument("--manual", action="store_true", help="manual optimization (no accumulation, no clipping)")
     parser.add_argument("--full-weights", action="store_true",
                         help="the offload strategy's load_full_weights (--resume names a single-file checkpoint)")
     args = parser.parse_args()
     L.seed_everything(0, verbose=False)
-    module = Blocks()
+    module = Blocks(manual=args.manual)
     callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=args.save, every_n_epochs=1, save_top_k=-1,
                                                      save_on_train_epoch_end=True)] if args.save else []
     strategy = args.strategy
@@ -110,7 +118,8 @@ def main() -> None:
                                                      load_full_weights=True)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps,
                         callbacks=callbacks,
-                        precision=args.precision, accumulate_grad_batches=2, gradient_clip_val=0.5,
+                        precision=args.precision, accumulate_grad_batches=1 if args.manual else 2,
+                        gradient_clip_val=None if args.manual else 0.5,
                         val_check_interval=4, limit_val_batches=2, num_sanity_val_steps=0, logger=False,
                         enable_checkpointing=bool(args.save), enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False)
