@@ -16,9 +16,9 @@ pytest.importorskip("accelerate")
 LOOP = Path(__file__).parent / "accelerate_scripts" / "loop.py"
 
 
-def run_loop(impl: str, out: Path, *extra: str) -> dict:
+def run_loop(impl: str, out: Path, *extra: str, env: dict[str, str] | None = None) -> dict:
     proc = subprocess.run([sys.executable, str(LOOP), impl, str(out), *extra], capture_output=True, text=True,
-                          cwd=out.parent, timeout=300)
+                          cwd=out.parent, timeout=300, env=None if env is None else {**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
 
@@ -41,6 +41,23 @@ def test_an_accelerate_loop_trains_on_the_engine_as_under_accelerate(tmp_path, p
     for key, value in plain["state"].items():
         torch.testing.assert_close(ours["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
     assert ours["unwrapped"] == "Sequential" and not ours["deepspeed_imported"] and not ours["bf16"]
+
+
+def test_beside_accelerates_own_deepspeed_path(tmp_path):
+    """Where DeepSpeed is installed, accelerate's own DeepSpeed path runs the same loop and config on this CPU
+    (one process; DeepSpeedCPUAdam, ZeRO-3 with both offloads): offload's losses, gradient norms, learning rates
+    and weights equal its."""
+    pytest.importorskip("deepspeed")
+    from offload.machine.launch import _free_port
+    one_process = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                   "LOCAL_RANK": "0"}  # else DeepSpeed looks for MPI
+    theirs = run_loop("deepspeed", tmp_path / "deepspeed.pt", env=one_process)
+    ours = run_loop("offload", tmp_path / "offload.pt")
+    assert theirs["deepspeed_imported"]
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
+    assert ours["norms"] == pytest.approx(theirs["norms"], rel=1e-5) and ours["lrs"] == theirs["lrs"]
+    for key, value in theirs["state"].items():
+        torch.testing.assert_close(ours["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def test_the_configs_optimizer_and_scheduler_and_the_accelerators_bf16(tmp_path, plain_run):

@@ -2,7 +2,7 @@
 or with the import changed to offload's (``offload``), the same config and data. Writes what it observed to OUT
 (torch.save): losses, the final weights, and what the accelerator's calls returned.
 
-    python loop.py {plain,offload} OUT [--epochs N] [--save DIR] [--load DIR] [--precision bf16] [--dummy]
+    python loop.py {plain,offload,deepspeed} OUT [--epochs N] [--save DIR] [--load DIR] [--precision bf16] [--dummy]
 
 --dummy (offload): the optimizer and scheduler from the config, through accelerate's DummyOptim and DummyScheduler
 (its lr_scheduler_callable builds the StepLR the plain loop builds), as a DeepSpeed script of accelerate's writes
@@ -16,7 +16,7 @@ import torch
 from accelerate.utils import DeepSpeedPlugin, set_seed
 
 parser = argparse.ArgumentParser()
-parser.add_argument("impl", choices=["plain", "offload"])
+parser.add_argument("impl", choices=["plain", "offload", "deepspeed"])
 parser.add_argument("out")
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--save")
@@ -25,12 +25,17 @@ parser.add_argument("--precision", default="no")
 parser.add_argument("--dummy", action="store_true")
 args = parser.parse_args()
 
-if args.impl == "offload":
-    from offload.accelerate import Accelerator
+if args.impl in ("offload", "deepspeed"):  # deepspeed: accelerate's own DeepSpeed path, the same config
+    if args.impl == "offload":
+        from offload.accelerate import Accelerator
+    else:
+        from accelerate import Accelerator
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "gradient_clipping": 1.0,
               "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                     "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}}
+    if args.impl == "deepspeed":  # what its get_state_dict needs at stage 3
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     if args.dummy:
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=2,
@@ -61,7 +66,7 @@ losses, norms, lrs = [], [], []
 for epoch in range(first, args.epochs):
     for x, y in loader:
         with accelerator.accumulate(model):
-            if args.precision == "bf16" and args.impl == "offload":
+            if args.precision == "bf16" and args.impl != "plain":
                 x = x.to(torch.bfloat16)  # DeepSpeed's bf16 casts the weights, not the inputs: scripts cast them
             loss = torch.nn.functional.mse_loss(model(x).float(), y)
             accelerator.backward(loss)
@@ -70,7 +75,7 @@ for epoch in range(first, args.epochs):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-            if accelerator.sync_gradients and args.impl == "offload":
+            if accelerator.sync_gradients and args.impl != "plain":
                 norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
         losses.append(float(loss))
         lrs.append(scheduler.get_last_lr()[0])
