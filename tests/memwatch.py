@@ -9,13 +9,14 @@ memory that the process allocated.
 import threading
 import time
 
+from offload.machine.host_malloc import resident
+
 
 def rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no RssAnon line")
+    anon = resident().anon  # the library's reading of /proc/self/status
+    if anon is None:
+        raise RuntimeError("/proc/self/status has no RssAnon line")
+    return anon
 
 
 class AnonPeak:
