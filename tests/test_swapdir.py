@@ -1,6 +1,7 @@
 """Swap directories: one run each, space reserved up front, leftovers reported, never shared."""
 
 import errno
+import fcntl
 import logging
 import os
 import subprocess
@@ -36,6 +37,24 @@ def test_two_users_of_one_directory_are_refused(tmp_path):
     with SwapDir(tmp_path, name="shared"):
         with pytest.raises(SwapDirError, match=r"shared is in use by pid \d+ on .*; two runs must not share"):
             SwapDir(tmp_path, name="shared")
+
+
+def test_another_ranks_scan_while_a_directory_is_made_finds_no_leftover_and_takes_no_lock(tmp_path, monkeypatch):
+    """[Note: a swap directory appears locked]: ranks share nvme_path; a scan at the moment the maker takes its lock
+    took the lock itself before, and the maker failed with 'in use by another process' (seen in CI)."""
+    import offload.store.swapdir as swapdir
+    seen = []
+    real_flock = fcntl.flock
+
+    def scan_then_flock(fd, op):  # another rank's start-up scan, at the worst moment
+        seen.append([str(x.path) for x in find_leftovers(tmp_path)])
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(swapdir.fcntl, "flock", scan_then_flock)
+    with SwapDir(tmp_path, name="offload-swap-rank1") as d:
+        assert seen and all(found == [] for found in seen), seen
+        assert swapdir.Owner.parse((d.path / "LOCK").read_text()).pid == os.getpid()
+        assert [p.name for p in tmp_path.iterdir()] == ["offload-swap-rank1"]  # no staging directory stays
 
 
 def test_a_killed_runs_directory_is_reclaimed_at_the_next_start_and_the_log_says_what_and_how_much(tmp_path,

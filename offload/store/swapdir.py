@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from offload.store.budget import TierBudget
 
 logger = logging.getLogger("offload.store")
 PREFIX = "offload-swap-"
+STAGING = ".offload-staging-"  # not PREFIX: a scan for leftovers never sees a directory being made
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,34 @@ def _remove_dir(path: Path, lock_fd: int, owner: int) -> None:
     os.close(lock_fd)
 
 
+def _locked_dir(root: Path, path: Path) -> int:
+    """Make path with its LOCK held and return the lock's descriptor (see [Note: a swap directory appears locked])."""
+    if not path.is_dir():
+        staging = Path(tempfile.mkdtemp(prefix=STAGING, dir=root))
+        fd = os.open(staging / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else can see it yet
+        os.pwrite(fd, Owner.me().line().encode(), 0)
+        try:
+            os.rename(staging, path)
+            return fd
+        except OSError as e:
+            os.close(fd)
+            shutil.rmtree(staging, ignore_errors=True)
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise SwapDirError(f"cannot create swap directory {path}: {e.strerror}") from None
+    fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise SwapDirError(f"swap directory {path} is in use by {holder}; two runs must not share "
+                           "swap files: give each its own nvme_path or let offload name the directory") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, Owner.me().line().encode(), 0)
+    return fd
+
+
 class SwapDir:
     """Owns one run's swap directory; use as a context manager, or call close()."""
 
@@ -193,18 +223,7 @@ class SwapDir:
                                "writable directory on the NVMe drive") from None
         reclaim_leftovers(root)
         self.path = root / (name or f"{PREFIX}{socket.gethostname()}-{os.getpid()}-{int(time.time())}")
-        self.path.mkdir(exist_ok=True)
-        self._lock_fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._lock_fd, 200, 0).decode(errors="replace").strip() or "another process"
-            os.close(self._lock_fd)
-            raise SwapDirError(f"swap directory {self.path} is in use by {holder}; two runs must not share "
-                               "swap files: give each its own nvme_path or let offload name the directory") \
-                from None
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, Owner.me().line().encode(), 0)
+        self._lock_fd = _locked_dir(root, self.path)
         self._files: dict[str, SwapFile] = {}
         self._closed = False
         # At interpreter exit, or when collected unclosed: the directory goes (the open files' data with it).
