@@ -15,6 +15,13 @@ process by its start time, or the machine rebooted since) is removed at start-up
 log says what and how much, so that a crash-looping job does not fill the drive. Any other
 (another host's, on a shared file system; a lock from an older offload that names no start
 time; a writer that still runs) is left, with a warning and its size.
+
+[Note: a swap directory appears locked] Ranks of one job share nvme_path, and each scans it
+for leftovers while the others make their directories. A directory made in place has a
+moment with no LOCK held: a scan then took the lock itself (finding a leftover of 0 B), and
+the maker's own flock failed as "in use by another process". So a new directory is made
+under a staging name no scan looks at, its LOCK taken and its owner written there, and only
+then renamed to its name: under PREFIX every directory a scan meets is held or a leftover.
 """
 
 from __future__ import annotations
