@@ -7,6 +7,16 @@ from offload.machine import native
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """No test leaves torch's intra-op team another size: a run after it in the same worker would round otherwise
+    than the same run in a subprocess, and a resume-bitwise test there fails for another test's reason."""
+    import torch
+    before = torch.get_num_threads()
+    yield
+    assert torch.get_num_threads() == before, f"this test left torch at {torch.get_num_threads()} threads, not {before}"
+
+
 @pytest.fixture
 def repo() -> pathlib.Path:
     return REPO

@@ -246,8 +246,11 @@ def format_step(fmt: StateFormat, p0: torch.Tensor, g16: torch.Tensor, threads: 
 def run(sizes: list[int], repeats: int = 5, threads: int | None = None, out: Path | None = None,
         stream: TextIO | None = None) -> Report:
     threads = threads or native.default_threads()
-    torch.set_num_threads(threads)
+    with cpus.torch_threads(threads):
+        return _run(sizes, repeats, threads, out, stream)
 
+
+def _run(sizes: list[int], repeats: int, threads: int, out: Path | None, stream: TextIO | None) -> Report:
     def say(msg: str) -> None:
         if stream is not None:
             print(msg, file=stream, flush=True)

@@ -30,6 +30,8 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from offload.machine.cpus import torch_threads
+
 BUDGET_US = 30.0
 
 
@@ -125,7 +127,11 @@ def _timed_passes(model: Any, x: torch.Tensor, iterations: int) -> tuple[float, 
 
 
 def run(bench: HookBench, out: Path | None = None, stream: TextIO | None = None) -> HookReport:
-    torch.set_num_threads(1)  # the hooks are single-threaded host work; compute threads would only add noise
+    with torch_threads(1):  # the hooks are single-threaded host work; compute threads would only add noise
+        return _run(bench, out, stream)
+
+
+def _run(bench: HookBench, out: Path | None, stream: TextIO | None) -> HookReport:
     report = HookReport(bench, machine=_machine())
     x = torch.randn(1, bench.width)
     plain = _layers(bench)

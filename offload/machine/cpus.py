@@ -12,10 +12,14 @@ no memory bandwidth), bounded by the cgroup's quota where one is set.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
+
+import torch
 
 SYS = Path("/sys")
 PROC = Path("/proc")
@@ -108,3 +112,16 @@ def _within_quota(count: int, sys_root: Path, proc: Path) -> int:
 def default_threads() -> int:
     """Threads for offload's memory-bound host kernels: the physical cores this process may use."""
     return physical_cores()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op team at n threads for the block, then as it was. A library call (a benchmark) leaves the
+    process's compute as it found it: a matmul with another team size rounds otherwise, and a run after it in the
+    same process would no longer be bitwise one in another process."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
