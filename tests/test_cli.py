@@ -85,7 +85,11 @@ def test_bench_adam_writes_json_with_every_comparison(tmp_path, capsys):
     assert ("cpu-side", "offload norm + fused step") in impls and ("ceiling", "in-place axpy a += s*b") in impls
     ours = next(r for r in report["rows"] if r["impl"].startswith("offload adam_step"))
     assert ours["ratio_vs_baseline"] > 0 and ours["size"] == 200_000
-    assert "x vs torch" in capsys.readouterr().out
+    floors = {r["impl"].split(":")[0]: r for r in report["rows"] if r["what"] == "compute"}
+    assert set(floors) == {r["impl"].split(":")[0] for r in report["rows"] if r["what"] == "format"}
+    assert all(f["seconds"] > 0 and f["ratio_vs_baseline"] > 0 for f in floors.values())
+    printed = capsys.readouterr().out
+    assert "x vs torch" in printed and "ns an element on one core" in printed
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")

@@ -20,6 +20,10 @@ Two comparisons at each size, medians of repeated runs on the same machine:
 3. The same CPU side with the state in fewer bytes (offload/store/state_format.py), each format
    beside the fp32 one: its time as a fraction of fp32's, and its bandwidth for its own bytes
    against the ceiling.
+4. Each format's compute floor: the same pass with its state hot in one core's cache, per element,
+   scaled to the size and threads above. Fewer bytes only shorten a step that memory bounds; where
+   the cold step sits at its compute floor (a core's two 512-bit ports widening and rounding 16-bit
+   values beside Adam's square root and divide), a format moves its time by its arithmetic instead.
 """
 
 from __future__ import annotations
@@ -215,7 +219,41 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
         r = row("format", f"{name}: {FORMATS[name].describe()}", seconds, steps[name][1], None)
         r.ratio_vs_baseline = seconds / base  # here: the format's time as a fraction of the fp32 state's
         say(f"  {n:>11,}  {'':<10} {'':<48} {seconds / base:4.2f}x the fp32 state's time")
+
+    # 4. Each format's compute floor at this size and thread count, beside its cold time.
+    per_element = compute_per_element(p, g16, repeats)
+    for name, ns in per_element.items():
+        if ns <= 0:  # the larger size ran no slower than the smaller: the machine moved under the probe
+            say(f"  {n:>11,}  compute    {name}: its floor could not be measured (the machine's speed moved)")
+            continue
+        floor = ns * 1e-9 * n / threads
+        # ratio_vs_baseline here: the cold step's time over its compute floor (near 1: compute bounds it)
+        rows.append(Row(n, "compute", f"{name}: state hot in the cache (floor)", floor, n / floor,
+                        steps[name][1] * n / floor / 1e9, None, t[name] / floor))
+        say(f"  {n:>11,}  compute    {name + ': its floor, state hot in the cache':<48} {floor * 1e3:8.1f} ms  "
+            f"({ns:4.2f} ns an element on one core); the cold step is {t[name] / floor:4.2f}x this floor")
     return rows
+
+
+HOT_SMALL, HOT_LARGE = 2048, 49152  # elements: the larger one's state (under 1.5 MB) stays in a core's L2
+
+
+def compute_per_element(p0: torch.Tensor, g16: torch.Tensor, repeats: int, calls: int = 100) -> dict[str, float]:
+    """Nanoseconds an element of each format's CPU side on one thread, its state hot in the cache: the slope
+    between two small sizes, so the fixed cost of a call (the binding, the pool's hand-off) drops out."""
+    step = [0]
+    fns: dict[str, Callable[[], None]] = {}
+    for size in (HOT_SMALL, HOT_LARGE):
+        for name, fmt in FORMATS.items():
+            fn = format_step(fmt, p0[:size].clone(), g16[:size].clone(), 1, step)[0]
+
+            def many(fn: Callable[[], None] = fn) -> None:
+                for _ in range(calls):
+                    fn()
+            fns[f"{name}@{size}"] = many
+    t = interleaved(fns, max(repeats, 3))
+    return {name: (t[f"{name}@{HOT_LARGE}"] - t[f"{name}@{HOT_SMALL}"]) / calls / (HOT_LARGE - HOT_SMALL) * 1e9
+            for name in FORMATS}
 
 
 def format_step(fmt: StateFormat, p0: torch.Tensor, g16: torch.Tensor, threads: int, step: list[int]
