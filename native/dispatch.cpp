@@ -26,6 +26,9 @@ const std::vector<Variant>& variants() {
 #if defined(OFFLOAD_HAVE_AVX512)
       {"avx512", &kernels_avx512},
 #endif
+#if defined(OFFLOAD_HAVE_AVX512BF16)
+      {"avx512bf16", &kernels_avx512bf16},
+#endif
 #if defined(OFFLOAD_HAVE_NEON)
       {"neon", &kernels_neon},
 #endif
@@ -44,6 +47,8 @@ std::vector<std::string> required_features(const std::string& name) {
 #if defined(__x86_64__) || defined(__i386__)
   if (name == "avx2") return {"avx2", "fma", "f16c", "sse4.2"};
   if (name == "avx512") return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "sse4.2"};
+  if (name == "avx512bf16")
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "fma", "f16c", "sse4.2"};
 #endif
 #if defined(__aarch64__)
   if (name == "neon") return {"asimd", "crc32"};
@@ -162,7 +167,6 @@ void for_each_tile(size_t n, int threads, size_t tile, const Fn& fn) {
 
 void adam(AdamArgs args, size_t n, int threads) {
   const KernelTable& k = active_kernels();
-  args.native_bf16 = cpu_has_bf16();
   // 16K elements: 64 KiB of each fp32 stream, a multiple of every vector width.
   for_each_tile(n, threads, size_t(1) << 14, [&](size_t begin, size_t end) { k.adam(args, begin, end); });
 }

@@ -85,16 +85,24 @@ inline __m256i bf16_16_emulated(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+#if defined(__AVX512BF16__)
 // [Note: avx512_bf16 and subnormals] VCVTNEPS2BF16 rounds to nearest even like torch, but
 // flushes subnormal inputs to zero and keeps NaN payloads; lanes with a zero exponent are
 // redone the portable way so the copy equals torch's .to(torch.bfloat16) bit for bit on
 // every finite value.
-__attribute__((target("avx512bf16"))) inline __m256i bf16_16_native(__m512 x) {
+//
+// [Note: a variant of its own for avx512_bf16] The instruction is compiled into the avx512bf16 variant, whose
+// flags allow it everywhere, not into the avx512 one behind a target attribute: a function built for another
+// target cannot be inlined, and the call it became spilled the loop's vectors three times an iteration (the
+// moments and the copy). Inlined, the bf16-moment step took 0.86x its time with its state in the cache and 0.89x
+// from DRAM (the Xeon, 2026-11-28). dispatch.cpp picks the variant only where the CPU has the instructions.
+inline __m256i bf16_16_native(__m512 x) {
   __m256i r = (__m256i)_mm512_cvtneps_pbh(x);
   const __mmask16 tiny = __mmask16(~_mm512_test_epi32_mask(_mm512_castps_si512(x), _mm512_set1_epi32(0x7f800000)));
   if (tiny) r = _mm256_mask_mov_epi16(r, tiny, bf16_16_emulated(x));
   return r;
 }
+#endif
 
 struct Vec {
   using F = __m512;
@@ -113,15 +121,19 @@ struct Vec {
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static __m256i to16(DType dtype, bool native_bf16, F x) {
+  static __m256i to16(DType dtype, F x) {
     if (dtype == DType::F16) return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return native_bf16 ? bf16_16_native(x) : bf16_16_emulated(x);
+#if defined(__AVX512BF16__)
+    return bf16_16_native(x);
+#else
+    return bf16_16_emulated(x);
+#endif
   }
-  static void store16(void* out, DType dtype, bool native_bf16, size_t i, F x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), to16(dtype, native_bf16, x));
+  static void store16(void* out, DType dtype, size_t i, F x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), to16(dtype, x));
   }
-  static void stream16(void* out, DType dtype, bool native_bf16, size_t i, F x) {  // 32-byte aligned
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), to16(dtype, native_bf16, x));
+  static void stream16(void* out, DType dtype, size_t i, F x) {  // 32-byte aligned
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), to16(dtype, x));
   }
   // The state formats (see [Note: state formats]).
   static F load_split(const uint16_t* hi, const uint16_t* lo, size_t i) {
@@ -245,10 +257,10 @@ struct Vec {
   static __m128i to16(DType dtype, F x) {
     return dtype == DType::F16 ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) : bf16_8(x);
   }
-  static void store16(void* out, DType dtype, bool, size_t i, F x) {
+  static void store16(void* out, DType dtype, size_t i, F x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), to16(dtype, x));
   }
-  static void stream16(void* out, DType dtype, bool, size_t i, F x) {  // 16-byte aligned
+  static void stream16(void* out, DType dtype, size_t i, F x) {  // 16-byte aligned
     _mm_stream_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), to16(dtype, x));
   }
   // The state formats (see [Note: state formats]).
@@ -347,12 +359,12 @@ struct Vec {
   static F div(F a, F b) { return vdivq_f32(a, b); }
   static F sqrt(F a) { return vsqrtq_f32(a); }
   static F fmadd(F a, F b, F c) { return vfmaq_f32(c, a, b); }
-  static void store16(void* out, DType dtype, bool, size_t i, F x) {
+  static void store16(void* out, DType dtype, size_t i, F x) {
     const uint16x4_t h = dtype == DType::F16 ? vreinterpret_u16_f16(vcvt_f16_f32(x)) : bf16_4(x);
     vst1_u16(static_cast<uint16_t*>(out) + i, h);
   }
-  static void stream16(void* out, DType dtype, bool native_bf16, size_t i, F x) {
-    store16(out, dtype, native_bf16, i, x);
+  static void stream16(void* out, DType dtype, size_t i, F x) {
+    store16(out, dtype, i, x);
   }
   // The state formats (see [Note: state formats]).
   static F load_split(const uint16_t* hi, const uint16_t* lo, size_t i) {
@@ -410,8 +422,8 @@ struct Scalar {
   static F div(F a, F b) { return a / b; }
   static F sqrt(F a) { return __builtin_sqrtf(a); }
   static F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
-  static void store16(void* out, DType dtype, bool, size_t i, F x) { scalar::store16(out, int(dtype), i, x); }
-  static void stream16(void* out, DType dtype, bool, size_t i, F x) { scalar::store16(out, int(dtype), i, x); }
+  static void store16(void* out, DType dtype, size_t i, F x) { scalar::store16(out, int(dtype), i, x); }
+  static void stream16(void* out, DType dtype, size_t i, F x) { scalar::store16(out, int(dtype), i, x); }
   // The state formats (see [Note: state formats]).
   static F load_split(const uint16_t* hi, const uint16_t* lo, size_t i) { return scalar::join_split(hi[i], lo[i]); }
   static void store_split(uint16_t* hi, uint16_t* lo, size_t i, F x) { scalar::split(x, hi + i, lo + i); }
@@ -491,11 +503,10 @@ typename V::F load_master(const void* param, const uint16_t* lo, size_t i) {
 }
 
 template <class V, int MASTER>
-void store_master(void* param, uint16_t* lo, size_t i, typename V::F x, bool native_bf16, uint32_t at,
-                  uint32_t seed) {
+void store_master(void* param, uint16_t* lo, size_t i, typename V::F x, uint32_t at, uint32_t seed) {
   if constexpr (MASTER == int(Master::F32)) V::store(static_cast<float*>(param) + i, x);
   else if constexpr (MASTER == int(Master::SPLIT)) V::store_split(static_cast<uint16_t*>(param), lo, i, x);
-  else if constexpr (MASTER == int(Master::BF16)) V::store16(param, DType::BF16, native_bf16, i, x);
+  else if constexpr (MASTER == int(Master::BF16)) V::store16(param, DType::BF16, i, x);
   else V::store_stochastic(static_cast<uint16_t*>(param), i, x, at, seed);
 }
 
@@ -506,8 +517,8 @@ typename V::F load_moment(const void* m, size_t i) {
 }
 
 template <class V, bool BF16>
-void store_moment(void* m, size_t i, typename V::F x, bool native_bf16) {
-  if constexpr (BF16) V::store16(m, DType::BF16, native_bf16, i, x);
+void store_moment(void* m, size_t i, typename V::F x) {
+  if constexpr (BF16) V::store16(m, DType::BF16, i, x);
   else V::store(static_cast<float*>(m) + i, x);
 }
 
@@ -527,7 +538,6 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
   const void* __restrict exp_avg_sq_src = ELSEWHERE ? a.exp_avg_sq : nullptr;
   const void* __restrict grad = a.grad;
   void* __restrict out16 = a.out16;
-  const bool native_bf16 = a.native_bf16;
   const uint32_t seed = scalar::mix32(a.seed), at0 = uint32_t(a.index0);
   const F pre = V::set1(a.pre_scale), scale = V::set1(a.grad_scale), decay = V::set1(a.decay), l2 = V::set1(a.l2);
   const F b1c = V::set1(a.one_minus_beta1), b2 = V::set1(a.beta2), b2c = V::set1(a.one_minus_beta2);
@@ -564,15 +574,15 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
       V::stream(static_cast<float*>(exp_avg) + i, m);
       V::stream(static_cast<float*>(exp_avg_sq) + i, v);
     } else {
-      store_master<V, MASTER>(param, param_lo, i, p, native_bf16, at0 + uint32_t(i), seed);
-      store_moment<V, BF16M>(exp_avg, i, m, native_bf16);
-      store_moment<V, BF16M>(exp_avg_sq, i, v, native_bf16);
+      store_master<V, MASTER>(param, param_lo, i, p, at0 + uint32_t(i), seed);
+      store_moment<V, BF16M>(exp_avg, i, m);
+      store_moment<V, BF16M>(exp_avg_sq, i, v);
     }
     if constexpr (OUT != 0 && MASTER != int(Master::F32)) {
       V::copy16(out16, static_cast<const uint16_t*>(param), i);  // the weights are the master's 16 bits
     } else if constexpr (OUT != 0) {
-      if (stream16) V::stream16(out16, OUT == 1 ? DType::BF16 : DType::F16, native_bf16, i, p);
-      else V::store16(out16, OUT == 1 ? DType::BF16 : DType::F16, native_bf16, i, p);
+      if (stream16) V::stream16(out16, OUT == 1 ? DType::BF16 : DType::F16, i, p);
+      else V::store16(out16, OUT == 1 ? DType::BF16 : DType::F16, i, p);
     }
   }
   if (stream || stream16) V::fence();

@@ -1,7 +1,7 @@
 // Kernel interface shared by every instruction-set variant.
 //
 // kernels.cpp is compiled once per variant (CMakeLists.txt: portable, avx2,
-// avx512 on x86-64; portable, neon on aarch64) with that variant's target flags; each compilation defines one
+// avx512, avx512bf16 on x86-64; portable, neon on aarch64) with that variant's target flags; each compilation defines one
 // KernelTable. dispatch.cpp picks a table at run time from the CPU's features,
 // so no translation unit is ever built with -march=native.
 #pragma once
@@ -61,7 +61,6 @@ struct AdamArgs {
   float bc2_sqrt = 1.0f;        // sqrt(1 - beta2**step), or 1 without bias correction
   float eps = 1e-8f;
   float step_size = 1e-3f;      // lr / (1 - beta1**step), or lr
-  bool native_bf16 = false;     // the CPU converts to bf16 itself (avx512_bf16); set by dispatch
 };
 
 struct KernelTable {
@@ -88,6 +87,9 @@ extern const KernelTable kernels_avx2;
 #endif
 #if defined(OFFLOAD_HAVE_AVX512)
 extern const KernelTable kernels_avx512;
+#endif
+#if defined(OFFLOAD_HAVE_AVX512BF16)
+extern const KernelTable kernels_avx512bf16;  // avx512 and the CPU's own bf16 conversion
 #endif
 #if defined(OFFLOAD_HAVE_NEON)
 extern const KernelTable kernels_neon;

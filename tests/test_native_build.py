@@ -35,7 +35,7 @@ def test_x86_builds_every_variant():
     import platform
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-only variants")
-    assert native.compiled_variants() == ["portable", "avx2", "avx512"]
+    assert native.compiled_variants() == ["portable", "avx2", "avx512", "avx512bf16"]
 
 
 def test_cpu_features_decide_support():
@@ -46,6 +46,7 @@ def test_cpu_features_decide_support():
     has_avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(flags)
     assert ("avx2" in native.supported_variants()) == has_avx2
     assert ("avx512" in native.supported_variants()) == has_avx512
+    assert ("avx512bf16" in native.supported_variants()) == (has_avx512 and "avx512_bf16" in flags)
 
 
 def test_unrunnable_variant_is_a_clear_error_not_sigill():

@@ -61,8 +61,9 @@ def _cpu_flags() -> set[str]:
 def test_x86_kernels_equal_the_portable_ones(tmp_path):
     """The same check for the x86 variants this CPU runs, built with CMakeLists.txt's flags (the Python tests compare
     each with torch; this compares them with the portable kernels bit for bit, landed gradients included)."""
-    names = ["portable", "avx2"] + (["avx512"] if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags()
-                                    else [])
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags()
+    names = ["portable", "avx2"] + (["avx512"] if avx512 else []) + (
+        ["avx512bf16"] if avx512 and "avx512_bf16" in _cpu_flags() else [])
     exe = build_kernel_check("g++", names, tmp_path, [])
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

@@ -2,7 +2,7 @@
 
 The extension is compiled by the package build (native/, CMakeLists.txt) once per
 instruction set; the best variant this CPU runs is chosen on first use.
-``OFFLOAD_ISA=portable|avx2|avx512`` forces one (tests use it to cover each).
+``OFFLOAD_ISA=portable|avx2|avx512|avx512bf16`` forces one (tests use it to cover each).
 """
 
 from __future__ import annotations

@@ -237,6 +237,9 @@ int main() {
 #if defined(OFFLOAD_HAVE_AVX512)
       &kernels_avx512,
 #endif
+#if defined(OFFLOAD_HAVE_AVX512BF16)
+      &kernels_avx512bf16,
+#endif
   };
   std::mt19937 rng(1234);
   for (size_t n : {1, 7, 100003}) check_landed(kernels_portable, rng, n);
