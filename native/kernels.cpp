@@ -141,13 +141,20 @@ struct Vec {
     const __m512i l = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + i)));
     return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 16), l));
   }
+  // c = the float's bits + 0x8000: its high half is the master rounded (ties away from zero) and its low half the
+  // float's own low half with the top bit flipped; a NaN lane is 0x7fc0'8000 (the quiet NaN, a zero low half once
+  // flipped back). One word permute sends the high halves to the lower 256 bits and the low halves to the upper:
+  // two narrowing moves (two shuffle uops each) cost more on a core with one shuffle port.
   static void store_split(uint16_t* hi, uint16_t* lo, size_t i, F x) {
-    const __m512i b = _mm512_castps_si512(x);
+    alignas(64) static const uint16_t order[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+                                                   0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    const __m512i h = _mm512_mask_mov_epi32(_mm512_srli_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x8000)), 16),
-                                            nan, _mm512_set1_epi32(0x7fc0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm512_cvtepi32_epi16(h));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), _mm512_cvtepi32_epi16(_mm512_maskz_mov_epi32(~nan, b)));
+    const __m512i c = _mm512_mask_mov_epi32(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x8000)), nan,
+                                            _mm512_set1_epi32(0x7fc08000));
+    const __m512i flip = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(int16_t(0x8000)), 1);
+    const __m512i r = _mm512_xor_si512(_mm512_permutexvar_epi16(_mm512_load_si512(order), c), flip);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm512_castsi512_si256(r));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), _mm512_extracti64x4_epi64(r, 1));
   }
   static void store_stochastic(uint16_t* out, size_t i, F x, uint32_t at, uint32_t seed) {
     __m512i k = _mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32(int(at)),
