@@ -47,8 +47,11 @@ std::vector<std::string> required_features(const std::string& name) {
 #if defined(__x86_64__) || defined(__i386__)
   if (name == "avx2") return {"avx2", "fma", "f16c", "sse4.2"};
   if (name == "avx512") return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "sse4.2"};
-  if (name == "avx512bf16")
-    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "fma", "f16c", "sse4.2"};
+  if (name == "avx512bf16") {  // avx512's flags and -mavx512bf16
+    std::vector<std::string> f = required_features("avx512");
+    f.emplace_back("avx512bf16");
+    return f;
+  }
 #endif
 #if defined(__aarch64__)
   if (name == "neon") return {"asimd", "crc32"};
@@ -135,8 +138,6 @@ void select_variant(const std::string& name) {
   }
   g_active.store(v->table, std::memory_order_release);
 }
-
-bool cpu_has_bf16() { return has_feature("avx512bf16"); }
 
 namespace {
 

@@ -35,7 +35,4 @@ void touch3(float* p, float* m, float* v, const float* g, size_t n, int threads)
 // CRC-32C of each `block`-byte piece of data (the last may be shorter) into out.
 void crc32c_blocks(const void* data, size_t n, size_t block, uint32_t* out, int threads);
 
-// Whether the CPU converts to bf16 natively (avx512_bf16).
-bool cpu_has_bf16();
-
 }  // namespace offload

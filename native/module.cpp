@@ -212,7 +212,6 @@ NB_MODULE(_native, m) {
         "One fused Adam/AdamW step over flat CPU buffers (scalars precomputed by offload.native.adam_step), in place "
         "or into param_out/exp_avg_out/exp_avg_sq_out; the master float32, 16+16 (bfloat16 param and its param_lo) "
         "or bfloat16 (rounded to nearest, or stochastic from seed and index0), the moments float32 or bfloat16.");
-  m.def("cpu_has_bf16", &cpu_has_bf16);
   m.def("accumulate", &py_accumulate, nb::arg("acc").noconvert(), nb::arg("grad").noconvert(), nb::arg("s"),
         nb::arg("overwrite"), nb::arg("threads"), "acc = s * grad (overwrite) or acc += s * grad.");
   m.def("use_openmp", [](const std::string& path) { return use_openmp(path.c_str()); }, nb::arg("path"),
