@@ -2,11 +2,15 @@
 max(compute, the host's Adam share at the rate measured in the run)."""
 
 import json
+from dataclasses import replace
 
 import pytest
+import torch
 
 from offload.bench import pace
+from offload.bench.step import StepBench, draw_on_gpu
 from offload.commands.cli import main
+from offload.models import GPT
 
 TINY = ["--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2", "--vocab", "256", "--steps", "2",
         "--warmup", "1", "--rounds", "1", "--unit-bytes", "16Ki"]
@@ -47,3 +51,42 @@ def test_an_unknown_floor_variant_is_a_usage_error(tmp_path, capsys):
 
 def test_the_variants_default_to_the_three_placements_of_a_model_larger_than_the_gpu():
     assert list(pace.variants()) == ["full", "auto", "auto-params-device"]
+
+
+# The model every side builds (StepBench.build_model): on a GPU its weights are drawn there, since torch's CPU
+# generator drew a 4.5B model's for a minute a side on the lent H200's host.
+SMALL = StepBench(hidden=64, layers=2, vocab=256, seq=16)
+
+
+def test_the_weights_are_drawn_on_the_gpu_where_they_fit_in_half_its_free_memory():
+    params = 4_500_000_000  # 18 GB in fp32
+    assert draw_on_gpu(params, free_bytes=140 << 30) and draw_on_gpu(params, free_bytes=36 * 10**9)
+    assert not draw_on_gpu(params, free_bytes=36 * 10**9 - 2)
+
+
+def test_on_the_host_the_bench_builds_as_plain_construction_does():
+    torch.manual_seed(0)
+    plain = GPT(SMALL.model_config())
+    torch.manual_seed(0)
+    built = SMALL.build_model()
+    torch.manual_seed(0)
+    bf16 = SMALL.build_model(on_device=True, dtype=torch.bfloat16)
+    for (name, p), b, h in zip(plain.named_parameters(), built.parameters(), bf16.parameters()):
+        assert torch.equal(p, b), name
+        assert h.dtype == torch.bfloat16 and torch.equal(p.to(torch.bfloat16), h), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_weights_are_drawn_there_and_handed_back_on_the_host():
+    b = replace(SMALL, device="cuda", world=1)
+    before = torch.cuda.memory_allocated()
+    torch.manual_seed(0)
+    host = b.build_model()
+    assert {p.device.type for p in host.parameters()} == {"cpu"} and host.head.weight is host.wte.weight
+    assert torch.cuda.memory_allocated() == before  # nothing of the construction stays on the GPU
+    torch.manual_seed(0)
+    device = b.build_model(on_device=True, dtype=torch.bfloat16)
+    # every side draws the same weights; the high-water mark starts at what the side holds, not the construction
+    assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
+    for (name, h), d in zip(host.named_parameters(), device.parameters()):
+        assert d.is_cuda and d.dtype == torch.bfloat16 and torch.equal(h.to(torch.bfloat16), d.cpu()), name

@@ -177,12 +177,11 @@ def side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_pa
     PyTorch clips at ``clip``, 0: not at all; an engine as its config says)."""
     b = StepBench(**bench)
     torch.manual_seed(0)
-    model = b.build_model()
+    pure = side == "torch-bf16"
+    model = b.build_model(on_device=side in PLAIN, dtype=torch.bfloat16 if pure else None)
     started = time.perf_counter()
     loss: list[torch.Tensor] = []
     if side in PLAIN:
-        pure = side == "torch-bf16"
-        model = model.to(b.device, torch.bfloat16 if pure else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
         autocast = torch.autocast(b.device, dtype=torch.bfloat16, enabled=b.dtype == "bf16" and not pure)
         name = "torch AdamW (fused)" + (" on bf16 weights, no fp32 master" if pure else "")
