@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import offload
 from engine_cases import base_config, batches, loss_of
@@ -145,6 +146,51 @@ def test_init_gives_the_weights_of_plain_construction_with_the_same_seed(make, c
     for key, value in plain.state_dict().items():
         if key in state:
             assert torch.equal(state[key], value), key
+    engine.close()
+
+
+class _Redrawn(torch.nn.Module):
+    """Linear layers whose kaiming draw a later write hides (normal_ over the whole weight), whatever follows it
+    (a write that reads it, a write to part of it), beside one whose kaiming draw is all it has."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.scaled, self.part, self.own = (torch.nn.Linear(64, 64) for _ in range(4))
+        with torch.no_grad():
+            torch.nn.init.normal_(self.hidden.weight, std=0.02)
+            self.scaled.weight.data.normal_(0, 0.02)
+            self.scaled.weight.mul_(2.0)
+            torch.nn.init.normal_(self.part.weight, std=0.02)
+            self.part.weight[:, :8].zero_()
+
+    def forward(self, x):
+        return self.own(self.part(self.scaled(self.hidden(x)))).square().mean()
+
+
+class _Calls(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", ""))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_draw_that_a_later_write_hides_is_not_replayed():
+    """[Note: an overwritten draw is not replayed]: the weights are plain construction's, and initialize draws
+    kaiming_uniform_ only for the one weight whose values it is."""
+    torch.manual_seed(0)
+    plain = _Redrawn()
+    torch.manual_seed(0)
+    with offload.zero.Init(min_meta_numel=1000):
+        model = _Redrawn()
+    with _Calls() as calls:
+        engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))
+    assert calls.names.count("kaiming_uniform_") == 1 and calls.names.count("normal_") == 3
+    state = engine.full_state_dict()
+    for key, value in plain.state_dict().items():
+        assert torch.equal(state[key], value), key
     engine.close()
 
 
