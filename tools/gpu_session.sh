@@ -27,8 +27,8 @@
 #   offload.hf.Trainer, DeepSpeed and plain PyTorch; the 4.5B under a 68 GiB device budget. trainer-8b-refit (a
 #   stage of its own) runs the 8B's offload side with no device budget: auto and its refit choose the split.
 #   Expect offload's side to spend minutes before its first step: offload.zero.Init replays plain construction's
-#   draws on the host's generator, one value at a time (a one-layer 1.27B slice of that Llama took 15 s to build
-#   and 36 s to initialize on a 2-core Xeon, beside 16 s for a plain build; the whole 8B about 6x that), where
+#   draws on the host's generator, one value at a time (a one-layer 1.27B slice of that Llama took 13-18 s to build
+#   and 23-24 s to initialize on a 2-core Xeon, beside 16 s for a plain build; the whole 8B about 6x that), where
 #   DeepSpeed's zero.Init draws on the GPU. TRAINER_S=360 if the 240 s default cuts it.
 # plan55 (#55's GPU rows): install; the 4.5B GPT full offload and auto with bf16 moments and with a bf16 master
 #   (stochastic), each against its floor at its own host step's rate (pace-4p5b-formats); pace-4p5b is the fp32 row.
