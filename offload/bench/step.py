@@ -243,17 +243,16 @@ class StepBench:
         side for the 0.91B GPT on a 2-core Xeon, about a minute for the 4.5B one, five sides a round, where the GPU
         takes milliseconds. Every side draws from the same generator, so all train the same weights, and the GPU's
         high-water mark is reset after the build: what a side reports is its own, not the construction's."""
-        if self.device != "cuda" or not draw_on_gpu(self.num_parameters(), torch.cuda.mem_get_info()[0]):
+        on_gpu = self.device == "cuda" and draw_on_gpu(self.num_parameters(), torch.cuda.mem_get_info()[0])
+        with torch.device("cuda" if on_gpu else "cpu"):
             model = self._construct()
-            return model.to(self.device, dtype) if on_device else model
-        with torch.device("cuda"):
-            model = self._construct()
-        if not on_device:
+        if on_device:
+            model = model.to(self.device, dtype)
+        elif on_gpu:
             model = model.cpu()
-        elif dtype is not None:
-            model = model.to(dtype=dtype)
-        torch.cuda.empty_cache()  # nothing of the construction stays cached to crowd what `auto` measures
-        torch.cuda.reset_peak_memory_stats()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()  # nothing of the construction stays cached to crowd what `auto` measures
+            torch.cuda.reset_peak_memory_stats()
         return model
 
     def _construct(self) -> nn.Module:
@@ -442,8 +441,6 @@ def _torch_timed(b: StepBench) -> tuple[list[float], int]:
     model = b.build_model(on_device=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     autocast = torch.autocast(b.device, dtype=torch.bfloat16, enabled=b.dtype == "bf16")
-    if b.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     times = []
     rows = b.micro * b.world
     for i, tokens in enumerate(batches(b, b.warmup + b.steps, rows * b.accum)):

@@ -208,11 +208,14 @@ def _overwrites(call: Call, recipe: Recipe) -> bool:
                                                        and getattr(call.func, "__name__", None) in _OVERWRITING_INIT):
         return False
     # a Tensor method has its tensor first; torch.nn.init's functions reach a mode by keyword (tensor=...)
-    args, kwargs = (call.args[1:], call.kwargs) if call.args else ((), dict(call.kwargs))
-    target = call.args[0] if call.args else kwargs.pop("tensor", None)
+    if call.args:
+        target, rest = call.args[0], (call.args[1:], call.kwargs)
+    else:
+        kwargs = dict(call.kwargs)
+        target, rest = kwargs.pop("tensor", None), ((), kwargs)
     if not (isinstance(target, Ref) and target.recipe is recipe and not target.views):
         return False
-    return not any(isinstance(a, Ref) and a.recipe is recipe for a in tree_flatten((args, kwargs))[0])
+    return not any(isinstance(a, Ref) and a.recipe is recipe for a in tree_flatten(rest)[0])
 
 
 def _make(recipe: Recipe, memo: dict[int, torch.Tensor]) -> torch.Tensor:
