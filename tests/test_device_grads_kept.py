@@ -7,7 +7,7 @@ import torch
 
 from engine_cases import check_bitwise, train_engine
 from offload.machine.launch import run_ranks
-from offload.optim.shard_state import ShardPhase, ShardState, accumulate, keep_as_landed, widened
+from offload.optim.shard_state import ShardPhase, ShardState, widened
 from offload.store.placement import KEPT_GRADS
 from test_partial_offload import ratio_config
 from test_split_beside_params import split_config
@@ -30,8 +30,8 @@ def test_a_kept_gradient_widened_is_bitwise_what_an_accumulator_holds(scales):
     accumulated = ShardState(0, "u", None, [], numel=1000)
     kept = ShardState(0, "u", None, [], numel=1000)
     for g, s in zip(grads, scales):
-        accumulate(accumulated, g, s, threads=1)
-        keep_as_landed(kept, g, s, threads=1)
+        accumulated.add(g, s, threads=1)
+        kept.keep_landed(g, s, threads=1)
     assert kept.phase is ShardPhase.HOLDING and kept.grad is None
     assert torch.equal(widened(*kept.gradient()), accumulated.grad)
     if len(scales) == 1:  # kept as it landed: 16-bit, not a copy

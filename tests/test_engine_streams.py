@@ -198,9 +198,9 @@ def test_backward_hands_its_held_landings_over_when_it_ends():
     assert all(s.numel * 4 < LANDING_BATCH_BYTES for s in optimizer.shards.values())
     engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
     deadline = time.monotonic() + 30
-    while not all(s.free.query() for s in optimizer.shards.values()) and time.monotonic() < deadline:
+    while not all(s.events.free.query() for s in optimizer.shards.values()) and time.monotonic() < deadline:
         time.sleep(0.01)  # polling, not waiting: a wait would send the held work itself
-    assert all(s.free.query() for s in optimizer.shards.values())
+    assert all(s.events.free.query() for s in optimizer.shards.values())
     engine.step()
     engine.close()
 

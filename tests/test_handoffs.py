@@ -121,21 +121,43 @@ def test_allowed_hand_offs_still_exist():
 MUTATORS = {"add", "clear", "discard", "append", "extend", "update", "pop", "remove", "insert"}
 
 
-def _unit_fields() -> frozenset[str]:
-    """The attributes ``Unit`` gives itself (``self.x = ...`` in zero/unit.py's class Unit)."""
-    tree = _sources()["offload.zero.unit"]
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Unit")
-    return frozenset(t.attr for node in ast.walk(cls) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
-                     for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-                     if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self")
+# Classes whose state only their own methods change: (module, class) -> the names their values go by elsewhere.
+OWNERS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("offload.zero.unit", "Unit"): ("unit", "other", "u"),
+    ("offload.optim.shard_state", "ShardState"): ("state", "shard", "s", "st"),
+}
 
 
-def unit_writes(receivers: tuple[str, ...] = ("unit", "other", "u")) -> list[str]:
-    """Places outside zero/unit.py that assign or mutate a field of a ``Unit`` (a value named as units are)."""
-    fields = _unit_fields()
+def _fields(module: str, name: str) -> frozenset[str]:
+    """The attributes class ``name`` of ``module`` gives itself: ``self.x = ...`` in its methods, and its
+    dataclass fields."""
+    tree = _sources()[module]
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    own = {t.attr for node in ast.walk(cls) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+           for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+           if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    own |= {f.target.id for f in cls.body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
+    return frozenset(own)
+
+
+def _written(target: ast.AST, fields: frozenset[str], receivers: tuple[str, ...]) -> str | None:
+    """``r.f`` (or deeper, ``r.f.g``: a record the owner holds) where ``r`` is a receiver and ``f`` a field."""
+    chain = []
+    while isinstance(target, ast.Attribute):
+        chain.append(target.attr)
+        target = target.value
+    if chain and isinstance(target, ast.Name) and target.id in receivers and chain[-1] in fields:
+        return ".".join([target.id, *reversed(chain)])
+    return None
+
+
+def owner_writes(module: str, name: str, receivers: tuple[str, ...]) -> list[str]:
+    """Places outside ``module`` that assign or mutate a field of its class ``name`` (a value named as its values
+    are)."""
+    fields = _fields(module, name)
     found = []
-    for module, tree in _sources().items():
-        if module == "offload.zero.unit":
+    for other, tree in _sources().items():
+        if other == module:
             continue
         for node in ast.walk(tree):
             targets: list[ast.AST] = []
@@ -147,24 +169,32 @@ def unit_writes(receivers: tuple[str, ...] = ("unit", "other", "u")) -> list[str
                   and node.func.attr in MUTATORS):
                 targets = [node.func.value]
             for t in targets:
-                if (isinstance(t, ast.Attribute) and t.attr in fields and isinstance(t.value, ast.Name)
-                        and t.value.id in receivers):
-                    found.append(f"{module.replace('.', '/')}.py:{node.lineno}: {t.value.id}.{t.attr}")
+                for leaf in ast.walk(t) if isinstance(t, ast.Tuple) else [t]:
+                    written = _written(leaf, fields, receivers)
+                    if written is not None:
+                        found.append(f"{other.replace('.', '/')}.py:{node.lineno}: {written}")
     return found
 
 
-def test_the_unit_check_sees_a_write():
-    assert {"holders", "use", "grads_seen", "persistent"} <= _unit_fields()
-    _sources()["offload._probe"] = ast.parse("def f(unit):\n    unit.holders += 1\n    unit.grads_seen.add(3)\n")
+def test_the_write_check_sees_a_write():
+    assert {"holders", "use", "grads_seen", "persistent"} <= _fields("offload.zero.unit", "Unit")
+    assert {"phase", "events", "landed", "guessed"} <= _fields("offload.optim.shard_state", "ShardState")
+    _sources()["offload._probe"] = ast.parse("def f(unit, state):\n    unit.holders += 1\n    unit.grads_seen.add(3)\n"
+                                             "    state.events.free = None\n    state.landed, x = None, 1\n")
     try:
-        assert unit_writes() == ["offload/_probe.py:2: unit.holders", "offload/_probe.py:3: unit.grads_seen"]
+        assert owner_writes("offload.zero.unit", "Unit", ("unit",)) == [
+            "offload/_probe.py:2: unit.holders", "offload/_probe.py:3: unit.grads_seen"]
+        assert owner_writes("offload.optim.shard_state", "ShardState", ("state",)) == [
+            "offload/_probe.py:4: state.events.free", "offload/_probe.py:5: state.landed"]
     finally:
         del _sources()["offload._probe"]
 
 
-def test_a_unit_changes_only_its_own_state():
-    """A unit's life reads in zero/unit.py: every other room calls its transitions."""
-    assert unit_writes() == []
+def test_units_and_shards_change_only_their_own_state():
+    """A unit's life reads in zero/unit.py and a shard's phase in optim/shard_state.py: every other room calls
+    their transitions."""
+    for (module, name), receivers in OWNERS.items():
+        assert owner_writes(module, name, receivers) == [], f"{name}'s fields written outside {module}"
 
 
 # Constructors of more than seven parameters (self aside): a policy travels whole as a dataclass instead. Those

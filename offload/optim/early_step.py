@@ -144,12 +144,11 @@ class EarlyStep:
                                                                                  grad_scale, after)))
         state = self.shards[member.unit]
         if delayed:  # nothing reads the staged shard before publish() drains the thread
-            state.adam_read = lane.record(into=state.adam_read)
+            state.read_by_adam(lane.record(into=state.events.adam_read))
             self.pending.add(member.unit)
         else:
-            state.free = lane.record(into=state.free)  # a gradient read where it landed is read by now
-            state.stepped = lane.record(into=state.stepped)
-            self.params.step_pending(member.unit, state.stepped)
+            state.landing_busy_until(lane.record(into=state.events.free))  # one read where it landed is read by now
+            self.params.step_pending(member.unit, lane)
 
     def _hand_over_sub_group(self, lane: WorkerStream, run: NvmePass, group: SubGroup, step: int,
                              hypers: list[AdamHyper], grad_scale: float, after: Event) -> None:

@@ -71,8 +71,7 @@ import torch
 
 from offload.machine import native
 from offload.machine.accelerator import Accelerator, Event
-from offload.optim.shard_state import (Overlap, ShardPhase, ShardState, StateSplit, accumulate, add_into,
-                                       keep_as_landed)
+from offload.optim.shard_state import Overlap, ShardPhase, ShardState, StateSplit, add_into
 from offload.observe.telemetry import Telemetry
 
 # Gradient bytes whose landings are handed to the worker together (see [Note: landings handed over in batches]):
@@ -181,7 +180,7 @@ class GradientLanding:
         self._sent_in_place.clear()
         self._held.clear()
         for index in self.device_accumulated:
-            self.shards[index].device_holds = False
+            self.shards[index].new_device_sum()
 
     def clear(self) -> None:
         """The gradients are dropped (zero_grad)."""
@@ -200,9 +199,9 @@ class GradientLanding:
         if route is Route.DEVICE:
             self.accel.compute_wait(reduced.ready)
             if self.keeps_device_grads and state.grad is None:
-                keep_as_landed(state, reduced.grad, reduced.factor, self.threads)
+                state.keep_landed(reduced.grad, reduced.factor, self.threads)
             else:
-                accumulate(state, reduced.grad, reduced.factor, self.threads)
+                state.add(reduced.grad, reduced.factor, self.threads)
             return
         # Decided now, on the calling thread: the worker may still be adding an earlier micro-batch's gradients
         # when the last one's backward begins, and those are neither final nor stepped.
@@ -240,13 +239,15 @@ class GradientLanding:
         """An offloaded unit's gradient: to the landing worker, through its landing buffer (``Route.COPIED``) or
         where it lies (``Route.HOST_READ``)."""
         assert self.worker is not None
-        index, shard_grad, ready, keep, scale = reduced
-        land = self.worker
-        adam_busy = state.adam_read is not None and not state.adam_read.query()
+        index, shard_grad, ready, scale = reduced.unit, reduced.grad, reduced.ready, reduced.factor
+        land, events = self.worker, state.events
+        adam_read = events.adam_read
+        adam_busy = adam_read is not None and not adam_read.query()
         if adam_busy:  # the delayed Adam still reads the last gradient: nothing of this unit lands before it has
-            assert state.adam_read is not None
-            land.wait_event(state.adam_read, held=True)
-        refs = [shard_grad, keep]  # the device gradient lives until its copy (or, read in place, its add) is done
+            assert adam_read is not None
+            land.wait_event(adam_read, held=True)
+        # the device gradient lives until its copy (or, read in place, its add) is done
+        refs = [shard_grad, reduced.source]
         # A unit's second gradient in this backward: its first, left where it landed, is added up first, and every
         # later one is added (the unit stays in the set until the next last backward).
         again = index in self._sent_in_place
@@ -261,7 +262,7 @@ class GradientLanding:
         else:
             assert state.landing is not None
             landing = state.landing[:shard_grad.numel()]
-            if state.free.query() and not again and not adam_busy:  # what last landed here is read: copy now
+            if events.free.query() and not again and not adam_busy:  # what last landed here is read: copy now
                 copied = self._copy_down(state, landing, shard_grad, ready)
                 land.run(lambda: self._landed(state, landing, copied, scale, final, overlap, refs, in_place),
                          held=True)
@@ -270,7 +271,7 @@ class GradientLanding:
                 land.run(lambda: self._landed(state, landing, self._copy_down(state, landing, shard_grad, ready),
                                               scale, final, overlap, refs, in_place), held=True)
             self.telemetry.add_bytes("d2h", nbytes)
-        state.free = land.record(into=state.free, held=True)
+        state.landing_busy_until(land.record(into=events.free, held=True))
         self._hand_over_landings(nbytes)
 
     def _hand_over_landings(self, nbytes: int) -> None:
@@ -290,11 +291,10 @@ class GradientLanding:
         """On the compute stream, after the reduction and after the last sum's copy down read the accumulator."""
         assert state.on_device is not None
         self.accel.compute_wait(ready)
-        self.accel.compute_wait(state.copied)
+        self.accel.compute_wait(state.events.copied)
         add_into(state.on_device[:shard_grad.numel()], shard_grad, scale, overwrite=not state.device_holds,
                  threads=self.threads)
-        state.device_holds = True
-        state.added = self.accel.compute_event(into=state.added)
+        state.added_on_device(self.accel.compute_event(into=state.events.added))
         self._held.add(state.index)
 
     def _send_sum(self, state: ShardState, overlap: Overlap | None) -> None:
@@ -302,18 +302,19 @@ class GradientLanding:
         [Note: gradients accumulated on the device])."""
         assert self.worker is not None and state.on_device is not None and state.landing is not None
         self._held.discard(state.index)
-        if not state.free.query():  # the worker still reads what landed here before (a second sum this backward)
-            self.accel.wait(state.free, "a device-accumulated gradient's landing buffer")
+        events = state.events
+        if not events.free.query():  # the worker still reads what landed here before (a second sum this backward)
+            self.accel.wait(events.free, "a device-accumulated gradient's landing buffer")
         self.listener.claim(state)  # ... and so may that sum's speculative Adam
-        if state.adam_read is not None and not state.adam_read.query():  # the delayed Adam still reads it (rare:
+        if events.adam_read is not None and not events.adam_read.query():  # the delayed Adam still reads it (rare:
             # the last micro-batch's sum, sent while the last step's Adam has not reached this unit)
-            self.accel.wait(state.adam_read, "a landing buffer the delayed update reads")
+            self.accel.wait(events.adam_read, "a landing buffer the delayed update reads")
         landing = state.landing  # set with the shard, never replaced
-        copied = self._copy_down(state, landing, state.on_device, state.added)
+        copied = self._copy_down(state, landing, state.on_device, events.added)
         refs: list[Any] = []
         self.worker.run(lambda: self._landed(state, landing, copied, 1.0, True, overlap, refs, in_place=True),
                        held=True)
-        state.free = self.worker.record(into=state.free, held=True)
+        state.landing_busy_until(self.worker.record(into=events.free, held=True))
         self.telemetry.add_bytes("d2h", state.on_device.numel() * 4)
         self._hand_over_landings(state.on_device.numel() * 4)
 
@@ -337,8 +338,9 @@ class GradientLanding:
         if ready is not None:
             self.d2h.wait_event(ready)
         self.d2h.run(copy)
-        state.copied = self.d2h.record(into=state.copied)
-        return state.copied
+        copied = self.d2h.record(into=state.events.copied)
+        state.copied_by(copied)
+        return copied
 
     def _landed(self, state: ShardState, grad: torch.Tensor, arrived: Event | None, scale: float, final: bool,
                 overlap: Overlap | None, refs: list[Any], in_place: bool = False
@@ -352,30 +354,26 @@ class GradientLanding:
         if state.phase is ShardPhase.STEPPED:  # a half-applied step's shard: this step is done with it
             return
         if state.phase is ShardPhase.SPECULATED:  # another gradient: the speculation is stale (it runs again)
-            state.phase = ShardPhase.HOLDING
+            state.stale()
         graph = self.accel.graph
         if in_place:
-            state.landed, state.landed_scale, state.phase = grad, scale, ShardPhase.HOLDING
+            state.read_in_place(grad, scale)
         else:
             graph.work("accumulate", state.index, nbytes=grad.numel() * (grad.element_size() + 8))
             with self.telemetry.span("accumulate", state.name):
-                accumulate(state, grad, scale, self.threads)
+                state.add(grad, scale, self.threads)
         if final:
             values, factor = state.gradient()
             graph.work("norm", state.index, nbytes=values.numel() * values.element_size())
             with self.telemetry.span("landed_norm", state.name):
-                state.norm = [native.grad_sq_norm(values[seg.start:seg.end], threads=self.threads, scale=factor)
-                              for seg in state.segments]
+                state.took_norm([native.grad_sq_norm(values[seg.start:seg.end], threads=self.threads,
+                                                     scale=factor) for seg in state.segments])
         self.listener.landed(state.index, overlap)
 
     def _materialize(self, state: ShardState) -> None:
         """On the landing worker: a gradient left where it landed goes into the accumulator (another is coming)."""
         self.listener.claim(state)
         if state.phase is ShardPhase.SPECULATED:  # stale now (it runs again when the next gradient lands)
-            state.phase = ShardPhase.HOLDING
-        if state.landed is None or state.phase is not ShardPhase.HOLDING:
-            return
-        landed, scale = state.landed, state.landed_scale
-        state.landed, state.phase = None, ShardPhase.EMPTY
-        accumulate(state, landed, scale, self.threads)
+            state.stale()
+        state.materialize(self.threads)
 

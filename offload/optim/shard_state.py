@@ -102,8 +102,22 @@ class Overlap:
 
 
 @dataclass
+class ShardEvents:
+    """What orders a shard's buffers between the threads and streams that touch them, each re-recorded by its
+    writer (see [Note: events re-recorded] in offload/machine/accelerator.py); the shard owns them, and each is set
+    through the one ShardState method named for the fact it records."""
+
+    free: Event = field(default_factory=DoneEvent)  # the landing buffer is free once this completes
+    copied: Event | None = None  # the last gradient's copy into the landing buffer
+    adam_read: Event | None = None  # the delayed update's Adam has read this shard's gradient (optimizer thread)
+    added: Event | None = None  # the last add into the device accumulator (``on_device``)
+
+
+@dataclass
 class ShardState:
-    """One unit's per-rank optimizer buffers besides master/moments (those live in the state store)."""
+    """One unit's per-rank optimizer buffers besides master/moments (those live in the state store), and the phase
+    its gradient is in. The phase changes only through the named transitions below, each of which checks the phase
+    it leaves ([Note: shard phases]); the landing, the speculation and the step call them, and read the rest."""
 
     index: int  # the unit's
     name: str  # the unit's, for traces
@@ -113,11 +127,7 @@ class ShardState:
     phase: ShardPhase = ShardPhase.EMPTY
     numel: int = 0  # the shard's elements
     landing: torch.Tensor | None = None  # where the gradient lands from a separate device (host, compute dtype)
-    free: Event = field(default_factory=DoneEvent)  # the landing buffer is free once this completes
-    # Re-recorded each time (see [Note: events re-recorded] in accelerator.py):
-    copied: Event | None = None  # the last gradient's copy into the landing buffer
-    stepped: Event | None = None  # the last early step of this shard
-    adam_read: Event | None = None  # the delayed update's Adam has read this shard's gradient (optimizer thread)
+    events: ShardEvents = field(default_factory=ShardEvents)
     norm: list[native.SqNorm] | None = None  # the final gradient's norm per segment, taken as it landed
     # This step's only gradient, read in its landing buffer with its factor (see [Note: gradients read where they
     # land]), or a device-stepped unit's kept as it was reduced (or, reduced twice, their fp32 sum: see [Note: a
@@ -128,7 +138,6 @@ class ShardState:
     # holds this step's gradients so far (the training thread's flag: the next add overwrites it when not).
     on_device: torch.Tensor | None = None
     device_holds: bool = False
-    added: Event | None = None  # the last add into ``on_device`` (re-recorded)
     guessed: Guess | None = None  # what a SPECULATED shard's Adam assumed ([Note: speculative step], speculation.py)
 
     def gradient(self) -> tuple[torch.Tensor, float]:
@@ -144,9 +153,114 @@ class ShardState:
             self.grad = torch.zeros(self.numel, dtype=torch.float32)
         return self.grad
 
+    # ------------------------------------------------------------ transitions ([Note: shard phases])
+
+    def _leaving(self, to: str, *allowed: ShardPhase) -> None:
+        assert self.phase in allowed, (f"unit {self.name!r}: {to} from {self.phase.value} (only from "
+                                       f"{' or '.join(a.value for a in allowed)})")
+
+    def add(self, grad: torch.Tensor, scale: float, threads: int | None) -> None:
+        """EMPTY/HOLDING -> HOLDING: ``scale`` x grad into the fp32 accumulator (the first gradient of a step
+        overwrites it)."""
+        self._leaving("add a gradient", ShardPhase.EMPTY, ShardPhase.HOLDING)
+        add_into(self.accumulator(), grad, scale, overwrite=self.phase is ShardPhase.EMPTY, threads=threads)
+        self.phase = ShardPhase.HOLDING
+
+    def keep_landed(self, grad: torch.Tensor, scale: float, threads: int | None) -> None:
+        """EMPTY/HOLDING -> HOLDING: a device-stepped unit's gradient kept as it landed, with its factor (see
+        [Note: a device gradient kept as it landed] in offload/optim/sharded.py); a second one in the same step is
+        added to the first in fp32 (a transient accumulator, dropped with the step), as an accumulator would have
+        added them."""
+        self._leaving("keep a gradient", ShardPhase.EMPTY, ShardPhase.HOLDING)
+        if self.phase is ShardPhase.EMPTY:
+            self.landed, self.landed_scale = grad, scale
+        else:
+            assert self.landed is not None, f"unit {self.name!r} holds a gradient that was not kept"
+            # the first one widened and scaled as an accumulator takes it (the sum already, from a third on)
+            self.landed, self.landed_scale = widened(self.landed, self.landed_scale, threads), 1.0
+            add_into(self.landed, grad, scale, overwrite=False, threads=threads)
+        self.phase = ShardPhase.HOLDING
+
+    def read_in_place(self, grad: torch.Tensor, scale: float) -> None:
+        """EMPTY/HOLDING -> HOLDING: the step's only gradient, read where it landed with its factor (see [Note:
+        gradients read where they land] in offload/optim/landing.py); it replaces what a failed backward left."""
+        self._leaving("read a gradient in place", ShardPhase.EMPTY, ShardPhase.HOLDING)
+        self.landed, self.landed_scale, self.phase = grad, scale, ShardPhase.HOLDING
+
+    def materialize(self, threads: int | None) -> None:
+        """HOLDING -> HOLDING: a gradient left where it landed goes into the accumulator (another is coming);
+        nothing to do for a shard that holds none there, or is not HOLDING (stepped already)."""
+        if self.landed is None or self.phase is not ShardPhase.HOLDING:
+            return
+        landed, scale = self.landed, self.landed_scale
+        self.landed, self.phase = None, ShardPhase.EMPTY
+        self.add(landed, scale, threads)
+
+    def took_norm(self, parts: list[native.SqNorm]) -> None:
+        """HOLDING: the final gradient's norm per segment, taken as it landed."""
+        self._leaving("take the norm", ShardPhase.HOLDING)
+        self.norm = parts
+
+    def speculated(self, guess: Guess) -> None:
+        """HOLDING -> SPECULATED: Adam ran with ``guess`` into the other slot ([Note: speculative step])."""
+        self._leaving("speculate", ShardPhase.HOLDING)
+        self.phase, self.guessed = ShardPhase.SPECULATED, guess
+
+    def settled(self) -> None:
+        """SPECULATED: the step kept or recomputed the speculated slot; the shard is emptied with the step."""
+        self._leaving("settle a speculation", ShardPhase.SPECULATED)
+        self.guessed = None
+
+    def stale(self) -> None:
+        """SPECULATED -> HOLDING: the speculation no longer holds (another gradient, a failed or dropped one); the
+        gradient stays and the step (or a new speculation) steps it."""
+        self._leaving("drop a speculation", ShardPhase.SPECULATED)
+        self.phase, self.guessed = ShardPhase.HOLDING, None
+
+    def stepped(self) -> None:
+        """HOLDING -> STEPPED: Adam ran on the shard inside backward (overlapped, exact)."""
+        self._leaving("step in backward", ShardPhase.HOLDING)
+        self.phase = ShardPhase.STEPPED
+
+    def unstep(self) -> None:
+        """STEPPED/SPECULATED -> HOLDING: the pass that stepped it did not complete; the next step steps it again
+        (from the state on disk or its intact current slot). Other phases are left as they are."""
+        if self.phase in (ShardPhase.STEPPED, ShardPhase.SPECULATED):
+            self.phase, self.guessed = ShardPhase.HOLDING, None
+
     def empty(self) -> None:
-        """The step is done with the shard's gradient (see [Note: shard phases])."""
-        self.phase, self.norm, self.landed = ShardPhase.EMPTY, None, None
+        """-> EMPTY: the step is done with the shard's gradient (see [Note: shard phases])."""
+        self.phase, self.norm, self.landed, self.guessed = ShardPhase.EMPTY, None, None, None
+
+    def moved_to_device(self, grad: torch.Tensor | None) -> None:
+        """EMPTY: the refit moved the unit's step to the compute device; ``grad`` is its accumulator there (None
+        where the device keeps gradients as they land), and the host-side buffers are gone."""
+        self._leaving("move to the device", ShardPhase.EMPTY)
+        self.grad = grad
+        self.landing, self.on_device, self.device_holds = None, None, False
+
+    # ------------------------------------------------------------ events ([Note: events re-recorded])
+
+    def landing_busy_until(self, event: Event) -> None:
+        """The landing buffer is read (or written) until ``event`` completes."""
+        self.events.free = event
+
+    def copied_by(self, event: Event) -> None:
+        """The last gradient's copy into the landing buffer completes with ``event``."""
+        self.events.copied = event
+
+    def read_by_adam(self, event: Event) -> None:
+        """The delayed update's Adam has read this shard's gradient once ``event`` completes."""
+        self.events.adam_read = event
+
+    def added_on_device(self, event: Event) -> None:
+        """A gradient was added into the device accumulator (it holds this step's sum now) by ``event``."""
+        self.device_holds = True
+        self.events.added = event
+
+    def new_device_sum(self) -> None:
+        """The next gradient starts a new sum in the device accumulator (the step took the last one)."""
+        self.device_holds = False
 
 
 def by_group(segments: list[Segment]) -> dict[int, list[Segment]]:
@@ -166,26 +280,6 @@ def gaps(segments: list[Segment], n: int) -> list[tuple[int, int]]:
     if at < n:
         gaps.append((at, n))
     return gaps
-
-
-def accumulate(state: ShardState, grad: torch.Tensor, scale: float, threads: int | None) -> None:
-    """Add ``scale`` x grad into the fp32 accumulator (the first gradient of a step overwrites it)."""
-    add_into(state.accumulator(), grad, scale, overwrite=state.phase is ShardPhase.EMPTY, threads=threads)
-    state.phase = ShardPhase.HOLDING
-
-
-def keep_as_landed(state: ShardState, grad: torch.Tensor, scale: float, threads: int | None) -> None:
-    """A device-stepped unit's gradient kept as it landed, with its factor (see [Note: a device gradient kept as it
-    landed] in offload/optim/sharded.py); a second one in the same step is added to the first in fp32 (a transient
-    accumulator, dropped with the step), as an accumulator would have added them."""
-    if state.phase is ShardPhase.EMPTY:
-        state.landed, state.landed_scale = grad, scale
-    else:
-        assert state.landed is not None, f"unit {state.name!r} holds a gradient that was not kept"
-        # the first one widened and scaled as an accumulator takes it (the sum already, from a third on)
-        state.landed, state.landed_scale = widened(state.landed, state.landed_scale, threads), 1.0
-        add_into(state.landed, grad, scale, overwrite=False, threads=threads)
-    state.phase = ShardPhase.HOLDING
 
 
 def widened(grad: torch.Tensor, scale: float, threads: int | None = None) -> torch.Tensor:
@@ -217,6 +311,4 @@ def unstep(shards: dict[int, ShardState], groups: Iterable[Any]) -> None:
     step (``groups``: the store's ``SubGroup``s, from ``abort_pass`` or ``drop_read_ahead``)."""
     for g in groups:
         for m in g.members:
-            state = shards[m.unit]
-            if state.phase in (ShardPhase.STEPPED, ShardPhase.SPECULATED):
-                state.phase, state.guessed = ShardPhase.HOLDING, None
+            shards[m.unit].unstep()

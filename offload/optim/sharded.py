@@ -304,8 +304,7 @@ class ShardedAdam:
                     self.host.give(self.params.home_on_device(state.index, shard), "parameter copies")
                 else:
                     self.host.give(self.params.drop_host_copy(state.index), "parameter copies")
-                state.grad = grad.zero_() if grad is not None else None
-                state.landing, state.on_device, state.device_holds = None, None, False
+                state.moved_to_device(grad.zero_() if grad is not None else None)
             moved = frozenset(m.unit for m in g.members)
             self.split.move_to_device(moved)
             self.landing.moved_to_device(moved)
@@ -620,7 +619,7 @@ class ShardedAdam:
             return
         with self.telemetry.span("optimizer_overlapped", state.name):
             self.update.step_shard(index, views, step, hypers, 1.0)
-        state.phase = ShardPhase.STEPPED
+        state.stepped()
         self.params.copy_back(index, after=None)
 
     # ----------------------------------------------------------------- the speculative step

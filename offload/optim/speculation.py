@@ -71,8 +71,7 @@ class Speculation:
                 dst[start:end].copy_(src[start:end])
         with self.telemetry.span("optimizer_speculative", state.name):
             self.update.step_shard(member.unit, current, overlap.step, overlap.hypers, overlap.guess, into=other)
-        state.guessed = Guess(overlap.guess, tuple(overlap.hypers), overlap.step)
-        state.phase = ShardPhase.SPECULATED
+        state.speculated(Guess(overlap.guess, tuple(overlap.hypers), overlap.step))
 
     def _speculate_or_leave(self, group: SubGroup, member: Member, overlap: Overlap) -> None:
         """On the speculation lane: a speculation that fails is left to the step, which then steps the shard from
@@ -86,7 +85,8 @@ class Speculation:
                            type(e).__name__, e)
             with self.telemetry.span("speculation_failed", state.name):
                 self.update.restore_target(member.unit, group.views(member)[0])  # the guess may have written part of it
-            state.phase, state.guessed = ShardPhase.HOLDING, None
+            if state.phase is ShardPhase.SPECULATED:
+                state.stale()
 
     def claim(self, state: ShardState) -> None:
         """Before this thread touches the shard's gradient or state (see [Note: speculation on a lane of its
@@ -103,8 +103,7 @@ class Speculation:
         assert overlap.guess is not None
         with self.telemetry.span("optimizer_speculative", state.name):
             self.update.step_shard(index, views, overlap.step, overlap.hypers, overlap.guess)
-        state.guessed = Guess(overlap.guess, tuple(overlap.hypers), overlap.step)
-        state.phase = ShardPhase.SPECULATED
+        state.speculated(Guess(overlap.guess, tuple(overlap.hypers), overlap.step))
 
     def _nvme_speculated(self) -> list[ShardState]:
         return [s for i, s in self.shards.items()
@@ -145,7 +144,7 @@ class Speculation:
                 self.update.step_shard(member.unit, group.views(member), step, hypers, grad_scale,
                                  into=group.views(member, other=True))
         group.flip(member)
-        state.guessed = None
+        state.settled()
 
     def drop(self, phase: ShardPhase = ShardPhase.EMPTY) -> None:
         """No step follows the speculation: the state stays as it was, and each speculated shard's target gets
@@ -155,6 +154,7 @@ class Speculation:
                 continue
             group, member = self.store.by_unit[index]  # a host one (NVMe ones: ``_unspeculate_nvme``)
             self.update.restore_target(index, group.views(member)[0])
-            state.phase, state.guessed = phase, None
             if phase is ShardPhase.EMPTY:
                 state.empty()
+            else:
+                state.stale()

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.machine.accelerator import Accelerator, CopyStream, Event
+from offload.machine.accelerator import Accelerator, CopyStream, Event, WorkerStream
 from offload.machine.buffers import round_up
 from offload.store.budget import TierBudget
 from offload.store.param_swap import ParamSwap
@@ -60,7 +60,8 @@ class ParamShard:
     device: torch.Tensor  # DEVICE home: the shard (a view into the unit's flat buffer at stages 0-2); else empty
     host: torch.Tensor | None = None  # HOST home: the shard; DEVICE home with a host-side step: its host copy
     ready: Event | None = None  # the copy that last wrote ``device``; its next reader waits for it
-    stepped: Event | None = None  # an early step still writing the shard (or its copy back); readers wait first
+    stepped: Event | None = None  # an early step's writes of the shard (and its copy back) done (re-recorded)
+    step_pending: bool = False  # ``stepped`` not yet waited for: the shard's readers wait first
     fetched: Event | None = None  # a host home's last copy to the device (re-recorded each time)
 
 
@@ -365,19 +366,21 @@ class ParamStore:
         tel.add_bytes("h2d", source.numel() * source.element_size())
         return shard.ready
 
-    def step_pending(self, index: int, done: Event) -> None:
-        """An early step writes the shard (and starts its copy back) by the time ``done`` completes (see
-        [Note: early step] in offload/optim/early_step.py)."""
-        self.shards[index].stepped = done
+    def step_pending(self, index: int, lane: WorkerStream) -> None:
+        """An early step queued on ``lane`` writes the shard (and starts its copy back) by the time what is queued
+        there so far has run (see [Note: early step] in offload/optim/early_step.py)."""
+        shard = self.shards[index]
+        shard.stepped, shard.step_pending = lane.record(into=shard.stepped), True
         if self.homes[index] is Tier.NVME:
             self._nvme_stepping.add(index)
 
     def wait_step(self, index: int) -> None:
         """Before anything reads the shard: wait for an early step still writing it."""
         shard = self.shards[index]
-        if shard.stepped is not None:
+        if shard.step_pending:
+            assert shard.stepped is not None
             self.accel.wait(shard.stepped, "a unit's early step")
-            shard.stepped = None
+            shard.step_pending = False
             self._nvme_stepping.discard(index)
 
     def repairs_with(self, repair: StaleRepair) -> None:
@@ -394,8 +397,8 @@ class ParamStore:
         step's parameter writes] in param_swap.py)."""
         busy = set()
         for index in self._nvme_stepping:
-            done = self.shards[index].stepped
-            if done is not None and not done.query():
+            shard = self.shards[index]
+            if shard.step_pending and shard.stepped is not None and not shard.stepped.query():
                 busy.add(index)
         return busy
 
