@@ -94,7 +94,7 @@ def test_the_refit_counts_a_kept_gradient_at_its_two_bytes():
     """offload/engine/refit.py: a unit moving to the device costs its state and the gradient it will keep there, so
     the same room takes more units where the gradient is 16-bit and kept than where it is an fp32 accumulator."""
     from offload.engine.refit import refit_choice
-    from offload.store.optimizer_state import plan_sub_groups
+    from offload.store.sub_groups import plan_sub_groups
     groups = plan_sub_groups([(i, 1000) for i in range(10)], 3000)
     per_unit = {grad: 12 * 1000 + grad * 1000 + 2 * 1000 for grad in (2, 4)}
     spare = 5 * per_unit[2]

@@ -178,8 +178,8 @@ def test_optimizer_state_on_nvme_in_one_large_sub_group_is_said_with_the_size_th
     import logging
 
     import offload
-    from offload.store import optimizer_state
-    monkeypatch.setattr(optimizer_state, "PIPELINE_WORTH", 1000)  # the test model's state counts as large
+    from offload.store import sub_groups
+    monkeypatch.setattr(sub_groups, "PIPELINE_WORTH", 1000)  # the test model's state counts as large
     raw = placement(tmp_path, "none", "nvme")
     raw["zero_optimization"]["sub_group_size"] = 10**9
     units = model_units(make_model("gpt"), Config.load(raw).resolve(world_size=1))

@@ -221,3 +221,18 @@ def test_the_engine_package_names_each_of_its_modules():
     unnamed = [m for m, path in modules().items() if _in(m, "offload.engine") and m != "offload.engine"
                and path.name not in listing]
     assert unnamed == [], "offload/engine/__init__.py's docstring does not name these modules"
+
+
+# The start-up plan and the arithmetic it decides with: pure functions of sizes and the config, importing no store
+# (no file, no buffer pool, no I/O) so that the planner sits beside what it configures, not above it.
+PURE_PLAN = ("offload.store.placement", "offload.store.sub_groups", "offload.store.param_homes", "offload.store.slots",
+             "offload.store.step_cost", "offload.store.state_format", "offload.store.budget", "offload.store.tier")
+# the config's errors, and round_up (offload/machine/__init__.py imports nothing)
+PLAN_MAY_IMPORT = ("offload.config", "offload.machine.buffers")
+
+
+def test_the_plan_imports_no_store():
+    problems = [_where(*e) for e in edges() if e[0] in PURE_PLAN and e[1] not in ("offload.store", "offload.machine")
+                and e[1] not in PURE_PLAN and not any(_in(e[1], ok) for ok in PLAN_MAY_IMPORT)]
+    assert problems == [], "the plan imports only its formulas (tests/test_imports.py PURE_PLAN):\n" + "\n".join(
+        problems)

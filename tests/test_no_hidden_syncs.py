@@ -49,8 +49,6 @@ ALLOWED = {
     ("offload/store/optimizer_state.py", "NvmePass.settle", "wait_quietly()"): "a pass stopped early",
     ("offload/store/optimizer_state.py", "NvmePass._drop_reads", "wait_quietly()"): "reads of a pass stopped early "
     "or abandoned, before their buffers are reused",
-    ("offload/store/optimizer_state.py", "unpipelined_note", "float()"): "start-up: Python numbers for a log line",
-    ("offload/store/optimizer_state.py", "unpipelined_note", "int()"): "start-up: Python numbers for a log line",
     ("offload/store/param_swap.py", "ParamSwap.close", ".synchronize()"): "closing",
     ("offload/store/param_swap.py", "ParamSwap.close", "wait_quietly()"): "closing",
     ("offload/checkpointing.py", "ActivationStore.discard", ".synchronize()"): "only inputs of a forward whose "

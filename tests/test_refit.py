@@ -11,7 +11,7 @@ from offload.commands.estimate import estimate, model_units
 from offload.config import Config
 from offload.engine.refit import MARGIN_MIN, refit_choice, refits, spare_after
 from offload.machine.launch import run_ranks
-from offload.store.optimizer_state import plan_sub_groups
+from offload.store.sub_groups import plan_sub_groups
 from offload.store.tier import Tier
 
 EMULATED_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}

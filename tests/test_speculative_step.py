@@ -13,7 +13,7 @@ from engine_cases import base_config, batches, describe_engine, loss_of, make_mo
 from offload.config import Config, ConfigError
 from offload.commands.estimate import estimate
 from offload.machine.launch import run_ranks
-from offload.store.optimizer_state import SPECULATIVE_SLOT
+from offload.store.sub_groups import SPECULATIVE_SLOT
 
 
 def spec_config(world, accum, clip, speculative, **offload_section):

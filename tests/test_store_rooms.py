@@ -23,11 +23,13 @@ from offload.machine.buffers import AlignedBuffer, round_up
 from offload.config import ConfigError
 from offload.store.budget import BudgetExceeded, TierBudget
 from offload.config import Config
-from offload.store.optimizer_state import OptimizerStateStore, place_sub_groups, plan_sub_groups
+from offload.store.optimizer_state import OptimizerStateStore
+from offload.store.sub_groups import place_sub_groups, plan_sub_groups
 from offload.store.placement import Shards, plan
 from offload.store.param_store import ParamStore
 from offload.store.tier import Tier
-from offload.store.param_swap import WRITE_BUFFERS, BufferState, ParamSwap, ParamSwapError, param_buffer_bytes
+from offload.store.param_homes import WRITE_BUFFERS, param_buffer_bytes
+from offload.store.param_swap import BufferState, ParamSwap, ParamSwapError
 from offload.store.swapdir import SwapDir, TierRoom
 from offload.observe.telemetry import Telemetry
 

@@ -31,8 +31,8 @@ from offload.config import Config, ConfigError
 from offload.engine.refit import refits, room_beside
 from offload.engine.step_schedule import wanted
 from offload.models.catalog import MODELS, ModelError, build_model
-from offload.store.optimizer_state import SubGroup, unpipelined_note
-from offload.store.param_swap import describe_placement
+from offload.store.param_homes import describe_placement
+from offload.store.sub_groups import SubGroup, unpipelined_note
 from offload.store.placement import (KEPT_GRADS, MachineOffer, Shards, Speculation, StageLayout, StepAsks, plan,
                                      traffic)
 from offload.store.step_cost import STATE_BYTES, Rates, StepPrediction, adam_bytes, adam_ms, predict

@@ -37,8 +37,9 @@ from offload.optim.sharded import AdamRule, ShardedAdam, StatePlan
 from offload.files.pretrained import PretrainedWeights
 from offload.store.budget import TierBudget
 from offload.store.param_store import ParamStore
-from offload.store.optimizer_state import unpipelined_note
-from offload.store.param_swap import ParamSwap, describe_placement
+from offload.store.param_homes import describe_placement
+from offload.store.param_swap import ParamSwap
+from offload.store.sub_groups import unpipelined_note
 from offload.store.state_format import Master, from_config, mix_seed
 from offload.store.placement import (MachineOffer, Shards, StageLayout, StepAsks, describe_split,
                                      plan as plan_placement, traffic)

@@ -34,7 +34,7 @@ from offload.config.fields import AUTO
 from offload.engine import agreement
 from offload.machine.accelerator import Accelerator
 from offload.optim.sharded import ShardedAdam
-from offload.store.optimizer_state import SubGroup
+from offload.store.sub_groups import SubGroup
 from offload.store.tier import Tier
 from offload.zero.collectives import Group, smallest
 

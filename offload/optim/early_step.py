@@ -58,7 +58,8 @@ from offload.optim.adam import AdamHyper
 from offload.optim.shard_state import ShardPhase
 from offload.optim.speculation import Speculation
 from offload.optim.update import ShardUpdate
-from offload.store.optimizer_state import Member, NvmePass, OptimizerStateStore, SubGroup
+from offload.store.optimizer_state import NvmePass, OptimizerStateStore
+from offload.store.sub_groups import Member, SubGroup
 from offload.store.tier import Tier
 from offload.observe.telemetry import Telemetry
 

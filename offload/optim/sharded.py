@@ -72,7 +72,8 @@ from offload.observe.telemetry import Telemetry
 from offload.aio.base import IOEngine
 from offload.store.budget import TierBudget
 from offload.store.state_format import StateSlot
-from offload.store.optimizer_state import OptimizerStateStore, SubGroup
+from offload.store.optimizer_state import OptimizerStateStore
+from offload.store.sub_groups import SubGroup
 from offload.store.param_store import ParamStore
 from offload.store.placement import device_grads
 from offload.store.tier import Tier

@@ -37,7 +37,8 @@ from offload.optim.shard_state import Guess, Overlap, ShardPhase, ShardState, un
 from offload.optim.speculation_lane import SpeculationLane, TicketPhase
 from offload.optim.update import ShardUpdate
 from offload.store.state_format import StateSlot
-from offload.store.optimizer_state import Member, OptimizerStateStore, SubGroup
+from offload.store.optimizer_state import OptimizerStateStore
+from offload.store.sub_groups import Member, SubGroup
 from offload.store.tier import Tier
 from offload.observe.telemetry import Telemetry
 

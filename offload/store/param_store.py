@@ -42,12 +42,10 @@ import torch
 from offload.machine.accelerator import Accelerator, CopyStream, Event, WorkerStream
 from offload.machine.buffers import round_up
 from offload.store.budget import TierBudget
+from offload.store.param_homes import HOST_PARAMS
 from offload.store.param_swap import ParamSwap
 from offload.store.tier import Tier
 from offload.observe.telemetry import Telemetry
-
-HOST_PARAMS = "parameter shards not stepped on the host"  # the host part this store takes from the budget itself
-
 
 @dataclass(eq=False)
 class ParamShard:

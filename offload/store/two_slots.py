@@ -12,44 +12,13 @@ when it is read, never wrong values.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from offload.aio.base import IOEngine, Request, RequestGroup
 from offload.aio.checksum import ChecksummedFile
-from offload.machine.buffers import round_up
+from offload.store.slots import layout
 from offload.store.swapdir import SwapDir
-
-
-@dataclass
-class Slots:
-    """One item's two places in the file (byte offsets), and which holds its last completed values."""
-
-    nbytes: int  # on the wire: rounded up to the block
-    offsets: tuple[int, int]
-    current: int = 0
-
-    @property
-    def current_offset(self) -> int:
-        return self.offsets[self.current]
-
-    @property
-    def next_offset(self) -> int:
-        return self.offsets[1 - self.current]
-
-    def flip(self) -> None:
-        self.current = 1 - self.current
-
-
-def layout(sizes: Sequence[tuple[Hashable, int]]) -> tuple[dict[Hashable, Slots], int]:
-    """Each item's two slots (``sizes``: key and bytes, in file order) and the file's size."""
-    slots, offset = {}, 0
-    for key, nbytes in sizes:
-        n = round_up(nbytes)
-        slots[key] = Slots(n, (offset, offset + n))
-        offset += 2 * n
-    return slots, offset
 
 
 class TwoSlotFile:
