@@ -33,8 +33,13 @@ import accelerate
 import torch
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DeepSpeedPlugin
-from accelerate.utils.deepspeed import (DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper,
-                                        DummyOptim, DummyScheduler)
+from accelerate.utils.deepspeed import (
+    DeepSpeedEngineWrapper,
+    DeepSpeedOptimizerWrapper,
+    DeepSpeedSchedulerWrapper,
+    DummyOptim,
+    DummyScheduler,
+)
 
 import offload
 from offload.engine.core import Engine

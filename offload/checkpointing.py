@@ -40,9 +40,9 @@ import torch
 from torch import nn
 
 from offload.machine.accelerator import Accelerator, CopyStream, Event
+from offload.observe.telemetry import Telemetry
 from offload.store.budget import BudgetExceeded, TierBudget
 from offload.store.tier import Tier
-from offload.observe.telemetry import Telemetry
 from offload.zero.collectives import Group, all_gather
 
 logger = logging.getLogger("offload.checkpointing")
@@ -358,7 +358,8 @@ class _Checkpoint(torch.autograd.Function):
             store.accel.synchronize()
         with store.telemetry.span("recompute"):
             tensors = iter([store.restore(s) for s in ctx.saved])
-            args = [next(tensors) if is_tensor else const for is_tensor, const in zip(ctx.layout, ctx.constants)]
+            args = [next(tensors) if is_tensor else const
+                    for is_tensor, const in zip(ctx.layout, ctx.constants, strict=True)]
             device_type, autocast, dtype = ctx.autocast
             with contextlib.ExitStack() as stack:
                 if ctx.rng is not None:
@@ -368,7 +369,7 @@ class _Checkpoint(torch.autograd.Function):
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=autocast))
                 out = ctx.run(*args)
         outs = out if isinstance(out, tuple) else (out,)
-        pairs = [(o, g) for o, g in zip(outs, grads)
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

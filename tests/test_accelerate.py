@@ -93,6 +93,7 @@ def test_save_state_and_load_state_resume_bitwise(tmp_path):
 ])
 def test_what_it_cannot_run_is_refused_by_name(monkeypatch, env, kwargs, message):
     from accelerate.utils import DeepSpeedPlugin
+
     from offload.accelerate import Accelerator
     for key, value in env.items():
         monkeypatch.setenv(key, value)

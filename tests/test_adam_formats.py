@@ -89,6 +89,7 @@ def test_a_large_master_splits_and_joins_in_chunks_with_little_memory_beside_it(
     import sys
     sys.path.insert(0, str(Path(__file__).parent))
     from memwatch import AnonPeak
+
     from offload.store import state_format
     gen = torch.Generator().manual_seed(5)
     values = torch.randint(-2**31, 2**31, (3, 4321), generator=gen, dtype=torch.int64).to(torch.int32)

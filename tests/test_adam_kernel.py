@@ -9,7 +9,6 @@ from torch.testing import assert_close
 from offload.machine import native
 from offload.optim import AdamHyper, adam_step
 
-
 # torch's CPU sqrt is not correctly rounded (ours is), so a denominator may differ by an ulp;
 # that is the whole difference, and it stays at fp32 rounding over many steps.
 RTOL, ATOL = 1e-6, 1e-6
@@ -77,7 +76,7 @@ def test_matches_torch_over_50_steps(variant, name, n):
     # With lr 10 every step moves a param by ~10, so one-ulp denominators compound over 50 steps.
     rtol, atol = (RTOL * 10, ATOL * 20) if name == "huge_lr" else (RTOL, ATOL)
     for got, want, what in zip(ours, torch_reference(p0, grads, HYPERS[name]), ("param", "exp_avg", "exp_avg_sq")):
-        assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+        assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, what=what: f"{what}: {m}")
 
 
 @pytest.mark.parametrize("adamw_mode", [True, False])

@@ -8,8 +8,16 @@ import sys
 import pytest
 import torch
 
-from offload.aio import (AlignedBuffer, BufferPool, PoolExhausted, SwapFile, SwapIOError, make_engine,
-                         probe_io_uring, round_up)
+from offload.aio import (
+    AlignedBuffer,
+    BufferPool,
+    PoolExhausted,
+    SwapFile,
+    SwapIOError,
+    make_engine,
+    probe_io_uring,
+    round_up,
+)
 from offload.aio.base import Piece
 
 ENGINES = ["threads"] + (["io_uring"] if probe_io_uring().ok else [])

@@ -6,8 +6,9 @@ measured at start-up (offload/engine/rates.py), agreed by the ranks, given on th
 import logging
 
 import pytest
-
 from engine_cases import check_parity, make_model, train_engine, train_reference
+from test_partial_offload import ratio_config
+
 from offload.commands.estimate import model_units
 from offload.config import Config
 from offload.machine.accelerator import Accelerator
@@ -16,7 +17,6 @@ from offload.store.placement import MachineOffer, Shards, StageLayout, plan, tra
 from offload.store.step_cost import Rates, StepPrediction, Traffic, best, predict, sort_key
 from offload.store.tier import Tier
 from offload.zero.collectives import Group
-from test_partial_offload import ratio_config
 
 # A host whose Adam is slow beside its bus (as every GPU machine the issue measured), and one whose bus is slow.
 HOST_BOUND = Rates(device_gbps=2000.0, host_gbps=10.0, h2d_gbps=50.0, d2h_gbps=50.0)
@@ -195,8 +195,9 @@ def test_the_room_holds_to_the_byte_under_any_rates():
 def test_the_measurement_runs_here_and_gives_rates_a_machine_can_have():
     """The GPU's path of the measurement (offload/engine/rates.py), run on this CPU as its own device: each rate
     positive and under 10 TB/s."""
-    from offload.engine.rates import _measured
     import torch
+
+    from offload.engine.rates import _measured
     rates = _measured(torch.device("cpu"), 1)
     for name in ("device_gbps", "host_gbps", "h2d_gbps", "d2h_gbps"):
         assert 0 < getattr(rates, name) < 10_000, name
@@ -221,6 +222,7 @@ def test_a_cpu_device_measures_nothing_and_an_emulated_gpu_takes_the_rates_it_is
 
 def _agreed(rank, world, rates):
     import os
+
     from offload.engine.rates import measure
     os.environ["OFFLOAD_EMULATED_RATES"] = rates[rank]
     return measure(Accelerator("cpu"), None, Group.current())
@@ -252,6 +254,7 @@ def test_the_ranks_plan_with_the_slowest_ranks_rates():
 
 def _failing(rank, world, rates):
     import os
+
     from offload.engine.rates import measure
     os.environ["OFFLOAD_EMULATED_RATES"] = rates[rank]
     warned = []

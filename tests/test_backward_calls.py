@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+from engine_cases import base_config, batches, engine_device, loss_of, make_model
 
 import offload
-from engine_cases import base_config, batches, engine_device, loss_of, make_model
 from offload.machine.launch import run_ranks
 
 MICRO = 2

@@ -4,10 +4,10 @@ multi-grad hook that fires once, on the first gradient), and a unit's flat gradi
 
 import pytest
 import torch
+from engine_cases import base_config
 from torch import nn
 
 import offload
-from engine_cases import base_config
 
 
 class TwoOutputs(nn.Module):

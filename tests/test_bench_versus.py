@@ -106,6 +106,7 @@ def _deepspeed_whose_cpu_adam_fails(rank, world, config_path):
         return real(**kwargs)
     deepspeed.initialize = initialize
     import torch
+
     from offload.models import GPT
     bench = StepBench(world=1, hidden=64, layers=2, seq=32, vocab=512, micro=2)
     torch.manual_seed(0)

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_cases import SEQ, VOCAB, base_config, batches, loss_of, make_model
 
 import offload
-from engine_cases import SEQ, VOCAB, base_config, batches, loss_of, make_model
 from offload.files import training_checkpoint as checkpoint
 from offload.files.training_checkpoint import CheckpointError
 from offload.machine.launch import RankError, run_ranks

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_cases import base_config, batches, loss_of, make_model
 
 import offload
-from engine_cases import base_config, batches, loss_of, make_model
 from offload.commands.cli import main
 from offload.files import small_state
 from offload.files.training_checkpoint import CheckpointError
@@ -202,9 +202,10 @@ def test_an_old_checkpoint_loads_with_the_safe_reader_or_converts_in_one_command
 
 def test_the_trainers_resume_refuses_the_payload(tmp_path):
     pytest.importorskip("transformers")
-    import offload.hf
     from test_hf_trainer import DS, arguments, data
     from test_pretrained import save, tiny
+
+    import offload.hf
     path = save(tiny("llama"), tmp_path / "model")
 
     def trainer(out, **kw):

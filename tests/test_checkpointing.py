@@ -5,14 +5,14 @@ model-parallel group; misuse is a clear error."""
 import pytest
 import torch
 import torch.distributed as dist
+from engine_cases import base_config, batches, check_parity, loss_of, train_engine, train_reference
 
 import offload
-from engine_cases import base_config, batches, check_parity, loss_of, train_engine, train_reference
 from offload import checkpointing
-from offload.machine.accelerator import Accelerator
 from offload.checkpointing import ActivationStore, CheckpointingError, CheckpointSettings, checkpoint
-from offload.config import Config
 from offload.commands.estimate import ActivationShape, estimate, model_units
+from offload.config import Config
+from offload.machine.accelerator import Accelerator
 from offload.machine.launch import run_ranks
 from offload.models import GPT, GPTConfig
 

@@ -9,12 +9,11 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from conftest import REPO
 
 from offload.bench.step import StepBench
 from offload.commands.cli import main
 from offload.commands.demo import run_demo
-
-from conftest import REPO
 
 
 def test_demo_trains_through_the_sharded_engine():

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO
 
 from offload.commands.cli import main
-
-from conftest import REPO
 
 
 def _files(tmp: Path) -> dict[str, str]:

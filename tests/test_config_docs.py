@@ -1,9 +1,9 @@
 """docs/CONFIG.md is generated from the schema; it must not drift."""
 
+from conftest import REPO
+
 from offload.config import Support, config_fields
 from offload.config.docs import render_markdown
-
-from conftest import REPO
 
 
 def test_config_reference_is_current():

@@ -8,11 +8,10 @@ import typing
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_config_load import HF_STYLE, SHIPPED
 
 from offload.config import Config, ConfigError, config_fields
 from offload.config.fields import _strip_optional
-
-from test_config_load import HF_STYLE, SHIPPED
 
 NVME = {"stage": 3, "offload_optimizer": {"device": "nvme"}}
 

@@ -5,10 +5,9 @@ import json
 import logging
 
 import pytest
+from conftest import REPO
 
 from offload.config import AUTO, Config, ConfigError, load_config
-
-from conftest import REPO
 
 SHIPPED = sorted((REPO / "configs").glob("*.json")) + [REPO / "offload" / "defaults" / "demo.json"]
 
@@ -96,8 +95,10 @@ def test_zero_section_defaults_equal_deepspeeds_where_it_is_installed():
     defaults to the same value (its pydantic models hold the defaults)."""
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
-                                                       DeepSpeedZeroOffloadParamConfig)
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
     zero = Config.load({}).zero_optimization
     compared, differ = 0, []
     for ours, theirs, where in ((zero, DeepSpeedZeroConfig, "zero_optimization"),

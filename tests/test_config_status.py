@@ -14,15 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
+from engine_cases import base_config, batches, loss_of, make_model
+from test_config_load import HF_STYLE
 
 import offload
 from offload.config import Config, ConfigError, NoEffect, Support, config_fields
 from offload.config.fields import _strip_optional, public_fields, spec_of
 from offload.config.sections import SCHEDULER_PARAMS
-
-from conftest import REPO
-from engine_cases import base_config, batches, loss_of, make_model
-from test_config_load import HF_STYLE
 
 PACKAGE = REPO / "offload"
 

@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
 
 import offload
-from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
 from offload.machine.launch import run_ranks
 
 STEPS, WARMUP = 6, 2

@@ -4,13 +4,13 @@ stepped on the device keeps its gradient as the reduction left it (2 bytes an el
 
 import pytest
 import torch
-
 from engine_cases import check_bitwise, train_engine
+from test_partial_offload import ratio_config
+from test_split_beside_params import split_config
+
 from offload.machine.launch import run_ranks
 from offload.optim.shard_state import ShardPhase, ShardState, widened
 from offload.store.placement import KEPT_GRADS
-from test_partial_offload import ratio_config
-from test_split_beside_params import split_config
 
 EMULATED_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002",
                 "CUDA_VISIBLE_DEVICES": ""}
@@ -104,9 +104,10 @@ def test_the_refit_counts_a_kept_gradient_at_its_two_bytes():
 
 
 def test_what_the_estimate_plans_for_kept_gradients_is_what_initialize_keeps(tmp_path):
+    from engine_cases import make_model
+
     from offload.commands.estimate import estimate, model_units
     from offload.config import Config
-    from engine_cases import make_model
     config, _ = split_config(tmp_path, 1, 1, 0.5, "cpu")
     config["bf16"] = {"enabled": True}
     memory = train_engine(0, 1, name="gpt", config=config, steps=1, micro=2, accum=1)["memory"]

@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 import torch
+from engine_cases import base_config, batches, loss_of, make_model
 
 import offload
-from engine_cases import base_config, batches, loss_of, make_model
 from offload.commands.cli import main
 from offload.files import training_checkpoint
 from offload.files.training_checkpoint import CheckpointDiskFull, CheckpointError

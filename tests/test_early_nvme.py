@@ -11,9 +11,9 @@ import os
 
 import pytest
 import torch
+from engine_cases import base_config, batches, check_bitwise, describe_engine, loss_of, make_model, train_engine
 
 import offload
-from engine_cases import base_config, batches, check_bitwise, describe_engine, loss_of, make_model, train_engine
 from offload.machine.launch import run_ranks
 from offload.optim.early_step import EarlyStepLost
 from offload.store.tier import Tier

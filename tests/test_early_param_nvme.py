@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_cases import batches, check_bitwise, loss_of, make_model, train_engine
+from test_engine_param_nvme import _steps, param_config
 
 import offload
-from engine_cases import batches, check_bitwise, loss_of, make_model, train_engine
 from offload.machine.launch import run_ranks
-from test_engine_param_nvme import _steps, param_config
 
 HOST_LAG = {"OFFLOAD_EMULATED_HOST_DELAY_S": "0.003"}
 

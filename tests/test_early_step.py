@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_cases import base_config, batches, check_bitwise, describe_engine, loss_of, make_model, train_engine
-from offload.machine.launch import run_ranks
 from test_sync_ledger import ledger_of_a_step
+
+from offload.machine.launch import run_ranks
 
 HOST_LAG = {"OFFLOAD_EMULATED_HOST_DELAY_S": "0.01"}  # the device stays the host's memory: units read in place
 LAG = {"OFFLOAD_EMULATED_COPY_DELAY_S": "0.003"}  # a discrete device: gathers and copies back too

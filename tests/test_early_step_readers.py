@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from engine_cases import batches, loss_of, make_model
+from test_early_step import DISCRETE, HOST_LAG, early_config
 
 import offload
-from engine_cases import batches, loss_of, make_model
 from offload.machine.launch import run_ranks
-from test_early_step import DISCRETE, HOST_LAG, early_config
 
 STEPS = 3
 

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from engine_cases import base_config, batches, loss_of, make_model
 
 import offload
-from engine_cases import base_config, batches, loss_of, make_model
 from offload.machine.launch import run_ranks
 
 

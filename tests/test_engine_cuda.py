@@ -3,9 +3,9 @@ and the sharded model's memory high-water mark stays below plain torch's. Skippe
 
 import pytest
 import torch
+from engine_cases import base_config, make_model, train_engine, train_reference
 
 import offload
-from engine_cases import base_config, make_model, train_engine, train_reference
 from offload.store.tier import Tier
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -120,8 +120,9 @@ def test_auto_refits_after_the_first_step_into_the_memory_it_left(monkeypatch, p
     low here, as if another process had held the rest until then), so auto split it; the first step's real peak on this
     GPU leaves room for all of it, so the rest moves there (with the host-homed shards, beside offloaded
     parameters), and training goes on as torch's."""
-    from offload.machine.accelerator import Accelerator
     from test_refit import split_config, splitting_free, train_refitted
+
+    from offload.machine.accelerator import Accelerator
     config = split_config(1, 2, ratio="auto")
     config["zero_optimization"]["offload_param"] = {"device": params}
     free, real, started = splitting_free(raw=config), Accelerator.free_bytes, []
@@ -139,13 +140,15 @@ def test_start_up_measures_this_gpus_rates_and_auto_chooses_its_split_by_them(ca
     any GPU machine has; the engine's split under a device budget is the plan's at those rates, logged with them,
     and trains as torch."""
     import logging
+
+    from test_partial_offload import splitting_budget
+
     from offload.commands.estimate import model_units
     from offload.config import Config
     from offload.engine.rates import measure
     from offload.machine.accelerator import Accelerator
     from offload.store.placement import MachineOffer, Shards, plan
     from offload.zero.collectives import Group
-    from test_partial_offload import splitting_budget
     rates = measure(Accelerator("cuda"), None, Group(0, 1, None))
     assert 1 < rates.h2d_gbps < 1000 and 1 < rates.d2h_gbps < 1000
     assert 1 < rates.host_gbps < 2000 and 50 < rates.device_gbps < 20_000

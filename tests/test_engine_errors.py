@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from engine_cases import base_config, make_model
 
 import offload
-from engine_cases import base_config, make_model
 from offload import ConfigError, EngineError
 from offload.machine.launch import run_ranks
 

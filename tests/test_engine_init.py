@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_cases import base_config, batches, loss_of
 from torch.overrides import TorchFunctionMode
 
 import offload
-from engine_cases import base_config, batches, loss_of
 from offload.models import GPT, GPTConfig
 
 MEASURE = textwrap.dedent("""

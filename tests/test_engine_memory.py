@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
+
 from offload.machine.launch import RankError, run_ranks
 
 STEPS = 3
@@ -85,8 +85,9 @@ def test_a_limit_below_one_unit_is_a_clear_error():
 
 
 def _budget_run(rank, world, budget):
-    import offload
     from engine_cases import make_model
+
+    import offload
     config = {**base_config(2, 1, world), "offload": {"unit_bytes": 8192, "budgets": {"device": budget}}}
     engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
     from engine_cases import batches, loss_of
@@ -141,8 +142,9 @@ def _unpicklable_failure(rank, world):
 
 
 def _plan_and_measure(rank, world, stage, optimizer, params):
-    import offload
     from engine_cases import make_model
+
+    import offload
 
     config = base_config(2, 1, world, stage=stage)
     config["zero_optimization"]["offload_optimizer"] = {"device": optimizer}
@@ -159,9 +161,10 @@ def _plan_and_measure(rank, world, stage, optimizer, params):
 def test_the_plan_predicts_what_the_engine_keeps_on_the_device(stage, optimizer, params):
     """The placement plan (which checks the device budget before anything is allocated) and the engine's own
     account of what it keeps on the device between uses agree, part for part."""
-    from offload.config import Config
-    from offload.commands.estimate import estimate, model_units
     from engine_cases import make_model
+
+    from offload.commands.estimate import estimate, model_units
+    from offload.config import Config
 
     world = 2
     measured = run_ranks(_plan_and_measure, world, stage=stage, optimizer=optimizer, params=params)[0]
@@ -179,8 +182,9 @@ def test_the_plan_predicts_what_the_engine_keeps_on_the_device(stage, optimizer,
 def test_on_a_cpu_at_w1_units_are_read_in_place_and_nothing_is_copied(params):
     """The compute device is host memory: every unit's parameters are views of the store's shard itself, and a
     training step gathers, copies and releases nothing, yet trains as torch does."""
-    import offload
     from engine_cases import batches, loss_of, make_model
+
+    import offload
 
     config = base_config(2, 1, 1)
     config["zero_optimization"]["offload_param"] = {"device": params}

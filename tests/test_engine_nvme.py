@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
+from engine_cases import base_config, batches, check_parity, loss_of, make_model, train_engine, train_reference
 
 import offload
-from engine_cases import base_config, batches, check_parity, loss_of, make_model, train_engine, train_reference
 from offload.aio.base import SwapIOError
 from offload.aio.checksum import ChecksumError
 from offload.machine.launch import run_ranks

@@ -6,10 +6,10 @@ import os
 
 import pytest
 import torch
+from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
 
 import offload
 import offload.aio.base as aio_base
-from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
 from offload.aio.base import SwapIOError
 from offload.machine.launch import run_ranks
 from offload.store.tier import Tier

@@ -8,15 +8,15 @@ import time
 
 import pytest
 import torch
+from engine_cases import base_config, batches, loss_of, make_model, train_engine, train_reference
 
 import offload
-from engine_cases import base_config, batches, loss_of, make_model, train_engine, train_reference
 from offload.aio.base import SwapIOError
 from offload.aio.checksum import ChecksumError
 from offload.engine import EngineError
 from offload.machine.launch import run_ranks
-from offload.store.tier import Tier
 from offload.observe.telemetry import NVME_PARAMS
+from offload.store.tier import Tier
 
 
 def param_config(path, world=1, optimizer="cpu", max_in_cpu=0, buffers=3, clip=1.0, overlap="auto"):
@@ -102,7 +102,7 @@ def test_overlapped_step_and_a_host_nvme_split_train_like_torch(tmp_path):
         results = run_ranks(train_engine, 1, name="gpt", config=config, steps=5, micro=2, accum=1)
         ref = train_reference("gpt", 5, 2, 2, clip=0.0, world=1)
         for key, value in ref["state"].items():
-            torch.testing.assert_close(results[0]["state"][key], value, msg=lambda m, k=key: f"{name} {k}: {m}")
+            torch.testing.assert_close(results[0]["state"][key], value, msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
         torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]))
         if name == "overlapped":
             assert results[0]["overlapped"] >= 5 * units // 2
@@ -183,8 +183,9 @@ def test_budgets_and_buffers_that_cannot_work_fail_at_initialize(tmp_path):
 def _rss_of_training(rank, world, path):
 
     from memwatch import AnonPeak, rss_anon
-    from offload.config import Config
+
     from offload.commands.estimate import estimate, model_units
+    from offload.config import Config
     from offload.models import GPT, GPTConfig
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},

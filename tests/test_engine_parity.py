@@ -8,8 +8,8 @@ evaluation forward under torch.no_grad().
 import importlib.util
 
 import pytest
-
 from engine_cases import base_config, check_parity, train_engine, train_reference
+
 from offload.machine.launch import run_ranks
 
 STEPS, MICRO, ACCUM = 20, 2, 2

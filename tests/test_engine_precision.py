@@ -4,12 +4,12 @@ import math
 
 import pytest
 import torch
+from engine_cases import base_config, batches, loss_of, make_model, train_engine, train_reference
 
 import offload
-from engine_cases import base_config, batches, loss_of, make_model, train_engine, train_reference
-from offload.optim.loss_scale import LossScaler
 from offload.config.sections import FP16Config
 from offload.machine.launch import run_ranks
+from offload.optim.loss_scale import LossScaler
 
 
 def test_bf16_trains_like_fp32():

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from engine_cases import base_config
 from torch import nn
 
 import offload
-from engine_cases import base_config
 from offload.machine.launch import run_ranks
 from offload.zero.prefetch import PrefetchTrace
 

@@ -3,10 +3,10 @@ a model reused after close, and parameters read outside their module's forward."
 
 import pytest
 import torch
+from engine_cases import base_config
 from torch import nn
 
 import offload
-from engine_cases import base_config
 from offload.zero import plan_units
 
 

@@ -10,12 +10,12 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import REPO
+from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
 
 import offload
-from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
 from offload.config import Config, ConfigError
 from offload.machine.launch import run_ranks
-from conftest import REPO
 
 STEPS, MICRO, ACCUM = 20, 2, 2
 needs_transformers = pytest.mark.skipif(not importlib.util.find_spec("transformers"),

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from engine_cases import base_config, check_parity, train_engine, train_reference
+
 from offload.machine.accelerator import StreamError, WorkerStream
 from offload.machine.launch import run_ranks
 
@@ -41,6 +41,7 @@ def test_worker_stream_runs_in_order_and_events_wait_for_the_work():
 
 def test_a_re_recorded_event_completes_at_its_latest_record_not_an_earlier_one_still_queued():
     import threading
+
     from offload.observe.sync_ledger import SyncLedger
     ledger = SyncLedger()
     stream = WorkerStream("gated", ledger=ledger)
@@ -151,8 +152,8 @@ def test_a_recorded_wait_for_a_held_record_replays(monkeypatch):
     """The step graph notes a wait only after the held record it waits for is issued (held work is issued where it
     is sent), so the recorded graph can finish."""
     monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
-    from offload.machine.accelerator import Accelerator
     from offload.bench import replay as R
+    from offload.machine.accelerator import Accelerator
     accel = Accelerator("cpu")
     land = accel.host_queue("grad-land")
     accel.start_graph()
@@ -190,8 +191,9 @@ def test_backward_hands_its_held_landings_over_when_it_ends():
     landing is held until backward's end sends them; then the worker lands them with nobody waiting."""
     import time
 
-    import offload
     from engine_cases import batches, loss_of, make_model
+
+    import offload
     from offload.optim.landing import LANDING_BATCH_BYTES
     engine = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))[0]
     optimizer = engine.optimizer
@@ -208,8 +210,9 @@ def test_backward_hands_its_held_landings_over_when_it_ends():
 def test_weights_saved_right_after_a_step_are_the_stepped_ones(tmp_path, monkeypatch):
     """The new shards reach the device on a copy stream after the step; a save straight after must wait for them
     (it read the previous values before the parameter store's read waited for the copy back)."""
-    import offload
     from engine_cases import batches, loss_of, make_model
+
+    import offload
     monkeypatch.setenv("OFFLOAD_EMULATED_COPY_DELAY_S", "0.05")  # copies back lag far behind the step
     config = base_config(2, 1, 1)
     config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True

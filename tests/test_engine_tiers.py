@@ -2,11 +2,12 @@
 optimizer on {cpu, nvme, split between host and NVMe by the host budget}, W = 1 and 2."""
 
 import pytest
-
 from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
-from offload.config import Config
+
 from offload.commands.estimate import estimate, model_units
+from offload.config import Config
 from offload.machine.launch import run_ranks
+
 
 def tier_config(tmp_path, world, params, optimizer, host_budget=None):
     config = base_config(2, 2, world, sub_group_size=3000)

@@ -4,11 +4,11 @@ here."""
 import json
 
 import pytest
-
 from engine_cases import base_config, describe_engine, make_model
+
 from offload.commands.cli import main
-from offload.config import Config
 from offload.commands.estimate import Machine, estimate, largest_trainable, model_state_formula, model_units
+from offload.config import Config
 from offload.machine.launch import run_ranks
 from offload.store.tier import Tier
 

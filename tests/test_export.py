@@ -7,13 +7,12 @@ import sys
 
 import pytest
 import torch
-
+from conftest import REPO
 from engine_cases import base_config, make_model, train_engine, train_reference
+
 from offload.commands.cli import main
 from offload.files.export import export_weights, load_exported
 from offload.machine.launch import run_ranks
-
-from conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -219,10 +218,10 @@ def test_the_recovery_script_beside_every_checkpoint_gives_export_weights_own_va
     import ast
     import shutil
 
+    from engine_cases import batches, loss_of
     from safetensors.torch import load_file
 
     import offload
-    from engine_cases import batches, loss_of
     engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
     engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
     engine.step()
@@ -251,8 +250,9 @@ def test_the_recovery_script_beside_every_checkpoint_gives_export_weights_own_va
 
 
 def _trained_checkpoint(tmp_path):
-    import offload
     from engine_cases import batches, loss_of
+
+    import offload
     engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 1))
     engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
     engine.step()

@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-
 from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine
+
 from offload.machine import native
 from offload.machine.launch import run_ranks
 from offload.optim.landing import ReducedShard

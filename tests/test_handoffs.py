@@ -76,7 +76,7 @@ def handoffs() -> list[tuple[str, str, str, int]]:
     classes, _ = _classes_and_methods()
     out = []
     for module, tree in _sources().items():
-        def visit(node: ast.AST, where: str) -> None:
+        def visit(node: ast.AST, where: str, module: str = module) -> None:
             for child in ast.iter_child_nodes(node):
                 inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
                 if isinstance(child, ast.Call) and _name(child.func) in classes:

@@ -9,10 +9,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-import offload.hf  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_hf_trainer import DS, arguments, data  # noqa: E402
 from test_pretrained import tiny  # noqa: E402
+
+import offload.hf  # noqa: E402
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 

@@ -13,10 +13,11 @@ import torch
 pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
+from test_pretrained import save, tiny  # noqa: E402
+
 import offload.hf  # noqa: E402
 from offload.hf.ds_config import ConfigMismatch, resolve  # noqa: E402
 from offload.machine.launch import run_ranks  # noqa: E402
-from test_pretrained import save, tiny  # noqa: E402
 
 DS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
       "train_batch_size": "auto",
@@ -278,6 +279,7 @@ def test_an_epoch_that_ends_mid_accumulation_steps_as_the_plain_trainer_does(tmp
 
 def test_the_shipped_trainer_config_resolves_with_default_arguments(tmp_path):
     from conftest import REPO
+
     from offload.config import Config
     raw = json.loads((REPO / "configs" / "zero3_cpu_offload_hf.json").read_text())
     resolved = resolve(raw, arguments(tmp_path), tiny("llama"), num_training_steps=100)
@@ -371,8 +373,9 @@ def test_the_worked_example_fine_tunes_under_torchrun(tmp_path):
     import sys
 
     from conftest import REPO
-    from offload.commands.demo import TEXT
     from test_pretrained import tiny_tokenizer
+
+    from offload.commands.demo import TEXT
     path = save(tiny("llama", vocab=128), tmp_path / "ckpt")
     tiny_tokenizer(TEXT).save_pretrained(path)
     (tmp_path / "corpus.txt").write_text(TEXT)

@@ -5,11 +5,10 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO
 
 from offload.config import Config, ConfigError
 from offload.machine.host_malloc import resident
-
-from conftest import REPO
 
 # Free one 2 MiB block (glibc then raises its threshold past 2 MiB), then allocate twenty more and free every
 # other one: from the heap (the raised threshold), the freed ones stay resident between the live ones.

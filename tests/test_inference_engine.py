@@ -7,9 +7,9 @@ import copy
 
 import pytest
 import torch
+from engine_cases import base_config, batches, loss_of, make_model
 
 import offload
-from engine_cases import base_config, batches, loss_of, make_model
 from offload.engine import EngineError
 from offload.machine.launch import run_ranks
 

@@ -171,8 +171,9 @@ def test_a_fabric_loop_trains_on_the_engine_as_under_ddp_and_resumes_bitwise(tmp
 
 
 def test_the_strategy_names_mirror_deepspeeds():
-    import offload.lightning  # noqa: F401
     from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+
+    import offload.lightning  # noqa: F401
     from offload.lightning import OffloadStrategy
     theirs = {k: v for k, v in StrategyRegistry.items() if v["strategy"] is DeepSpeedStrategy}
     assert len(theirs) == 7
@@ -193,6 +194,7 @@ def test_the_strategy_names_mirror_deepspeeds():
 def test_the_trainer_gives_it_deepspeeds_precision_plugin_and_config():
     import lightning as L
     from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+
     from offload.lightning import OffloadStrategy
     trainer = L.Trainer(strategy="offload_stage_3_offload_nvme", accelerator="cpu", devices=1,
                         precision="bf16-mixed", logger=False)
@@ -207,6 +209,7 @@ def test_the_trainer_gives_it_deepspeeds_precision_plugin_and_config():
 def test_fabric_gives_it_deepspeeds_precision_and_joint_set_up():
     import lightning as L
     from lightning.fabric.plugins.precision import DeepSpeedPrecision
+
     from offload.lightning.fabric import OffloadStrategy
     fabric = L.Fabric(strategy="offload_stage_3_offload", accelerator="cpu", devices=1, precision="bf16-mixed")
     assert isinstance(fabric.strategy, OffloadStrategy) and isinstance(fabric._precision, DeepSpeedPrecision)

@@ -1,4 +1,5 @@
-"""The code passes ruff (pycodestyle and pyflakes, as pyproject.toml configures it): part of the test command."""
+"""The code passes ruff (pycodestyle, pyflakes, bugbear and import order, as pyproject.toml configures it): part of
+the test command."""
 
 import subprocess
 import sys

@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-
 from conftest import REPO
 from lr_cases import CASES, OPT_LR, STEPS, run_schedule
+
 from offload.config import Config, ConfigError
 from offload.optim.lr_schedules import build_lr_schedule
 

@@ -6,11 +6,11 @@ import logging
 
 import pytest
 import torch
+from engine_cases import base_config, check_parity, describe_engine, make_model, train_engine, train_reference
 
 import offload
-from engine_cases import base_config, check_parity, describe_engine, make_model, train_engine, train_reference
-from offload.config import AUTO, Config
 from offload.commands.estimate import estimate, model_units
+from offload.config import AUTO, Config
 from offload.machine.launch import run_ranks
 from offload.optim import update
 

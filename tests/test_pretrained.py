@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 import offload
 import offload.hf
-from offload.machine.launch import run_ranks
 from offload.files.pretrained import PretrainedError
+from offload.machine.launch import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -197,8 +197,8 @@ def _build_growth(rank, world, path, swap, pretrained):
     by offload.zero.Init. The peak is the kernel's own high-water mark (reset first), so no short-lived allocation
     escapes it."""
     import offload.hf
-    from offload.machine.host_malloc import DEFAULT_THRESHOLD
     from offload.files.pretrained import PretrainedWeights
+    from offload.machine.host_malloc import DEFAULT_THRESHOLD
     cfg = config(unit_bytes=1 << 20, params=None)
     # Small swap buffers, so what the engine holds once built is small beside the model.
     cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0,

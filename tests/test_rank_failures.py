@@ -5,14 +5,14 @@ retryable step is retried on every rank to the values of a run that never failed
 from __future__ import annotations
 
 import errno
-from pathlib import Path
 import os
+from pathlib import Path
 
 import pytest
 import torch
+from engine_cases import base_config, batches, loss_of, make_model
 
 import offload
-from engine_cases import base_config, batches, loss_of, make_model
 from offload.engine.life import Life
 from offload.machine.launch import run_ranks
 
@@ -357,7 +357,7 @@ def _train_two_units(rank: int, world: int, stage: int, skipping: int | None) ->
     for step in (0, 1) if skipping is not None else (1,):
         model.b.skip = step == 0 and rank == skipping
         x = torch.randn(2, 32, generator=torch.Generator().manual_seed(10 * step + rank))
-        errors.append(_error(lambda: (engine.backward(engine(x)), engine.step())))
+        errors.append(_error(lambda x=x: (engine.backward(engine(x)), engine.step())))
     out = {"errors": errors, "state": engine.full_state_dict()}
     engine.close()
     return out

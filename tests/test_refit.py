@@ -4,9 +4,9 @@ PyTorch's, bitwise as if they had never moved where both tiers run the same kern
 
 import pytest
 import torch
+from engine_cases import base_config, batches, check_parity, loss_of, make_model, train_engine, train_reference
 
 import offload
-from engine_cases import base_config, batches, check_parity, loss_of, make_model, train_engine, train_reference
 from offload.commands.estimate import estimate, model_units
 from offload.config import Config
 from offload.engine.refit import MARGIN_MIN, refit_choice, refits, spare_after

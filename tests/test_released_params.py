@@ -10,9 +10,9 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_cases import base_config, batches, loss_of, make_model
 
 import offload
-from engine_cases import base_config, batches, loss_of, make_model
 from offload.engine import errors
 from offload.machine.launch import run_ranks
 

@@ -7,11 +7,11 @@ import threading
 
 import pytest
 import torch
+from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
 
 import offload
-from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
-from offload.config import Config, ConfigError
 from offload.commands.estimate import estimate
+from offload.config import Config, ConfigError
 from offload.machine.launch import run_ranks
 from offload.store.sub_groups import SPECULATIVE_SLOT
 

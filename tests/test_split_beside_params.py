@@ -7,17 +7,16 @@ takes the GPU's paths (landing buffers, copies, units read where they live)."""
 import logging
 
 import pytest
+from engine_cases import check_bitwise, check_parity, make_any, make_model, train_engine, train_reference
+from test_partial_offload import device_state, ratio_config
 
 import offload
-
-from engine_cases import check_bitwise, check_parity, make_any, make_model, train_engine, train_reference
-from offload.config import Config, ConfigError
 from offload.commands.estimate import model_units
+from offload.config import Config, ConfigError
 from offload.machine.buffers import round_up
 from offload.machine.launch import run_ranks
 from offload.store.placement import MachineOffer, Shards, plan
 from offload.store.tier import Tier
-from test_partial_offload import device_state, ratio_config
 
 EMULATED_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from engine_cases import base_config, batches, loss_of, make_model
 
 import offload
-from engine_cases import base_config, batches, loss_of, make_model
 from offload.config import Config, ConfigError
 from offload.files.export import export_weights, load_exported
 from offload.machine.launch import run_ranks

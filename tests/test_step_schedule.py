@@ -13,10 +13,10 @@ import ast
 from typing import Any
 
 import pytest
-
-import offload
 from conftest import REPO
 from engine_cases import base_config, make_model
+
+import offload
 from offload.engine.step_schedule import AfterBackward, Speculative, StepSchedule, Whole
 from offload.machine.launch import run_ranks
 from offload.optim.loss_scale import unclipped_factor

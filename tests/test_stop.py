@@ -12,8 +12,8 @@ import sys
 
 import pytest
 import torch
-
 from engine_cases import base_config, batches, loss_of, make_model
+
 from offload.commands.cli import main
 from offload.engine.stopping import Stop, StopRequest
 from offload.machine.launch import run_ranks

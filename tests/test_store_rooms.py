@@ -15,23 +15,22 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from offload.machine.accelerator import Accelerator, DoneEvent
 from offload.aio.base import IOEngine, Request, SwapFile, SwapIOError, check_request, split
 from offload.aio.checksum import ChecksumError, ChecksummedFile
 from offload.aio.threads import ThreadPoolEngine
+from offload.config import Config, ConfigError
+from offload.machine.accelerator import Accelerator, DoneEvent
 from offload.machine.buffers import AlignedBuffer, round_up
-from offload.config import ConfigError
-from offload.store.budget import BudgetExceeded, TierBudget
-from offload.config import Config
-from offload.store.optimizer_state import OptimizerStateStore
-from offload.store.sub_groups import place_sub_groups, plan_sub_groups
-from offload.store.placement import Shards, plan
-from offload.store.param_store import ParamStore
-from offload.store.tier import Tier
-from offload.store.param_homes import WRITE_BUFFERS, param_buffer_bytes
-from offload.store.param_swap import BufferState, ParamSwap, ParamSwapError
-from offload.store.swapdir import SwapDir, TierRoom
 from offload.observe.telemetry import Telemetry
+from offload.store.budget import BudgetExceeded, TierBudget
+from offload.store.optimizer_state import OptimizerStateStore
+from offload.store.param_homes import WRITE_BUFFERS, param_buffer_bytes
+from offload.store.param_store import ParamStore
+from offload.store.param_swap import BufferState, ParamSwap, ParamSwapError
+from offload.store.placement import Shards, plan
+from offload.store.sub_groups import place_sub_groups, plan_sub_groups
+from offload.store.swapdir import SwapDir, TierRoom
+from offload.store.tier import Tier
 
 KINDS = 3  # master, exp_avg, exp_avg_sq: the fp32 state these rooms are tested with
 

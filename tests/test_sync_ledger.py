@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from engine_cases import base_config, batches, loss_of, make_model
+
 from offload.machine.launch import run_ranks
 from offload.observe.sync_ledger import Role, SyncLedger, acting_as, current_role
 
@@ -69,6 +69,7 @@ def test_checkpointed_blocks_keep_the_promise_and_reuse_their_events(cpu):
 
 def test_the_ledger_counts_by_the_waiting_threads_role():
     import torch
+
     from offload.machine.accelerator import WorkerStream
     ledger = SyncLedger()
     ledger.block("outside")

@@ -5,9 +5,9 @@ import threading
 import time
 
 import pytest
+from engine_cases import base_config, batches, loss_of, make_model
 
 import offload
-from engine_cases import base_config, batches, loss_of, make_model
 from offload.observe.telemetry import AUTOGRAD_THREAD, Telemetry, TraceEvent
 
 

@@ -4,9 +4,9 @@ loads into the new one."""
 
 import pytest
 import torch
+from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
 
 import offload
-from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
 from offload.machine.launch import run_ranks
 from offload.models import GPT, GPTConfig
 from offload.zero.plan import plan_units

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from engine_cases import base_config, batches, loss_of, make_model
 
 import offload
-from engine_cases import base_config, batches, loss_of, make_model
 from offload.engine.errors import EngineError
 from offload.machine.launch import run_ranks
 

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from offload.machine import native
 from offload.aio.base import DEFERRED, Deferred, IOEngine, Piece, Request, RequestGroup, SwapFile, SwapIOError
+from offload.machine import native
 
 
 class ChecksumError(SwapIOError):

@@ -10,8 +10,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from offload.aio.base import (IOEngine, Piece, Request, SwapFile, Verify, check_block_size, check_request, split,
-                              transfer_piece)
+from offload.aio.base import (
+    IOEngine,
+    Piece,
+    Request,
+    SwapFile,
+    Verify,
+    check_block_size,
+    check_request,
+    split,
+    transfer_piece,
+)
 
 
 class ThreadPoolEngine(IOEngine):

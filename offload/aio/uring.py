@@ -20,8 +20,20 @@ from typing import Literal
 
 import torch
 
-from offload.aio.base import (IOEngine, Piece, Request, SwapFile, SwapIOError, Verify, _memoryview_at,
-                              check_block_size, check_request, piece_error, split, zero_transfer)
+from offload.aio.base import (
+    IOEngine,
+    Piece,
+    Request,
+    SwapFile,
+    SwapIOError,
+    Verify,
+    _memoryview_at,
+    check_block_size,
+    check_request,
+    piece_error,
+    split,
+    zero_transfer,
+)
 from offload.aio.liburing_probe import import_liburing
 
 

@@ -32,9 +32,9 @@ from typing import Any, TextIO
 import torch
 
 from offload.bench.step import StepBench, describe_model, engine_config
-from offload.bench.versus import PLAIN, PHASES, side_rank, timed
-from offload.models.catalog import lm_loss
+from offload.bench.versus import PHASES, PLAIN, side_rank, timed
 from offload.machine.launch import RankError, run_ranks
+from offload.models.catalog import lm_loss
 
 # Where each variant puts parameters and optimizer state, and what it keeps on the device (the step bench's keys).
 VARIANTS: dict[str, dict[str, Any]] = {

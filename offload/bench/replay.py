@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 from offload.observe import step_graph
 
+
 @dataclass(kw_only=True)
 class Machine:
     """The rates a replay charges work at."""

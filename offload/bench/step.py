@@ -63,7 +63,6 @@ from offload.models.catalog import lm_loss
 from offload.observe.telemetry import BACKGROUND, FOREGROUND
 from offload.store.state_format import FORMATS
 
-
 NOISE_FLOOR_S = 0.05  # CPU steps shorter than this time mostly the machine's noise (thread wake-ups, other tenants)
 # `--state-format`: offload.optimizer_state's (master, moments) by the names the benchmarks give them
 STATE_FORMATS = {cli: FORMATS[name].names() for cli, name in (
@@ -340,7 +339,8 @@ def engine_config(b: StepBench, variant: dict[str, Any]) -> dict[str, Any]:
                           "speculative_step": variant.get("speculative", "auto"),
                           "delayed_update": {"warmup_steps": variant.get("delayed")},
                           "checkpoint_blocks": b.checkpointing != "none",
-                          "optimizer_state": dict(zip(("master", "moments"), variant.get("state", b.state))),
+                          "optimizer_state": dict(zip(("master", "moments"), variant.get("state", b.state),
+                                                      strict=False)),
                           "budgets": {"device": b.device_budget},
                           # as `offload train` sets it: the RSS each variant reports then tracks what is live
                           "host_malloc": {"mmap_threshold": DEFAULT_THRESHOLD}},
@@ -491,7 +491,8 @@ def run(b: StepBench, out_path: Path | None = None, log: TextIO | None = None) -
             ranks = run_ranks(_engine_rank, b.world, timeout=1800, threads=max(1, cores // b.world),
                               env=env, bench=asdict(b), variant={**variant, "name": name})
             peaks[name] = ranks[0]["peak"]
-            times[name] += [max(ts) for ts in zip(*(rank["times"] for rank in ranks))]  # a step ends on the last rank
+            # a step ends on the last rank
+            times[name] += [max(ts) for ts in zip(*(rank["times"] for rank in ranks), strict=True)]
             runs[name].append(ranks[0])
             last[name] = ranks
         if log:
@@ -596,7 +597,7 @@ def plot_stages(result: StepResult, path: Path) -> None:
     for tier, color in (("device", "tab:green"), ("host", "tab:orange"), ("nvme", "tab:gray")):
         values = [result.memory[n].get(tier, 0) / 2**20 for n in names]
         right.bar(names, values, bottom=bottom, color=color, label=tier)
-        bottom = [a + v for a, v in zip(bottom, values)]
+        bottom = [a + v for a, v in zip(bottom, values, strict=True)]
     right.set_ylabel("MiB per rank")
     right.set_title("memory per rank (engine accounting)")
     right.legend()

@@ -22,6 +22,7 @@ runs the same config with its ``torch_adam`` switch, and the optimizer column sa
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import os
@@ -160,13 +161,13 @@ def timed(forward: Any, backward: Any, step: Any, b: StepBench, world: int, rank
     for i, tokens in enumerate(batches(b, b.warmup + b.steps, b.micro * world)):
         rows = tokens[rank * b.micro:(rank + 1) * b.micro].to(device)
         marks = [time.perf_counter()]
-        for fn in (lambda: forward(rows), backward, step):
+        for fn in (functools.partial(forward, rows), backward, step):
             fn()
             sync(b.device)
             marks.append(time.perf_counter())
         if i >= b.warmup:
             steps.append(marks[-1] - marks[0])
-            for p, (a, z) in zip(PHASES, zip(marks, marks[1:])):
+            for p, (a, z) in zip(PHASES, zip(marks, marks[1:], strict=False), strict=True):
                 phases[p].append(z - a)
     return steps, phases
 
@@ -328,7 +329,7 @@ def run(b: StepBench, out: Path, log: TextIO | None = None, names: tuple[str, ..
                         print(f"  {key} failed: {result.errors[key]}", file=log, flush=True)
                     continue
                 first = dict(ranks[0])
-                first["step_s"] = [max(ts) for ts in zip(*(rank["step_s"] for rank in ranks))]
+                first["step_s"] = [max(ts) for ts in zip(*(rank["step_s"] for rank in ranks), strict=True)]
                 first["peak_rss"] = max(rank["peak_rss"] for rank in ranks)
                 runs[name][side].append(first)
             if log:

@@ -15,12 +15,21 @@ import psutil
 import torch
 
 import offload
-from offload.machine import cpus, native
-from offload.files.training_checkpoint import CheckpointDiskFull, CheckpointError
-from offload.commands.cli_types import (directory_problem, non_negative_float, non_negative_int, output_file_problem,
-                               positive_float, positive_int, positive_ints, positive_size, positive_sizes)
+from offload.commands.cli_types import (
+    directory_problem,
+    non_negative_float,
+    non_negative_int,
+    output_file_problem,
+    positive_float,
+    positive_int,
+    positive_ints,
+    positive_size,
+    positive_sizes,
+)
 from offload.config import Config, ConfigError
 from offload.engine import EngineError
+from offload.files.training_checkpoint import CheckpointDiskFull, CheckpointError
+from offload.machine import cpus, native
 from offload.machine.launch import RankError
 
 
@@ -31,8 +40,8 @@ class UsageError(ValueError):
 def _user_errors() -> tuple[type[BaseException], ...]:
     """What a user's input causes: said in one paragraph, exit 2 (see the module docstring)."""
     from offload.aio.base import SwapIOError
-    from offload.files.pretrained import PretrainedError
     from offload.commands.train import TrainError
+    from offload.files.pretrained import PretrainedError
     return (UsageError, ConfigError, TrainError, CheckpointError, PretrainedError, EngineError, SwapIOError,
             PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 
@@ -314,9 +323,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from offload.files.training_checkpoint import read_meta
     from offload.files.export import checkpoint_dir, describe
     from offload.files.small_state import unsafe_content
+    from offload.files.training_checkpoint import read_meta
     path = checkpoint_dir(args.checkpoint, args.tag)  # no checkpoint there: the handler's exit 2
     try:
         print(describe(path))
@@ -382,8 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output directory (default ./offload-tune-nvme)")
     p.set_defaults(func=_cmd_tune_nvme)
 
-    from offload.models.catalog import MODELS
     from offload.commands.train import TrainArgs
+    from offload.models.catalog import MODELS
     d = TrainArgs()
     p = sub.add_parser("train", help="train a causal LM through the runtime (the main job; embedded defaults)")
     p.add_argument("--model", default=d.model, help=f"{', '.join(MODELS)}, or a local Hugging Face checkpoint "

@@ -17,9 +17,9 @@ from typing import TextIO
 
 import torch
 
-from offload.machine import native
 from offload.config import Config
 from offload.engine import initialize
+from offload.machine import native
 from offload.models import GPT, GPTConfig
 
 TEXT = (

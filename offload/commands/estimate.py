@@ -32,10 +32,9 @@ from offload.engine.refit import refits, room_beside
 from offload.engine.step_schedule import wanted
 from offload.models.catalog import MODELS, ModelError, build_model
 from offload.store.param_homes import describe_placement
-from offload.store.sub_groups import SubGroup, unpipelined_note
-from offload.store.placement import (KEPT_GRADS, MachineOffer, Shards, Speculation, StageLayout, StepAsks, plan,
-                                     traffic)
+from offload.store.placement import KEPT_GRADS, MachineOffer, Shards, Speculation, StageLayout, StepAsks, plan, traffic
 from offload.store.step_cost import STATE_BYTES, Rates, StepPrediction, adam_bytes, adam_ms, predict
+from offload.store.sub_groups import SubGroup, unpipelined_note
 from offload.store.tier import Tier
 from offload.zero.stage import Stage
 
@@ -599,8 +598,8 @@ def run_cli(args: Any, preset: Any) -> int:
                                 machine, args.world)
     print(format_largest(largest, machine, args.world))
     if args.json:
-        from dataclasses import asdict
         import json
+        from dataclasses import asdict
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"estimate": asdict(est), "machine": asdict(machine),
                                                "stages": {s: {"tiers": e.tiers, "model_states": e.model_states,

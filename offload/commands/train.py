@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import shlex
 import resource
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -197,8 +197,8 @@ def _check_fits(args: TrainArgs, vocab: int, config: dict[str, Any]) -> None:
     `offload estimate` computes it) plus the full fp32 build unless --init-empty builds it unit by unit."""
     import psutil
 
-    from offload.engine import hidden_size_of
     from offload.commands.estimate import estimate, model_units
+    from offload.engine import hidden_size_of
     with torch.device("meta"):
         model = build_model(args, vocab)
     params = sum(p.numel() for p in model.parameters())
@@ -245,8 +245,8 @@ def build_model(args: TrainArgs, vocab: int) -> nn.Module:
     model on the meta device (its weights come in as the engine builds each unit)."""
     checkpoint = pretrained_dir(args)
     if checkpoint is not None:
-        from offload.hf import meta_model
         from offload.files.pretrained import PretrainedError
+        from offload.hf import meta_model
         try:
             return meta_model(checkpoint)
         except PretrainedError as e:

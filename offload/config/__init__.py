@@ -8,10 +8,24 @@ from typing import Any
 
 from .fields import AUTO, Auto, ConfigError, FieldInfo, NoEffect, Support
 from .load import Config, config_fields
-from .sections import (ActivationCheckpointingConfig, AdamParams, AioConfig, BF16Config, BudgetsConfig,
-                       CheckpointConfig, FP16Config, OffloadExtConfig, OffloadOptimizerConfig, OffloadParamConfig,
-                       OptimizerConfig, SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams,
-                       ZeroConfig)
+from .sections import (
+    ActivationCheckpointingConfig,
+    AdamParams,
+    AioConfig,
+    BF16Config,
+    BudgetsConfig,
+    CheckpointConfig,
+    FP16Config,
+    OffloadExtConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    WarmupCosineLRParams,
+    WarmupDecayLRParams,
+    WarmupLRParams,
+    ZeroConfig,
+)
 
 
 def load_config(source: Config | Mapping[str, Any] | str | os.PathLike[str]) -> Config:

@@ -235,7 +235,8 @@ def coerce(value: Any, hint: Any, spec: Spec, path: str, notes: list[str]) -> An
         args = typing.get_args(core)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(path, f"expected a list of {len(args)} numbers, got {_describe(value)}")
-        result = tuple(coerce(v, a, Spec(doc=""), f"{path}[{i}]", notes) for i, (v, a) in enumerate(zip(value, args)))
+        result = tuple(coerce(v, a, Spec(doc=""), f"{path}[{i}]", notes)
+                       for i, (v, a) in enumerate(zip(value, args, strict=True)))
         for i, v in enumerate(result):
             _check_range(v, spec, f"{path}[{i}]")
         return result

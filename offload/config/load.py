@@ -11,11 +11,39 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .fields import (AUTO, KEY_HOMES, Auto, ConfigError, FieldInfo, NoEffect, Support, iter_fields, logger,
-                     parse_section, public_fields, section, setting, to_raw)
-from .sections import (SCHEDULER_PARAMS, ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig,
-                       CommsLoggerConfig, DataTypesConfig, FlopsProfilerConfig, FP16Config, MonitorConfig,
-                       OffloadExtConfig, OptimizerConfig, SchedulerConfig, WandbConfig, ZeroConfig)
+from .fields import (
+    AUTO,
+    KEY_HOMES,
+    Auto,
+    ConfigError,
+    FieldInfo,
+    NoEffect,
+    Support,
+    iter_fields,
+    logger,
+    parse_section,
+    public_fields,
+    section,
+    setting,
+    to_raw,
+)
+from .sections import (
+    SCHEDULER_PARAMS,
+    ActivationCheckpointingConfig,
+    AioConfig,
+    BF16Config,
+    CheckpointConfig,
+    CommsLoggerConfig,
+    DataTypesConfig,
+    FlopsProfilerConfig,
+    FP16Config,
+    MonitorConfig,
+    OffloadExtConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    WandbConfig,
+    ZeroConfig,
+)
 
 NO_EFFECT = Support.NO_EFFECT
 REFUSED = Support.REFUSED

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from offload.comm import get_local_rank
-from offload.machine.accelerator import Accelerator
 from offload.config import Config
 from offload.engine.accumulation import Accumulation
+from offload.machine.accelerator import Accelerator
 from offload.optim.loss_scale import LossScaler
 from offload.optim.sharded import ShardedAdam
 from offload.zero.collectives import Group

@@ -42,10 +42,10 @@ from typing import NamedTuple
 
 import torch
 
-from offload.machine.accelerator import Accelerator
 from offload.engine import errors
-from offload.optim.sharded import ShardedAdam
+from offload.machine.accelerator import Accelerator
 from offload.observe.telemetry import Telemetry
+from offload.optim.sharded import ShardedAdam
 from offload.zero.collectives import Group, ReductionOrder, Vote, all_ok, all_reduce_sum
 
 

@@ -19,34 +19,33 @@ import torch
 from torch import nn
 
 from offload import checkpointing
-from offload.machine.accelerator import Accelerator
 from offload.aio.base import IOEngine
 from offload.aio.choose import engine_from_config
 from offload.config import Config
 from offload.config.fields import AUTO, resolved
+from offload.engine import rates, step_schedule
 from offload.engine.errors import EngineError
-from offload.engine import step_schedule
 from offload.engine.memory import MemoryAccount
-from offload.engine import rates
 from offload.engine.refit import Refit
 from offload.engine.step_schedule import StepSchedule
+from offload.files.pretrained import PretrainedWeights
+from offload.machine.accelerator import Accelerator
+from offload.observe.telemetry import Telemetry
+from offload.optim.landing import GradientLanding, LandingPolicy
 from offload.optim.lr_schedules import build_lr_schedule
 from offload.optim.shard_state import shard_segments
-from offload.optim.landing import GradientLanding, LandingPolicy
 from offload.optim.sharded import AdamRule, ShardedAdam, StatePlan
-from offload.files.pretrained import PretrainedWeights
 from offload.store.budget import TierBudget
-from offload.store.param_store import ParamStore
 from offload.store.param_homes import describe_placement
+from offload.store.param_store import ParamStore
 from offload.store.param_swap import ParamSwap
-from offload.store.sub_groups import unpipelined_note
+from offload.store.placement import MachineOffer, Shards, StageLayout, StepAsks, describe_split, traffic
+from offload.store.placement import plan as plan_placement
 from offload.store.state_format import Master, from_config, mix_seed
-from offload.store.placement import (MachineOffer, Shards, StageLayout, StepAsks, describe_split,
-                                     plan as plan_placement, traffic)
 from offload.store.step_cost import predict
+from offload.store.sub_groups import unpipelined_note
 from offload.store.swapdir import PREFIX, SwapDir, TierRoom
 from offload.store.tier import Tier
-from offload.observe.telemetry import Telemetry
 from offload.zero.collectives import Group, broadcast
 from offload.zero.init import give_memory, materialize_unit
 from offload.zero.plan import plan_units

@@ -23,11 +23,30 @@ import torch
 
 from offload.engine.weights import live_buffers, rewrite_units, spread_rewritten, state_dict_layout
 from offload.files import small_state
-from offload.files.training_checkpoint import (FORMAT, LATEST, READS, CheckpointDiskFull, CheckpointError,
-                                               RankWriter, ShardReader, full_disk_errno, latest_tag, partitions,
-                                               phase, publish, read_meta, resolve, retire_old, save_small,
-                                               sweep_stale, tmp_dir, tree_bytes, verify, write_atomic,
-                                               writer_lock)
+from offload.files.training_checkpoint import (
+    FORMAT,
+    LATEST,
+    READS,
+    CheckpointDiskFull,
+    CheckpointError,
+    RankWriter,
+    ShardReader,
+    full_disk_errno,
+    latest_tag,
+    partitions,
+    phase,
+    publish,
+    read_meta,
+    resolve,
+    retire_old,
+    save_small,
+    sweep_stale,
+    tmp_dir,
+    tree_bytes,
+    verify,
+    write_atomic,
+    writer_lock,
+)
 from offload.store.state_format import FP32, StateFormat, StateSlot
 from offload.version import __version__
 from offload.zero.collectives import all_ok
@@ -288,7 +307,7 @@ def _write_rank_files(engine: Any, tmp: Path, client_state: dict[str, Any], pick
         try:
             for g in engine.optimizer.one_at_a_time(read=True, write=False):
                 for m in g.members:
-                    for kind, values in zip(("master", "exp_avg", "exp_avg_sq"), g.views(m).held()):
+                    for kind, values in zip(("master", "exp_avg", "exp_avg_sq"), g.views(m).held(), strict=True):
                         writer.add(m.unit, kind, values)
                         phase("writing")
             for unit in engine.units:

@@ -26,25 +26,24 @@ import torch
 from torch import nn
 
 from offload import checkpointing
-from offload.machine.accelerator import Accelerator, to_device
 from offload.config import Config
 from offload.config.fields import resolved
-from offload.engine import agreement, memory
+from offload.engine import agreement, errors, memory
 from offload.engine.accessors import DeepSpeedAccessors
 from offload.engine.accumulation import Accumulation, Phase
 from offload.engine.build import OptimizerChoice, build
-from offload.engine import errors
 from offload.engine.errors import EngineError
 from offload.engine.life import Lifetime
 from offload.engine.persistence import Persistence
 from offload.engine.stopping import Stoppable, StopRequest
-from offload.optim.loss_scale import LossScaler, gradient_factor, unclipped_factor
 from offload.files.pretrained import PretrainedWeights
-from offload.store.param_swap import ParamSwapError
+from offload.machine.accelerator import Accelerator, to_device
 from offload.observe.sync_ledger import Role, acting_as
 from offload.observe.telemetry import PhaseReport
-from offload.zero.plan import ENGINE
+from offload.optim.loss_scale import LossScaler, gradient_factor, unclipped_factor
+from offload.store.param_swap import ParamSwapError
 from offload.zero.collectives import Group
+from offload.zero.plan import ENGINE
 from offload.zero.stage import Stage
 
 logger = logging.getLogger("offload.engine")

@@ -17,16 +17,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from offload.machine.accelerator import Accelerator
 from offload.config import Config, ConfigError
 from offload.config.fields import resolved
 from offload.engine.build import OptimizerChoice
 from offload.engine.core import Engine
 from offload.engine.errors import EngineError
+from offload.files.pretrained import PretrainedWeights
+from offload.machine.accelerator import Accelerator
 from offload.machine.host_malloc import set_mmap_threshold
 from offload.optim.cpu_adam import CPUAdam
 from offload.optim.sharded import ShardedAdam
-from offload.files.pretrained import PretrainedWeights
 from offload.zero.collectives import Group
 
 logger = logging.getLogger("offload.engine")
@@ -176,7 +176,7 @@ def _share_groups(client: torch.optim.Optimizer, ours: ShardedAdam) -> None:
         raise EngineError(f"the optimizer passed has {len(client.param_groups)} param groups but the engine made "
                           f"{len(ours.param_groups)}; pass an optimizer whose groups hold only this model's "
                           "parameters")
-    for theirs, mine in zip(client.param_groups, ours.param_groups):
+    for theirs, mine in zip(client.param_groups, ours.param_groups, strict=True):
         mine.update({k: v for k, v in theirs.items() if k not in mine})  # a schedule's keys (initial_lr, ...)
     client.param_groups = ours.face.param_groups
 

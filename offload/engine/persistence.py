@@ -18,9 +18,9 @@ from offload.engine import checkpoint_io, weights
 from offload.engine.accumulation import Accumulation
 from offload.engine.errors import EngineError
 from offload.engine.life import Lifetime
+from offload.observe.telemetry import Telemetry
 from offload.optim.loss_scale import LossScaler
 from offload.optim.sharded import ShardedAdam
-from offload.observe.telemetry import Telemetry
 from offload.zero.unit import Unit
 
 logger = logging.getLogger("offload.engine")

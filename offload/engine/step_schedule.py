@@ -26,14 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.machine.accelerator import Accelerator
 from offload.config import Config, ConfigError
 from offload.config.fields import resolved
+from offload.machine.accelerator import Accelerator
 from offload.optim.loss_scale import unclipped_factor
 from offload.optim.sharded import LastBackward, ShardedAdam, StepVote
 from offload.store.placement import Placement, Speculation
 from offload.zero.stage import Stage
-
 
 # ----------------------------------------------------------------- during the last backward
 

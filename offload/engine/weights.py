@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from offload.engine.errors import EngineError
-from offload.store.state_format import StateSlot
 from offload.files.weights_file import TensorSpec, stream_for
+from offload.store.state_format import StateSlot
 from offload.zero.collectives import all_gather, all_ok, broadcast
 from offload.zero.runtime import live_state_dict
 

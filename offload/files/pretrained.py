@@ -262,7 +262,7 @@ class PretrainedWeights:
             assert buf is not None
             value = self.checkpoint.read_range(source, 0, source.numel, handles).reshape(source.shape)
             owner._buffers[key] = value.to(dtype=buf.dtype, device="cpu" if buf.is_meta else buf.device).clone()
-            for other, module in modules.items():  # the same buffer held by another module too
+            for module in modules.values():  # the same buffer held by another module too
                 for k, b in module._buffers.items():
                     if b is buf:
                         module._buffers[k] = owner._buffers[key]

@@ -166,13 +166,13 @@ def recover(save_dir: Path, out: Path, tag: str | None = None, max_shard_bytes: 
         units = Units(path, meta)
         for unit in sorted(by_unit):
             flat = units.read(unit).float()
-            for key, offset, shape in by_unit[unit]:
+            for _key, offset, shape in by_unit[unit]:
                 yield flat[offset:offset + int(torch.Size(shape).numel())]
         yield from buffers.values()
 
     out.mkdir(parents=True, exist_ok=True)
     source = values()
-    for name, part in zip(names, files):
+    for name, part in zip(names, files, strict=True):
         tmp = out / f".{name}.tmp"
         if safe_serialization:
             with open(tmp, "wb") as f:
@@ -184,7 +184,7 @@ def recover(save_dir: Path, out: Path, tag: str | None = None, max_shard_bytes: 
             torch.save({key: next(source).clone().view(shape) for key, _, shape, _ in part}, tmp)
         os.replace(tmp, out / name)
     if len(files) > 1:
-        weight_map = {spec[0]: name for name, part in zip(names, files) for spec in part}
+        weight_map = {spec[0]: name for name, part in zip(names, files, strict=True) for spec in part}
         index = "model.safetensors.index.json" if safe_serialization else "pytorch_model.bin.index.json"
         (out / index).write_text(json.dumps(
             {"metadata": {"total_size": sum(s[3] for s in specs)}, "weight_map": weight_map}, indent=1))

@@ -23,7 +23,6 @@ from typing import Any
 
 from torch import nn
 
-
 logger = logging.getLogger("offload.hf")
 
 

@@ -36,9 +36,9 @@ from torch import nn
 
 from offload.config import Config
 from offload.engine.initialize import initialize
+from offload.files.pretrained import PretrainedWeights
 from offload.hf.ds_config import resolve
 from offload.optim.lr_schedules import build_lr_schedule
-from offload.files.pretrained import PretrainedWeights
 
 logger = logging.getLogger("offload.hf")
 
@@ -227,7 +227,7 @@ class Trainer(transformers.Trainer):
         config = Config.load(resolve(self.offload_config, self.args, self.model, num_training_steps))
         self.step_lr = None  # the last run's, until this run's first step
         optimizer, old = self.engine.optimizer.face, self.engine.lr_scheduler
-        for group, lr in zip(optimizer.param_groups, getattr(old, "base_lrs", ())):
+        for group, lr in zip(optimizer.param_groups, getattr(old, "base_lrs", ()), strict=False):
             group["lr"] = lr  # schedules that scale the rate they find (cosine, Hugging Face's) start from the base
         self.engine.lr_scheduler = build_lr_schedule(optimizer, config.scheduler) if config.scheduler is not None \
             else self._trainer_lr_schedule(num_training_steps, optimizer)

@@ -28,8 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning.fabric.strategies.ddp import DDPStrategy
-from lightning.fabric.strategies.deepspeed import (DeepSpeedStrategy, _validate_checkpoint_directory,
-                                                   _validate_state_keys)
+from lightning.fabric.strategies.deepspeed import (
+    DeepSpeedStrategy,
+    _validate_checkpoint_directory,
+    _validate_state_keys,
+)
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.types import _PATH
@@ -38,8 +41,14 @@ from torch.optim import Optimizer
 
 from offload.engine.core import Engine
 from offload.engine.initialize import initialize
-from offload.lightning.shared import (adopt_arguments, bind_arguments, configure_activation_checkpointing,
-                                      plain_dicts, refuse_a_second_engine, register_twins)
+from offload.lightning.shared import (
+    adopt_arguments,
+    bind_arguments,
+    configure_activation_checkpointing,
+    plain_dicts,
+    refuse_a_second_engine,
+    register_twins,
+)
 from offload.zero.init import Init
 
 
@@ -106,7 +115,7 @@ class OffloadStrategy(DeepSpeedStrategy):
         if optimizer is not None:
             # the script's scheduler is over this optimizer, whose step the engine does: told so, torch does not
             # warn that the scheduler stepped before the optimizer
-            setattr(optimizer, "_opt_called", True)
+            optimizer._opt_called = True
         self._engines.append(engine)
         return engine, engine_optimizer, scheduler
 

@@ -51,8 +51,15 @@ from torch import nn
 from torch.optim import Optimizer
 
 from offload.engine.initialize import initialize
-from offload.lightning.shared import (adopt_arguments, bind_arguments, configure_activation_checkpointing,
-                                      engine_of_module, plain_dicts, refuse_a_second_engine, register_twins)
+from offload.lightning.shared import (
+    adopt_arguments,
+    bind_arguments,
+    configure_activation_checkpointing,
+    engine_of_module,
+    plain_dicts,
+    refuse_a_second_engine,
+    register_twins,
+)
 from offload.zero.init import Init
 
 
@@ -142,7 +149,7 @@ class OffloadStrategy(DeepSpeedStrategy):
         for config in self.lr_scheduler_configs:
             # the script's scheduler is over its optimizer, whose step the engine does (it shares its param
             # groups): told so, torch does not warn that the scheduler stepped before the optimizer
-            setattr(config.scheduler.optimizer, "_opt_called", True)
+            config.scheduler.optimizer._opt_called = True
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:

@@ -135,7 +135,7 @@ def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         if len(into) != len(state):
             raise NativeError(f"into holds {len(into)} buffers; a step written elsewhere gives one for each of "
                               f"{', '.join(state)}")
-        tensors.update({f"{name}_out": t for name, t in zip(state, into)})
+        tensors.update({f"{name}_out": t for name, t in zip(state, into, strict=True)})
     checked = {name: _check_buffer(t, name, None if name.startswith("param_lo") else KERNEL_DTYPES)
                for name, t in tensors.items()}
     if into is not None:

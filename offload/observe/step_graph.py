@@ -22,8 +22,8 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from dataclasses import asdict, dataclass, field
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 

@@ -65,7 +65,7 @@ def device_adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_
     if grad_scale != 1.0:
         grads = list(torch._foreach_mul(grads, grad_scale))  # torch returns a tuple
     if not hyper.bias_correction:
-        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
             _uncorrected_adam(p, g, m, v, hyper)
         return
     # The kernel counts the step itself: it reads these after adding one.
@@ -84,7 +84,7 @@ def device_adam_step_held(slots: list[Any], grads: list[torch.Tensor], step: int
     exp_avgs = [slot.exp_avg.float() for slot in slots]
     exp_avg_sqs = [slot.exp_avg_sq.float() for slot in slots]
     device_adam_step(masters, grads, exp_avgs, exp_avg_sqs, step, hyper, grad_scale)
-    for i, (slot, master, m, v) in enumerate(zip(slots, masters, exp_avgs, exp_avg_sqs)):
+    for i, (slot, master, m, v) in enumerate(zip(slots, masters, exp_avgs, exp_avg_sqs, strict=True)):
         slot.exp_avg.copy_(m)
         slot.exp_avg_sq.copy_(v)
         if stochastic is not None and slot.master_lo is None and slot.master.dtype == torch.bfloat16:

@@ -54,6 +54,7 @@ from collections.abc import Callable
 import torch
 
 from offload.machine.accelerator import Event, WorkerStream
+from offload.observe.telemetry import Telemetry
 from offload.optim.adam import AdamHyper
 from offload.optim.shard_state import ShardPhase
 from offload.optim.speculation import Speculation
@@ -61,7 +62,6 @@ from offload.optim.update import ShardUpdate
 from offload.store.optimizer_state import NvmePass, OptimizerStateStore
 from offload.store.sub_groups import Member, SubGroup
 from offload.store.tier import Tier
-from offload.observe.telemetry import Telemetry
 
 
 class EarlyStepLost(RuntimeError):

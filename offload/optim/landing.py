@@ -71,8 +71,8 @@ import torch
 
 from offload.machine import native
 from offload.machine.accelerator import Accelerator, Event
-from offload.optim.shard_state import Overlap, ShardPhase, ShardState, StateSplit, add_into
 from offload.observe.telemetry import Telemetry
+from offload.optim.shard_state import Overlap, ShardPhase, ShardState, StateSplit, add_into
 
 # Gradient bytes whose landings are handed to the worker together (see [Note: landings handed over in batches]):
 # at a norm's 10-20 GB/s, 4 MiB is 200-400 us of landing work, several times a wake-up's cost.

@@ -16,8 +16,14 @@ from typing import Any, TypeVar
 import torch
 
 from offload.config.fields import Auto
-from offload.config.sections import (LRRangeTestParams, OneCycleParams, SchedulerConfig, WarmupCosineLRParams,
-                                     WarmupDecayLRParams, WarmupLRParams)
+from offload.config.sections import (
+    LRRangeTestParams,
+    OneCycleParams,
+    SchedulerConfig,
+    WarmupCosineLRParams,
+    WarmupDecayLRParams,
+    WarmupLRParams,
+)
 
 logger = logging.getLogger("offload.engine")
 

@@ -58,8 +58,10 @@ from typing import Any, Protocol
 
 import torch
 
+from offload.aio.base import IOEngine
 from offload.machine import native
 from offload.machine.accelerator import Accelerator
+from offload.observe.telemetry import Telemetry
 from offload.optim.adam import AdamHyper
 from offload.optim.early_step import EarlyStep, EarlyStepLost
 from offload.optim.landing import GradientLanding, LandingPolicy
@@ -68,17 +70,14 @@ from offload.optim.shard_state import Overlap, Segment, ShardPhase, ShardState, 
 from offload.optim.speculation import Speculation
 from offload.optim.speculation_lane import SpeculationLane
 from offload.optim.update import ShardUpdate
-from offload.observe.telemetry import Telemetry
-from offload.aio.base import IOEngine
 from offload.store.budget import TierBudget
-from offload.store.state_format import StateSlot
 from offload.store.optimizer_state import OptimizerStateStore
-from offload.store.sub_groups import SubGroup
 from offload.store.param_store import ParamStore
 from offload.store.placement import device_grads
-from offload.store.tier import Tier
+from offload.store.state_format import StateSlot
+from offload.store.sub_groups import SubGroup
 from offload.store.swapdir import SwapDir, TierRoom
-
+from offload.store.tier import Tier
 
 logger = logging.getLogger("offload.optim")
 
@@ -295,7 +294,7 @@ class ShardedAdam:
             # Nothing has changed above; nothing below allocates device memory.
             g = whole if count == len(whole.members) else self.store.split(whole, count)
             self.store.move_to_device(g, taken)
-            for state, grad, shard in zip(states, grads, shards):
+            for state, grad, shard in zip(states, grads, shards, strict=True):
                 if state.landing is not None:
                     self.host.give(state.landing.numel() * state.landing.element_size(), "gradient landing")
                     self.accel.forget_host_buffer(state.landing)
@@ -341,7 +340,7 @@ class ShardedAdam:
     def restore_counters(self, adam_steps: int, groups: list[dict[str, Any]]) -> None:
         """A checkpoint's Adam step count and hyperparameters (each group's keys but ``params``)."""
         self.adam_steps = adam_steps
-        for g, saved in zip(self.param_groups, groups):
+        for g, saved in zip(self.param_groups, groups, strict=False):
             g.update(saved)
 
     def master_of(self, index: int) -> torch.Tensor:

@@ -31,16 +31,15 @@ from __future__ import annotations
 
 import logging
 
-
+from offload.observe.telemetry import Telemetry
 from offload.optim.adam import AdamHyper
 from offload.optim.shard_state import Guess, Overlap, ShardPhase, ShardState, unstep
 from offload.optim.speculation_lane import SpeculationLane, TicketPhase
 from offload.optim.update import ShardUpdate
-from offload.store.state_format import StateSlot
 from offload.store.optimizer_state import OptimizerStateStore
+from offload.store.state_format import StateSlot
 from offload.store.sub_groups import Member, SubGroup
 from offload.store.tier import Tier
-from offload.observe.telemetry import Telemetry
 
 logger = logging.getLogger("offload.optim")
 
@@ -68,7 +67,7 @@ class Speculation:
         assert overlap.guess is not None
         current, other = group.views(member), group.views(member, other=True)
         for start, end in state.gaps:  # the other slot becomes current whole
-            for src, dst in zip(current, other):
+            for src, dst in zip(current, other, strict=True):
                 dst[start:end].copy_(src[start:end])
         with self.telemetry.span("optimizer_speculative", state.name):
             self.update.step_shard(member.unit, current, overlap.step, overlap.hypers, overlap.guess, into=other)

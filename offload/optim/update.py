@@ -8,11 +8,11 @@ import torch
 
 from offload.machine.accelerator import Accelerator, Event
 from offload.machine.native import Stochastic
-from offload.optim.adam import AdamHyper, adam_step, device_adam_step, device_adam_step_held
-from offload.store.state_format import StateSlot, mix_seed
-from offload.optim.shard_state import ShardPhase, ShardState, StateSplit, by_group, widened
 from offload.observe.step_graph import COMPUTE
+from offload.optim.adam import AdamHyper, adam_step, device_adam_step, device_adam_step_held
+from offload.optim.shard_state import ShardPhase, ShardState, StateSplit, by_group, widened
 from offload.store.param_store import ParamStore
+from offload.store.state_format import StateSlot, mix_seed
 
 
 class ShardUpdate:

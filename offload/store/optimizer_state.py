@@ -74,17 +74,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.machine.accelerator import Accelerator
-from offload.observe.sync_ledger import SyncLedger
 from offload.aio.base import Request, RequestGroup, wait_quietly
+from offload.machine.accelerator import Accelerator
 from offload.machine.buffers import AlignedBuffer, BufferPool
+from offload.observe.sync_ledger import SyncLedger
+from offload.observe.telemetry import Telemetry
+from offload.store.slots import layout
 from offload.store.state_format import FP32, StateSlot
 from offload.store.sub_groups import SPECULATIVE_SLOT, Member, StatePlacement, SubGroup, nvme_buffers
-from offload.store.slots import layout
-from offload.store.two_slots import TwoSlotFile
 from offload.store.swapdir import TierRoom
 from offload.store.tier import Tier
-from offload.observe.telemetry import Telemetry
+from offload.store.two_slots import TwoSlotFile
 
 logger = logging.getLogger("offload.store")
 

@@ -34,18 +34,19 @@ the compute stream (``await_home``), as a gather from the shard would.
 
 from __future__ import annotations
 
-from typing import Protocol
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from offload.machine.accelerator import Accelerator, CopyStream, Event, WorkerStream
 from offload.machine.buffers import round_up
+from offload.observe.telemetry import Telemetry
 from offload.store.budget import TierBudget
 from offload.store.param_homes import HOST_PARAMS
 from offload.store.param_swap import ParamSwap
 from offload.store.tier import Tier
-from offload.observe.telemetry import Telemetry
+
 
 @dataclass(eq=False)
 class ParamShard:

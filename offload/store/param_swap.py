@@ -49,14 +49,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.machine.accelerator import Event
 from offload.aio.base import Request, RequestGroup, SwapIOError, wait_quietly
+from offload.machine.accelerator import Event
 from offload.machine.buffers import AlignedBuffer, BufferPool
+from offload.observe.sync_ledger import SyncLedger
+from offload.observe.telemetry import Telemetry
 from offload.store.param_homes import WRITE_BUFFERS, param_buffer_bytes, plan_homes
 from offload.store.swapdir import TierRoom
 from offload.store.two_slots import TwoSlotFile
-from offload.observe.sync_ledger import SyncLedger
-from offload.observe.telemetry import Telemetry
+
 
 class BufferState(enum.Enum):
     FREE = "free"

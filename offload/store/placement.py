@@ -19,15 +19,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from offload.machine.buffers import round_up
 from offload.config import AUTO, ConfigError
+from offload.machine.buffers import round_up
 from offload.store.budget import TierBudget
-from offload.store.sub_groups import (SPECULATIVE_SLOT, SubGroup, nvme_buffers, place_sub_groups, plan_sub_groups)
-from offload.store.state_format import Master, from_config
 from offload.store.param_homes import HOST_PARAMS, WRITE_BUFFERS, param_buffer_bytes, place_params, plan_homes
-from offload.store.step_cost import Rates, StepPrediction, Traffic, best, predict
-from offload.store.tier import Tier
 from offload.store.slots import layout
+from offload.store.state_format import Master, from_config
+from offload.store.step_cost import Rates, StepPrediction, Traffic, best, predict
+from offload.store.sub_groups import SPECULATIVE_SLOT, SubGroup, nvme_buffers, place_sub_groups, plan_sub_groups
+from offload.store.tier import Tier
+
 
 def host_parts(sizes: list[tuple[int, int]], no_copy: set[int], item: int, *, landing: bool = True,
                accumulators: bool = True, on_device: frozenset[int] | set[int] = frozenset()) -> dict[str, int]:

@@ -19,8 +19,8 @@ buffers by them and the optimizer hands the kernel the buffers they describe.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
 from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch

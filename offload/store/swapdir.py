@@ -84,7 +84,7 @@ class Owner:
         words = text.split()
         if len(words) < 4 or words[0] != "pid" or words[2] != "on" or not words[1].isdigit():
             return None
-        fields = dict(zip(words[4::2], words[5::2]))
+        fields = dict(zip(words[4::2], words[5::2], strict=False))
         start, boot = fields.get("start", ""), fields.get("boot", "None")  # line() writes None for what it lacked
         return cls(int(words[1]), words[3], int(start) if start.isdigit() else None, None if boot == "None" else boot)
 

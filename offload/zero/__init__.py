@@ -2,8 +2,13 @@
 
 from offload.zero.gathered import GatheredParameters
 from offload.zero.init import Init, materialize_unit
-from offload.zero.plan import (ParamSlot, UnitPlan, plan_units, register_external_parameter,
-                               unregister_external_parameter)
+from offload.zero.plan import (
+                               ParamSlot,
+                               UnitPlan,
+                               plan_units,
+                               register_external_parameter,
+                               unregister_external_parameter,
+)
 from offload.zero.runtime import LiveLimitError, ZeroRuntime
 from offload.zero.unit import Unit, UnitState
 

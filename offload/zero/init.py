@@ -86,7 +86,7 @@ class Init(TorchFunctionMode):
         versions = [t._version for t in metas]
         call = rec.call(func, args, kwargs)
         out = func(*args, **kwargs)
-        written = [t for t, v in zip(metas, versions) if t._version != v]
+        written = [t for t, v in zip(metas, versions, strict=True) if t._version != v]
         for t in written:
             rec.wrote(t, call, args, kwargs)
         if call.rng is not None:
@@ -135,7 +135,7 @@ class _Scratch:
             self.buffer = torch.empty(0, dtype=torch.uint8)  # freed before the larger one is taken
             self.buffer = torch.empty(sum(sizes), dtype=torch.uint8)
         carved, at = {}, 0
-        for a, n in zip(metas, sizes):
+        for a, n in zip(metas, sizes, strict=True):
             carved[id(a)] = self.buffer[at:at + a.numel() * a.element_size()].view(a.dtype).view(a.shape)
             at += n
 
@@ -258,11 +258,11 @@ def _initialise(model: nn.Module, name: str, module: nn.Module) -> None:
     with torch.no_grad():
         # Methods nn.Module does not declare (its __getattr__ is typed Tensor | Module): looked up by name.
         if hasattr(model, "init_module"):
-            getattr(model, "init_module")(name, module)
+            model.init_module(name, module)
         elif hasattr(model, "_init_weights"):
-            getattr(model, "_init_weights")(module)
+            model._init_weights(module)
         elif hasattr(module, "reset_parameters"):
-            getattr(module, "reset_parameters")()
+            module.reset_parameters()
         else:
             raise ValueError(f"module {name!r} ({type(module).__name__}) was built under offload.zero.Init but has "
                              "no reset_parameters(); give the model an init_module(name, module) method that "

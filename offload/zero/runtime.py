@@ -50,11 +50,11 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from offload.machine.accelerator import Accelerator, Event, WorkEvent
-from offload.zero.prefetch import PrefetchTrace
 from offload.observe.step_graph import COMPUTE, HOST
 from offload.observe.telemetry import Telemetry
 from offload.optim.landing import ReducedShard
 from offload.zero.collectives import Group, ReductionOrder, all_reduce_sum, reduce_scatter
+from offload.zero.prefetch import PrefetchTrace
 from offload.zero.stage import Stage
 from offload.zero.unit import Unit, UnitState
 

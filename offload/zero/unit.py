@@ -116,10 +116,10 @@ class Unit:
         self._dropped: set[int] = set()  # kept slots a GatheredParameters block named: released until refreshed
         shard_end = self.shard_start + self.shard_numel
         for s in self.slots:  # the whole shape, and this rank's part of it, under DeepSpeed's names for them
-            setattr(s.param, "ds_shape", torch.Size(s.shape))
-            setattr(s.param, "ds_numel", s.numel)
+            s.param.ds_shape = torch.Size(s.shape)
+            s.param.ds_numel = s.numel
             held = max(0, min(s.offset + s.numel, shard_end) - max(s.offset, self.shard_start))
-            setattr(s.param, "partition_numel", PartitionNumel(held))
+            s.param.partition_numel = PartitionNumel(held)
         self._bind()
         if not self.keeps_full:
             self._release_memory()
@@ -229,7 +229,8 @@ class Unit:
         """The kept parameters' new values (a gathered unit's, flat, in ``kept`` order; None for an in-place unit,
         whose views are the new values already) after a step or load: whole from now on."""
         if values is not None:
-            torch._foreach_copy_(self._kept_copies, [v.view(c.shape) for v, c in zip(values, self._kept_copies)])
+            torch._foreach_copy_(self._kept_copies,
+                                 [v.view(c.shape) for v, c in zip(values, self._kept_copies, strict=True)])
         self.kept_state = Kept.CURRENT
         self._dropped.clear()
         if not self._bound:
@@ -425,7 +426,7 @@ class Unit:
                 parts.append(torch.zeros(self.padded - self.numel, dtype=self.dtype, device=self.full.device))
             return torch.cat(parts)
         flat = torch.zeros(self.padded, dtype=self.dtype, device=self.full.device)
-        for s, g in zip(self.slots, grads):
+        for s, g in zip(self.slots, grads, strict=True):
             if g is not None:
                 flat[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
         return flat

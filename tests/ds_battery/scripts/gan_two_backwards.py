@@ -18,7 +18,7 @@ d_engine, *_ = deepspeed.initialize(args=args, model=discriminator, model_parame
 bce = nn.BCEWithLogitsLoss()
 samples = torch.Generator().manual_seed(1234)
 d_losses, g_losses = [], []
-for step in range(6):
+for _step in range(6):
     real = torch.randn(4, 16, generator=samples) * 0.5 + 1.0
     noise = torch.randn(4, 8, generator=samples)
     loss_real = bce(d_engine(real), torch.ones(4, 1))

@@ -14,7 +14,7 @@ torch.manual_seed(0)
 model = Net(hidden=192)  # blocks' Linear weights: 147456 elements, above the persistence threshold
 engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
 numels = {"after initialize": [p.numel() for p in engine.module.parameters()]}
-for i, tokens in enumerate(data(8).split(4)):
+for tokens in data(8).split(4):
     engine.backward(engine(tokens))
     engine.step()
     numels.setdefault("after the first step", [p.numel() for p in engine.module.parameters()])
