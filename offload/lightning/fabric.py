@@ -115,7 +115,7 @@ class OffloadStrategy(DeepSpeedStrategy):
         if optimizer is not None:
             # the script's scheduler is over this optimizer, whose step the engine does: told so, torch does not
             # warn that the scheduler stepped before the optimizer
-            optimizer._opt_called = True
+            setattr(optimizer, "_opt_called", True)
         self._engines.append(engine)
         return engine, engine_optimizer, scheduler
 

@@ -149,7 +149,7 @@ class OffloadStrategy(DeepSpeedStrategy):
         for config in self.lr_scheduler_configs:
             # the script's scheduler is over its optimizer, whose step the engine does (it shares its param
             # groups): told so, torch does not warn that the scheduler stepped before the optimizer
-            config.scheduler.optimizer._opt_called = True
+            setattr(config.scheduler.optimizer, "_opt_called", True)
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:

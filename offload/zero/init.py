@@ -258,11 +258,11 @@ def _initialise(model: nn.Module, name: str, module: nn.Module) -> None:
     with torch.no_grad():
         # Methods nn.Module does not declare (its __getattr__ is typed Tensor | Module): looked up by name.
         if hasattr(model, "init_module"):
-            model.init_module(name, module)
+            getattr(model, "init_module")(name, module)
         elif hasattr(model, "_init_weights"):
-            model._init_weights(module)
+            getattr(model, "_init_weights")(module)
         elif hasattr(module, "reset_parameters"):
-            module.reset_parameters()
+            getattr(module, "reset_parameters")()
         else:
             raise ValueError(f"module {name!r} ({type(module).__name__}) was built under offload.zero.Init but has "
                              "no reset_parameters(); give the model an init_module(name, module) method that "

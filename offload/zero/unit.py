@@ -116,10 +116,10 @@ class Unit:
         self._dropped: set[int] = set()  # kept slots a GatheredParameters block named: released until refreshed
         shard_end = self.shard_start + self.shard_numel
         for s in self.slots:  # the whole shape, and this rank's part of it, under DeepSpeed's names for them
-            s.param.ds_shape = torch.Size(s.shape)
-            s.param.ds_numel = s.numel
+            setattr(s.param, "ds_shape", torch.Size(s.shape))
+            setattr(s.param, "ds_numel", s.numel)
             held = max(0, min(s.offset + s.numel, shard_end) - max(s.offset, self.shard_start))
-            s.param.partition_numel = PartitionNumel(held)
+            setattr(s.param, "partition_numel", PartitionNumel(held))
         self._bind()
         if not self.keeps_full:
             self._release_memory()
