@@ -1,9 +1,11 @@
 """Hand-offs between rooms are named methods on named objects, not callables passed in or patched on.
 
-A lambda or a bound method handed to a constructor of one of offload's classes, or stored on another object, is a
-call that climbs back up the layers unseen: a reader (or a tool following a value through calls) loses the trail
-there. Each such hand-off takes an interface (a Protocol the receiving room names) instead. The few left are listed
-in ALLOWED with why; an entry that no longer exists fails, so the list only shrinks.
+A lambda or a bound method handed to a constructor of one of offload's classes, to a method of another object, or
+stored on another object, is a call that climbs back up the layers unseen: a reader (or a tool following a value
+through calls) loses the trail there. Each such hand-off takes an interface (a Protocol the receiving room names)
+instead. Work handed to a lane that runs it in order (a stream, a host queue, the speculation lane, an I/O
+submission: EXECUTORS) is the caller's own, run elsewhere, not a hand-off. The few left are listed in ALLOWED with
+why; an entry that no longer exists fails, so the list only shrinks.
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ PACKAGE = REPO / "offload"
 
 # (module, enclosing function, what receives the callable): each with why it stays.
 ALLOWED: dict[tuple[str, str, str], str] = {}
+
+# Methods that run the caller's own work on a lane of theirs, in order: a callable handed to one is not a hand-off.
+EXECUTORS = {
+    "run": "a copy stream or host queue (offload/machine/accelerator.py) runs the caller's work in its order",
+    "hand_over": "the speculation lane (offload/optim/speculation_lane.py) runs the speculation's own Adam",
+    "submit": "an I/O request's completion work, run by the engine that reaps it (offload/aio/checksum.py)",
+}
 
 
 @functools.cache
@@ -57,8 +66,12 @@ def _classes_and_methods() -> tuple[frozenset[str], frozenset[str]]:
 
 
 def _callable_value(node: ast.AST) -> bool:
-    """A lambda, or a method named without being called (a bound method)."""
+    """A lambda, or a method named without being called (a bound method), or either chosen by a condition."""
     _, methods = _classes_and_methods()
+    if isinstance(node, ast.IfExp):
+        return _callable_value(node.body) or _callable_value(node.orelse)
+    if isinstance(node, ast.BoolOp):
+        return any(_callable_value(v) for v in node.values)
     return isinstance(node, ast.Lambda) or (isinstance(node, ast.Attribute) and node.attr in methods)
 
 
@@ -71,9 +84,9 @@ def _name(node: ast.AST) -> str:
 
 
 def handoffs() -> list[tuple[str, str, str, int]]:
-    """(module, enclosing function, receiver, line) of each callable handed to an offload class or another
-    object's attribute."""
-    classes, _ = _classes_and_methods()
+    """(module, enclosing function, receiver, line) of each callable handed to an offload class, to a method of
+    another object (not ``self``, not an executor), or to another object's attribute."""
+    classes, methods = _classes_and_methods()
     out = []
     for module, tree in _sources().items():
         def visit(node: ast.AST, where: str, module: str = module) -> None:
@@ -83,6 +96,12 @@ def handoffs() -> list[tuple[str, str, str, int]]:
                     args = list(child.args) + [k.value for k in child.keywords]
                     if any(_callable_value(a) for a in args):
                         out.append((module, where, _name(child.func), child.lineno))
+                elif (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+                      and child.func.attr in methods and child.func.attr not in EXECUTORS
+                      and not (isinstance(child.func.value, ast.Name) and child.func.value.id == "self")):
+                    args = list(child.args) + [k.value for k in child.keywords]
+                    if any(_callable_value(a) for a in args):
+                        out.append((module, where, f"{_name(child.func.value)}.{child.func.attr}", child.lineno))
                 if isinstance(child, ast.Assign) and _callable_value(child.value):
                     for target in child.targets:
                         if isinstance(target, ast.Attribute) and not (isinstance(target.value, ast.Name)
@@ -94,8 +113,9 @@ def handoffs() -> list[tuple[str, str, str, int]]:
 
 
 def test_the_check_sees_a_hand_off():
-    tree = ast.parse("class Sink:\n    def take(self): ...\n\ndef f(other, sink):\n    other.cb = sink.take\n"
-                     "    Sink(after=lambda: None)\n")
+    tree = ast.parse("class Sink:\n    def take(self): ...\n\ndef f(other, sink, vote):\n    other.cb = sink.take\n"
+                     "    Sink(after=lambda: None)\n    sink.take(vote.take if vote else None)\n"
+                     "    sink.run(lambda: None)\n")
     _sources()["offload._probe"] = tree
     _classes_and_methods.cache_clear()
     try:
@@ -103,7 +123,7 @@ def test_the_check_sees_a_hand_off():
     finally:
         del _sources()["offload._probe"]
         _classes_and_methods.cache_clear()
-    assert found == {("f", "other.cb"), ("f", "Sink")}
+    assert found == {("f", "other.cb"), ("f", "Sink"), ("f", "sink.take")}  # run: an executor
 
 
 def test_no_callable_carries_a_hand_off_between_rooms():

@@ -49,7 +49,7 @@ from offload.store.tier import Tier
 from offload.zero.collectives import Group, broadcast
 from offload.zero.init import give_memory, materialize_unit
 from offload.zero.plan import plan_units
-from offload.zero.runtime import RuntimeSettings, ZeroRuntime
+from offload.zero.runtime import Downstream, RuntimeSettings, ZeroRuntime
 from offload.zero.stage import Stage
 from offload.zero.unit import Unit
 
@@ -206,7 +206,8 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
         memory = MemoryAccount(config, stage, compute_dtype, units, params, optimizer, host_budget, nvme_budget,
                                placement.gather_room)
         pre = float(group.world if config.prescale_gradients else config.gradient_predivide_factor)
-        runtime = ZeroRuntime(model, units, group, accel, optimizer.landing, RuntimeSettings(
+        below = Downstream(params, optimizer.landing, optimizer)
+        runtime = ZeroRuntime(model, units, group, accel, below, RuntimeSettings(
             limit=memory.live_limit(), persistence_threshold=int(resolved(zero.stage3_param_persistence_threshold)),
             persistence_cap=zero.stage3_model_persistence_threshold, grad_predivide=pre,
             prefetch_elements=int(resolved(zero.stage3_prefetch_bucket_size)), stage=stage,

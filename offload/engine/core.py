@@ -237,9 +237,8 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable):
         try:
             with self.telemetry.span("optimizer", "adam"):
                 nvme = self.config.zero_optimization.offload_optimizer.device == "nvme"
-                finished = self.schedule.apply(self.optimizer, grad_scale, self.global_steps,
-                                               lambda: agreement.commit_vote(nvme, self.partition, self.group,
-                                                                             self.accel, self.global_steps))
+                vote = agreement.commit_vote(nvme, self.partition, self.group, self.accel, self.global_steps)
+                finished = self.schedule.apply(self.optimizer, grad_scale, self.global_steps, vote)
         except ParamSwapError as e:
             # The optimizer state moved on; only some 16-bit copies on NVMe are behind (stale), and they are
             # rewritten from the master weights before anything reads them: the step counts.

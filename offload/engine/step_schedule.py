@@ -21,7 +21,6 @@ exist. ``StepSchedule.describe`` is ``engine.step_mode``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +94,6 @@ class Speculative(DuringBackward):
 
 # ----------------------------------------------------------------- where step() returns
 
-VoteFor = Callable[[], StepVote | None]  # the ranks' vote at the commit point, made only where the step needs it
 
 
 class StepReturn:
@@ -107,7 +105,7 @@ class StepReturn:
         return False
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, stepped_in_backward: bool,
-              vote: VoteFor) -> bool:
+              vote: StepVote | None) -> bool:
         """Runs (or starts) the step's Adam; returns whether it has finished."""
         raise NotImplementedError
 
@@ -120,8 +118,8 @@ class Whole(StepReturn):
     why: str  # why step() does not return early
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, stepped_in_backward: bool,
-              vote: VoteFor) -> bool:
-        optimizer.apply(grad_scale, vote())
+              vote: StepVote | None) -> bool:
+        optimizer.apply(grad_scale, vote)
         return True
 
     def describe(self, during: str) -> str:
@@ -134,7 +132,7 @@ class Early(StepReturn):
         return True
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, stepped_in_backward: bool,
-              vote: VoteFor) -> bool:
+              vote: StepVote | None) -> bool:
         optimizer.apply_early(grad_scale)
         return False
 
@@ -147,9 +145,9 @@ class EarlyNvme(Early):
     order: it stepped the sub-groups there) finishes in the step instead."""
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, stepped_in_backward: bool,
-              vote: VoteFor) -> bool:
+              vote: StepVote | None) -> bool:
         if stepped_in_backward:
-            optimizer.apply(grad_scale, vote())
+            optimizer.apply(grad_scale, vote)
         else:
             optimizer.apply_early(grad_scale)
         return stepped_in_backward
@@ -174,7 +172,7 @@ class Delayed(StepReturn):
         return self.exact.forward_order
 
     def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, stepped_in_backward: bool,
-              vote: VoteFor) -> bool:
+              vote: StepVote | None) -> bool:
         if step > self.after:
             optimizer.apply_early(grad_scale, delayed=True)
             return False
@@ -211,7 +209,7 @@ class StepSchedule:
         if self.could_step:
             self.during.norm_known(clipped)
 
-    def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, vote: VoteFor) -> bool:
+    def apply(self, optimizer: ShardedAdam, grad_scale: float, step: int, vote: StepVote | None) -> bool:
         """Step ``step``'s Adam with the known factor; returns whether it has finished."""
         return self.returns.apply(optimizer, grad_scale, step, self.stepped_in_backward, vote)
 

@@ -58,6 +58,7 @@ def gathered_parameters(engine: Any, modifier_rank: int | None = None,
     if modifier_rank is not None:
         engine.optimizer.publish()  # the parameters a delayed update holds back would be written back as edits
     engine.optimizer.drain()  # an early step still writing shards (in-place units read them directly)
+    engine.optimizer.repair_stale()  # a shard a failed write left stale is rewritten before it is gathered
     engine.runtime.reshard_all()
     for unit in units:
         unit.unshard(engine.runtime.h2d)

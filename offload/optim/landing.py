@@ -1,8 +1,9 @@
 """Gradients from backward's hooks into the optimizer's shards: the D2H stream, the landing worker, landing
 buffers, device accumulators and the norms taken as gradients land. Backward's hooks hand each unit's reduced
-shard over as a ``ReducedShard`` (``land``); the update over the shards is ShardedAdam's (offload/optim/sharded.py),
-told what lands through the ``LandingListener`` it implements: ``claim`` (before a shard's gradient is touched: its
-speculation may be reading it) and ``landed`` (a gradient is in: step it if the backward steps).
+shard over as a ``ReducedShard`` (``land``). What acts on a shard as its gradient lands is handed to this room
+whole (``OnLanding``), and called down: the speculation is claimed before a shard's gradient is touched (its
+speculative Adam may be reading it), and the overlapped step is told once a gradient is in (offload/optim/
+overlapped_step.py: it steps the shard if the backward steps).
 
 [Note: gradients land] A unit's reduce-scattered gradient shard leaves the device as
 soon as it exists, and nothing on the way blocks autograd's thread (the sync ledger
@@ -65,14 +66,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
 from offload.machine import native
 from offload.machine.accelerator import Accelerator, Event
 from offload.observe.telemetry import Telemetry
+from offload.optim.overlapped_step import OverlappedStep
 from offload.optim.shard_state import Overlap, ShardPhase, ShardState, StateSplit, add_into
+from offload.optim.speculation import Speculation
 
 # Gradient bytes whose landings are handed to the worker together (see [Note: landings handed over in batches]):
 # at a norm's 10-20 GB/s, 4 MiB is 200-400 us of landing work, several times a wake-up's cost.
@@ -110,15 +113,13 @@ class ReducedShard(NamedTuple):
     factor: float  # what the accumulation multiplies ``grad`` by (the average over ranks, after any predivide)
 
 
-class LandingListener(Protocol):
-    """What the landing tells as gradients arrive (ShardedAdam, offload/optim/sharded.py)."""
+class OnLanding(NamedTuple):
+    """What acts on a shard as its gradient lands: ``speculation`` is claimed before the shard's gradient or state
+    is touched (a speculative Adam may be reading them); ``step`` is told once the gradient is in (the backward's
+    overlapped step)."""
 
-    def claim(self, state: ShardState) -> None:
-        """Before this thread touches the shard's gradient or state: a speculative Adam may be reading it."""
-
-    def landed(self, index: int, overlap: Overlap | None) -> None:
-        """On the landing worker, right after unit ``index``'s gradient is in (``overlap``: the plan of the
-        backward it came from, for stepping as it lands)."""
+    speculation: Speculation
+    step: OverlappedStep
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class GradientLanding:
     """This rank's gradients on their way into the shards' accumulators (or left where they land)."""
 
     def __init__(self, accel: Accelerator, shards: dict[int, ShardState], split: StateSplit,
-                 listener: LandingListener, policy: LandingPolicy, *, threads: int | None,
+                 on_landing: OnLanding, policy: LandingPolicy, *, threads: int | None,
                  telemetry: Telemetry) -> None:
         """``shards``: the optimizer's, by unit (this room reads and fills them); ``split``: which units' state is
         stepped on the host."""
@@ -143,7 +144,8 @@ class GradientLanding:
         self.shards = shards
         self.threads = threads
         self.telemetry = telemetry
-        self.split, self.listener = split, listener
+        self.split = split
+        self.speculation, self.overlapped = on_landing
         offload = split.offload
         # Gradients leave the device on a stream of their own (no D2H when host memory is the device's), and the
         # landing worker adds them up (see [Note: gradients land]).
@@ -305,7 +307,7 @@ class GradientLanding:
         events = state.events
         if not events.free.query():  # the worker still reads what landed here before (a second sum this backward)
             self.accel.wait(events.free, "a device-accumulated gradient's landing buffer")
-        self.listener.claim(state)  # ... and so may that sum's speculative Adam
+        self.speculation.claim(state)  # ... and so may that sum's speculative Adam
         if events.adam_read is not None and not events.adam_read.query():  # the delayed Adam still reads it (rare:
             # the last micro-batch's sum, sent while the last step's Adam has not reached this unit)
             self.accel.wait(events.adam_read, "a landing buffer the delayed update reads")
@@ -350,7 +352,7 @@ class GradientLanding:
         if arrived is not None:
             self.accel.wait(arrived, "gradient landed")
         del refs[:]  # a device gradient's copy is done: its memory may go
-        self.listener.claim(state)  # another gradient of the unit: its speculation is stale
+        self.speculation.claim(state)  # another gradient of the unit: its speculation is stale
         if state.phase is ShardPhase.STEPPED:  # a half-applied step's shard: this step is done with it
             return
         if state.phase is ShardPhase.SPECULATED:  # another gradient: the speculation is stale (it runs again)
@@ -368,11 +370,11 @@ class GradientLanding:
             with self.telemetry.span("landed_norm", state.name):
                 state.took_norm([native.grad_sq_norm(values[seg.start:seg.end], threads=self.threads,
                                                      scale=factor) for seg in state.segments])
-        self.listener.landed(state.index, overlap)
+        self.overlapped.landed(state.index, overlap)
 
     def _materialize(self, state: ShardState) -> None:
         """On the landing worker: a gradient left where it landed goes into the accumulator (another is coming)."""
-        self.listener.claim(state)
+        self.speculation.claim(state)
         if state.phase is ShardPhase.SPECULATED:  # stale now (it runs again when the next gradient lands)
             state.stale()
         state.materialize(self.threads)

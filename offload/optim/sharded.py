@@ -64,8 +64,9 @@ from offload.machine.accelerator import Accelerator
 from offload.observe.telemetry import Telemetry
 from offload.optim.adam import AdamHyper
 from offload.optim.early_step import EarlyStep, EarlyStepLost
-from offload.optim.landing import GradientLanding, LandingPolicy
+from offload.optim.landing import GradientLanding, LandingPolicy, OnLanding
 from offload.optim.loss_scale import LossScaler
+from offload.optim.overlapped_step import OverlappedStep
 from offload.optim.shard_state import Overlap, Segment, ShardPhase, ShardState, StateSplit, gaps, unstep, widened
 from offload.optim.speculation import Speculation
 from offload.optim.speculation_lane import SpeculationLane
@@ -74,7 +75,6 @@ from offload.store.budget import TierBudget
 from offload.store.optimizer_state import OptimizerStateStore
 from offload.store.param_store import ParamStore
 from offload.store.placement import device_grads
-from offload.store.state_format import StateSlot
 from offload.store.sub_groups import SubGroup
 from offload.store.swapdir import SwapDir, TierRoom
 from offload.store.tier import Tier
@@ -181,25 +181,25 @@ class ShardedAdam:
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
         self.loss_scaler: LossScaler | None = None  # the engine's, for cur_scale
-        self.landing = GradientLanding(accel, self.shards, self.split, self, plan.landing, threads=threads,
-                                       telemetry=self.telemetry)
         # The delayed update's Adam runs on a thread of its own, so the next backward's gradients land beside it
         # (see [Note: delayed update] in offload/optim/early_step.py).
         adam = accel.host_queue("delayed-adam") if self.offload and plan.delayed else None
         # The speculative Adam of host shards runs on a thread of its own, so the landings (and the step's factor)
         # never wait for it (see [Note: speculation on a lane of its own] in offload/optim/speculation_lane.py).
         lane = SpeculationLane(accel) if self.offload and plan.second_slots else None
-        self._nvme_error: BaseException | None = None  # an NVMe transfer of the overlapped step failed
         nvme_units = frozenset(i for i, _ in sizes if params.home(i) is Tier.NVME)
         self.update = ShardUpdate(accel, self.shards, params, threads, self.split, nvme_units, plan.stochastic)
         if self.offload and sizes:
             self._reserve_host(plan.step_buffers)
         self._host_accumulators = "gradient accumulators" in plan.step_buffers  # the plan counted them
-        params.repairs_with(self)  # a stale NVMe shard met inside a forward is rewritten there
         self.store = OptimizerStateStore(plan.groups, TierRoom(plan.host, plan.nvme, plan.swap, plan.rank,
                                                                plan.buffer_count),
                                          accel=accel, telemetry=self.telemetry, spare=plan.second_slots)
         self.speculation = Speculation(self.shards, self.store, self.update, self.telemetry, lane)
+        self.overlapped = OverlappedStep(self.shards, self.store, self.update, params, self.speculation,
+                                         self.telemetry)
+        self.landing = GradientLanding(accel, self.shards, self.split, OnLanding(self.speculation, self.overlapped),
+                                       plan.landing, threads=threads, telemetry=self.telemetry)
         self.early = EarlyStep(self.update, self.store, self.speculation, self.telemetry, self.landing.worker, adam,
                                plan.staged)  # the landing worker runs the early step
 
@@ -349,9 +349,9 @@ class ShardedAdam:
         return self.store.read_master(index)
 
     def repair_stale(self) -> None:
-        """(``StaleRepair``) Rewrite NVMe parameter shards a failed write left behind their master weights (see
-        [Note: parameter slots] in offload/store/param_swap.py); the parameter store asks for it before it reads such
-        a shard."""
+        """Rewrite NVMe parameter shards a failed write left behind their master weights (see [Note: parameter
+        slots] in offload/store/param_swap.py): the runtime asks for it before a gather reads such a shard (its
+        ``StaleRepair``), the engine before it reads the weights."""
         stale = self.params.stale()
         if stale:  # an early step may still be writing other units through the same buffers: let it finish
             self.drain()
@@ -417,7 +417,7 @@ class ShardedAdam:
     def clear_grads(self) -> None:
         self.drain()
         self._settle()
-        self._nvme_error = None
+        self.overlapped.take_error()
         self.landing.clear()
         self.speculation.drop()
         for state in self.shards.values():
@@ -483,11 +483,11 @@ class ShardedAdam:
         hypers = self._hypers()
         step = self.adam_steps + 1
         try:
-            if self._nvme_error is not None:  # an NVMe transfer failed during backward
-                error, self._nvme_error = self._nvme_error, None
+            error = self.overlapped.take_error()
+            if error is not None:  # an NVMe transfer failed during backward
                 raise error
             self.speculation.settle_nvme(step, hypers, grad_scale)
-            for group in self.store.step_pass(vote.commit if vote is not None else None):
+            for group in self.store.step_pass(vote):
                 for member in group.members:
                     self.speculation.claim(self.shards[member.unit])
                     phase = self.shards[member.unit].phase
@@ -568,7 +568,7 @@ class ShardedAdam:
         """The overlapped backward failed: stop stepping shards; returns how many were already stepped."""
         self._settle()
         self.landing.stop_overlap()
-        self._nvme_error = None
+        self.overlapped.take_error()
         self.speculation.drop(ShardPhase.HOLDING)  # its gradients are kept, as those of a failed backward are
         try:  # stepped shards' masters moved on: their new 16-bit copies go with them
             self.params.commit()
@@ -581,46 +581,6 @@ class ShardedAdam:
             self.drain()
         except Exception:  # noqa: BLE001 - the caller is already raising the first failure
             pass
-
-    def claim(self, state: ShardState) -> None:
-        """The landing is about to touch the shard's gradient or state (``LandingListener``): its speculation may
-        be reading them."""
-        self.speculation.claim(state)
-
-    def landed(self, index: int, overlap: Overlap | None) -> None:
-        """(``LandingListener``) On the landing worker, right after unit ``index``'s gradient was accumulated
-        (``overlap``: the overlapped micro-batch's plan when the gradient came from it). A host shard steps at once;
-        an NVMe sub-group once all of its units' gradients are in, in the store's pass order."""
-        if overlap is None or index not in overlap.units:
-            return
-        hypers, step = overlap.hypers, overlap.step
-        group, member = self.store.by_unit[index]
-        if overlap.guess is not None and group.tier is not Tier.NVME:
-            self.speculation.hand_over(index, group, member, overlap)
-            return
-        if group.tier is not Tier.NVME:
-            self._step_overlapped(index, group.views(member), hypers, step)
-            return
-        if self._nvme_error is not None:
-            return
-        try:
-            for ready in self.store.arrive(index):
-                for m in ready.members:
-                    if overlap.guess is not None:  # in the read buffer: the file's current slot stays intact
-                        self.speculation.in_place(m.unit, ready.views(m), overlap)
-                    else:
-                        self._step_overlapped(m.unit, ready.views(m), hypers, step)
-        except Exception as e:  # noqa: BLE001 - a failed transfer: engine.step() raises it, and can be retried
-            self._nvme_error = e
-
-    def _step_overlapped(self, index: int, views: StateSlot, hypers: list[AdamHyper], step: int) -> None:
-        state = self.shards[index]
-        if state.phase is ShardPhase.STEPPED:  # a failed backward stepped it ([Note: shard phases], shard_state.py)
-            return
-        with self.telemetry.span("optimizer_overlapped", state.name):
-            self.update.step_shard(index, views, step, hypers, 1.0)
-        state.stepped()
-        self.params.copy_back(index, after=None)
 
     # ----------------------------------------------------------------- the speculative step
 

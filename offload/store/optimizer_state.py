@@ -69,8 +69,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -87,6 +88,13 @@ from offload.store.tier import Tier
 from offload.store.two_slots import TwoSlotFile
 
 logger = logging.getLogger("offload.store")
+
+class CommitPoint(Protocol):
+    """Where the step's pass asks whether it may make its new state current: the ranks' vote (offload/zero/
+    collectives.py's ``Vote``), whose ``commit`` raises to stop the step there."""
+
+    def commit(self) -> None: ...
+
 
 class OptimizerStateStore:
     """Owns every sub-group's master/moment buffer on its tier, and the pass that the step runs over them."""
@@ -206,10 +214,10 @@ class OptimizerStateStore:
 
     # ----------------------------------------------------------------- the step
 
-    def step_pass(self, commit: Callable[[], None] | None = None) -> Iterator[SubGroup]:
+    def step_pass(self, commit: CommitPoint | None = None) -> Iterator[SubGroup]:
         """Yield every sub-group this step's pass has not handed out yet, resident in memory: NVMe ones
         pipelined (see [Note: the step pipeline]), and every NVMe sub-group's new slot becomes current once all
-        writes completed; then the host/device ones. ``commit`` is called once, when every write completed and
+        writes completed; then the host/device ones. ``commit.commit()`` is called once, when every write completed and
         before anything becomes current or host state is touched; it raises to stop the step there (another
         rank's failed: see [Note: one rank's failed step]). After a failure, ``abort_pass``."""
         if self._file is not None:
@@ -221,7 +229,7 @@ class OptimizerStateStore:
             run.finish(commit)
             self._pass = None
         elif commit is not None:
-            commit()
+            commit.commit()
         for g in self.groups:
             if g.tier is not Tier.NVME:
                 yield g
@@ -411,7 +419,7 @@ class NvmePass:
         self.released[g.index] = (g, write)
         self.tel.add_bytes("nvme_write", g.nbytes)
 
-    def finish(self, commit: Callable[[], None] | None = None) -> None:
+    def finish(self, commit: CommitPoint | None = None) -> None:
         """Wait for every write, then ``commit`` (which may raise: nothing flips), then the written slots become
         current."""
         with self.tel.span("nvme_wait", "write"):
@@ -419,7 +427,7 @@ class NvmePass:
                 self.ledger.block("optimizer state written")
                 write.wait()
         if commit is not None:
-            commit()
+            commit.commit()
         for g, _ in self.released.values():
             self.file.flip(g.index)
         self.released.clear()

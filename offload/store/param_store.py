@@ -35,7 +35,6 @@ the compute stream (``await_home``), as a gather from the shard would.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -64,12 +63,6 @@ class ParamShard:
     fetched: Event | None = None  # a host home's last copy to the device (re-recorded each time)
 
 
-class StaleRepair(Protocol):
-    """What rewrites NVMe shards a failed write left stale, from their master weights (ShardedAdam)."""
-
-    def repair_stale(self) -> None: ...
-
-
 class ParamStore:
     """Every compute-dtype parameter shard of this rank, by unit index."""
 
@@ -93,9 +86,6 @@ class ParamStore:
         self._compute_done: Event | None = None  # before each copy to the device (re-recorded)
         self.host_is_device = accel.host_is_device  # see [Note: host memory is the device's]
         self.keep_host_copies = keep_host_copies
-        # Rewrites every stale NVMe shard from its master, so a read never meets one that an early step's failed
-        # write left behind (see [Note: an early step's parameter writes] in param_swap.py): ``repairs_with``.
-        self._repair: StaleRepair | None = None
         self._nvme_stepping: set[int] = set()  # NVMe-homed units with an early step not waited for (the hot path's)
         # [Note: kept values of an NVMe shard] An NVMe shard's small ranges that stay whole (``kept_values``) are
         # taken from the values on their way to the disk, so that refreshing them after a step reads nothing back:
@@ -255,8 +245,6 @@ class ParamStore:
             assert shard.host is not None
             return shard.host
         assert h2d is not None, "a shard homed off the device needs a copy stream to come over"
-        if shard.home is Tier.NVME:
-            self.repair_if_stale(index)
         read = self.swap.fetch(index) if shard.home is Tier.NVME and self.swap is not None else None
         source = self.swap.view(read) if self.swap is not None and read is not None else shard.host
         assert source is not None
@@ -382,14 +370,31 @@ class ParamStore:
             shard.step_pending = False
             self._nvme_stepping.discard(index)
 
-    def repairs_with(self, repair: StaleRepair) -> None:
-        """Stale NVMe shards are rewritten by ``repair`` (the optimizer, which holds their masters)."""
-        self._repair = repair
+    def prepare(self, index: int) -> bool:
+        """The one door before a gather reads the shard (now, or ahead of use): an early step still writing it has
+        run, and an NVMe shard's read is in flight. False where a failed write left the NVMe shard stale (see
+        [Note: an early step's parameter writes] in param_swap.py): nothing was started, and whoever gathers has
+        the shard rewritten from its master (the optimizer) and prepares it again."""
+        self.wait_step(index)
+        if self.homes[index] is not Tier.NVME:
+            return True
+        assert self.swap is not None
+        if index in self.swap.stats.stale:
+            return False
+        self.swap.start(index)
+        return True
 
-    def repair_if_stale(self, index: int) -> None:
-        """Before reading an NVMe shard: if a failed write left it stale, have it rewritten first (rank-local)."""
-        if self.swap is not None and self._repair is not None and index in self.swap.stats.stale:
-            self._repair.repair_stale()
+    @property
+    def gather_ahead(self) -> int:
+        """How many NVMe-homed units a gather may run ahead of use (none without NVMe homes)."""
+        return self.swap.gather_ahead if self.swap is not None else 0
+
+    def read_ahead(self, units: list[int], skip: set[int] | frozenset[int] = frozenset()) -> None:
+        """Start reads of the NVMe-homed ``units`` (the upcoming order; not those in ``skip``, gathered already)
+        while buffers are free, never waiting; a unit an early step is still writing is read once it has (see
+        [Note: an early step's parameter writes] in param_swap.py)."""
+        if self.swap is not None and units:
+            self.swap.read_ahead(units, skip=skip, later=self.stepping())
 
     def stepping(self) -> set[int]:
         """NVMe-homed units an early step has not finished writing: not to be read ahead yet (see [Note: an early

@@ -35,8 +35,9 @@ parameter store), so no read ever sees the slot the step is replacing; each such
 keeps a read buffer free for itself (a read of a later unit taking it would be dropped
 when the skipped one is needed, its wait and its read wasted). A write that
 fails leaves that unit stale, and the read that meets it first has the engine rewrite it
-from its master weights (``ParamStore.repairs_with``; on this rank alone, no collective, after
-the step's other writes), so the step stands and the forward goes on.
+from its master weights (``ParamStore.prepare`` says it is stale, and the runtime asks the
+optimizer's ``repair_stale``; on this rank alone, no collective, after the step's other writes),
+so the step stands and the forward goes on.
 """
 
 from __future__ import annotations

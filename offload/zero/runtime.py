@@ -38,11 +38,12 @@ process group times out.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -53,6 +54,7 @@ from offload.machine.accelerator import Accelerator, Event, WorkEvent
 from offload.observe.step_graph import COMPUTE, HOST
 from offload.observe.telemetry import Telemetry
 from offload.optim.landing import ReducedShard
+from offload.store.param_store import ParamStore
 from offload.zero.collectives import Group, ReductionOrder, all_reduce_sum, reduce_scatter
 from offload.zero.prefetch import PrefetchTrace
 from offload.zero.stage import Stage
@@ -83,6 +85,37 @@ class GradientSink(Protocol):
 
     def gradients_sent(self) -> None:
         """Backward is over (or failed): what the sink holds back goes on now."""
+
+
+class StaleRepair(Protocol):
+    """What rewrites the NVMe parameter shards a failed write left stale, from their master weights (the optimizer,
+    offload/optim/sharded.py): asked for by the gather that meets one, before the shard is read (see [Note: an early
+    step's parameter writes] in offload/store/param_swap.py)."""
+
+    def repair_stale(self) -> None: ...
+
+
+class Downstream(NamedTuple):
+    """The rooms below the hooks that take their work, each called down, never back: ``params``, the parameter store
+    (the one door to a shard before its gather: ``ParamStore.prepare``, and reads ahead of use); ``sink``, where each
+    reduced gradient shard goes (the optimizer's landing); ``repair``, the optimizer's rewrite of a stale shard."""
+
+    params: ParamStore | None  # None: a model with no units
+    sink: GradientSink
+    repair: StaleRepair
+
+
+class TrainingState(enum.Enum):
+    """What the hooks are in the middle of; changed by named transitions (``_begin_backward``, ``_end_backward``).
+
+    IDLE: no backward is running; a forward's post-hook releases the units it gathered once no use holds them.
+    ACCUMULATING and REDUCING: a backward is running (its end-of-backward callback is queued): a unit gathered by
+    its pre-backward hook stays until its gradients are in. ACCUMULATING leaves them in ``.grad`` (stages 0-1 before
+    the last micro-batch), REDUCING reduces each unit's as it is done (see [Note: stages])."""
+
+    IDLE = "idle"
+    ACCUMULATING = "backward, accumulating"
+    REDUCING = "backward, reducing"
 
 
 class LiveLimitError(RuntimeError):
@@ -117,9 +150,9 @@ class RuntimeSettings:
 class ZeroRuntime:
     """Owns the units of one model, the hooks on it, and the count of gathered elements."""
 
-    def __init__(self, model: nn.Module, units: list[Unit], group: Group, accel: Accelerator, sink: GradientSink,
+    def __init__(self, model: nn.Module, units: list[Unit], group: Group, accel: Accelerator, below: Downstream,
                  settings: RuntimeSettings, telemetry: Telemetry) -> None:
-        """``sink`` takes every reduced gradient shard (the optimizer's landing)."""
+        """``below``: the parameter store, the gradients' landing and the stale shards' repair."""
         persistence_threshold, persistence_cap = settings.persistence_threshold, settings.persistence_cap
         self.model = model
         self.stage = settings.stage
@@ -129,7 +162,8 @@ class ZeroRuntime:
         self.accel = accel
         self.graph = accel.graph
         self.limit = settings.limit
-        self.sink = sink
+        self.sink = below.sink
+        self.repair = below.repair
         self.got_grad: set[int] = set()  # ids of the parameters whose gradient landed since the last step
         self.grad_predivide = settings.grad_predivide
         self.grad_factor = settings.grad_predivide / group.world  # the average over ranks, after the predivide
@@ -137,15 +171,14 @@ class ZeroRuntime:
         # Brings host- and NVMe-homed shards (offload_param: cpu, nvme) to the device before their gather; on a
         # GPU its own stream so the copies can be issued ahead of use.
         self.h2d = accel.copy_stream("param-h2d", urgent=True) if any(u.off_device for u in units) else None
-        self.params = units[0].params if units else None  # every unit's shards (one store)
-        self.swap = self.params.swap if self.params is not None else None  # NVMe shards' reads, run ahead of gathers
+        self.params = below.params  # every unit's shards (one store)
         self.prefetch = PrefetchTrace(settings.prefetch_elements)
         self.prefetched_gathers = 0  # gathers issued ahead of use
         self.live = sum(u.padded for u in units if u.resident)  # elements gathered now (or being gathered)
         self.peak_live = self.live
-        self.reduce_grads = True  # this backward reduces the gradients it produces (see [Note: stages])
+        self.state = TrainingState.IDLE
+        self._coming = TrainingState.REDUCING  # what the next backward does with its gradients (``begin_backward``)
         self.gathers = 0
-        self._in_backward = False
         self._acquired: dict[int, list[list[Unit]]] = {}  # per module: the units each running forward holds
         self._handles: list[RemovableHandle] = []
         self._said_partitioned = False  # the warning of _partitioned_state_dict, once
@@ -292,12 +325,12 @@ class ZeroRuntime:
     # ----------------------------------------------------------------- forward
 
     def acquire(self, unit: Unit) -> None:
-        self._unshard(unit)
+        self._use(unit)
         unit.hold()
 
     def release(self, unit: Unit, keep: bool = False) -> None:
         """``keep``: a later anchor of the unit is about to run (see [Note: when a unit is gathered])."""
-        if unit.let_go() and not self._in_backward and not keep:
+        if unit.let_go() and self.state is TrainingState.IDLE and not keep:
             self._done_with(unit)
 
     # ----------------------------------------------------------------- backward
@@ -305,17 +338,31 @@ class ZeroRuntime:
     def _pre_backward(self, units: list[Unit]) -> None:
         if self.graph.on:
             self.graph.work("hook_backward", lane=HOST)
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.state is TrainingState.IDLE:
+            self._begin_backward()
         for unit in units:
             unit.begin_backward()
-            self._unshard(unit)
+            self._use(unit)
+
+    def _begin_backward(self) -> None:
+        """IDLE -> the coming backward's state; autograd calls ``_end_of_backward`` when it is done."""
+        assert self.state is TrainingState.IDLE, f"rank {self.group.rank}: a backward begins while {self.state.value}"
+        self.state = self._coming
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_backward(self) -> None:
+        """-> IDLE: the backward ended, or failed (idempotent)."""
+        self.state = TrainingState.IDLE
+
+    def _reduces(self) -> bool:
+        """Whether the gradients now arriving are reduced (outside a backward the hooks saw begin: as the coming
+        one's would be)."""
+        return (self._coming if self.state is TrainingState.IDLE else self.state) is TrainingState.REDUCING
 
     def abort_backward(self) -> None:
         """Backward raised: autograd will not run the end-of-backward callback, so undo its state here.
         Gradients of the failed pass are dropped; units are released; the next backward starts clean."""
-        self._in_backward = False
+        self._end_backward()
         # the engine takes no more collective work after this at W > 1 (see [Note: one rank's failed pass] in
         # offload/engine/agreement.py)
         self.order.take()
@@ -329,18 +376,18 @@ class ZeroRuntime:
     def _end_of_backward(self) -> None:
         for unit in self.units:
             # Stages 0-1: a unit that got no gradient now may hold some from an earlier micro-batch.
-            if unit.grads_seen or (self.reduce_grads and not self.stage.reduce_every_micro_batch
+            if unit.grads_seen or (self._reduces() and not self.stage.reduce_every_micro_batch
                                    and any(s.param.grad is not None for s in unit.slots)):
                 self._reduce_or_keep(unit)
         for unit in self.units:
             unit.end_backward()
             if unit.holders == 0:
                 self._done_with(unit)
-        self._in_backward = False
+        self._end_backward()
         self.sink.gradients_sent()
 
     def _reduce_or_keep(self, unit: Unit) -> None:
-        if self.reduce_grads:
+        if self._reduces():
             self._reduce(unit)
         else:  # stages 0-1 before the last micro-batch: the gradients stay in .grad, where autograd adds to them
             unit.grads_taken()
@@ -383,44 +430,61 @@ class ZeroRuntime:
         """A forward begins: the prefetcher follows (or records) a new iteration."""
         self.prefetch.begin_iteration()
 
-    def _unshard(self, unit: Unit) -> None:
-        """Make ``unit`` gathered for use now, then fetch ahead what the trace says comes next."""
+    def _use(self, unit: Unit) -> None:
+        """``unit`` gathered for use now, then the gathers the trace says come next started (FSDP2's pre-forward:
+        unshard, wait for it, prefetch)."""
+        upcoming = self._unshard(unit)
+        self._wait_for_unshard(unit)
+        if upcoming:
+            self._prefetch(unit, upcoming)
+
+    def _unshard(self, unit: Unit) -> list[int]:
+        """Start gathering ``unit`` for use now (its shard readied through the one door, ``_ready``), with the
+        NVMe reads of the units the trace says come next; returns those units."""
         if unit.in_place:  # compute reads the shard itself: an early step or its copy back may still be writing it
-            unit.params.await_home(unit.index)
+            assert self.params is not None
+            self.params.await_home(unit.index)
             unit.bind()
         if unit.state is not UnitState.UNSHARDED or unit.prefetched:
             upcoming = self.prefetch.needed(unit.index)
         else:
             upcoming = []  # already gathered for an earlier use (a persistent unit, or still held)
         unit.used()
-        if self.swap is not None:
-            # NVMe reads run further ahead than gathers: this unit's first, then the trace's next ones.
-            if unit.on_nvme and unit.state is UnitState.SHARDED:
-                # an early step's new shard first (see [Note: an early step's parameter writes] in
-                # offload/store/param_swap.py)
-                unit.params.wait_step(unit.index)
-                unit.params.repair_if_stale(unit.index)
-                self.swap.start(unit.index)
-            if upcoming:
-                gathered = {i for i in upcoming if self.units[i].state is not UnitState.SHARDED}
-                self.swap.read_ahead(upcoming, skip=gathered, later=self._stepping())
+        # NVMe reads run further ahead than gathers: this unit's first, then the trace's next ones.
+        if unit.state is UnitState.SHARDED:
+            self._ready(unit)
+        if upcoming and self.params is not None:
+            self.params.read_ahead(upcoming, skip={i for i in upcoming if self.units[i].state is not UnitState.SHARDED})
+        if unit.state is UnitState.SHARDED:
+            self._make_room(unit)
+            with self.telemetry.span("gather", unit.name):
+                unit.start_unshard(self.h2d)
+            self._graph_gather(unit)
+            self._count_gather(unit)
+        return upcoming
+
+    def _wait_for_unshard(self, unit: Unit) -> None:
+        """GATHERING -> UNSHARDED: the unit's all-gather waited for (nothing to do for a gathered one)."""
         if unit.state is UnitState.GATHERING:
             with self.telemetry.span("gather_wait", unit.name):
                 unit.finish_unshard()
-        elif unit.state is UnitState.SHARDED:
-            self._make_room(unit)
-            with self.telemetry.span("gather", unit.name):
-                unit.unshard(self.h2d)
-            self._graph_gather(unit)
-            self._count_gather(unit)
-        if upcoming:
-            self._prefetch(unit, upcoming)
+
+    def _ready(self, unit: Unit) -> None:
+        """The one door before a unit's shard is read for a gather (now or ahead of use): the store waits for an
+        early step still writing it and starts an NVMe read; a shard a failed write left stale is rewritten from its
+        master first, asked of the optimizer from here, above the store (see [Note: an early step's parameter
+        writes] in offload/store/param_swap.py)."""
+        assert self.params is not None  # a unit's shard lives there
+        if not self.params.prepare(unit.index):
+            self.repair.repair_stale()
+            ready = self.params.prepare(unit.index)
+            assert ready, f"rank {self.group.rank}: unit {unit.name!r} is still stale after its repair"
 
     def _prefetch(self, current: Unit, upcoming: list[int]) -> None:
         ahead = 0
         # A gather of an NVMe-homed unit waits for its read: gathers stay within half the read buffers ahead,
         # so the reads run further ahead than they do. The same count on every rank keeps the collectives in step.
-        from_nvme, nvme_limit = 0, self.swap.gather_ahead if self.swap is not None else 0
+        from_nvme, nvme_limit = 0, self.params.gather_ahead if self.params is not None else 0
         for index in upcoming:
             unit = self.units[index]
             if unit is current:
@@ -435,6 +499,7 @@ class ZeroRuntime:
                 if from_nvme >= nvme_limit:
                     break
                 from_nvme += 1
+            self._ready(unit)
             with self.telemetry.span("prefetch", unit.name):
                 unit.start_unshard(self.h2d)
             self._graph_gather(unit)
@@ -452,13 +517,8 @@ class ZeroRuntime:
     def read_ahead_first(self) -> None:
         """After a step: start reading the units the next iteration needs first (rank-local, no collective)."""
         order = self.prefetch.recording or self.prefetch.trace  # the iteration that just ended comes again
-        if self.swap is not None and order:
-            self.swap.read_ahead(list(dict.fromkeys(order)), later=self._stepping())
-
-    def _stepping(self) -> set[int]:
-        """Units an early step is still writing: read ahead once it has (see [Note: an early step's parameter
-        writes] in offload/store/param_swap.py)."""
-        return self.params.stepping() if self.params is not None else set()
+        if self.params is not None and order:
+            self.params.read_ahead(list(dict.fromkeys(order)))
 
     def _count_gather(self, unit: Unit) -> None:
         if unit.off_device:
@@ -510,7 +570,7 @@ class ZeroRuntime:
     def begin_backward(self, reduce: bool) -> None:
         """The coming backward reduces the gradients it produces (``reduce``), or only accumulates them (see
         [Note: stages])."""
-        self.reduce_grads = reduce
+        self._coming = TrainingState.REDUCING if reduce else TrainingState.ACCUMULATING
 
     def take_order(self) -> list[float]:
         """This rank's reductions since the last step, for the ranks to compare (see [Note: gradient reduction
