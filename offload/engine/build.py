@@ -254,7 +254,7 @@ def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, sta
         values = pretrained.read_flat(plan, unit.padded, start, stop)
     # a 16+16 master's weights are its high halves, on every rank's copy of every part (see [Note: the weights are
     # the high half] in offload/store/optimizer_state.py); the master itself starts from ``values``
-    weights = optimizer.store.fmt.weights_of(values) if group_of is not None else values
+    weights = optimizer.state_format.weights_of(values) if group_of is not None else values
     unit.load_initial(weights, host_copy=group_of is not None and optimizer.steps_on_host(plan.index), start=start)
     if group_of is not None:
         optimizer.add_shard(unit.index, unit.name, unit.shard_of(values, start),

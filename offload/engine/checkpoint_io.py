@@ -264,7 +264,7 @@ def _disk_full_message(engine: Any, root: Path, tag: str, number: int) -> str:
     else:
         last = None
         # what a checkpoint holds an element: a lent 16+16 high half is saved too (its master as one float32)
-        needed = engine.partition.world * sum(g.numel * g.fmt.stepped_bytes for g in engine.optimizer.store.groups)
+        needed = engine.partition.world * engine.optimizer.saved_bytes()
     free = shutil.disk_usage(root).free
     return (f"checkpoint {tag!r} did not fit in {root}: its file system is full ({errno.errorcode[number]}); a "
             f"checkpoint of this run takes about {needed:,} bytes and {free:,} are free there. The partial save "
@@ -285,7 +285,7 @@ def _publish(engine: Any, root: Path, tag: str, layout: list[Any], kinds: dict[s
             "partitions": engine.partition.world,
             "global_steps": train["global_steps"], "skipped_steps": train["skipped_steps"],
             "micro_steps": train["micro_steps"], "global_samples": train["global_samples"],
-            "adam_steps": engine.optimizer.adam_steps, "state_format": _format_meta(engine.optimizer.store.fmt),
+            "adam_steps": engine.optimizer.adam_steps, "state_format": _format_meta(engine.optimizer.state_format),
             "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
             "params": params,
             "config": engine.config.to_dict(), "files": {k: v for f in every for k, v in f.items()}}
@@ -477,7 +477,7 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
     # zero_optimization.load_from_fp32_weights false: the master weights are rebuilt from the checkpoint's
     # compute-dtype weights (rounded), as DeepSpeed does from its 16-bit ones.
     rounded = None if engine.config.zero_optimization.load_from_fp32_weights else getattr(torch, meta["compute_dtype"])
-    saved_format, our_format = meta.get("state_format", _format_meta(FP32)), _format_meta(engine.optimizer.store.fmt)
+    saved_format, our_format = meta.get("state_format", _format_meta(FP32)), _format_meta(engine.optimizer.state_format)
     if saved_format != our_format and rank == 0:
         logger.warning("loading %s: its optimizer state is held as %s and this engine holds it as %s: converted "
                        "(to fp32 or 16+16 exactly, to a bf16 master or bf16 moments rounded to nearest)", path,

@@ -143,7 +143,7 @@ class Refit:
                 return None
             return 0 if params.home(unit) is Tier.DEVICE else params.shards[unit].numel * params.dtype.itemsize
 
-        groups = refit_choice(opt.store.groups, spare, shard_bytes, opt.landing.device_accumulated,
+        groups = refit_choice(list(opt.sub_groups), spare, shard_bytes, opt.landing.device_accumulated,
                               opt.device_grad_bytes)
         if not groups:
             return 0
@@ -154,7 +154,7 @@ class Refit:
         except torch.OutOfMemoryError as e:
             logger.warning("rank %d: moving optimizer state to the device stopped, out of its memory (%s)",
                            self.group.rank, str(e).splitlines()[0])
-        moved = [m for g in opt.store.groups if g.tier is Tier.DEVICE for m in g.members if m.unit in wanted]
+        moved = [m for g in opt.sub_groups if g.tier is Tier.DEVICE for m in g.members if m.unit in wanted]
         logger.info("rank %d: %d units' optimizer state (%s elements) moved to the device; %.2f GiB of host memory "
                     "given back", self.group.rank, len(moved), f"{sum(m.numel for m in moved):,}",
                     (host_before - opt.host.used) / 2**30)

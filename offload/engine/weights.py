@@ -67,8 +67,7 @@ def gathered_parameters(engine: Any, modifier_rank: int | None = None,
     # Units that keep their buffer have their shard inside it: what the block writes there is compared with this.
     # Where that shard is also a 16+16 master's high half (see [Note: the weights are the high half] in
     # offload/store/optimizer_state.py), a write no rank keeps would change the master: it is undone at the end.
-    lent = {u.index for u in units if engine.optimizer is not None and engine.optimizer.trains(u.index)
-            and engine.optimizer.store.keeps_high_elsewhere(u.index)}
+    lent = {u.index for u in units if engine.optimizer is not None and engine.optimizer.lends_weights(u.index)}
     before = {u.index: engine.params.read(u.index).clone() for u in units
               if u.keeps_full and (modifier_rank is not None or u.index in lent)}
     edits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -75,6 +75,7 @@ from offload.store.budget import TierBudget
 from offload.store.optimizer_state import OptimizerStateStore
 from offload.store.param_store import ParamStore
 from offload.store.placement import device_grads
+from offload.store.state_format import StateFormat
 from offload.store.sub_groups import SubGroup
 from offload.store.swapdir import SwapDir, TierRoom
 from offload.store.tier import Tier
@@ -331,6 +332,29 @@ class ShardedAdam:
     def trains(self, index: int) -> bool:
         """Whether unit ``index`` has optimizer state (trained parameters)."""
         return index in self.shards
+
+    # What the engine asks of the state (the store below stays this room's own).
+
+    @property
+    def state_format(self) -> StateFormat:
+        """How the optimizer state is held (every sub-group's)."""
+        return self.store.fmt
+
+    @property
+    def sub_groups(self) -> tuple[SubGroup, ...]:
+        """The sub-groups, each with its tier and members, in the store's order (read-only: ``move_to_device``
+        changes them)."""
+        return tuple(self.store.groups)
+
+    def saved_bytes(self) -> int:
+        """Bytes this rank's state takes in a checkpoint (a lent 16+16 high half saved too, its master as one
+        float32)."""
+        return sum(g.numel * g.fmt.stepped_bytes for g in self.store.groups)
+
+    def lends_weights(self, index: int) -> bool:
+        """Whether unit ``index``'s weights are its 16+16 master's high half (see [Note: the weights are the high
+        half] in offload/store/optimizer_state.py): a write to them writes the master."""
+        return self.trains(index) and self.store.keeps_high_elsewhere(index)
 
     def one_at_a_time(self, *, read: bool, write: bool) -> Iterator[SubGroup]:
         """Every sub-group's state resident in turn, read from its current slot (``read``) and written back
