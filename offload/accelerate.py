@@ -49,7 +49,7 @@ __all__ = ["Accelerator", "DummyOptim", "DummyScheduler"]  # accelerate.utils ex
 CHECKPOINT_TAG = "pytorch_model"  # the engine's checkpoint inside save_state's folder (accelerate's DeepSpeed name)
 
 
-class Accelerator(accelerate.Accelerator):
+class Accelerator(accelerate.Accelerator):  # type: ignore[misc]  # accelerate has no types: its Accelerator is Any
     """accelerate's Accelerator whose ``prepare`` runs the model on offload's engine (see the module's docstring)."""
 
     def __init__(self, *args: Any, deepspeed_plugin: DeepSpeedPlugin | None = None,
@@ -112,12 +112,12 @@ class Accelerator(accelerate.Accelerator):
         prepared = [swap.get(id(a), a) if a is not None else a for a in out]
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
-    def _engine_config(self, loader: torch.utils.data.DataLoader | None) -> dict[str, Any]:
+    def _engine_config(self, loader: torch.utils.data.DataLoader[Any] | None) -> dict[str, Any]:
         """The plugin's config with its ``"auto"`` values filled as accelerate fills them for DeepSpeed."""
         plugin = self.offload_plugin
         plugin.fill_match("gradient_accumulation_steps", must_match=False,
                           gradient_accumulation_steps=self.gradient_accumulation_steps)
-        self.gradient_accumulation_steps = plugin.get_value("gradient_accumulation_steps")
+        self.gradient_accumulation_steps: int = plugin.get_value("gradient_accumulation_steps")
         fill: dict[str, Any] = {"gradient_clipping": 1.0}
         if plugin.is_auto("train_micro_batch_size_per_gpu"):
             if loader is None or loader.batch_size is None:

@@ -443,7 +443,7 @@ def wrap_blocks(model: nn.Module, store: ActivationStore | None = None) -> int:
         raise CheckpointingError(f"found no transformer blocks in {type(model).__name__} (no _no_split_modules and "
                                  "no ModuleList of same-class modules): call offload.checkpointing.checkpoint(block, "
                                  "x) in the model's forward instead")
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False  # a KV cache would be appended to again by the recompute
         logger.info("activation checkpointing: set the model's config.use_cache to False")
@@ -451,7 +451,7 @@ def wrap_blocks(model: nn.Module, store: ActivationStore | None = None) -> int:
         if getattr(block, "_offload_checkpointed", False):
             continue
         block.forward = _checkpointed(block.forward, store)
-        block._offload_checkpointed = True
+        block._offload_checkpointed = True  # type: ignore[assignment]  # a flag, not a tensor or module
     return len(blocks)
 
 

@@ -1,5 +1,5 @@
-"""The packages whose annotations are clean pass mypy (configured in pyproject.toml's [tool.mypy]): part of the
-test command. What they import from the rest of offload is read for its types, its errors not reported."""
+"""The whole package passes mypy (configured in pyproject.toml's [tool.mypy]): part of the test command. What it
+imports from elsewhere (torch, numpy) is read for its types, its errors not reported."""
 
 import hashlib
 import pathlib
@@ -9,9 +9,8 @@ import tempfile
 
 from conftest import REPO
 
-# The packages mypy checks. This list only grows: add a package once mypy passes over it, never take one out.
-CHECKED = ("offload/store", "offload/zero", "offload/aio", "offload/config", "offload/optim", "offload/observe",
-           "offload/machine", "offload/files", "offload/engine", "offload/lightning")
+# What mypy checks: the whole package, every module in it.
+CHECKED = ("offload",)
 
 # mypy's incremental cache, kept between runs (a warm run is several times faster), one per checkout so that
 # worktrees do not thrash one another's. mypy checks every entry against its source, so a stale one is harmless.

@@ -31,10 +31,10 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -72,7 +72,7 @@ class CacheFlush:
         self.buffer.add_(1.0)
 
 
-def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 1,
+def interleaved(fns: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1,
                 before: Callable[[], None] | None = None) -> dict[str, float]:
     """Median seconds of each function, run in alternating rounds: memory bandwidth here drifts
     20-30% within an hour, and rounds spread that drift over every contender alike. ``before`` runs
@@ -106,11 +106,11 @@ class Row:
 
 @dataclass
 class Report:
-    machine: dict = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=dict)
     rows: list[Row] = field(default_factory=list)
 
 
-def _machine(threads: int) -> dict:
+def _machine(threads: int) -> dict[str, Any]:
     import platform
 
     import psutil
@@ -174,7 +174,7 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
 
     tp = torch.nn.Parameter(p.clone())
     tp.grad = g.clone()
-    kw = dict(lr=HYPER.lr, betas=HYPER.betas, eps=HYPER.eps, weight_decay=HYPER.weight_decay)
+    kw: dict[str, Any] = dict(lr=HYPER.lr, betas=HYPER.betas, eps=HYPER.eps, weight_decay=HYPER.weight_decay)
     fused = torch.optim.AdamW([tp], fused=True, **kw)
     foreach = torch.optim.AdamW([tp], foreach=True, **kw)
     ours_name = f"offload adam_step ({native.active_variant()})"

@@ -172,7 +172,7 @@ def run(b: FormatsBench, out: Path, stream: TextIO | None = None) -> dict[str, A
         runs.append(r)
         say(f"  {name:<24} seed {seed}: held-out loss {r.eval_loss[0]:.3f} -> {r.eval_loss[-1]:.4f}  "
             f"({r.seconds:.0f} s, optimizer state {r.optimizer_state_bytes / 2**20:.1f} MiB)")
-    result = {"bench": asdict(b), "runs": [asdict(r) for r in runs],
+    result: dict[str, Any] = {"bench": asdict(b), "runs": [asdict(r) for r in runs],
               "verdicts": verdicts(runs) if b.seeds and any(r.format != "fp32" for r in runs) else {}}
     for name, v in result["verdicts"].items():
         where = "inside" if v["inside"] else f"OUTSIDE (+{v['above_band_by']:.4f})"

@@ -69,12 +69,14 @@ def run(size: int = 256 << 20, repeats: int = 5, out: Path | None = None,
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        s1.wait_event(start), s2.wait_event(start)
+        s1.wait_event(start)
+        s2.wait_event(start)
         with torch.cuda.stream(s1):
             gpu.copy_(pinned, non_blocking=True)
         with torch.cuda.stream(s2):
             pinned2.copy_(gpu2, non_blocking=True)
-        torch.cuda.current_stream().wait_stream(s1), torch.cuda.current_stream().wait_stream(s2)
+        torch.cuda.current_stream().wait_stream(s1)
+        torch.cuda.current_stream().wait_stream(s2)
         end.record()
         end.synchronize()
         duplex.append(2 * size / (start.elapsed_time(end) / 1e3) / 1e9)

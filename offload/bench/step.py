@@ -690,7 +690,7 @@ def print_table(result: StepResult, out: TextIO) -> None:
         print("  host memory per rank, measured after the timed steps (the largest rank's anonymous RSS; its peak RSS, "
               "the model's construction included) against the engine's accounted host bytes:", file=out)
         for name, rss in result.host_rss.items():
-            now = f"{rss['rss'] / 2**20:8.0f} MiB" if rss.get("rss") is not None else "       ? MiB"
+            now = f"{measured / 2**20:8.0f} MiB" if (measured := rss.get("rss")) is not None else "       ? MiB"
             print(f"    {name:28s} {now} (peak {(rss['peak'] or 0) / 2**20:.0f}), accounted "
                   f"{result.memory.get(name, {}).get('host', 0) / 2**20:.0f} MiB", file=out)
     if any(name.startswith("nvme") for name in v):

@@ -46,6 +46,7 @@ def run_all(path: Path, out_dir: Path, quick: bool, stream: TextIO) -> SuiteResu
     def section(name: str) -> None:
         print(f"\n== {name}", file=stream, flush=True)
 
+    res: pcie.PcieResult | step.StepResult  # the PCIe bench's, then each step bench's
     if torch.cuda.is_available():
         section("pcie: pinned vs pageable host<->GPU copies")
         res = pcie.run(size=(64 << 20) if quick else (256 << 20), repeats=3 if quick else 5, stream=stream)
@@ -75,8 +76,8 @@ def run_all(path: Path, out_dir: Path, quick: bool, stream: TextIO) -> SuiteResu
                                             "slowest engine (fio not installed)"))
     for where in ("cpu", "nvme"):
         section(f"step: ZeRO-3 training step, offload {where}, beside plain PyTorch")
-        small = dict(hidden=128, layers=2, seq=64, micro=2, steps=2, warmup=1, repeats=1, headline_only=True) \
-            if quick else {}
+        small: dict[str, Any] = dict(hidden=128, layers=2, seq=64, micro=2, steps=2, warmup=1, repeats=1,
+                                     headline_only=True) if quick else {}
         bench = step.StepBench(offload=where, nvme_path=str(path), trace_dir=str(out_dir), **small)
         res = step.run(bench, out_dir / f"step-{where}.json", log=stream)
         step.print_table(res, stream)

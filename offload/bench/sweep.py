@@ -19,11 +19,13 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from offload.aio import ChecksummedFile, IOEngine, SwapFile, make_engine, probe_io_uring
 from offload.machine.buffers import AlignedBuffer
 
 OPS = ("write", "read")
+K = TypeVar("K", bound=Hashable)  # what names a contender
 
 
 def engines_here(directory: Path) -> list[str]:
@@ -39,12 +41,12 @@ class Contender:
 
 
 @dataclass
-class Measured:
+class Measured(Generic[K]):
     """One operation at one grid point: each contender's median GB/s and CPU seconds per GB."""
     block_size: int
     queue_depth: int
     op: str
-    results: dict[Hashable, tuple[float, float]]
+    results: dict[K, tuple[float, float]]
     fio_gbs: float | None  # the median of fio's rounds; None without fio
 
 
@@ -66,8 +68,8 @@ def _timed(fn: Callable[[], None]) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def sweep_grid(path: Path, size: int, grid: Iterable[tuple[int, int]], contenders: dict[Hashable, Contender],
-               rounds: int, with_fio: bool = True) -> Iterator[Measured]:
+def sweep_grid(path: Path, size: int, grid: Iterable[tuple[int, int]], contenders: dict[K, Contender],
+               rounds: int, with_fio: bool = True) -> Iterator[Measured[K]]:
     """Every contender (and fio) ``rounds`` times, interleaved, for each op at each (block, depth) in ``grid``:
     a ``size``-byte transfer to or from the scratch file ``path``, which is removed afterwards."""
     buf = AlignedBuffer(size)
@@ -79,7 +81,7 @@ def sweep_grid(path: Path, size: int, grid: Iterable[tuple[int, int]], contender
             for block, depth in grid:
                 with contextlib.ExitStack() as stack:
                     engines: dict[tuple[str, int], IOEngine] = {}
-                    starts: dict[Hashable, Callable[[str], Callable[[], None]]] = {}
+                    starts: dict[K, Callable[..., Callable[[], None]]] = {}  # op -> its call (engine bound)
                     for key, c in contenders.items():
                         if (c.engine, c.threads) not in engines:
                             engines[c.engine, c.threads] = stack.enter_context(
@@ -91,7 +93,7 @@ def sweep_grid(path: Path, size: int, grid: Iterable[tuple[int, int]], contender
                         else:
                             starts[key] = lambda op, e=eng: lambda: getattr(e, op)(f, buf.tensor, 0, size).wait()
                     for op in OPS:
-                        times: dict[Hashable, list[tuple[float, float]]] = {key: [] for key in contenders}
+                        times: dict[K, list[tuple[float, float]]] = {key: [] for key in contenders}
                         fio: list[float] = []
                         for _ in range(rounds):
                             for key, start in starts.items():

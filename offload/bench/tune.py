@@ -12,13 +12,13 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from offload.bench.sweep import Contender, engines_here, sweep_grid
 
-QUICK = dict(blocks=(1 << 20, 8 << 20), depths=(8, 32), threads=(2,), size=256 << 20, rounds=1)
-FULL = dict(blocks=(256 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20), depths=(4, 8, 16, 32, 64), threads=(1, 2, 4),
-            size=1 << 30, rounds=2)
+QUICK: dict[str, Any] = dict(blocks=(1 << 20, 8 << 20), depths=(8, 32), threads=(2,), size=256 << 20, rounds=1)
+FULL: dict[str, Any] = dict(blocks=(256 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20), depths=(4, 8, 16, 32, 64),
+                            threads=(1, 2, 4), size=1 << 30, rounds=2)
 
 
 @dataclass
@@ -65,7 +65,7 @@ def sweep(path: Path, quick: bool = False, size: int | None = None, with_fio: bo
                   for t in (grid["threads"] if e == "threads" else (1,))}
     total = len(points) * len(contenders)
     cells: list[Cell] = []
-    written: dict = {}
+    written: dict[tuple[str, int], tuple[float, float]] = {}
     fio_write: float | None = None
     done = 0
     for m in sweep_grid(path / "offload-tune-nvme.bin", size, points, contenders, grid["rounds"], with_fio=with_fio):
@@ -84,7 +84,7 @@ def best(cells: list[Cell]) -> Cell:
     return max(cells, key=lambda c: c.score)
 
 
-def fragment(cell: Cell) -> dict:
+def fragment(cell: Cell) -> dict[str, Any]:
     """The config fragment the runtime loads unchanged."""
     return {
         "aio": {"block_size": cell.block_size, "queue_depth": cell.queue_depth,
@@ -142,7 +142,7 @@ def heatmap(cells: list[Cell], out: Path) -> None:
 
 
 def run(path: Path, out_dir: Path, quick: bool = False, size: int | None = None, with_fio: bool = True,
-        stream: TextIO = sys.stdout) -> dict:
+        stream: TextIO = sys.stdout) -> dict[str, Any]:
     path.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"offload tune-nvme: sweeping {path} ({'quick' if quick else 'full'} grid)", file=stream, flush=True)

@@ -32,7 +32,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
@@ -40,6 +40,9 @@ from offload.bench.step import StepBench, batches, describe_model, sync
 from offload.machine.cpus import usable_cpus
 from offload.machine.launch import RankError, run_ranks
 from offload.models.catalog import lm_loss
+
+if TYPE_CHECKING:
+    from offload.optim.sharded import ShardedAdam
 
 INSTALL = ("DeepSpeed is not installed in this environment. Install it beside the torch already here (its own "
            "requirements minus torch), then run again:\n"
@@ -157,7 +160,8 @@ class VersusResult:
 
 def timed(forward: Any, backward: Any, step: Any, b: StepBench, world: int, rank: int, device: str
            ) -> tuple[list[float], dict[str, list[float]]]:
-    steps, phases = [], {p: [] for p in PHASES}
+    steps: list[float] = []
+    phases: dict[str, list[float]] = {p: [] for p in PHASES}
     for i, tokens in enumerate(batches(b, b.warmup + b.steps, b.micro * world)):
         rows = tokens[rank * b.micro:(rank + 1) * b.micro].to(device)
         marks = [time.perf_counter()]
@@ -182,6 +186,7 @@ def side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_pa
     model = b.build_model(on_device=side in PLAIN, dtype=torch.bfloat16 if pure else None)
     started = time.perf_counter()
     loss: list[torch.Tensor] = []
+    opt: torch.optim.Optimizer | ShardedAdam  # plain PyTorch's, or the engine's
     if side in PLAIN:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
         autocast = torch.autocast(b.device, dtype=torch.bfloat16, enabled=b.dtype == "bf16" and not pure)
@@ -303,6 +308,7 @@ def run(b: StepBench, out: Path, log: TextIO | None = None, names: tuple[str, ..
     threads = max(1, usable_cpus() // b.world)
     env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""} if b.device == "cpu" else {}
     configs = {}
+    path: Path | str  # a variant's config: written to a Path, handed to its ranks as a string
     for name, where in variants(b, names).items():
         path = out_dir / f"config-{name}.json"
         path.write_text(json.dumps(shared_config(b, where), indent=2))

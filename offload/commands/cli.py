@@ -158,6 +158,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
         if args.baseline == "deepspeed":
             from offload.bench import versus
+            chosen: dict[str, versus.Placement] | dict[str, dict[str, Any]]  # the variants: this baseline's or floor's
+            result: versus.VersusResult | step.StepResult  # this baseline's, else the plain bench's
             if args.accum != 1:
                 raise UsageError("--baseline deepspeed times one micro-batch a step (its phases are forward, backward "
                                  "and step): leave --accum at 1")
@@ -685,7 +687,8 @@ def _output(args: argparse.Namespace) -> Path:
 def _check_outputs(args: argparse.Namespace) -> None:
     """Every file or directory the command will write can be written, before any work starts: a long run must not
     end by failing to save what it measured."""
-    files, directories = [], []
+    files: list[tuple[str, str | Path]] = []
+    directories: list[tuple[str, str | Path]] = []
     if args.command == "bench":
         (directories if args.what == "all" else files).append(("--out", _output(args)))
     elif args.command == "estimate" and args.json:

@@ -69,6 +69,7 @@ def run_demo(config: Config | str | None = None, steps: int = 150, seed: int = 0
     data = torch.tensor(list(TEXT.encode()), dtype=torch.long)
     gen = torch.Generator().manual_seed(seed + engine.group.rank)
     micro, accum = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    assert isinstance(micro, int) and isinstance(accum, int)  # the engine's config is resolved: numbers
     context = model.config.context
     first = last = math.nan
     if trace is not None:

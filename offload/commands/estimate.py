@@ -23,11 +23,12 @@ import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from offload.config import Config, ConfigError
+from offload.config.fields import resolved
 from offload.engine.refit import refits, room_beside
 from offload.engine.step_schedule import wanted
 from offload.models.catalog import MODELS, ModelError, build_model
@@ -197,7 +198,7 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     if not stage.resident_params and gathered:
         largest_unit = max(n * parts for n in gathered)
         device["gathered (at most)"] = item * min(int(zero.stage3_max_live_parameters),
-                                                  largest_unit + int(zero.stage3_prefetch_bucket_size),
+                                                  largest_unit + int(cast(int, zero.stage3_prefetch_bucket_size)),
                                                   parts * sum(gathered))
     if param_dev == "nvme":
         est.notes.append(describe_placement(sizes, placement.nvme_params, zero.offload_param))
@@ -480,9 +481,8 @@ DEFAULT_VOCAB = {"builtin": 256, "gpt2": 50304, "llama": 32000}
 def build_config(path: str | None, overrides: dict[str, Any], nvme_path: str, stage: int | None = None,
                  checkpointing: str | None = None) -> dict[str, Any]:
     """The config to estimate: a file (or bf16 with the optimizer on the host), with the command line's devices."""
-    raw = Config.load(path).to_dict() if path else {"bf16": {"enabled": True},
-                                                    "zero_optimization": {"stage": 3,
-                                                                          "offload_optimizer": {"device": "cpu"}}}
+    raw: dict[str, Any] = Config.load(path).to_dict() if path else {
+        "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     zero = raw.setdefault("zero_optimization", {})
     if stage is not None:
         zero["stage"] = stage
@@ -576,7 +576,7 @@ def run_cli(args: Any, preset: Any) -> int:
             hidden_size = args.hidden or hidden
             config = Config.load(raw).resolve(world_size=args.world, hidden_size=hidden_size)
             units = model_units(model, config)
-            micro = args.micro or int(config.train_micro_batch_size_per_gpu or 1)
+            micro = args.micro or int(resolved(config.train_micro_batch_size_per_gpu) or 1)
             eager = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager"
             shape = ActivationShape(args.layers or layers, hidden_size, heads * hidden_size // hidden, args.seq,
                                     micro, vocab, scores_kept=eager)

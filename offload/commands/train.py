@@ -259,6 +259,7 @@ def build_model(args: TrainArgs, vocab: int) -> nn.Module:
 
 def build_config(args: TrainArgs) -> dict[str, Any]:
     from offload.commands.demo import default_config_text
+    path: Path | str  # the config file, then each NVMe directory as the config or --nvme-path names it
     if args.config is None:
         raw = json.loads(default_config_text())
     else:
@@ -382,6 +383,7 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
     params = sum(u.numel for u in engine.units)
     cfg = engine.config
     micro, accum = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    assert isinstance(micro, int) and isinstance(accum, int)  # the engine's config is resolved: numbers
     say(f"model {args.model}: {params:,} parameters in {len(engine.units)} units on {engine.accel.device}, "
         f"world {engine.group.world}; ZeRO stage {cfg.zero_optimization.stage}, "
         f"{cfg.zero_optimization.placement_words()}; step {engine.step_mode}")

@@ -27,7 +27,7 @@ import logging
 import os
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import transformers
@@ -111,6 +111,8 @@ class Trainer(transformers.Trainer):
     During ``train()`` SIGTERM and SIGINT stop it after the step under way, every rank at the same step, with a
     checkpoint of that step (``save_on_stop``, as save_strategy would write one), and the process exits 143 / 130
     (see [Note: stopping at an agreed step] in offload/engine/stopping.py)."""
+
+    model: nn.Module  # never None: without model_init (refused here) transformers' __init__ requires a model
 
     def __init__(self, model: nn.Module | None = None, args: transformers.TrainingArguments | None = None, *,
                  offload_config: str | os.PathLike[str] | dict[str, Any] | Config,
@@ -205,7 +207,7 @@ class Trainer(transformers.Trainer):
         trainer_log.addFilter(_WholeParameterCount(self.model))
         # accelerate's prepare_model (evaluation runs it on a model it has not seen) leaves the model as it is: no
         # device move of the engine's parameters, no autocast wrapper left on its forward for training.
-        self.model._is_accelerate_prepared = True
+        self.model._is_accelerate_prepared = True  # type: ignore[assignment]  # a flag, not a tensor or module
         self.optimizer = _EngineOptimizer(self.engine)  # type: ignore[assignment]
         self.lr_scheduler = _EngineLRSchedule(self)  # type: ignore[assignment]
 
@@ -254,6 +256,7 @@ class Trainer(transformers.Trainer):
     def _load_best_model(self) -> None:
         """load_best_model_at_end: the best checkpoint's engine state, as DeepSpeed's integration loads its whole
         checkpoint (the weights alone would leave the engine's fp32 masters at the last step)."""
+        assert self.state.best_model_checkpoint is not None  # transformers calls this only when there is one
         self._load_engine_checkpoint(Path(self.state.best_model_checkpoint))
 
     def _load_engine_checkpoint(self, checkpoint: Path) -> None:
@@ -276,7 +279,8 @@ class Trainer(transformers.Trainer):
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            # the loss alone: a tuple only with return_outputs=True
+            loss = cast(torch.Tensor, self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch))
         del inputs
         every = self.args.torch_empty_cache_steps
         if every is not None and self.state.global_step % every == 0:
@@ -306,6 +310,7 @@ class Trainer(transformers.Trainer):
         """Hugging Face's format: config.json and the gathered weights as model.safetensors (every rank takes part:
         the weights are gathered unit by unit)."""
         output_dir = output_dir or self.args.output_dir
+        assert output_dir is not None  # TrainingArguments fills its output_dir in
         self._ensure_engine()
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         if _is_peft(self.model):  # the adapter alone, as the plain Trainer (and DeepSpeed's) saves it
@@ -313,7 +318,7 @@ class Trainer(transformers.Trainer):
         else:
             self.engine.write_weights(output_dir, "model.safetensors")
         if self.args.should_save:
-            unwrapped = self.model
+            unwrapped: Any = self.model  # a Hugging Face model: what it has is looked up by name
             if not _is_peft(unwrapped):  # PEFT writes its adapter_config.json (and the base's stays the base's)
                 if hasattr(unwrapped, "config"):
                     unwrapped.config.save_pretrained(output_dir)
@@ -322,8 +327,8 @@ class Trainer(transformers.Trainer):
                     unwrapped.generation_config.save_pretrained(output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
-            elif getattr(self.data_collator, "tokenizer", None) is not None:  # as the plain Trainer falls back
-                self.data_collator.tokenizer.save_pretrained(output_dir)
+            elif (tokenizer := getattr(self.data_collator, "tokenizer", None)) is not None:
+                tokenizer.save_pretrained(output_dir)  # as the plain Trainer falls back
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         if self.args.push_to_hub and not _internal_call:  # a user's save_model, as the plain Trainer's
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
@@ -336,7 +341,8 @@ class Trainer(transformers.Trainer):
         with self.engine.gathered_parameters(params=list(trained.values())):
             state = {name: p.detach().to("cpu", copy=True) for name, p in trained.items()}
         if self.args.should_save:
-            self.model.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+            # PEFT's save_pretrained (see _is_peft), which nn.Module's __getattr__ types as a tensor or module
+            self.model.save_pretrained(output_dir, state_dict=state, safe_serialization=True)  # type: ignore[operator]
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self.engine.save_checkpoint(Path(output_dir) / ENGINE_CHECKPOINT)

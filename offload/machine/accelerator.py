@@ -63,7 +63,7 @@ class CopyStream(Protocol):
 
     name: str
 
-    def run(self, fn: Callable[[], None]) -> None:
+    def run(self, fn: Callable[[], object]) -> None:
         """Enqueue ``fn``; it runs after everything enqueued before it (on CUDA: its kernels do)."""
 
     def record(self, into: Event | None = None) -> Event:
@@ -270,7 +270,7 @@ class WorkerStream:
             self._queue.put(("batch", held, None))
             self._held = []
 
-    def run(self, fn: Callable[[], None], held: bool = False) -> None:
+    def run(self, fn: Callable[[], object], held: bool = False) -> None:
         graph = self._recording()
         self._put(("run", fn, graph.issue_point() if graph else None), held)
 
@@ -364,7 +364,7 @@ class _CudaStream:
         self.stream = torch.cuda.Stream(device=device, priority=-1 if urgent else 0)
         self._ledger = ledger
 
-    def run(self, fn: Callable[[], None]) -> None:
+    def run(self, fn: Callable[[], object]) -> None:
         with torch.cuda.stream(self.stream):
             fn()
 

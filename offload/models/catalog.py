@@ -51,6 +51,7 @@ def build_model(name: str, vocab: int, seq: int, layers: int | None = None, hidd
         from offload.models.gpt import GPT, GPTConfig
         return GPT(GPTConfig(vocab_size=vocab, context=seq, hidden_size=hidden, layers=layers, heads=heads))
     import transformers
+    config: transformers.GPT2Config | transformers.LlamaConfig
     if family == "gpt2":
         special = min(50256, vocab - 1)  # GPT-2's end-of-text token, inside a smaller vocabulary
         config = transformers.GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=hidden, n_layer=layers,

@@ -87,8 +87,9 @@ class GPT(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             std = 0.02 / math.sqrt(2 * self.config.layers) if name.endswith(("proj", "mlp.2")) else 0.02
             nn.init.normal_(module.weight, std=std)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+            bias = getattr(module, "bias", None)  # an Embedding has none
+            if bias is not None:
+                nn.init.zeros_(bias)
         elif isinstance(module, nn.LayerNorm):
             module.reset_parameters()
 
