@@ -19,7 +19,7 @@
 [Note: stages] Under ZeRO stages 0-2 every unit is resident (gathered for good; see
 offload/zero/stage.py): the hooks still run but never gather or release. Stages 0-1
 leave gradients in ``.grad`` (autograd accumulates the micro-batches there) and reduce
-them during the last micro-batch's backward only (``reduce_grads``); stage 0 all-reduces
+them during the last micro-batch's backward only (``TrainingState.REDUCING``); stage 0 all-reduces
 the whole flat gradient, the others reduce-scatter it.
 
 [Note: gradient reduction order] Reduce-scatters are collectives: every rank must
