@@ -467,3 +467,29 @@ def test_a_checkpoint_whose_buffers_do_not_fit_is_refused_and_changes_nothing(tm
     after = engine.full_state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
     engine.close()
+
+
+def test_a_checkpoint_with_other_param_groups_is_refused_and_changes_nothing(tmp_path):
+    """Each param group's hyperparameters are restored into the group at its place: a checkpoint saved with one group
+    loaded into an engine built with two would set the first and leave the second as it was, silently."""
+    model = make_model("gpt")
+    engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))
+    engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
+    engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.close()
+    model = make_model("gpt")
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    rest = [p for p in model.parameters() if p.dim() <= 1]
+    engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1),
+                                    model_parameters=[{"params": decay, "weight_decay": 0.1},
+                                                      {"params": rest, "weight_decay": 0.0}])
+    before, steps = engine.full_state_dict(), engine.global_steps
+    with pytest.raises(CheckpointError, match=r"it holds 1 optimizer param group\(s\), this engine's optimizer has 2"):
+        engine.load_checkpoint(tmp_path / "ckpt")
+    after = engine.full_state_dict()
+    assert engine.global_steps == steps and all(torch.equal(after[k], v) for k, v in before.items())
+    assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.1, 0.0]
+    path, _ = engine.load_checkpoint(tmp_path / "ckpt", load_optimizer_states=False)  # the weights alone: allowed
+    assert path is not None
+    engine.close()

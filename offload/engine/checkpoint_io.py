@@ -421,6 +421,18 @@ def _buffers_to_load(engine: Any, saved: dict[str, torch.Tensor], path: Path) ->
     return saved
 
 
+def _groups_to_load(engine: Any, saved: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    """The checkpoint's optimizer param groups, checked before anything is written: as many as the engine's (each
+    group's hyperparameters are restored into the group at its place)."""
+    ours = len(engine.optimizer.param_groups)
+    if len(saved) != ours:
+        raise CheckpointError(f"{path}: it holds {len(saved)} optimizer param group(s), this engine's optimizer has "
+                              f"{ours}; their hyperparameters (lr, betas, weight decay) are restored group by group, "
+                              "so build the engine with the param groups the checkpoint was saved with, or pass "
+                              "load_optimizer_states=False to keep this engine's own")
+    return saved
+
+
 def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False, trust_client_state: bool = False
          ) -> tuple[Path, dict[str, Any]]:
@@ -456,6 +468,8 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
         small = small_state.read(path / f"rank{small_from}.pt")
         main = small if small_from == 0 else small_state.read(path / "rank0.pt")
         buffers = _buffers_to_load(engine, main["buffers"], path)
+        if load_optimizer_states and not load_module_only:
+            groups = _groups_to_load(engine, main["param_groups"], path)
     except CheckpointError as e:
         error = e
     if not all_ok(error is None, engine.group, engine.accel.device):
@@ -517,7 +531,7 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
                                  "micro_steps": meta["micro_steps"], "loss_scaler": main["loss_scaler"],
                                  "global_samples": samples})
         if load_optimizer_states:
-            engine.optimizer.restore_counters(meta["adam_steps"], main["param_groups"])
+            engine.optimizer.restore_counters(meta["adam_steps"], groups)
         scheduler = engine.lr_scheduler
         if load_lr_scheduler_states and main["lr_scheduler"] is not None and hasattr(scheduler, "load_state_dict"):
             scheduler.load_state_dict(main["lr_scheduler"])

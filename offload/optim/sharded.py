@@ -364,7 +364,7 @@ class ShardedAdam:
     def restore_counters(self, adam_steps: int, groups: list[dict[str, Any]]) -> None:
         """A checkpoint's Adam step count and hyperparameters (each group's keys but ``params``)."""
         self.adam_steps = adam_steps
-        for g, saved in zip(self.param_groups, groups, strict=False):
+        for g, saved in zip(self.param_groups, groups, strict=True):  # as many: checked by the load
             g.update(saved)
 
     def master_of(self, index: int) -> torch.Tensor:
