@@ -74,7 +74,7 @@ from offload.machine import native
 from offload.machine.accelerator import Accelerator, Event
 from offload.observe.telemetry import Telemetry
 from offload.optim.overlapped_step import OverlappedStep
-from offload.optim.shard_state import Overlap, ShardPhase, ShardState, StateSplit, add_into
+from offload.optim.shard_state import Overlap, Route, ShardPhase, ShardState, StateSplit, add_into
 from offload.optim.speculation import Speculation
 
 # Gradient bytes whose landings are handed to the worker together (see [Note: landings handed over in batches]):
@@ -89,17 +89,6 @@ class Landing(enum.Enum):
     FINAL = "final"  # the last micro-batch's: their norm is taken as they land
     # ... and each unit's only one (see [Note: gradients read where they land])
     FINAL_IN_PLACE = "final, read where they land"
-
-
-class Route(enum.Enum):
-    """How a unit's reduced shard reaches its optimizer state: fixed by where that state is stepped and whether
-    the machine copies it down, so chosen once a unit (``GradientLanding._route``), not at every landing."""
-
-    NOWHERE = "no optimizer state: only waited for"
-    DEVICE = "stepped on the device: added into its device accumulator, or kept as it landed"
-    DEVICE_SUM = "offloaded, summed on the device: the sum goes down once, in fp32, on the last micro-batch"
-    HOST_READ = "offloaded, and host memory is the device's: the landing worker reads it where it lies"
-    COPIED = "offloaded: copied down into its landing buffer, where the landing worker reads it"
 
 
 class ReducedShard(NamedTuple):
@@ -160,7 +149,6 @@ class GradientLanding:
         self._held: set[int] = set()  # device-accumulated units holding gradients not yet sent down
         self.deferred_copies = 0  # gradients that found their landing buffer busy (the worker copied them)
         self._unsent = 0  # bytes of gradient whose landing is held back (see [Note: landings handed over in batches])
-        self._routes: dict[int, Route] = {}  # each unit's, once chosen
 
     def last_begins(self, only: bool, overlap: Overlap | None) -> None:
         """The coming backward is the last micro-batch's (``only``: the step's only one); ``overlap``: its plan for
@@ -216,25 +204,24 @@ class GradientLanding:
         self._land_on_host(state, reduced, route, final, overlap)
 
     def _route(self, index: int, state: ShardState | None) -> Route:
-        """Unit ``index``'s route, chosen once (and again after ``moved_to_device``)."""
-        route = self._routes.get(index)
+        """Unit ``index``'s route, chosen once and kept by its shard (chosen again after the refit moved it)."""
+        if state is None:
+            return Route.NOWHERE
+        route = state.route
         if route is None:
-            if state is None:
-                route = Route.NOWHERE
-            elif not self.split.steps_on_host(index):
+            if not self.split.steps_on_host(index):
                 route = Route.DEVICE
             elif state.on_device is not None:
                 route = Route.DEVICE_SUM
             else:
                 route = Route.HOST_READ if self.d2h is None else Route.COPIED
-            self._routes[index] = route
+            state.routed(route)
         return route
 
     def moved_to_device(self, units: frozenset[int]) -> None:
-        """These units are stepped on the device from now on (the refit): their gradients take the device route."""
+        """These units are stepped on the device from now on (the refit): their sums are no longer the device's to
+        send down (their shards forgot their routes as they moved)."""
         self.device_accumulated -= units
-        for index in units:
-            self._routes.pop(index, None)
 
     def _land_on_host(self, state: ShardState, reduced: ReducedShard, route: Route, final: bool,
                       overlap: Overlap | None) -> None:

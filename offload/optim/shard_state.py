@@ -81,6 +81,18 @@ class ShardPhase(enum.Enum):
     STEPPED = "stepped"
 
 
+class Route(enum.Enum):
+    """How a unit's reduced shard reaches its optimizer state: fixed by where that state is stepped and whether
+    the machine copies it down, so chosen once a unit (``GradientLanding._route``, kept by the shard), not at every
+    landing."""
+
+    NOWHERE = "no optimizer state: only waited for"
+    DEVICE = "stepped on the device: added into its device accumulator, or kept as it landed"
+    DEVICE_SUM = "offloaded, summed on the device: the sum goes down once, in fp32, on the last micro-batch"
+    HOST_READ = "offloaded, and host memory is the device's: the landing worker reads it where it lies"
+    COPIED = "offloaded: copied down into its landing buffer, where the landing worker reads it"
+
+
 @dataclass(frozen=True)
 class Guess:
     """The factor, hyperparameters and step number a speculative Adam ran with: kept when the step's are these."""
@@ -139,6 +151,7 @@ class ShardState:
     on_device: torch.Tensor | None = None
     device_holds: bool = False
     guessed: Guess | None = None  # what a SPECULATED shard's Adam assumed ([Note: speculative step], speculation.py)
+    route: Route | None = None  # how its reduced gradient comes in, once the landing chose it (``routed``)
 
     def gradient(self) -> tuple[torch.Tensor, float]:
         """The gradient the step reads, and the factor to read it with (a shard that holds one: not EMPTY)."""
@@ -237,7 +250,11 @@ class ShardState:
         where the device keeps gradients as they land), and the host-side buffers are gone."""
         self._leaving("move to the device", ShardPhase.EMPTY)
         self.grad = grad
-        self.landing, self.on_device, self.device_holds = None, None, False
+        self.landing, self.on_device, self.device_holds, self.route = None, None, False, None
+
+    def routed(self, route: Route) -> None:
+        """The landing chose how this shard's gradients come in (kept until the refit moves the shard)."""
+        self.route = route
 
     # ------------------------------------------------------------ events ([Note: events re-recorded])
 
