@@ -100,7 +100,7 @@ class Downstream(NamedTuple):
     (the one door to a shard before its gather: ``ParamStore.prepare``, and reads ahead of use); ``sink``, where each
     reduced gradient shard goes (the optimizer's landing); ``repair``, the optimizer's rewrite of a stale shard."""
 
-    params: ParamStore | None  # None: a model with no units
+    params: ParamStore
     sink: GradientSink
     repair: StaleRepair
 
@@ -442,7 +442,6 @@ class ZeroRuntime:
         """Start gathering ``unit`` for use now (its shard readied through the one door, ``_ready``), with the
         NVMe reads of the units the trace says come next; returns those units."""
         if unit.in_place:  # compute reads the shard itself: an early step or its copy back may still be writing it
-            assert self.params is not None
             self.params.await_home(unit.index)
             unit.bind()
         if unit.state is not UnitState.UNSHARDED or unit.prefetched:
@@ -453,7 +452,7 @@ class ZeroRuntime:
         # NVMe reads run further ahead than gathers: this unit's first, then the trace's next ones.
         if unit.state is UnitState.SHARDED:
             self._ready(unit)
-        if upcoming and self.params is not None:
+        if upcoming:
             self.params.read_ahead(upcoming, skip={i for i in upcoming if self.units[i].state is not UnitState.SHARDED})
         if unit.state is UnitState.SHARDED:
             self._make_room(unit)
@@ -474,7 +473,6 @@ class ZeroRuntime:
         early step still writing it and starts an NVMe read; a shard a failed write left stale is rewritten from its
         master first, asked of the optimizer from here, above the store (see [Note: an early step's parameter
         writes] in offload/store/param_swap.py)."""
-        assert self.params is not None  # a unit's shard lives there
         if not self.params.prepare(unit.index):
             self.repair.repair_stale()
             ready = self.params.prepare(unit.index)
@@ -484,7 +482,7 @@ class ZeroRuntime:
         ahead = 0
         # A gather of an NVMe-homed unit waits for its read: gathers stay within half the read buffers ahead,
         # so the reads run further ahead than they do. The same count on every rank keeps the collectives in step.
-        from_nvme, nvme_limit = 0, self.params.gather_ahead if self.params is not None else 0
+        from_nvme, nvme_limit = 0, self.params.gather_ahead
         for index in upcoming:
             unit = self.units[index]
             if unit is current:
@@ -517,7 +515,7 @@ class ZeroRuntime:
     def read_ahead_first(self) -> None:
         """After a step: start reading the units the next iteration needs first (rank-local, no collective)."""
         order = self.prefetch.recording or self.prefetch.trace  # the iteration that just ended comes again
-        if self.params is not None and order:
+        if order:
             self.params.read_ahead(list(dict.fromkeys(order)))
 
     def _count_gather(self, unit: Unit) -> None:
@@ -607,7 +605,6 @@ class ZeroRuntime:
         params = self.params
         for unit in self.units:
             if unit.kept and unit.in_place:
-                assert params is not None  # units exist: so does their store
                 params.wait_step(unit.index)
                 unit.refreshed(None)
         if not gathered:
@@ -615,7 +612,6 @@ class ZeroRuntime:
         parts = []
         for unit in gathered:
             pieces = unit.kept_in_shard()
-            assert params is not None
             source = params.kept_values(unit.index, [(lo, lo + n) for _, lo, n in pieces])
             part = torch.zeros(sum(unit.kept_sizes()), dtype=unit.dtype, device=source.device)
             taken = 0
