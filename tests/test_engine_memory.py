@@ -190,7 +190,7 @@ def test_on_a_cpu_at_w1_units_are_read_in_place_and_nothing_is_copied(params):
     config["zero_optimization"]["offload_param"] = {"device": params}
     engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
     for unit in engine.units:
-        home = engine.params.shards[unit.index]
+        home = engine.params._shards[unit.index]
         memory = home.device if params == "none" else home.host
         assert unit.in_place and unit.full.data_ptr() == memory.data_ptr()
     losses = []

@@ -53,7 +53,7 @@ def train_refitted(rank, world, config, steps, micro, accum, spare, started=None
         return {"end": [g.tier for g in store.groups], "lent_at_end": [g.fmt.high_elsewhere for g in store.groups],
                 "device_state_bytes": sum(g.nbytes for g in store.groups if g.tier is Tier.DEVICE),
                 "device_elements": sum(g.numel for g in store.groups if g.tier is Tier.DEVICE),
-                "end_by_unit": [store.by_unit[u][0].tier for u in sorted(store.by_unit)], **seen}
+                "end_by_unit": [store.place(u)[0].tier for u in sorted(store.units(lambda g: True))], **seen}
 
     return train_engine(rank, world, "gpt", config, steps, micro, accum, started=begin, after_step=after,
                         finished=finished)

@@ -810,7 +810,7 @@ def test_param_store_overwrite_updates_every_copy(rooms):
         store.overwrite(unit, v)
         assert torch.equal(store.read(unit), v.to(DTYPE)), f"unit {unit} ({store.home(unit)})"
     assert torch.equal(store.host_copy(0), new[0].to(DTYPE))  # both copies of the device home
-    assert torch.equal(store.shards[0].device, new[0].to(DTYPE))
+    assert torch.equal(store._shards[0].device, new[0].to(DTYPE))
     assert torch.equal(store.host_copy(2), new[2].to(DTYPE))
 
 
@@ -862,13 +862,13 @@ def discrete(monkeypatch):
 def test_param_store_on_a_cpu_device_reads_in_place_and_copies_nothing(rooms):
     store, start = device_host_nvme(rooms)
     assert store.host_is_device and [store.in_place(u) for u, _ in UNITS] == [True, True, True, False]
-    assert store.step_target(0) is store.shards[0].device  # the step writes the device home itself
+    assert store.step_target(0) is store._shards[0].device  # the step writes the device home itself
     assert store.to_device(2, None) is store.host_copy(2)  # no copy stream needed: compute reads it there
     store.step_target(0).copy_(values(3000, 63).float())
     assert store.copy_back(0, after=None) is None and torch.equal(store.read(0), values(3000, 63).to(DTYPE))
     kept = rooms.param_store({0: Tier.DEVICE}, None, None, keep_host_copies=True)
     kept.add(0, "u0", start[0], host_copy=True)  # a step that can fail part way writes a copy of its own
-    assert not kept.in_place(0) and kept.step_target(0) is not kept.shards[0].device
+    assert not kept.in_place(0) and kept.step_target(0) is not kept._shards[0].device
 
 
 def test_param_store_copy_back_publishes_a_device_home_after_its_event(rooms, discrete):
@@ -876,7 +876,7 @@ def test_param_store_copy_back_publishes_a_device_home_after_its_event(rooms, di
     new = values(3000, 61).float()
     gate, event = gated_copy_back(rooms, store, 0, new)
     assert not event.query()
-    assert torch.equal(store.shards[0].device, start[0].to(DTYPE))  # nothing published before the copy ran
+    assert torch.equal(store._shards[0].device, start[0].to(DTYPE))  # nothing published before the copy ran
     gate.open_after(0.2)
     out = store.to_device(0, None)  # the next reader waits for the copy's event
     assert event.query() and torch.equal(out, new.to(DTYPE))

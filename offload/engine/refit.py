@@ -141,7 +141,7 @@ class Refit:
         def shard_bytes(unit: int) -> int | None:
             if not params.can_home_on_device(unit):
                 return None
-            return 0 if params.home(unit) is Tier.DEVICE else params.shards[unit].numel * params.dtype.itemsize
+            return 0 if params.home(unit) is Tier.DEVICE else params.numel(unit) * params.dtype.itemsize
 
         groups = refit_choice(list(opt.sub_groups), spare, shard_bytes, opt.landing.device_accumulated,
                               opt.device_grad_bytes)

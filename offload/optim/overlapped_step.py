@@ -33,7 +33,7 @@ class OverlappedStep:
         if overlap is None or index not in overlap.units:
             return
         hypers, step = overlap.hypers, overlap.step
-        group, member = self.store.by_unit[index]
+        group, member = self.store.place(index)
         if overlap.guess is not None and group.tier is not Tier.NVME:
             self.speculation.hand_over(index, group, member, overlap)
             return

@@ -578,9 +578,8 @@ class ShardedAdam:
         if not self.offload:
             return frozenset()
         if speculative:  # a host sub-group with its second slot, or an NVMe one (its file has two)
-            return frozenset(u for u, (g, _) in self.store.by_unit.items()
-                             if (g.spare is not None or g.tier is Tier.NVME) and u not in self.update.nvme_units)
-        return frozenset(u for u, (g, _) in self.store.by_unit.items() if g.tier is not Tier.DEVICE)
+            return self.store.units(lambda g: g.spare is not None or g.tier is Tier.NVME) - self.update.nvme_units
+        return self.store.units(lambda g: g.tier is not Tier.DEVICE)
 
     def _overlap_plan(self, guess: float | None) -> Overlap:
         """The coming backward is the last of the accumulation and nothing global gates the update (or

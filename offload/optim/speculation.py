@@ -107,7 +107,7 @@ class Speculation:
 
     def _nvme_speculated(self) -> list[ShardState]:
         return [s for i, s in self.shards.items()
-                if s.phase is ShardPhase.SPECULATED and self.store.by_unit[i][0].tier is Tier.NVME]
+                if s.phase is ShardPhase.SPECULATED and self.store.place(i)[0].tier is Tier.NVME]
 
     def settle_nvme(self, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
         """Before the step's pass goes on: keep the speculated NVMe sub-groups (their new slots flip with the
@@ -152,7 +152,7 @@ class Speculation:
         for index, state in self.shards.items():
             if state.phase is not ShardPhase.SPECULATED:
                 continue
-            group, member = self.store.by_unit[index]  # a host one (NVMe ones: ``_unspeculate_nvme``)
+            group, member = self.store.place(index)  # a host one (NVMe ones: ``_unspeculate_nvme``)
             self.update.restore_target(index, group.views(member)[0])
             if phase is ShardPhase.EMPTY:
                 state.empty()

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -109,7 +109,7 @@ class OptimizerStateStore:
         self.telemetry = telemetry or Telemetry()
         self.groups = groups
         self.fmt = groups[0].fmt if groups else FP32  # every sub-group's (plan_sub_groups gives them one)
-        self.by_unit = {m.unit: (g, m) for g in self.groups for m in g.members}
+        self._by_unit = {m.unit: (g, m) for g in self.groups for m in g.members}
         self.host, self.nvme = host, nvme
         self.placement = StatePlacement()
         self._file: TwoSlotFile | None = None
@@ -148,22 +148,30 @@ class OptimizerStateStore:
 
     # ----------------------------------------------------------------- filling and reading
 
+    def place(self, unit: int) -> tuple[SubGroup, Member]:
+        """The sub-group that holds the unit's state, and where in it (a split moves units to a new one)."""
+        return self._by_unit[unit]
+
+    def units(self, where: Callable[[SubGroup], bool]) -> frozenset[int]:
+        """The units whose sub-group is ``where``."""
+        return frozenset(u for u, (g, _) in self._by_unit.items() if where(g))
+
     def keeps_high_elsewhere(self, unit: int) -> bool:
         """Whether the unit's 16+16 high half is lent by the parameter store (see [Note: the weights are the high
         half])."""
-        return self.by_unit[unit][0].fmt.high_elsewhere
+        return self._by_unit[unit][0].fmt.high_elsewhere
 
     def lend_high(self, unit: int, weights: torch.Tensor) -> None:
         """The unit's weights (its shard's host memory, which the step writes in place) become its master's high
         half; before ``init_member``."""
-        g, m = self.by_unit[unit]
+        g, m = self._by_unit[unit]
         assert g.fmt.high_elsewhere and weights.numel() == m.numel and weights.dtype == torch.bfloat16, unit
         g.highs[unit] = weights
 
     def init_member(self, unit: int, master: torch.Tensor) -> None:
         """Set a unit's master weights (moments start at zero). Units arrive in order; an NVMe sub-group is
         written to its slot when its last unit has arrived, so building holds one sub-group at a time."""
-        g, m = self.by_unit[unit]
+        g, m = self._by_unit[unit]
         if g.tier is not Tier.NVME:
             g.views(m).set_master(master)
             return
@@ -180,7 +188,7 @@ class OptimizerStateStore:
 
     def read_master(self, unit: int) -> torch.Tensor:
         """A copy of one unit's master shard as fp32 (from NVMe when that is its home; a 16-bit master widened)."""
-        g, m = self.by_unit[unit]
+        g, m = self._by_unit[unit]
         if g.tier is not Tier.NVME:
             return g.views(m).master_fp32().detach()
         assert self._file is not None
@@ -263,7 +271,7 @@ class OptimizerStateStore:
         NVMe sub-group that can now be stepped, resident, in the pass's order (see [Note: NVMe sub-groups stepped
         during backward]); the caller steps it before asking for the next."""
         run = self._pass
-        g, _ = self.by_unit[unit]
+        g, _ = self._by_unit[unit]
         if run is None or g.tier is not Tier.NVME:
             return
         run.arrived(g, unit)
@@ -310,7 +318,7 @@ class OptimizerStateStore:
         g.in_spare -= head.in_spare
         g.borrowed = True
         self.groups.insert(self.groups.index(g), head)
-        self.by_unit.update({m.unit: (x, m) for x in (head, g) for m in x.members})
+        self._by_unit.update({m.unit: (x, m) for x in (head, g) for m in x.members})
         return head
 
     def move_to_device(self, g: SubGroup, moved: StateSlot) -> None:

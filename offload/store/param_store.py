@@ -77,11 +77,11 @@ class ParamStore:
             raise ValueError("the parameter swap must hold exactly the units homed on NVMe")
         self.accel = accel
         self.dtype = dtype
-        self.homes = dict(homes)
+        self._planned = dict(homes)  # the homes ``add`` has not taken yet: each moves into its shard there
         self.swap = swap
         self.host_budget = host
         self.telemetry = telemetry
-        self.shards: dict[int, ParamShard] = {}
+        self._shards: dict[int, ParamShard] = {}
         self._h2d: CopyStream | None = None  # copies of host copies back to the device (made on first use)
         self._compute_done: Event | None = None  # before each copy to the device (re-recorded)
         self.host_is_device = accel.host_is_device  # see [Note: host memory is the device's]
@@ -103,7 +103,7 @@ class ParamStore:
         ``host_copy``: the optimizer steps this shard on the host, so a device home gets a host copy for the step
         to write (reserved in the host budget by the optimizer). A host-homed shard of a unit nothing trains is
         taken from the host budget here."""
-        home = self.homes[index]
+        home = self._planned.pop(index)
         numel = values.numel()
         empty = torch.empty(0, dtype=self.dtype, device=self.accel.device)
         shard = ParamShard(index, name, numel, home, empty)
@@ -114,10 +114,10 @@ class ParamStore:
                 shard.device = torch.empty(numel, dtype=self.dtype, device=self.accel.device)
                 shard.device.copy_(values)
             if host_copy:  # read in place, the device shard is its own host copy
-                shard.host = shard.device if self.in_place(index) else self._host_copy(values)
+                shard.host = shard.device if self._in_place(home) else self._host_copy(values)
         elif home is Tier.HOST:
             if device_view is not None:
-                assert self.in_place(index), "only a CPU compute device reads a host shard in place"
+                assert self._in_place(home), "only a CPU compute device reads a host shard in place"
                 shard.host = device_view
             else:
                 shard.host = self._host_copy(values)
@@ -126,7 +126,7 @@ class ParamStore:
         else:
             assert self.swap is not None
             self.swap.overwrite(index, values.to(self.dtype).cpu())
-        self.shards[index] = shard
+        self._shards[index] = shard
 
     def _host_copy(self, values: torch.Tensor) -> torch.Tensor:
         host = self.accel.host_buffer(values.numel(), self.dtype)[0]
@@ -136,39 +136,46 @@ class ParamStore:
     # ----------------------------------------------------------------- facts
 
     def home(self, index: int) -> Tier:
-        return self.homes[index]
+        shard = self._shards.get(index)
+        return shard.home if shard is not None else self._planned[index]
+
+    def numel(self, index: int) -> int:
+        """The shard's elements on this rank."""
+        return self._shards[index].numel
 
     def in_place(self, index: int) -> bool:
         """Compute can read the shard where it lives and the step writes it there: a host home on a CPU compute
         device, or a device home there unless it keeps a host copy of its own (``keep_host_copies``)."""
-        home = self.homes[index]
+        return self._in_place(self.home(index))
+
+    def _in_place(self, home: Tier) -> bool:
         return self.host_is_device and (home is Tier.HOST or (home is Tier.DEVICE and not self.keep_host_copies))
 
     def compute_reads_home(self, index: int) -> bool:
         """Compute can read the shard where it lives, so a unit needing no gather (W = 1) aliases it instead of
         copying it (see [Note: reading the home]): ``in_place``, or a device home on a discrete device, where the
         step writes a host copy and the copy back rewrites the shard."""
-        return self.in_place(index) or (not self.host_is_device and self.homes[index] is Tier.DEVICE)
+        return self.in_place(index) or (not self.host_is_device and self.home(index) is Tier.DEVICE)
 
     def await_home(self, index: int) -> None:
         """Before compute reads a shard where it lives: the early step writing it has run, and the compute stream
         waits for the copy back that last rewrote a device home (a stream wait on a GPU, not the host's)."""
         self.wait_step(index)
-        shard = self.shards[index]
+        shard = self._shards[index]
         if shard.home is Tier.DEVICE:
             self.accel.compute_wait(shard.ready)
 
     def device_nbytes(self, index: int) -> int:
         """Bytes the shard holds on the compute device between uses."""
-        t = self.shards[index].device
+        t = self._shards[index].device
         return t.numel() * t.element_size()
 
     def host_copy(self, index: int) -> torch.Tensor | None:
         """The shard's host memory (a host home, or a device home's copy), if it has any."""
-        return self.shards[index].host
+        return self._shards[index].host
 
     def ready(self, index: int) -> Event | None:
-        return self.shards[index].ready
+        return self._shards[index].ready
 
     def stale(self) -> set[int]:
         """NVMe-homed units whose last write failed (see [Note: parameter slots] in param_swap.py)."""
@@ -180,7 +187,7 @@ class ParamStore:
         """The shard's current values wherever they live (from NVMe: a fresh copy; else the tensor itself, which
         compute may read: it waits for a copy back still in flight)."""
         self.wait_step(index)
-        shard = self.shards[index]
+        shard = self._shards[index]
         if shard.home is Tier.NVME:
             assert self.swap is not None
             return self.swap.read_copy(index)
@@ -193,7 +200,7 @@ class ParamStore:
     def overwrite(self, index: int, values: torch.Tensor) -> None:
         """Make ``values`` (any float dtype) the shard now, in every copy it has (a checkpoint load, a repair)."""
         self.wait_step(index)
-        shard = self.shards[index]
+        shard = self._shards[index]
         # A copy back (or a fetch) still in flight reads the host copy written here, or lands after this write.
         for copy in (shard.ready, shard.fetched):
             if copy is not None:
@@ -211,7 +218,7 @@ class ParamStore:
     def kept_values(self, index: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
         """The shard's current values in ``ranges`` ([lo, hi) of the shard), one after another: small parameters
         kept whole between uses (see [Note: small parameters stay whole] in zero/unit.py)."""
-        if self.homes[index] is not Tier.NVME:
+        if self.home(index) is not Tier.NVME:
             shard = self.read(index)
             return torch.cat([shard[lo:hi] for lo, hi in ranges]) if ranges else shard[:0]
         self.wait_step(index)
@@ -238,7 +245,7 @@ class ParamStore:
         one that last wrote a device home). An NVMe shard waits for its read, which read-ahead has usually done;
         a failed read raises here, before the caller changes anything."""
         self.await_home(index)
-        shard = self.shards[index]
+        shard = self._shards[index]
         if shard.home is Tier.DEVICE:
             return shard.device
         if shard.home is Tier.HOST and self.host_is_device:
@@ -271,7 +278,7 @@ class ParamStore:
 
     def step_target(self, index: int) -> torch.Tensor:
         """Host memory the step writes the new shard into (see [Note: the step's target])."""
-        shard = self.shards[index]
+        shard = self._shards[index]
         if shard.home is Tier.NVME:
             assert self.swap is not None
             self._staged[index] = self.swap.stage(index)
@@ -282,14 +289,14 @@ class ParamStore:
     def can_home_on_device(self, index: int) -> bool:
         """Whether the shard can move to a device home between steps: it is there already, or it is homed on the
         host of a discrete device (on a CPU device a host shard is read where it lies: it stays)."""
-        home = self.homes[index]
+        home = self.home(index)
         return home is Tier.DEVICE or (home is Tier.HOST and not self.host_is_device)
 
     def home_on_device(self, index: int, device: torch.Tensor) -> int:
         """A host-homed shard whose step moved to the device moves too, into ``device`` (its elements, on the
         compute device: see [Note: the split refitted] in offload/engine/refit.py): the device keeps it, as it
         keeps a unit homed there at start-up, and the host buffer is freed; returns its bytes."""
-        shard = self.shards[index]
+        shard = self._shards[index]
         assert shard.home is Tier.HOST and shard.host is not None and not self.host_is_device
         assert device.numel() == shard.numel and device.dtype == self.dtype
         self.wait_step(index)
@@ -298,13 +305,12 @@ class ParamStore:
         device.copy_(shard.host)
         nbytes = self._free_host(shard)
         shard.device, shard.home, shard.ready, shard.fetched = device, Tier.DEVICE, None, None
-        self.homes[index] = Tier.DEVICE
         return nbytes
 
     def drop_host_copy(self, index: int) -> int:
         """A device home's step moved to the device (see [Note: the split refitted] in offload/engine/refit.py):
         its host copy is freed; returns its bytes (0: it had none of its own)."""
-        shard = self.shards[index]
+        shard = self._shards[index]
         if shard.home is not Tier.DEVICE or shard.host is None or shard.host is shard.device:
             return 0
         return self._free_host(shard)
@@ -319,11 +325,11 @@ class ParamStore:
 
     def write_device(self, index: int, values: torch.Tensor) -> None:
         """The step ran on the compute device: write its result into a device home (compute-stream order)."""
-        self.shards[index].device.copy_(values)
+        self._shards[index].device.copy_(values)
 
     def wrote(self, index: int) -> None:
         """The step finished writing ``step_target``: an NVMe shard goes to its other slot."""
-        if self.homes[index] is Tier.NVME:
+        if self.home(index) is Tier.NVME:
             assert self.swap is not None
             staged, known = self._staged.pop(index, None), self._kept.get(index)
             if staged is not None and known is not None:  # see [Note: kept values of an NVMe shard]
@@ -334,7 +340,7 @@ class ParamStore:
         """A device home's new host copy goes to the device (asynchronously) once ``after`` completes (the compute
         stream's last reads of the old values, when they may still be running); returns the copy's event, which
         the shard's next reader waits for. Nothing to do for other homes (returns None)."""
-        shard = self.shards[index]
+        shard = self._shards[index]
         if shard.home is not Tier.DEVICE or shard.host is None or shard.host is shard.device:
             return None
         if self._h2d is None:
@@ -356,14 +362,14 @@ class ParamStore:
     def step_pending(self, index: int, lane: WorkerStream) -> None:
         """An early step queued on ``lane`` writes the shard (and starts its copy back) by the time what is queued
         there so far has run (see [Note: early step] in offload/optim/early_step.py)."""
-        shard = self.shards[index]
+        shard = self._shards[index]
         shard.stepped, shard.step_pending = lane.record(into=shard.stepped), True
-        if self.homes[index] is Tier.NVME:
+        if self.home(index) is Tier.NVME:
             self._nvme_stepping.add(index)
 
     def wait_step(self, index: int) -> None:
         """Before anything reads the shard: wait for an early step still writing it."""
-        shard = self.shards[index]
+        shard = self._shards[index]
         if shard.step_pending:
             assert shard.stepped is not None
             self.accel.wait(shard.stepped, "a unit's early step")
@@ -376,7 +382,7 @@ class ParamStore:
         [Note: an early step's parameter writes] in param_swap.py): nothing was started, and whoever gathers has
         the shard rewritten from its master (the optimizer) and prepares it again."""
         self.wait_step(index)
-        if self.homes[index] is not Tier.NVME:
+        if self.home(index) is not Tier.NVME:
             return True
         assert self.swap is not None
         if index in self.swap.stats.stale:
@@ -401,7 +407,7 @@ class ParamStore:
         step's parameter writes] in param_swap.py)."""
         busy = set()
         for index in self._nvme_stepping:
-            shard = self.shards[index]
+            shard = self._shards[index]
             if shard.step_pending and shard.stepped is not None and not shard.stepped.query():
                 busy.add(index)
         return busy
@@ -413,7 +419,7 @@ class ParamStore:
 
     def commit_early(self, index: int) -> None:
         """On the early step's thread: the unit's new NVMe shard, written, becomes current on its own."""
-        if self.homes[index] is Tier.NVME:
+        if self.home(index) is Tier.NVME:
             assert self.swap is not None
             self._commit_kept([index])
             self.swap.commit_unit(index)
@@ -448,6 +454,6 @@ class ParamStore:
         if self.swap is not None:
             self.swap.close()
             self.swap = None
-        for shard in self.shards.values():
+        for shard in self._shards.values():
             shard.device = torch.empty(0, dtype=self.dtype, device=shard.device.device)
             shard.host = shard.ready = None
