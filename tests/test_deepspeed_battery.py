@@ -31,6 +31,7 @@ SCRIPTS = {
     "weights_outside_forward": ("zero3.json", False, 1),
     "two_ranks": ("zero3.json", False, 2),
     "gan_two_backwards": ("zero3.json", False, 1),
+    "dcgan": ("no_zero_section.json", False, 1),
     "rlhf_actor_critic": ("zero3.json", False, 1),
     "peft_lora": ("zero3.json", False, 1),
 }

@@ -146,7 +146,7 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable):
         scale = self.loss_scaler.scale / (acc.steps if scale_wrt_gas else 1)
         last_micro = acc.next_is_last()  # past the boundary too: see [Note: more backward calls than micro-batches]
         reduce = last_micro or self.stage.reduce_every_micro_batch
-        self.runtime.begin_backward(reduce)
+        self.runtime.backward.announce(reduce)
         overlapped = last_micro and self.schedule.last_backward_begins(
             self.optimizer, self.loss_scaler.scale, only=acc.next_is_only(), sure=acc.next_surely_last())
         try:
@@ -154,6 +154,7 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable):
                 (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         except BaseException as e:
             self.life.left_collectives("backward", e, collectives=not self.stage.resident_params or reduce)
+            self.runtime.backward.returned()
             self.runtime.abort_backward()
             self.activations.discard()
             # What the pass reduced before it broke is in the gradients already (in .grad at stages 0-1, in the
@@ -166,6 +167,7 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable):
             if overlapped and self.optimizer.abandon_overlap():
                 raise errors.half_applied_step() from e
             raise
+        self.runtime.backward.returned()
         self.accumulation.add()
         return loss
 

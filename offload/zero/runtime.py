@@ -38,7 +38,6 @@ process group times out.
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -55,6 +54,7 @@ from offload.observe.step_graph import COMPUTE, HOST
 from offload.observe.telemetry import Telemetry
 from offload.optim.landing import ReducedShard
 from offload.store.param_store import ParamStore
+from offload.zero.backward_state import BackwardState
 from offload.zero.collectives import Group, ReductionOrder, all_reduce_sum, reduce_scatter
 from offload.zero.prefetch import PrefetchTrace
 from offload.zero.stage import Stage
@@ -103,19 +103,6 @@ class Downstream(NamedTuple):
     params: ParamStore
     sink: GradientSink
     repair: StaleRepair
-
-
-class TrainingState(enum.Enum):
-    """What the hooks are in the middle of; changed by named transitions (``_begin_backward``, ``_end_backward``).
-
-    IDLE: no backward is running; a forward's post-hook releases the units it gathered once no use holds them.
-    ACCUMULATING and REDUCING: a backward is running (its end-of-backward callback is queued): a unit gathered by
-    its pre-backward hook stays until its gradients are in. ACCUMULATING leaves them in ``.grad`` (stages 0-1 before
-    the last micro-batch), REDUCING reduces each unit's as it is done (see [Note: stages])."""
-
-    IDLE = "idle"
-    ACCUMULATING = "backward, accumulating"
-    REDUCING = "backward, reducing"
 
 
 class LiveLimitError(RuntimeError):
@@ -176,8 +163,7 @@ class ZeroRuntime:
         self.prefetched_gathers = 0  # gathers issued ahead of use
         self.live = sum(u.padded for u in units if u.resident)  # elements gathered now (or being gathered)
         self.peak_live = self.live
-        self.state = TrainingState.IDLE
-        self._coming = TrainingState.REDUCING  # what the next backward does with its gradients (``begin_backward``)
+        self.backward = BackwardState()
         self.gathers = 0
         self._acquired: dict[int, list[list[Unit]]] = {}  # per module: the units each running forward holds
         self._handles: list[RemovableHandle] = []
@@ -330,7 +316,7 @@ class ZeroRuntime:
 
     def release(self, unit: Unit, keep: bool = False) -> None:
         """``keep``: a later anchor of the unit is about to run (see [Note: when a unit is gathered])."""
-        if unit.let_go() and self.state is TrainingState.IDLE and not keep:
+        if unit.let_go() and self.backward.idle and not keep:
             self._done_with(unit)
 
     # ----------------------------------------------------------------- backward
@@ -338,31 +324,22 @@ class ZeroRuntime:
     def _pre_backward(self, units: list[Unit]) -> None:
         if self.graph.on:
             self.graph.work("hook_backward", lane=HOST)
-        if self.state is TrainingState.IDLE:
+        if self.backward.idle:
             self._begin_backward()
         for unit in units:
             unit.begin_backward()
             self._use(unit)
 
     def _begin_backward(self) -> None:
-        """IDLE -> the coming backward's state; autograd calls ``_end_of_backward`` when it is done."""
-        assert self.state is TrainingState.IDLE, f"rank {self.group.rank}: a backward begins while {self.state.value}"
-        self.state = self._coming
+        """A backward begins; autograd calls ``_end_of_backward`` when it is done."""
+        self.backward.begin(self.group.rank)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _end_backward(self) -> None:
-        """-> IDLE: the backward ended, or failed (idempotent)."""
-        self.state = TrainingState.IDLE
-
-    def _reduces(self) -> bool:
-        """Whether the gradients now arriving are reduced (outside a backward the hooks saw begin: as the coming
-        one's would be)."""
-        return (self._coming if self.state is TrainingState.IDLE else self.state) is TrainingState.REDUCING
 
     def abort_backward(self) -> None:
         """Backward raised: autograd will not run the end-of-backward callback, so undo its state here.
         Gradients of the failed pass are dropped; units are released; the next backward starts clean."""
-        self._end_backward()
+        self.backward.end()
         # the engine takes no more collective work after this at W > 1 (see [Note: one rank's failed pass] in
         # offload/engine/agreement.py)
         self.order.take()
@@ -375,19 +352,19 @@ class ZeroRuntime:
 
     def _end_of_backward(self) -> None:
         for unit in self.units:
-            # Stages 0-1: a unit that got no gradient now may hold some from an earlier micro-batch.
-            if unit.grads_seen or (self._reduces() and not self.stage.reduce_every_micro_batch
-                                   and any(s.param.grad is not None for s in unit.slots)):
+            # A unit that got no gradient now may hold some in .grad: an earlier micro-batch's (stages 0-1), or a
+            # backward's this engine did not start (any stage).
+            if unit.grads_seen or (self.backward.reduces() and any(s.param.grad is not None for s in unit.slots)):
                 self._reduce_or_keep(unit)
         for unit in self.units:
             unit.end_backward()
             if unit.holders == 0:
                 self._done_with(unit)
-        self._end_backward()
+        self.backward.end()
         self.sink.gradients_sent()
 
     def _reduce_or_keep(self, unit: Unit) -> None:
-        if self._reduces():
+        if self.backward.reduces():
             self._reduce(unit)
         else:  # stages 0-1 before the last micro-batch: the gradients stay in .grad, where autograd adds to them
             unit.grads_taken()
@@ -564,11 +541,6 @@ class ZeroRuntime:
                     unit.spread_partition()
                 self.telemetry.add_bytes("all_gather", _wire_bytes(unit.padded * unit.dtype.itemsize,
                                                                    unit.group.world))
-
-    def begin_backward(self, reduce: bool) -> None:
-        """The coming backward reduces the gradients it produces (``reduce``), or only accumulates them (see
-        [Note: stages])."""
-        self._coming = TrainingState.REDUCING if reduce else TrainingState.ACCUMULATING
 
     def take_order(self) -> list[float]:
         """This rank's reductions since the last step, for the ranks to compare (see [Note: gradient reduction
