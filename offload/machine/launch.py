@@ -36,12 +36,14 @@ class RankError(RuntimeError):
 
 def _context() -> Any:
     """Ranks fork from a server that imported torch and offload once, instead of importing them each (seconds of
-    CPU per rank). The server imports and never computes, so no OpenMP team or thread exists to be lost in the
-    fork; OFFLOAD_RANKS_START=spawn starts every rank from nothing."""
+    CPU per rank); torch._dynamo too, which every torch.optim.Optimizer's constructor imports on its first call
+    (800 modules, sympy among them: over a second a rank, half a two-rank test's time on a 2-core machine). The
+    server imports and never computes, so no OpenMP team or thread exists to be lost in the fork;
+    OFFLOAD_RANKS_START=spawn starts every rank from nothing."""
     if os.environ.get("OFFLOAD_RANKS_START", "forkserver") == "spawn":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "offload.engine"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "offload.engine"])
     return ctx
 
 
