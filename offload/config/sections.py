@@ -606,6 +606,12 @@ class OffloadExtConfig:
                                      "of the device's memory, at least 1 GiB, kept free for allocator slack and "
                                      "longer batches); false: keep the start-up plan, which leaves half the "
                                      "memory free at start to the activations.")
+    stream_state: float = setting(0.0, "Of the optimizer state offloaded to the host (offload_optimizer.device cpu), "
+                                       "the share (the units the next forward needs first) that the compute device "
+                                       "steps each step, its state read up over the bus and written back, beside the "
+                                       "host's Adam on the rest (exact: the same update); its gradients stay on the "
+                                       "device. 0: the host steps all of it. No effect on a CPU compute device, "
+                                       "whose memory is the host's.", ge=0, le=1)
     delayed_update: DelayedUpdateConfig = section(DelayedUpdateConfig, "The delayed parameter update (opt-in).")
     accumulate_on_device: bool = setting(True, "With gradient accumulation and the optimizer offloaded, keep each "
                                                "unit's fp32 gradient sum on the device while room allows (the device "

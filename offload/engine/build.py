@@ -175,6 +175,14 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
                         describe_split(placement, shard_sizes), priced)
         if zero.offload_param.device == "nvme":
             logger.info("rank %d: %s", group.rank, describe_placement(shard_sizes, nvme_params, zero.offload_param))
+        if config.offload.stream_state and accel.host_is_device:
+            logger.warning("offload.stream_state %g has no effect on a CPU compute device, whose memory is the "
+                           "host's: the host steps the offloaded state where it lies", config.offload.stream_state)
+        elif placement.streamed:
+            logger.info("rank %d: offload.stream_state %g: the device steps the state of %d of %d units, streamed "
+                        "over the bus (%s elements), beside the host's Adam on the rest", group.rank,
+                        config.offload.stream_state, len(placement.streamed), len(trained),
+                        f"{sum(n for i, n in shard_sizes if i in placement.streamed):,}")
         placement.check()  # every budget, before anything is allocated
         unpipelined = unpipelined_note(placement.groups, int(zero.sub_group_size))
         if unpipelined:

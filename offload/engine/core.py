@@ -198,7 +198,7 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable):
             self.activations.discard()  # inputs saved by a forward whose backward never ran
             self.landing.send_held()  # device-accumulated sums the last micro-batch did not send
             with self.telemetry.span("grad_wait"):  # the landings; the step claims each speculation in turn
-                self.optimizer.drain(speculation=False)
+                self.optimizer.drain(speculation=False, copies_back=False)
             # The last delayed update reaches the parameters (see [Note: delayed update] in optim/early_step.py).
             self.optimizer.publish()
         except Exception as e:  # noqa: BLE001 - raised once every rank knows (see [Note: one rank's failed step])

@@ -143,8 +143,9 @@ class Refit:
                 return None
             return 0 if params.home(unit) is Tier.DEVICE else params.numel(unit) * params.dtype.itemsize
 
-        groups = refit_choice(list(opt.sub_groups), spare, shard_bytes, opt.landing.device_accumulated,
-                              opt.device_grad_bytes)
+        # a streamed sub-group stays in its lane (offload.stream_state chose it)
+        groups = refit_choice([g for g in opt.sub_groups if not g.streamed], spare, shard_bytes,
+                              opt.landing.device_accumulated, opt.device_grad_bytes)
         if not groups:
             return 0
         host_before = opt.host.used

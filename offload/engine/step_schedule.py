@@ -282,12 +282,13 @@ def choose(config: Config, compute_dtype: torch.dtype, stage: Stage, optimizer: 
     returns = _returns(config, stage, optimizer, accel)
     delayed = config.offload.delayed_update.warmup_steps
     if delayed is not None:
-        if stage.resident_params or not optimizer.can_return_early or optimizer.partial:
+        if stage.resident_params or not optimizer.can_return_early or optimizer.partial or optimizer.streams:
             raise ConfigError("offload.delayed_update.warmup_steps", "the delayed update needs ZeRO stage 3 with "
-                              "all of the optimizer state on the host and no parameters on NVMe (its "
-                              f"Adam runs on a worker beside the next forward); this config has stage "
+                              "all of the optimizer state on the host, stepped there, and no parameters on NVMe "
+                              "(its Adam runs on a worker beside the next forward); this config has stage "
                               f"{stage.number}, optimizer {config.zero_optimization.offload_optimizer.device} "
-                              f"(ratio {config.zero_optimization.offload_optimizer.ratio}), parameters "
+                              f"(ratio {config.zero_optimization.offload_optimizer.ratio}, stream_state "
+                              f"{config.offload.stream_state}), parameters "
                               f"{config.zero_optimization.offload_param.device}: remove the section, or offload "
                               "all of the optimizer state to the host")
         assert isinstance(returns, (Whole, Early))  # all the state on the host: never EarlyNvme

@@ -50,6 +50,7 @@ update, as they would after any step. A loaded checkpoint drops what was staged.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -58,6 +59,7 @@ from offload.observe.telemetry import Telemetry
 from offload.optim.adam import AdamHyper
 from offload.optim.shard_state import ShardPhase
 from offload.optim.speculation import Speculation
+from offload.optim.streamed_step import StreamedStep
 from offload.optim.update import ShardUpdate
 from offload.store.optimizer_state import NvmePass, OptimizerStateStore
 from offload.store.sub_groups import Member, SubGroup
@@ -68,20 +70,27 @@ class EarlyStepLost(RuntimeError):
     """Work of a step that had returned early (an NVMe transfer, Adam) failed (see [Note: the early step on NVMe])."""
 
 
+class EarlyLanes(NamedTuple):
+    """Where the early step hands its work: ``worker``, the landing worker, which runs the early step; ``adam``, the
+    delayed update's thread (None: no delayed update); ``streamed``, the streamed sub-groups' step, on the compute
+    stream before step() returns, as the device-resident ones' (None: no such sub-group)."""
+
+    worker: WorkerStream | None
+    adam: WorkerStream | None = None
+    streamed: StreamedStep | None = None
+
+
 class EarlyStep:
     """The early and the delayed step's work on their threads, and what they leave: the NVMe pass in flight, the
     delayed update's staged shards and the units not yet published, a lost step."""
 
     def __init__(self, update: ShardUpdate, store: OptimizerStateStore, speculation: Speculation,
-                 telemetry: Telemetry, worker: WorkerStream | None, adam: WorkerStream | None,
-                 staged_units: frozenset[int]) -> None:
+                 telemetry: Telemetry, lanes: EarlyLanes, staged_units: frozenset[int]) -> None:
         """``update``: one shard's Adam, with the accelerator, the shards and the parameter store it writes (this
-        step's too); ``worker``: the landing worker, which runs the early step; ``adam``: the delayed update's
-        thread (None: no delayed update); ``staged_units``: the placement's units whose new shard waits in a
-        staging buffer."""
+        step's too); ``staged_units``: the placement's units whose new shard waits in a staging buffer."""
         self.accel, self.shards, self.store, self.params = update.accel, update.shards, store, update.params
         self.update, self.speculation, self.telemetry = update, speculation, telemetry
-        self._land, self.adam = worker, adam
+        self._land, self.adam, self.streamed = lanes
         self._staged_units = staged_units
         self.staged: dict[int, torch.Tensor] = {}  # the delayed update's staged shards, by unit
         self.pending: set[int] = set()  # ... and the units whose staged shard is not yet published
@@ -110,7 +119,12 @@ class EarlyStep:
         self.params.forget_reads(self.update.nvme_units)  # what the read buffers hold of them is the step before
         later: list[tuple[SubGroup, Member]] = []  # the delayed update's, handed over in backward's order
         for group in self.store.groups:  # on the compute stream, before step() returns (and before the NVMe pass)
-            if group.tier is Tier.DEVICE:
+            if group.streamed:
+                assert self.streamed is not None
+                self.streamed.step(group, step, hypers, grad_scale)
+                for member in group.members:
+                    self.shards[member.unit].empty()
+            elif group.tier is Tier.DEVICE:
                 for member in group.members:
                     self.update.step_shard(member.unit, group.views(member), step, hypers, grad_scale)
                     self.shards[member.unit].empty()
@@ -121,7 +135,7 @@ class EarlyStep:
             if group.tier is Tier.NVME:
                 assert run is not None
                 self._hand_over_sub_group(lane, run, group, step, hypers, grad_scale, after)
-            elif group.tier is not Tier.DEVICE:
+            elif group.tier is not Tier.DEVICE and not group.streamed:
                 for member in group.members:
                     if delayed:
                         later.append((group, member))

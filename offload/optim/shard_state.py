@@ -50,10 +50,13 @@ class StateSplit:
 
     offload: bool  # offload_optimizer.device is not "none"
     on_device: frozenset[int] = frozenset()  # an offloading optimizer's units stepped on the device all the same
+    # units whose state is homed on the host and stepped on the device (see [Note: the streamed lane])
+    streamed: frozenset[int] = frozenset()
 
     def steps_on_host(self, index: int) -> bool:
-        """Whether unit ``index``'s state is offloaded (its step writes a host copy of the shard)."""
-        return self.offload and index not in self.on_device
+        """Whether unit ``index``'s state is offloaded and the host steps it (its step writes a host copy of the
+        shard)."""
+        return self.offload and index not in self.on_device and index not in self.streamed
 
     @property
     def partial(self) -> bool:
@@ -61,6 +64,7 @@ class StateSplit:
 
     def move_to_device(self, units: frozenset[int]) -> None:
         self.on_device |= units
+        self.streamed -= units
 
 
 class ShardPhase(enum.Enum):

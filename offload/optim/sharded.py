@@ -63,20 +63,21 @@ from offload.machine import native
 from offload.machine.accelerator import Accelerator
 from offload.observe.telemetry import Telemetry
 from offload.optim.adam import AdamHyper
-from offload.optim.early_step import EarlyStep, EarlyStepLost
+from offload.optim.early_step import EarlyLanes, EarlyStep, EarlyStepLost
 from offload.optim.landing import GradientLanding, LandingPolicy, OnLanding
 from offload.optim.loss_scale import LossScaler
 from offload.optim.overlapped_step import OverlappedStep
 from offload.optim.shard_state import Overlap, Segment, ShardPhase, ShardState, StateSplit, gaps, unstep, widened
 from offload.optim.speculation import Speculation
 from offload.optim.speculation_lane import SpeculationLane
+from offload.optim.streamed_step import StreamedStep
 from offload.optim.update import ShardUpdate
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import OptimizerStateStore
 from offload.store.param_store import ParamStore
 from offload.store.placement import device_grads
 from offload.store.state_format import StateFormat
-from offload.store.sub_groups import SubGroup
+from offload.store.sub_groups import STREAMED_SLOTS, SubGroup
 from offload.store.swapdir import SwapDir, TierRoom
 from offload.store.tier import Tier
 
@@ -178,7 +179,8 @@ class ShardedAdam:
         self.params = params
         # A partial offload's units stepped on the device (see [Note: a partial offload]).
         self.split = StateSplit(self.offload, frozenset(m.unit for g in plan.groups if g.tier is Tier.DEVICE
-                                                        for m in g.members) if self.offload else frozenset())
+                                                        for m in g.members) if self.offload else frozenset(),
+                                frozenset(m.unit for g in plan.groups if g.streamed for m in g.members))
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
         self.loss_scaler: LossScaler | None = None  # the engine's, for cur_scale
@@ -196,13 +198,16 @@ class ShardedAdam:
         self.store = OptimizerStateStore(plan.groups, TierRoom(plan.host, plan.nvme, plan.swap, plan.rank,
                                                                plan.buffer_count),
                                          accel=accel, telemetry=self.telemetry, spare=plan.second_slots)
+        streamed = [g for g in plan.groups if g.streamed]
+        self.streamed = (StreamedStep(accel, self.update, params, self.shards, streamed, self.telemetry)
+                         if streamed else None)
         self.speculation = Speculation(self.shards, self.store, self.update, self.telemetry, lane)
         self.overlapped = OverlappedStep(self.shards, self.store, self.update, params, self.speculation,
                                          self.telemetry)
         self.landing = GradientLanding(accel, self.shards, self.split, OnLanding(self.speculation, self.overlapped),
                                        plan.landing, threads=threads, telemetry=self.telemetry)
-        self.early = EarlyStep(self.update, self.store, self.speculation, self.telemetry, self.landing.worker, adam,
-                               plan.staged)  # the landing worker runs the early step
+        self.early = EarlyStep(self.update, self.store, self.speculation, self.telemetry,
+                               EarlyLanes(self.landing.worker, adam, self.streamed), plan.staged)
 
     def _reserve_host(self, parts: dict[str, int]) -> None:
         """Account the host bytes of accumulators, copies and landing buffers (the plan sized them and checked
@@ -238,6 +243,11 @@ class ShardedAdam:
     def partial(self) -> bool:
         """Part of the optimizer state stays on the device (see [Note: a partial offload])."""
         return self.split.partial
+
+    @property
+    def streams(self) -> bool:
+        """Some host-homed state is stepped on the device (see [Note: the streamed lane] in streamed_step.py)."""
+        return self.streamed is not None
 
     def steps_on_host(self, index: int) -> bool:
         """Whether unit ``index``'s optimizer state is offloaded (its step writes a host copy of the shard)."""
@@ -322,6 +332,8 @@ class ShardedAdam:
         parts[part] = per_element * sum(st.numel for st in stepped_there)
         on_device = sum(st.on_device.numel() * 4 for st in self.shards.values() if st.on_device is not None)
         parts["gradient accumulators"] = parts.get("gradient accumulators", 0) + on_device
+        if self.streamed is not None:
+            parts[STREAMED_SLOTS] = self.streamed.device_bytes
         return {k: v for k, v in parts.items() if v}
 
     @property
@@ -415,10 +427,12 @@ class ShardedAdam:
         except Exception:  # noqa: BLE001
             self.store.drop_read_ahead()
 
-    def drain(self, speculation: bool = True) -> None:
+    def drain(self, speculation: bool = True, copies_back: bool = True) -> None:
         """Wait until every gradient sent so far is in its accumulator and every step handed to a host thread has
         run (re-raises a failed copy or step); ``speculation`` False: not the speculative Adam, which the step
-        claims shard by shard (see [Note: speculation on a lane of its own] in speculation_lane.py)."""
+        claims shard by shard (see [Note: speculation on a lane of its own] in speculation_lane.py);
+        ``copies_back`` False: not the streamed lane's copies back, which the step's own reads wait for on the copy
+        stream (see [Note: the streamed lane] in streamed_step.py)."""
         waits: list[Callable[[], None]] = []
         land, lane, adam = self.landing.worker, self.speculation.lane, self.early.adam
         if land is not None:
@@ -437,6 +451,8 @@ class ShardedAdam:
             raise first
         if self.early.lost is not None:
             raise self.early.lost
+        if copies_back and self.streamed is not None:
+            self.streamed.settle()
 
     def clear_grads(self) -> None:
         self.drain()
@@ -512,6 +528,10 @@ class ShardedAdam:
                 raise error
             self.speculation.settle_nvme(step, hypers, grad_scale)
             for group in self.store.step_pass(vote):
+                if group.streamed:  # the third lane (see [Note: the streamed lane] in streamed_step.py)
+                    assert self.streamed is not None
+                    self.streamed.step(group, step, hypers, grad_scale)
+                    continue
                 for member in group.members:
                     self.speculation.claim(self.shards[member.unit])
                     phase = self.shards[member.unit].phase
@@ -579,7 +599,7 @@ class ShardedAdam:
             return frozenset()
         if speculative:  # a host sub-group with its second slot, or an NVMe one (its file has two)
             return self.store.units(lambda g: g.spare is not None or g.tier is Tier.NVME) - self.update.nvme_units
-        return self.store.units(lambda g: g.tier is not Tier.DEVICE)
+        return self.store.units(lambda g: g.tier is not Tier.DEVICE and not g.streamed)
 
     def _overlap_plan(self, guess: float | None) -> Overlap:
         """The coming backward is the last of the accumulation and nothing global gates the update (or

@@ -41,10 +41,11 @@ class ShardUpdate:
         return not self.split.steps_on_host(index) and not self.accel.host_is_device
 
     def step_shard(self, index: int, views: StateSlot, step: int, hypers: list[AdamHyper], grad_scale: float,
-                   into: StateSlot | None = None, target: torch.Tensor | None = None) -> None:
+                   into: StateSlot | None = None, target: torch.Tensor | None = None, publish: bool = True) -> None:
         """One shard's Adam, in place or (``into``: host state) into another slot; the new shard goes to the
-        parameter store's target, or to ``target`` (the delayed update's staging). The state is held in the
-        format its views have (see offload/store/state_format.py)."""
+        parameter store's target, or to ``target`` (the delayed update's staging), or (stepped on the device, not
+        ``publish``) is left to the caller (the streamed lane writes it). The state is held in the format its views
+        have (see offload/store/state_format.py)."""
         state = self.shards[index]
         master, exp_avg, exp_avg_sq = views
         empty = state.phase is ShardPhase.EMPTY  # no gradient reached this unit since the last step: Adam sees zeros
@@ -87,7 +88,8 @@ class ShardUpdate:
         if into is not None:
             master = into[0]
         if out is None:  # state on the compute device: the shard is written straight away
-            self.params.write_device(index, master)
+            if publish:
+                self.params.write_device(index, master)
         else:
             if out16 is None and not in_place:
                 for seg in state.segments:

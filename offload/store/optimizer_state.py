@@ -123,8 +123,9 @@ class OptimizerStateStore:
             if g.tier is Tier.DEVICE:
                 g.resident = g.fmt.empty_slot(g.numel, accel.device)
             elif g.tier is Tier.HOST:
-                # Read and written by host threads only (Adam, checkpoints): no copy engine touches it.
-                t, buf = accel.host_buffer(g.fmt.slot_bytes(g.numel), torch.uint8, dma=False)
+                # Read and written by host threads only (Adam, checkpoints), but a streamed sub-group's, which the
+                # copy engines carry each step (offload/optim/streamed_step.py).
+                t, buf = accel.host_buffer(g.fmt.slot_bytes(g.numel), torch.uint8, dma=g.streamed)
                 host.take(buf.capacity, "optimizer state")
                 g.resident = g.fmt.slot(t, g.numel)
                 g.resident.zero_()

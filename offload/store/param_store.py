@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.machine.accelerator import Accelerator, CopyStream, Event, WorkerStream
+from offload.machine.accelerator import Accelerator, CopyStream, Event
 from offload.machine.buffers import round_up
 from offload.observe.telemetry import Telemetry
 from offload.store.budget import TierBudget
@@ -327,6 +327,17 @@ class ParamStore:
         """The step ran on the compute device: write its result into a device home (compute-stream order)."""
         self._shards[index].device.copy_(values)
 
+    def write_down(self, index: int, values: torch.Tensor, lane: CopyStream) -> None:
+        """The step ran on the compute device (the streamed lane) and the shard is homed on the host: ``values``
+        go down into it on ``lane``, after what is queued there (the lane waits for the step); the shard's readers
+        wait for that copy, as for an early step's (``step_pending``)."""
+        shard = self._shards[index]
+        assert shard.home is Tier.HOST and shard.host is not None, f"unit {index}'s shard is not homed on the host"
+        target = shard.host
+        lane.run(lambda: target.copy_(values, non_blocking=True))
+        self.telemetry.add_bytes("d2h", values.numel() * target.element_size())
+        self.step_pending(index, lane)
+
     def wrote(self, index: int) -> None:
         """The step finished writing ``step_target``: an NVMe shard goes to its other slot."""
         if self.home(index) is Tier.NVME:
@@ -359,7 +370,7 @@ class ParamStore:
         tel.add_bytes("h2d", source.numel() * source.element_size())
         return shard.ready
 
-    def step_pending(self, index: int, lane: WorkerStream) -> None:
+    def step_pending(self, index: int, lane: CopyStream) -> None:
         """An early step queued on ``lane`` writes the shard (and starts its copy back) by the time what is queued
         there so far has run (see [Note: early step] in offload/optim/early_step.py)."""
         shard = self._shards[index]

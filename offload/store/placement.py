@@ -26,7 +26,14 @@ from offload.store.param_homes import HOST_PARAMS, WRITE_BUFFERS, param_buffer_b
 from offload.store.slots import layout
 from offload.store.state_format import Master, from_config
 from offload.store.step_cost import Rates, StepPrediction, Traffic, best, predict
-from offload.store.sub_groups import SPECULATIVE_SLOT, SubGroup, nvme_buffers, place_sub_groups, plan_sub_groups
+from offload.store.sub_groups import (
+    SPECULATIVE_SLOT,
+    STREAMED_SLOTS,
+    SubGroup,
+    nvme_buffers,
+    place_sub_groups,
+    plan_sub_groups,
+)
 from offload.store.tier import Tier
 
 
@@ -117,6 +124,8 @@ class Placement:
     gather_room: int | None = None  # elements the device budget leaves for gathered units (None: no budget)
     device_accumulated: frozenset[int] = frozenset()  # units whose fp32 gradient accumulator is on the device
     state_on_device: frozenset[int] = frozenset()  # offloaded optimizer, units whose state stays on the device
+    # offloaded to the host, units whose state the device steps, streamed over the bus (``_plan_streamed``)
+    streamed: frozenset[int] = frozenset()
     # Units compute reads where their shard lives, never gathered: one rank's device homes on a GPU ([Note: reading
     # the home] in offload/store/param_store.py). They need no gather room.
     aliased: frozenset[int] = frozenset()
@@ -170,8 +179,9 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
         _plan_state_on_device(out, shards, config, stage, machine)
         if alias:  # the units homed on the device beside offloaded parameters are read there too
             out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
+        _plan_streamed(out, shards, config, discrete)
     nvme_params = out.nvme_params
-    offloaded_sizes = [(i, n) for i, n in trained_sizes if i not in out.state_on_device]
+    offloaded_sizes = [(i, n) for i, n in trained_sizes if i not in out.state_on_device and i not in out.streamed]
     # Several micro-batches a step on a GPU, gradients reduced once a step (stage 3): an offloaded optimizer's
     # accumulators go on the device as far as its room allows (see [Note: gradients accumulated on the device]).
     sums_on_device = (opt.device != "none" and discrete and not one_micro_batch and not stage.whole_grads
@@ -232,7 +242,8 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
         out.step_buffers.pop("gradient accumulators", None)
     if out.placed:
         _plan_optimizer_state(out, nvme_limit, opt.buffer_count)
-    _plan_host_params(out, shards, trained - out.state_on_device if opt.device != "none" else set(), host_limit)
+    _plan_host_params(out, shards, trained - out.state_on_device - out.streamed if opt.device != "none" else set(),
+                      host_limit)
     if step.speculation is not Speculation.NONE and out.placed:  # last: it is the one part that may be left out
         _plan_speculative_slot(out, host_limit, spare=step.speculation is Speculation.ALL)
     _check_device(out, shards, config, stage)
@@ -249,7 +260,8 @@ def _lend_highs(out: Placement, config: Any, step: StepAsks) -> None:
             or not out.groups or out.groups[0].fmt.master is not Master.SPLIT):
         return
     for g in out.groups:
-        if g.tier is not Tier.DEVICE and all(out.homes[m.unit] is not Tier.NVME for m in g.members):
+        if (g.tier is not Tier.DEVICE and not g.streamed
+                and all(out.homes[m.unit] is not Tier.NVME for m in g.members)):
             g.fmt = g.fmt.high_in_params()
 
 
@@ -276,9 +288,9 @@ def _plan_optimizer_state(out: Placement, nvme_limit: int | None, buffer_count: 
 def _plan_speculative_slot(out: Placement, host_limit: int | None, spare: bool) -> None:
     """The speculative step's second slot of every host sub-group, if the host budget holds it beside the rest
     (else the step says why it does not speculate); NVMe sub-groups have theirs in the swap file."""
-    on_host = [g for g in out.groups if g.tier is Tier.HOST] if spare else []
+    on_host = [g for g in out.groups if g.tier is Tier.HOST and not g.streamed] if spare else []
     need, used = sum(g.nbytes for g in on_host), sum(out.host.values())
-    if not any(g.tier is Tier.NVME or (spare and g.tier is Tier.HOST) for g in out.groups):
+    if not any(g.tier is Tier.NVME for g in out.groups) and not on_host:
         out.speculative_why = "no optimizer state is offloaded" if spare else "no optimizer state is on NVMe"
     elif host_limit is not None and used + need > host_limit:
         out.speculative_why = (f"offload.budgets.host ({host_limit:,} bytes) cannot hold its second slot of the "
@@ -409,6 +421,39 @@ def _plan_state_on_device(out: Placement, shards: Shards, config: Any, stage: St
         out.device[part] = grad_bytes * sum(n for _, n in chosen)
     if params_offloaded:
         _home_on_device(out, shard_sizes, item, out.state_on_device, spare)
+
+
+def _plan_streamed(out: Placement, shards: Shards, config: Any, discrete: bool) -> None:
+    """offload.stream_state s: of the units whose optimizer state is offloaded to the host, the first ones (the
+    next forward's first) nearest s of their elements are stepped on the device, their state streamed over the bus
+    each step (see [Note: the streamed lane] in offload/optim/streamed_step.py): their gradients stay on the device
+    as a device-stepped unit's do, and two staging slots of the largest such sub-group's state take device memory.
+    On a CPU device, whose memory is the host's, there is no bus to stream over: nothing is streamed."""
+    share = config.offload.stream_state
+    if not share or not discrete:
+        return
+    zero = config.zero_optimization
+    if zero.offload_optimizer.device != "cpu":
+        out.problems.append(ConfigError(
+            "offload.stream_state", f"streams optimizer state homed on the host; offload_optimizer.device "
+            f"{zero.offload_optimizer.device!r} does not home it there (NVMe state is not streamed yet): set "
+            "offload_optimizer.device to cpu, or offload.stream_state to 0"))
+        return
+    offloaded = [(i, n) for i, n in shards.trained_sizes if i not in out.state_on_device]
+    target, total, chosen = share * sum(n for _, n in offloaded), 0, []
+    for i, n in offloaded:  # the prefix whose size is nearest the target, as offload_optimizer.ratio takes its own
+        if total + n / 2 > target:
+            break
+        chosen.append(i)
+        total += n
+    if not chosen:
+        return
+    out.streamed = frozenset(chosen)
+    out.groups = plan_sub_groups(shards.trained_sizes, int(zero.sub_group_size), out.state_on_device,
+                                 from_config(config), streamed=out.streamed)
+    part, grad_bytes = device_grads(out.device_grads_kept, shards.item)
+    out.device[part] = out.device.get(part, 0) + grad_bytes * total
+    out.device[STREAMED_SLOTS] = 2 * max(g.nbytes for g in out.groups if g.streamed)
 
 
 def _fastest_prefix(cost: list[tuple[int, int, int]], shards: Shards, room: int, params_offloaded: bool,

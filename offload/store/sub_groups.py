@@ -16,6 +16,7 @@ from offload.store.state_format import FP32, StateFormat, StateSlot
 from offload.store.tier import Tier
 
 SPECULATIVE_SLOT = "optimizer state (speculative slot)"  # the host budget's name for the second slots
+STREAMED_SLOTS = "streamed optimizer state (two slots)"  # the device's, for the streamed lane's staging
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class SubGroup:
     borrowed: bool = False  # host: its slots are views of a buffer a split shares (``split``), not its own
     fmt: StateFormat = FP32  # how its state is held
     highs: dict[int, torch.Tensor] = field(default_factory=dict)  # per unit, its lent high half (fmt.high_elsewhere)
+    # host: stepped on the compute device, its state streamed over the bus (see [Note: the streamed lane] in
+    # offload/optim/streamed_step.py)
+    streamed: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -63,15 +67,18 @@ class SubGroup:
 
 
 def plan_sub_groups(sizes: list[tuple[int, int]], sub_group_size: int,
-                    on_device: frozenset[int] = frozenset(), fmt: StateFormat = FP32) -> list[SubGroup]:
+                    on_device: frozenset[int] = frozenset(), fmt: StateFormat = FP32,
+                    streamed: frozenset[int] = frozenset()) -> list[SubGroup]:
     """Consecutive units' shards packed up to ``sub_group_size`` elements (a larger unit is one alone); the units
-    ``on_device`` (the first ones: see offload/store/placement.py) form sub-groups of their own, on the device;
-    every one holds its state in ``fmt``."""
+    ``on_device`` (the first ones: see offload/store/placement.py) form sub-groups of their own, on the device, and
+    so do the ``streamed`` ones (homed on the host, stepped on the device); every one holds its state in ``fmt``."""
     groups: list[SubGroup] = []
     for unit, numel in sizes:
-        device = unit in on_device
-        if not groups or groups[-1].numel + numel > sub_group_size or (groups[-1].tier is Tier.DEVICE) != device:
-            groups.append(SubGroup(len(groups), [], 0, tier=Tier.DEVICE if device else Tier.HOST, fmt=fmt))
+        device, stream = unit in on_device, unit in streamed
+        if (not groups or groups[-1].numel + numel > sub_group_size or (groups[-1].tier is Tier.DEVICE) != device
+                or groups[-1].streamed != stream):
+            groups.append(SubGroup(len(groups), [], 0, tier=Tier.DEVICE if device else Tier.HOST, fmt=fmt,
+                                   streamed=stream))
         g = groups[-1]
         g.members.append(Member(unit, g.numel, numel))
         g.numel += numel

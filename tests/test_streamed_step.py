@@ -1,0 +1,158 @@
+"""The streamed lane (offload.stream_state; see [Note: the streamed lane] in offload/optim/streamed_step.py): state
+homed on the host, stepped on the device over the bus, trains as plain PyTorch at every stage, W = 1 and 2, clipping
+on and off, parameters on the device and offloaded, in each state format; checkpoints resume bitwise; what it cannot
+do is refused by name. The device is the emulated discrete one with lagging copy streams, so a missing wait shows
+as a wrong result."""
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from engine_cases import base_config, check_bitwise, check_parity, make_model, train_engine, train_reference
+from test_checkpoint import ckpt_config, train
+from test_state_formats import fmt_config, reference_split, train_masters
+
+import offload
+from offload.config import ConfigError
+from offload.machine.launch import run_ranks
+from offload.store.sub_groups import STREAMED_SLOTS
+
+LAGGING_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002",
+               "CUDA_VISIBLE_DEVICES": ""}
+STEPS = 3
+
+
+def streamed_config(world: int, stage: int = 3, params: str = "none", clip: float = 1.0, share: float = 0.5,
+                    accum: int = 1) -> dict[str, Any]:
+    config = base_config(2, accum, world, clip=clip, stage=stage)
+    if params != "none":
+        config["zero_optimization"]["offload_param"] = {"device": params}
+    config["offload"]["stream_state"] = share
+    return config
+
+
+def _lanes(engine: Any) -> dict[str, Any]:
+    groups = engine.optimizer.store.groups
+    return {"streamed_units": sorted(m.unit for g in groups if g.streamed for m in g.members),
+            "host_units": sorted(m.unit for g in groups if not g.streamed for m in g.members),
+            "bytes": dict(engine.telemetry.snapshot().bytes)}
+
+
+@pytest.mark.parametrize("stage,world,params,clip", [
+    (3, 1, "none", 1.0), (3, 1, "cpu", 0.0), (3, 2, "cpu", 1.0), (3, 2, "none", 0.0), (2, 2, "none", 1.0),
+    (1, 1, "none", 0.0)])
+def test_the_streamed_lane_trains_as_plain_pytorch(stage, world, params, clip):
+    config = streamed_config(world, stage, params, clip)
+    results = run_ranks(train_engine, world, env=LAGGING_GPU, name="gpt", config=config, steps=STEPS, micro=2,
+                        accum=1, finished=_lanes)
+    for rank in results:
+        assert rank["streamed_units"] and rank["host_units"], "a split: some units streamed, the rest on the host"
+        assert rank["streamed_units"] == sorted(rank["streamed_units"])[:len(rank["streamed_units"])]
+        assert max(rank["streamed_units"]) < min(rank["host_units"]), "the forward's first units are streamed"
+        assert rank["bytes"]["state_h2d"] == rank["bytes"]["state_d2h"] > 0  # read up and written back each step
+        assert rank["memory"]["device"][STREAMED_SLOTS] > 0
+    check_parity(results, train_reference("gpt", STEPS, 2 * world, 2, clip, world=world))
+
+
+def test_with_accumulation_the_streamed_units_sum_on_the_device():
+    config = streamed_config(1, accum=3)
+    results = run_ranks(train_engine, 1, env=LAGGING_GPU, name="gpt", config=config, steps=STEPS, micro=2, accum=3)
+    check_parity(results, train_reference("gpt", STEPS, 6, 2, world=1))
+
+
+def test_all_of_the_state_streamed_trains_as_all_of_it_on_the_host():
+    """stream_state 1: the host steps nothing, the same training (the device's Adam is torch's, to its rounding)."""
+    streamed = run_ranks(train_engine, 1, env=LAGGING_GPU, name="gpt", config=streamed_config(1, share=1.0),
+                         steps=STEPS, micro=2, accum=1, finished=_lanes)[0]
+    assert not streamed["host_units"]
+    hosted = run_ranks(train_engine, 1, env=LAGGING_GPU, name="gpt", config=streamed_config(1, share=0.0),
+                       steps=STEPS, micro=2, accum=1, finished=_lanes)[0]
+    assert "state_h2d" not in hosted["bytes"] and STREAMED_SLOTS not in hosted["memory"]["device"]
+    check_parity([streamed], hosted)
+
+
+@pytest.mark.parametrize("params", ["none", "cpu"])
+def test_the_16_16_master_with_bf16_moments_streams_as_the_host_steps_it(params, monkeypatch):
+    """The format as held on the host goes up and back as bytes; the device steps it in torch's ops, widened to
+    fp32 and split back: the same training as the host's kernel, to fp32 rounding. In this process, as the
+    reference: its bf16 backward on the same threads."""
+    for key, value in LAGGING_GPU.items():
+        monkeypatch.setenv(key, value)
+    config = fmt_config(1, master="16+16", moments="bf16", bf16=True)
+    config["offload"]["stream_state"] = 0.5
+    if params != "none":
+        config["zero_optimization"]["offload_param"] = {"device": params}
+    result = train_masters(0, 1, config)
+    for key, value in reference_split(1).items():
+        torch.testing.assert_close(result[key], value, atol=2e-5 if "weights" not in key else 8e-3, rtol=1e-4,
+                                   msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_a_resumed_run_equals_the_run_that_never_stopped(tmp_path):
+    """Saved after the streamed step (its copies back waited for) and loaded into the host homes it streams from."""
+    config = ckpt_config(2)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    config["offload"]["stream_state"] = 0.5
+    straight = run_ranks(train, 2, env=LAGGING_GPU, config=config, save_dir=tmp_path / "a", stop=5)
+    run_ranks(train, 2, env=LAGGING_GPU, config=config, save_dir=tmp_path / "ckpt", stop=3, save_at=2)
+    resumed = run_ranks(train, 2, env=LAGGING_GPU, config=config, save_dir=tmp_path / "ckpt", start=3, stop=5,
+                        resume=True)
+    for full, half in zip(straight, resumed, strict=True):
+        assert half["losses"] == full["losses"][3:]
+        for key, value in full["state"].items():
+            assert torch.equal(half["state"][key], value), key
+
+
+def test_nvme_state_is_not_streamed_yet_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
+    config = streamed_config(1)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"offload.stream_state.*offload_optimizer.device 'nvme'.*cpu"):
+        offload.initialize(model=make_model("gpt"), config=config)
+
+
+def test_on_a_cpu_device_nothing_is_streamed_and_it_says_so(caplog):
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        engine, *_ = offload.initialize(model=make_model("gpt"), config=streamed_config(1))
+    assert not any(g.streamed for g in engine.optimizer.store.groups)
+    engine.close()
+    assert "offload.stream_state 0.5 has no effect on a CPU compute device" in caplog.text
+
+
+def test_the_delayed_update_refuses_a_streamed_lane(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_EMULATED_DISCRETE_DEVICE", "1")
+    config = streamed_config(1)
+    config["offload"]["delayed_update"] = {"warmup_steps": 0}
+    with pytest.raises(ConfigError, match="stream_state 0.5"):
+        offload.initialize(model=make_model("gpt"), config=config)
+
+
+def test_the_streamed_steps_are_bitwise_the_same_with_the_copies_lagging_or_not():
+    """The copy streams' lag changes nothing: every read waits for the copy back before it."""
+    config = streamed_config(1, params="cpu")
+    runs = [run_ranks(train_engine, 1, env=env, name="gpt", config=config, steps=STEPS, micro=2, accum=1)
+            for env in (LAGGING_GPU, {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""})]
+    check_bitwise(*runs)
+
+
+def _train_with_copies_back_lagging(rank: int, world: int, config: dict[str, Any], lag: float) -> dict[str, Any]:
+    """train_engine with the streamed lane's copies back each ``lag`` seconds behind: the next step's reads of the
+    state, the next forward's of the weights and a checkpoint's of both must wait for them."""
+    from offload.machine.accelerator import WorkerStream
+
+    def slow_copies_back(engine: Any) -> None:
+        streamed = engine.optimizer.streamed
+        streamed.down = WorkerStream("state-d2h (lagging)", lag, engine.accel.ledger)
+
+    return train_engine(rank, world, name="gpt", config=config, steps=STEPS, micro=2, accum=1,
+                        started=slow_copies_back)
+
+
+@pytest.mark.parametrize("params", ["none", "cpu"])
+def test_whatever_reads_the_state_or_the_weights_waits_for_their_copies_back(params):
+    config = streamed_config(1, params=params, share=1.0)
+    env = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    lagging, prompt = (run_ranks(_train_with_copies_back_lagging, 1, env=env, config=config, lag=lag)
+                       for lag in (0.05, 0.0))
+    check_bitwise(lagging, prompt)
