@@ -55,6 +55,18 @@ def test_the_streamed_lane_trains_as_plain_pytorch(stage, world, params, clip):
     check_parity(results, train_reference("gpt", STEPS, 2 * world, 2, clip, world=world))
 
 
+@pytest.mark.parametrize("params", ["none", "cpu"])
+def test_the_early_step_steps_the_streamed_units_before_it_returns(params):
+    """engine.step() returning early (Adam of the host lane on the landing worker) enqueues the streamed lane on
+    the compute stream first, as it does the device-resident units: the same training."""
+    config = streamed_config(1, params=params)
+    config["offload"]["early_step"] = "on"
+    results = run_ranks(train_engine, 1, env=LAGGING_GPU, name="gpt", config=config, steps=STEPS, micro=2, accum=1,
+                        finished=_lanes)
+    assert "step() returns before Adam" in results[0]["mode"] and results[0]["bytes"]["state_h2d"] > 0
+    check_parity(results, train_reference("gpt", STEPS, 2, 2, world=1))
+
+
 def test_with_accumulation_the_streamed_units_sum_on_the_device():
     config = streamed_config(1, accum=3)
     results = run_ranks(train_engine, 1, env=LAGGING_GPU, name="gpt", config=config, steps=STEPS, micro=2, accum=3)
