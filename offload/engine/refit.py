@@ -135,20 +135,13 @@ class Refit:
         way (another process took some) stops the move there on this rank: what moved steps on the device, the
         rest stays (the ranks then differ in where some state lives, which no collective depends on)."""
         opt = self.optimizer
-        params = opt.params
         opt.drain()  # every shard's gradient used and every step run before the choice reads them
-
-        def shard_bytes(unit: int) -> int | None:
-            if not params.can_home_on_device(unit):
-                return None
-            return 0 if params.home(unit) is Tier.DEVICE else params.numel(unit) * params.dtype.itemsize
-
         # a streamed sub-group stays in its lane (offload.stream_state chose it)
-        groups = refit_choice([g for g in opt.sub_groups if not g.streamed], spare, shard_bytes,
-                              opt.landing.device_accumulated, opt.device_grad_bytes)
+        groups = refit_choice([g for g in opt.sub_groups if not g.streamed], spare, opt.shard_bytes_to_move,
+                              opt.device_accumulated, opt.device_grad_bytes)
         if not groups:
             return 0
-        host_before = opt.host.used
+        host_before = opt.host_used
         wanted = {m.unit for g, count in groups for m in g.members[:count]}
         try:
             opt.move_to_device(groups)
@@ -158,5 +151,5 @@ class Refit:
         moved = [m for g in opt.sub_groups if g.tier is Tier.DEVICE for m in g.members if m.unit in wanted]
         logger.info("rank %d: %d units' optimizer state (%s elements) moved to the device; %.2f GiB of host memory "
                     "given back", self.group.rank, len(moved), f"{sum(m.numel for m in moved):,}",
-                    (host_before - opt.host.used) / 2**30)
+                    (host_before - opt.host_used) / 2**30)
         return len(moved)

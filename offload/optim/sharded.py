@@ -336,6 +336,23 @@ class ShardedAdam:
             parts[STREAMED_SLOTS] = self.streamed.device_bytes
         return {k: v for k, v in parts.items() if v}
 
+    def shard_bytes_to_move(self, index: int) -> int | None:
+        """What unit ``index``'s parameter shard would take on the device beyond what it takes now, were its step
+        moved there (``move_to_device``); None where it cannot move (homed on NVMe, or read in place)."""
+        if not self.params.can_home_on_device(index):
+            return None
+        return 0 if self.params.home(index) is Tier.DEVICE else self.params.numel(index) * self.compute_dtype.itemsize
+
+    @property
+    def device_accumulated(self) -> frozenset[int]:
+        """Units whose fp32 gradient sum is kept on the device already (the landing's)."""
+        return self.landing.device_accumulated
+
+    @property
+    def host_used(self) -> int:
+        """Host bytes the optimizer's budget holds now."""
+        return self.host.used
+
     @property
     def device_grad_bytes(self) -> int:
         """Device bytes an element of a unit stepped there takes for its gradient (an accumulator or one kept)."""
