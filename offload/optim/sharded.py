@@ -144,6 +144,14 @@ class OptimizerFace(torch.optim.Optimizer):
         super().__init__(param_groups or [{"params": []}],
                          {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
 
+    # torch's own, without the dynamo guard torch wraps them in: the guard imports torch._dynamo on first use (800
+    # modules, sympy among them: over a second of every run's start-up), and nothing compiles the face.
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        _unguarded(torch.optim.Optimizer.add_param_group)(self, param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        _unguarded(torch.optim.Optimizer.zero_grad)(self, set_to_none)
+
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         raise RuntimeError("the sharded optimizer steps through engine.step(), which also reduces, clips and "
                            "writes the new parameters back; call engine.step()")
@@ -156,6 +164,12 @@ class OptimizerFace(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         raise RuntimeError("the sharded optimizer's state is loaded by engine.load_checkpoint (a checkpoint "
                            "engine.save_checkpoint wrote), not from a state_dict")
+
+
+def _unguarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` without torch's dynamo guard (``torch._disable_dynamo`` keeps it as ``__wrapped__``), or as it
+    is where a torch release wraps it otherwise."""
+    return getattr(method, "__wrapped__", method)
 
 
 class ShardedAdam:
