@@ -282,7 +282,7 @@ def choose(config: Config, compute_dtype: torch.dtype, stage: Stage, optimizer: 
     returns = _returns(config, stage, optimizer, accel)
     delayed = config.offload.delayed_update.warmup_steps
     if delayed is not None:
-        if stage.resident_params or not optimizer.can_return_early or optimizer.partial or optimizer.streams:
+        if stage.resident_params or not optimizer.can_return_early or optimizer.partial or optimizer.streamed:
             raise ConfigError("offload.delayed_update.warmup_steps", "the delayed update needs ZeRO stage 3 with "
                               "all of the optimizer state on the host, stepped there, and no parameters on NVMe "
                               "(its Adam runs on a worker beside the next forward); this config has stage "

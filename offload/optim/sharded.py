@@ -214,7 +214,7 @@ class ShardedAdam:
                                          accel=accel, telemetry=self.telemetry, spare=plan.second_slots)
         streamed = [g for g in plan.groups if g.streamed]
         self.streamed = (StreamedStep(accel, self.update, params, self.shards, streamed, self.telemetry)
-                         if streamed else None)
+                         if streamed else None)  # the third lane (see [Note: the streamed lane] in streamed_step.py)
         self.speculation = Speculation(self.shards, self.store, self.update, self.telemetry, lane)
         self.overlapped = OverlappedStep(self.shards, self.store, self.update, params, self.speculation,
                                          self.telemetry)
@@ -257,11 +257,6 @@ class ShardedAdam:
     def partial(self) -> bool:
         """Part of the optimizer state stays on the device (see [Note: a partial offload])."""
         return self.split.partial
-
-    @property
-    def streams(self) -> bool:
-        """Some host-homed state is stepped on the device (see [Note: the streamed lane] in streamed_step.py)."""
-        return self.streamed is not None
 
     def steps_on_host(self, index: int) -> bool:
         """Whether unit ``index``'s optimizer state is offloaded (its step writes a host copy of the shard)."""
@@ -351,20 +346,17 @@ class ShardedAdam:
         return {k: v for k, v in parts.items() if v}
 
     def shard_bytes_to_move(self, index: int) -> int | None:
-        """What unit ``index``'s parameter shard would take on the device beyond what it takes now, were its step
-        moved there (``move_to_device``); None where it cannot move (homed on NVMe, or read in place)."""
+        """Device bytes unit ``index``'s shard would add were its step moved there; None: it cannot move."""
         if not self.params.can_home_on_device(index):
             return None
         return 0 if self.params.home(index) is Tier.DEVICE else self.params.numel(index) * self.compute_dtype.itemsize
 
     @property
-    def device_accumulated(self) -> frozenset[int]:
-        """Units whose fp32 gradient sum is kept on the device already (the landing's)."""
+    def device_accumulated(self) -> frozenset[int]:  # units whose fp32 gradient sum is on the device already
         return self.landing.device_accumulated
 
     @property
-    def host_used(self) -> int:
-        """Host bytes the optimizer's budget holds now."""
+    def host_used(self) -> int:  # host bytes the optimizer's budget holds now
         return self.host.used
 
     @property
