@@ -18,6 +18,10 @@
 # 9 billion draws), so these stages should take minutes less; not yet measured there. The first call should be:
 #   run(carry=[".whl"], timeout_s=560, command='BUNDLE=$OUT/p.tgz OUT=/tmp/gs STAGE_S=200 tools/gpu_session.sh plan59')
 # then, the moment it returns, pace-4p5b alone (STAGE_S=400, `install` first only if the machine went cold).
+# Since session 41 the first call should be plan68 (#68's streamed lane, #71's row 1; never run on a GPU): install,
+# then the 0.91B GPT with everything homed on the host through the host lane and the streamed lane (stream_state 0.5
+# and 1.0), clipping off then on, each beside plain PyTorch and its floor (the floor does not price the bus yet):
+#   run(carry=[".whl"], timeout_s=560, command='BUNDLE=$OUT/p68.tgz OUT=/tmp/gs STAGE_S=200 tools/gpu_session.sh plan68')
 # #44 first (a task now has 15 minutes of device time in all, so plan44a, then plan44b if time is left):
 # plan44a: install; the 0.91B GPT's pace against the floor (full offload, auto with params offloaded); the 4.5B's
 #   (full, auto, auto with params on the GPU: auto is refitted after the first step by its measured peak, see
@@ -57,7 +61,7 @@
 #   bench-step-delayed bench-step-hiding bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
 #   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b
 #   bench-deepspeed-nvme bench-step-checkpointing bench-step-threads profile sanitizer suite
-#   pace-0p9b pace-4p5b pace-4p5b-budget pace-4p5b-formats trainer-8b trainer-8b-refit largest
+#   pace-0p9b pace-0p9b-lanes pace-4p5b pace-4p5b-budget pace-4p5b-formats trainer-8b trainer-8b-refit largest
 # bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
 # a call of its own (SUITE_S, default 420 s, 14 workers).
 # Then replay the same model's recorded step graph here (`offload bench schedule`, docs/performance.md) and put the
@@ -248,6 +252,7 @@ for s in "$@"; do
     plan44b) stages+=(cuda-tests trainer-8b pace-4p5b-budget) ;;
     plan55) stages+=(install pace-4p5b-formats) ;;
     plan59) stages+=(install cuda-tests pace-0p9b) ;;  # cuda-tests: 15 s on the H200 (2026-11-27)
+    plan68) stages+=(install pace-0p9b-lanes) ;;  # the lanes first, whenever a device is lent (#71's row 1)
     *) stages+=("$s") ;;
   esac
 done
@@ -306,6 +311,9 @@ for s in "${stages[@]}"; do
     # 0.91B: auto keeps nearly all the state on an H200 (33.6M of 910.8M elements on the host), so params-device adds
     # nothing there; full beside full-overlap (the host Adam during backward) is the open question.
     pace-0p9b) stage pace-0p9b pace pace-0p9b "${M091[@]}" --steps 4 --warmup 2 --rounds 1 --variants full,full-overlap,auto ;;
+    # #68's streamed lane beside the host one, clipping off and on (#71's first row): the 0.91B GPT, everything on the host
+    pace-0p9b-lanes) stage pace-0p9b-lanes pace pace-0p9b-lanes "${M091[@]}" --steps 4 --warmup 2 --rounds 1 --variants full,stream-half,stream-all &&
+      stage pace-0p9b-lanes-clip pace pace-0p9b-lanes-clip "${M091[@]}" --clip 1.0 --steps 4 --warmup 2 --rounds 1 --variants full,stream-half,stream-all ;;
     pace-4p5b) stage pace-4p5b pace pace-4p5b "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants "${PACE_4P5B_VARIANTS:-full-overlap,auto,auto-params-device}" ;;
     pace-4p5b-budget) stage pace-4p5b-budget pace pace-4p5b-budget "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --device-budget 68Gi --variants auto,auto-params-device ;;
     pace-4p5b-formats) stage pace-4p5b-formats pace_formats ;;

@@ -16,8 +16,9 @@ host Adam run during backward (``offload.overlap_step: on``); ``auto``, the same
 ``offload_optimizer.ratio: auto`` (the device keeps the state and the parameters of the
 units the next forward needs first, as much as it holds); ``auto-params-device``, the
 parameters on the device and the state split by ``auto``; ``nvme``, parameters and state
-on NVMe. Plain PyTorch runs once a round; a side that does not fit (out of memory) is
-shown with its error, as it happened. Rounds alternate the sides, medians over rounds
+on NVMe; ``stream-half`` and ``stream-all``, ``full`` with that share of the host-homed state stepped on
+the device over the bus (``offload.stream_state``). Plain PyTorch runs once a round; a side that
+does not fit (out of memory) is shown with its error, as it happened. Rounds alternate the sides, medians over rounds
 x steps, with the spread.
 """
 
@@ -45,6 +46,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "auto": {"params": "cpu", "device": "cpu", "ratio": "auto"},
     "auto-params-device": {"params": "none", "device": "cpu", "ratio": "auto"},
     "nvme": {"params": "nvme", "device": "nvme", "buffer_count": 4},
+    # full with the streamed lane (offload.stream_state): the device steps that share of the host-homed state over
+    # the bus. Its floor does not price the bus yet: the host share is what the host steps (issue 68).
+    "stream-half": {"params": "cpu", "device": "cpu", "stream": 0.5},
+    "stream-all": {"params": "cpu", "device": "cpu", "stream": 1.0},
 }
 DEFAULT = ("full", "auto", "auto-params-device")
 HOST_RATE_ELEMENTS = (1 << 22, 1 << 26)  # the host step is timed on the model's size, clamped to this range

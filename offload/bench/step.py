@@ -73,7 +73,8 @@ STATE_FORMATS = {cli: FORMATS[name].names() for cli, name in (
 NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "host-spare-cores", "nvme-optimizer-speculative",
               "nvme-optimizer-speculative-kept", "nvme-optimizer-early", "nvme-early", "params-host-bf16-moments",
               "params-host-bf16-master", "params-host-16-16", "nvme-optimizer-bf16-moments",
-              "nvme-optimizer-bf16-master")
+              "nvme-optimizer-bf16-master", "params-host-stream-half", "params-host-stream-all",
+              "params-host-stream-half-noclip", "params-host-stream-half-16-16")
 
 
 @dataclass(kw_only=True)
@@ -199,7 +200,14 @@ class StepBench:
                                                 "state": STATE_FORMATS["bf16-master"]},
                     # the 16+16 master, its high halves the host-homed weights (6 bytes of state an element)
                     "params-host-16-16": {"device": "cpu", "params": "cpu", "early": "off",
-                                          "state": STATE_FORMATS["16+16"]}}
+                                          "state": STATE_FORMATS["16+16"]},
+                    # The streamed lane (offload.stream_state): the device steps part of the host-homed state
+                    # over the bus beside the host's Adam (run when named; a CPU device streams nothing).
+                    "params-host-stream-half": {"device": "cpu", "params": "cpu", "stream": 0.5},
+                    "params-host-stream-all": {"device": "cpu", "params": "cpu", "stream": 1.0},
+                    "params-host-stream-half-noclip": {"device": "cpu", "params": "cpu", "stream": 0.5, "clip": 0.0},
+                    "params-host-stream-half-16-16": {"device": "cpu", "params": "cpu", "stream": 0.5,
+                                                      "state": STATE_FORMATS["16+16"]}}
         return {"nvme": {"device": "nvme", "buffer_count": self.buffer_count, "params": "nvme"},
                 "host": {"device": "cpu", "params": "cpu"},
                 "nvme-optimizer": {"device": "nvme", "buffer_count": self.buffer_count, "params": "cpu"},
@@ -338,6 +346,7 @@ def engine_config(b: StepBench, variant: dict[str, Any]) -> dict[str, Any]:
                           "early_step": variant.get("early", "auto"),
                           "speculative_step": variant.get("speculative", "auto"),
                           "delayed_update": {"warmup_steps": variant.get("delayed")},
+                          "stream_state": variant.get("stream", 0.0),
                           "checkpoint_blocks": b.checkpointing != "none",
                           "optimizer_state": dict(zip(("master", "moments"), variant.get("state", b.state),
                                                       strict=False)),
