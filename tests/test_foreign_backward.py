@@ -6,6 +6,8 @@ engine's step leaves no gradient), at every stage and tier, W = 1 and 2 (see [No
 backward this engine did not start] in offload/zero/runtime.py). Before, they were reduced into the shards at once,
 and the discriminator stepped on them after the script had cleared them: a silent wrong result."""
 
+import copy
+import logging
 from typing import Any
 
 import pytest
@@ -119,3 +121,66 @@ def test_two_ranks_clear_or_keep_them_as_pytorch_on_the_whole_batch(clear):
     # each rank's losses are its half's means, the whole batch's loss their mean
     _close({"losses": (torch.tensor(ranks[0]["losses"]) + torch.tensor(ranks[1]["losses"])) / 2,
             "generated": ranks[0]["generated"]}, ref)
+
+
+def _accumulating(stage: int, clear_at: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Two micro-batches a step over one discriminator engine; ``model.zero_grad()`` after the first micro-batch
+    (``between``) or after the second, where step() would go (``boundary``), then the next step as usual."""
+    _, net_d = _nets()
+    config = {"train_batch_size": 2 * BATCH, "train_micro_batch_size_per_gpu": BATCH,
+              "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "Adam", "params": {"lr": 2e-3}}, "offload": {"unit_bytes": 4096}}
+    engine, *_ = offload.initialize(model=net_d, config=config)
+    data = iter(_data(4))
+    notes = []
+    for micro in range(4):
+        real, _ = next(data)
+        engine.backward(nn.BCELoss()(net_d(real[:BATCH]).view(-1), torch.ones(BATCH)))
+        if micro == 0 and clear_at == "between" or micro == 1 and clear_at == "boundary":
+            net_d.zero_grad()
+            notes.append("cleared")
+        else:
+            engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    return state, notes
+
+
+def test_the_models_zero_grad_drops_a_complete_accumulation_as_in_pytorch():
+    """After the last micro-batch, instead of step(): the gradients are dropped (as engine.zero_grad() drops
+    them), and the next two micro-batches make the one step, as in PyTorch."""
+    state, _ = _accumulating(3, "boundary")
+    _, net_d = _nets()
+    opt = torch.optim.Adam(net_d.parameters(), lr=2e-3)
+    data = iter(_data(4))
+    for micro in range(4):
+        real, _ = next(data)
+        (nn.BCELoss()(net_d(real[:BATCH]).view(-1), torch.ones(BATCH)) / 2).backward()
+        if micro == 1:
+            net_d.zero_grad()
+        elif micro == 3:
+            opt.step()
+    for key, value in net_d.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-7)
+
+
+def test_the_models_zero_grad_between_micro_batches_says_once_what_it_cannot_clear(caplog):
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        _accumulating(3, "between")
+    assert caplog.text.count("model.zero_grad() after 1 of 2 micro-batches cannot clear their gradients") == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        _accumulating(0, "between")  # stage 0 keeps them in .grad, which the model's zero_grad clears: nothing to say
+    assert "cannot clear" not in caplog.text
+
+
+def test_a_copy_of_the_model_takes_its_own_method_and_close_gives_the_model_its_own_back():
+    _, net_d = _nets()
+    engine, *_ = offload.initialize(model=net_d, optimizer=torch.optim.Adam(net_d.parameters()),
+                                    config=_config(0, "none", 1))
+    assert "zero_grad" in vars(net_d)
+    copied = copy.deepcopy(net_d)
+    copied.zero_grad()  # its own method, bound to the copy: no engine behind it
+    assert copied.zero_grad.func is type(net_d).zero_grad and copied.zero_grad.args == (copied,)
+    engine.close()
+    assert "zero_grad" not in vars(net_d)
