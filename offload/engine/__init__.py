@@ -14,7 +14,7 @@ Its rooms (tests/test_imports.py checks that each module is named here):
   checkpoint file and back (the format is offload/files/training_checkpoint.py; activation checkpointing is
   offload/checkpointing.py, DeepSpeed's name for it).
 - errors.py: the engine's one error type and its messages; stopping.py: a stop request (a signal, the loop) agreed
-  by every rank at a step.
+  by every rank at a step; model_zero_grad.py: the model's own zero_grad() told to the engine.
 """
 
 from offload.engine.core import Engine

@@ -16,7 +16,6 @@ agreement.py's, with its notes: [Note: one rank's failed step], [Note: one rank'
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import warnings
@@ -35,6 +34,7 @@ from offload.engine.accumulation import Accumulation, Phase
 from offload.engine.build import OptimizerChoice, build
 from offload.engine.errors import EngineError
 from offload.engine.life import Lifetime
+from offload.engine.model_zero_grad import ModelZeroGrad
 from offload.engine.persistence import Persistence
 from offload.engine.stopping import Stoppable, StopRequest
 from offload.files.pretrained import PretrainedWeights
@@ -48,23 +48,6 @@ from offload.zero.plan import ENGINE
 from offload.zero.stage import Stage
 
 logger = logging.getLogger("offload.engine")
-
-
-class _WatchedZeroGrad:
-    """A model's own ``zero_grad``, telling its engine first (see [Note: the model's own zero_grad])."""
-
-    def __init__(self, model: nn.Module, engine: Engine) -> None:
-        self._model, self._engine = model, weakref.ref(engine)
-
-    def __call__(self, set_to_none: bool = True) -> None:
-        engine = self._engine()
-        if engine is not None:
-            engine._module_zero_grad()
-        type(self._model).zero_grad(self._model, set_to_none)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """A pickled or copied model takes its own method along, not the engine."""
-        return functools.partial, (type(self._model).zero_grad, self._model)
 
 
 class Engine(DeepSpeedAccessors, Persistence, Stoppable):
@@ -99,9 +82,8 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable):
         self.telemetry, self._swaps, self._trained_names = parts.telemetry, parts.swaps, parts.trained_names
         self.schedule, self.lr_scheduler, self.refit = parts.schedule, parts.lr_scheduler, parts.refit
         self._warned_zero_grad = False  # zero_grad() mid-accumulation: said once
-        self._warned_module_zero_grad = False  # the model's own zero_grad() after a reduction: said once
-        if self.trains:
-            self._watch_module_zero_grad()
+        # the model's own zero_grad(), told to the engine (see [Note: the model's own zero_grad])
+        self._model_zero_grad = ModelZeroGrad(self) if self.trains else None
         self.step_mode = self.schedule.describe()
         self._phases = PhaseReport(self.telemetry) if config.wall_clock_breakdown else None
         if config.dump_state:
@@ -326,28 +308,6 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable):
                            "Call zero_grad() after engine.step() instead (said once)", self.stage.number,
                            acc.pending, acc.steps)
 
-    def _watch_module_zero_grad(self) -> None:
-        """[Note: the model's own zero_grad] A script's ``model.zero_grad()`` clears ``.grad``, which is all it
-        clears in PyTorch. What a stage keeps there (stages 0-1 between micro-batches, a backward the engine did not
-        start) it clears as it is. Gradients already reduced into the shards it cannot reach, so the model's method
-        is wrapped (on the instance; ``close`` takes it off): once the accumulation is complete and step() has not
-        run, it drops them as ``engine.zero_grad()`` does; between micro-batches at stages 2-3, where the count of
-        micro-batches goes on and nothing can be dropped alone, it says so once."""
-        self.module.zero_grad = _WatchedZeroGrad(self.module, self)  # type: ignore[method-assign]
-
-    def _module_zero_grad(self) -> None:
-        acc = self.accumulation
-        if acc.phase is Phase.BOUNDARY:
-            self.discard_gradients()
-        elif (acc.phase is Phase.COLLECTING and self.stage.reduce_every_micro_batch
-              and not self._warned_module_zero_grad):
-            self._warned_module_zero_grad = True
-            logger.warning("model.zero_grad() after %d of %d micro-batches cannot clear their gradients: ZeRO stage %d "
-                           "has reduced them into the shards already, so the step applies them with the later ones "
-                           "(PyTorch would drop them). engine.discard_gradients() drops the whole accumulation; "
-                           "zero_grad() after engine.step() clears nothing the step needs (said once)",
-                           acc.pending, acc.steps, self.stage.number)
-
     def discard_gradients(self) -> None:
         """Drop every gradient since the last step, however many micro-batches are in; the next backward starts a
         new accumulation (a batch skipped by not stepping; a load; a failed step)."""
@@ -361,8 +321,8 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable):
         """Remove every hook and free every buffer; the engine cannot be used after."""
         if not self.life.close():
             return
-        if "zero_grad" in vars(self.module):  # the model's own method again (see [Note: the model's own zero_grad])
-            del self.module.zero_grad
+        if self._model_zero_grad is not None:
+            self._model_zero_grad.close()
         self.runtime.close()
         self.activations.close()
         checkpointing.reset()
