@@ -322,10 +322,11 @@ def test_deepspeeds_other_engine_names_answer_as_deepspeeds():
     engine, *_ = deepspeed.initialize(model=model, config=config)
     try:
         assert isinstance(engine, deepspeed.DeepSpeedEngine)
-        assert engine.bfloat16_enabled() and engine.get_data_types() == (torch.bfloat16, torch.float32)
+        # as DeepSpeed 0.19.8 answers (its grad_accum_dtype defaults to the model's); offload accumulates in fp32
+        assert engine.bfloat16_enabled() and engine.get_data_types() == (torch.bfloat16, torch.bfloat16)
         assert engine.zero_optimization_partition_gradients() and engine.zero_offload_optimizer()
         assert not engine.zero_offload_param() and engine.mp_world_size == 1
-        assert engine.steps_per_print() == 10 and engine.wall_clock_breakdown() is False
+        assert engine.steps_per_print() is None and engine.wall_clock_breakdown() is False  # unset, as DeepSpeed's
         assert engine.monitor.enabled is False
         engine.monitor.write_events([("loss", 1.0, 1)])
         assert deepspeed.checkpointing.is_configured()  # the engine configured it
@@ -487,5 +488,17 @@ def test_an_attribute_neither_has_is_an_attribute_error_naming_both():
     try:
         with pytest.raises(AttributeError, match="'Engine' object has no attribute 'forward_valu' \\(nor has its"):
             engine.forward_valu  # noqa: B018 - reading the attribute is what raises
+    finally:
+        engine.close()
+
+
+def test_get_data_types_names_the_configured_accumulation_dtype_as_deepspeed_does():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}, "bf16": {"enabled": True},
+              "data_types": {"grad_accum_dtype": "fp32"}, "steps_per_print": 7,
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    try:
+        assert engine.get_data_types() == (torch.bfloat16, torch.float32) and engine.steps_per_print() == 7
     finally:
         engine.close()

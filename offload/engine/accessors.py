@@ -20,6 +20,7 @@ from offload.zero.runtime import ZeroRuntime
 from offload.zero.stage import Stage
 
 E = TypeVar("E", bound="DeepSpeedAccessors")
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # data_types.grad_accum_dtype's
 
 
 class DeepSpeedAccessors:
@@ -131,12 +132,15 @@ class DeepSpeedAccessors:
         return self.compute_dtype == torch.float16
 
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
-        """(the model's compute dtype, the dtype gradients accumulate in): fp32 accumulators, here always."""
-        return self.compute_dtype, torch.float32
+        """(the model's dtype, data_types.grad_accum_dtype or else the model's), as DeepSpeed 0.19.8 answers, so a
+        script that sizes its buffers by it does what it does under DeepSpeed; the engine's own accumulators are fp32
+        whatever it answers (docs/deepspeed-api.md)."""
+        named = self.config.data_types.grad_accum_dtype
+        return self.compute_dtype, _DTYPES[named] if named is not None else self.compute_dtype
 
-    def steps_per_print(self) -> int:
-        """The config's, or DeepSpeed's default of 10 (offload itself reports per steps_per_print only when set)."""
-        return self.config.steps_per_print if self.config.steps_per_print is not None else 10
+    def steps_per_print(self) -> int | None:
+        """The config's (None where it sets none, as DeepSpeed 0.19.8's default)."""
+        return self.config.steps_per_print
 
     def wall_clock_breakdown(self) -> bool:
         return bool(self.config.wall_clock_breakdown)
