@@ -12,6 +12,7 @@ from torch import nn
 from offload.comm import get_local_rank
 from offload.config import Config
 from offload.engine.accumulation import Accumulation
+from offload.files.export import DTYPES
 from offload.machine.accelerator import Accelerator
 from offload.optim.loss_scale import LossScaler
 from offload.optim.sharded import ShardedAdam
@@ -20,7 +21,6 @@ from offload.zero.runtime import ZeroRuntime
 from offload.zero.stage import Stage
 
 E = TypeVar("E", bound="DeepSpeedAccessors")
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # data_types.grad_accum_dtype's
 
 
 class DeepSpeedAccessors:
@@ -136,7 +136,7 @@ class DeepSpeedAccessors:
         script that sizes its buffers by it does what it does under DeepSpeed; the engine's own accumulators are fp32
         whatever it answers (docs/deepspeed-api.md)."""
         named = self.config.data_types.grad_accum_dtype
-        return self.compute_dtype, _DTYPES[named] if named is not None else self.compute_dtype
+        return self.compute_dtype, DTYPES[named] if named is not None else self.compute_dtype
 
     def steps_per_print(self) -> int | None:
         """The config's (None where it sets none, as DeepSpeed 0.19.8's default)."""

@@ -26,7 +26,6 @@ from offload.optim.adam import AdamHyper
 from offload.optim.shard_state import ShardPhase, ShardState
 from offload.optim.update import ShardUpdate
 from offload.store.param_store import ParamStore
-from offload.store.state_format import StateSlot
 from offload.store.sub_groups import SubGroup
 from offload.store.tier import Tier
 
@@ -58,7 +57,7 @@ class StreamedStep:
         self._turn ^= 1
         if self._back is not None:  # this slot's last copy back, and the host state's, have run
             self.up.wait_event(self._back)
-        self.up.run(lambda: _copy(device, host))
+        self.up.run(lambda: device.copy_(host, non_blocking=True))
         nbytes = group.fmt.slot_bytes(group.numel)
         self.telemetry.add_bytes("state_h2d", nbytes)
         self.accel.compute_wait(self.up.record())
@@ -67,7 +66,7 @@ class StreamedStep:
             self.update.step_shard(member.unit, device.narrow(member.offset, member.numel), step, hypers, grad_scale,
                                    publish=False)
         self.down.wait_event(self.update.after_compute())
-        self.down.run(lambda: _copy(host, device))
+        self.down.run(lambda: host.copy_(device, non_blocking=True))
         self.telemetry.add_bytes("state_d2h", nbytes)
         for member in group.members:
             weights = device.narrow(member.offset, member.numel).master
@@ -81,8 +80,3 @@ class StreamedStep:
         """Block until every copy back has run: the host state (and host-homed weights) are the step's."""
         if self._back is not None:
             self.accel.wait(self._back, "the streamed state's copy back")
-
-
-def _copy(into: StateSlot, source: StateSlot) -> None:
-    for mine, theirs in zip(into.buffers(), source.buffers(), strict=True):
-        mine.copy_(theirs, non_blocking=True)

@@ -407,12 +407,7 @@ def _plan_state_on_device(out: Placement, shards: Shards, config: Any, stage: St
         chosen = [(i, n) for i, n, _ in cost[:k]]
         spare = room - sum(c for *_, c in cost[:k])
     elif ratio < 1:
-        target, total = (1 - ratio) * sum(n for _, n in trained_sizes), 0
-        for i, n in trained_sizes:  # the prefix whose size is nearest the target
-            if total + n / 2 > target:
-                break
-            chosen.append((i, n))
-            total += n
+        chosen = nearest_prefix(trained_sizes, 1 - ratio)
     if chosen:
         out.state_on_device = frozenset(i for i, _ in chosen)
         out.groups = plan_sub_groups(trained_sizes, int(zero.sub_group_size), out.state_on_device,
@@ -421,6 +416,18 @@ def _plan_state_on_device(out: Placement, shards: Shards, config: Any, stage: St
         out.device[part] = grad_bytes * sum(n for _, n in chosen)
     if params_offloaded:
         _home_on_device(out, shard_sizes, item, out.state_on_device, spare)
+
+
+def nearest_prefix(sizes: list[tuple[int, int]], share: float) -> list[tuple[int, int]]:
+    """The first (unit, elements) of ``sizes`` whose elements come nearest ``share`` of all of them (the units the
+    next forward needs first): offload_optimizer.ratio's device share, offload.stream_state's streamed one."""
+    target, total, chosen = share * sum(n for _, n in sizes), 0, []
+    for i, n in sizes:
+        if total + n / 2 > target:
+            break
+        chosen.append((i, n))
+        total += n
+    return chosen
 
 
 def _plan_streamed(out: Placement, shards: Shards, config: Any, discrete: bool) -> None:
@@ -439,20 +446,14 @@ def _plan_streamed(out: Placement, shards: Shards, config: Any, discrete: bool) 
             f"{zero.offload_optimizer.device!r} does not home it there (NVMe state is not streamed yet): set "
             "offload_optimizer.device to cpu, or offload.stream_state to 0"))
         return
-    offloaded = [(i, n) for i, n in shards.trained_sizes if i not in out.state_on_device]
-    target, total, chosen = share * sum(n for _, n in offloaded), 0, []
-    for i, n in offloaded:  # the prefix whose size is nearest the target, as offload_optimizer.ratio takes its own
-        if total + n / 2 > target:
-            break
-        chosen.append(i)
-        total += n
+    chosen = nearest_prefix([(i, n) for i, n in shards.trained_sizes if i not in out.state_on_device], share)
     if not chosen:
         return
-    out.streamed = frozenset(chosen)
+    out.streamed = frozenset(i for i, _ in chosen)
     out.groups = plan_sub_groups(shards.trained_sizes, int(zero.sub_group_size), out.state_on_device,
                                  from_config(config), streamed=out.streamed)
     part, grad_bytes = device_grads(out.device_grads_kept, shards.item)
-    out.device[part] = out.device.get(part, 0) + grad_bytes * total
+    out.device[part] = out.device.get(part, 0) + grad_bytes * sum(n for _, n in chosen)
     out.device[STREAMED_SLOTS] = 2 * max(g.nbytes for g in out.groups if g.streamed)
 
 

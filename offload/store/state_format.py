@@ -170,10 +170,11 @@ class StateSlot:
         """Every buffer, the low half too."""
         return [self.master, self.exp_avg, self.exp_avg_sq] + ([self.master_lo] if self.master_lo is not None else [])
 
-    def copy_(self, other: StateSlot) -> None:
-        """Every buffer from ``other`` (the same format)."""
+    def copy_(self, other: StateSlot, non_blocking: bool = False) -> None:
+        """Every buffer from ``other`` (the same format); ``non_blocking`` as torch's, for a copy stream's copy
+        between pinned host memory and the device."""
         for mine, theirs in zip(self.buffers(), other.buffers(), strict=True):
-            mine.copy_(theirs)
+            mine.copy_(theirs, non_blocking=non_blocking)
 
     def zero_(self) -> None:
         for t in self.buffers():
