@@ -82,8 +82,10 @@ def test_splits_within_a_percent_of_the_shortest_longest_lane_are_told_apart_by_
 # ----------------------------------------------------------------------------- the plan's choice
 
 
-def auto_config(params, budget, world=1, optimizer="cpu", tmp=None):
-    raw = ratio_config(world, 1, "auto", budget)
+def auto_config(params, budget, world=1, optimizer="cpu", tmp=None, stream=0):
+    """ratio auto's config; ``stream``: offload.stream_state (0: the two lanes these tests weigh; the third's are
+    in test_three_lanes.py)."""
+    raw = ratio_config(world, 1, "auto", budget, stream_state=stream)
     raw["bf16"] = {"enabled": True}
     raw["zero_optimization"]["offload_param"] = {"device": params}
     if optimizer == "nvme":
@@ -160,7 +162,8 @@ def test_no_prefix_of_the_order_of_need_makes_a_faster_step_than_the_one_auto_ch
     best_key = sort_key(step_at(chosen, sizes, rates))
     fits = 0
     for k in range(most + 1):
-        raw = ratio_config(1, 1, 1 - sum(n for _, n in sizes[:k]) / sum(n for _, n in sizes), budget)
+        raw = ratio_config(1, 1, 1 - sum(n for _, n in sizes[:k]) / sum(n for _, n in sizes), budget,
+                           stream_state=0)
         raw["bf16"] = {"enabled": True}
         raw["zero_optimization"]["offload_param"] = {"device": "cpu"}
         out = plan(Shards(sizes, {i for i, _ in sizes}, 2), Config.load(raw).resolve(world_size=1),

@@ -121,7 +121,7 @@ def test_the_estimate_prices_each_tiers_share_of_the_step(tmp_path, capsys):
     bytes only."""
     out = tmp_path / "estimate.json"
     config = tmp_path / "split.json"
-    config.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {
+    config.write_text(json.dumps({"bf16": {"enabled": True}, "offload": {"stream_state": 0}, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}))
     assert main(["estimate", "--params", "1e9", "--config", str(config), "--host-gbps", "100", "--json",
                  str(out)]) == 0
@@ -257,6 +257,7 @@ def test_the_estimate_predicts_the_step_term_by_term_and_as_the_max_of_its_terms
     raw["zero_optimization"].update(offload_param={"device": "cpu"},
                                     offload_optimizer={"device": "cpu", "ratio": ratio})
     raw["offload"]["budgets"] = {"device": 600_000}  # about half the state
+    raw["offload"]["stream_state"] = 0  # two lanes: the three are priced below
     config = Config.load(raw).resolve(world_size=1)
     units = model_units(make_model("gpt"), config)
     rates = StepRates(device_gbps=2000.0, host_gbps=100.0, device_tflops=100.0, h2d_gbps=50.0, d2h_gbps=40.0)

@@ -40,6 +40,7 @@ from offload.store.tier import Tier
 from offload.zero.stage import Stage
 
 TIERS = tuple(t.value for t in Tier)  # the report's tiers by name, in the order printed: device, host, nvme
+STREAMED = "streamed"  # the optimizer step's lane of state homed on the host and stepped on the device
 
 
 @dataclass
@@ -215,7 +216,12 @@ def estimate(unit_numels: list[int], config: Config, world: int,
         est.notes.append(f"offload_optimizer.ratio {zero.offload_optimizer.ratio}: the optimizer state of "
                          f"{len(placement.state_on_device)} of {len(sizes)} units ({on_device:,} of "
                          f"{sum(n for _, n in sizes):,} elements) stays on the device and is stepped there")
-    elif placement.state_fits_device and zero.offload_optimizer.device != "none":
+    if placement.streamed:
+        streamed = sum(g.numel for g in placement.groups if g.streamed)
+        est.notes.append(f"offload.stream_state {config.offload.stream_state}: the device steps the state of "
+                         f"{len(placement.streamed)} units ({streamed:,} elements) homed on the host, streamed over "
+                         "the bus each step, beside the host's Adam on the rest")
+    elif placement.state_fits_device and zero.offload_optimizer.device != "none" and not placement.state_on_device:
         est.notes.append("the whole optimizer state would fit on the device: offload_optimizer.ratio \"auto\" "
                          "keeps it there, where it steps faster")
     if want.speculation is not Speculation.NONE and placement.speculative_why:
@@ -262,20 +268,24 @@ def step_traffic(groups: list[SubGroup], item: int, rates: Rates, source: str) -
     """What one optimizer step moves on each tier its state lives on, per rank, and what that costs in ms at
     ``rates`` (the bandwidths `offload bench adam` and `offload tune-nvme` measure; offload/store/step_cost.py
     prices them). The tiers step side by side (device Adam on the GPU beside the host's), so the longest is what
-    the step waits for."""
-    per_tier: dict[Tier, int] = {}
+    the step waits for. State homed on the host and stepped on the device (streamed) is a lane of its own."""
+    per_lane: dict[str, int] = {}
     for g in groups:
-        per_tier[g.tier] = per_tier.get(g.tier, 0) + g.numel
+        lane = STREAMED if g.streamed else g.tier.value
+        per_lane[lane] = per_lane.get(lane, 0) + g.numel
     state = groups[0].fmt.stepped_bytes if groups else STATE_BYTES
-    parts, cost_ms = [], {}  # cost_ms by the tier's name: it is the estimate's step_ms, written to JSON
-    for tier, n in per_tier.items():
+    parts, cost_ms = [], {}  # cost_ms by the lane's name: it is the estimate's step_ms, written to JSON
+    for lane, n in per_lane.items():
+        tier = Tier.DEVICE if lane == STREAMED else Tier(lane)
         memory = "device memory" if tier is Tier.DEVICE else "host memory"
-        part = f"{tier.value}: {n:,} elements, {n * (adam_bytes(state) + item) / 1e9:.2f} GB through {memory}"
+        part = f"{lane}: {n:,} elements, {n * (adam_bytes(state) + item) / 1e9:.2f} GB through {memory}"
         if tier is Tier.NVME:
             part += f" and {n * 2 * state / 1e9:.2f} GB read and written on NVMe"
+        if lane == STREAMED:
+            part += f" and {n * state / 1e9:.2f} GB over the bus each way"
         ms = adam_ms(tier, n, item, rates, state)  # without the disk's rate an NVMe tier's cost is unknown: bytes only
         if ms is not None:
-            cost_ms[tier.value] = ms
+            cost_ms[lane] = ms
             part += f", about {ms:,.0f} ms"
         parts.append(part)
     note = "optimizer step traffic per rank and step, by where the state lives: " + "; ".join(parts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import typing
 
-from .fields import Support, _strip_optional
+from .fields import Auto, Support, _strip_optional
 from .load import config_fields
 
 _HEADER = """# Config reference
@@ -50,6 +50,8 @@ def _type_name(hint: typing.Any) -> str:
 def _default(value: typing.Any) -> str:
     if isinstance(value, tuple):
         value = list(value)
+    if isinstance(value, Auto):
+        value = str(value)
     return "`" + json.dumps(value) + "`"
 
 

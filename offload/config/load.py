@@ -181,13 +181,15 @@ class Config:
 
     # ----------------------------------------------------------------- auto and batch
 
-    def auto_paths(self) -> list[str]:
-        """Dotted paths of the keys still written "auto"."""
+    def auto_paths(self, runtime: bool = False) -> list[str]:
+        """Dotted paths of the keys still "auto" that resolve fills; ``runtime``: also those the engine decides
+        at start-up (``RUNTIME_AUTO``), which stay "auto" in a resolved config."""
         found: list[str] = []
 
         def walk(obj: Any, path: str) -> None:
             if obj is AUTO:
-                found.append(path)
+                if runtime or path not in RUNTIME_AUTO:
+                    found.append(path)
             elif dataclasses.is_dataclass(obj):
                 for f in public_fields(obj):
                     walk(getattr(obj, f.name), f"{path}.{f.name}" if path else f.name)
@@ -212,7 +214,7 @@ class Config:
                 raise ConfigError(key, "is not a config key that resolve can fill")
         raw = self.to_dict()
         notes = list(self.notes)
-        for path in self.auto_paths():
+        for path in self.auto_paths(runtime=True):
             if path in RUNTIME_AUTO and path not in values:
                 continue  # the engine decides it at start-up, from what the device holds
             if path in values:
@@ -236,7 +238,7 @@ class Config:
 
 _VARIANTS = {"scheduler.params": tuple(SCHEDULER_PARAMS.values())}
 # Keys whose "auto" the engine decides at start-up; resolve leaves them "auto".
-RUNTIME_AUTO = ("zero_optimization.offload_optimizer.ratio",)
+RUNTIME_AUTO = ("zero_optimization.offload_optimizer.ratio", "offload.stream_state")
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _HIDDEN_DERIVED = {
     # Hugging Face's integration sizes these from the model's hidden size.

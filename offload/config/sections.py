@@ -606,12 +606,16 @@ class OffloadExtConfig:
                                      "of the device's memory, at least 1 GiB, kept free for allocator slack and "
                                      "longer batches); false: keep the start-up plan, which leaves half the "
                                      "memory free at start to the activations.")
-    stream_state: float = setting(0.0, "Of the optimizer state offloaded to the host (offload_optimizer.device cpu), "
-                                       "the share (the units the next forward needs first) that the compute device "
-                                       "steps each step, its state read up over the bus and written back, beside the "
-                                       "host's Adam on the rest (exact: the same update); its gradients stay on the "
-                                       "device. 0: the host steps all of it. No effect on a CPU compute device, "
-                                       "whose memory is the host's.", ge=0, le=1)
+    stream_state: float | Auto = setting(
+        AUTO_VALUE, "Of the optimizer state offloaded to the host (offload_optimizer.device cpu), the share (the units "
+                    "the next forward needs first, after those whose state stays on the device) that the compute "
+                    "device steps each step, its state read up over the bus and written back, beside the host's "
+                    "Adam on the rest (exact: the same update); its gradients stay on the device. auto: the share "
+                    "that makes the fastest step at the rates measured at start-up (the host's Adam, the bus each "
+                    "way, the device's memory) within the device's room, with offload_optimizer.ratio auto's share "
+                    "chosen beside it; none where no rates are measured (a CPU device, NVMe state, the delayed "
+                    "update). 0: the host steps all of it. No effect on a CPU compute device, whose memory is the "
+                    "host's.", ge=0, le=1, auto=True)
     delayed_update: DelayedUpdateConfig = section(DelayedUpdateConfig, "The delayed parameter update (opt-in).")
     accumulate_on_device: bool = setting(True, "With gradient accumulation and the optimizer offloaded, keep each "
                                                "unit's fp32 gradient sum on the device while room allows (the device "

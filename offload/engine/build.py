@@ -148,12 +148,13 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
             s.numel for p in plans for s in p.slots if s.param.requires_grad)
         want = step_schedule.wanted(config, compute_dtype)
         device_free = accel.free_bytes()
-        ratio = zero.offload_optimizer.ratio
+        ratio, stream = zero.offload_optimizer.ratio, config.offload.stream_state
         # auto's split by this machine's rates, where it has a split to choose (see [Note: rates measured at
         # start-up]): the state on the host (on NVMe the disk's rate is not measured: state first), on a device with
         # memory of its own, bounded by a budget or its size
         measured = (rates.measure(accel, config.offload.cpu_threads, group)
-                    if ratio is AUTO and zero.offload_optimizer.device == "cpu" and not accel.host_is_device
+                    if (ratio is AUTO or (stream is AUTO and not want.delayed))
+                    and zero.offload_optimizer.device == "cpu" and not accel.host_is_device
                     and (config.offload.budgets.device is not None or device_free is not None) else None)
         placement = plan_placement(
             Shards(shard_sizes, trained, compute_dtype.itemsize), config,
@@ -175,13 +176,13 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
                         describe_split(placement, shard_sizes), priced)
         if zero.offload_param.device == "nvme":
             logger.info("rank %d: %s", group.rank, describe_placement(shard_sizes, nvme_params, zero.offload_param))
-        if config.offload.stream_state and accel.host_is_device:
-            logger.warning("offload.stream_state %g has no effect on a CPU compute device, whose memory is the "
-                           "host's: the host steps the offloaded state where it lies", config.offload.stream_state)
+        if stream is not AUTO and stream and accel.host_is_device:
+            logger.warning("offload.stream_state %s has no effect on a CPU compute device, whose memory is the "
+                           "host's: the host steps the offloaded state where it lies", stream)
         elif placement.streamed:
-            logger.info("rank %d: offload.stream_state %g: the device steps the state of %d of %d units, streamed "
-                        "over the bus (%s elements), beside the host's Adam on the rest", group.rank,
-                        config.offload.stream_state, len(placement.streamed), len(trained),
+            logger.info("rank %d: offload.stream_state %s: the device steps the state of %d of %d units, streamed "
+                        "over the bus (%s elements), beside the host's Adam on the rest", group.rank, stream,
+                        len(placement.streamed), len(trained),
                         f"{sum(n for i, n in shard_sizes if i in placement.streamed):,}")
         placement.check()  # every budget, before anything is allocated
         unpipelined = unpipelined_note(placement.groups, int(zero.sub_group_size))

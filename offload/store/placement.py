@@ -15,6 +15,7 @@ same function, so an estimate is the engine's own plan.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -176,7 +177,7 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
         out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
     _plan_device_resident(out, shards, config, stage)
     if opt.device != "none" and trained_sizes:
-        _plan_state_on_device(out, shards, config, stage, machine)
+        _plan_state_on_device(out, shards, config, stage, machine, step)
         if alias:  # the units homed on the device beside offloaded parameters are read there too
             out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
         _plan_streamed(out, shards, config, discrete)
@@ -372,14 +373,15 @@ def device_grads(kept: bool, item: int) -> tuple[str, int]:
 
 
 def _plan_state_on_device(out: Placement, shards: Shards, config: Any, stage: StageLayout,
-                          machine: MachineOffer) -> None:
+                          machine: MachineOffer, step: StepAsks) -> None:
     """A partial optimizer offload (offload_optimizer.ratio below 1, or auto): the optimizer state of the first
     units, the ones the next forward needs first, stays on the device with an fp32 gradient accumulator each, and
     is stepped there. ratio r keeps the units nearest (1 - r) of the elements; auto, within the device's room
     (none where nothing bounds it: a CPU device's memory is the host's), as many as make the fastest step at
     ``rates`` with the state offloaded to the host (see [Note: auto by rates]), or without them (or with the state
     on NVMe) as many as the room holds. Beside offloaded parameters
-    the kept units' shards are homed on the device too (see [Note: a split beside offloaded parameters])."""
+    the kept units' shards are homed on the device too (see [Note: a split beside offloaded parameters]).
+    offload.stream_state auto streams the next units' state by the same rates (see [Note: three lanes by rates])."""
     zero = config.zero_optimization
     shard_sizes, trained_sizes, item, rates = shards.sizes, shards.trained_sizes, shards.item, machine.rates
     ratio, params_offloaded = zero.offload_optimizer.ratio, zero.offload_param.device != "none"
@@ -391,23 +393,29 @@ def _plan_state_on_device(out: Placement, shards: Shards, config: Any, stage: St
     cost = [(i, n, round_up(fmt.slot_bytes(n)) + grad_bytes * n + (item * n if params_offloaded else 0))
             for i, n in trained_sizes]
     out.state_fits_device = room is not None and sum(c for *_, c in cost) <= room
+    priced = (room is not None and rates is not None and rates.prices_a_split
+              and zero.offload_optimizer.device == "cpu")
+    lanes = Lanes(cost, shards, room or 0, rates or Rates(), config,
+                  priced and streams_by_rates(config, machine, step), grad_bytes)
     chosen: list[tuple[int, int]] = []
-    spare = 0
+    spare, streamed = 0, 0
     if ratio is AUTO:
         if room is None:
             return  # a CPU device without a budget gains nothing
         # On NVMe the disk's rate is not measured at start-up: state first there (offload/engine/rates.py).
-        if rates is not None and rates.prices_a_split and zero.offload_optimizer.device == "cpu":
-            k = _fastest_prefix(cost, shards, room, params_offloaded, rates, config)
+        if priced:
+            k, streamed = lanes.fastest(range(len(cost) + 1))
         else:  # state first: as many units as the room holds
             k, used = 0, 0
             while k < len(cost) and used + cost[k][2] <= room:
                 used += cost[k][2]
                 k += 1
         chosen = [(i, n) for i, n, _ in cost[:k]]
-        spare = room - sum(c for *_, c in cost[:k])
-    elif ratio < 1:
-        chosen = nearest_prefix(trained_sizes, 1 - ratio)
+        spare = room - sum(c for *_, c in cost[:k]) - lanes.streamed_bytes(k, streamed)
+    else:
+        chosen = nearest_prefix(trained_sizes, 1 - ratio) if ratio < 1 else []
+        if lanes.stream:
+            streamed = lanes.fastest([len(chosen)], home_spare=False)[1]
     if chosen:
         out.state_on_device = frozenset(i for i, _ in chosen)
         out.groups = plan_sub_groups(trained_sizes, int(zero.sub_group_size), out.state_on_device,
@@ -416,6 +424,8 @@ def _plan_state_on_device(out: Placement, shards: Shards, config: Any, stage: St
         out.device[part] = grad_bytes * sum(n for _, n in chosen)
     if params_offloaded:
         _home_on_device(out, shard_sizes, item, out.state_on_device, spare)
+    if streamed:
+        _stream(out, shards, config, [(i, n) for i, n, _ in cost[len(chosen):len(chosen) + streamed]])
 
 
 def nearest_prefix(sizes: list[tuple[int, int]], share: float) -> list[tuple[int, int]]:
@@ -437,8 +447,8 @@ def _plan_streamed(out: Placement, shards: Shards, config: Any, discrete: bool) 
     as a device-stepped unit's do, and two staging slots of the largest such sub-group's state take device memory.
     On a CPU device, whose memory is the host's, there is no bus to stream over: nothing is streamed."""
     share = config.offload.stream_state
-    if not share or not discrete:
-        return
+    if share is AUTO or not share or not discrete:
+        return  # auto: chosen with the device's state by rates (``_plan_state_on_device``)
     zero = config.zero_optimization
     if zero.offload_optimizer.device != "cpu":
         out.problems.append(ConfigError(
@@ -447,8 +457,14 @@ def _plan_streamed(out: Placement, shards: Shards, config: Any, discrete: bool) 
             "offload_optimizer.device to cpu, or offload.stream_state to 0"))
         return
     chosen = nearest_prefix([(i, n) for i, n in shards.trained_sizes if i not in out.state_on_device], share)
-    if not chosen:
-        return
+    if chosen:
+        _stream(out, shards, config, chosen)
+
+
+def _stream(out: Placement, shards: Shards, config: Any, chosen: list[tuple[int, int]]) -> None:
+    """The ``chosen`` units' state streamed: their own sub-groups, their gradients and two staging slots on the
+    device."""
+    zero = config.zero_optimization
     out.streamed = frozenset(i for i, _ in chosen)
     out.groups = plan_sub_groups(shards.trained_sizes, int(zero.sub_group_size), out.state_on_device,
                                  from_config(config), streamed=out.streamed)
@@ -457,8 +473,18 @@ def _plan_streamed(out: Placement, shards: Shards, config: Any, discrete: bool) 
     out.device[STREAMED_SLOTS] = 2 * max(g.nbytes for g in out.groups if g.streamed)
 
 
-def _fastest_prefix(cost: list[tuple[int, int, int]], shards: Shards, room: int, params_offloaded: bool,
-                    rates: Rates, config: Any) -> int:
+def streams_by_rates(config: Any, machine: MachineOffer, step: StepAsks) -> bool:
+    """Whether offload.stream_state auto may stream state (its share then chosen by rates): a device with memory of
+    its own (a CPU device's is the host's: nothing to stream), the state offloaded to the host (NVMe state is not
+    streamed yet), no delayed update (whose Adam runs on the host alone)."""
+    return (config.offload.stream_state is AUTO and machine.discrete and not step.delayed
+            and config.zero_optimization.offload_optimizer.device == "cpu")
+
+
+STREAM_CHOICES = 48  # shares of the streamable units weighed, at most (every count where there are fewer units)
+
+
+class Lanes:
     """[Note: auto by rates] With the host's Adam rate and the bus's known, auto keeps on the device the state of
     the first k units (``cost``: (unit, elements, device bytes) in the order of need) for the k whose step is
     fastest at ``rates`` (offload/store/step_cost.py: the longest lane, then the sum), each k's leftover room homing
@@ -467,23 +493,64 @@ def _fastest_prefix(cost: list[tuple[int, int, int]], shards: Shards, room: int,
     crossing the bus. So once the host's share of Adam fits under the GPU's compute (unknown at start-up: taken
     as none) or under the parameters' crossing, more state buys nothing, and the room is better spent homing
     shards. The state-first choice is one of the candidates: by these rates it is never faster by more than the
-    tie (1%) the sum decides within."""
-    shard_sizes, item = shards.sizes, shards.item
-    total = {i: n for i, n, _ in cost}
-    candidates: list[tuple[StepPrediction, int]] = []
-    used = 0
-    for k in range(len(cost) + 1):
-        if k:
-            used += cost[k - 1][2]
-            if used > room:
+    tie (1%) the sum decides within.
+
+    [Note: three lanes by rates] With offload.stream_state auto the same prices choose a third share: after the k
+    units kept on the device, the next j have their state streamed (homed on the host, stepped on the device: see
+    [Note: the streamed lane] in offload/optim/streamed_step.py). Streaming j units costs the device their
+    gradients and two staging slots (not their state), takes their Adam off the host's lane and puts it on the
+    GPU's, sends their state up and down the bus (and, for a host home, their new weights down), and keeps their
+    gradients off the bus down. Every (k, j) the room holds is weighed (j on a grid of ``STREAM_CHOICES`` where
+    there are more units): the host's Adam and the bus then meet near where the longer of them is shortest. A
+    fixed offload_optimizer.ratio fixes k (and homes no shard beyond its units), and auto weighs j alone."""
+
+    def __init__(self, cost: list[tuple[int, int, int]], shards: Shards, room: int, rates: Rates, config: Any,
+                 stream: bool, grad_bytes: int) -> None:
+        """``stream``: whether j may be above 0; ``grad_bytes``: a device gradient's bytes an element."""
+        self.cost, self.shards, self.room, self.rates, self.config = cost, shards, room, rates, config
+        self.stream, self.grad_bytes = stream, grad_bytes
+        self.params_offloaded = config.zero_optimization.offload_param.device != "none"
+
+    def streamed_bytes(self, k: int, j: int) -> int:
+        """Device bytes of streaming the j units after the first k: their gradients and two staging slots of the
+        largest one's state (a streamed unit is a sub-group alone)."""
+        units = [n for _, n, _ in self.cost[k:k + j]]
+        if not units:
+            return 0
+        slot = round_up(from_config(self.config).slot_bytes(max(units)))
+        return self.grad_bytes * sum(units) + 2 * slot
+
+    def fastest(self, ks: Sequence[int], home_spare: bool = True) -> tuple[int, int]:
+        """The (k, j) of the fastest step, k one of ``ks`` (ascending); ``home_spare``: each candidate's leftover
+        room homes the next shards (auto), else only the k units' shards are homed on the device."""
+        candidates: list[tuple[StepPrediction, tuple[int, int]]] = []
+        for k in ks:
+            used = sum(c for *_, c in self.cost[:k])
+            if used > self.room and candidates:
                 break
-        stepped_there = frozenset(i for i, _, _ in cost[:k])
-        homed = (homed_on_device(shard_sizes, item, stepped_there, room - used) if params_offloaded
-                 else {i for i, _ in shard_sizes})
-        off = {i for i in total if i not in stepped_there}
-        stepped = {Tier.DEVICE: sum(total[i] for i in stepped_there), Tier.HOST: sum(total[i] for i in off)}
-        candidates.append((predict(_traffic(shard_sizes, stepped, off, homed, item, config), rates), k))
-    return best(candidates)
+            for j in self._stream_counts(k):
+                extra = self.streamed_bytes(k, j)
+                if j and used + extra > self.room:
+                    break
+                spare = self.room - used - extra if home_spare else 0
+                candidates.append((self._predict(k, j, spare), (k, j)))
+        return best(candidates)
+
+    def _stream_counts(self, k: int) -> list[int]:
+        rest = len(self.cost) - k if self.stream else 0
+        if rest <= STREAM_CHOICES:
+            return list(range(rest + 1))
+        return sorted({round(x * rest / STREAM_CHOICES) for x in range(STREAM_CHOICES + 1)})
+
+    def _predict(self, k: int, j: int, spare: int) -> StepPrediction:
+        sizes, item = self.shards.sizes, self.shards.item
+        stepped_there = frozenset(i for i, _, _ in self.cost[:k])
+        streamed = frozenset(i for i, _, _ in self.cost[k:k + j])
+        on_host = {i: n for i, n, _ in self.cost[k + j:]}
+        homed = (homed_on_device(sizes, item, stepped_there, spare) if self.params_offloaded
+                 else {i for i, _ in sizes})
+        stepped = {Tier.DEVICE: sum(n for _, n, _ in self.cost[:k]), Tier.HOST: sum(on_host.values())}
+        return predict(_traffic(sizes, stepped, set(on_host), homed, item, self.config, streamed), self.rates)
 
 
 def homed_on_device(shard_sizes: list[tuple[int, int]], item: int, stepped_there: frozenset[int],
@@ -574,23 +641,27 @@ def traffic(out: Placement, shard_sizes: list[tuple[int, int]], item: int, confi
     """What a step of this plan moves (offload/store/step_cost.py prices it)."""
     stepped: dict[Tier, int] = {}
     for g in out.groups:
-        stepped[g.tier] = stepped.get(g.tier, 0) + g.numel
-    off_device = {m.unit for g in out.groups if g.tier is not Tier.DEVICE for m in g.members}
+        if not g.streamed:  # homed on the host, stepped on the device: priced as such
+            stepped[g.tier] = stepped.get(g.tier, 0) + g.numel
+    off_device = {m.unit for g in out.groups if g.tier is not Tier.DEVICE and not g.streamed for m in g.members}
     homed = {i for i, _ in shard_sizes if out.homes[i] is Tier.DEVICE}
-    return _traffic(shard_sizes, stepped, off_device, homed, item, config)
+    return _traffic(shard_sizes, stepped, off_device, homed, item, config, out.streamed)
 
 
 def _traffic(shard_sizes: list[tuple[int, int]], stepped: dict[Tier, int], stepped_off: set[int], homed: set[int],
-             item: int, config: Any) -> Traffic:
+             item: int, config: Any, streamed: frozenset[int] = frozenset()) -> Traffic:
     """A step's traffic, by the one rule a plan and auto's candidates both follow: the elements ``stepped`` on each
     tier; each shard not ``homed`` on the device gathered up; each device home stepped off it (``stepped_off``)
     copied up once; with ``config``'s micro-batches a step, each gathering and sending gradients down (or,
-    accumulated on the device, sent once: offload.accumulate_on_device)."""
+    accumulated on the device, sent once: offload.accumulate_on_device); the ``streamed`` units' state up and down,
+    and their new weights down where their shards are not ``homed`` on the device."""
     return Traffic(stepped, gathered_up=sum(n for i, n in shard_sizes if i not in homed),
                    copied_up=sum(n for i, n in shard_sizes if i in stepped_off and i in homed), item=item,
                    micro_batches=int(config.gradient_accumulation_steps or 1),
                    grads_accumulated_on_device=bool(config.offload.accumulate_on_device),
-                   state_bytes=from_config(config).stepped_bytes)
+                   state_bytes=from_config(config).stepped_bytes,
+                   streamed=sum(n for i, n in shard_sizes if i in streamed),
+                   streamed_down=sum(n for i, n in shard_sizes if i in streamed and i not in homed))
 
 
 def describe_split(out: Placement, shard_sizes: list[tuple[int, int]]) -> str:

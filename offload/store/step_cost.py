@@ -3,8 +3,11 @@
 [Note: the step as lanes] A step of one rank is made of terms, each the bytes or FLOPs of one stage over the rate
 of what runs it: the model's compute and the device Adam (the GPU), the host Adam (host memory, and the disk for
 state on NVMe), the parameter shards brought up from the host (pinned host to device) and the gradients sent down
-(device to host). The terms that share a resource run one after another on it, so they form a lane: the GPU's is
-compute plus the device Adam; each of the others is a lane alone. Where every stage overlaps the step is its
+(device to host). State streamed (homed on the host, stepped on the device: [Note: the streamed lane] in
+offload/optim/streamed_step.py) adds to the device Adam and crosses the bus both ways: its state up; its state, and
+for a host home its new weights, down. The terms that share a resource run one after another on it, so they form a
+lane: the GPU's is compute plus the device Adam; each bus direction's is its copies (parameters and state up;
+gradients and state down); the host Adam is a lane alone. Where every stage overlaps the step is its
 longest lane (the floor); where they run one after another, the sum of the terms. A split is chosen for the
 shortest longest lane, and of splits within ``TIE`` of it, for the shortest sum: the max is what an overlapped step
 reaches, the sum what it falls back to where an overlap fails, and the second never buys the first.
@@ -13,6 +16,7 @@ reaches, the sum what it falls back to where an overlap fails, and the second ne
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from offload.store.tier import Tier
 
@@ -24,6 +28,7 @@ STATE_BYTES = 12  # per element of fp32 state (master and moments); fewer in ano
 def adam_bytes(state_bytes: int = STATE_BYTES) -> int:
     """Host memory an element of one Adam step moves: its state read and written, the fp32 gradient read."""
     return 2 * state_bytes + ADAM_BYTES - 2 * STATE_BYTES
+C = TypeVar("C")  # what a candidate split is named by
 TIE = 0.01  # lanes this close (relative) are equal, and the serial sum decides
 
 
@@ -56,6 +61,8 @@ class Traffic:
     micro_batches: int = 1  # forwards and backwards a step: each gathers, each sends its gradients down
     grads_accumulated_on_device: bool = False  # several micro-batches' gradients sent down once, in fp32
     state_bytes: int = STATE_BYTES  # bytes an element of optimizer state (its format's)
+    streamed: int = 0  # elements whose state is homed on the host and stepped on the device (not in ``stepped``)
+    streamed_down: int = 0  # of those, elements whose new weights go down to a host home
 
 
 def adam_ms(tier: Tier, numel: int, item: int, rates: Rates, state_bytes: int = STATE_BYTES) -> float | None:
@@ -108,16 +115,23 @@ class StepPrediction:
                 f"another {self.serial_ms:,.0f} ms" + (f", at {source}" if source else ""))
 
 
+BUSES = (("host to device", ("parameters up", "state up")), ("device to host", ("gradients down", "state down")))
+
+
 def _lanes(terms: dict[str, float | None]) -> dict[str, float]:
     t = {k: v or 0.0 for k, v in terms.items()}
-    gpu = t.pop("compute", 0.0) + t.pop("device Adam", 0.0)
-    return {"GPU (compute + device Adam)": gpu} | t
+    lanes = {"GPU (compute + device Adam)": t.pop("compute", 0.0) + t.pop("device Adam", 0.0)}
+    for bus, parts in BUSES:  # one direction's copies queue behind each other
+        present = [p for p in parts if p in t]
+        if len(present) > 1:
+            lanes[f"{bus} ({' + '.join(present)})"] = sum(t.pop(p) for p in present)
+    return lanes | t
 
 
 def predict(traffic: Traffic, rates: Rates) -> StepPrediction:
     """The terms of a step that moves ``traffic`` at ``rates`` (see [Note: the step as lanes])."""
     item = traffic.item
-    on_device = traffic.stepped.get(Tier.DEVICE, 0)
+    on_device = traffic.stepped.get(Tier.DEVICE, 0) + traffic.streamed
     host_stepped = sum(n for tier, n in traffic.stepped.items() if tier is not Tier.DEVICE)
     host_adam: float | None = 0.0
     for tier in (Tier.HOST, Tier.NVME):
@@ -135,6 +149,11 @@ def predict(traffic: Traffic, rates: Rates) -> StepPrediction:
     if host_stepped:
         down = 4 * host_stepped if micro > 1 and traffic.grads_accumulated_on_device else item * micro * host_stepped
         terms["gradients down"] = down / (rates.d2h_gbps * 1e9) * 1e3 if rates.d2h_gbps else None
+    if traffic.streamed:
+        state = traffic.state_bytes * traffic.streamed
+        terms["state up"] = state / (rates.h2d_gbps * 1e9) * 1e3 if rates.h2d_gbps else None
+        down = state + item * traffic.streamed_down
+        terms["state down"] = down / (rates.d2h_gbps * 1e9) * 1e3 if rates.d2h_gbps else None
     return StepPrediction(terms)
 
 
@@ -147,7 +166,7 @@ def sort_key(prediction: StepPrediction) -> tuple[float, float]:
     return max(lanes.values()), sum(lanes.values())
 
 
-def best(candidates: list[tuple[StepPrediction, int]]) -> int:
+def best(candidates: list[tuple[StepPrediction, C]]) -> C:
     """Of (prediction, choice) pairs, the choice whose longest lane is shortest, of those within ``TIE`` of it the
     one whose sum is; the first such where they tie."""
     keys = [(sort_key(p), c) for p, c in candidates]
