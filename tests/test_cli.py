@@ -84,16 +84,16 @@ def test_bench_adam_writes_json_with_every_comparison(tmp_path, capsys):
     assert ("adam", "offload adam_step into a second slot") in impls
     assert ("cpu-side", "offload norm + fused step") in impls and ("ceiling", "in-place axpy a += s*b") in impls
     ours = next(r for r in report["rows"] if r["impl"].startswith("offload adam_step"))
-    assert ours["ratio_vs_baseline"] > 0 and ours["size"] == 200_000
+    assert ours["versus"]["value"] > 0 and ours["size"] == 200_000
     floors = {r["impl"].split(":")[0]: r for r in report["rows"] if r["what"] == "compute"}
     formats = {r["impl"].split(":")[0] for r in report["rows"] if r["what"] == "format"}
-    assert formats and all(f["seconds"] > 0 and f["ratio_vs_baseline"] > 0 for f in floors.values())
+    assert formats and all(f["seconds"] > 0 and f["versus"]["value"] > 0 for f in floors.values())
     printed = capsys.readouterr().out
     # Each format has its floor, or says why not (a floor is a difference of two timings, which a VM whose speed
     # moves can make negative): never neither, never a floor for a format the bench did not step.
     unmeasured = set(re.findall(r"compute {4}([^:\n]+): its floor could not be measured", printed))
     assert set(floors) | unmeasured == formats and not set(floors) & unmeasured
-    assert "x vs torch" in printed and "ns an element on one core" in printed
+    assert "x the rate of torch AdamW fused=True" in printed and "ns an element on one core" in printed
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
@@ -298,12 +298,16 @@ def test_bench_all_quick_runs_every_benchmark_and_writes_one_json_and_a_plot(tmp
     report = json.loads((out / "all.json").read_text())
     assert report["quick"] and set(report["results"]) >= {"adam", "nvme", "step_cpu", "step_nvme"}
     benches = {h["bench"] for h in report["headlines"]}
-    assert benches >= {"adam", "nvme", "step"} and all(h["ratio"] > 0 for h in report["headlines"])
+    assert benches >= {"adam", "nvme", "step"} and all(h["value"] > 0 for h in report["headlines"])
+    assert set(report["seconds"]) >= {"adam", "nvme", "step cpu", "step nvme"}
     assert set(report["results"]["step_nvme"]["variants"]) == {"nvme", "host"}
     assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "summary (ratio against each benchmark's baseline): --quick, a smoke run, not figures to quote" in printed
-    assert "vs plain PyTorch (lower is better)" in printed and "(higher is better)" in printed
+    assert ("summary: each figure is its subject's time or rate over its baseline's: --quick, a smoke run, not "
+            "figures to quote") in printed
+    assert "step: against plain PyTorch's step (time, lower is better)" in printed
+    assert "adam: against torch AdamW fused=True (rate, higher is better)" in printed
+    assert "where the time went: " in printed
     assert "caution: " in printed  # its tiny steps are the machine's noise as much as the engine's
 
 

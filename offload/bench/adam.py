@@ -38,6 +38,7 @@ from typing import Any, TextIO
 
 import torch
 
+from offload.bench.comparison import RATE, TIME, Comparison
 from offload.machine import cpus, native
 from offload.optim import AdamHyper, adam_step
 from offload.store.state_format import FORMATS, Master, StateFormat, split_master
@@ -45,6 +46,7 @@ from offload.store.step_cost import ADAM_BYTES  # read p, g, m, v; write p, m, v
 
 FUSED_BYTES = 30     # bf16 grad read twice (norm + step), p/m/v read and written, bf16 copy written
 AXPY_BYTES = 12      # a += s * b: read a, b; write a
+FP32_SIDE = "the fp32 state's CPU side (norm, clipped step, bf16 weights out)"
 HYPER = AdamHyper(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MAX_NORM = 1.0
 
@@ -101,7 +103,7 @@ class Row:
     params_per_s: float
     gb_per_s: float
     fraction_of_ceiling: float | None = None
-    ratio_vs_baseline: float | None = None
+    versus: Comparison | None = None  # what this row is compared with, where it is
 
 
 @dataclass
@@ -145,10 +147,14 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
         rows.append(Row(n, "ceiling", impl, seconds, n / seconds, gbs))
         say(f"  {n:>11,}  ceiling    {impl:<48} {gbs:5.1f} GB/s")
 
-    def row(what: str, impl: str, seconds: float, nbytes: int, base: float | None) -> Row:
+    size = f"{n / 1e6:g}M elements"
+
+    def row(what: str, impl: str, seconds: float, nbytes: int, base: tuple[str, float] | None = None) -> Row:
+        """``base``: the (name, seconds) of what this row is faster or slower than: a rate ratio."""
         gbs = nbytes * n / seconds / 1e9
-        r = Row(n, what, impl, seconds, n / seconds, gbs, gbs / ceiling, None if base is None else base / seconds)
-        ratio = f"  {r.ratio_vs_baseline:4.2f}x vs torch" if base is not None else ""
+        versus = None if base is None else Comparison("adam", impl, base[0], RATE, base[1] / seconds, size)
+        r = Row(n, what, impl, seconds, n / seconds, gbs, gbs / ceiling, versus)
+        ratio = f"  {versus.value:4.2f}x the rate of {base[0]}" if versus is not None and base is not None else ""
         say(f"  {n:>11,}  {what:<10} {impl:<48} {seconds * 1e3:8.1f} ms  {n / seconds / 1e9:5.2f} G params/s  "
             f"{gbs:5.1f} GB/s ({gbs / ceiling:4.0%} of ceiling){ratio}"
             + ("  (above the ceiling probed just before: the machine's bandwidth moved between them)"
@@ -181,9 +187,10 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
     elsewhere_name = f"offload adam_step into a second slot ({native.active_variant()})"
     t = interleaved({"torch AdamW fused=True": fused.step, "torch AdamW foreach=True": foreach.step,
                      ours_name: ours, elsewhere_name: ours_elsewhere}, repeats, before=flush)
-    base = t["torch AdamW fused=True"]
+    fused_name = "torch AdamW fused=True"
     for impl, seconds in t.items():
-        row("adam", impl, seconds, ADAM_BYTES, base if impl in (ours_name, elsewhere_name) else None)
+        row("adam", impl, seconds, ADAM_BYTES, (fused_name, t[fused_name]) if impl in (ours_name, elsewhere_name)
+            else None)
     del fused, foreach
 
     # 2. The whole CPU side: bf16 grads in, bf16 params out.
@@ -208,17 +215,18 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
     torch_name = "torch float()+clip+fused AdamW+to(bf16)"
     ours_name = f"offload norm + fused step ({native.active_variant()})"
     t = interleaved({torch_name: torch_side, ours_name: ours_fused}, repeats, before=flush)
-    row("cpu-side", torch_name, t[torch_name], FUSED_BYTES, None)
-    row("cpu-side", ours_name, t[ours_name], FUSED_BYTES, t[torch_name])
+    row("cpu-side", torch_name, t[torch_name], FUSED_BYTES)
+    row("cpu-side", ours_name, t[ours_name], FUSED_BYTES, (torch_name, t[torch_name]))
 
     # 3. The CPU side per state format, beside fp32's.
     steps = {name: format_step(fmt, p, g16, threads, step) for name, fmt in FORMATS.items()}
     t = interleaved({name: fn for name, (fn, _) in steps.items()}, repeats, before=flush)
     base = t["fp32"]
     for name, seconds in t.items():
-        r = row("format", f"{name}: {FORMATS[name].describe()}", seconds, steps[name][1], None)
-        r.ratio_vs_baseline = seconds / base  # here: the format's time as a fraction of the fp32 state's
-        say(f"  {n:>11,}  {'':<10} {'':<48} {seconds / base:4.2f}x the fp32 state's time")
+        r = row("format", f"{name}: {FORMATS[name].describe()}", seconds, steps[name][1])
+        if name != "fp32":
+            r.versus = Comparison("adam", f"state format {name}", FP32_SIDE, TIME, seconds / base, size)
+            say(f"  {n:>11,}  {'':<10} {'':<48} {seconds / base:4.2f}x the time of {FP32_SIDE}")
 
     # 4. Each format's compute floor at this size and thread count, beside its cold time.
     per_element = compute_per_element(p, g16, repeats)
@@ -227,9 +235,11 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
             say(f"  {n:>11,}  compute    {name}: its floor could not be measured (the machine's speed moved)")
             continue
         floor = ns * 1e-9 * n / threads
-        # ratio_vs_baseline here: the cold step's time over its compute floor (near 1: compute bounds it)
+        # the cold step's time over its compute floor (near 1: compute bounds it)
         rows.append(Row(n, "compute", f"{name}: state hot in the cache (floor)", floor, n / floor,
-                        steps[name][1] * n / floor / 1e9, None, t[name] / floor))
+                        steps[name][1] * n / floor / 1e9, None,
+                        Comparison("adam", f"state format {name}: the step, state from DRAM",
+                                   "its compute floor (the state hot in a core's cache)", TIME, t[name] / floor, size)))
         say(f"  {n:>11,}  compute    {name + ': its floor, state hot in the cache':<48} {floor * 1e3:8.1f} ms  "
             f"({ns:4.2f} ns an element on one core); the cold step is {t[name] / floor:4.2f}x this floor")
     return rows
