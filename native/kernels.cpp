@@ -494,12 +494,15 @@ bool aligned(const void* p, size_t bytes = sizeof(float)) {  // for V's streamin
 // prefetchers alone left the Xeon's cores (Emerald Rapids, 2 vCPUs) short of the lines in flight they need: with
 // the prefetch the AVX-512 step took 0.82-0.89x its time with the fp32 state and 0.90-0.92x with bf16 moments, the
 // AVX2 step 0.95x with the fp32 state (100M elements, 2 threads, 15 interleaved rounds, 2026-11-28). Not measured
-// on AMD or Arm cores (the NEON build does not prefetch). A prefetch is only a hint: it never faults, even past a
-// buffer's end, and changes no value.
+// on AMD or Arm cores (the NEON build does not prefetch). On an AMD Zen 5 EPYC it cost about 10%, so the distance
+// is a run-time choice (AdamArgs::prefetch, 0: none), which offload/machine/prefetch.py makes per CPU from a
+// measurement; V::PREFETCH is the variant's default and 0 where it never prefetches. A prefetch is only a hint: it
+// never faults, even past a buffer's end, and changes no value.
 template <class V>
-inline void prefetch(const void* base, size_t i, size_t bytes) {
+inline void prefetch(const void* base, size_t i, size_t bytes, size_t ahead) {
   if constexpr (V::PREFETCH != 0)
-    __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) + (i + V::PREFETCH) * bytes));
+    if (ahead != 0)
+      __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) + (i + ahead) * bytes));
 }
 
 template <class V, int MASTER>
@@ -557,12 +560,13 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
                       aligned<V>(static_cast<float*>(exp_avg) + i) &&
                       aligned<V>(static_cast<float*>(exp_avg_sq) + i);  // see [Note: streaming stores]
   const bool stream16 = OUT != 0 && aligned<V>(static_cast<uint16_t*>(out16) + i, sizeof(uint16_t));
+  const size_t ahead = a.prefetch == PREFETCH_BUILD ? V::PREFETCH : a.prefetch;
   for (; i + V::W <= end; i += V::W) {
-    prefetch<V>(grad, i, G == DType::F32 ? 4 : 2);
-    prefetch<V>(ELSEWHERE ? param_src : param, i, MASTER == int(Master::F32) ? 4 : 2);
-    if constexpr (MASTER == int(Master::SPLIT)) prefetch<V>(ELSEWHERE ? param_lo_src : param_lo, i, 2);
-    prefetch<V>(ELSEWHERE ? exp_avg_src : exp_avg, i, BF16M ? 2 : 4);
-    prefetch<V>(ELSEWHERE ? exp_avg_sq_src : exp_avg_sq, i, BF16M ? 2 : 4);
+    prefetch<V>(grad, i, G == DType::F32 ? 4 : 2, ahead);
+    prefetch<V>(ELSEWHERE ? param_src : param, i, MASTER == int(Master::F32) ? 4 : 2, ahead);
+    if constexpr (MASTER == int(Master::SPLIT)) prefetch<V>(ELSEWHERE ? param_lo_src : param_lo, i, 2, ahead);
+    prefetch<V>(ELSEWHERE ? exp_avg_src : exp_avg, i, BF16M ? 2 : 4, ahead);
+    prefetch<V>(ELSEWHERE ? exp_avg_sq_src : exp_avg_sq, i, BF16M ? 2 : 4, ahead);
     F g = V::load_any(grad, G, i);
     if (use_pre) g = V::mul(g, pre);               // a landed gradient: what its accumulation would have rounded
     if (use_scale) g = V::mul(g, scale);

@@ -32,6 +32,8 @@ enum class Master : int {
 
 // One Adam/AdamW step over flat buffers. Scalars are computed by the caller in
 // double and rounded to float once, as torch.optim.Adam does with Python floats.
+inline constexpr size_t PREFETCH_BUILD = ~size_t(0);
+
 struct AdamArgs {
   void* param = nullptr;          // float (Master::F32), else bf16: SPLIT's high halves
   uint16_t* param_lo = nullptr;   // SPLIT: the low halves
@@ -61,6 +63,8 @@ struct AdamArgs {
   float bc2_sqrt = 1.0f;        // sqrt(1 - beta2**step), or 1 without bias correction
   float eps = 1e-8f;
   float step_size = 1e-3f;      // lr / (1 - beta1**step), or lr
+  // Elements ahead each read stream is prefetched (see [Note: software prefetch]); PREFETCH_BUILD: the variant's.
+  size_t prefetch = PREFETCH_BUILD;
 };
 
 struct KernelTable {

@@ -97,7 +97,7 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
              std::optional<RwArray> exp_avg_sq_out, float pre_scale, float grad_scale, float decay, float l2,
              float one_minus_beta1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float step_size,
              int threads, std::optional<RwArray> param_lo, std::optional<RwArray> param_lo_out, bool stochastic,
-             uint32_t seed, uint64_t index0) {
+             uint32_t seed, uint64_t index0, int64_t prefetch) {
   AdamArgs a;
   const size_t n = param.size();
   require_dense_cpu(param, "param");
@@ -154,6 +154,8 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
   a.bc2_sqrt = bc2_sqrt;
   a.eps = eps;
   a.step_size = step_size;
+  if (prefetch < -1) throw std::invalid_argument("prefetch is elements ahead (0: none), or -1 for the build's");
+  a.prefetch = prefetch == -1 ? PREFETCH_BUILD : size_t(prefetch);
   nb::gil_scoped_release unlocked;
   adam(a, n, threads);
 }
@@ -208,7 +210,7 @@ NB_MODULE(_native, m) {
         nb::arg("pre_scale"), nb::arg("grad_scale"), nb::arg("decay"), nb::arg("l2"), nb::arg("one_minus_beta1"), nb::arg("beta2"),
         nb::arg("one_minus_beta2"), nb::arg("bc2_sqrt"), nb::arg("eps"), nb::arg("step_size"), nb::arg("threads"),
         nb::arg("param_lo").none() = nb::none(), nb::arg("param_lo_out").none() = nb::none(),
-        nb::arg("stochastic") = false, nb::arg("seed") = 0, nb::arg("index0") = 0,
+        nb::arg("stochastic") = false, nb::arg("seed") = 0, nb::arg("index0") = 0, nb::arg("prefetch") = -1,
         "One fused Adam/AdamW step over flat CPU buffers (scalars precomputed by offload.native.adam_step), in place "
         "or into param_out/exp_avg_out/exp_avg_sq_out; the master float32, 16+16 (bfloat16 param and its param_lo) "
         "or bfloat16 (rounded to nearest, or stochastic from seed and index0), the moments float32 or bfloat16.");

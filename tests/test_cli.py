@@ -82,6 +82,8 @@ def test_bench_adam_writes_json_with_every_comparison(tmp_path, capsys):
     impls = {(r["what"], r["impl"].split(" (")[0]) for r in report["rows"]}
     assert ("adam", "torch AdamW fused=True") in impls and ("adam", "offload adam_step") in impls
     assert ("adam", "offload adam_step into a second slot") in impls
+    prefetching = {r["impl"].split(", ")[-1] for r in report["rows"] if r["impl"].startswith("offload adam_step (")}
+    assert prefetching == {"prefetching)", "hardware prefetch only)"}  # each beside the ceiling and torch
     assert ("cpu-side", "offload norm + fused step") in impls and ("ceiling", "in-place axpy a += s*b") in impls
     ours = next(r for r in report["rows"] if r["impl"].startswith("offload adam_step"))
     assert ours["versus"]["value"] > 0 and ours["size"] == 200_000

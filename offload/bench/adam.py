@@ -145,7 +145,7 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
         gbs = nbytes * n / seconds / 1e9
         ceiling = max(ceiling, gbs)
         rows.append(Row(n, "ceiling", impl, seconds, n / seconds, gbs))
-        say(f"  {n:>11,}  ceiling    {impl:<48} {gbs:5.1f} GB/s")
+        say(f"  {n:>11,}  ceiling    {impl:<56} {gbs:5.1f} GB/s")
 
     size = f"{n / 1e6:g}M elements"
 
@@ -155,7 +155,7 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
         versus = None if base is None else Comparison("adam", impl, base[0], RATE, base[1] / seconds, size)
         r = Row(n, what, impl, seconds, n / seconds, gbs, gbs / ceiling, versus)
         ratio = f"  {versus.value:4.2f}x the rate of {base[0]}" if versus is not None and base is not None else ""
-        say(f"  {n:>11,}  {what:<10} {impl:<48} {seconds * 1e3:8.1f} ms  {n / seconds / 1e9:5.2f} G params/s  "
+        say(f"  {n:>11,}  {what:<10} {impl:<56} {seconds * 1e3:8.1f} ms  {n / seconds / 1e9:5.2f} G params/s  "
             f"{gbs:5.1f} GB/s ({gbs / ceiling:4.0%} of ceiling){ratio}"
             + ("  (above the ceiling probed just before: the machine's bandwidth moved between them)"
                if gbs > 1.05 * ceiling else ""))
@@ -183,14 +183,15 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
     kw: dict[str, Any] = dict(lr=HYPER.lr, betas=HYPER.betas, eps=HYPER.eps, weight_decay=HYPER.weight_decay)
     fused = torch.optim.AdamW([tp], fused=True, **kw)
     foreach = torch.optim.AdamW([tp], foreach=True, **kw)
-    ours_name = f"offload adam_step ({native.active_variant()})"
-    elsewhere_name = f"offload adam_step into a second slot ({native.active_variant()})"
-    t = interleaved({"torch AdamW fused=True": fused.step, "torch AdamW foreach=True": foreach.step,
-                     ours_name: ours, elsewhere_name: ours_elsewhere}, repeats, before=flush)
+    # each with the software prefetch and without (see [Note: prefetch by measurement] in offload/machine/prefetch.py)
+    variant = native.active_variant()
+    ours_fns = {f"offload adam_step ({variant}, {how})": prefetching(on, ours) for on, how in PREFETCH_HOW}
+    ours_fns[f"offload adam_step into a second slot ({variant})"] = ours_elsewhere
     fused_name = "torch AdamW fused=True"
+    contenders: dict[str, Callable[[], object]] = {fused_name: fused.step, "torch AdamW foreach=True": foreach.step}
+    t = interleaved(contenders | ours_fns, repeats, before=flush)
     for impl, seconds in t.items():
-        row("adam", impl, seconds, ADAM_BYTES, (fused_name, t[fused_name]) if impl in (ours_name, elsewhere_name)
-            else None)
+        row("adam", impl, seconds, ADAM_BYTES, (fused_name, t[fused_name]) if impl in ours_fns else None)
     del fused, foreach
 
     # 2. The whole CPU side: bf16 grads in, bf16 params out.
@@ -226,7 +227,7 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
         r = row("format", f"{name}: {FORMATS[name].describe()}", seconds, steps[name][1])
         if name != "fp32":
             r.versus = Comparison("adam", f"state format {name}", FP32_SIDE, TIME, seconds / base, size)
-            say(f"  {n:>11,}  {'':<10} {'':<48} {seconds / base:4.2f}x the time of {FP32_SIDE}")
+            say(f"  {n:>11,}  {'':<10} {'':<56} {seconds / base:4.2f}x the time of {FP32_SIDE}")
 
     # 4. Each format's compute floor at this size and thread count, beside its cold time.
     per_element = compute_per_element(p, g16, repeats)
@@ -240,9 +241,24 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
                         steps[name][1] * n / floor / 1e9, None,
                         Comparison("adam", f"state format {name}: the step, state from DRAM",
                                    "its compute floor (the state hot in a core's cache)", TIME, t[name] / floor, size)))
-        say(f"  {n:>11,}  compute    {name + ': its floor, state hot in the cache':<48} {floor * 1e3:8.1f} ms  "
+        say(f"  {n:>11,}  compute    {name + ': its floor, state hot in the cache':<56} {floor * 1e3:8.1f} ms  "
             f"({ns:4.2f} ns an element on one core); the cold step is {t[name] / floor:4.2f}x this floor")
     return rows
+
+
+PREFETCH_HOW = ((True, "prefetching"), (False, "hardware prefetch only"))
+
+
+def prefetching(on: bool, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` with the Adam pass's software prefetch on (the variant's distance) or off, as it was after."""
+    def run() -> None:
+        before = native.prefetch_ahead()
+        native.set_prefetch(None if on else 0)
+        try:
+            fn()
+        finally:
+            native.set_prefetch(before)
+    return run
 
 
 HOT_SMALL, HOT_LARGE = 2048, 49152  # elements: the larger one's state (under 1.5 MB) stays in a core's L2

@@ -571,6 +571,10 @@ class OffloadExtConfig:
                                       "io_uring or threads.", choices=("auto", "io_uring", "threads"))
     cpu_threads: int | None = setting(None, "Threads for the CPU optimizer step (null: the physical cores the "
                                             "process may use).", ge=1)
+    host_prefetch: str = setting("auto", "Whether the host's Adam prefetches its streams in software: auto (measured "
+                                         "on this CPU, with and without, the first time a CPU model runs, and kept "
+                                         "in the user's cache directory: on only where it is more than 3% faster), "
+                                         "on or off. Changes no value.", choices=("auto", "on", "off"))
     overlap_step: str = setting("auto", "on: when nothing global gates the update (no gradient clipping, no fp16), "
                                         "each host-resident shard's Adam runs during the last micro-batch's "
                                         "backward as soon as its gradient lands; off: always step after backward; "

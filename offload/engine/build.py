@@ -29,7 +29,9 @@ from offload.engine.memory import MemoryAccount
 from offload.engine.refit import Refit
 from offload.engine.step_schedule import StepSchedule
 from offload.files.pretrained import PretrainedWeights
+from offload.machine import prefetch
 from offload.machine.accelerator import Accelerator
+from offload.machine.cpus import default_threads
 from offload.observe.telemetry import Telemetry
 from offload.optim.landing import GradientLanding, LandingPolicy
 from offload.optim.lr_schedules import build_lr_schedule
@@ -195,6 +197,9 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
         params = ParamStore(accel, compute_dtype, placement.homes, swap=param_swap, host=host_budget,
                             telemetry=telemetry, keep_host_copies=any(g.tier is Tier.NVME for g in placement.groups))
         undo.callback(params.close)
+        if zero.offload_optimizer.device != "none":  # the host steps state: its Adam tuned for this CPU
+            tuned = prefetch.choose(config.offload.host_prefetch, config.offload.cpu_threads or default_threads())
+            logger.info("rank %d: %s", group.rank, tuned.describe())
         optimizer = ShardedAdam(
             param_groups, accel, [(i, n) for i, n in shard_sizes if i in trained], params=params,
             rule=AdamRule(choice.adamw_mode, choice.bias_correction, config.offload.cpu_threads), telemetry=telemetry,

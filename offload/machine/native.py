@@ -176,7 +176,24 @@ def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                  _dl(checked.get("out16")), _dl(checked.get("param_out")), _dl(checked.get("exp_avg_out")),
                  _dl(checked.get("exp_avg_sq_out")), pre_scale,
                  grad_scale, decay, l2, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size, n_threads,
-                 _dl(checked.get("param_lo")), _dl(checked.get("param_lo_out")), stochastic is not None, seed, index0)
+                 _dl(checked.get("param_lo")), _dl(checked.get("param_lo_out")), stochastic is not None, seed, index0,
+                 -1 if _prefetch is None else _prefetch)
+
+
+_prefetch: int | None = None  # elements ahead the Adam pass prefetches (None: the variant's build default)
+
+
+def set_prefetch(ahead: int | None) -> None:
+    """How far ahead (elements; 0: not at all; None: the kernel variant's default) every Adam pass of this process
+    prefetches its read streams: a hint that changes no value, chosen per CPU by offload/machine/prefetch.py."""
+    global _prefetch
+    if ahead is not None and (not isinstance(ahead, int) or ahead < 0):
+        raise NativeError(f"prefetch is a count of elements ahead, 0 or more (or None), not {ahead!r}")
+    _prefetch = ahead
+
+
+def prefetch_ahead() -> int | None:
+    return _prefetch
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -7,6 +7,8 @@ from typing import Any, cast
 
 import torch
 
+from offload.machine import prefetch as host_prefetch
+from offload.machine.cpus import default_threads
 from offload.optim.adam import AdamHyper, adam_step
 
 
@@ -15,12 +17,14 @@ class CPUAdam(torch.optim.Optimizer):
 
     State (``step``, ``exp_avg``, ``exp_avg_sq``) has torch's names and layout, so state dicts
     move between this and torch.optim.Adam/AdamW both ways; LR schedulers work through
-    ``param_groups`` as usual. ``threads`` defaults to the machine's physical cores.
+    ``param_groups`` as usual. ``threads`` defaults to the machine's physical cores; ``prefetch`` (auto, on, off)
+    as offload.host_prefetch (see [Note: prefetch by measurement] in offload/machine/prefetch.py).
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 adamw_mode: bool = True, bias_correction: bool = True, *, threads: int | None = None) -> None:
+                 adamw_mode: bool = True, bias_correction: bool = True, *, threads: int | None = None,
+                 prefetch: str = "auto") -> None:
         # validates (betas of another length too: AdamHyper unpacks two)
         AdamHyper(lr=lr, betas=cast(tuple[float, float], tuple(betas)), eps=eps, weight_decay=weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
@@ -29,6 +33,7 @@ class CPUAdam(torch.optim.Optimizer):
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = threads
+        host_prefetch.choose(prefetch, threads or default_threads())
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 where = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
