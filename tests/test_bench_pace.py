@@ -2,6 +2,7 @@
 max(compute, the host's Adam share at the rate measured in the run)."""
 
 import json
+import sys
 from dataclasses import replace
 
 import pytest
@@ -40,6 +41,31 @@ def test_every_placement_is_timed_beside_plain_pytorch_against_its_floor(tmp_pat
         assert config["gradient_clipping"] == 0.0 and config["offload"]["budgets"]["device"] == 1 << 20
     printed = capsys.readouterr().out
     assert "floor = max(compute" in printed and "/floor" in printed
+
+
+def test_on_a_gpu_the_floor_is_the_longest_lane_the_bus_directions_included(capsys):
+    """#68: a streamed variant moves its state over the bus both ways; the floor prices each direction's bytes at
+    the rate measured there, beside compute and the host's share, and names the lane that sets it."""
+    phases = {"forward_s": 0.03, "backward_s": 0.07, "optimizer_s": 0.0}
+    common = {"step_s": 0.2, "spread_s": [0.2, 0.2], "peak_device": 0, "device_elements": 0, "mode": ""}
+    result = pace.PaceResult(bench={"hidden": 1, "layers": 1, "vocab": 1, "seq": 1, "micro": 1, "dtype": "bf16",
+                                    "device": "cuda"}, params=10**9, clip=0.0, host_adam_ns_per_element=0.25,
+                             configs={})
+    result.table = {
+        "torch": {**common, **phases},
+        "full": {**common, **phases, "host_elements": 10**9, "streamed_elements": 0, "bus_up_bytes": 4 * 10**9,
+                 "bus_down_bytes": 2 * 10**9, "h2d_gbps": 50.0, "d2h_gbps": 50.0},
+        "stream-all": {**common, **phases, "host_elements": 0, "streamed_elements": 10**9,
+                       "bus_up_bytes": 12 * 10**9, "bus_down_bytes": 14 * 10**9, "h2d_gbps": 50.0,
+                       "d2h_gbps": 50.0}}
+    pace._floors(result, ("torch",))
+    full, streamed = result.table["full"], result.table["stream-all"]
+    assert full["floor_s"] == pytest.approx(0.25) and full["floor_lane"] == "host Adam"
+    assert full["bus_up_s"] == pytest.approx(0.08) and full["bus_down_s"] == pytest.approx(0.04)
+    assert streamed["floor_s"] == pytest.approx(14e9 / 50e9) and streamed["floor_lane"] == "bus down"
+    assert streamed["host_adam_s"] == 0.0 and streamed["compute_s"] == pytest.approx(0.1)
+    pace.print_table(result, sys.stdout)
+    assert "stream-all           lanes: compute 0.100 s, host Adam 0.000 s, bus up 0.240 s" in capsys.readouterr().out
 
 
 def test_an_unknown_floor_variant_is_a_usage_error(tmp_path, capsys):

@@ -19,8 +19,9 @@
 #   run(carry=[".whl"], timeout_s=560, command='BUNDLE=$OUT/p.tgz OUT=/tmp/gs STAGE_S=200 tools/gpu_session.sh plan59')
 # then, the moment it returns, pace-4p5b alone (STAGE_S=400, `install` first only if the machine went cold).
 # Since session 41 the first call should be plan68 (#68's streamed lane, #71's row 1; never run on a GPU): install,
-# then the 0.91B GPT with everything homed on the host through the host lane and the streamed lane (stream_state 0.5
-# and 1.0), clipping off then on, each beside plain PyTorch and its floor (the floor does not price the bus yet):
+# then the 0.91B GPT with everything homed on the host through the host lane and the streamed lane (stream_state
+# auto, chosen by the measured rates, then 0.5 and 1.0), clipping off then on, each beside plain PyTorch and its floor
+# (the longest of compute, the host Adam share and each bus direction's bytes at the measured rate):
 #   run(carry=[".whl"], timeout_s=560, command='BUNDLE=$OUT/p68.tgz OUT=/tmp/gs STAGE_S=200 tools/gpu_session.sh plan68')
 # #44 first (a task now has 15 minutes of device time in all, so plan44a, then plan44b if time is left):
 # plan44a: install; the 0.91B GPT's pace against the floor (full offload, auto with params offloaded); the 4.5B's
@@ -312,8 +313,8 @@ for s in "${stages[@]}"; do
     # nothing there; full beside full-overlap (the host Adam during backward) is the open question.
     pace-0p9b) stage pace-0p9b pace pace-0p9b "${M091[@]}" --steps 4 --warmup 2 --rounds 1 --variants full,full-overlap,auto ;;
     # #68's streamed lane beside the host one, clipping off and on (#71's first row): the 0.91B GPT, everything on the host
-    pace-0p9b-lanes) stage pace-0p9b-lanes pace pace-0p9b-lanes "${M091[@]}" --steps 4 --warmup 2 --rounds 1 --variants full,stream-half,stream-all &&
-      stage pace-0p9b-lanes-clip pace pace-0p9b-lanes-clip "${M091[@]}" --clip 1.0 --steps 4 --warmup 2 --rounds 1 --variants full,stream-half,stream-all ;;
+    pace-0p9b-lanes) stage pace-0p9b-lanes pace pace-0p9b-lanes "${M091[@]}" --steps 4 --warmup 2 --rounds 1 --variants full,stream-auto,stream-half,stream-all &&
+      stage pace-0p9b-lanes-clip pace pace-0p9b-lanes-clip "${M091[@]}" --clip 1.0 --steps 4 --warmup 2 --rounds 1 --variants full,stream-auto,stream-half,stream-all ;;
     pace-4p5b) stage pace-4p5b pace pace-4p5b "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants "${PACE_4P5B_VARIANTS:-full-overlap,auto,auto-params-device}" ;;
     pace-4p5b-budget) stage pace-4p5b-budget pace pace-4p5b-budget "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --device-budget 68Gi --variants auto,auto-params-device ;;
     pace-4p5b-formats) stage pace-4p5b-formats pace_formats ;;

@@ -47,9 +47,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "auto-params-device": {"params": "none", "device": "cpu", "ratio": "auto"},
     "nvme": {"params": "nvme", "device": "nvme", "buffer_count": 4},
     # full with the streamed lane (offload.stream_state): the device steps that share of the host-homed state over
-    # the bus. Its floor does not price the bus yet: the host share is what the host steps (issue 68).
+    # the bus; its floor prices both bus directions.
     "stream-half": {"params": "cpu", "device": "cpu", "stream": 0.5},
     "stream-all": {"params": "cpu", "device": "cpu", "stream": 1.0},
+    "stream-auto": {"params": "cpu", "device": "cpu", "stream": "auto"},  # the share chosen by measured rates
 }
 DEFAULT = ("full", "auto", "auto-params-device")
 HOST_RATE_ELEMENTS = (1 << 22, 1 << 26)  # the host step is timed on the model's size, clamped to this range
@@ -108,9 +109,19 @@ def _offload_rank(rank: int, world: int, bench: dict[str, Any], config: dict[str
 
     steps, phases = timed(forward, lambda: engine.backward(loss[0]), engine.step, b, world, rank,
                           str(engine.accel.device))
+    moved = engine.telemetry.snapshot().bytes
+    taken = max(engine.global_steps, 1)
     out = {"step_s": steps, "phases_s": phases, "host_elements": host,
            "device_elements": sum(sizes.values()) - host, "mode": engine.step_mode,
+           "streamed_elements": sum(g.numel for g in opt.store.groups if g.streamed),
+           # a step's bytes over the bus each way: parameters and gradients, and the streamed lane's state
+           "bus_up_bytes": (moved.get("h2d", 0) + moved.get("state_h2d", 0)) // taken,
+           "bus_down_bytes": (moved.get("d2h", 0) + moved.get("state_d2h", 0)) // taken,
            "peak_device": torch.cuda.max_memory_allocated() if b.device == "cuda" else 0}
+    if b.device == "cuda":  # the bus each way, as start-up measures it for auto
+        from offload.engine.rates import _measured
+        measured = _measured(engine.accel.device, None)
+        out |= {"h2d_gbps": measured.h2d_gbps, "d2h_gbps": measured.d2h_gbps}
     engine.close()
     return out
 
@@ -164,15 +175,18 @@ def _row(done: list[dict[str, Any]]) -> dict[str, Any]:
     row: dict[str, Any] = {"step_s": statistics.median(steps), "spread_s": [min(steps), max(steps)]}
     row |= {f"{p}_s": statistics.median(x for run in done for x in run["phases_s"][p]) for p in PHASES}
     row["peak_device"] = max(run.get("peak_device", 0) for run in done)
-    for key in ("host_elements", "device_elements", "mode"):
+    for key in ("host_elements", "device_elements", "mode", "streamed_elements", "bus_up_bytes", "bus_down_bytes",
+                "h2d_gbps", "d2h_gbps"):
         if key in done[0]:
             row[key] = done[0][key]
     return row
 
 
 def _floors(result: PaceResult, plain: tuple[str, ...]) -> None:
-    """Each variant's floor: the larger of the compute (the faster plain side's forward + backward; none when no
-    plain side fits, then the floor is the host's share alone, a lower bound) and its host Adam share."""
+    """Each variant's floor: the longest of its lanes: the compute (the faster plain side's forward + backward;
+    none when no plain side fits, then the floor is the others alone, a lower bound), its host Adam share and, on a
+    GPU, each bus direction (the bytes the variant moved a step, parameters, gradients and streamed state, at the
+    rate measured there)."""
     computes = [result.table[s]["forward_s"] + result.table[s]["backward_s"] for s in plain if s in result.table]
     compute = min(computes) if computes else None
     fastest_plain = min((result.table[s]["step_s"] for s in plain if s in result.table), default=None)
@@ -181,7 +195,12 @@ def _floors(result: PaceResult, plain: tuple[str, ...]) -> None:
             continue
         host = row["host_elements"] * result.host_adam_ns_per_element * 1e-9
         row["compute_s"], row["host_adam_s"] = compute, host
-        row["floor_s"] = max(compute or 0.0, host)
+        lanes = {"compute": compute or 0.0, "host Adam": host}
+        if row.get("h2d_gbps") and row.get("d2h_gbps"):
+            lanes["bus up"] = row["bus_up_s"] = row["bus_up_bytes"] / (row["h2d_gbps"] * 1e9)
+            lanes["bus down"] = row["bus_down_s"] = row["bus_down_bytes"] / (row["d2h_gbps"] * 1e9)
+        row["floor_s"] = max(lanes.values())
+        row["floor_lane"] = max(lanes, key=lanes.__getitem__)
         row["to_floor"] = row["step_s"] / row["floor_s"] if row["floor_s"] else None
         row["to_plain"] = row["step_s"] / fastest_plain if fastest_plain else None
 
@@ -203,5 +222,12 @@ def print_table(result: PaceResult, out: TextIO) -> None:
               + (f"{row['to_plain']:6.2f}" if row.get("to_plain") else ""), file=out)
     for side, why in result.errors.items():
         print(f"  {side:<20} did not run: {why}", file=out)
+    for side, row in result.table.items():
+        if "bus_up_s" in row:
+            print(f"  {side:<20} lanes: compute {row['compute_s'] or 0:.3f} s, host Adam {row['host_adam_s']:.3f} s, "
+                  f"bus up {row['bus_up_s']:.3f} s ({row['bus_up_bytes'] / 1e9:.2f} GB), bus down "
+                  f"{row['bus_down_s']:.3f} s ({row['bus_down_bytes'] / 1e9:.2f} GB); {row['streamed_elements']:,} "
+                  f"elements streamed; the floor is the {row['floor_lane']}", file=out)
     print("  floor = max(compute: the faster plain side's forward + backward, the host's Adam share: host elements "
-          "x the measured step per element)", file=out)
+          "x the measured step per element, and on a GPU each bus direction: the bytes a step moved at the measured "
+          "rate)", file=out)

@@ -74,7 +74,7 @@ NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "host-spare-cores", "nvme-o
               "nvme-optimizer-speculative-kept", "nvme-optimizer-early", "nvme-early", "params-host-bf16-moments",
               "params-host-bf16-master", "params-host-16-16", "nvme-optimizer-bf16-moments",
               "nvme-optimizer-bf16-master", "params-host-stream-half", "params-host-stream-all",
-              "params-host-stream-half-noclip", "params-host-stream-half-16-16")
+              "params-host-stream-half-noclip", "params-host-stream-half-16-16", "params-host-stream-auto")
 
 
 @dataclass(kw_only=True)
@@ -205,6 +205,8 @@ class StepBench:
                     # over the bus beside the host's Adam (run when named; a CPU device streams nothing).
                     "params-host-stream-half": {"device": "cpu", "params": "cpu", "stream": 0.5},
                     "params-host-stream-all": {"device": "cpu", "params": "cpu", "stream": 1.0},
+                    # the share chosen by the rates start-up measures (offload.stream_state auto)
+                    "params-host-stream-auto": {"device": "cpu", "params": "cpu", "stream": "auto"},
                     "params-host-stream-half-noclip": {"device": "cpu", "params": "cpu", "stream": 0.5, "clip": 0.0},
                     "params-host-stream-half-16-16": {"device": "cpu", "params": "cpu", "stream": 0.5,
                                                       "state": STATE_FORMATS["16+16"]}}
