@@ -166,6 +166,42 @@ def test_replay_waits_for_records_and_issue_points_and_finds_the_critical_path()
     assert scaled.total_ms == pytest.approx(6.0)
 
 
+def test_copies_in_one_direction_share_the_bus_whichever_stream_issues_them():
+    """#68: the parameters' and the streamed state's copies up run on streams of their own but over one bus: the
+    replay serialises them (1e6 bytes at 1 GB/s: 1 ms each), while the copy down runs beside them."""
+    lanes = {"host": [{"kind": "mark", "label": "forward"}],
+             "param-h2d": [{"kind": "h2d", "nbytes": 1_000_000}],
+             "state-h2d": [{"kind": "h2d", "nbytes": 1_000_000}],
+             "state-d2h": [{"kind": "d2h", "nbytes": 500_000}]}
+    r = R.replay(_graph(lanes, dict.fromkeys(lanes, "copy")), MACHINE)
+    assert r.total_ms == pytest.approx(2.0)
+    assert r.lane_busy_ms["param-h2d"] == r.lane_busy_ms["state-h2d"] == pytest.approx(1.0)
+    assert r.critical_ms == pytest.approx({"state-h2d/h2d": 1.0, "param-h2d/h2d": 1.0})
+
+
+def test_the_streamed_lane_is_recorded_as_copies_each_way_and_takes_adam_off_the_host(tmp_path):
+    """#68: recorded with offload.stream_state auto at the h100 preset's rates (given to the emulated device), the
+    streamed units' state crosses on lanes of its own, each way, byte for byte what the engine counted, and the
+    host's Adam shrinks by their share."""
+    machine, runs = R.MACHINES["h100"], {}
+    for stream in (0.0, "auto"):
+        data = R.record(R.ScheduleBench(**TINY, params="cpu", clip=0.0, stream=stream), tmp_path / f"{stream}.json",
+                        machine=machine)
+        runs[stream] = (data, R.replay(data, machine))
+    data, streamed = runs["auto"]
+    up = [i for i in data["lanes"]["state-h2d"] if i["kind"] == "h2d"]
+    down = [i for i in data["lanes"]["state-d2h"] if i["kind"] in ("d2h",)]
+    assert up and down and all(i["nbytes"] > 0 for i in up + down)
+    assert sum(i["nbytes"] for i in up) <= sum(i["nbytes"] for i in down)  # the new weights go down too
+    def adam_bytes(d, where):  # the Adam items' bytes on the device's lanes or the host's
+        return sum(i.get("nbytes", 0) for lane, items in d["lanes"].items() for i in items
+                   if i["kind"] == "adam" and (d["lane_kinds"][lane] == "device") == (where == "device"))
+    host_only, _ = runs[0.0]
+    assert adam_bytes(host_only, "device") == 0 and "state-h2d" not in host_only["lanes"]
+    assert adam_bytes(data, "host") < adam_bytes(host_only, "host") and adam_bytes(data, "device") > 0
+    assert streamed.lane_busy_ms["state-h2d"] > 0
+
+
 def test_replay_says_which_lanes_can_never_finish():
     lanes = {"a": [{"kind": "wait", "waits": [2]}, {"kind": "record", "record": 1}],
              "b": [{"kind": "wait", "waits": [1]}, {"kind": "record", "record": 2}]}

@@ -9,8 +9,10 @@ FLOPs of each stretch of compute counted by torch's FLOP counter, and writes it 
 memory GB/s, PCIe GB/s each way, the host memory GB/s Adam gets, the link between ranks, and
 the host microseconds of one hook call. Each lane runs its items in order; an item starts
 when its lane is free, the thread that issued it got that far, and the events it waits for
-are recorded. The estimate is a lower bound of a kind: no launch latency, no contention
-between host threads for memory bandwidth, a collective at W > 1 on the compute stream. It
+are recorded; a copy also waits for the bus in its direction, which copies on every stream
+share (taken in the order the replay reaches them, which may be later than a real bus's).
+The estimate is a lower bound of a kind: no launch latency, no contention between host
+threads for memory bandwidth, a collective at W > 1 on the compute stream. It
 is an instrument for comparing schedules (synchronous step against early step, 4 MiB units
 against blocks), and its critical path says which lane and which kind of work set the time.
 
@@ -122,6 +124,8 @@ def replay(data: dict[str, Any], machine: Machine, tokens: int | None = None, fr
             if item.get("record") is not None:
                 where[item["record"]] = (lane, i)
     end: dict[str, list[float]] = {lane: [] for lane in lanes}
+    # the bus each way is one resource, whichever stream copies over it (parameters, gradients, streamed state)
+    bus: dict[str, tuple[str, int]] = {}
     cause: dict[tuple[str, int], tuple[str, int] | None] = {}  # what bound each item's start
     cost: dict[tuple[str, int], float] = {}
     busy: dict[str, float] = defaultdict(float)
@@ -150,10 +154,15 @@ def replay(data: dict[str, Any], machine: Machine, tokens: int | None = None, fr
                 if not all(done((dl, di + 1)) for dl, di in deps):
                     break
                 start, bound = (end[lane][-1], (lane, i - 1)) if i else (0.0, None)
+                resource = item["kind"] if item["kind"] in step_graph.COPY_KINDS else None
+                if resource in bus:
+                    deps.append(bus[resource])
                 for dl, di in deps:
                     if end[dl][di] > start:
                         start, bound = end[dl][di], (dl, di)
                 took = cost[(lane, i)] = cost_of(item, lane)
+                if resource is not None:
+                    bus[resource] = (lane, i)
                 end[lane].append(start + took)
                 cause[(lane, i)] = bound
                 busy[lane] += took
@@ -229,6 +238,7 @@ class ScheduleBench:
     clip: float = 1.0
     overlap: str = "off"  # offload.overlap_step: the host Adam during the last backward (needs clip 0)
     ratio: float | str = 1.0  # offload_optimizer.ratio: the state (and, beside host params, the shards) kept on the GPU
+    stream: float | str = 0.0  # offload.stream_state: the host-homed state the GPU steps over the bus (auto: by rates)
     device_budget: int | None = None  # offload.budgets.device: what auto fills (a CPU has no device memory to measure)
     unit_bytes: int = 4 << 20
     steps: int = 2  # recorded, after one warm-up step
@@ -243,32 +253,46 @@ class ScheduleBench:
             raise ValueError(f"steps and micro must be >= 1, got {self.steps}, {self.micro}")
 
 
-def record(b: ScheduleBench, out: Path, log: TextIO | None = None) -> dict[str, Any]:
-    """Run ``b`` on this CPU as a discrete device and write its recorded steps to ``out``."""
+def record(b: ScheduleBench, out: Path, log: TextIO | None = None, machine: Machine | None = None
+           ) -> dict[str, Any]:
+    """Run ``b`` on this CPU as a discrete device and write its recorded steps to ``out``. With a share chosen at
+    start-up (ratio or stream auto), the emulated device is given ``machine``'s rates, so the split is the one
+    start-up would choose there (and, where no device budget is set, half its memory as the room)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     import offload
     from offload.bench.step import StepBench, batches, engine_config
+    from offload.engine import rates
     from offload.models import GPT
 
+    by_rates = machine is not None and "auto" in (b.ratio, b.stream)
+    budget = b.device_budget
+    if by_rates and budget is None:
+        assert machine is not None
+        budget = machine.device_bytes // 2 or None
     step_bench = StepBench(hidden=b.hidden, layers=b.layers, heads=b.heads, vocab=b.vocab, seq=b.seq, micro=b.micro,
                            world=1, dtype=b.dtype, steps=b.steps, warmup=1, unit_bytes=b.unit_bytes,
-                           device_budget=b.device_budget)
+                           device_budget=budget)
     variant = {"device": "cpu", "params": b.params, "early": b.early, "clip": b.clip, "speculative": b.speculative,
-               "ratio": b.ratio,  # speculating is overlapping with a guess
+               "ratio": b.ratio, "stream": b.stream,  # speculating is overlapping with a guess
                "overlap": "on" if b.speculative == "on" or b.overlap == "on" else "off"}
     torch.manual_seed(0)
-    before = os.environ.get("OFFLOAD_EMULATED_DISCRETE_DEVICE")
-    os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"] = "1"  # read as the engine's accelerator starts
+    env = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"}  # read as the engine's accelerator starts
+    if by_rates:
+        assert machine is not None
+        env["OFFLOAD_EMULATED_RATES"] = ",".join(f"{k}={getattr(machine, k)}" for k in rates.NAMES)
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         engine, *_ = offload.initialize(model=GPT(step_bench.model_config()),
                                         config=engine_config(step_bench, variant))
     finally:
-        if before is None:
-            del os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"]
-        else:
-            os.environ["OFFLOAD_EMULATED_DISCRETE_DEVICE"] = before
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     graph = engine.accel.graph
     try:
         data_rows = batches(step_bench, 1 + b.steps, b.micro)

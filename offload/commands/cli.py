@@ -216,7 +216,7 @@ def _cmd_schedule(args: argparse.Namespace, out: Path) -> int:
                                          vocab=args.vocab, seq=args.seq, micro=args.micro, dtype=args.dtype,
                                          params=args.params, early=args.early, speculative=args.speculative,
                                          clip=args.clip, overlap=args.overlap, ratio=args.ratio,
-                                         device_budget=args.device_budget,
+                                         stream=args.stream, device_budget=args.device_budget,
                                          unit_bytes=args.unit_bytes, steps=args.steps)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -224,7 +224,7 @@ def _cmd_schedule(args: argparse.Namespace, out: Path) -> int:
         path = out
         print(f"offload bench schedule: recording {args.steps} step(s) of a {args.layers} x {args.hidden} GPT on this "
               "CPU as a discrete device", flush=True)
-        data = replay.record(bench, path, log=sys.stdout)
+        data = replay.record(bench, path, log=sys.stdout, machine=machine)
         print(f"wrote {path}: {replay.summary(data)}")
         result = replay.replay(data, machine, args.tokens)
         replay.print_replay(result, sys.stdout, label="replayed ")
@@ -597,6 +597,10 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                    help="offload.overlap_step: the host Adam during the last backward (needs --clip 0; default off)")
     b.add_argument("--ratio", type=ratio_value, default=1.0,
                    help="offload_optimizer.ratio: a number or auto (default 1: all of the state on the host)")
+    b.add_argument("--stream", type=ratio_value, default=0.0,
+                   help="offload.stream_state: the share of the host-homed state the device steps over the bus, or "
+                        "auto (chosen at the --machine preset's rates, within --device-budget or half the preset's "
+                        "device memory; default 0: the host steps it all)")
     b.add_argument("--device-budget", type=positive_size, default=None, metavar="SIZE",
                    help="offload.budgets.device, which auto fills (this CPU has no device memory to measure)")
     b.add_argument("--unit-bytes", type=positive_size, default="4Mi", help="offload.unit_bytes (default 4Mi)")

@@ -57,8 +57,16 @@ class StreamedStep:
         self._turn ^= 1
         if self._back is not None:  # this slot's last copy back, and the host state's, have run
             self.up.wait_event(self._back)
-        self.up.run(lambda: device.copy_(host, non_blocking=True))
-        nbytes = group.fmt.slot_bytes(group.numel)
+        nbytes, unit, graph = group.fmt.slot_bytes(group.numel), group.members[0].unit, self.accel.graph
+
+        def up() -> None:
+            graph.work("h2d", unit, nbytes=nbytes)  # the recorded step's (offload/observe/step_graph.py)
+            device.copy_(host, non_blocking=True)
+
+        def down() -> None:
+            graph.work("d2h", unit, nbytes=nbytes)
+            host.copy_(device, non_blocking=True)
+        self.up.run(up)
         self.telemetry.add_bytes("state_h2d", nbytes)
         self.accel.compute_wait(self.up.record())
         for member in group.members:
@@ -66,7 +74,7 @@ class StreamedStep:
             self.update.step_shard(member.unit, device.narrow(member.offset, member.numel), step, hypers, grad_scale,
                                    publish=False)
         self.down.wait_event(self.update.after_compute())
-        self.down.run(lambda: host.copy_(device, non_blocking=True))
+        self.down.run(down)
         self.telemetry.add_bytes("state_d2h", nbytes)
         for member in group.members:
             weights = device.narrow(member.offset, member.numel).master

@@ -333,9 +333,14 @@ class ParamStore:
         wait for that copy, as for an early step's (``step_pending``)."""
         shard = self._shards[index]
         assert shard.home is Tier.HOST and shard.host is not None, f"unit {index}'s shard is not homed on the host"
-        target = shard.host
-        lane.run(lambda: target.copy_(values, non_blocking=True))
-        self.telemetry.add_bytes("d2h", values.numel() * target.element_size())
+        target, nbytes = shard.host, values.numel() * shard.host.element_size()
+        graph = self.accel.graph
+
+        def copy() -> None:
+            graph.work("d2h", index, nbytes=nbytes)
+            target.copy_(values, non_blocking=True)
+        lane.run(copy)
+        self.telemetry.add_bytes("d2h", nbytes)
         self.step_pending(index, lane)
 
     def wrote(self, index: int) -> None:
