@@ -227,8 +227,9 @@ def test_bench_schedule_and_replay_commands_write_their_files(tmp_path, capsys):
     assert main(["bench", "replay", str(schedule), "--tokens", "4096", "--host-gbps", "20", "--out",
                  str(replayed)]) == 0
     result = json.loads(replayed.read_text())
-    assert result["tokens"] == 4096 and result["machine"]["host_gbps"] == 20.0
+    assert result["tokens"] == 4096 and result["machine"]["host_gbps"] == 20.0 and "spans" not in result
     assert "critical path" in capsys.readouterr().out
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the lanes drawn beside it
     assert Counter(json.loads(schedule.read_text())["lane_kinds"].values())["copy"] == 2
 
 

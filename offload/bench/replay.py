@@ -98,6 +98,8 @@ class Replay:
     lane_busy_ms: dict[str, float]
     critical_ms: dict[str, float]  # "lane/kind" on the critical path
     kind_ms: dict[str, float] = field(default_factory=dict)  # every item's time by kind, all lanes
+    # lane -> (start ms, ms, kind, on the critical path) of each item that took time: the picture's, not the JSON's
+    spans: dict[str, list[tuple[float, float, str, bool]]] = field(default_factory=dict, repr=False)
 
 
 def replay(data: dict[str, Any], machine: Machine, tokens: int | None = None, free: frozenset[str] = frozenset()
@@ -177,10 +179,15 @@ def replay(data: dict[str, Any], machine: Machine, tokens: int | None = None, fr
     total = end[last[0]][last[1]]
     critical: dict[str, float] = defaultdict(float)
     point: tuple[str, int] | None = last
+    on_path: set[tuple[str, int]] = set()
     while point is not None:
         if cost[point]:
             critical[f"{point[0]}/{lanes[point[0]][point[1]]['kind']}"] += cost[point]
+            on_path.add(point)
         point = cause[point]
+    spans = {lane: [((end[lane][i] - cost[(lane, i)]) * 1e3, cost[(lane, i)] * 1e3, items[i]["kind"],
+                     (lane, i) in on_path) for i in range(len(items)) if cost[(lane, i)]]
+             for lane, items in lanes.items()}
     starts = [end[step_graph.HOST][i] for i, item in enumerate(lanes.get(step_graph.HOST, ()))
               if item["kind"] == "mark" and item.get("label") == "forward"]
     steps = max(1, len(starts))
@@ -190,7 +197,8 @@ def replay(data: dict[str, Any], machine: Machine, tokens: int | None = None, fr
                   steps=steps, step_ms=(total - first) / steps * 1e3, step_starts_ms=[s * 1e3 for s in starts],
                   lane_busy_ms={k: v * 1e3 for k, v in sorted(busy.items())},
                   critical_ms={k: v * 1e3 for k, v in sorted(critical.items(), key=lambda kv: -kv[1])},
-                  kind_ms={k: v * 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])})
+                  kind_ms={k: v * 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+                  spans={lane: s for lane, s in spans.items() if s})
 
 
 def machine_from(name: str, overrides: dict[str, float]) -> Machine:
@@ -335,6 +343,44 @@ def run_replay(path: Path, machine: Machine, tokens: int | None, out: Path | Non
     print_replay(result, stream)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(asdict(result), indent=1))
+        out.write_text(json.dumps({k: v for k, v in asdict(result).items() if k != "spans"}, indent=1))
+        plot_replay(result, out.with_suffix(".png"), str(path))
+        stream.write(f"the step's lanes drawn in {out.with_suffix('.png')}\n")
     return result
+
+
+KIND_COLORS = {"forward": "tab:blue", "backward": "tab:cyan", "gather": "tab:gray", "reduce": "tab:gray",
+               "h2d": "tab:orange", "d2h": "tab:red", "adam": "tab:green", "accumulate": "tab:olive",
+               "norm": "tab:purple", "hook_forward": "tab:brown", "hook_backward": "tab:brown",
+               "hook_step": "tab:brown"}
+
+
+def plot_replay(r: Replay, path: Path, title: str = "") -> None:
+    """The replayed steps as one row per lane (stream or thread), each item a bar coloured by its kind, those on
+    the critical path outlined: where a person would rather look than read which lane sets the step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    lanes = list(r.spans)
+    fig, ax = plt.subplots(figsize=(13, 0.5 * len(lanes) + 1.8))
+    for row, lane in enumerate(lanes):
+        spans = r.spans[lane]
+        ax.broken_barh([(s, d) for s, d, _, _ in spans], (row - 0.4, 0.8),
+                       facecolors=[KIND_COLORS.get(k, "tab:pink") for _, _, k, _ in spans],
+                       edgecolors=["black" if c else "none" for *_, c in spans], linewidth=0.6)
+    for start in r.step_starts_ms:
+        ax.axvline(start, color="black", linewidth=0.8, linestyle=":")
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (dotted: each step's forward begins; outlined: the critical path)")
+    kinds = sorted({k for spans in r.spans.values() for _, _, k, _ in spans})
+    ax.legend(handles=[Patch(color=KIND_COLORS.get(k, "tab:pink"), label=k) for k in kinds], loc="upper center",
+              bbox_to_anchor=(0.5, -0.18), ncol=min(len(kinds), 7), fontsize=8)
+    ax.set_title(f"{title + ': ' if title else ''}{r.step_ms:.1f} ms/step on {r.machine['name']} at {r.tokens} "
+                 "tokens/step", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
