@@ -161,9 +161,11 @@ def _train_with_copies_back_lagging(rank: int, world: int, config: dict[str, Any
                         started=slow_copies_back)
 
 
-@pytest.mark.parametrize("params", ["none", "cpu"])
-def test_whatever_reads_the_state_or_the_weights_waits_for_their_copies_back(params):
-    config = streamed_config(1, params=params, share=1.0)
+@pytest.mark.parametrize("params,share", [("none", 1.0), ("cpu", 1.0), ("none", 0.08)])
+def test_whatever_reads_the_state_or_the_weights_waits_for_their_copies_back(params, share):
+    """Share 0.08: one streamed unit, which takes the other slot each step than it did the last, so its read of
+    the state must wait for the last step's copy back though its slot's own last copy back was long done."""
+    config = streamed_config(1, params=params, share=share)
     env = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
     lagging, prompt = (run_ranks(_train_with_copies_back_lagging, 1, env=env, config=config, lag=lag)
                        for lag in (0.05, 0.0))

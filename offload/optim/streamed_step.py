@@ -9,8 +9,9 @@ on a discrete device] in offload/optim/adam.py), and the new state goes back dow
 copy stream, with the new weights: into the device home, or down into a host home, whose next reader waits for
 that copy as it waits for an early step's. The units' gradients stay on the device, as a device-stepped unit's do
 (``StateSplit.streamed``), so the norm and clipping see them where the device lane's are. Two device slots take
-turns: the read of the next sub-group overlaps the step of this one, and a slot is read into again only after its
-copy back has run (one copy stream each way, every read after every earlier copy back). Everything that reads
+turns: the read of the next sub-group overlaps the step and the copy back of this one, and a slot is read into
+again only after its own last copy back has run (each slot's event: waiting for the other slot's as well made the
+reads and the copies back take turns, up, step, down, up, as the recorded step showed). Everything that reads
 the host state otherwise (checkpoints, the refit) drains the optimizer, which waits for the copies back
 (``settle``). On a CPU compute device the host's memory is the device's: there is nothing to stream, and the
 placement streams nothing there.
@@ -42,7 +43,9 @@ class StreamedStep:
         self.slot_bytes = max(g.fmt.slot_bytes(g.numel) for g in groups)
         self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=accel.device) for _ in range(2)]
         self._turn = 0
-        self._back: Event | None = None  # the last copy back of state or weights (re-recorded)
+        self._back: list[Event | None] = [None, None]  # each slot's last copy back of state and weights
+        self._last: Event | None = None  # the last copy back of either (what ``settle`` waits for)
+        self._step = 0  # the step whose sub-groups are being streamed
 
     @property
     def device_bytes(self) -> int:
@@ -53,10 +56,15 @@ class StreamedStep:
         its units' new weights (see [Note: the streamed lane]); returns once it is enqueued."""
         host = group.resident
         assert group.streamed and host is not None, f"sub-group {group.index} is not streamed"
-        device = group.fmt.slot(self._slots[self._turn], group.numel)
+        turn = self._turn
+        device = group.fmt.slot(self._slots[turn], group.numel)
         self._turn ^= 1
-        if self._back is not None:  # this slot's last copy back, and the host state's, have run
-            self.up.wait_event(self._back)
+        back = self._back[turn]
+        if step != self._step and self._last is not None:  # a step's first read: after the last step's copies
+            self.up.wait_event(self._last)  # back (a sub-group may take the other slot than it did then)
+        self._step = step
+        if back is not None:  # this slot's last copy back has run: it may be written again
+            self.up.wait_event(back)
         nbytes, unit, graph = group.fmt.slot_bytes(group.numel), group.members[0].unit, self.accel.graph
 
         def up() -> None:
@@ -82,9 +90,9 @@ class StreamedStep:
                 self.params.write_device(member.unit, weights)
             else:
                 self.params.write_down(member.unit, weights, self.down)
-        self._back = self.down.record(into=self._back)
+        self._back[turn] = self._last = self.down.record(into=back)
 
     def settle(self) -> None:
         """Block until every copy back has run: the host state (and host-homed weights) are the step's."""
-        if self._back is not None:
-            self.accel.wait(self._back, "the streamed state's copy back")
+        if self._last is not None:  # the copy stream runs its copies in order: the last is after every other
+            self.accel.wait(self._last, "the streamed state's copy back")
