@@ -55,6 +55,50 @@ def test_client_optimizer_with_param_groups_and_scheduler_matches_torch():
         torch.testing.assert_close(results[1][0][key], value)
 
 
+def script_scheduler_run(rank, world, steps=5):
+    """#70: the script builds a torch LambdaLR on the optimizer initialize returned (as transformers.get_scheduler is
+    called) and steps it after engine.step(); the same schedule in plain torch. DeepSpeed 0.19.8 refuses this (its
+    optimizer is not a torch Optimizer); offload's is one by its face."""
+    import warnings
+    config = base_config(2, 1, world)
+    model = make_model("gpt")
+    engine, optimizer, _, _ = offload.initialize(model=model, config=config)
+    fn = lambda s: 0.5 ** s  # noqa: E731
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+    lrs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for tokens in batches(steps, 2 * world):
+            engine.backward(loss_of(engine, "gpt", tokens[rank * 2:(rank + 1) * 2]))
+            engine.step()
+            sched.step()
+            lrs.append(optimizer.param_groups[0]["lr"])
+    state = engine.full_state_dict()
+    engine.close()
+    ref = make_model("gpt")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=config["optimizer"]["params"]["lr"], betas=(0.9, 0.95),
+                                weight_decay=0.1)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, fn)
+    ref_lrs = []
+    for tokens in batches(steps, 2 * world):
+        loss_of(ref, "gpt", tokens).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        ref_lrs.append(ref_opt.param_groups[0]["lr"])
+    return state, lrs, ref.state_dict(), ref_lrs, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_torch_scheduler_the_script_builds_on_the_returned_optimizer_drives_the_rate(world):
+    for state, lrs, ref_state, ref_lrs, warned in run_ranks(script_scheduler_run, world):
+        assert lrs == pytest.approx(ref_lrs) and lrs[0] == pytest.approx(ref_lrs[0])
+        assert not [w for w in warned if "lr_scheduler.step()" in w]  # engine.step() counts as the optimizer's
+        for key, value in ref_state.items():
+            torch.testing.assert_close(state[key], value)
+
+
 def _cpu_adam_client_run(rank, world, client_mode):
     """Three steps with offload's own CPUAdam given to initialize (``client_mode``: its adamw_mode), or (None) with
     the config's Adam section; the losses."""

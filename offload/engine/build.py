@@ -235,9 +235,9 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
             if lr_scheduler is not None:
                 raise EngineError("the config has a scheduler section and initialize() was given lr_scheduler; "
                                   "keep one of them")
-            lr_scheduler = build_lr_schedule(optimizer.face, config.scheduler)
+            lr_scheduler = build_lr_schedule(optimizer, config.scheduler)
         elif callable(lr_scheduler):  # DeepSpeed's rule: a callable (a factory, or a scheduler class) gets the
-            lr_scheduler = lr_scheduler(optimizer.face)  # optimizer; a scheduler object is not callable
+            lr_scheduler = lr_scheduler(optimizer)  # optimizer; a scheduler object is not callable
         undo.pop_all()
     return Parts(units, params, optimizer, optimizer.landing, runtime, activations, memory, swaps, telemetry,
                  trained_names, schedule, lr_scheduler, Refit(config, accel, optimizer, group, want.delayed))

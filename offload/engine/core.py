@@ -221,6 +221,7 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable):
             raise errors.reductions_out_of_order(self.group.rank, self.global_steps + 1, half_applied=half)
         scale = self.loss_scaler.scale
         self.global_steps += 1
+        self.optimizer.stepped()
         self.global_samples += self.train_batch_size()  # DeepSpeed counts the skipped steps' too
         if nonfinite > 0 and self.compute_dtype == torch.float16:
             self.schedule.norm_known(clipped=True)

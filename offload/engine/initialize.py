@@ -178,7 +178,7 @@ def _share_groups(client: torch.optim.Optimizer, ours: ShardedAdam) -> None:
                           "parameters")
     for theirs, mine in zip(client.param_groups, ours.param_groups, strict=True):
         mine.update({k: v for k, v in theirs.items() if k not in mine})  # a schedule's keys (initial_lr, ...)
-    client.param_groups = ours.face.param_groups
+    client.param_groups = ours.param_groups
 
 
 def _trainable(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -228,7 +228,7 @@ class Trainer(transformers.Trainer):
                              f"changed since: {'; '.join(changed)}; keep them, or build a new Trainer")
         config = Config.load(resolve(self.offload_config, self.args, self.model, num_training_steps))
         self.step_lr = None  # the last run's, until this run's first step
-        optimizer, old = self.engine.optimizer.face, self.engine.lr_scheduler
+        optimizer, old = self.engine.optimizer, self.engine.lr_scheduler
         for group, lr in zip(optimizer.param_groups, getattr(old, "base_lrs", ()), strict=False):
             group["lr"] = lr  # schedules that scale the rate they find (cosine, Hugging Face's) start from the base
         self.engine.lr_scheduler = build_lr_schedule(optimizer, config.scheduler) if config.scheduler is not None \

@@ -152,6 +152,11 @@ class OptimizerFace(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         _unguarded(torch.optim.Optimizer.zero_grad)(self, set_to_none)
 
+    def stepped(self) -> None:
+        """engine.step() ran: a torch LR scheduler built on this optimizer checks that it stepped before the
+        scheduler's own first step (else it warns that the order is wrong)."""
+        self._opt_called = True
+
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         raise RuntimeError("the sharded optimizer steps through engine.step(), which also reduces, clips and "
                            "writes the new parameters back; call engine.step()")
@@ -172,15 +177,16 @@ def _unguarded(method: Callable[..., Any]) -> Callable[..., Any]:
     return getattr(method, "__wrapped__", method)
 
 
-class ShardedAdam:
-    """Adam/AdamW over the shards of a ZeRO-3 model. Hyperparameters live in ``param_groups`` (those of ``face``,
-    the torch optimizer LR schedulers are built on); the step is ``engine.step()``."""
+class ShardedAdam(OptimizerFace):
+    """Adam/AdamW over the shards of a ZeRO-3 model. Hyperparameters live in ``param_groups``; the step is
+    ``engine.step()``. It is a torch optimizer by its face, so a torch LR scheduler a script builds on the
+    optimizer initialize returned (``LambdaLR(optimizer, fn)``) drives the rate each step reads."""
 
     def __init__(self, param_groups: list[dict[str, Any]], accel: Accelerator, sizes: list[tuple[int, int]], *,
                  plan: StatePlan, params: ParamStore, rule: AdamRule, telemetry: Telemetry | None = None) -> None:
         """``sizes``: (unit index, shard elements) of every unit with trained parameters, in unit order;
         ``params`` holds their compute-dtype shards, which the step writes."""
-        self.face = OptimizerFace(param_groups)
+        super().__init__(param_groups)
         self.accel = accel
         self.offload = plan.device != "none"
         self.device_grads_kept = plan.landing.keeps_device_grads
@@ -228,23 +234,6 @@ class ShardedAdam:
         they fit)."""
         for what, nbytes in parts.items():
             self.host.take(nbytes, what)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.face.param_groups
-
-    # What a DeepSpeed script calls on the optimizer initialize returned: the face answers (or says what to do).
-    def step(self, closure: Any = None) -> None:
-        self.face.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.face.zero_grad(set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.face.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.face.load_state_dict(state_dict)
 
     @property
     def cur_scale(self) -> float:
