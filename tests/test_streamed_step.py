@@ -148,6 +148,36 @@ def test_the_streamed_steps_are_bitwise_the_same_with_the_copies_lagging_or_not(
     check_bitwise(*runs)
 
 
+def _read_under_backward(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
+    """The bytes of streamed state read once each backward is done, before step() is called, and after it."""
+    from engine_cases import batches, loss_of
+    model = make_model("gpt")
+    engine, *_ = offload.initialize(model=model, config=config)
+    before_step, after_step = [], []
+    for tokens in batches(STEPS, 2):
+        engine.backward(loss_of(engine, "gpt", tokens))
+        before_step.append(engine.telemetry.snapshot().bytes.get("state_h2d", 0))
+        engine.step()
+        after_step.append(engine.telemetry.snapshot().bytes.get("state_h2d", 0))
+    ring = engine.optimizer.streamed.device_bytes
+    largest = max(g.nbytes for g in engine.optimizer.store.groups if g.streamed)
+    engine.close()
+    return {"before": before_step, "after": after_step, "ring": ring, "largest": largest}
+
+
+def test_the_first_streamed_states_go_up_under_backward_and_the_ring_holds_two_of_the_largest():
+    """[Note: the streamed lane]: when the last backward begins the first sub-groups' state is read into the ring
+    (a read needs no gradient), so by the time backward returns part of the step's reads are done; the step reads
+    the rest."""
+    out = run_ranks(_read_under_backward, 1, env=LAGGING_GPU, config=streamed_config(1, share=1.0))[0]
+    per_step = out["after"][0]
+    assert 0 < out["before"][0] < per_step  # some read ahead, the rest by the step
+    for i in range(1, STEPS):
+        assert out["before"][i] - out["after"][i - 1] > 0  # each step's first reads under its backward
+        assert out["after"][i] - out["after"][i - 1] == per_step  # every sub-group read once a step
+    assert out["ring"] == 2 * out["largest"]
+
+
 def _train_with_copies_back_lagging(rank: int, world: int, config: dict[str, Any], lag: float) -> dict[str, Any]:
     """train_engine with the streamed lane's copies back each ``lag`` seconds behind: the next step's reads of the
     state, the next forward's of the weights and a checkpoint's of both must wait for them."""

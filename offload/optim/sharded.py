@@ -423,6 +423,8 @@ class ShardedAdam(OptimizerFace):
         as they land, so their norm is taken then; the step's first NVMe reads start (see the store's [Note: reads
         ahead of the step])."""
         self.landing.last_begins(chosen.only, self._overlap_plan(chosen.guess) if chosen.steps else None)
+        if self.streamed is not None:  # the streamed lane's first reads need no gradient: they go up under backward
+            self.streamed.read_ahead(self.adam_steps + 1)
         forward = chosen.forward_order and not chosen.steps
         worker = self.landing.worker
         if chosen.forward_order and self.can_return_early_with_nvme and worker is not None:

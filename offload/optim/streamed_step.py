@@ -3,21 +3,27 @@
 [Note: the streamed lane] Where the optimizer state is offloaded to the host, the host's Adam alone sets the pace of
 the step once backward is done (on an H200, 0.28 ns an element against 0.15 for the bus both ways). The device can
 step part of that state instead: each such sub-group's state (``offload.stream_state``: the units the next forward
-needs first, placed in sub-groups of their own) is read up into a device slot on a copy stream of its own, Adam
+needs first, placed in sub-groups of their own) is read up into the device's ring on a copy stream of its own, Adam
 runs there in torch's kernels on the compute stream (the same update as a device-resident unit's: see [Note: Adam
 on a discrete device] in offload/optim/adam.py), and the new state goes back down into its host home on a second
 copy stream, with the new weights: into the device home, or down into a host home, whose next reader waits for
 that copy as it waits for an early step's. The units' gradients stay on the device, as a device-stepped unit's do
-(``StateSplit.streamed``), so the norm and clipping see them where the device lane's are. Two device slots take
-turns: the read of the next sub-group overlaps the step and the copy back of this one, and a slot is read into
-again only after its own last copy back has run (each slot's event: waiting for the other slot's as well made the
-reads and the copies back take turns, up, step, down, up, as the recorded step showed). Everything that reads
-the host state otherwise (checkpoints, the refit) drains the optimizer, which waits for the copies back
-(``settle``). On a CPU compute device the host's memory is the device's: there is nothing to stream, and the
+(``StateSplit.streamed``), so the norm and clipping see them where the device lane's are. The device holds the
+state of those in flight in a ring of twice the largest sub-group's bytes: each sub-group takes the next place
+(wrapping round), once the copy back of what was there has run, so while a large sub-group is stepped and
+written back the next smaller ones are already coming up (two fixed slots made every read wait for the copy
+back two sub-groups before, and a first sub-group as large as an embedding held up all the rest, as the recorded
+step showed). A read needs no gradient: when the last backward begins, the first sub-groups are read into the
+ring (as many as it holds beside what is still being written back), under backward; the step steps them once the
+norm is known. Every read of a step comes after the last step's copies back (the state it reads is theirs).
+Everything that reads the host state otherwise (checkpoints, the refit) drains the optimizer, which waits for the
+copies back (``settle``). On a CPU compute device the host's memory is the device's: there is nothing to stream, and the
 placement streams nothing there.
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 
@@ -27,72 +33,128 @@ from offload.optim.adam import AdamHyper
 from offload.optim.shard_state import ShardPhase, ShardState
 from offload.optim.update import ShardUpdate
 from offload.store.param_store import ParamStore
+from offload.store.state_format import StateSlot
 from offload.store.sub_groups import SubGroup
 from offload.store.tier import Tier
 
 
 class StreamedStep:
-    """The streamed sub-groups' step: their two device slots, the copy streams each way, and the last copy back."""
+    """The streamed sub-groups' step: their device ring, the copy streams each way, and the last copy back."""
 
     def __init__(self, accel: Accelerator, update: ShardUpdate, params: ParamStore, shards: dict[int, ShardState],
                  groups: list[SubGroup], telemetry: Telemetry) -> None:
-        """``groups``: the streamed sub-groups (homed on the host); the slots fit the largest."""
+        """``groups``: the streamed sub-groups (homed on the host), in the step's order; the ring holds two of the
+        largest."""
         self.accel, self.update, self.params, self.shards, self.telemetry = accel, update, params, shards, telemetry
+        self.groups = groups
         self.up = accel.copy_stream("state-h2d")
         self.down = accel.copy_stream("state-d2h")
-        self.slot_bytes = max(g.fmt.slot_bytes(g.numel) for g in groups)
-        self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=accel.device) for _ in range(2)]
-        self._turn = 0
-        self._back: list[Event | None] = [None, None]  # each slot's last copy back of state and weights
-        self._last: Event | None = None  # the last copy back of either (what ``settle`` waits for)
-        self._step = 0  # the step whose sub-groups are being streamed
+        self.slot_bytes = max(_placed(g) for g in groups)
+        self._ring = torch.empty(2 * self.slot_bytes, dtype=torch.uint8, device=accel.device)
+        self._head = 0  # where the next sub-group's state goes
+        # the places whose copy back has been enqueued, oldest first: (start, end, the copy back's event)
+        self._live: collections.deque[tuple[int, int, Event]] = collections.deque()
+        self._ready: dict[int, tuple[int, StateSlot, Event]] = {}  # read ahead, not stepped: (start, slot, its read)
+        self._pinned: dict[int, tuple[int, int]] = {}  # the places of those: no read may take them
+        self._last: Event | None = None  # the last copy back (what ``settle`` waits for)
+        self._step = 0  # the step whose sub-groups are being read
 
     @property
     def device_bytes(self) -> int:
-        return 2 * self.slot_bytes
+        return self._ring.numel()
+
+    def read_ahead(self, step: int) -> None:
+        """The last backward before step ``step`` begins: the first sub-groups' state goes up now, under backward
+        (a read needs no gradient), as many as the ring holds beside what is still being copied back. They wait
+        for the forward enqueued so far, whose gathers need the bus up first."""
+        self.up.wait_event(self.accel.compute_event())
+        for group in self.groups:
+            if group.index in self._ready:
+                continue  # read ahead for a step that was skipped: the host state has not changed
+            start = self._fits(_placed(group))
+            if start is None:
+                return
+            self._ready[group.index] = self._read(group, step, start)
+            self._pinned[group.index] = (start, start + _placed(group))
 
     def step(self, group: SubGroup, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
-        """One streamed sub-group's Adam: its state read up, stepped on the compute stream, and written back with
-        its units' new weights (see [Note: the streamed lane]); returns once it is enqueued."""
-        host = group.resident
-        assert group.streamed and host is not None, f"sub-group {group.index} is not streamed"
-        turn = self._turn
-        device = group.fmt.slot(self._slots[turn], group.numel)
-        self._turn ^= 1
-        back = self._back[turn]
-        if step != self._step and self._last is not None:  # a step's first read: after the last step's copies
-            self.up.wait_event(self._last)  # back (a sub-group may take the other slot than it did then)
-        self._step = step
-        if back is not None:  # this slot's last copy back has run: it may be written again
-            self.up.wait_event(back)
-        nbytes, unit, graph = group.fmt.slot_bytes(group.numel), group.members[0].unit, self.accel.graph
-
-        def up() -> None:
-            graph.work("h2d", unit, nbytes=nbytes)  # the recorded step's (offload/observe/step_graph.py)
-            device.copy_(host, non_blocking=True)
-
-        def down() -> None:
-            graph.work("d2h", unit, nbytes=nbytes)
-            host.copy_(device, non_blocking=True)
-        self.up.run(up)
-        self.telemetry.add_bytes("state_h2d", nbytes)
-        self.accel.compute_wait(self.up.record())
+        """One streamed sub-group's Adam: its state read up (unless read ahead), stepped on the compute stream, and
+        written back with its units' new weights (see [Note: the streamed lane]); returns once it is enqueued."""
+        assert group.streamed and group.resident is not None, f"sub-group {group.index} is not streamed"
+        ready = self._ready.pop(group.index, None)
+        self._pinned.pop(group.index, None)
+        start, device, read = ready if ready is not None else self._read(group, step, self._place(_placed(group)))
+        self.accel.compute_wait(read)
         for member in group.members:
             assert self.shards[member.unit].phase is not ShardPhase.STEPPED, member.unit  # never stepped early
             self.update.step_shard(member.unit, device.narrow(member.offset, member.numel), step, hypers, grad_scale,
                                    publish=False)
         self.down.wait_event(self.update.after_compute())
-        self.down.run(down)
-        self.telemetry.add_bytes("state_d2h", nbytes)
-        for member in group.members:
+        for member in group.members:  # the weights first: the next forward waits for them, not for the state
             weights = device.narrow(member.offset, member.numel).master
             if self.params.home(member.unit) is Tier.DEVICE:
                 self.params.write_device(member.unit, weights)
             else:
                 self.params.write_down(member.unit, weights, self.down)
-        self._back[turn] = self._last = self.down.record(into=back)
+        host, nbytes, unit, graph = group.resident, group.fmt.slot_bytes(group.numel), group.members[0].unit, \
+            self.accel.graph
+
+        def down() -> None:
+            graph.work("d2h", unit, nbytes=nbytes)  # the recorded step's (offload/observe/step_graph.py)
+            host.copy_(device, non_blocking=True)
+        self.down.run(down)
+        self.telemetry.add_bytes("state_d2h", nbytes)
+        self._last = self.down.record()
+        self._live.append((start, start + _placed(group), self._last))
+
+    def _read(self, group: SubGroup, step: int, start: int) -> tuple[int, StateSlot, Event]:
+        """``group``'s state up into the ring at ``start`` (free: ``_place`` waited), after the last step's copies
+        back (the state read is the one they wrote); its place, its slot and the read's event."""
+        host = group.resident
+        assert host is not None
+        if step != self._step and self._last is not None:  # a step's first read
+            self.up.wait_event(self._last)
+        self._step = step
+        device = group.fmt.slot(self._ring.narrow(0, start, _placed(group)), group.numel)
+        nbytes, unit, graph = group.fmt.slot_bytes(group.numel), group.members[0].unit, self.accel.graph
+
+        def up() -> None:
+            graph.work("h2d", unit, nbytes=nbytes)
+            device.copy_(host, non_blocking=True)
+        self.up.run(up)
+        self.telemetry.add_bytes("state_h2d", nbytes)
+        return start, device, self.up.record()
+
+    def _fits(self, nbytes: int) -> int | None:
+        """Where ``nbytes`` can go without taking a place read ahead and not yet stepped (None: nowhere now)."""
+        start = self._head if self._head + nbytes <= self._ring.numel() else 0
+        if any(s < start + nbytes and start < e for s, e in self._pinned.values()):
+            return None
+        return self._place(nbytes)
+
+    def _place(self, nbytes: int) -> int:
+        """The next place for ``nbytes`` in the ring (wrapping round), once the copies back of what was there have
+        run: the up stream waits for the newest of them (the copy stream runs its copies back in order)."""
+        start = self._head if self._head + nbytes <= self._ring.numel() else 0
+        end = start + nbytes
+        newest: Event | None = None
+        while self._live and any(s < end and start < e for s, e, _ in self._live):
+            newest = self._live.popleft()[2]
+        if newest is not None:
+            self.up.wait_event(newest)
+        self._head = end
+        return start
 
     def settle(self) -> None:
-        """Block until every copy back has run: the host state (and host-homed weights) are the step's."""
+        """Block until every copy back has run: the host state (and host-homed weights) are the step's. What was
+        read ahead is dropped (what reads the state next may change it: a checkpoint's load)."""
+        self._ready.clear()
+        self._pinned.clear()
         if self._last is not None:  # the copy stream runs its copies in order: the last is after every other
             self.accel.wait(self._last, "the streamed state's copy back")
+
+
+def _placed(group: SubGroup) -> int:
+    """Bytes ``group``'s state takes in the ring: its slot's, rounded up as the plan counts it (so every place
+    starts aligned for any dtype's view)."""
+    return group.nbytes
