@@ -35,14 +35,22 @@ def client_optimizer_run(rank, world, steps=6):
         return state, lrs
     ref = make_model("gpt")
     ref_opt = torch.optim.AdamW(_groups(ref), lr=2e-3, betas=(0.9, 0.95))
-    ref_sched = warm(ref_opt)
+    _reference_steps(ref, ref_opt, warm(ref_opt), steps, world)
+    return state, lrs, ref.state_dict(), [g["lr"] for g in ref_opt.param_groups]
+
+
+def _reference_steps(ref, opt, sched, steps, world):
+    """Plain PyTorch on the whole global batches, clipped at 1, the scheduler stepped after each step; the first
+    group's rate after each."""
+    lrs = []
     for tokens in batches(steps, 2 * world):
         loss_of(ref, "gpt", tokens).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_sched.step()
-    return state, lrs, ref.state_dict(), [g["lr"] for g in ref_opt.param_groups]
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    return lrs
 
 
 def test_client_optimizer_with_param_groups_and_scheduler_matches_torch():
@@ -78,15 +86,7 @@ def script_scheduler_run(rank, world, steps=5):
     ref = make_model("gpt")
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=config["optimizer"]["params"]["lr"], betas=(0.9, 0.95),
                                 weight_decay=0.1)
-    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, fn)
-    ref_lrs = []
-    for tokens in batches(steps, 2 * world):
-        loss_of(ref, "gpt", tokens).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_sched.step()
-        ref_lrs.append(ref_opt.param_groups[0]["lr"])
+    ref_lrs = _reference_steps(ref, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, fn), steps, world)
     return state, lrs, ref.state_dict(), ref_lrs, [str(w.message) for w in caught]
 
 
