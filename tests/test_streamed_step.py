@@ -148,6 +148,25 @@ def test_the_streamed_steps_are_bitwise_the_same_with_the_copies_lagging_or_not(
     check_bitwise(*runs)
 
 
+@pytest.mark.parametrize("params", ["none", "cpu"])
+def test_the_refit_moves_streamed_units_into_the_device_lane_and_training_goes_on(params):
+    """#68: a unit moved between lanes. With room after the first step, the refit takes the streamed units first
+    (their gradients are on the device already, the first in the order of need), then the host's; the ring is
+    given back once none is left, and the run trains as plain PyTorch."""
+    from test_refit import split_config, train_refitted
+
+    from offload.store.tier import Tier
+    config = split_config(1, 1, ratio="auto", stream_state=0.5)
+    if params != "none":
+        config["zero_optimization"]["offload_param"] = {"device": params}
+    r = run_ranks(train_refitted, 1, env=LAGGING_GPU, config=config, steps=STEPS, micro=2, accum=1,
+                  spare=1 << 40)[0]
+    assert r["moved"] > 0 and set(r["after"]["tiers"]) == {Tier.DEVICE}
+    assert r["before"]["device"].get(STREAMED_SLOTS, 0) > 0 and r["after"]["device"].get(STREAMED_SLOTS, 0) == 0
+    assert r["after"]["host"].get("optimizer state", 0) == 0
+    check_parity([r], train_reference("gpt", STEPS, 2, 2, world=1))
+
+
 def _read_under_backward(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     """The bytes of streamed state read once each backward is done, before step() is called, and after it."""
     from engine_cases import batches, loss_of

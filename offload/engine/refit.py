@@ -136,9 +136,10 @@ class Refit:
         rest stays (the ranks then differ in where some state lives, which no collective depends on)."""
         opt = self.optimizer
         opt.drain()  # every shard's gradient used and every step run before the choice reads them
-        # a streamed sub-group stays in its lane (offload.stream_state chose it)
-        groups = refit_choice([g for g in opt.sub_groups if not g.streamed], spare, opt.shard_bytes_to_move,
-                              opt.device_accumulated, opt.device_grad_bytes)
+        # a streamed sub-group moves too, first in the order of need: its gradients are on the device already
+        streamed = frozenset(m.unit for g in opt.sub_groups if g.streamed for m in g.members)
+        groups = refit_choice(list(opt.sub_groups), spare, opt.shard_bytes_to_move,
+                              opt.device_accumulated | streamed, opt.device_grad_bytes)
         if not groups:
             return 0
         host_before = opt.host_used

@@ -285,7 +285,7 @@ class ShardedAdam(OptimizerFace):
         self.params.wait_copies_back()
         before = self.host.used
         for whole, count in choice:
-            members = whole.members[:count]
+            members, streamed = whole.members[:count], whole.streamed  # streamed: its gradients are there already
             states = [self.shards[m.unit] for m in members]
             for state in states:
                 assert self.params.can_home_on_device(state.index), f"unit {state.name!r} cannot move its shard"
@@ -296,18 +296,22 @@ class ShardedAdam(OptimizerFace):
             # the rest (all of it, or none)
             fmt = whole.fmt.high_in_state()
             taken = fmt.slot(torch.empty(fmt.slot_bytes(numel), dtype=torch.uint8, device=device), numel)
-            grads = [state.on_device if state.on_device is not None else None if self.device_grads_kept
+            grads = [state.grad if streamed else state.on_device if state.on_device is not None
+                     else None if self.device_grads_kept
                      else torch.empty(state.numel, dtype=torch.float32, device=device) for state in states]
             shards = [torch.empty(state.numel, dtype=self.compute_dtype, device=device)
                       if self.params.home(state.index) is Tier.HOST else None for state in states]
             # Nothing has changed above; nothing below allocates device memory.
             g = whole if count == len(whole.members) else self.store.split(whole, count)
             self.store.move_to_device(g, taken)
+            if streamed:
+                assert self.streamed is not None
+                self.streamed.drop(g)
             for state, grad, shard in zip(states, grads, shards, strict=True):
                 if state.landing is not None:
                     self.host.give(state.landing.numel() * state.landing.element_size(), "gradient landing")
                     self.accel.forget_host_buffer(state.landing)
-                if self._host_accumulators and state.on_device is None:
+                if self._host_accumulators and state.on_device is None and not streamed:
                     self.host.give(4 * state.numel, "gradient accumulators")
                 if shard is not None:  # its shard is what the host step wrote
                     self.host.give(self.params.home_on_device(state.index, shard), "parameter copies")

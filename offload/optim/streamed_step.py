@@ -145,6 +145,15 @@ class StreamedStep:
         self._head = end
         return start
 
+    def drop(self, group: SubGroup) -> None:
+        """``group`` leaves the lane (the refit moved its state to the device, between steps, settled); with the
+        last one the ring is given back."""
+        self.groups = [g for g in self.groups if g is not group]
+        if not self.groups:
+            self._ring = torch.empty(0, dtype=torch.uint8, device=self.accel.device)
+            self._live.clear()
+            self._head = 0
+
     def settle(self) -> None:
         """Block until every copy back has run: the host state (and host-homed weights) are the step's. What was
         read ahead is dropped (what reads the state next may change it: a checkpoint's load)."""

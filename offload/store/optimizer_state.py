@@ -337,7 +337,7 @@ class OptimizerStateStore:
             for slot, what in ((g.resident, "optimizer state"), (g.spare, SPECULATIVE_SLOT)):
                 if slot is not None:
                     self.host.give(self.accel.forget_host_buffer(slot.start()), what)
-        g.tier, g.resident, g.spare, g.in_spare = Tier.DEVICE, moved, None, set()
+        g.tier, g.resident, g.spare, g.in_spare, g.streamed = Tier.DEVICE, moved, None, set(), False
         self.placement.tiers[Tier.HOST.value] -= g.numel
         self.placement.tiers[Tier.DEVICE.value] = self.placement.tiers.get(Tier.DEVICE.value, 0) + g.numel
 
