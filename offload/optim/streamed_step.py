@@ -156,7 +156,10 @@ class StreamedStep:
 
     def settle(self) -> None:
         """Block until every copy back has run: the host state (and host-homed weights) are the step's. What was
-        read ahead is dropped (what reads the state next may change it: a checkpoint's load)."""
+        read ahead is dropped (what reads the state next may change it: a checkpoint's load), its reads run out
+        first (they read host memory that a load rewrites and a close gives back)."""
+        if self._ready:
+            self.accel.wait(self.up.record(), "the streamed state's reads ahead")
         self._ready.clear()
         self._pinned.clear()
         if self._last is not None:  # the copy stream runs its copies in order: the last is after every other
