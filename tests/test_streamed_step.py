@@ -167,6 +167,37 @@ def test_the_refit_moves_streamed_units_into_the_device_lane_and_training_goes_o
     check_parity([r], train_reference("gpt", STEPS, 2, 2, world=1))
 
 
+def _fp16_with_an_overflow(rank: int, world: int, share: float) -> list[Any]:
+    """Five fp16 steps whose third overflows (skipped, the scale halved): whether each changed the weights, and the
+    weights at the end."""
+    import math
+
+    from engine_cases import batches, loss_of
+    config = streamed_config(1, share=share)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 2}
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    changed = []
+    for step, tokens in enumerate(batches(5, 2)):
+        before = engine.full_state_dict()
+        loss = loss_of(engine, "gpt", tokens)
+        engine.backward(loss * math.inf if step == 2 else loss)
+        engine.step()
+        after = engine.full_state_dict()
+        changed.append(not all(torch.equal(before[k], after[k]) for k in before))
+    engine.close()
+    return [changed, engine.skipped_steps, after]
+
+
+def test_an_fp16_overflow_skips_the_streamed_step_and_its_reads_ahead_serve_the_next():
+    """The state read ahead under the overflowed backward is not stepped; the next step uses it (the host state
+    has not changed) and trains as the run whose host steps everything."""
+    (streamed_changed, skipped, streamed), = run_ranks(_fp16_with_an_overflow, 1, env=LAGGING_GPU, share=1.0)
+    (host_changed, _, hosted), = run_ranks(_fp16_with_an_overflow, 1, env=LAGGING_GPU, share=0.0)
+    assert streamed_changed == host_changed == [True, True, False, True, True] and skipped == 1
+    for key, value in hosted.items():  # torch's Adam on the device beside the host's native one: their rounding
+        torch.testing.assert_close(streamed[key], value, rtol=0, atol=1e-4)  # a step is about lr = 3e-3
+
+
 def _read_under_backward(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     """The bytes of streamed state read once each backward is done, before step() is called, and after it."""
     from engine_cases import batches, loss_of
