@@ -19,6 +19,7 @@
 #   run(carry=[".whl"], timeout_s=560, command='BUNDLE=$OUT/p.tgz OUT=/tmp/gs STAGE_S=200 tools/gpu_session.sh plan59')
 # then, the moment it returns, pace-4p5b alone (STAGE_S=400, `install` first only if the machine went cold).
 # Since session 41 the first call should be plan68 (#68's streamed lane, #71's row 1; never run on a GPU): install,
+# the streamed lane's CUDA tests (tests/test_engine_cuda.py -k streamed: correct before it is timed),
 # then the 0.91B GPT with everything homed on the host through the host lane and the streamed lane (stream_state
 # auto, chosen by the measured rates, then 0.5 and 1.0), clipping off then on, each beside plain PyTorch and its floor
 # (the longest of compute, the host Adam share and each bus direction's bytes at the measured rate):
@@ -253,7 +254,7 @@ for s in "$@"; do
     plan44b) stages+=(cuda-tests trainer-8b pace-4p5b-budget) ;;
     plan55) stages+=(install pace-4p5b-formats) ;;
     plan59) stages+=(install cuda-tests pace-0p9b) ;;  # cuda-tests: 15 s on the H200 (2026-11-27)
-    plan68) stages+=(install pace-0p9b-lanes) ;;  # the lanes first, whenever a device is lent (#71's row 1)
+    plan68) stages+=(install cuda-streamed pace-0p9b-lanes) ;;  # the lanes first, whenever a device is lent (#71's row 1)
     *) stages+=("$s") ;;
   esac
 done
@@ -263,6 +264,7 @@ for s in "${stages[@]}"; do
     wheels) stage wheels wheels ;;
     install) stage install install ;;
     bench-deepspeed-placements) stage bench-deepspeed-placements deepspeed_placements ;;
+    cuda-streamed) stage cuda-streamed py -m pytest -q -x tests/test_engine_cuda.py -k streamed ;;  # correct first
     cuda-tests) stage cuda-tests py -m pytest -q -x tests/test_engine_cuda.py tests/test_cli.py tests/test_bench_pace.py -k "cuda or gpu or pcie" ;;
     # The CUDA tests under torch's stream sanitizer: a kernel that reads what another stream writes without a wait fails.
     sanitizer) TORCH_CUDA_SANITIZER=1 stage sanitizer py -m pytest -q tests/test_engine_cuda.py ;;

@@ -16,7 +16,7 @@ from offload.store.state_format import FP32, StateFormat, StateSlot
 from offload.store.tier import Tier
 
 SPECULATIVE_SLOT = "optimizer state (speculative slot)"  # the host budget's name for the second slots
-STREAMED_SLOTS = "streamed optimizer state (two slots)"  # the device's, for the streamed lane's staging
+STREAMED_SLOTS = "streamed optimizer state (a ring of two sub-groups)"  # the streamed lane's, on the device
 
 
 @dataclass(frozen=True)
