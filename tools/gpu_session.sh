@@ -59,7 +59,7 @@
 # bench-step-default 35-37, bench-step-1p3b-auto 157, bench-step-1p3b-split 178, bench-step-hiding 78, bench-hooks 13,
 # bench-deepspeed-device 170, sanitizer 26-35, bench-step-nvme-early 91-112, bench-adam 36, bench-step-nvme-optimizer
 # 82, bench-deepspeed-nvme 205 s):
-#   install cuda-tests bench-pcie bench-adam bench-hooks bench-step bench-step-default bench-step-placement
+#   install cuda-streamed cuda-tests bench-pcie bench-adam bench-hooks bench-step bench-step-default bench-step-placement
 #   bench-step-delayed bench-step-hiding bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
 #   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b
 #   bench-deepspeed-nvme bench-step-checkpointing bench-step-threads profile sanitizer suite

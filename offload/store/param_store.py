@@ -60,6 +60,8 @@ class ParamShard:
     ready: Event | None = None  # the copy that last wrote ``device``; its next reader waits for it
     stepped: Event | None = None  # an early step's writes of the shard (and its copy back) done (re-recorded)
     step_pending: bool = False  # ``stepped`` not yet waited for: the shard's readers wait first
+    # ``stepped`` is a copy stream's (the streamed lane's copy down): a copy up may wait for it there, not the host
+    stepped_on_stream: bool = False
     fetched: Event | None = None  # a host home's last copy to the device (re-recorded each time)
 
 
@@ -243,9 +245,12 @@ class ParamStore:
     def to_device(self, index: int, h2d: CopyStream | None) -> torch.Tensor:
         """The shard on the compute device, ready for the compute stream (which waits for the copy, or for the
         one that last wrote a device home). An NVMe shard waits for its read, which read-ahead has usually done;
-        a failed read raises here, before the caller changes anything."""
-        self.await_home(index)
+        a failed read raises here, before the caller changes anything. A host home the streamed lane is writing
+        down is waited for by the copy up, on the device: the host issuing the forward goes on."""
         shard = self._shards[index]
+        on_stream = h2d is not None and self._written_on_stream(index)
+        if not on_stream:
+            self.await_home(index)
         if shard.home is Tier.DEVICE:
             return shard.device
         if shard.home is Tier.HOST and self.host_is_device:
@@ -258,6 +263,9 @@ class ParamStore:
         out = torch.empty(shard.numel, dtype=self.dtype, device=self.accel.device)
         self._compute_done = self.accel.compute_event(into=self._compute_done)
         h2d.wait_event(self._compute_done)  # the new buffer may reuse memory compute just freed
+        if on_stream:  # the streamed lane's copy down of these weights (host readers still wait: step_pending)
+            assert shard.stepped is not None
+            h2d.wait_event(shard.stepped)
         graph = self.accel.graph
 
         def fetch() -> None:
@@ -342,6 +350,7 @@ class ParamStore:
         lane.run(copy)
         self.telemetry.add_bytes("d2h", nbytes)
         self.step_pending(index, lane)
+        shard.stepped_on_stream = True
 
     def wrote(self, index: int) -> None:
         """The step finished writing ``step_target``: an NVMe shard goes to its other slot."""
@@ -379,7 +388,7 @@ class ParamStore:
         """An early step queued on ``lane`` writes the shard (and starts its copy back) by the time what is queued
         there so far has run (see [Note: early step] in offload/optim/early_step.py)."""
         shard = self._shards[index]
-        shard.stepped, shard.step_pending = lane.record(into=shard.stepped), True
+        shard.stepped, shard.step_pending, shard.stepped_on_stream = lane.record(into=shard.stepped), True, False
         if self.home(index) is Tier.NVME:
             self._nvme_stepping.add(index)
 
@@ -392,12 +401,21 @@ class ParamStore:
             shard.step_pending = False
             self._nvme_stepping.discard(index)
 
+    def _written_on_stream(self, index: int) -> bool:
+        """Whether a host home's pending write is a copy stream's (the streamed lane's copy down), which a copy
+        up may wait for on the device."""
+        shard = self._shards[index]
+        return (shard.step_pending and shard.stepped_on_stream and shard.home is Tier.HOST
+                and not self.host_is_device)
+
     def prepare(self, index: int) -> bool:
         """The one door before a gather reads the shard (now, or ahead of use): an early step still writing it has
         run, and an NVMe shard's read is in flight. False where a failed write left the NVMe shard stale (see
         [Note: an early step's parameter writes] in param_swap.py): nothing was started, and whoever gathers has
-        the shard rewritten from its master (the optimizer) and prepares it again."""
-        self.wait_step(index)
+        the shard rewritten from its master (the optimizer) and prepares it again. A host home the streamed lane
+        is writing down is left to the copy up to wait for, on the device (``to_device``)."""
+        if not self._written_on_stream(index):
+            self.wait_step(index)
         if self.home(index) is not Tier.NVME:
             return True
         assert self.swap is not None
