@@ -65,7 +65,6 @@ class StateSplit:
     def move_to_device(self, units: frozenset[int]) -> None:
         self.on_device |= units
         self.streamed -= units  # a streamed unit's state now stays where it is stepped
-        self.streamed -= units
 
 
 class ShardPhase(enum.Enum):

@@ -444,7 +444,7 @@ def _plan_streamed(out: Placement, shards: Shards, config: Any, discrete: bool) 
     """offload.stream_state s: of the units whose optimizer state is offloaded to the host, the first ones (the
     next forward's first) nearest s of their elements are stepped on the device, their state streamed over the bus
     each step (see [Note: the streamed lane] in offload/optim/streamed_step.py): their gradients stay on the device
-    as a device-stepped unit's do, and two staging slots of the largest such sub-group's state take device memory.
+    as a device-stepped unit's do, and a ring of two of the largest such sub-group's state takes device memory.
     On a CPU device, whose memory is the host's, there is no bus to stream over: nothing is streamed."""
     share = config.offload.stream_state
     if share is AUTO or not share or not discrete:
@@ -462,8 +462,8 @@ def _plan_streamed(out: Placement, shards: Shards, config: Any, discrete: bool) 
 
 
 def _stream(out: Placement, shards: Shards, config: Any, chosen: list[tuple[int, int]]) -> None:
-    """The ``chosen`` units' state streamed: their own sub-groups, their gradients and two staging slots on the
-    device."""
+    """The ``chosen`` units' state streamed: their own sub-groups, their gradients and the ring on the device
+    (twice the largest one's state: offload/optim/streamed_step.py)."""
     zero = config.zero_optimization
     out.streamed = frozenset(i for i, _ in chosen)
     out.groups = plan_sub_groups(shards.trained_sizes, int(zero.sub_group_size), out.state_on_device,
@@ -498,11 +498,12 @@ class Lanes:
     [Note: three lanes by rates] With offload.stream_state auto the same prices choose a third share: after the k
     units kept on the device, the next j have their state streamed (homed on the host, stepped on the device: see
     [Note: the streamed lane] in offload/optim/streamed_step.py). Streaming j units costs the device their
-    gradients and two staging slots (not their state), takes their Adam off the host's lane and puts it on the
-    GPU's, sends their state up and down the bus (and, for a host home, their new weights down), and keeps their
-    gradients off the bus down. Every (k, j) the room holds is weighed (j on a grid of ``STREAM_CHOICES`` where
-    there are more units): the host's Adam and the bus then meet near where the longer of them is shortest. A
-    fixed offload_optimizer.ratio fixes k (and homes no shard beyond its units), and auto weighs j alone."""
+    gradients and the ring their state passes through (not their state), takes their Adam off the host's lane and
+    puts it on the GPU's, sends their state up and down the bus (and, for a host home, their new weights down),
+    and keeps their gradients off the bus down. Every (k, j) the room holds is weighed (j on a grid of
+    ``STREAM_CHOICES`` where there are more units): the host's Adam and the bus then meet near where the longer of
+    them is shortest. A fixed offload_optimizer.ratio fixes k (and homes no shard beyond its units), and auto weighs
+    j alone."""
 
     def __init__(self, cost: list[tuple[int, int, int]], shards: Shards, room: int, rates: Rates, config: Any,
                  stream: bool, grad_bytes: int) -> None:
@@ -512,7 +513,7 @@ class Lanes:
         self.params_offloaded = config.zero_optimization.offload_param.device != "none"
 
     def streamed_bytes(self, k: int, j: int) -> int:
-        """Device bytes of streaming the j units after the first k: their gradients and two staging slots of the
+        """Device bytes of streaming the j units after the first k: their gradients and the ring, twice the
         largest one's state (a streamed unit is a sub-group alone)."""
         units = [n for _, n, _ in self.cost[k:k + j]]
         if not units:

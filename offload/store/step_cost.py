@@ -28,6 +28,8 @@ STATE_BYTES = 12  # per element of fp32 state (master and moments); fewer in ano
 def adam_bytes(state_bytes: int = STATE_BYTES) -> int:
     """Host memory an element of one Adam step moves: its state read and written, the fp32 gradient read."""
     return 2 * state_bytes + ADAM_BYTES - 2 * STATE_BYTES
+
+
 C = TypeVar("C")  # what a candidate split is named by
 TIE = 0.01  # lanes this close (relative) are equal, and the serial sum decides
 

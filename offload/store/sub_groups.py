@@ -71,14 +71,13 @@ def plan_sub_groups(sizes: list[tuple[int, int]], sub_group_size: int,
                     streamed: frozenset[int] = frozenset()) -> list[SubGroup]:
     """Consecutive units' shards packed up to ``sub_group_size`` elements (a larger unit is one alone); the units
     ``on_device`` (the first ones: see offload/store/placement.py) form sub-groups of their own, on the device; the
-    ``streamed`` ones (homed on the host, stepped on the device) one sub-group each, so the device's two staging
-    slots are two units' state and one unit's copies overlap the next one's step; every one holds its state in
-    ``fmt``."""
+    ``streamed`` ones (homed on the host, stepped on the device) one sub-group each, so the device's ring holds
+    units' state and one unit's copies overlap the next one's step; every one holds its state in ``fmt``."""
     groups: list[SubGroup] = []
     for unit, numel in sizes:
         device, stream = unit in on_device, unit in streamed
         if (not groups or groups[-1].numel + numel > sub_group_size or (groups[-1].tier is Tier.DEVICE) != device
-                or groups[-1].streamed != stream or stream):
+                or stream or groups[-1].streamed):
             groups.append(SubGroup(len(groups), [], 0, tier=Tier.DEVICE if device else Tier.HOST, fmt=fmt,
                                    streamed=stream))
         g = groups[-1]
