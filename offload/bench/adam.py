@@ -252,12 +252,8 @@ PREFETCH_HOW = ((True, "prefetching"), (False, "hardware prefetch only"))
 def prefetching(on: bool, fn: Callable[[], None]) -> Callable[[], None]:
     """``fn`` with the Adam pass's software prefetch on (the variant's distance) or off, as it was after."""
     def run() -> None:
-        before = native.prefetch_ahead()
-        native.set_prefetch(None if on else 0)
-        try:
+        with native.prefetching(None if on else 0):
             fn()
-        finally:
-            native.set_prefetch(before)
     return run
 
 

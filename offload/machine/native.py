@@ -7,7 +7,9 @@ instruction set; the best variant this CPU runs is chosen on first use.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -194,6 +196,18 @@ def set_prefetch(ahead: int | None) -> None:
 
 def prefetch_ahead() -> int | None:
     return _prefetch
+
+
+@contextlib.contextmanager
+def prefetching(ahead: int | None) -> Iterator[None]:
+    """The Adam pass prefetches ``ahead`` (as ``set_prefetch``) inside, as it did before after: one contender of
+    a measurement that compares them."""
+    before = _prefetch
+    set_prefetch(ahead)
+    try:
+        yield
+    finally:
+        set_prefetch(before)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -78,20 +78,17 @@ def cache_path() -> Path:
 def measure(threads: int) -> tuple[float, float]:
     """Median seconds of the Adam pass prefetching and not, in alternating rounds (its buffers freed after)."""
     p, g, m, v = (torch.zeros(ELEMENTS) for _ in range(4))
-    before = native.prefetch_ahead()
     times: dict[bool, list[float]] = {True: [], False: []}
-    try:
-        for r in range(ROUNDS + 1):
-            for on in (True, False) if r % 2 else (False, True):
-                native.set_prefetch(None if on else 0)
+    for r in range(ROUNDS + 1):
+        for on in (True, False) if r % 2 else (False, True):
+            with native.prefetching(None if on else 0):
                 start = time.perf_counter()
                 native.adam_kernel(p, g, m, v, None, grad_scale=1.0, decay=1.0, l2=0.0, one_minus_beta1=0.1,
                                    beta2=0.999, one_minus_beta2=0.001, bc2_sqrt=1.0, eps=1e-8, step_size=1e-4,
                                    threads=threads)
-                if r:  # the first round warms up
-                    times[on].append(time.perf_counter() - start)
-    finally:
-        native.set_prefetch(before)
+                took = time.perf_counter() - start
+            if r:  # the first round warms up
+                times[on].append(took)
     return statistics.median(times[True]), statistics.median(times[False])
 
 
