@@ -88,6 +88,8 @@ def test_a_damaged_or_unwritable_cache_never_stops_a_run(tmp_path, monkeypatch, 
     blocked = tmp_path / "file"
     blocked.write_text("")
     assert prefetch.choose("auto", 2, blocked / "sub" / "cache.json").source == "measured"  # not kept, still chosen
+    monkeypatch.setattr(prefetch, "measure", lambda threads: pytest.fail("measured again in the same process"))
+    assert prefetch.choose("auto", 2, blocked / "sub" / "cache.json").prefetch is False  # this process remembers
 
 
 def test_the_real_measurement_times_both_and_the_config_key_is_checked():

@@ -104,8 +104,13 @@ def choose(setting: str, threads: int, cache: Path | None = None) -> PrefetchCho
     return choice
 
 
+_UNKEPT: dict[tuple[Path, str], PrefetchChoice] = {}  # measured in this process where the cache could not keep it
+
+
 def _cached_or_measured(threads: int, path: Path) -> PrefetchChoice:
     key = cpu_key(threads)
+    if (path, key) in _UNKEPT:  # every engine of this process would measure again
+        return _UNKEPT[path, key]
     known = _read(path)
     if key in known:
         entry = known[key]
@@ -121,6 +126,7 @@ def _cached_or_measured(threads: int, path: Path) -> PrefetchChoice:
     except OSError as e:
         logger.info("the host Adam's prefetch choice is not kept for the next run (%s cannot be written: %s)",
                     path, e)
+        _UNKEPT[path, key] = choice
     return choice
 
 
