@@ -255,3 +255,38 @@ def test_a_script_that_never_closes_its_engine_exits_cleanly(tmp_path):
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout == "backward done\n" and "terminate" not in done.stderr
+
+
+EXIT_IN_A_GROUP = """
+import atexit, sys
+import torch.distributed as dist
+sys.path.insert(0, {tests!r})
+# registered before the engine's: runs after it at exit, while Python is still whole
+atexit.register(lambda: open({out!r} + dist.get_rank.__name__ + {rank!r}, "w").write(str(dist.is_initialized())))
+import offload
+from engine_cases import base_config, batches, loss_of, make_model
+dist.init_process_group("gloo")  # the script's (as the Trainer's accelerate makes it), never destroyed
+engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 2))
+engine.backward(loss_of(engine, "gpt", batches(1, 2)[0]))
+engine.step()
+"""
+
+
+def test_a_gloo_group_left_alive_is_ended_before_python_finalizes(tmp_path):
+    """See [Note: the group at exit]: a rank exiting with its gloo group alive aborted now and then; the engine
+    ends the group at exit, before the interpreter goes, whoever made it."""
+    import os
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29_000 + os.getpid() % 1000),
+           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    ranks = []
+    for rank in range(2):
+        script = tmp_path / f"rank{rank}.py"
+        script.write_text(EXIT_IN_A_GROUP.format(tests=str(Path(__file__).parent), out=str(tmp_path / "alive-"),
+                                                 rank=str(rank)))
+        ranks.append(subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(rank)},
+                                      stderr=subprocess.PIPE, text=True))
+    for proc in ranks:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    for rank in range(2):
+        assert (tmp_path / f"alive-get_rank{rank}").read_text() == "False", "the group outlived the script's end"

@@ -8,6 +8,7 @@ caller). What the engine is made of is decided in offload/engine/build.py.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -23,7 +24,7 @@ from offload.engine.build import OptimizerChoice
 from offload.engine.core import Engine
 from offload.engine.errors import EngineError
 from offload.files.pretrained import PretrainedWeights
-from offload.machine.accelerator import Accelerator
+from offload.machine.accelerator import Accelerator, finish_streams
 from offload.machine.host_malloc import set_mmap_threshold
 from offload.optim.cpu_adam import CPUAdam
 from offload.optim.sharded import ShardedAdam
@@ -101,7 +102,32 @@ def _join_group(dist_init_required: bool | None) -> Group:
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend)
-    return Group.current()
+    group = Group.current()
+    if group.world > 1:
+        _end_group_at_exit()
+    return group
+
+
+_ENDING: list[bool] = []  # whether this process has registered _end_group once
+
+
+def _end_group_at_exit() -> None:
+    """[Note: the group at exit] A script that ends without ``destroy_process_group()`` (most do: the Trainer and
+    accelerate leave the group to the process's end) has gloo's worker threads still holding finished work, whose
+    tensors are freed while Python finalizes; that takes the GIL of a finalizing interpreter and the rank aborts
+    ("terminate called without an active exception", now and then: one run in many on a 2-core machine). So at
+    exit, while Python is whole, our streams finish their work and then a gloo group still alive is destroyed
+    (registered after torch's and the launcher's handlers, so it runs before them). NCCL's group is left to the
+    script: its destroy can block on a peer, and its end at exit is only a warning."""
+    if not _ENDING:
+        _ENDING.append(True)
+        atexit.register(_end_group)
+
+
+def _end_group() -> None:
+    finish_streams()
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
 
 
 def _default_device() -> torch.device:

@@ -322,7 +322,8 @@ _LIVE_STREAMS: weakref.WeakSet[WorkerStream] = weakref.WeakSet()
 
 
 @atexit.register
-def _finish_streams_at_exit() -> None:
+def finish_streams() -> None:
+    """Every live stream runs what it was given, then stops (at exit; see [Note: streams at exit])."""
     for stream in list(_LIVE_STREAMS):
         stream.close()
 
