@@ -73,8 +73,9 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
     atomic_names = {a for a in atomic if isinstance(a, str)} | set(getattr(model, "_no_split_modules", None) or ())
     atomic_types = ATOMIC_MODULES + tuple(a for a in atomic if isinstance(a, type))
 
-    def is_atomic(module: nn.Module) -> bool:
-        return isinstance(module, atomic_types) or type(module).__name__ in atomic_names
+    def is_atomic(module: nn.Module, name: str) -> bool:
+        return (isinstance(module, atomic_types) or type(module).__name__ in atomic_names
+                or compiled(module) and bool(name))
     claimed: set[int] = set()
     units: list[UnitPlan] = []
     held: tuple[list[str], list[tuple[str, nn.Parameter]]] = ([], [])  # a tiny run waiting for the next unit
@@ -125,7 +126,7 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
 
     def visit(module: nn.Module, name: str) -> None:
         params = unclaimed(module, name, recurse=True)
-        if sum(p.numel() for _, p in params) <= target or is_atomic(module):
+        if sum(p.numel() for _, p in params) <= target or is_atomic(module, name):
             add([name], params)
             return
         made_from = len(units)
@@ -138,7 +139,7 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
             size = sum(p.numel() for _, p in child_params)
             if size == 0:
                 continue
-            alone = size > target or is_atomic(child) and size > target // 2
+            alone = size > target or is_atomic(child, full) and size > target // 2
             if alone or sum(p.numel() for _, p in run_params) + size > target:
                 add_run(run, run_params, made_from, last=False)
                 run, run_params = [], []
@@ -157,6 +158,13 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
         add(anchors, params)
     _find_borrowers(model, units)
     return units
+
+
+def compiled(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs compiled code (``module.compile()``, or the wrapper ``torch.compile``
+    returns). A compiled module below the root is atomic: a unit inside it would put our hooks in its graph (see
+    [Note: hooks outside compiled code] in zero/runtime.py)."""
+    return getattr(module, "_compiled_call_impl", None) is not None or type(module).__name__ == "OptimizedModule"
 
 
 def sharded_elsewhere(name: str) -> ValueError:

@@ -56,6 +56,8 @@ from offload.optim.landing import ReducedShard
 from offload.store.param_store import ParamStore
 from offload.zero.backward_state import BackwardState
 from offload.zero.collectives import Group, ReductionOrder, all_reduce_sum, reduce_scatter
+from offload.zero.compiled import CompileWatch
+from offload.zero.plan import compiled
 from offload.zero.prefetch import PrefetchTrace
 from offload.zero.stage import Stage
 from offload.zero.unit import Unit, UnitState
@@ -142,6 +144,7 @@ class ZeroRuntime:
         """``below``: the parameter store, the gradients' landing and the stale shards' repair."""
         persistence_threshold, persistence_cap = settings.persistence_threshold, settings.persistence_cap
         self.model = model
+        self.compiles = CompileWatch(model)  # what dynamo made of the compiled units (see zero/compiled.py)
         self.stage = settings.stage
         self.overlap_comm = settings.overlap_comm
         self.units = units
@@ -167,6 +170,7 @@ class ZeroRuntime:
         self.gathers = 0
         self._acquired: dict[int, list[list[Unit]]] = {}  # per module: the units each running forward holds
         self._handles: list[RemovableHandle] = []
+        self._direct: dict[int, list[RemovableHandle]] = {}  # per module: its direct-call hooks (removable)
         self._said_partitioned = False  # the warning of _partitioned_state_dict, once
         # Per module: the units for which its forward is not the last of their anchors' (see [Note: when a unit is
         # gathered]); their release after it keeps them gathered.
@@ -207,17 +211,20 @@ class ZeroRuntime:
                 key = id(by_name[name])
                 self._keep_after[key] = self._keep_after.get(key, frozenset()) | {unit.index}
         for module, units in users.values():
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(units)))
-            self._handles.append(module.register_forward_hook(self._post_forward_hook(units), always_call=True))
+            self._handles.append(module.register_forward_pre_hook(_eager(self._pre_forward_hook(units))))
+            self._handles.append(module.register_forward_hook(_eager(self._post_forward_hook(units)),
+                                                              always_call=True))
         direct: dict[int, tuple[nn.Module, list[Unit]]] = {}
+        inside = _inside_compiled(model)
         for unit in (u for u in self.units if not _root_owned(u)):
             for name in _owners(unit):
                 module = by_name[name]
-                if id(module) not in users:
+                if id(module) not in users and name not in inside:
                     direct.setdefault(id(module), (module, []))[1].append(unit)
         for module, units in direct.values():
-            self._handles.append(module.register_forward_pre_hook(self._direct_pre_hook(units)))
-            self._handles.append(module.register_forward_hook(self._direct_post_hook(units), always_call=True))
+            self._direct[id(module)] = [
+                module.register_forward_pre_hook(_untraced(self._direct_pre_hook(units))),
+                module.register_forward_hook(_untraced(self._direct_post_hook(units)), always_call=True)]
         for unit in self.units:
             for slot in unit.slots:
                 if slot.param.requires_grad:
@@ -244,6 +251,8 @@ class ZeroRuntime:
         def hook(module: nn.Module, args: Any) -> None:
             if self.graph.on:
                 self.graph.work("hook_forward", lane=HOST)
+            if self._direct and compiled(module):  # compiled since initialize: no hook of ours may stay inside
+                self._leave_inside(module)
             acquired: list[Unit] = []
             # The post-hook runs even when this one raises (always_call): it releases exactly what was acquired.
             self._acquired.setdefault(id(module), []).append(acquired)
@@ -273,6 +282,13 @@ class ZeroRuntime:
         elif tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda _grad: self._pre_backward(units), mode="any")
+
+    def _leave_inside(self, module: nn.Module) -> None:
+        """The direct-call hooks inside a compiled module go: each is a guard of its graph, and their ids differ
+        from block to block, so every block would compile again (see [Note: hooks outside compiled code])."""
+        for inner in module.modules():
+            for handle in self._direct.pop(id(inner), []) if inner is not module else ():
+                handle.remove()
 
     def _direct_pre_hook(self, units: list[Unit]) -> Callable[..., None]:
         """[Note: a submodule called directly] A module inside a unit's anchor, called while no forward of the
@@ -555,6 +571,7 @@ class ZeroRuntime:
     def step_taken(self) -> None:
         """The step took (or skipped) the gradients: the next ones are counted anew."""
         self.got_grad.clear()
+        self.compiles.stepped()
 
     def clear_held_grads(self) -> None:
         """Stages 0-1 between micro-batches: the ``.grad`` kept so far is cleared (DeepSpeed's zero_grad); which
@@ -611,9 +628,40 @@ class ZeroRuntime:
             self._reshard(unit)
 
     def close(self) -> None:
-        for handle in self._handles:
+        for handle in self._handles + [h for hs in self._direct.values() for h in hs]:
             handle.remove()
         self._handles.clear()
+        self._direct.clear()
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """[Note: hooks outside compiled code] A module compiled by the user (``block.compile()``, ``torch.compile``)
+    runs its hooks inside the compiled call: traced, the gathers and the backward claims would break its graph or be
+    baked into it. Kept out of tracing, as FSDP2 keeps its own, they run eagerly around the compiled forward, which
+    sees the gathered parameters as its inputs. A compiled module below the root is atomic (zero/plan.py), so no
+    unit's hooks sit inside one, and the direct-call hooks inside it are removed (``_leave_inside``)."""
+    return torch._dynamo.disable(hook, recursive=True, reason="offload's gather and release run outside the graph")
+
+
+def _inside_compiled(model: nn.Module) -> set[str]:
+    """The names of the modules strictly inside a compiled one: no hook of ours goes there (see [Note: hooks
+    outside compiled code])."""
+    roots = [name for name, module in model.named_modules() if compiled(module)]
+    return {name for name, _ in model.named_modules(remove_duplicate=False)
+            if any(name.startswith(f"{root}.") or (root == "" and name) for root in roots)}
+
+
+def _untraced(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A direct-call hook (see [Note: a submodule called directly]) on a module inside a compiled block: traced,
+    it is the anchor's forward calling its part, where the anchor's hooks hold the unit already, so it is left out of
+    the graph entirely (a call to an eager function there would break the block's graph in two)."""
+    eager = _eager(hook)
+
+    def gate(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return eager(*args)
+    return gate
 
 
 def _owners(unit: Unit) -> list[str]:
