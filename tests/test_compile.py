@@ -150,3 +150,37 @@ def test_compile_refuses_what_it_cannot_honour():
         engine.compile(compile_kwargs={"backend": "eager"})
     assert not engine.is_compiled
     engine.close()
+
+
+@pytest.mark.parametrize("how", ["module.compile", "torch.compile"])
+def test_a_model_compiled_whole_trains_exactly_and_is_told_to_compile_its_blocks(caplog, how):
+    """The units' gathers stay outside the graph, so a whole-model graph breaks at each unit: correct, said once."""
+    ref = plain(STEPS, MICRO)
+    torch._dynamo.reset()
+    model = make_model("gpt")
+    if how == "module.compile":
+        model.compile(backend=BACKEND)
+    else:
+        model = torch.compile(model, backend=BACKEND)
+    cfg = base_config(MICRO, 1, 1)
+    cfg["offload"]["unit_bytes"] = 1 << 16
+    with caplog.at_level("WARNING", logger="offload.engine"):
+        engine, *_ = offload.initialize(model=model, config=cfg)
+    said = [r.getMessage() for r in caplog.records if "compiled whole" in r.getMessage()]
+    assert len(said) == 1 and "engine.compile()" in said[0], said
+    losses = []
+    for tokens in batches(STEPS, MICRO):
+        losses.append(engine.backward(loss_of(engine, "gpt", tokens)).item())
+        engine.step()
+    assert engine.compile_report().recompiles == 0
+    engine.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_compile_says_when_the_units_are_cut_inside_the_blocks(caplog):
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(MICRO, 1, 1, unit_bytes=8192))
+    with caplog.at_level("WARNING", logger="offload.engine"):
+        engine.compile(backend=BACKEND)
+    said = [r.getMessage() for r in caplog.records if "cut inside" in r.getMessage()]
+    engine.close()
+    assert len(said) == 1 and "3 block(s) (blocks.0, blocks.1 ...)" in said[0] and "block.compile()" in said[0]

@@ -39,6 +39,19 @@ def test_train_with_params_and_optimizer_on_nvme_and_a_hugging_face_model(tmp_pa
     assert not any((tmp_path / "swap").iterdir())  # the swap directory is cleaned on exit
 
 
+def test_compile_trains_the_same_losses_with_the_blocks_compiled_and_says_what_dynamo_made(tmp_path, capsys):
+    _train(tmp_path, "--steps", "6", out="eager")
+    capsys.readouterr()
+    assert _train(tmp_path, "--steps", "6", "--compile", "aot_eager", out="compiled") == 0
+    eager, compiled = _record(tmp_path, "eager"), _record(tmp_path, "compiled")
+    assert eager["compile"] is None
+    report = compiled["compile"]
+    assert report["compiled"] == ["blocks.0", "blocks.1"] and report["graphs"] >= 1
+    assert report["graph_breaks"] == 0 and report["recompiles"] == 0, report
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+    assert "compiled: 2 module(s) ('blocks.0', 'blocks.1')" in capsys.readouterr().out
+
+
 def test_resume_continues_exactly_where_the_checkpoint_left_off(tmp_path):
     _train(tmp_path, "--steps", "8", out="straight")
     _train(tmp_path, "--steps", "4", "--save-every", "2", out="half")

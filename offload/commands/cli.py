@@ -422,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override zero_optimization.stage (stage 0 keeps the optimizer on the device)")
     p.add_argument("--checkpointing", choices=["none", "device", "cpu"], default=None,
                    help="activation checkpointing of every block: saved inputs on the device, or in host memory")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="compile each block with torch.compile (engine.compile(); default backend inductor) and "
+                        "print its graphs, graph breaks and recompiles")
     p.add_argument("--nvme-path", default=d.nvme_path, help=f"swap directory for nvme (default ./{d.nvme_path})")
     p.add_argument("--init-empty", action="store_true", help="build the model under offload.zero.Init")
     p.add_argument("--seed", type=non_negative_int, default=d.seed)

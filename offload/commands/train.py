@@ -34,6 +34,7 @@ from offload.files.training_checkpoint import latest_tag
 from offload.machine.host_malloc import DEFAULT_THRESHOLD
 from offload.models.catalog import ModelError
 from offload.models.catalog import build_model as build_named_model
+from offload.zero.compiled import CompileReport, compile_blocks
 
 
 class TrainError(ValueError):
@@ -58,6 +59,7 @@ class TrainArgs:
     max_in_cpu: int | None = None  # offload_param.max_in_cpu: parameter elements kept on the host with nvme
     stage: int | None = None  # ZeRO stage: overrides the config
     checkpointing: str | None = None  # none, device or cpu: activation checkpointing of every block
+    compile: str | None = None  # a torch.compile backend: engine.compile() before the first step
     nvme_path: str = "offload-swap"  # under the working directory unless absolute
     init_empty: bool = False
     seed: int = 0
@@ -88,6 +90,7 @@ class TrainRecord:
     peak_device_bytes: int = 0
     memory: dict[str, dict[str, int]] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
+    compile: dict[str, Any] | None = None  # engine.compile_report(): graphs, graph breaks, recompiles
     # Stopped early by a signal (see [Note: stopping at an agreed step] in offload/engine/stopping.py): the reason,
     # the step, the checkpoint saved of it (or None) and the process's exit status.
     stopped: dict[str, Any] | None = None
@@ -355,6 +358,8 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
             model = build_model(args, vocab)
     else:
         model = build_model(args, vocab)
+    if args.compile:  # before initialize, so that each block is one unit (see offload/zero/compiled.py)
+        compile_blocks(model, args.compile, {})
     try:
         engine, *_ = offload.initialize(model=model, config=config, weights=checkpoint)
     except ConfigError as e:
@@ -440,6 +445,8 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
         record.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         record.peak_device_bytes = engine.accel.memory_stats().peak_allocated
         record.memory = engine.memory_summary()
+        if args.compile:
+            record.compile = engine.compile_report().as_dict()
         try:
             if rank0:
                 out_dir.mkdir(parents=True, exist_ok=True)
@@ -526,6 +533,8 @@ def _summary(record: TrainRecord, say: Any) -> None:
     say(f"peak RSS {_mib(record.peak_rss_bytes)} MiB" + (f", peak GPU memory {_mib(record.peak_device_bytes)} MiB"
                                                          if record.peak_device_bytes else ""))
     say("memory: " + _tier_line(record.memory))
+    if record.compile is not None:
+        say(CompileReport.from_dict(record.compile).summary())
     if record.files:
         say("wrote " + ", ".join(record.files.values()))
 

@@ -34,6 +34,7 @@ from .sections import (
     BF16Config,
     CheckpointConfig,
     CommsLoggerConfig,
+    CompileConfig,
     DataTypesConfig,
     FlopsProfilerConfig,
     FP16Config,
@@ -106,6 +107,7 @@ class Config:
                                               note="engine.telemetry counts collective time and bytes per step "
                                                    "(`offload bench step` prints them).")
     data_types: DataTypesConfig = section(DataTypesConfig, "Dtypes of internal buffers.")
+    compile: CompileConfig = section(CompileConfig, "DeepSpeed's compile section (DeepCompile).")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoint options.")
     amp: dict[str, Any] | None = setting(None, "NVIDIA apex AMP.", support=REFUSED,
                                          note="Use the fp16 or bf16 section instead.")

@@ -489,6 +489,30 @@ class DataTypesConfig:
                                                                    "optimizer state lives.")
 
 
+_COMPILED_UNITS = ("engine.compile() compiles each unit's blocks with torch.compile, the gathers outside the graphs "
+                   "(docs/compile.md); DeepCompile's passes are not run.")
+
+
+@dataclass(kw_only=True, slots=True)
+class CompileConfig:
+    deepcompile: bool = setting(False, "DeepSpeed: engine.compile() runs DeepCompile's passes (ZeRO-3 in the graph).",
+                                support=NO_EFFECT, note=_COMPILED_UNITS)
+    free_activation: bool = setting(False, "DeepCompile: free activations early.", support=NO_EFFECT,
+                                    note="autograd frees each saved activation as backward uses it.")
+    offload_activation: bool = setting(False, "DeepCompile: offload activations.", support=NO_EFFECT,
+                                       note="activation_checkpointing.cpu_checkpointing keeps saved block inputs in "
+                                            "host memory.")
+    offload_opt_states: bool = setting(False, "DeepCompile: offload the optimizer states.", support=NO_EFFECT,
+                                       note="zero_optimization.offload_optimizer homes the state; "
+                                            "offload.stream_state steps host-homed state on the device.")
+    double_buffer: bool = setting(True, "DeepCompile: double-buffer the all-gathers.", support=NO_EFFECT,
+                                  note="the prefetcher gathers ahead within stage3_prefetch_bucket_size.")
+    symmetric_memory: bool = setting(False, "DeepCompile: symmetric memory for the collectives.", support=NO_EFFECT,
+                                     note=_COMPILED_UNITS)
+    dump_graphs: bool = setting(False, "DeepCompile: write its graphs.", support=NO_EFFECT,
+                                note="engine.compile_report() counts the graphs; TORCH_LOGS=graph_code prints them.")
+
+
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     tag_validation: str = setting("Warn", "Check that all ranks save under the same tag: Warn logs a mismatch and "

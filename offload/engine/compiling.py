@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from offload.engine.errors import EngineError
-from offload.zero.compiled import CompileReport, compile_anchors, compiled_modules
+from offload.zero.compiled import CompileReport, compile_anchors, compiled_modules, split_blocks
 from offload.zero.runtime import ZeroRuntime
 from offload.zero.unit import Unit
 
@@ -38,7 +38,15 @@ class Compiling:
         options = dict(compile_kwargs or {})
         if "backend" in options:
             raise EngineError("engine.compile: give the backend as backend=, not inside compile_kwargs")
-        done = compile_anchors(self.module, [a for u in self.units for a in u.plan.anchors], backend, options)
+        anchors = [a for u in self.units for a in u.plan.anchors]
+        split = split_blocks(self.module, anchors)
+        if split:
+            logger.warning("engine.compile: the units are cut inside %d block(s) (%s%s), so those are compiled unit "
+                           "by unit, torch's own layers left eager: for one graph per block compile the blocks before "
+                           "offload.initialize (block.compile(); each is then one unit), or raise "
+                           "offload.unit_bytes to a block's size", len(split), ", ".join(split[:2]),
+                           " ..." if len(split) > 2 else "")
+        done = compile_anchors(self.module, anchors, backend, options)
         logger.info("engine.compile: %d module(s) compiled with backend %r%s", len(done), backend,
                     f" ({', '.join(done[:3])}{' ...' if len(done) > 3 else ''})" if done else "")
 

@@ -201,6 +201,10 @@ class Trainer(transformers.Trainer):
         self.lr_scheduler = None
         self.engine, *_ = initialize(model=self.model, config=config, weights=self.weights,
                                      device=self.args.device, **kwargs)
+        if self.args.torch_compile:  # each unit's blocks, as accelerate's regional compile under DeepSpeed does
+            mode = self.args.torch_compile_mode
+            self.engine.compile(backend=self.args.torch_compile_backend or "inductor",
+                                compile_kwargs={"mode": mode} if mode else {})
         trainer_log = logging.getLogger(transformers.Trainer.__module__)
         for old in [f for f in trainer_log.filters if isinstance(f, _WholeParameterCount) and f.model() is None]:
             trainer_log.removeFilter(old)
@@ -397,9 +401,6 @@ def _check_arguments(args: transformers.TrainingArguments, config: dict[str, Any
     """TrainingArguments that would act where the engine has taken over: refused by name with what to do, never
     ignored. Those a config section overrides, as in DeepSpeed's integration, are named in a warning."""
     problems = []
-    if args.torch_compile:
-        problems.append("torch_compile: the engine's hooks gather and release each unit around its modules, which "
-                        "a compiled graph of the whole model would bypass; drop torch_compile")
     if args.fsdp:
         problems.append("fsdp: offload shards the model itself (ZeRO stage 3 in the config); drop fsdp and "
                         "fsdp_config")

@@ -11,6 +11,7 @@ differences, so a run can say it and a test can check it.
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 from torch import nn
 
 from offload.zero.plan import compiled
+
+logger = logging.getLogger("offload.engine")
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,16 @@ class CompileReport:
     recompiles: int  # graphs made after the first step: a guard that failed on a step's own state
     reasons: tuple[str, ...]  # each graph break's reason, its first line
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CompileReport:
+        return cls(tuple(d["compiled"]), d["graphs"], d["graph_breaks"], d["recompiles"], tuple(d["reasons"]))
+
     def as_dict(self) -> dict[str, Any]:
         return {"compiled": list(self.compiled), "graphs": self.graphs, "graph_breaks": self.graph_breaks,
                 "recompiles": self.recompiles, "reasons": list(self.reasons)}
 
     def summary(self) -> str:
-        head = (f"compiled: {len(self.compiled)} module(s) ({', '.join(self.compiled[:3])}"
+        head = (f"compiled: {len(self.compiled)} module(s) ({', '.join(map(_label, self.compiled[:3]))}"
                 f"{' ...' if len(self.compiled) > 3 else ''}); {self.graphs} graph(s), {self.graph_breaks} graph "
                 f"break(s), {self.recompiles} recompile(s) after the first step")
         return "\n".join([head] + [f"  graph break: {r}" for r in self.reasons])
@@ -85,6 +92,26 @@ class CompileWatch:
                              tuple(reason.splitlines()[0] for reason, _ in done.breaks))
 
 
+def compiled_around_units(model: nn.Module, anchors: list[str]) -> list[str]:
+    """The compiled modules that hold a unit's anchor inside them (the whole model, compiled whole): their graphs
+    break at each unit's hooks, which stay outside."""
+    return [c for c in compiled_modules(model) if any(_inside(a, (c,)) and a != c for a in anchors)]
+
+
+def say_compiled_whole(model: nn.Module, anchors: list[str]) -> None:
+    """A model compiled whole trains exactly, but its graph breaks at each unit: said once, with what to do."""
+    around = compiled_around_units(model, anchors)
+    if around:
+        logger.warning("%s was compiled whole: its graph breaks at each of its units' gathers, which run outside "
+                       "compiled code; for one graph per block compile the blocks instead (engine.compile(), or "
+                       "block.compile() on each before offload.initialize)",
+                       " and ".join(_label(n) for n in around))
+
+
+def _label(name: str) -> str:
+    return "the model" if not name else repr(name)
+
+
 def compiled_modules(model: nn.Module) -> tuple[str, ...]:
     """The names of the compiled modules in ``model`` (the outermost ones)."""
     names = [name for name, module in model.named_modules() if compiled(module)]
@@ -106,6 +133,36 @@ def compile_anchors(model: nn.Module, anchors: list[str], backend: Any, options:
         module.compile(backend=backend, **options)
         done.append(name)
     return done
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """The modules a model repeats (the entries of a list of blocks of one class of its own, not torch's): what
+    torchtitan and accelerate's regional compilation compile, one graph for all of them."""
+    out: list[str] = []
+    for name, module in model.named_modules():
+        children = list(module.named_children())
+        kinds = {type(child) for _, child in children}
+        if (isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) > 1 and len(kinds) == 1
+                and not next(iter(kinds)).__module__.startswith("torch.")
+                and not any(_inside(name, (o,)) for o in out)):
+            out.extend(f"{name}.{child}" if name else child for child, _ in children)
+    return out
+
+
+def compile_blocks(model: nn.Module, backend: Any, options: dict[str, Any]) -> list[str]:
+    """Compile the model's repeated blocks in place, before ``initialize``: each is then one unit (or inside one),
+    so the units' hooks stay out of its graph."""
+    by_name = dict(model.named_modules())
+    names = repeated_blocks(model)
+    for name in names:
+        by_name[name].compile(backend=backend, **options)
+    return names
+
+
+def split_blocks(model: nn.Module, anchors: list[str]) -> list[str]:
+    """The repeated blocks whose units are cut inside them (an anchor strictly inside): ``engine.compile`` cannot
+    compile those whole, since the units' hooks would land in the graph."""
+    return [b for b in repeated_blocks(model) if any(_inside(a, (b,)) and a != b for a in anchors)]
 
 
 def _inside(name: str, roots: tuple[str, ...]) -> bool:

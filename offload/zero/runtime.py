@@ -56,7 +56,7 @@ from offload.optim.landing import ReducedShard
 from offload.store.param_store import ParamStore
 from offload.zero.backward_state import BackwardState
 from offload.zero.collectives import Group, ReductionOrder, all_reduce_sum, reduce_scatter
-from offload.zero.compiled import CompileWatch
+from offload.zero.compiled import CompileWatch, say_compiled_whole
 from offload.zero.plan import compiled
 from offload.zero.prefetch import PrefetchTrace
 from offload.zero.stage import Stage
@@ -229,6 +229,7 @@ class ZeroRuntime:
             for slot in unit.slots:
                 if slot.param.requires_grad:
                     self._handles.append(slot.param.register_post_accumulate_grad_hook(self._grad_hook(unit)))
+        say_compiled_whole(model, [a for u in self.units for a in u.plan.anchors])
         # a function of its own: torch marks the hook with an attribute, which a bound method cannot take
         self._handles.append(model.register_state_dict_post_hook(
             lambda module, state, prefix, metadata: self._partitioned_state_dict()))
