@@ -150,6 +150,27 @@ def test_bench_nvme_compares_engines_interleaved(tmp_path, capsys):
     assert not (tmp_path / "drive" / "offload-bench-nvme.bin").exists()  # the scratch file is removed
 
 
+def test_bench_step_compile_puts_compiled_and_eager_sides_beside_each_other(tmp_path, capsys):
+    out = tmp_path / "compile.json"
+    assert main(["bench", "step", "--compile", "aot_eager", "--world", "1", "--warmup", "1", "--hidden", "64",
+                 "--layers", "2", "--seq", "16", "--micro", "2", "--steps", "2", "--rounds", "2", "--variants",
+                 "params-host", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["backend"] == "aot_eager" and report["variant"] == "params-host"
+    sides = ("torch", "torch-compiled", "offload", "offload-compiled")
+    assert all(len(report["samples"][s]) == 4 for s in sides)  # two rounds of two steps, every side
+    median = report["median_s"]
+    for side in ("torch", "offload"):
+        assert report["speedup"][side] == pytest.approx(median[side] / median[f"{side}-compiled"])
+    saved = {side: median[side] - median[f"{side}-compiled"] for side in ("torch", "offload")}
+    if saved["torch"] > 0:
+        assert report["gain_kept"] == pytest.approx(saved["offload"] / saved["torch"])
+    compared = {(c["subject"], c["baseline"]) for c in report["comparisons"]}
+    assert ("offload compiled (aot_eager)", "torch compiled (aot_eager)") in compared
+    assert all(c["quantity"] == "time" for c in report["comparisons"])
+    assert "compiling speeds offload up" in capsys.readouterr().out
+
+
 def test_bench_step_splits_the_step_and_compares_with_torch(tmp_path, capsys):
     out = tmp_path / "step.json"
     assert main(["bench", "step", "--warmup", "1", "--hidden", "64", "--layers", "2", "--seq", "16", "--micro", "2",

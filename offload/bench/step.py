@@ -62,6 +62,7 @@ from offload.machine.launch import run_ranks
 from offload.models.catalog import lm_loss
 from offload.observe.telemetry import BACKGROUND, FOREGROUND
 from offload.store.state_format import FORMATS
+from offload.zero.compiled import compile_blocks
 
 NOISE_FLOOR_S = 0.05  # CPU steps shorter than this time mostly the machine's noise (thread wake-ups, other tenants)
 # `--state-format`: offload.optimizer_state's (master, moments) by the names the benchmarks give them
@@ -114,6 +115,7 @@ class StepBench:
     device_budget: int | None = None
     # offload.optimizer_state (master, moments) of every variant that names none (`--state-format`)
     state: tuple[str, str] = STATE_FORMATS["fp32"]
+    compile: str = ""  # a torch.compile backend: every side's repeated blocks compiled with it ("": eager)
 
     def __post_init__(self) -> None:
         if self.warmup < 1:  # bytes count from the last warm-up step, begun with nothing in flight
@@ -364,6 +366,8 @@ def _engine_rank(rank: int, world: int, bench: dict[str, Any], variant: dict[str
     b = StepBench(**bench)
     torch.manual_seed(0)
     model = b.build_model()
+    if b.compile:  # before initialize: each block is then one unit (see offload/zero/compiled.py)
+        compile_blocks(model, b.compile, {})
     engine, *_ = offload.initialize(model=model, config=engine_config(b, variant))
     profiler = _profiler(b) if b.profile and rank == 0 and variant["name"] == next(iter(b.variants())) else None
     times = []
@@ -450,6 +454,8 @@ def _torch_timed(b: StepBench) -> tuple[list[float], int]:
     With bf16 the baseline is what a PyTorch user runs: fp32 parameters, bf16 autocast, and the fused AdamW."""
     torch.manual_seed(0)
     model = b.build_model(on_device=True)
+    if b.compile:
+        compile_blocks(model, b.compile, {})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     autocast = torch.autocast(b.device, dtype=torch.bfloat16, enabled=b.dtype == "bf16")
     times = []

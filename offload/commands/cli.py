@@ -193,6 +193,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             pace.print_table(floor, sys.stdout)
             print(f"wrote {out} (each variant's config beside it)")
             return 0
+        if args.compile:
+            if args.baseline != "torch":
+                raise UsageError("--compile compares compiled and eager offload beside plain PyTorch both ways: drop "
+                                 "--baseline")
+            from offload.bench import compiled
+            print(f"offload bench step --compile {args.compile}: plain PyTorch and offload, eager and with every "
+                  "block compiled, alternating rounds", flush=True)
+            gains = compiled.run(bench, args.compile, out, log=sys.stdout)
+            compiled.print_table(gains, sys.stdout)
+            print(f"wrote {out}")
+            return 0
         print(f"offload bench step: ZeRO stage {args.stage} beside plain PyTorch, alternating rounds", flush=True)
         try:
             result = step.run(bench, out, log=sys.stdout)
@@ -670,6 +681,9 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                         "beside offload and plain PyTorch, in alternating rounds; floor: one rank of offload's "
                         "placements (full, auto, auto-params-device, nvme) beside plain PyTorch and each one's floor, "
                         "max(compute, the host's Adam share at the rate measured in the run)")
+    b.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="plain PyTorch and offload's headline variant, each eager and with every block compiled "
+                        "(torch.compile, default backend inductor): how much of compile's gain offload keeps")
     b.add_argument("--clip", type=float, default=1.0, help="gradient_clipping with --baseline floor (0: off; "
                                                             "default 1.0)")
     b.add_argument("--state-format", choices=["fp32", "bf16-moments", "16+16", "bf16-master", "bf16-master-nearest"],
@@ -686,6 +700,8 @@ def _output(args: argparse.Namespace) -> Path:
         return Path(args.out)
     if args.command == "tune-nvme":
         return Path("offload-tune-nvme")
+    if args.what == "step" and getattr(args, "compile", None):
+        return Path("bench-results") / "step-compile.json"
     if args.what == "step" and args.baseline != "torch":
         return Path("bench-results") / f"step-vs-{args.baseline}.json"
     return Path("bench-results") if args.what == "all" else Path("bench-results") / f"{args.what}.json"
