@@ -40,8 +40,8 @@ def run(b: step.StepBench, backend: str, out_path: Path | None = None, log: Text
     rounds: dict[str, list[float]] = {k: [] for k in samples}
     for r in range(b.repeats):
         for suffix, compiled in (("", ""), ("-compiled", backend)):
-            result = step.run(replace(one, compile=compiled))
-            for side, times in (("torch", result.samples["torch"]), ("offload", result.samples[head])):
+            ran = step.run(replace(one, compile=compiled))
+            for side, times in (("torch", ran.samples["torch"]), ("offload", ran.samples[head])):
                 samples[side + suffix] += times
                 if times:
                     rounds[side + suffix].append(statistics.median(times))
