@@ -97,6 +97,9 @@ class Accelerator(accelerate.Accelerator):  # type: ignore[misc]  # accelerate h
         elif optimizer is not None:
             kwargs["optimizer"] = optimizer
         engine, engine_optimizer, _, engine_scheduler = offload.initialize(**kwargs)
+        options = self.state.dynamo_plugin.to_kwargs()  # dynamo_backend: what accelerate's DeepSpeed path compiles
+        if options.get("backend", "no") != "no":
+            engine.compile(backend=options.pop("backend"), compile_kwargs=options)
         wrapped_optimizer = DeepSpeedOptimizerWrapper(engine_optimizer) if engine_optimizer is not None else None
         wrapped_scheduler: Any = None
         if scheduler is not None:

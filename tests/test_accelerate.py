@@ -43,6 +43,17 @@ def test_an_accelerate_loop_trains_on_the_engine_as_under_accelerate(tmp_path, p
     assert ours["unwrapped"] == "Sequential" and not ours["deepspeed_imported"] and not ours["bf16"]
 
 
+def test_dynamo_backend_compiles_each_block_and_trains_as_accelerates_compiled_model(tmp_path):
+    """dynamo_backend: accelerate compiles the whole model; offload compiles each unit's blocks (engine.compile, as
+    accelerate's DeepSpeed path calls it), to the same losses and weights."""
+    plain = run_loop("plain", tmp_path / "plain.pt", "--dynamo", "aot_eager")
+    ours = run_loop("offload", tmp_path / "offload.pt", "--dynamo", "aot_eager")
+    assert ours["compiled"] == ["1", "2"]  # the two residual blocks; torch's own layers stay eager
+    assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    for key, value in plain["state"].items():
+        torch.testing.assert_close(ours["state"][key.removeprefix("_orig_mod.")], value, rtol=1e-5, atol=1e-6)
+
+
 def test_beside_accelerates_own_deepspeed_path(tmp_path):
     """Where DeepSpeed is installed, accelerate's own DeepSpeed path runs the same loop and config on this CPU
     (one process; DeepSpeedCPUAdam, ZeRO-3 with both offloads): offload's losses, gradient norms, learning rates

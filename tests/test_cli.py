@@ -163,8 +163,10 @@ def test_bench_step_compile_puts_compiled_and_eager_sides_beside_each_other(tmp_
     for side in ("torch", "offload"):
         assert report["speedup"][side] == pytest.approx(median[side] / median[f"{side}-compiled"])
     saved = {side: median[side] - median[f"{side}-compiled"] for side in ("torch", "offload")}
-    if saved["torch"] > 0:
+    if saved["torch"] > 0.05 * median["torch"]:  # a share only where compiling saved plain PyTorch something
         assert report["gain_kept"] == pytest.approx(saved["offload"] / saved["torch"])
+    else:
+        assert report["gain_kept"] is None
     compared = {(c["subject"], c["baseline"]) for c in report["comparisons"]}
     assert ("offload compiled (aot_eager)", "torch compiled (aot_eager)") in compared
     assert all(c["quantity"] == "time" for c in report["comparisons"])

@@ -65,10 +65,12 @@ def plain(steps: int, rows: int, recompute: bool = False, clip: float = 1.0, com
     return {"losses": losses, "graphs": DynamoCounts.now().since(start).graphs}
 
 
-def train(rank: int, world: int, config: dict, steps: int, recompute: bool = False, late: bool = False) -> dict:
-    """The same model under the engine: blocks compiled before initialize, or by engine.compile() (``late``)."""
+def train(rank: int, world: int, config: dict, steps: int, recompute: bool = False, late: bool = False,
+          eager: bool = False) -> dict:
+    """The same model under the engine: blocks compiled before initialize, or by engine.compile() (``late``), or
+    not at all (``eager``)."""
     torch._dynamo.reset()
-    model = gpt(recompute, compiled=() if late else BLOCKS)
+    model = gpt(recompute, compiled=() if late or eager else BLOCKS)
     engine, *_ = offload.initialize(model=model, config=config)
     if late:
         engine.compile(backend=BACKEND)
@@ -123,6 +125,17 @@ def test_engine_compile_compiles_each_unit_and_trains_as_plain_torch(tmp_path):
 def test_activation_checkpointing_inside_a_compiled_block(tmp_path):
     ref = plain(STEPS, MICRO, recompute=True)
     check(train(0, 1, config(tmp_path), STEPS, recompute=True), ref)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_compiled_blocks_train_in_bf16_and_fp16_as_the_same_engine_eager(tmp_path, dtype):
+    """The engine's 16-bit weights (and fp16's loss scaling) under compiled blocks: the eager engine's losses."""
+    cfg = config(tmp_path)
+    cfg[dtype] = {"enabled": True}
+    eager = train(0, 1, cfg, STEPS, eager=True)
+    run = train(0, 1, cfg, STEPS)
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(eager["losses"]), rtol=1e-3, atol=1e-3)
+    assert run["report"]["graph_breaks"] == 0 and run["report"]["recompiles"] == 0, run["report"]
 
 
 def test_two_ranks_train_compiled_blocks_as_plain_torch(tmp_path):

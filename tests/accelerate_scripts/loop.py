@@ -3,10 +3,14 @@ or with the import changed to offload's (``offload``), the same config and data.
 (torch.save): losses, the final weights, and what the accelerator's calls returned.
 
     python loop.py {plain,offload,deepspeed} OUT [--epochs N] [--save DIR] [--load DIR] [--precision bf16] [--dummy]
+                   [--dynamo BACKEND]
 
 --dummy (offload): the optimizer and scheduler from the config, through accelerate's DummyOptim and DummyScheduler
 (its lr_scheduler_callable builds the StepLR the plain loop builds), as a DeepSpeed script of accelerate's writes
 them.
+
+--dynamo BACKEND: accelerate's dynamo_backend (plain accelerate compiles the whole model; offload each unit's
+blocks), on a model with two residual blocks of its own class, cut into units of about two layers.
 """
 
 import argparse
@@ -23,6 +27,7 @@ parser.add_argument("--save")
 parser.add_argument("--load")
 parser.add_argument("--precision", default="no")
 parser.add_argument("--dummy", action="store_true")
+parser.add_argument("--dynamo", default="no")
 args = parser.parse_args()
 
 if args.impl in ("offload", "deepspeed"):  # deepspeed: accelerate's own DeepSpeed path, the same config
@@ -38,14 +43,30 @@ if args.impl in ("offload", "deepspeed"):  # deepspeed: accelerate's own DeepSpe
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     if args.dummy:
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}
+    if args.dynamo != "no":
+        config["offload"] = {"unit_bytes": 8192}
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=2,
-                              mixed_precision=args.precision)
+                              mixed_precision=args.precision, dynamo_backend=args.dynamo)
 else:
     from accelerate import Accelerator
-    accelerator = Accelerator(gradient_accumulation_steps=2, mixed_precision=args.precision)
+    accelerator = Accelerator(gradient_accumulation_steps=2, mixed_precision=args.precision,
+                              dynamo_backend=args.dynamo)
+
+
+class Residual(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
 
 set_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+if args.dynamo != "no":
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), Residual(32), Residual(32), torch.nn.Linear(32, 1))
+else:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
 if args.dummy:
     from offload.accelerate import DummyOptim, DummyScheduler  # accelerate.utils has them only with DeepSpeed
     optimizer = DummyOptim(model.parameters())
@@ -84,6 +105,7 @@ for epoch in range(first, args.epochs):
 state = {k: v.detach().float().cpu() for k, v in accelerator.get_state_dict(model).items()}
 torch.save({"losses": losses, "norms": norms, "lrs": lrs, "state": state,
             "unwrapped": type(accelerator.unwrap_model(model)).__name__,
+            "compiled": list(model.compile_report().compiled) if args.impl == "offload" else None,
             "bf16": bool(getattr(model, "bfloat16_enabled", lambda: False)()),
             "deepspeed_imported": any(m == "deepspeed" or m.startswith("deepspeed.") for m in sys.modules)},
            args.out if accelerator.num_processes == 1 else f"{args.out}.{accelerator.process_index}")
