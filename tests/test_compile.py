@@ -7,7 +7,7 @@ the engine changes is what dynamo traces, which every backend shares."""
 
 import pytest
 import torch
-from engine_cases import base_config, batches, loss_of, make_model
+from engine_cases import base_config, batches, engine_device, loss_of, make_model
 from torch.utils.checkpoint import checkpoint
 
 import offload
@@ -42,16 +42,18 @@ def gpt(recompute: bool = False, compiled: tuple[str, ...] = BLOCKS) -> torch.nn
     return model
 
 
-def plain(steps: int, rows: int, recompute: bool = False, clip: float = 1.0, compiled: tuple[str, ...] = BLOCKS
-          ) -> dict:
-    """The compiled model under plain PyTorch and torch's AdamW, on the whole global batch of each step."""
+def plain(steps: int, rows: int, recompute: bool = False, clip: float = 1.0, compiled: tuple[str, ...] = BLOCKS,
+          world: int = 1) -> dict:
+    """The compiled model under plain PyTorch and torch's AdamW, on the whole global batch of each step, on the
+    device the engine's ``world`` ranks train on."""
     torch._dynamo.reset()
     start = DynamoCounts.now()
-    model = gpt(recompute, compiled)
+    device = engine_device(world)
+    model = gpt(recompute, compiled).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     losses = []
     for tokens in batches(steps, rows):
-        chunks = tokens.split(MICRO)
+        chunks = tokens.to(device).split(MICRO)
         total = 0.0
         for chunk in chunks:
             loss = loss_of(model, "gpt", chunk)
@@ -139,7 +141,7 @@ def test_compiled_blocks_train_in_bf16_and_fp16_as_the_same_engine_eager(tmp_pat
 
 
 def test_two_ranks_train_compiled_blocks_as_plain_torch(tmp_path):
-    ref = plain(STEPS, 2 * MICRO)
+    ref = plain(STEPS, 2 * MICRO, world=2)
     for rank in run_ranks(train, 2, config=config(tmp_path, world=2), steps=STEPS):
         check(rank, ref)
 

@@ -51,7 +51,7 @@ def run(b: step.StepBench, backend: str, out_path: Path | None = None, log: Text
             print(f"  round {r + 1}/{b.repeats}: " + ", ".join(
                 f"{k} {statistics.median(v):.3f} s" for k, v in samples.items() if v), file=log, flush=True)
     median = {k: statistics.median(v) for k, v in samples.items() if v}
-    saved = {side: median[side] - median[f"{side}-compiled"] for side in ("torch", "offload")
+    saved: dict[str, float] = {side: median[side] - median[f"{side}-compiled"] for side in ("torch", "offload")
              if side in median and f"{side}-compiled" in median}
     size = f"{b.num_parameters() / 1e6:.0f}M"
     comparisons = [Comparison("compile", f"{side} compiled ({backend})", f"{side} eager", TIME,

@@ -34,6 +34,7 @@ from offload.engine.accumulation import Accumulation, Phase
 from offload.engine.build import OptimizerChoice, build
 from offload.engine.compiling import Compiling
 from offload.engine.errors import EngineError
+from offload.engine.lending import StateLending
 from offload.engine.life import Lifetime
 from offload.engine.model_zero_grad import ModelZeroGrad
 from offload.engine.persistence import Persistence
@@ -51,7 +52,7 @@ from offload.zero.stage import Stage
 logger = logging.getLogger("offload.engine")
 
 
-class Engine(DeepSpeedAccessors, Persistence, Stoppable, Compiling):
+class Engine(DeepSpeedAccessors, Persistence, Stoppable, Compiling, StateLending):
     """A model sharded over the data-parallel group with its optimizer; see ``offload.initialize``."""
 
     def __init__(self, model: nn.Module, config: Config, choice: OptimizerChoice, group: Group, accel: Accelerator,

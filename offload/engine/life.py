@@ -11,10 +11,12 @@ from offload.engine.errors import EngineError
 class Life(enum.Enum):
     """OPEN -> OUT_OF_STEP when a pass with collectives failed on this rank while the others went on (see [Note:
     one rank's failed pass] in offload/engine/agreement.py); either -> CLOSED by ``Lifetime.close``, which is
-    idempotent. Only OPEN takes work."""
+    idempotent. OPEN <-> LENT by ``engine.offload_states()`` / ``reload_states()`` (offload/engine/lending.py).
+    Only OPEN takes work."""
 
     OPEN = "open"
     OUT_OF_STEP = "out of step"
+    LENT = "states offloaded"  # engine.offload_states() gave the device's memory back until reload_states()
     CLOSED = "closed"
 
 
@@ -32,6 +34,19 @@ class Lifetime:
             raise EngineError("this engine was closed; create a new one with offload.initialize")
         if self.state is Life.OUT_OF_STEP:
             raise EngineError(self._why)
+        if self.state is Life.LENT:
+            raise EngineError("this engine's states are offloaded (engine.offload_states()): call "
+                              "engine.reload_states() before training, saving or reading its weights")
+
+    def lend(self) -> None:
+        """OPEN -> LENT: the states left the device."""
+        self.check()
+        self.state = Life.LENT
+
+    def reclaim(self) -> None:
+        """LENT -> OPEN: the states are back."""
+        assert self.state is Life.LENT, f"reclaim from {self.state.value}"
+        self.state = Life.OPEN
 
     def left_collectives(self, where: str, error: BaseException, collectives: bool) -> None:
         """``where`` raised on this rank: with other ranks and collectives in that pass, the others go on without

@@ -145,6 +145,10 @@ class StreamedStep:
         self._head = end
         return start
 
+    def device_memory(self) -> torch.Tensor:
+        """The ring: scratch between steps (settled), so lent back without its bytes."""
+        return self._ring
+
     def drop(self, group: SubGroup) -> None:
         """``group`` leaves the lane (the refit moved its state to the device, between steps, settled); with the
         last one the ring is given back."""

@@ -343,6 +343,11 @@ class OptimizerStateStore:
 
     # ----------------------------------------------------------------- lifetime
 
+    def device_memory(self) -> list[torch.Tensor]:
+        """A view of each device sub-group's slot (master and moments share its one storage), for lending the
+        device back (offload/machine/parking.py)."""
+        return [g.resident.exp_avg for g in self.groups if g.tier is Tier.DEVICE and g.resident is not None]
+
     def close(self) -> None:
         self.drop_read_ahead()
         if self._file is not None:

@@ -482,6 +482,11 @@ class ParamStore:
         if self.swap is not None:
             self.swap.abort()
 
+    def device_memory(self) -> list[torch.Tensor]:
+        """The device-homed shards (a resident or in-place unit's: a view of its flat buffer), for lending the
+        device back (offload/machine/parking.py)."""
+        return [s.device for s in self._shards.values() if s.home is Tier.DEVICE]
+
     def close(self) -> None:
         if self._h2d is not None:
             self.accel.drain(self._h2d, "parameter copies back")

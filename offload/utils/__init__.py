@@ -22,6 +22,8 @@ def _engine_of(param: torch.Tensor) -> Any:
     if engine is None or engine.life.state is Life.CLOSED:
         raise EngineError("this parameter belongs to no open offload engine: pass a parameter of the model "
                           "offload.initialize returned, before engine.close()")
+    if engine.life.state is Life.LENT:
+        engine.life.check()  # its states are offloaded: says to reload them first
     return engine
 
 

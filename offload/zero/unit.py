@@ -400,6 +400,11 @@ class Unit:
         self.state = UnitState.SHARDED
         return True
 
+    def device_memory(self) -> list[torch.Tensor]:
+        """What the unit holds on the device between uses: its flat buffer (empty when released) and its kept
+        slots' own copies, for lending the device back (offload/machine/parking.py)."""
+        return [self.full, *self._kept_copies]
+
     def close(self) -> None:
         """The engine closes: the flat buffer's memory goes (an in-place unit's too, as a released unit's would,
         so the model cannot be handed to another engine by mistake); stages 0-2 keep their resident buffers."""
