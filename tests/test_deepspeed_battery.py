@@ -33,6 +33,7 @@ SCRIPTS = {
     "gan_two_backwards": ("zero3.json", False, 1),
     "dcgan": ("no_zero_section.json", False, 1),
     "rlhf_actor_critic": ("zero3.json", False, 1),
+    "rlhf_offload_states": ("zero3_on_device.json", False, 1),
     "peft_lora": ("zero3.json", False, 1),
 }
 # Where offload answers otherwise, and why (docs/deepspeed-api.md says the same); nothing else may differ.

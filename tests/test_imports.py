@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     # activation checkpointing; the files of weights and checkpoints; DeepSpeed's optimizer names over optim
     ("offload.checkpointing", "offload.files", "offload.ops"),
     # "offload" is the package's __init__ only: the public API over the engine; utils, DeepSpeed's helpers over it
-    ("offload.engine", "offload", "offload.utils"),
+    ("offload.engine", "offload", "offload.utils", "offload.runtime"),
     ("offload.hf", "offload.accelerate", "offload.lightning"),
     ("offload.bench",),
     ("offload.commands", "offload.__main__"),  # the command line and its jobs (train uses estimate and demo)

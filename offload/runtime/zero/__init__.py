@@ -1,0 +1,1 @@
+"""``deepspeed.runtime.zero``'s names a script imports."""
