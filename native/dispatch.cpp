@@ -172,6 +172,11 @@ void adam(AdamArgs args, size_t n, int threads) {
   for_each_tile(n, threads, size_t(1) << 14, [&](size_t begin, size_t end) { k.adam(args, begin, end); });
 }
 
+void one_state(OneStateArgs args, size_t n, int threads) {
+  const KernelTable& k = active_kernels();
+  for_each_tile(n, threads, size_t(1) << 14, [&](size_t begin, size_t end) { k.one_state(args, begin, end); });
+}
+
 void accumulate(float* acc, const void* grad, DType dtype, float s, bool overwrite, size_t n, int threads) {
   const KernelTable& k = active_kernels();
   for_each_tile(n, threads, size_t(1) << 14,

@@ -25,6 +25,8 @@ SqNorm sq_norm(const void* data, DType dtype, size_t n, int threads, float scale
 // One Adam step over n elements, each of `threads` threads sweeping one contiguous range.
 // Element-wise, so the result does not depend on the thread count.
 void adam(AdamArgs args, size_t n, int threads);
+// One Lion or Adagrad step over n elements.
+void one_state(OneStateArgs args, size_t n, int threads);
 
 // acc = s * grad (overwrite) or acc += s * grad, grad fp32 or 16-bit: gradient accumulation.
 void accumulate(float* acc, const void* grad, DType dtype, float s, bool overwrite, size_t n, int threads);

@@ -120,6 +120,13 @@ struct Vec {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  // -1, 0 or +1 as torch.sign: a NaN stays NaN (see [Note: one state]).
+  static F sign(F a) {
+    const F one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    const F s = _mm512_sub_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, zero, _CMP_GT_OQ), one),
+                              _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, zero, _CMP_LT_OQ), one));
+    return _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), a);
+  }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static __m256i to16(DType dtype, F x) {
     if (dtype == DType::F16) return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -260,6 +267,12 @@ struct Vec {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F sign(F a) {  // -1, 0 or +1 as torch.sign, a NaN kept
+    const F one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const F s = _mm256_sub_ps(_mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_GT_OQ), one),
+                              _mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_LT_OQ), one));
+    return _mm256_blendv_ps(s, a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static __m128i to16(DType dtype, F x) {
     return dtype == DType::F16 ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) : bf16_8(x);
@@ -365,6 +378,11 @@ struct Vec {
   static F mul(F a, F b) { return vmulq_f32(a, b); }
   static F div(F a, F b) { return vdivq_f32(a, b); }
   static F sqrt(F a) { return vsqrtq_f32(a); }
+  static F sign(F a) {  // -1, 0 or +1 as torch.sign, a NaN kept
+    const F one = vdupq_n_f32(1.0f), zero = vdupq_n_f32(0.0f);
+    const F s = vsubq_f32(vbslq_f32(vcgtq_f32(a, zero), one, zero), vbslq_f32(vcltq_f32(a, zero), one, zero));
+    return vbslq_f32(vceqq_f32(a, a), s, a);
+  }
   static F fmadd(F a, F b, F c) { return vfmaq_f32(c, a, b); }
   static void store16(void* out, DType dtype, size_t i, F x) {
     const uint16x4_t h = dtype == DType::F16 ? vreinterpret_u16_f16(vcvt_f16_f32(x)) : bf16_4(x);
@@ -428,6 +446,7 @@ struct Scalar {
   static F mul(F a, F b) { return a * b; }
   static F div(F a, F b) { return a / b; }
   static F sqrt(F a) { return __builtin_sqrtf(a); }
+  static F sign(F a) { return a > 0.0f ? 1.0f : a < 0.0f ? -1.0f : a; }  // 0 and NaN as they are
   static F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
   static void store16(void* out, DType dtype, size_t i, F x) { scalar::store16(out, int(dtype), i, x); }
   static void stream16(void* out, DType dtype, size_t i, F x) { scalar::store16(out, int(dtype), i, x); }
@@ -653,6 +672,72 @@ void adam(const AdamArgs& a, size_t begin, size_t end) {
   adam_span<Scalar>(a, adam_span<Vec>(a, align_elsewhere<Vec>(a, begin, end), end), end);
 }
 
+// [Note: one state] Lion and Adagrad keep one state buffer beside the float32 master (Lion its momentum, Adagrad
+// its sum of squared gradients), 12 bytes an element moved where Adam moves 16 (plus the gradient and the 16-bit
+// copy). Each line rounds where the reference rounds: Lion as its paper and DeepSpeed's CPU Lion write it (the
+// decay first, the sign of beta1 * m + (1 - beta1) * g, then the momentum's own update with beta2), with torch's
+// add(alpha=)'s FMA; Adagrad as torch.optim.Adagrad's single-tensor path (the L2 term into the gradient, the sum's
+// addcmul_ as an FMA, the divide by sqrt(sum) + eps; its learning rate decayed by the caller). The sign of 0 is 0
+// and of a NaN a NaN, as torch.sign's.
+template <class V, DType G, int OUT, int RULE>
+size_t one_state_loop(const OneStateArgs& a, size_t i, size_t end) {
+  using F = typename V::F;
+  float* __restrict param = a.param;
+  float* __restrict state = a.state;
+  const void* __restrict grad = a.grad;
+  void* __restrict out16 = a.out16;
+  const F scale = V::set1(a.grad_scale), decay = V::set1(a.decay), l2 = V::set1(a.l2), lr = V::set1(a.lr);
+  const F neg_lr = V::set1(-a.lr), b1 = V::set1(a.beta1), b1c = V::set1(a.one_minus_beta1);
+  const F b2 = V::set1(a.beta2), b2c = V::set1(a.one_minus_beta2), eps = V::set1(a.eps);
+  const bool use_scale = a.grad_scale != 1.0f, use_decay = a.decay != 1.0f, use_l2 = a.l2 != 0.0f;
+  for (; i + V::W <= end; i += V::W) {
+    F g = V::load_any(grad, G, i);
+    if (use_scale) g = V::mul(g, scale);
+    F p = V::load(param + i);
+    F s = V::load(state + i);
+    if constexpr (RULE == int(OneStateRule::LION)) {
+      if (use_decay) p = V::mul(p, decay);                  // param.mul_(1 - lr * weight_decay)
+      const F c = V::fmadd(b1c, g, V::mul(s, b1));          // exp_avg * beta1 + (1 - beta1) * grad
+      p = V::fmadd(neg_lr, V::sign(c), p);                  // param.add_(sign(c), alpha=-lr)
+      s = V::fmadd(b2c, g, V::mul(s, b2));                  // exp_avg.mul_(beta2).add_(grad, alpha=1 - beta2)
+    } else {
+      if (use_l2) g = V::fmadd(l2, p, g);                   // grad.add(param, alpha=weight_decay)
+      s = V::fmadd(g, g, s);                                // state_sum.addcmul_(grad, grad)
+      p = V::sub(p, V::div(V::mul(lr, g), V::add(V::sqrt(s), eps)));  // param.addcdiv_(grad, std, value=-clr)
+    }
+    V::store(param + i, p);
+    V::store(state + i, s);
+    if constexpr (OUT != 0) V::store16(out16, OUT == 1 ? DType::BF16 : DType::F16, i, p);
+  }
+  return i;
+}
+
+template <class V, DType G, int OUT>
+size_t one_state_rule(const OneStateArgs& a, size_t i, size_t end) {
+  if (a.rule == OneStateRule::LION) return one_state_loop<V, G, OUT, int(OneStateRule::LION)>(a, i, end);
+  return one_state_loop<V, G, OUT, int(OneStateRule::ADAGRAD)>(a, i, end);
+}
+
+template <class V, DType G>
+size_t one_state_out(const OneStateArgs& a, size_t i, size_t end) {
+  if (a.out16 == nullptr) return one_state_rule<V, G, 0>(a, i, end);
+  if (a.out_dtype == DType::BF16) return one_state_rule<V, G, 1>(a, i, end);
+  return one_state_rule<V, G, 2>(a, i, end);
+}
+
+template <class V>
+size_t one_state_span(const OneStateArgs& a, size_t i, size_t end) {
+  switch (a.grad_dtype) {
+    case DType::BF16: return one_state_out<V, DType::BF16>(a, i, end);
+    case DType::F16: return one_state_out<V, DType::F16>(a, i, end);
+    default: return one_state_out<V, DType::F32>(a, i, end);
+  }
+}
+
+void one_state(const OneStateArgs& a, size_t begin, size_t end) {
+  one_state_span<Scalar>(a, one_state_span<Vec>(a, begin, end), end);
+}
+
 template <class V>
 size_t accumulate_span(float* a, const void* b, DType dtype, float s, bool overwrite, size_t i, size_t end) {
   const typename V::F k = V::set1(s);
@@ -775,6 +860,7 @@ extern const KernelTable OFFLOAD_CAT(kernels_, OFFLOAD_ISA_NAME) = {
     &touch3,
     &crc32c,
     &accumulate,
+    &one_state,
 };
 
 }  // namespace offload

@@ -67,6 +67,25 @@ struct AdamArgs {
   size_t prefetch = PREFETCH_BUILD;
 };
 
+// Lion or Adagrad (see [Note: one state] in kernels.cpp): a float32 master and one float32 state buffer.
+enum class OneStateRule : int { LION = 0, ADAGRAD = 1 };
+
+struct OneStateArgs {
+  float* param = nullptr;
+  const void* grad = nullptr;
+  float* state = nullptr;   // Lion: the momentum; Adagrad: the sum of squared gradients
+  void* out16 = nullptr;    // optional 16-bit copy of the updated params
+  DType grad_dtype = DType::F32;
+  DType out_dtype = DType::BF16;
+  OneStateRule rule = OneStateRule::LION;
+  float grad_scale = 1.0f;  // unscale and clip in one factor (1: off)
+  float decay = 1.0f;       // Lion: param *= 1 - lr * weight_decay
+  float l2 = 0.0f;          // Adagrad: grad += weight_decay * param
+  float lr = 1e-3f;         // Lion: lr; Adagrad: lr / (1 + (step - 1) * lr_decay)
+  float beta1 = 0.9f, one_minus_beta1 = 0.1f, beta2 = 0.99f, one_minus_beta2 = 0.01f;  // Lion
+  float eps = 1e-10f;       // Adagrad
+};
+
 struct KernelTable {
   const char* name;
   // One thread's share: elements [0, n) of data, read as dtype, each times scale in float first (1: as read), so
@@ -83,6 +102,8 @@ struct KernelTable {
   // shard (fp32 or 16-bit) added into its fp32 accumulator. With fp32 b it is also the in-place
   // read-2-write-1 probe (axpy) the benchmarks measure as the practical DRAM ceiling.
   void (*accumulate)(float* a, const void* b, DType dtype, float s, bool overwrite, size_t begin, size_t end);
+  // Elements [begin, end) of one Lion or Adagrad step.
+  void (*one_state)(const OneStateArgs& a, size_t begin, size_t end);
 };
 
 extern const KernelTable kernels_portable;

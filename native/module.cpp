@@ -160,6 +160,40 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
   adam(a, n, threads);
 }
 
+void py_one_state(const RwArray& param, const AnyArray& grad, const RwArray& state, std::optional<RwArray> out16,
+                  int rule, float grad_scale, float decay, float l2, float lr, float beta1, float one_minus_beta1,
+                  float beta2, float one_minus_beta2, float eps, int threads) {
+  OneStateArgs a;
+  const size_t n = param.size();
+  a.param = fp32_buffer(param, "param", n);
+  a.state = fp32_buffer(state, "state", n);
+  require_dense_cpu(grad, "grad");
+  require_size(grad, "grad", n);
+  a.grad_dtype = dtype_of(grad, "grad");
+  a.grad = grad.data();
+  if (out16) {
+    require_dense_cpu(*out16, "out16");
+    a.out_dtype = dtype_of(*out16, "out16");
+    if (a.out_dtype == DType::F32) throw std::invalid_argument("out16 must be bfloat16 or float16");
+    require_size(*out16, "out16", n);
+    a.out16 = out16->data();
+  }
+  if (rule != int(OneStateRule::LION) && rule != int(OneStateRule::ADAGRAD))
+    throw std::invalid_argument("rule must be 0 (Lion) or 1 (Adagrad)");
+  a.rule = OneStateRule(rule);
+  a.grad_scale = grad_scale;
+  a.decay = decay;
+  a.l2 = l2;
+  a.lr = lr;
+  a.beta1 = beta1;
+  a.one_minus_beta1 = one_minus_beta1;  // rounded once from double by the caller, as torch rounds alpha=
+  a.beta2 = beta2;
+  a.one_minus_beta2 = one_minus_beta2;
+  a.eps = eps;
+  nb::gil_scoped_release unlocked;
+  one_state(a, n, threads);
+}
+
 void py_accumulate(const RwArray& acc, const AnyArray& grad, float s, bool overwrite, int threads) {
   float* pa = fp32_buffer(acc, "acc", acc.size());
   require_dense_cpu(grad, "grad");
@@ -214,6 +248,12 @@ NB_MODULE(_native, m) {
         "One fused Adam/AdamW step over flat CPU buffers (scalars precomputed by offload.native.adam_step), in place "
         "or into param_out/exp_avg_out/exp_avg_sq_out; the master float32, 16+16 (bfloat16 param and its param_lo) "
         "or bfloat16 (rounded to nearest, or stochastic from seed and index0), the moments float32 or bfloat16.");
+  m.def("one_state", &py_one_state, nb::arg("param").noconvert(), nb::arg("grad").noconvert(),
+        nb::arg("state").noconvert(), nb::arg("out16").none(), nb::arg("rule"), nb::arg("grad_scale"),
+        nb::arg("decay"), nb::arg("l2"), nb::arg("lr"), nb::arg("beta1"), nb::arg("one_minus_beta1"),
+        nb::arg("beta2"), nb::arg("one_minus_beta2"), nb::arg("eps"),
+        nb::arg("threads"), "One Lion (rule 0) or Adagrad (rule 1) step over a float32 master and its one float32 "
+        "state buffer, in place, with an optional 16-bit copy of the new params.");
   m.def("accumulate", &py_accumulate, nb::arg("acc").noconvert(), nb::arg("grad").noconvert(), nb::arg("s"),
         nb::arg("overwrite"), nb::arg("threads"), "acc = s * grad (overwrite) or acc += s * grad.");
   m.def("use_openmp", [](const std::string& path) { return use_openmp(path.c_str()); }, nb::arg("path"),

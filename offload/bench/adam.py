@@ -41,11 +41,13 @@ import torch
 from offload.bench.comparison import RATE, TIME, Comparison
 from offload.machine import cpus, native
 from offload.optim import AdamHyper, adam_step
+from offload.optim.one_state import adagrad_step, lion_step
 from offload.store.state_format import FORMATS, Master, StateFormat, split_master
 from offload.store.step_cost import ADAM_BYTES  # read p, g, m, v; write p, m, v (fp32)
 
 FUSED_BYTES = 30     # bf16 grad read twice (norm + step), p/m/v read and written, bf16 copy written
 AXPY_BYTES = 12      # a += s * b: read a, b; write a
+ONE_STATE_BYTES = 20  # Lion or Adagrad: read p, g, the state; write p, the state (fp32)
 FP32_SIDE = "the fp32 state's CPU side (norm, clipped step, bf16 weights out)"
 HYPER = AdamHyper(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MAX_NORM = 1.0
@@ -243,6 +245,35 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
                                    "its compute floor (the state hot in a core's cache)", TIME, t[name] / floor, size)))
         say(f"  {n:>11,}  compute    {name + ': its floor, state hot in the cache':<56} {floor * 1e3:8.1f} ms  "
             f"({ns:4.2f} ns an element on one core); the cold step is {t[name] / floor:4.2f}x this floor")
+
+    # 5. Lion and Adagrad (offload/optim/one_state.py) beside torch's: torch.optim.Adagrad, and Lion in torch's ops
+    # (torch has no Lion; the reference update, as DeepSpeed's and lion-pytorch's).
+    lion_m, ada_sum, ada_step = torch.zeros(n), torch.zeros(n), [0]
+    ref_m = torch.zeros(n)
+
+    def our_lion() -> None:
+        lion_step(p, g, lion_m, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1, threads=threads)
+
+    def torch_lion() -> None:
+        with torch.no_grad():
+            tp.mul_(1 - 1e-4 * 0.1)
+            tp.add_(ref_m.mul(0.9).add_(g, alpha=0.1).sign_(), alpha=-1e-4)
+            ref_m.mul_(0.99).add_(g, alpha=0.01)
+
+    def our_adagrad() -> None:
+        ada_step[0] += 1
+        adagrad_step(p, g, ada_sum, ada_step[0], lr=1e-2, threads=threads)
+
+    tp.grad = g.clone()
+    torch_adagrad = torch.optim.Adagrad([tp], lr=1e-2, foreach=True)
+    lion_torch, adagrad_torch = "torch ops Lion (the reference update)", "torch Adagrad foreach=True"
+    t = interleaved({lion_torch: torch_lion, f"offload lion_step ({variant})": our_lion,
+                     adagrad_torch: torch_adagrad.step, f"offload adagrad_step ({variant})": our_adagrad},
+                    repeats, before=flush)
+    for impl, seconds in t.items():
+        base = None if impl.startswith("torch") else (lion_torch, t[lion_torch]) if "lion" in impl else (
+            adagrad_torch, t[adagrad_torch])
+        row("lion" if "Lion" in impl or "lion" in impl else "adagrad", impl, seconds, ONE_STATE_BYTES, base)
     return rows
 
 

@@ -182,6 +182,34 @@ def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                  -1 if _prefetch is None else _prefetch)
 
 
+LION, ADAGRAD = 0, 1  # the one-state rules (OneStateRule in native/kernels.h)
+
+
+def one_state_kernel(param: torch.Tensor, grad: torch.Tensor, state: torch.Tensor, out16: torch.Tensor | None, *,
+                     rule: int, grad_scale: float = 1.0, decay: float = 1.0, l2: float = 0.0, lr: float,
+                     beta1: float = 0.0, beta2: float = 0.0, eps: float = 0.0, threads: int | None = None) -> None:
+    """One Lion (``rule`` LION) or Adagrad (ADAGRAD) step in place over a float32 master and its one float32
+    state buffer (see [Note: one state] in native/kernels.cpp); scalars arrive as the caller computed them in double,
+    each rounded to float32 once."""
+    tensors = {"param": param, "grad": grad, "state": state} | ({"out16": out16} if out16 is not None else {})
+    checked = {name: _check_buffer(t, name) for name, t in tensors.items()}
+    for name in ("param", "state"):
+        if checked[name].dtype != torch.float32:
+            raise NativeError(f"{name} has dtype {checked[name].dtype}; Lion's and Adagrad's master and state are "
+                              "float32")
+    if out16 is not None and checked["out16"].dtype == torch.float32:
+        raise NativeError("out16 has dtype torch.float32; the copy is bfloat16 or float16")
+    n = param.numel()
+    for name, t in checked.items():
+        if t.numel() != n:
+            raise NativeError(f"{name} has {t.numel()} elements but param has {n}; the buffers must match")
+    n_threads = default_threads() if threads is None else int(threads)
+    if n_threads < 1:
+        raise NativeError(f"threads must be >= 1, got {threads}")
+    _native.one_state(_dl(checked["param"]), _dl(checked["grad"]), _dl(checked["state"]), _dl(checked.get("out16")),
+                      rule, grad_scale, decay, l2, lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, n_threads)
+
+
 _prefetch: int | None = None  # elements ahead the Adam pass prefetches (None: the variant's build default)
 
 

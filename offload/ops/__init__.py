@@ -1,5 +1,6 @@
-"""DeepSpeed's ``deepspeed.ops``: the optimizer classes its scripts import by name (``deepspeed.ops.adam``)."""
+"""DeepSpeed's ``deepspeed.ops``: the optimizer classes its scripts import by name (``deepspeed.ops.adam``,
+``deepspeed.ops.adagrad``, ``deepspeed.ops.lion``)."""
 
-from offload.ops import adam
+from offload.ops import adagrad, adam, lion
 
-__all__ = ["adam"]
+__all__ = ["adagrad", "adam", "lion"]

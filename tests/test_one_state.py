@@ -1,0 +1,111 @@
+"""Lion and Adagrad on the host (offload/optim/one_state.py over the native one-state kernel, [Note: one state] in
+native/kernels.cpp), and DeepSpeed's names for them (offload.ops.lion, offload.ops.adagrad): Lion bit for bit the
+reference update (the paper's and DeepSpeed's) in every kernel variant; Adagrad torch.optim.Adagrad's, its sum bit
+for bit and its weights to the last place (torch's CPU square root is not correctly rounded; the kernel's is)."""
+
+import pytest
+import torch
+
+from offload.machine.native import NativeError
+from offload.ops.adagrad import DeepSpeedCPUAdagrad
+from offload.ops.lion import DeepSpeedCPULion
+from offload.optim.one_state import CPUAdagrad, CPULion, adagrad_step, lion_step
+
+N = 100_003  # not a multiple of any vector width: every variant's tail runs too
+
+
+def reference_lion(p, g, m, lr, betas, wd):
+    """Lion as its paper writes it (and lucidrains' lion-pytorch, and DeepSpeed's CPU Lion)."""
+    p.mul_(1 - lr * wd)
+    p.add_(m.clone().mul_(betas[0]).add(g, alpha=1 - betas[0]).sign_(), alpha=-lr)
+    m.mul_(betas[1]).add_(g, alpha=1 - betas[1])
+
+
+def test_lion_is_bitwise_the_reference_in_every_variant(variant):
+    torch.manual_seed(0)
+    ref = torch.randn(N)
+    ref[:7] = 0.0  # a zero update's sign is zero
+    ours, ref_m = ref.clone().requires_grad_(), torch.zeros(N)
+    opt = CPULion([ours], lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1, threads=2)
+    for _ in range(6):
+        g = torch.randn(N)
+        g[:3] = 0.0
+        reference_lion(ref, g, ref_m, 3e-3, (0.9, 0.99), 0.1)
+        ours.grad = g.clone()
+        opt.step()
+    assert torch.equal(ours.detach(), ref) and torch.equal(opt.state[ours]["exp_avg"], ref_m)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.02])
+def test_adagrad_is_torchs_in_every_variant(variant, weight_decay):
+    """A decaying learning rate and a starting accumulator, as torch.optim.Adagrad takes them: the sum bit for bit
+    (without weight decay it reads the gradients alone; with it, the weights too, which differ in their last place
+    where torch's square root rounds otherwise), the weights to their last place."""
+    torch.manual_seed(0)
+    start = torch.randn(N)
+    ref, ours = start.clone().requires_grad_(), start.clone().requires_grad_()
+    kw = dict(lr=0.05, lr_decay=0.01, weight_decay=weight_decay, initial_accumulator_value=0.1, eps=1e-10)
+    torch_opt, opt = torch.optim.Adagrad([ref], **kw), CPUAdagrad([ours], **kw, threads=2)
+    for _ in range(6):
+        g = torch.randn(N)
+        ref.grad, ours.grad = g.clone(), g.clone()
+        torch_opt.step()
+        opt.step()
+    if weight_decay == 0:
+        assert torch.equal(opt.state[ours]["sum"], torch_opt.state[ref]["sum"])
+    torch.testing.assert_close(opt.state[ours]["sum"], torch_opt.state[ref]["sum"], rtol=1e-6, atol=0)
+    assert torch.equal(opt.state[ours]["step"], torch_opt.state[ref]["step"])
+    torch.testing.assert_close(ours.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_adagrad_state_dicts_move_to_and_from_torchs():
+    torch.manual_seed(0)
+    start = torch.randn(1000)
+    ref, ours = start.clone().requires_grad_(), start.clone().requires_grad_()
+    torch_opt, opt = torch.optim.Adagrad([ref], lr=0.1), CPUAdagrad([ours], lr=0.1)
+    for p, o in ((ref, torch_opt), (ours, opt)):
+        p.grad = torch.ones(1000)
+        o.step()
+    opt.load_state_dict(torch_opt.state_dict())
+    back = torch.optim.Adagrad([ref.detach().clone().requires_grad_()], lr=0.1)
+    back.load_state_dict(opt.state_dict())
+    assert torch.equal(opt.state[ours]["sum"], torch_opt.state[ref]["sum"]) and opt.state[ours]["step"] == 1
+
+
+@pytest.mark.parametrize("rule", ["lion", "adagrad"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_gradients_read_widened_and_the_weights_copied_out(rule, dtype):
+    """A 16-bit gradient steps as its float32 widening, scaled by the clip factor; the 16-bit copy of the new weights
+    is the float32 master rounded."""
+    torch.manual_seed(0)
+    g16 = torch.randn(N).to(dtype)
+    master, state = torch.randn(N), torch.rand(N)
+    runs = []
+    for grad in (g16, g16.float() * 0.5):
+        p, s, out = master.clone(), state.clone(), torch.empty(N, dtype=dtype)
+        scale = 0.5 if grad.dtype == dtype else 1.0
+        if rule == "lion":
+            lion_step(p, grad, s, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, grad_scale=scale, out16=out)
+        else:
+            adagrad_step(p, grad, s, 3, lr=0.1, weight_decay=0.01, grad_scale=scale, out16=out)
+        runs.append((p, s, out))
+    (p16, s16, out16), (p32, s32, _) = runs
+    assert torch.equal(p16, p32) and torch.equal(s16, s32) and torch.equal(out16, p16.to(dtype))
+
+
+def test_deepspeeds_names_take_its_arguments_and_say_what_they_refuse():
+    p = torch.zeros(4, requires_grad=True)
+    lion = DeepSpeedCPULion([p])
+    assert lion.defaults == {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0}
+    adagrad = DeepSpeedCPUAdagrad([p])
+    assert adagrad.defaults["lr"] == 1e-2 and adagrad.defaults["eps"] == 1e-10
+    with pytest.raises(ValueError, match="amsgrad=False"):
+        DeepSpeedCPUAdagrad([p], amsgrad=True)
+    with pytest.raises(ValueError, match="fp32_optimizer_states True"):
+        DeepSpeedCPULion([p], fp32_optimizer_states=False)
+    with pytest.raises(ValueError, match=r"contiguous CPU float32 params.*torch.bfloat16"):
+        CPULion([torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)])
+    with pytest.raises(ValueError, match=r"invalid betas\[1\]: 1.0"):
+        CPULion([p], betas=(0.9, 1.0))
+    with pytest.raises(NativeError, match="state has dtype torch.bfloat16"):
+        lion_step(torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), lr=1e-3, betas=(0.9, 0.99))
