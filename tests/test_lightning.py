@@ -57,6 +57,17 @@ def test_a_lightning_module_trains_on_the_engine_as_under_ddp(tmp_path, strategy
     assert ours["params_total"] == whole and sum(ours["params_per_device"][1:]) == whole  # the model summary
 
 
+def test_blocks_compiled_in_configure_model_train_under_the_strategy_as_under_ddp(tmp_path):
+    """#69: blocks compiled in place in configure_model: each one unit, its gathers outside its graph, the losses
+    and weights of the same compiled blocks under DDP."""
+    plain, = fit("ddp", tmp_path / "ddp", "--compile", "aot_eager")
+    ours, = fit("offload_stage_3_offload", tmp_path / "offload", "--compile", "aot_eager")
+    assert_trains_as(ours, plain)
+    assert ours["compiled"]["compiled"] == ["net.blocks.0", "net.blocks.1"]
+    # the training graph and validation's (no gradients), as under DDP; no break
+    assert ours["graphs"] == plain["graphs"] == 2 and ours["graph_breaks"] == plain["graph_breaks"] == 0
+
+
 def test_two_processes_through_lightnings_launcher(tmp_path):
     plain = fit("ddp", tmp_path / "ddp", devices=2)
     ours = fit("offload_stage_3_offload", tmp_path / "offload", devices=2)

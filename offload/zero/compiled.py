@@ -89,7 +89,7 @@ class CompileWatch:
         done = now.since(self._start)
         after = now.since(self._first_step).graphs if self._first_step is not None else 0
         return CompileReport(compiled_modules(self._model), done.graphs, done.break_count, after,
-                             tuple(reason.splitlines()[0] for reason, _ in done.breaks))
+                             tuple(_reason(text) for text, _ in done.breaks))
 
 
 def compiled_around_units(model: nn.Module, anchors: list[str]) -> list[str]:
@@ -110,6 +110,15 @@ def say_compiled_whole(model: nn.Module, anchors: list[str]) -> None:
 
 def _label(name: str) -> str:
     return "the model" if not name else repr(name)
+
+
+def _reason(text: str) -> str:
+    """A graph break's reason in a line: dynamo's first line, and its explanation where it names more (the
+    function it skipped, the construct it cannot trace)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    explained = next((line.removeprefix("Explanation:").strip() for line in lines if line.startswith("Explanation:")),
+                     "")
+    return f"{lines[0]}: {explained}" if lines and explained else (lines[0] if lines else text)
 
 
 def compiled_modules(model: nn.Module) -> tuple[str, ...]:

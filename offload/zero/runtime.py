@@ -199,9 +199,12 @@ class ZeroRuntime:
 
     def _install(self, model: nn.Module) -> None:
         by_name = dict(model.named_modules(remove_duplicate=False))
+        inside = _inside_compiled(model)
         users: dict[int, tuple[nn.Module, list[Unit]]] = {}
         for unit in self.units:
-            for name in unit.plan.anchors + unit.plan.borrowers + (_owners(unit) if _root_owned(unit) else []):
+            # a root-owned unit's owners inside a compiled block: the root's forward holds the unit around theirs
+            owners = [n for n in _owners(unit) if n not in inside] if _root_owned(unit) else []
+            for name in unit.plan.anchors + unit.plan.borrowers + owners:
                 module = by_name[name]
                 entry = users.setdefault(id(module), (module, []))
                 if unit not in entry[1]:
@@ -215,7 +218,6 @@ class ZeroRuntime:
             self._handles.append(module.register_forward_hook(_eager(self._post_forward_hook(units)),
                                                               always_call=True))
         direct: dict[int, tuple[nn.Module, list[Unit]]] = {}
-        inside = _inside_compiled(model)
         for unit in (u for u in self.units if not _root_owned(u)):
             for name in _owners(unit):
                 module = by_name[name]

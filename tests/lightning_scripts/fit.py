@@ -4,6 +4,11 @@ checkpoint at each epoch's end (4 steps); with --resume, fit(ckpt_path=...) from
 launcher starts the other processes of --devices 2 by running it again), one side per run; rank r writes OUT.r.pt.
 
     python fit.py ddp OUT [--devices 2] [--precision bf16-mixed] [--steps 8] [--save DIR] [--resume DIR]
+                  [--compile BACKEND]
+
+--compile: each block a class of the script's own, compiled in place in configure_model (``block.compile()``, as
+Lightning's docs advise for strategies that shard: a compiled LightningModule is refused by Lightning itself for
+DeepSpeed's strategies, offload's among them).
 """
 
 import argparse
@@ -17,12 +22,24 @@ from torch import nn
 
 import offload
 import offload.lightning  # noqa: F401 - registers the offload_* strategy names
+from offload.zero.compiled import DynamoCounts
+
+
+class Block(nn.Module):
+    """The Sequential block's layers under a class of the script's own (torch's own containers are not traced)."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(w), nn.Linear(w, 2 * w), nn.Linear(2 * w, w)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(self.norm(h))))
 
 
 class Blocks(L.LightningModule):
     """Two residual blocks over an embedding, built in configure_model (under the strategy's sharded context)."""
 
-    def __init__(self, lr: float = 1e-2, width: int = 64, manual: bool = False) -> None:
+    def __init__(self, lr: float = 1e-2, width: int = 64, manual: bool = False, compile: str = "") -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = not manual
@@ -36,11 +53,13 @@ class Blocks(L.LightningModule):
         if self.net is not None:
             return
         w = self.hparams.width
-        self.net = nn.ModuleDict({
-            "embed": nn.Embedding(32, w),
-            "blocks": nn.ModuleList(nn.Sequential(nn.LayerNorm(w), nn.Linear(w, 2 * w), nn.GELU(),
-                                                  nn.Linear(2 * w, w)) for _ in range(2)),
-            "head": nn.Linear(w, 32)})
+        backend = self.hparams.compile
+        blocks = [Block(w) if backend else nn.Sequential(nn.LayerNorm(w), nn.Linear(w, 2 * w), nn.GELU(),
+                                                         nn.Linear(2 * w, w)) for _ in range(2)]
+        for block in blocks if backend else ():
+            block.compile(backend=backend)
+        self.net = nn.ModuleDict({"embed": nn.Embedding(32, w), "blocks": nn.ModuleList(blocks),
+                                  "head": nn.Linear(w, 32)})
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         assert self.net is not None
@@ -105,11 +124,12 @@ def main() -> None:
     parser.add_argument("--save", help="a ModelCheckpoint callback saving at each epoch's end into this folder")
     parser.add_argument("--resume", help="fit(ckpt_path=...) from this checkpoint")
     parser.add_argument("--manual", action="store_true", help="manual optimization (no accumulation, no clipping)")
+    parser.add_argument("--compile", default="", help="compile each block with this torch.compile backend")
     parser.add_argument("--full-weights", action="store_true",
                         help="the offload strategy's load_full_weights (--resume names a single-file checkpoint)")
     args = parser.parse_args()
     L.seed_everything(0, verbose=False)
-    module = Blocks(manual=args.manual)
+    module = Blocks(manual=args.manual, compile=args.compile)
     callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=args.save, every_n_epochs=1, save_top_k=-1,
                                                      save_on_train_epoch_end=True)] if args.save else []
     strategy = args.strategy
@@ -123,14 +143,19 @@ def main() -> None:
                         val_check_interval=4, limit_val_batches=2, num_sanity_val_steps=0, logger=False,
                         enable_checkpointing=bool(args.save), enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False)
+    start = DynamoCounts.now()
     trainer.fit(module, loader(1, args.devices), loader(2, args.devices), ckpt_path=args.resume)
+    dynamo = DynamoCounts.now().since(start)
     summary = DeepSpeedSummary(module, max_depth=2) if args.strategy.startswith("offload") else None
     result = {"losses": module.losses, "lrs": module.lrs, "val_losses": module.val_losses,
               "weights": whole_weights(trainer, module), "global_step": trainer.global_step,
               "batches": int(module.batches), "strategy": type(trainer.strategy).__name__, "world": trainer.world_size,
               "params_per_device": getattr(summary, "parameters_per_layer", None),
               "params_total": getattr(summary, "total_parameters", None),
-              "deepspeed_imported": "deepspeed" in sys.modules}
+              "deepspeed_imported": "deepspeed" in sys.modules,
+              "compiled": trainer.strategy.model.compile_report().as_dict()
+              if isinstance(trainer.strategy.model, offload.Engine) else None,
+              "graphs": dynamo.graphs, "graph_breaks": dynamo.break_count}
     tested = trainer.validate(module, loader(2, args.devices), verbose=False)
     result["validated"] = tested[0]["val_loss"]
     torch.save(result, f"{args.out}.{trainer.global_rank}.pt")
