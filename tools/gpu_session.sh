@@ -64,6 +64,7 @@
 #   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b
 #   bench-deepspeed-nvme bench-step-checkpointing bench-step-threads profile sanitizer suite
 #   pace-0p9b pace-0p9b-lanes pace-4p5b pace-4p5b-budget pace-4p5b-formats trainer-8b trainer-8b-refit largest
+#   cuda-lend cuda-compile bench-step-compile
 # bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
 # a call of its own (SUITE_S, default 420 s, 14 workers).
 # Then replay the same model's recorded step graph here (`offload bench schedule`, docs/performance.md) and put the
@@ -255,6 +256,9 @@ for s in "$@"; do
     plan55) stages+=(install pace-4p5b-formats) ;;
     plan59) stages+=(install cuda-tests pace-0p9b) ;;  # cuda-tests: 15 s on the H200 (2026-11-27)
     plan68) stages+=(install cuda-streamed pace-0p9b-lanes) ;;  # the lanes first, whenever a device is lent (#71's row 1)
+    # #69 and #70 on a GPU (after plan68, with time left): the CUDA tests of offload_states (the GPU's freed bytes) and
+    # compiled units, then the 0.91B compiled beside eager, offload and plain PyTorch (#71's row 4).
+    plan69) stages+=(install cuda-lend cuda-compile bench-step-compile) ;;
     *) stages+=("$s") ;;
   esac
 done
@@ -265,6 +269,11 @@ for s in "${stages[@]}"; do
     install) stage install install ;;
     bench-deepspeed-placements) stage bench-deepspeed-placements deepspeed_placements ;;
     cuda-streamed) stage cuda-streamed py -m pytest -q -x tests/test_engine_cuda.py -k streamed ;;  # correct first
+    cuda-lend) stage cuda-lend py -m pytest -q -x tests/test_engine_cuda.py -k offload_states ;;
+    # compiled blocks under the engine on the GPU (test_compile.py trains on the GPU at W = 1), inductor's first compile
+    cuda-compile) stage cuda-compile py -m pytest -q -x tests/test_compile.py ;;
+    # plain PyTorch and offload (the state split by auto), each eager and with every block compiled by inductor
+    bench-step-compile) stage bench-step-compile py -m offload bench step "${M091[@]}" --compile inductor --variants ratio-auto --steps 4 --rounds 2 --out "$OUT/step-compile.json" ;;
     cuda-tests) stage cuda-tests py -m pytest -q -x tests/test_engine_cuda.py tests/test_cli.py tests/test_bench_pace.py -k "cuda or gpu or pcie" ;;
     # The CUDA tests under torch's stream sanitizer: a kernel that reads what another stream writes without a wait fails.
     sanitizer) TORCH_CUDA_SANITIZER=1 stage sanitizer py -m pytest -q tests/test_engine_cuda.py ;;
