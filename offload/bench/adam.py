@@ -271,9 +271,9 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
                      adagrad_torch: torch_adagrad.step, f"offload adagrad_step ({variant})": our_adagrad},
                     repeats, before=flush)
     for impl, seconds in t.items():
-        base = None if impl.startswith("torch") else (lion_torch, t[lion_torch]) if "lion" in impl else (
+        against = None if impl.startswith("torch") else (lion_torch, t[lion_torch]) if "lion" in impl else (
             adagrad_torch, t[adagrad_torch])
-        row("lion" if "Lion" in impl or "lion" in impl else "adagrad", impl, seconds, ONE_STATE_BYTES, base)
+        row("lion" if "Lion" in impl or "lion" in impl else "adagrad", impl, seconds, ONE_STATE_BYTES, against)
     return rows
 
 

@@ -107,6 +107,17 @@ MASTER_DTYPES = (torch.float32, torch.bfloat16)  # a master weight: float32, or 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _matched(checked: dict[str, torch.Tensor], n: int, threads: int | None) -> int:
+    """The threads a pass runs on, once every buffer it was given holds ``n`` elements (``param``'s)."""
+    for name, t in checked.items():
+        if t.numel() != n:
+            raise NativeError(f"{name} has {t.numel()} elements but param has {n}; the buffers must match")
+    n_threads = default_threads() if threads is None else int(threads)
+    if n_threads < 1:
+        raise NativeError(f"threads must be >= 1, got {threads}")
+    return n_threads
+
+
 class Stochastic(NamedTuple):
     """A bfloat16 master rounded stochastically: the stream's seed, and the stream index of the buffer's first
     element (see [Note: state formats] in native/kernels.cpp)."""
@@ -166,13 +177,7 @@ def adam_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         raise NativeError("out16 has dtype torch.float32; the copy is bfloat16 or float16")
     if out16 is not None and master != torch.float32 and checked["out16"].dtype != torch.bfloat16:
         raise NativeError(f"out16 has dtype {checked['out16'].dtype}; a bfloat16 master's copy is bfloat16 (its bits)")
-    n = param.numel()
-    for name, t in checked.items():
-        if t.numel() != n:
-            raise NativeError(f"{name} has {t.numel()} elements but param has {n}; the buffers must match")
-    n_threads = default_threads() if threads is None else int(threads)
-    if n_threads < 1:
-        raise NativeError(f"threads must be >= 1, got {threads}")
+    n_threads = _matched(checked, param.numel(), threads)
     seed, index0 = (int(stochastic.seed) & 0xFFFFFFFF, int(stochastic.index0)) if stochastic is not None else (0, 0)
     _native.adam(_dl(checked["param"]), _dl(checked["grad"]), _dl(checked["exp_avg"]), _dl(checked["exp_avg_sq"]),
                  _dl(checked.get("out16")), _dl(checked.get("param_out")), _dl(checked.get("exp_avg_out")),
@@ -199,13 +204,7 @@ def one_state_kernel(param: torch.Tensor, grad: torch.Tensor, state: torch.Tenso
                               "float32")
     if out16 is not None and checked["out16"].dtype == torch.float32:
         raise NativeError("out16 has dtype torch.float32; the copy is bfloat16 or float16")
-    n = param.numel()
-    for name, t in checked.items():
-        if t.numel() != n:
-            raise NativeError(f"{name} has {t.numel()} elements but param has {n}; the buffers must match")
-    n_threads = default_threads() if threads is None else int(threads)
-    if n_threads < 1:
-        raise NativeError(f"threads must be >= 1, got {threads}")
+    n_threads = _matched(checked, param.numel(), threads)
     _native.one_state(_dl(checked["param"]), _dl(checked["grad"]), _dl(checked["state"]), _dl(checked.get("out16")),
                       rule, grad_scale, decay, l2, lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, n_threads)
 

@@ -9,7 +9,7 @@ next slice)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,13 +57,23 @@ class _HostOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{self.kind} updates contiguous CPU float32 params (the master weights); "
                                      f"{where} is {p.dtype} on {p.device}")
 
-    def _grads(self, group: dict[str, Any]) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise ValueError(f"{self.kind} does not take sparse gradients")
-            yield p, p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError(f"{self.kind} does not take sparse gradients")
+                self._update(group, p, p.grad if p.grad.is_contiguous() else p.grad.contiguous())
+        return loss
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor) -> None:
+        raise NotImplementedError
 
 
 class CPULion(_HostOptimizer):
@@ -79,20 +89,12 @@ class CPULion(_HostOptimizer):
             _finite(f"betas[{i}]", beta, 0 <= beta < 1, "0 <= betas < 1")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), threads)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p, grad in self._grads(group):
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                lion_step(p, grad, state["exp_avg"], lr=float(group["lr"]), betas=tuple(group["betas"]),
-                          weight_decay=float(group["weight_decay"]), threads=self.threads)
-        return loss
+    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor) -> None:
+        state = self.state[p]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        lion_step(p, grad, state["exp_avg"], lr=float(group["lr"]), betas=tuple(group["betas"]),
+                  weight_decay=float(group["weight_decay"]), threads=self.threads)
 
 
 class CPUAdagrad(_HostOptimizer):
@@ -114,19 +116,11 @@ class CPUAdagrad(_HostOptimizer):
                 self.state[p]["sum"] = torch.full_like(p, group["initial_accumulator_value"],
                                                        memory_format=torch.contiguous_format)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group.get("maximize", False) or group.get("foreach") or group.get("fused"):
-                raise ValueError("CPUAdagrad runs its own kernel: maximize, foreach and fused are not taken")
-            for p, grad in self._grads(group):
-                state = self.state[p]
-                state["step"] += 1
-                adagrad_step(p, grad, state["sum"], int(state["step"].item()), lr=float(group["lr"]),
-                             eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                             lr_decay=float(group["lr_decay"]), threads=self.threads)
-        return loss
+    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor) -> None:
+        if group.get("maximize", False) or group.get("foreach") or group.get("fused"):
+            raise ValueError("CPUAdagrad runs its own kernel: maximize, foreach and fused are not taken (a loaded "
+                             "state dict asks for them)")
+        state = self.state[p]
+        state["step"] += 1
+        adagrad_step(p, grad, state["sum"], int(state["step"].item()), lr=float(group["lr"]), eps=float(group["eps"]),
+                     weight_decay=float(group["weight_decay"]), lr_decay=float(group["lr_decay"]), threads=self.threads)
