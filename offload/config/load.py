@@ -78,8 +78,10 @@ class Config:
     steps_per_print: int | None = setting(None, "Log progress every this many optimizer steps (unset: never, as "
                                                 "DeepSpeed 0.19.8's default).", ge=1)
     zero_allow_untested_optimizer: bool = setting(False, "Allow a client optimizer other than Adam/AdamW.",
-                                                  support=NO_EFFECT, note="offload runs Adam/AdamW only; any other "
-                                                                          "optimizer is an error at initialize.")
+                                                  support=NO_EFFECT, note="offload runs Adam/AdamW, Lion and "
+                                                                          "Adagrad (by the optimizer section's type); "
+                                                                          "any other optimizer is an error at "
+                                                                          "initialize.")
     gradient_predivide_factor: float = setting(1.0, "Divide gradients by this before the reduction and by "
                                                     "world/factor after.", gt=0)
     prescale_gradients: bool = setting(False, "Scale gradients before the reduction rather than after.")
@@ -314,7 +316,12 @@ def _batch_rule(train: int | None, micro: int | None, accum: int | None, world: 
 
 
 def _rewrite_legacy(raw: Mapping[str, Any], notes: list[str]) -> Mapping[str, Any]:
-    """DeepSpeed's deprecated zero_optimization booleans, rewritten to the offload sections."""
+    """DeepSpeed's deprecated zero_optimization booleans, rewritten to the offload sections; an Adagrad section
+    without eps takes DeepSpeed's Adagrad default (1e-10, not Adam's 1e-8)."""
+    optimizer = raw.get("optimizer")
+    if (isinstance(optimizer, Mapping) and str(optimizer.get("type", "")).lower() == "adagrad"
+            and "eps" not in (optimizer.get("params") or {})):
+        raw = {**raw, "optimizer": {**optimizer, "params": {**(optimizer.get("params") or {}), "eps": 1e-10}}}
     zero = raw.get("zero_optimization")
     legacy = ("cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory")
     if not isinstance(zero, Mapping) or not any(k in zero for k in legacy):

@@ -92,16 +92,21 @@ class AdamParams:
                                  note="offload's Adam is always one fused pass per shard.")
 
 
-OPTIMIZER_TYPES = ("Adam", "AdamW")
+OPTIMIZER_TYPES = ("Adam", "AdamW", "Lion", "Adagrad")
+ONE_STATE_TYPES = ("Lion", "Adagrad")  # one state buffer beside the master (offload/optim/one_state.py)
 
 
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
-    type: str = setting("AdamW", "Adam or AdamW (case-insensitive); both run offload's CPU Adam. For another "
-                                 "optimizer leave this section out and pass your own.", choices=OPTIMIZER_TYPES)
+    type: str = setting("AdamW", "Adam, AdamW, Lion or Adagrad (case-insensitive), with DeepSpeed's parameters "
+                                 "(Lion: lr, betas, weight_decay; Adagrad: lr, eps, default 1e-10 as DeepSpeed's, "
+                                 "weight_decay); each runs offload's own kernels. For another optimizer leave this "
+                                 "section out and pass your own.", choices=OPTIMIZER_TYPES)
     params: AdamParams = section(AdamParams, "Optimizer hyperparameters.")
 
     def check(self, path: str) -> None:
+        if self.type in ONE_STATE_TYPES and not self.params.bias_correction:
+            raise ConfigError(f"{path}.params.bias_correction", f"is Adam's; {self.type} has none: leave it out")
         if self.type == "AdamW" and not self.params.adam_w_mode:
             raise ConfigError(f"{path}.params.adam_w_mode",
                               "false contradicts type 'AdamW'; use type 'Adam' for L2 weight decay")

@@ -111,6 +111,7 @@ class OptimizerChoice:
     adamw_mode: bool = True
     bias_correction: bool = True
     lr_scheduler: Any = None
+    update: str = "adam"  # or lion, adagrad: the config's optimizer type (AdamHyper.rule)
 
 
 def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: Group, stage: Stage,
@@ -202,7 +203,8 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
             logger.info("rank %d: %s", group.rank, tuned.describe())
         optimizer = ShardedAdam(
             param_groups, accel, [(i, n) for i, n in shard_sizes if i in trained], params=params,
-            rule=AdamRule(choice.adamw_mode, choice.bias_correction, config.offload.cpu_threads), telemetry=telemetry,
+            rule=AdamRule(choice.adamw_mode, choice.bias_correction, config.offload.cpu_threads, choice.update),
+            telemetry=telemetry,
             plan=StatePlan(device=zero.offload_optimizer.device, groups=placement.groups,
                            step_buffers=placement.step_buffers,
                            buffer_count=zero.offload_optimizer.buffer_count, host=host_budget, nvme=nvme_budget,

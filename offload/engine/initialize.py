@@ -20,6 +20,7 @@ from torch import nn
 
 from offload.config import Config, ConfigError
 from offload.config.fields import resolved
+from offload.config.sections import ONE_STATE_TYPES
 from offload.engine.build import OptimizerChoice
 from offload.engine.core import Engine
 from offload.engine.errors import EngineError
@@ -28,6 +29,7 @@ from offload.machine.accelerator import Accelerator, finish_streams
 from offload.machine.host_malloc import set_mmap_threshold
 from offload.optim.cpu_adam import CPUAdam
 from offload.optim.sharded import ShardedAdam
+from offload.store import state_format
 from offload.zero.collectives import Group
 
 logger = logging.getLogger("offload.engine")
@@ -74,8 +76,10 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         logger.warning("config: %d key(s) set here have no effect in offload: %s", len(cfg.no_effect),
                        "; ".join(cfg.no_effect))
     param_groups, adamw_mode, bias_correction = _optimizer_groups(model, model_parameters, cfg, optimizer)
-    engine = Engine(model, cfg, OptimizerChoice(param_groups, adamw_mode, bias_correction, lr_scheduler), group, accel,
-                    weights)
+    one_state = cfg.optimizer is not None and cfg.optimizer.type in ONE_STATE_TYPES
+    update = cfg.optimizer.type.lower() if one_state and cfg.optimizer is not None else "adam"
+    engine = Engine(model, cfg, OptimizerChoice(param_groups, adamw_mode, bias_correction, lr_scheduler, update),
+                    group, accel, weights)
     if isinstance(optimizer, torch.optim.Optimizer):
         _share_groups(optimizer, engine.optimizer)
     loader = None
@@ -146,6 +150,14 @@ def _check_supported(cfg: Config, inference: bool) -> None:
         raise ConfigError("scheduler", "there is no optimizer to schedule (no optimizer section, no optimizer=): "
                                        "the engine runs forward only; add an optimizer section to train, or drop "
                                        "the scheduler")
+    if cfg.optimizer is not None and cfg.optimizer.type in ONE_STATE_TYPES:
+        fmt = state_format.from_config(cfg)
+        if fmt.master is not state_format.Master.FP32 or fmt.moments != torch.float32:
+            raise ConfigError("offload.optimizer_state", f"{cfg.optimizer.type}'s state is float32 here (its "
+                                                         "master and its one buffer): leave the state format fp32")
+        if cfg.offload.speculative_step == "on":
+            raise ConfigError("offload.speculative_step", f"{cfg.optimizer.type} is not speculated: set it to "
+                                                          "\"auto\" or \"off\"")
     if zero.offload_param.device != "none" and zero.offload_optimizer.device == "none" and not inference:
         raise ConfigError("zero_optimization.offload_param.device",
                           f"{zero.offload_param.device!r} needs the optimizer offloaded too: the step writes the new "

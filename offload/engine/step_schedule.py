@@ -27,6 +27,7 @@ import torch
 
 from offload.config import Config, ConfigError
 from offload.config.fields import resolved
+from offload.config.sections import ONE_STATE_TYPES
 from offload.machine.accelerator import Accelerator
 from offload.optim.loss_scale import unclipped_factor
 from offload.optim.sharded import LastBackward, ShardedAdam, StepVote
@@ -251,6 +252,8 @@ def _speculation_unwanted(config: Config, compute_dtype: torch.dtype) -> str | N
     mode = config.offload.speculative_step
     if mode == "off":
         return "offload.speculative_step is off"
+    if config.optimizer is not None and config.optimizer.type in ONE_STATE_TYPES:
+        return f"{config.optimizer.type} is not speculated (its step is not written into a second slot)"
     if config.offload.delayed_update.warmup_steps is not None:
         return "the delayed update steps after backward"
     if config.offload.overlap_step == "off":

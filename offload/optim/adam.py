@@ -26,6 +26,8 @@ from torch.optim.adamw import adamw as torch_adamw
 from offload.machine import native
 from offload.store.state_format import stochastic_round_
 
+RULES = ("adam", "lion", "adagrad")
+
 
 @dataclass(frozen=True, slots=True)
 class AdamHyper:
@@ -37,8 +39,13 @@ class AdamHyper:
     weight_decay: float = 0.0
     adamw_mode: bool = True  # decoupled weight decay (AdamW); False: L2 added to the gradient (Adam)
     bias_correction: bool = True
+    # the update: Adam's, or Lion's or Adagrad's over the same fields (Lion: lr, betas, weight_decay; Adagrad: lr,
+    # eps, weight_decay as L2), with one state buffer (offload/optim/one_state.py)
+    rule: str = "adam"
 
     def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"the update is one of {', '.join(RULES)}, not {self.rule!r}")
         beta1, beta2 = self.betas
         for name, value, ok in (("lr", self.lr, self.lr >= 0), ("eps", self.eps, self.eps > 0),
                                 ("weight_decay", self.weight_decay, self.weight_decay >= 0),

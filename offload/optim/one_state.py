@@ -124,3 +124,34 @@ class CPUAdagrad(_HostOptimizer):
         state["step"] += 1
         adagrad_step(p, grad, state["sum"], int(state["step"].item()), lr=float(group["lr"]), eps=float(group["eps"]),
                      weight_decay=float(group["weight_decay"]), lr_decay=float(group["lr_decay"]), threads=self.threads)
+
+
+def one_state_step(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor, step: int,
+                   hyper: Any, grad_scale: float, out16: torch.Tensor | None, threads: int | None,
+                   on_device: bool) -> None:
+    """One segment of a Lion or Adagrad step as the engine's update runs it (offload/optim/update.py), over the
+    state slot's (master, exp_avg, exp_avg_sq): Lion's momentum is exp_avg, Adagrad's sum exp_avg_sq (the other
+    buffer unused). Host state runs the native kernel; state on a discrete device (a GPU) torch's ops, in the
+    reference's order."""
+    master, exp_avg, exp_avg_sq = state
+    if not on_device:
+        if hyper.rule == "lion":
+            lion_step(master, grad, exp_avg, lr=hyper.lr, betas=hyper.betas, weight_decay=hyper.weight_decay,
+                      grad_scale=grad_scale, out16=out16, threads=threads)
+        else:
+            adagrad_step(master, grad, exp_avg_sq, step, lr=hyper.lr, eps=hyper.eps,
+                         weight_decay=hyper.weight_decay, grad_scale=grad_scale, out16=out16, threads=threads)
+        return
+    g = grad * grad_scale if grad_scale != 1.0 else grad
+    if hyper.rule == "lion":
+        beta1, beta2 = hyper.betas
+        master.mul_(1 - hyper.lr * hyper.weight_decay)
+        master.add_(exp_avg.mul(beta1).add_(g, alpha=1 - beta1).sign_(), alpha=-hyper.lr)
+        exp_avg.mul_(beta2).add_(g, alpha=1 - beta2)
+    else:
+        if hyper.weight_decay:
+            g = g.add(master, alpha=hyper.weight_decay)
+        exp_avg_sq.addcmul_(g, g, value=1)
+        master.addcdiv_(g, exp_avg_sq.sqrt().add_(hyper.eps), value=-hyper.lr)
+    if out16 is not None:
+        out16.copy_(master)

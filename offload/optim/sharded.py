@@ -111,6 +111,7 @@ class AdamRule:
     adamw_mode: bool  # decoupled weight decay (AdamW), else L2 (Adam)
     bias_correction: bool
     threads: int | None = None  # offload.cpu_threads (None: the physical cores this process may use)
+    update: str = "adam"  # or lion, adagrad (AdamHyper.rule)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,8 +192,7 @@ class ShardedAdam(OptimizerFace):
         self.offload = plan.device != "none"
         self.device_grads_kept = plan.landing.keeps_device_grads
         self.compute_dtype = params.dtype  # the shards' (the step writes them in it)
-        self.adamw_mode = rule.adamw_mode
-        self.bias_correction = rule.bias_correction
+        self.adamw_mode, self.bias_correction, self.update_rule = rule.adamw_mode, rule.bias_correction, rule.update
         self.threads = threads = rule.threads
         self.telemetry = telemetry or Telemetry()
         self.host = plan.host
@@ -526,7 +526,7 @@ class ShardedAdam(OptimizerFace):
         g = self.param_groups[group]
         return AdamHyper(lr=float(g["lr"]), betas=tuple(g["betas"]), eps=float(g["eps"]),
                          weight_decay=float(g["weight_decay"]), adamw_mode=self.adamw_mode,
-                         bias_correction=self.bias_correction)
+                         bias_correction=self.bias_correction, rule=self.update_rule)
 
     def _hypers(self) -> list[AdamHyper]:
         """Every param group's hyperparameters as the step reads them now (an LR schedule changes them)."""

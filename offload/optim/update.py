@@ -10,6 +10,7 @@ from offload.machine.accelerator import Accelerator, Event
 from offload.machine.native import Stochastic
 from offload.observe.step_graph import COMPUTE
 from offload.optim.adam import AdamHyper, adam_step, device_adam_step, device_adam_step_held
+from offload.optim.one_state import one_state_step
 from offload.optim.shard_state import ShardPhase, ShardState, StateSplit, by_group, widened
 from offload.store.param_store import ParamStore
 from offload.store.state_format import StateSlot, mix_seed
@@ -64,7 +65,16 @@ class ShardUpdate:
         out_bytes = out.element_size() if out is not None and not in_place else 0
         self.accel.graph.work("adam", index, nbytes=master.numel() * (state_bytes + grad.element_size() + out_bytes),
                               lane=COMPUTE if self.on_discrete_device(index) else None)
-        if out is None and self.on_discrete_device(index):  # torch's fused kernel
+        if hypers and hypers[0].rule != "adam":  # Lion or Adagrad: one state buffer (offload/optim/one_state.py)
+            assert into is None, "Lion and Adagrad are not speculated (the schedule takes no speculative step)"
+            on_device = out is None and self.on_discrete_device(index)
+            for seg in state.segments:
+                s = slice(seg.start, seg.end)
+                g = widened(grad[s], pre_scale)
+                one_state_step((master[s], exp_avg[s], exp_avg_sq[s]), g, step,
+                               hypers[seg.group], grad_scale, out16[s] if out16 is not None else None,
+                               None if on_device else self.threads, on_device)
+        elif out is None and self.on_discrete_device(index):  # torch's fused kernel
             assert into is None  # never speculated: host state only
             for group, segs in by_group(state.segments).items():
                 slices = [slice(seg.start, seg.end) for seg in segs]
