@@ -214,3 +214,19 @@ def test_offload_states_gives_the_gpu_memory_back_and_training_goes_on_bit_for_b
     assert lent["losses"] == plain["losses"]
     for key, value in plain["state"].items():
         assert torch.equal(lent["state"][key], value), key
+
+
+@pytest.mark.parametrize("rule", ["lion", "adagrad"])
+@pytest.mark.parametrize("where", ["ratio", "stream"])
+def test_lion_and_adagrad_on_the_gpu_match_torch(tmp_path, rule, where):
+    """#70: state on the GPU (half of it kept there, or streamed through it) is stepped by torch's ops in the
+    reference's order, beside the host's native kernel on the rest."""
+    from test_one_state import reference, rule_config
+    config, hyper = rule_config(tmp_path, rule, 1, 3, "cpu", 1.0)
+    if where == "ratio":
+        config["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+    else:
+        config["offload"]["stream_state"] = 0.5
+    ours = train_engine(0, 1, name="gpt", config=config, steps=6, micro=2, accum=2)
+    ref = reference(rule, 6, 4, 1.0, 1, **hyper)
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-4)

@@ -191,3 +191,18 @@ def test_what_lion_and_adagrad_do_not_take_is_said():
     config["optimizer"]["params"]["bias_correction"] = False
     with pytest.raises(ConfigError, match="is Adam's; Lion has none"):
         offload.initialize(model=make_any("gpt"), config=config)
+
+
+@pytest.mark.parametrize("rule", ["lion", "adagrad"])
+def test_state_on_a_discrete_device_steps_in_torchs_ops_as_plain_torch(tmp_path, rule):
+    """Half the state kept on the emulated discrete device: those units run the torch-ops path a GPU runs (in the
+    reference's order), the rest the host kernel."""
+    config, hyper = rule_config(tmp_path, rule, 1, 3, "cpu", 1.0)
+    config["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+    results = run_ranks(train_engine, 1, env={"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""},
+                        name="gpt", config=config, steps=STEPS, micro=MICRO, accum=ACCUM)
+    assert results[0]["tiers"]["device"] > 0
+    ref = reference(rule, STEPS, MICRO * ACCUM, 1.0, 1, **hyper)
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
