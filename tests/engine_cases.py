@@ -33,6 +33,18 @@ def loss_of(model: Any, name: str, tokens: torch.Tensor) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
 
 
+def backward_over(model: Any, name: str, tokens: torch.Tensor, micro: int) -> float:
+    """Plain PyTorch's accumulation over one global batch: each micro-batch's loss over their count backward; the
+    mean loss."""
+    chunks = tokens.split(micro)
+    total = 0.0
+    for chunk in chunks:
+        loss = loss_of(model, name, chunk)
+        (loss / len(chunks)).backward()
+        total += loss.item()
+    return total / len(chunks)
+
+
 def batches(steps: int, rows: int, seed: int = 1) -> list[torch.Tensor]:
     """Counting sequences with a random start and stride: learnable within a few steps."""
     gen = torch.Generator().manual_seed(seed)

@@ -7,7 +7,7 @@ the engine changes is what dynamo traces, which every backend shares."""
 
 import pytest
 import torch
-from engine_cases import base_config, batches, engine_device, loss_of, make_model
+from engine_cases import backward_over, base_config, batches, engine_device, loss_of, make_model
 from torch.utils.checkpoint import checkpoint
 
 import offload
@@ -53,17 +53,11 @@ def plain(steps: int, rows: int, recompute: bool = False, clip: float = 1.0, com
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     losses = []
     for tokens in batches(steps, rows):
-        chunks = tokens.to(device).split(MICRO)
-        total = 0.0
-        for chunk in chunks:
-            loss = loss_of(model, "gpt", chunk)
-            (loss / len(chunks)).backward()
-            total += loss.item()
+        losses.append(backward_over(model, "gpt", tokens.to(device), MICRO))
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
-        losses.append(total / len(chunks))
     return {"losses": losses, "graphs": DynamoCounts.now().since(start).graphs}
 
 

@@ -5,7 +5,7 @@ for bit and its weights to the last place (torch's CPU square root is not correc
 
 import pytest
 import torch
-from engine_cases import base_config, batches, engine_device, loss_of, make_any, train_engine
+from engine_cases import backward_over, base_config, batches, engine_device, make_any, train_engine
 
 import offload
 from offload.config import ConfigError
@@ -129,12 +129,7 @@ def reference(rule, steps, rows, clip, world, **hyper):
     moments = [torch.zeros_like(p) for p in params]
     losses = []
     for tokens in batches(steps, rows):
-        chunks = tokens.to(engine_device(world)).split(MICRO)
-        total = 0.0
-        for chunk in chunks:
-            loss = loss_of(model, "gpt", chunk)
-            (loss / len(chunks)).backward()
-            total += loss.item()
+        losses.append(backward_over(model, "gpt", tokens.to(engine_device(world)), MICRO))
         if clip:
             torch.nn.utils.clip_grad_norm_(params, clip)
         if rule == "adagrad":
@@ -145,7 +140,6 @@ def reference(rule, steps, rows, clip, world, **hyper):
                     reference_lion(p, p.grad, m, hyper["lr"], hyper["betas"], hyper["weight_decay"])
         for p in params:
             p.grad = None
-        losses.append(total / len(chunks))
     return {"losses": losses, "state": {k: v.cpu() for k, v in model.state_dict().items()}}
 
 
