@@ -155,9 +155,6 @@ def _check_supported(cfg: Config, inference: bool) -> None:
         if fmt.master is not state_format.Master.FP32 or fmt.moments != torch.float32:
             raise ConfigError("offload.optimizer_state", f"{cfg.optimizer.type}'s state is float32 here (its "
                                                          "master and its one buffer): leave the state format fp32")
-        if cfg.offload.speculative_step == "on":
-            raise ConfigError("offload.speculative_step", f"{cfg.optimizer.type} is not speculated: set it to "
-                                                          "\"auto\" or \"off\"")
     if zero.offload_param.device != "none" and zero.offload_optimizer.device == "none" and not inference:
         raise ConfigError("zero_optimization.offload_param.device",
                           f"{zero.offload_param.device!r} needs the optimizer offloaded too: the step writes the new "
