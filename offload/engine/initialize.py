@@ -76,8 +76,9 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         logger.warning("config: %d key(s) set here have no effect in offload: %s", len(cfg.no_effect),
                        "; ".join(cfg.no_effect))
     param_groups, adamw_mode, bias_correction = _optimizer_groups(model, model_parameters, cfg, optimizer)
-    one_state = cfg.optimizer is not None and cfg.optimizer.type in ONE_STATE_TYPES
-    update = cfg.optimizer.type.lower() if one_state and cfg.optimizer is not None else "adam"
+    update = "adam"  # or the config's Lion or Adagrad (AdamHyper.rule)
+    if cfg.optimizer is not None and cfg.optimizer.type in ONE_STATE_TYPES:
+        update = cfg.optimizer.type.lower()
     engine = Engine(model, cfg, OptimizerChoice(param_groups, adamw_mode, bias_correction, lr_scheduler, update),
                     group, accel, weights)
     if isinstance(optimizer, torch.optim.Optimizer):

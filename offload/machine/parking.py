@@ -37,11 +37,6 @@ class Parking:
         """The device bytes given back."""
         return sum(p.nbytes for p in self._parked)
 
-    @property
-    def saved_bytes(self) -> int:
-        """The host bytes holding what was given back."""
-        return sum(p.nbytes for p in self._parked if p.saved is not None)
-
     def park(self, tensors: Iterable[tuple[torch.Tensor, bool]], pin: bool) -> int:
         """Shrink the storage under each tensor, keeping its bytes where the flag says the contents live (a
         storage named twice is kept if either says so); returns the bytes given back. Storages already empty or
@@ -54,7 +49,7 @@ class Parking:
                 continue
             key = storage.data_ptr()
             chosen[key] = (storage, keep or chosen.get(key, (storage, False))[1])
-        copies = []
+        new = []
         for storage, keep in chosen.values():
             saved = None
             if keep:
@@ -62,13 +57,13 @@ class Parking:
                 saved = torch.empty(whole.numel(), dtype=torch.uint8,
                                     pin_memory=pin and whole.is_cuda and torch.cuda.is_available())
                 saved.copy_(whole, non_blocking=saved.is_pinned())
-                copies.append(whole.device)
-            self._parked.append(_Parked(storage, storage.nbytes(), saved))
-        for device in {d for d in copies if d.type == "cuda"}:
-            torch.cuda.synchronize(device)
-        for parked in self._parked[len(self._parked) - len(chosen):]:
+            new.append(_Parked(storage, storage.nbytes(), saved))
+        for device in {p.storage.device for p in new if p.saved is not None and p.storage.device.type == "cuda"}:
+            torch.cuda.synchronize(device)  # every copy out done before its memory goes
+        for parked in new:
             parked.storage.resize_(0)
-        return sum(p.nbytes for p in self._parked[len(self._parked) - len(chosen):])
+        self._parked += new
+        return sum(p.nbytes for p in new)
 
     def restore(self, non_blocking: bool = False) -> None:
         """Grow every storage back and copy its bytes in; with ``non_blocking`` a GPU's copies stay queued on the

@@ -55,7 +55,7 @@ class CompileReport:
     graphs: int
     graph_breaks: int
     recompiles: int  # graphs made after the first step: a guard that failed on a step's own state
-    reasons: tuple[str, ...]  # each graph break's reason, its first line
+    reasons: tuple[str, ...]  # each graph break's reason in a line (``_reason``)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CompileReport:
@@ -95,7 +95,7 @@ class CompileWatch:
 def compiled_around_units(model: nn.Module, anchors: list[str]) -> list[str]:
     """The compiled modules that hold a unit's anchor inside them (the whole model, compiled whole): their graphs
     break at each unit's hooks, which stay outside."""
-    return [c for c in compiled_modules(model) if any(_inside(a, (c,)) and a != c for a in anchors)]
+    return [c for c in compiled_modules(model) if any(_within(a, c) for a in anchors)]
 
 
 def say_compiled_whole(model: nn.Module, anchors: list[str]) -> None:
@@ -124,7 +124,14 @@ def _reason(text: str) -> str:
 def compiled_modules(model: nn.Module) -> tuple[str, ...]:
     """The names of the compiled modules in ``model`` (the outermost ones)."""
     names = [name for name, module in model.named_modules() if compiled(module)]
-    return tuple(n for n in names if not any(n.startswith(f"{o}.") or (o == "" and n) for o in names if o != n))
+    return tuple(n for n in names if not any(_within(n, o) for o in names))
+
+
+def inside_compiled(model: nn.Module) -> set[str]:
+    """The names of the modules strictly inside a compiled one: no hook of ours goes there (see [Note: hooks
+    outside compiled code] in zero/runtime.py)."""
+    roots = compiled_modules(model)
+    return {name for name, _ in model.named_modules(remove_duplicate=False) if any(_within(name, r) for r in roots)}
 
 
 def compile_anchors(model: nn.Module, anchors: list[str], backend: Any, options: dict[str, Any]) -> list[str]:
@@ -133,14 +140,15 @@ def compile_anchors(model: nn.Module, anchors: list[str], backend: Any, options:
     own layers (an embedding, a norm, a lone linear: one kernel each, nothing for a compiler to fuse; plain PyTorch's
     dynamo declines to trace them too). Returns the names compiled now."""
     by_name = dict(model.named_modules())
-    done = []
+    roots, done = list(compiled_modules(model)), []  # roots: what is compiled so far (an anchor inside one is not)
     for name in dict.fromkeys(anchors):
         module = by_name.get(name)
         if (not name or module is None or compiled(module) or type(module).__module__.startswith("torch.")
-                or _inside(name, compiled_modules(model))):
+                or any(_within(name, r) for r in roots)):
             continue
         module.compile(backend=backend, **options)
         done.append(name)
+        roots.append(name)
     return done
 
 
@@ -153,7 +161,7 @@ def repeated_blocks(model: nn.Module) -> list[str]:
         kinds = {type(child) for _, child in children}
         if (isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) > 1 and len(kinds) == 1
                 and not next(iter(kinds)).__module__.startswith("torch.")
-                and not any(_inside(name, (o,)) for o in out)):
+                and not any(_within(name, o) for o in out)):
             out.extend(f"{name}.{child}" if name else child for child, _ in children)
     return out
 
@@ -171,8 +179,9 @@ def compile_blocks(model: nn.Module, backend: Any, options: dict[str, Any]) -> l
 def split_blocks(model: nn.Module, anchors: list[str]) -> list[str]:
     """The repeated blocks whose units are cut inside them (an anchor strictly inside): ``engine.compile`` cannot
     compile those whole, since the units' hooks would land in the graph."""
-    return [b for b in repeated_blocks(model) if any(_inside(a, (b,)) and a != b for a in anchors)]
+    return [b for b in repeated_blocks(model) if any(_within(a, b) for a in anchors)]
 
 
-def _inside(name: str, roots: tuple[str, ...]) -> bool:
-    return any(root == "" or name.startswith(f"{root}.") for root in roots)
+def _within(name: str, root: str) -> bool:
+    """Whether module ``name`` is strictly inside module ``root`` ("" is the model itself)."""
+    return name != root and (root == "" or name.startswith(f"{root}."))

@@ -56,7 +56,7 @@ from offload.optim.landing import ReducedShard
 from offload.store.param_store import ParamStore
 from offload.zero.backward_state import BackwardState
 from offload.zero.collectives import Group, ReductionOrder, all_reduce_sum, reduce_scatter
-from offload.zero.compiled import CompileWatch, say_compiled_whole
+from offload.zero.compiled import CompileWatch, inside_compiled, say_compiled_whole
 from offload.zero.plan import compiled
 from offload.zero.prefetch import PrefetchTrace
 from offload.zero.stage import Stage
@@ -171,6 +171,7 @@ class ZeroRuntime:
         self._acquired: dict[int, list[list[Unit]]] = {}  # per module: the units each running forward holds
         self._handles: list[RemovableHandle] = []
         self._direct: dict[int, list[RemovableHandle]] = {}  # per module: its direct-call hooks (removable)
+        self._left: set[int] = set()  # compiled anchors whose insides were cleared of direct-call hooks
         self._said_partitioned = False  # the warning of _partitioned_state_dict, once
         # Per module: the units for which its forward is not the last of their anchors' (see [Note: when a unit is
         # gathered]); their release after it keeps them gathered.
@@ -199,7 +200,7 @@ class ZeroRuntime:
 
     def _install(self, model: nn.Module) -> None:
         by_name = dict(model.named_modules(remove_duplicate=False))
-        inside = _inside_compiled(model)
+        inside = inside_compiled(model)
         users: dict[int, tuple[nn.Module, list[Unit]]] = {}
         for unit in self.units:
             # a root-owned unit's owners inside a compiled block: the root's forward holds the unit around theirs
@@ -254,8 +255,9 @@ class ZeroRuntime:
         def hook(module: nn.Module, args: Any) -> None:
             if self.graph.on:
                 self.graph.work("hook_forward", lane=HOST)
-            if self._direct and compiled(module):  # compiled since initialize: no hook of ours may stay inside
-                self._leave_inside(module)
+            if self._direct and id(module) not in self._left and compiled(module):  # compiled since initialize
+                self._left.add(id(module))
+                _clear_inside(self._direct, module)
             acquired: list[Unit] = []
             # The post-hook runs even when this one raises (always_call): it releases exactly what was acquired.
             self._acquired.setdefault(id(module), []).append(acquired)
@@ -285,13 +287,6 @@ class ZeroRuntime:
         elif tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda _grad: self._pre_backward(units), mode="any")
-
-    def _leave_inside(self, module: nn.Module) -> None:
-        """The direct-call hooks inside a compiled module go: each is a guard of its graph, and their ids differ
-        from block to block, so every block would compile again (see [Note: hooks outside compiled code])."""
-        for inner in module.modules():
-            for handle in self._direct.pop(id(inner), []) if inner is not module else ():
-                handle.remove()
 
     def _direct_pre_hook(self, units: list[Unit]) -> Callable[..., None]:
         """[Note: a submodule called directly] A module inside a unit's anchor, called while no forward of the
@@ -642,16 +637,16 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     runs its hooks inside the compiled call: traced, the gathers and the backward claims would break its graph or be
     baked into it. Kept out of tracing, as FSDP2 keeps its own, they run eagerly around the compiled forward, which
     sees the gathered parameters as its inputs. A compiled module below the root is atomic (zero/plan.py), so no
-    unit's hooks sit inside one, and the direct-call hooks inside it are removed (``_leave_inside``)."""
+    unit's hooks sit inside one, and the direct-call hooks inside it are removed (``_clear_inside``)."""
     return torch._dynamo.disable(hook, recursive=True, reason="offload's gather and release run outside the graph")
 
 
-def _inside_compiled(model: nn.Module) -> set[str]:
-    """The names of the modules strictly inside a compiled one: no hook of ours goes there (see [Note: hooks
-    outside compiled code])."""
-    roots = [name for name, module in model.named_modules() if compiled(module)]
-    return {name for name, _ in model.named_modules(remove_duplicate=False)
-            if any(name.startswith(f"{root}.") or (root == "" and name) for root in roots)}
+def _clear_inside(direct: dict[int, list[RemovableHandle]], module: nn.Module) -> None:
+    """The direct-call hooks inside a compiled module go (once per module: the runtime remembers it): each is a
+    guard of its graph, and their ids differ from block to block, so every block would compile again."""
+    for inner in list(module.modules())[1:]:  # the module itself comes first
+        for handle in direct.pop(id(inner), []):
+            handle.remove()
 
 
 def _untraced(hook: Callable[..., Any]) -> Callable[..., Any]:
