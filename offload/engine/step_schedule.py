@@ -253,11 +253,10 @@ def _speculation_unwanted(config: Config, compute_dtype: torch.dtype) -> str | N
     if mode == "off":
         return "offload.speculative_step is off"
     if config.optimizer is not None and config.optimizer.type in ONE_STATE_TYPES:
+        why = f"{config.optimizer.type} is not speculated (its step is not written into a second slot)"
         if mode == "on":
-            raise ConfigError("offload.speculative_step", f"{config.optimizer.type} is not speculated (its step is "
-                                                          "not written into a second slot): set it to \"auto\" or "
-                                                          "\"off\"")
-        return f"{config.optimizer.type} is not speculated (its step is not written into a second slot)"
+            raise ConfigError("offload.speculative_step", f"{why}: set it to \"auto\" or \"off\"")
+        return why
     if config.offload.delayed_update.warmup_steps is not None:
         return "the delayed update steps after backward"
     if config.offload.overlap_step == "off":

@@ -16,6 +16,7 @@ import torch
 
 from offload.machine import native
 from offload.machine.cpus import default_threads
+from offload.optim.adam import AdamHyper
 
 
 def _finite(name: str, value: float, ok: bool, rule: str) -> None:
@@ -127,7 +128,7 @@ class CPUAdagrad(_HostOptimizer):
 
 
 def one_state_step(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor, step: int,
-                   hyper: Any, grad_scale: float, out16: torch.Tensor | None, threads: int | None,
+                   hyper: AdamHyper, grad_scale: float, out16: torch.Tensor | None, threads: int | None,
                    on_device: bool) -> None:
     """One segment of a Lion or Adagrad step as the engine's update runs it (offload/optim/update.py), over the
     state slot's (master, exp_avg, exp_avg_sq): Lion's momentum is exp_avg, Adagrad's sum exp_avg_sq (the other

@@ -70,7 +70,8 @@ class ShardUpdate:
             on_device = out is None and self.on_discrete_device(index)
             for seg in state.segments:
                 s = slice(seg.start, seg.end)
-                g = widened(grad[s], pre_scale)
+                # the host kernel reads a 16-bit gradient itself; torch's ops (on the device) need it in fp32
+                g = widened(grad[s], pre_scale) if on_device or pre_scale != 1.0 else grad[s]
                 one_state_step((master[s], exp_avg[s], exp_avg_sq[s]), g, step,
                                hypers[seg.group], grad_scale, out16[s] if out16 is not None else None,
                                None if on_device else self.threads, on_device)
