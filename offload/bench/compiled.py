@@ -52,11 +52,11 @@ def run(b: step.StepBench, backend: str, out_path: Path | None = None, log: Text
                 f"{k} {statistics.median(v):.3f} s" for k, v in samples.items() if v), file=log, flush=True)
     median = {k: statistics.median(v) for k, v in samples.items() if v}
     saved: dict[str, float] = {side: median[side] - median[f"{side}-compiled"] for side in ("torch", "offload")
-             if side in median and f"{side}-compiled" in median}
+                               if side in median and f"{side}-compiled" in median}
     size = f"{b.num_parameters() / 1e6:.0f}M"
     comparisons = [Comparison("compile", f"{side} compiled ({backend})", f"{side} eager", TIME,
                               median[f"{side}-compiled"] / median[side], size) for side in saved]
-    if "torch" in median and "offload-compiled" in median:
+    if "torch-compiled" in median and "offload-compiled" in median:
         comparisons.append(Comparison("compile", f"offload compiled ({backend})", f"torch compiled ({backend})",
                                       TIME, median["offload-compiled"] / median["torch-compiled"], size))
     result = CompileResult(
