@@ -12,7 +12,38 @@ from offload.machine.cpus import default_threads
 from offload.optim.adam import AdamHyper, adam_step
 
 
-class CPUAdam(torch.optim.Optimizer):
+class HostOptimizer(torch.optim.Optimizer):
+    """A torch optimizer over CPU tensors whose update is one native pass a parameter: ``step`` runs the closure
+    and hands each parameter with a gradient (dense, made contiguous) to ``_update``, with what ``_group`` read of its
+    group first (Adam's hyperparameters, checked once a group). Shared by CPUAdam and the one-state optimizers
+    (offload/optim/one_state.py)."""
+
+    kind = ""  # the class's name in its errors
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            read = self._group(group)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError(f"{self.kind} does not take sparse gradients")
+                self._update(read, p, p.grad if p.grad.is_contiguous() else p.grad.contiguous())
+        return loss
+
+    def _group(self, group: dict[str, Any]) -> Any:
+        return group
+
+    def _update(self, read: Any, p: torch.Tensor, grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class CPUAdam(HostOptimizer):
     """Adam/AdamW on CPU tensors; a drop-in for torch.optim.AdamW there and for DeepSpeedCPUAdam.
 
     State (``step``, ``exp_avg``, ``exp_avg_sq``) has torch's names and layout, so state dicts
@@ -20,6 +51,8 @@ class CPUAdam(torch.optim.Optimizer):
     ``param_groups`` as usual. ``threads`` defaults to the machine's physical cores; ``prefetch`` (auto, on, off)
     as offload.host_prefetch (see [Note: prefetch by measurement] in offload/machine/prefetch.py).
     """
+
+    kind = "CPUAdam"
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -45,7 +78,7 @@ class CPUAdam(torch.optim.Optimizer):
                 if not p.is_contiguous():
                     raise ValueError(f"CPUAdam needs contiguous params; {where} is not")
 
-    def _hyper(self, group: dict[str, Any]) -> AdamHyper:
+    def _group(self, group: dict[str, Any]) -> AdamHyper:
         if group.get("amsgrad", False):
             raise ValueError("CPUAdam does not implement amsgrad (a loaded state dict asks for it)")
         if group.get("maximize", False):
@@ -56,26 +89,12 @@ class CPUAdam(torch.optim.Optimizer):
                          adamw_mode=bool(group.get("adamw_mode", group.get("decoupled_weight_decay", True))),
                          bias_correction=bool(group.get("bias_correction", True)))
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            hyper = self._hyper(group)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("CPUAdam does not take sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["step"] += 1
-                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-                adam_step(p, grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), hyper,
-                          threads=self.threads)
-        return loss
+    def _update(self, hyper: AdamHyper, p: torch.Tensor, grad: torch.Tensor) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        state["step"] += 1
+        adam_step(p, grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), hyper,
+                  threads=self.threads)

@@ -9,7 +9,6 @@ next slice)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from offload.machine import native
 from offload.machine.cpus import default_threads
 from offload.optim.adam import AdamHyper
+from offload.optim.cpu_adam import HostOptimizer
 
 
 def _finite(name: str, value: float, ok: bool, rule: str) -> None:
@@ -41,10 +41,8 @@ def adagrad_step(param: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tenso
                             l2=weight_decay, lr=lr / (1 + (step - 1) * lr_decay), eps=eps, threads=threads)
 
 
-class _HostOptimizer(torch.optim.Optimizer):
-    """What the host optimizers share: CPU float32 contiguous params checked at the start, the threads."""
-
-    kind = ""
+class _HostOptimizer(HostOptimizer):
+    """What Lion and Adagrad share: CPU float32 contiguous params checked at the start, the threads."""
 
     def __init__(self, params: Any, defaults: dict[str, Any], threads: int | None) -> None:
         super().__init__(params, defaults)
@@ -57,24 +55,6 @@ class _HostOptimizer(torch.optim.Optimizer):
                 if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
                     raise ValueError(f"{self.kind} updates contiguous CPU float32 params (the master weights); "
                                      f"{where} is {p.dtype} on {p.device}")
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError(f"{self.kind} does not take sparse gradients")
-                self._update(group, p, p.grad if p.grad.is_contiguous() else p.grad.contiguous())
-        return loss
-
-    def _update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor) -> None:
-        raise NotImplementedError
 
 
 class CPULion(_HostOptimizer):
