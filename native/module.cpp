@@ -92,6 +92,15 @@ uint16_t* half_buffer(const RwArray& a, const char* what, size_t n) {  // the sp
   return static_cast<uint16_t*>(a.data());
 }
 
+// The optional 16-bit copy of a step's new params: dense, on the CPU, bfloat16 or float16 (its dtype into `dtype`).
+void* out16_buffer(const RwArray& a, size_t n, DType& dtype) {
+  require_dense_cpu(a, "out16");
+  dtype = dtype_of(a, "out16");
+  if (dtype == DType::F32) throw std::invalid_argument("out16 must be bfloat16 or float16");
+  require_size(a, "out16", n);
+  return a.data();
+}
+
 void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg, const RwArray& exp_avg_sq,
              std::optional<RwArray> out16, std::optional<RwArray> param_out, std::optional<RwArray> exp_avg_out,
              std::optional<RwArray> exp_avg_sq_out, float pre_scale, float grad_scale, float decay, float l2,
@@ -125,13 +134,9 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
   a.grad = grad.data();
   require_size(grad, "grad", n);
   if (out16) {
-    require_dense_cpu(*out16, "out16");
-    a.out_dtype = dtype_of(*out16, "out16");
-    if (a.out_dtype == DType::F32) throw std::invalid_argument("out16 must be bfloat16 or float16");
+    a.out16 = out16_buffer(*out16, n, a.out_dtype);
     if (a.master != Master::F32 && a.out_dtype != DType::BF16)
       throw std::invalid_argument("out16 of a bfloat16 master is bfloat16: the copy is the master's own bits");
-    require_size(*out16, "out16", n);
-    a.out16 = out16->data();
   }
   if (param_out || exp_avg_out || exp_avg_sq_out || param_lo_out) {  // the new state elsewhere: all or none
     if (!(param_out && exp_avg_out && exp_avg_sq_out) || bool(param_lo_out) != bool(param_lo))
@@ -171,13 +176,7 @@ void py_one_state(const RwArray& param, const AnyArray& grad, const RwArray& sta
   require_size(grad, "grad", n);
   a.grad_dtype = dtype_of(grad, "grad");
   a.grad = grad.data();
-  if (out16) {
-    require_dense_cpu(*out16, "out16");
-    a.out_dtype = dtype_of(*out16, "out16");
-    if (a.out_dtype == DType::F32) throw std::invalid_argument("out16 must be bfloat16 or float16");
-    require_size(*out16, "out16", n);
-    a.out16 = out16->data();
-  }
+  if (out16) a.out16 = out16_buffer(*out16, n, a.out_dtype);
   if (rule != int(OneStateRule::LION) && rule != int(OneStateRule::ADAGRAD))
     throw std::invalid_argument("rule must be 0 (Lion) or 1 (Adagrad)");
   a.rule = OneStateRule(rule);
