@@ -119,11 +119,7 @@ class StateLending:
             yield from ((t, True) for unit in self.units for t in unit.device_memory())
             yield from ((b, True) for b in self.module.buffers() if b.device == self.accel.device)
         if wanted & {OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer}:
-            for index, shard in self.optimizer.shards.items():
-                on_device = not self.optimizer.steps_on_host(index)  # else its accumulator is host memory
-                for t in (shard.grad if on_device else None, shard.on_device, shard.landed if on_device else None):
-                    if t is not None:
-                        yield t, True
+            yield from ((t, True) for t in self.optimizer.device_gradients())
 
 
 def _categories(include: Container[OffloadStateTypeEnum | str] | None) -> frozenset[OffloadStateTypeEnum]:

@@ -251,6 +251,16 @@ class ShardedAdam(OptimizerFace):
         """Whether unit ``index``'s optimizer state is offloaded (its step writes a host copy of the shard)."""
         return self.split.steps_on_host(index)
 
+    def device_gradients(self) -> list[torch.Tensor]:
+        """The gradient buffers on the device (a device-stepped unit's accumulator and kept gradient, a
+        device-accumulated sum), for lending the device back (offload/engine/lending.py)."""
+        out = []
+        for index, shard in self.shards.items():
+            on_device = not self.steps_on_host(index)  # else its accumulator and landing are host memory
+            out += [t for t in (shard.grad if on_device else None, shard.on_device, shard.landed if on_device else None)
+                    if t is not None]
+        return out
+
     def _host_tensor(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return self.accel.host_buffer(n, dtype)[0]
 
