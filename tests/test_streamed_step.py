@@ -250,3 +250,50 @@ def test_whatever_reads_the_state_or_the_weights_waits_for_their_copies_back(par
     lagging, prompt = (run_ranks(_train_with_copies_back_lagging, 1, env=env, config=config, lag=lag)
                        for lag in (0.05, 0.0))
     check_bitwise(lagging, prompt)
+
+
+def _handed_per_step(rank: int, world: int, config: dict[str, Any], tmp: str) -> dict[str, Any]:
+    """Per step: the parameter bytes brought up, the new weights handed over once step() returns and once the next
+    forward has gathered; then a checkpoint of step 1 loaded while step 3's weights wait to be handed over, and the
+    loss of step 2's batch on it (the forward right after the load)."""
+    from engine_cases import batches, loss_of
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    params = engine.optimizer.params
+    h2d, handed, gathered, losses = [], [], [], []
+    tokens = batches(3, 2)
+    for i, rows in enumerate(tokens):
+        before = engine.telemetry.snapshot().bytes.get("h2d", 0)
+        loss = loss_of(engine, "gpt", rows)
+        gathered.append(params.handed_bytes())  # the forward took what the last step handed over
+        losses.append(loss.item())
+        engine.backward(loss)
+        engine.step()
+        h2d.append(engine.telemetry.snapshot().bytes.get("h2d", 0) - before)
+        handed.append(params.handed_bytes())
+        if i == 0:
+            engine.save_checkpoint(tmp, tag="one")
+    memory = engine.memory_summary()["device"]
+    engine.load_checkpoint(tmp, tag="one")  # step 3's new weights were handed over: the load drops them
+    with torch.no_grad():
+        after_load = loss_of(engine, "gpt", tokens[1]).item()
+    engine.close()
+    return {"h2d": h2d, "handed": handed, "gathered": gathered, "losses": losses, "after_load": after_load,
+            "memory": memory, "streamed": sum(m.numel for g in engine.optimizer.store.groups if g.streamed
+                                              for m in g.members)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_next_forward_takes_the_streamed_weights_on_the_device_not_over_the_bus(world, tmp_path):
+    """[Note: the hand-off]: the streamed units' new weights, homed on the host, are handed to the next forward's
+    gather on the device: each step after the first brings exactly their bytes less up; the forward takes them
+    all; a checkpoint loaded before that forward drops them (the forward computes on the loaded weights)."""
+    from offload.store.sub_groups import STREAMED_HANDED
+    config = streamed_config(world, params="cpu")
+    results = run_ranks(_handed_per_step, world, env=LAGGING_GPU, config=config, tmp=str(tmp_path))
+    for r in results:
+        item = 4  # the fp32 compute dtype's
+        assert r["handed"] == [item * r["streamed"]] * 3 and r["streamed"] > 0
+        assert r["gathered"] == [0, 0, 0]
+        assert r["h2d"][1] == r["h2d"][2] == r["h2d"][0] - item * r["streamed"]
+        assert r["after_load"] == r["losses"][1], "the loaded weights, not the handed ones"
+        assert r["memory"][STREAMED_HANDED] == item * r["streamed"]

@@ -54,7 +54,7 @@ def priced(out, sizes, config, rates):
 
 def test_streamed_state_steps_on_the_gpu_and_crosses_the_bus_both_ways():
     rates = Rates(compute_ms=10.0, device_gbps=3000.0, host_gbps=100.0, h2d_gbps=50.0, d2h_gbps=40.0)
-    t = Traffic({Tier.HOST: 10**9}, gathered_up=10**8, copied_up=0, item=2, streamed=5 * 10**8,
+    t = Traffic({Tier.HOST: 10**9}, gathered_up=10**9, copied_up=0, item=2, streamed=5 * 10**8,
                 streamed_down=2 * 10**8)
     p = predict(t, rates)
     assert p.terms["device Adam"] == pytest.approx(5e8 * 30 / 3000e9 * 1e3)  # its Adam is the GPU's
@@ -63,6 +63,8 @@ def test_streamed_state_steps_on_the_gpu_and_crosses_the_bus_both_ways():
     assert p.terms["state up"] == pytest.approx(12 * 5e8 / 50e9 * 1e3)
     # the state back, and the new weights of the units homed on the host
     assert p.terms["state down"] == pytest.approx((12 * 5e8 + 2 * 2e8) / 40e9 * 1e3)
+    # every shard off the device up for the forward and the backward, but the new weights the lane hands over
+    assert p.terms["parameters up"] == pytest.approx(2 * (2 * 1e9 - 2e8) / 50e9 * 1e3)
     # each bus direction is one lane: its copies queue behind each other
     lanes = p.lanes
     assert lanes["host to device (parameters up + state up)"] == pytest.approx(

@@ -77,7 +77,7 @@ from offload.store.optimizer_state import OptimizerStateStore
 from offload.store.param_store import ParamStore
 from offload.store.placement import device_grads
 from offload.store.state_format import StateFormat
-from offload.store.sub_groups import STREAMED_SLOTS, SubGroup
+from offload.store.sub_groups import STREAMED_HANDED, STREAMED_SLOTS, SubGroup
 from offload.store.swapdir import SwapDir, TierRoom
 from offload.store.tier import Tier
 
@@ -346,6 +346,7 @@ class ShardedAdam(OptimizerFace):
         parts["gradient accumulators"] = parts.get("gradient accumulators", 0) + on_device
         if self.streamed is not None:
             parts[STREAMED_SLOTS] = self.streamed.device_bytes
+            parts[STREAMED_HANDED] = self.params.handed_bytes()
         return {k: v for k, v in parts.items() if v}
 
     def shard_bytes_to_move(self, index: int) -> int | None:

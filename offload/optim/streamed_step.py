@@ -6,9 +6,10 @@ step part of that state instead: each such sub-group's state (``offload.stream_s
 needs first, placed in sub-groups of their own) is read up into the device's ring on a copy stream of its own, Adam
 runs there in torch's kernels on the compute stream (the same update as a device-resident unit's: see [Note: Adam
 on a discrete device] in offload/optim/adam.py), and the new state goes back down into its host home on a second
-copy stream, with the new weights: into the device home, or down into a host home, whose next reader waits for
-that copy as it waits for an early step's. The units' gradients stay on the device, as a device-stepped unit's do
-(``StateSplit.streamed``), so the norm and clipping see them where the device lane's are. The device holds the
+copy stream, with the new weights: into the device home, or down into a host home, whose next gather takes
+them on the device instead ([Note: the hand-off] in offload/store/param_store.py). The units' gradients stay on
+the device, as a device-stepped unit's do (``StateSplit.streamed``), so the norm and clipping see them where the
+device lane's are. The device holds the
 state of those in flight in a ring of twice the largest sub-group's bytes: each sub-group takes the next place
 (wrapping round), once the copy back of what was there has run, so while a large sub-group is stepped and
 written back the next smaller ones are already coming up (two fixed slots made every read wait for the copy
@@ -96,6 +97,7 @@ class StreamedStep:
                 self.params.write_device(member.unit, weights)
             else:
                 self.params.write_down(member.unit, weights, self.down)
+                self.params.hand_off(member.unit, weights.to(self.params.dtype, copy=True))
         host, nbytes, unit, graph = group.resident, group.fmt.slot_bytes(group.numel), group.members[0].unit, \
             self.accel.graph
 

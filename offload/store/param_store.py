@@ -30,6 +30,15 @@ beyond the shard (``compute_reads_home``). The step still writes the shard's hos
 the copy back rewrites the device shard once the compute stream's last reads of the old
 values are done (``copy_back``'s ``after``), and each use first waits for that copy on
 the compute stream (``await_home``), as a gather from the shard would.
+
+[Note: the hand-off] A host-homed shard the streamed lane steps (offload/optim/streamed_step.py) has its new values
+on the device when the step is done. They go down into the host home on a copy stream, and the next gather would
+bring them straight back up: a round trip over the bus both ways, which the forward's first units (the streamed
+ones) wait for. So the lane also hands the new values to the store on the device (``hand_off``: a copy of their
+own, made on the compute stream) and the next ``to_device`` takes them instead of copying the home up: no bus
+and no wait, in compute-stream order. One gather takes them; later ones (the backward's) read the home as before,
+whose copy down they wait for on the device. Whatever rewrites the home (a load, the refit) drops them. The
+placement counts their bytes on the device (``STREAMED_HANDED`` in offload/store/placement.py).
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ class ParamShard:
     # ``stepped`` is a copy stream's (the streamed lane's copy down): a copy up may wait for it there, not the host
     stepped_on_stream: bool = False
     fetched: Event | None = None  # a host home's last copy to the device (re-recorded each time)
+    handed: torch.Tensor | None = None  # the streamed lane's new values on the device, for the next gather
 
 
 class ParamStore:
@@ -203,6 +213,7 @@ class ParamStore:
         """Make ``values`` (any float dtype) the shard now, in every copy it has (a checkpoint load, a repair)."""
         self.wait_step(index)
         shard = self._shards[index]
+        shard.handed = None  # the old values (see [Note: the hand-off])
         # A copy back (or a fetch) still in flight reads the host copy written here, or lands after this write.
         for copy in (shard.ready, shard.fetched):
             if copy is not None:
@@ -248,6 +259,9 @@ class ParamStore:
         a failed read raises here, before the caller changes anything. A host home the streamed lane is writing
         down is waited for by the copy up, on the device: the host issuing the forward goes on."""
         shard = self._shards[index]
+        if shard.handed is not None:  # see [Note: the hand-off]: made on the compute stream, no wait
+            handed, shard.handed = shard.handed, None
+            return handed
         on_stream = h2d is not None and self._written_on_stream(index)
         if not on_stream:
             self.await_home(index)
@@ -266,13 +280,14 @@ class ParamStore:
         if on_stream:  # the streamed lane's copy down of these weights (host readers still wait: step_pending)
             assert shard.stepped is not None
             h2d.wait_event(shard.stepped)
-        graph = self.accel.graph
+        graph, nbytes = self.accel.graph, out.numel() * out.element_size()
 
         def fetch() -> None:
-            graph.work("h2d", index, nbytes=out.numel() * out.element_size())
+            graph.work("h2d", index, nbytes=nbytes)
             out.copy_(source, non_blocking=True)
 
         h2d.run(fetch)
+        self.telemetry.add_bytes("h2d", nbytes)
         if self.swap is not None and read is not None:
             # The swap holds this one until its read buffer is free again: a fresh event, never re-recorded.
             copied = h2d.record()
@@ -311,6 +326,7 @@ class ParamStore:
         if shard.fetched is not None:  # the last copy from it to the device
             self.accel.wait(shard.fetched, "a shard's copy before it moves to the device")
         device.copy_(shard.host)
+        shard.handed = None
         nbytes = self._free_host(shard)
         shard.device, shard.home, shard.ready, shard.fetched = device, Tier.DEVICE, None, None
         return nbytes
@@ -351,6 +367,19 @@ class ParamStore:
         self.telemetry.add_bytes("d2h", nbytes)
         self.step_pending(index, lane)
         shard.stepped_on_stream = True
+
+    def hand_off(self, index: int, values: torch.Tensor) -> None:
+        """The streamed lane's new values of a host-homed shard, on the device (the compute stream's, a copy of
+        their own in the compute dtype): the next gather takes them instead of the home (see [Note: the
+        hand-off]); ``write_down`` has sent them to the home already."""
+        shard = self._shards[index]
+        assert shard.stepped_on_stream and values.dtype == self.dtype and values.numel() == shard.numel
+        shard.handed = values
+
+    def handed_bytes(self) -> int:
+        """Bytes of new values handed over and not yet gathered (see [Note: the hand-off])."""
+        return sum(s.handed.numel() * s.handed.element_size() for s in self._shards.values()
+                   if s.handed is not None)
 
     def wrote(self, index: int) -> None:
         """The step finished writing ``step_target``: an NVMe shard goes to its other slot."""
@@ -483,9 +512,10 @@ class ParamStore:
             self.swap.abort()
 
     def device_memory(self) -> list[torch.Tensor]:
-        """The device-homed shards (a resident or in-place unit's: a view of its flat buffer), for lending the
-        device back (offload/machine/parking.py)."""
-        return [s.device for s in self._shards.values() if s.home is Tier.DEVICE]
+        """The device-homed shards (a resident or in-place unit's: a view of its flat buffer) and the new values
+        handed over and not yet gathered, for lending the device back (offload/machine/parking.py)."""
+        homes = [s.device for s in self._shards.values() if s.home is Tier.DEVICE]
+        return homes + [s.handed for s in self._shards.values() if s.handed is not None]
 
     def close(self) -> None:
         if self._h2d is not None:
@@ -495,4 +525,4 @@ class ParamStore:
             self.swap = None
         for shard in self._shards.values():
             shard.device = torch.empty(0, dtype=self.dtype, device=shard.device.device)
-            shard.host = shard.ready = None
+            shard.host = shard.ready = shard.handed = None

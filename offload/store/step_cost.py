@@ -64,7 +64,7 @@ class Traffic:
     grads_accumulated_on_device: bool = False  # several micro-batches' gradients sent down once, in fp32
     state_bytes: int = STATE_BYTES  # bytes an element of optimizer state (its format's)
     streamed: int = 0  # elements whose state is homed on the host and stepped on the device (not in ``stepped``)
-    streamed_down: int = 0  # of those, elements whose new weights go down to a host home
+    streamed_down: int = 0  # of those, elements whose new weights go down to a host home (not up for the forward)
 
 
 def adam_ms(tier: Tier, numel: int, item: int, rates: Rates, state_bytes: int = STATE_BYTES) -> float | None:
@@ -145,7 +145,8 @@ def predict(traffic: Traffic, rates: Rates) -> StepPrediction:
         "host Adam": host_adam,
         "device Adam": adam_ms(Tier.DEVICE, on_device, item, rates, traffic.state_bytes) if on_device else 0.0}
     micro = traffic.micro_batches
-    up = item * (2 * micro * traffic.gathered_up + traffic.copied_up)
+    # a streamed unit's new weights are handed to the forward's gather on the device (offload/store/param_store.py)
+    up = item * (2 * micro * traffic.gathered_up + traffic.copied_up - traffic.streamed_down)
     if up:
         terms["parameters up"] = up / (rates.h2d_gbps * 1e9) * 1e3 if rates.h2d_gbps else None
     if host_stepped:

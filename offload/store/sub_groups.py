@@ -17,6 +17,8 @@ from offload.store.tier import Tier
 
 SPECULATIVE_SLOT = "optimizer state (speculative slot)"  # the host budget's name for the second slots
 STREAMED_SLOTS = "streamed optimizer state (a ring of two sub-groups)"  # the streamed lane's, on the device
+# the streamed units' new weights on the device, from their step to the next gather ([Note: the hand-off])
+STREAMED_HANDED = "streamed units' new weights (handed to the next gather)"
 
 
 @dataclass(frozen=True)

@@ -510,8 +510,7 @@ class ZeroRuntime:
             self.params.read_ahead(list(dict.fromkeys(order)))
 
     def _count_gather(self, unit: Unit) -> None:
-        if unit.off_device:
-            self.telemetry.add_bytes("h2d", unit.shard_numel * unit.dtype.itemsize)
+        """The gather's bytes (its shard's copy up is the parameter store's to count: it knows whether one ran)."""
         self.telemetry.add_bytes("all_gather", _wire_bytes(unit.padded * unit.dtype.itemsize, self.group.world))
         self.gathers += 1
         self.live += unit.padded
