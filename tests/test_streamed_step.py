@@ -297,3 +297,48 @@ def test_the_next_forward_takes_the_streamed_weights_on_the_device_not_over_the_
         assert r["h2d"][1] == r["h2d"][2] == r["h2d"][0] - item * r["streamed"]
         assert r["after_load"] == r["losses"][1], "the loaded weights, not the handed ones"
         assert r["memory"][STREAMED_HANDED] == item * r["streamed"]
+
+
+def _deferred_per_step(rank: int, world: int, config: dict[str, Any], read: str) -> dict[str, Any]:
+    """Per step: the streamed sub-groups still deferred once step() returned, and once ``read`` (the next
+    forward, a checkpoint's state, zero_grad) came; the weights at the end."""
+    from engine_cases import batches, loss_of
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=config)
+    streamed = engine.optimizer.streamed
+    after_step, after_read, losses = [], [], []
+    for rows in batches(STEPS, 2):
+        loss = loss_of(engine, "gpt", rows)
+        if after_step:
+            after_read.append(streamed.deferred)
+        losses.append(loss.item())
+        engine.backward(loss)
+        engine.step()
+        after_step.append(streamed.deferred)
+        if read == "state":
+            engine.full_state_dict()
+            after_read.append(streamed.deferred)
+        elif read == "zero_grad":
+            engine.zero_grad()
+            after_read.append(streamed.deferred)
+    state = engine.full_state_dict()
+    engine.close()
+    return {"after_step": after_step, "after_read": after_read, "losses": losses, "state": state}
+
+
+@pytest.mark.parametrize("world,params,read", [(1, "cpu", "forward"), (2, "cpu", "forward"), (1, "none", "forward"),
+                                               (1, "cpu", "state"), (1, "cpu", "zero_grad")])
+def test_streamed_steps_not_read_ahead_are_deferred_to_their_first_reader(world, params, read):
+    """[Note: streamed steps deferred]: with step() returning early, the sub-groups whose state was not read ahead
+    are stepped by whatever reads their shards first (the next forward's gathers, a state dict, zero_grad's
+    drain): the same training as every sub-group stepped at once (the lane's whole step)."""
+    config = streamed_config(world, params=params, share=1.0)
+    config["offload"]["early_step"] = "on"
+    deferred = run_ranks(_deferred_per_step, world, env=LAGGING_GPU, config=config, read=read)
+    config["offload"]["early_step"] = "off"
+    whole = run_ranks(_deferred_per_step, world, env=LAGGING_GPU, config=config, read=read)
+    for d, w in zip(deferred, whole, strict=True):
+        assert all(n > 0 for n in d["after_step"]), "the ring holds two of the largest: some were not read ahead"
+        assert d["after_read"] == [0] * len(d["after_read"]) and w["after_step"] == [0] * STEPS
+        assert d["losses"] == w["losses"]
+        for key, value in w["state"].items():
+            assert torch.equal(d["state"][key], value), key

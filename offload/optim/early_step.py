@@ -107,6 +107,11 @@ class EarlyStep:
         if run is not None:
             run.abort()
 
+    def _emptied(self, group: SubGroup) -> None:
+        """A streamed sub-group was stepped: its shards' gradients go."""
+        for member in group.members:
+            self.shards[member.unit].empty()
+
     def run(self, grad_scale: float, hypers: list[AdamHyper], step: int, delayed: bool = False) -> None:
         """Step ``step`` handed to the landing worker (``delayed``: to the delayed update's thread, the new shards
         staged until ``publish``); returns at once (see [Note: early step], [Note: delayed update])."""
@@ -117,13 +122,19 @@ class EarlyStep:
         # Last step's copies back read the host copies this step rewrites.
         lane.run(lambda: self.params.wait_copies_back())
         self.params.forget_reads(self.update.nvme_units)  # what the read buffers hold of them is the step before
+        if self.streamed is not None:
+            self.streamed.run_until()  # a step deferred and never read (see [Note: streamed steps deferred])
         later: list[tuple[SubGroup, Member]] = []  # the delayed update's, handed over in backward's order
+        deferring = False  # from the first streamed sub-group not read ahead on (see [Note: streamed steps deferred])
         for group in self.store.groups:  # on the compute stream, before step() returns (and before the NVMe pass)
             if group.streamed:
                 assert self.streamed is not None
-                self.streamed.step(group, step, hypers, grad_scale)
-                for member in group.members:
-                    self.shards[member.unit].empty()
+                deferring = deferring or not self.streamed.ready(group)
+                if deferring:
+                    self.streamed.defer(group, step, hypers, grad_scale, self._emptied)
+                else:
+                    self.streamed.step(group, step, hypers, grad_scale)
+                    self._emptied(group)
             elif group.tier is Tier.DEVICE:
                 for member in group.members:
                     self.update.step_shard(member.unit, group.views(member), step, hypers, grad_scale)

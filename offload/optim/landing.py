@@ -65,6 +65,7 @@ sends its sum when the step begins (``send_held``).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -105,10 +106,12 @@ class ReducedShard(NamedTuple):
 class OnLanding(NamedTuple):
     """What acts on a shard as its gradient lands: ``speculation`` is claimed before the shard's gradient or state
     is touched (a speculative Adam may be reading them); ``step`` is told once the gradient is in (the backward's
-    overlapped step)."""
+    overlapped step); ``paced`` is called after each landing of the last backward, on the calling thread (the
+    streamed lane's reads ahead, one a landing: see [Note: the streamed lane] in offload/optim/streamed_step.py)."""
 
     speculation: Speculation
     step: OverlappedStep
+    paced: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ class GradientLanding:
         self.threads = threads
         self.telemetry = telemetry
         self.split = split
-        self.speculation, self.overlapped = on_landing
+        self.speculation, self.overlapped, self.paced = on_landing
         offload = split.offload
         # Gradients leave the device on a stream of their own (no D2H when host memory is the device's), and the
         # landing worker adds them up (see [Note: gradients land]).
@@ -180,6 +183,8 @@ class GradientLanding:
         """Add ``factor`` x the reduced gradient shard into its unit's fp32 accumulator (or, the step's only one,
         leave it where it lands: see [Note: gradients read where they land]), once the reduction completes. Called
         by backward's hooks: it never blocks the calling thread (see [Note: gradients land])."""
+        if self.paced is not None and self.phase is not Landing.COLLECTING:
+            self.paced()
         state = self.shards.get(reduced.unit)
         route = self._route(reduced.unit, state)
         if route is Route.NOWHERE:

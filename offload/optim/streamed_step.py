@@ -14,17 +14,28 @@ state of those in flight in a ring of twice the largest sub-group's bytes: each 
 (wrapping round), once the copy back of what was there has run, so while a large sub-group is stepped and
 written back the next smaller ones are already coming up (two fixed slots made every read wait for the copy
 back two sub-groups before, and a first sub-group as large as an embedding held up all the rest, as the recorded
-step showed). A read needs no gradient: when the last backward begins, the first sub-groups are read into the
-ring (as many as it holds beside what is still being written back), under backward; the step steps them once the
-norm is known. Every read of a step comes after the last step's copies back (the state it reads is theirs).
-Everything that reads the host state otherwise (checkpoints, the refit) drains the optimizer, which waits for the
-copies back (``settle``). On a CPU compute device the host's memory is the device's: there is nothing to stream, and the
-placement streams nothing there.
+step showed). A read needs no gradient: from the last backward's first landing on, the next sub-group is read into
+the ring after each landing, behind the backward enqueued so far (as many as the ring holds beside what is still
+being written back), so the reads share the bus with backward's gathers rather than queue ahead of them; the step
+steps them once the norm is known. Every read of a step comes after the last step's copies back (the state it
+reads is theirs). Everything that reads the host state otherwise (checkpoints, the refit) drains the optimizer,
+which waits for the copies back (``settle``). On a CPU compute device the host's memory is the device's: there is
+nothing to stream, and the placement streams nothing there.
+
+[Note: streamed steps deferred] A sub-group whose state is not in the ring yet when the step runs waits for its read,
+which waits for a place in the ring, which waits for the copy back of what was there: stepped at once, its Adam
+would hold the compute stream, and the next forward queued behind it, until the bus had done all of that. So where
+``step()`` returns early (the early step), the sub-groups read ahead are stepped at once and the rest are deferred
+(``defer``): each of their units' shards is marked due (``ParamStore.defer``), and whatever reads one first (the
+next forward's gather, a checkpoint, the refit: every reader of a shard goes through the parameter store) steps
+the deferred sub-groups in order up to its own, on the compute stream, behind the forward of the units before it.
+``settle`` and the next step run whatever is still deferred (a unit the forward did not use).
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import torch
 
@@ -59,29 +70,45 @@ class StreamedStep:
         self._pinned: dict[int, tuple[int, int]] = {}  # the places of those: no read may take them
         self._last: Event | None = None  # the last copy back (what ``settle`` waits for)
         self._step = 0  # the step whose sub-groups are being read
+        self._armed: int | None = None  # the step the last backward's landings read ahead for (None: not now)
+        # stepped when first read (see [Note: streamed steps deferred]): (sub-group, step, hypers, grad scale, then)
+        self._deferred: collections.deque[tuple[SubGroup, int, list[AdamHyper], float, Callable[[SubGroup], None]]] \
+            = collections.deque()
 
     @property
     def device_bytes(self) -> int:
         return self._ring.numel()
 
     def read_ahead(self, step: int) -> None:
-        """The last backward before step ``step`` begins: the first sub-groups' state goes up now, under backward
-        (a read needs no gradient), as many as the ring holds beside what is still being copied back. They wait
-        for the forward enqueued so far, whose gathers need the bus up first."""
-        self.up.wait_event(self.accel.compute_event())
+        """The last backward before step ``step`` begins: from its first landing on, the first sub-groups' state
+        goes up (``read_next``). A step still deferred (a unit the forward did not read) runs first."""
+        self.run_until()
+        self._armed = step
+
+    def read_next(self) -> None:
+        """A gradient of the last backward landed: the next sub-group's state goes up (a read needs no gradient),
+        if the ring holds it beside what is still being copied back, after the backward enqueued so far (whose
+        gathers need the bus up first)."""
+        if self._armed is None:
+            return
         for group in self.groups:
             if group.index in self._ready:
-                continue  # read ahead for a step that was skipped: the host state has not changed
+                continue  # read already (or for a step that was skipped: the host state has not changed)
             start = self._fits(_placed(group))
             if start is None:
+                self._armed = None  # the ring is full until the step
                 return
-            self._ready[group.index] = self._read(group, step, start)
+            self.up.wait_event(self.accel.compute_event())
+            self._ready[group.index] = self._read(group, self._armed, start)
             self._pinned[group.index] = (start, start + _placed(group))
+            return
+        self._armed = None  # every sub-group read
 
     def step(self, group: SubGroup, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
         """One streamed sub-group's Adam: its state read up (unless read ahead), stepped on the compute stream, and
         written back with its units' new weights (see [Note: the streamed lane]); returns once it is enqueued."""
         assert group.streamed and group.resident is not None, f"sub-group {group.index} is not streamed"
+        self._armed = None
         ready = self._ready.pop(group.index, None)
         self._pinned.pop(group.index, None)
         start, device, read = ready if ready is not None else self._read(group, step, self._place(_placed(group)))
@@ -108,6 +135,36 @@ class StreamedStep:
         self.telemetry.add_bytes("state_d2h", nbytes)
         self._last = self.down.record()
         self._live.append((start, start + _placed(group), self._last))
+
+    @property
+    def deferred(self) -> int:
+        """Sub-groups deferred and not yet stepped."""
+        return len(self._deferred)
+
+    def ready(self, group: SubGroup) -> bool:
+        """Whether ``group``'s state was read ahead (its step waits for no place in the ring)."""
+        return group.index in self._ready
+
+    def defer(self, group: SubGroup, step: int, hypers: list[AdamHyper], grad_scale: float,
+              then: Callable[[SubGroup], None]) -> None:
+        """``step`` of ``group`` is stepped when one of its shards is first read (see [Note: streamed steps
+        deferred]), then ``then(group)``; sub-groups deferred are stepped in the order deferred."""
+        self._deferred.append((group, step, hypers, grad_scale, then))
+        for member in group.members:
+            self.params.defer(member.unit, lambda g=group: self.run_until(g))  # type: ignore[misc]
+
+    def run_until(self, group: SubGroup | None = None) -> None:
+        """Step the deferred sub-groups in order, up to ``group`` (None: all of them)."""
+        if group is not None and all(g is not group for g, *_ in self._deferred):
+            return
+        while self._deferred:
+            g, step, hypers, grad_scale, then = self._deferred.popleft()
+            for member in g.members:
+                self.params.defer(member.unit, None)
+            self.step(g, step, hypers, grad_scale)
+            then(g)
+            if g is group:
+                return
 
     def _read(self, group: SubGroup, step: int, start: int) -> tuple[int, StateSlot, Event]:
         """``group``'s state up into the ring at ``start`` (free: ``_place`` waited), after the last step's copies
@@ -163,9 +220,11 @@ class StreamedStep:
     def settle(self) -> None:
         """Block until every copy back has run: the host state (and host-homed weights) are the step's. What was
         read ahead is dropped (what reads the state next may change it: a checkpoint's load), its reads run out
-        first (they read host memory that a load rewrites and a close gives back)."""
+        first (they read host memory that a load rewrites and a close gives back). Deferred steps run first."""
+        self.run_until()
         if self._ready:
             self.accel.wait(self.up.record(), "the streamed state's reads ahead")
+        self._armed = None
         self._ready.clear()
         self._pinned.clear()
         if self._last is not None:  # the copy stream runs its copies in order: the last is after every other

@@ -43,6 +43,7 @@ placement counts their bytes on the device (``STREAMED_HANDED`` in offload/store
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,7 @@ class ParamShard:
     stepped_on_stream: bool = False
     fetched: Event | None = None  # a host home's last copy to the device (re-recorded each time)
     handed: torch.Tensor | None = None  # the streamed lane's new values on the device, for the next gather
+    due: Callable[[], None] | None = None  # a deferred step that writes the shard: run before any read of it
 
 
 class ParamStore:
@@ -258,6 +260,7 @@ class ParamStore:
         one that last wrote a device home). An NVMe shard waits for its read, which read-ahead has usually done;
         a failed read raises here, before the caller changes anything. A host home the streamed lane is writing
         down is waited for by the copy up, on the device: the host issuing the forward goes on."""
+        self._run_due(index)
         shard = self._shards[index]
         if shard.handed is not None:  # see [Note: the hand-off]: made on the compute stream, no wait
             handed, shard.handed = shard.handed, None
@@ -421,8 +424,20 @@ class ParamStore:
         if self.home(index) is Tier.NVME:
             self._nvme_stepping.add(index)
 
+    def defer(self, index: int, step: Callable[[], None] | None) -> None:
+        """``step`` (deferred: see [Note: streamed steps deferred] in offload/optim/streamed_step.py) writes the
+        shard: whatever reads it first runs it (None: it has run)."""
+        self._shards[index].due = step
+
+    def _run_due(self, index: int) -> None:
+        step = self._shards[index].due
+        if step is not None:
+            step()  # it clears ``due`` of every shard it writes
+
     def wait_step(self, index: int) -> None:
-        """Before anything reads the shard: wait for an early step still writing it."""
+        """Before anything reads the shard: a deferred step writing it runs, and an early step still writing it
+        has run."""
+        self._run_due(index)
         shard = self._shards[index]
         if shard.step_pending:
             assert shard.stepped is not None
@@ -443,6 +458,7 @@ class ParamStore:
         [Note: an early step's parameter writes] in param_swap.py): nothing was started, and whoever gathers has
         the shard rewritten from its master (the optimizer) and prepares it again. A host home the streamed lane
         is writing down is left to the copy up to wait for, on the device (``to_device``)."""
+        self._run_due(index)
         if not self._written_on_stream(index):
             self.wait_step(index)
         if self.home(index) is not Tier.NVME:
