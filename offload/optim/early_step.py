@@ -107,11 +107,6 @@ class EarlyStep:
         if run is not None:
             run.abort()
 
-    def _emptied(self, group: SubGroup) -> None:
-        """A streamed sub-group was stepped: its shards' gradients go."""
-        for member in group.members:
-            self.shards[member.unit].empty()
-
     def run(self, grad_scale: float, hypers: list[AdamHyper], step: int, delayed: bool = False) -> None:
         """Step ``step`` handed to the landing worker (``delayed``: to the delayed update's thread, the new shards
         staged until ``publish``); returns at once (see [Note: early step], [Note: delayed update])."""
@@ -131,10 +126,11 @@ class EarlyStep:
                 assert self.streamed is not None
                 deferring = deferring or not self.streamed.ready(group)
                 if deferring:
-                    self.streamed.defer(group, step, hypers, grad_scale, self._emptied)
+                    self.streamed.defer(group, step, hypers, grad_scale)
                 else:
                     self.streamed.step(group, step, hypers, grad_scale)
-                    self._emptied(group)
+                    for member in group.members:
+                        self.shards[member.unit].empty()
             elif group.tier is Tier.DEVICE:
                 for member in group.members:
                     self.update.step_shard(member.unit, group.views(member), step, hypers, grad_scale)

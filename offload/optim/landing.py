@@ -65,9 +65,8 @@ sends its sum when the step begins (``send_held``).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -103,6 +102,12 @@ class ReducedShard(NamedTuple):
     factor: float  # what the accumulation multiplies ``grad`` by (the average over ranks, after any predivide)
 
 
+class PacedReads(Protocol):
+    """Reads paced by the last backward's landings (the streamed lane's)."""
+
+    def read_next(self) -> None: ...
+
+
 class OnLanding(NamedTuple):
     """What acts on a shard as its gradient lands: ``speculation`` is claimed before the shard's gradient or state
     is touched (a speculative Adam may be reading them); ``step`` is told once the gradient is in (the backward's
@@ -111,7 +116,7 @@ class OnLanding(NamedTuple):
 
     speculation: Speculation
     step: OverlappedStep
-    paced: Callable[[], None] | None = None
+    paced: PacedReads | None = None
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,7 @@ class GradientLanding:
         leave it where it lands: see [Note: gradients read where they land]), once the reduction completes. Called
         by backward's hooks: it never blocks the calling thread (see [Note: gradients land])."""
         if self.paced is not None and self.phase is not Landing.COLLECTING:
-            self.paced()
+            self.paced.read_next()
         state = self.shards.get(reduced.unit)
         route = self._route(reduced.unit, state)
         if route is Route.NOWHERE:

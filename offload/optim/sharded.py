@@ -224,9 +224,8 @@ class ShardedAdam(OptimizerFace):
         self.speculation = Speculation(self.shards, self.store, self.update, self.telemetry, lane)
         self.overlapped = OverlappedStep(self.shards, self.store, self.update, params, self.speculation,
                                          self.telemetry)
-        paced = self.streamed.read_next if self.streamed is not None else None
         self.landing = GradientLanding(accel, self.shards, self.split,
-                                       OnLanding(self.speculation, self.overlapped, paced), plan.landing,
+                                       OnLanding(self.speculation, self.overlapped, self.streamed), plan.landing,
                                        threads=threads, telemetry=self.telemetry)
         self.early = EarlyStep(self.update, self.store, self.speculation, self.telemetry,
                                EarlyLanes(self.landing.worker, adam, self.streamed), plan.staged)

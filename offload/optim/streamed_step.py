@@ -35,7 +35,6 @@ the deferred sub-groups in order up to its own, on the compute stream, behind th
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 
 import torch
 
@@ -71,9 +70,8 @@ class StreamedStep:
         self._last: Event | None = None  # the last copy back (what ``settle`` waits for)
         self._step = 0  # the step whose sub-groups are being read
         self._armed: int | None = None  # the step the last backward's landings read ahead for (None: not now)
-        # stepped when first read (see [Note: streamed steps deferred]): (sub-group, step, hypers, grad scale, then)
-        self._deferred: collections.deque[tuple[SubGroup, int, list[AdamHyper], float, Callable[[SubGroup], None]]] \
-            = collections.deque()
+        # stepped when first read (see [Note: streamed steps deferred]): (sub-group, step, hypers, grad scale)
+        self._deferred: collections.deque[tuple[SubGroup, int, list[AdamHyper], float]] = collections.deque()
 
     @property
     def device_bytes(self) -> int:
@@ -145,24 +143,28 @@ class StreamedStep:
         """Whether ``group``'s state was read ahead (its step waits for no place in the ring)."""
         return group.index in self._ready
 
-    def defer(self, group: SubGroup, step: int, hypers: list[AdamHyper], grad_scale: float,
-              then: Callable[[SubGroup], None]) -> None:
-        """``step`` of ``group`` is stepped when one of its shards is first read (see [Note: streamed steps
-        deferred]), then ``then(group)``; sub-groups deferred are stepped in the order deferred."""
-        self._deferred.append((group, step, hypers, grad_scale, then))
+    def defer(self, group: SubGroup, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
+        """``step`` of ``group`` is stepped (and its shards' gradients go) when one of its shards is first read
+        (see [Note: streamed steps deferred]); sub-groups deferred are stepped in the order deferred."""
+        self._deferred.append((group, step, hypers, grad_scale))
         for member in group.members:
-            self.params.defer(member.unit, lambda g=group: self.run_until(g))  # type: ignore[misc]
+            self.params.defer(member.unit, self)
+
+    def run_due(self, unit: int) -> None:
+        """A shard of ``unit`` is about to be read: the deferred sub-groups up to its own are stepped."""
+        group = next((g for g, *_ in self._deferred if any(m.unit == unit for m in g.members)), None)
+        if group is not None:
+            self.run_until(group)
 
     def run_until(self, group: SubGroup | None = None) -> None:
         """Step the deferred sub-groups in order, up to ``group`` (None: all of them)."""
-        if group is not None and all(g is not group for g, *_ in self._deferred):
-            return
         while self._deferred:
-            g, step, hypers, grad_scale, then = self._deferred.popleft()
+            g, step, hypers, grad_scale = self._deferred.popleft()
             for member in g.members:
                 self.params.defer(member.unit, None)
             self.step(g, step, hypers, grad_scale)
-            then(g)
+            for member in g.members:
+                self.shards[member.unit].empty()
             if g is group:
                 return
 

@@ -43,8 +43,8 @@ placement counts their bytes on the device (``STREAMED_HANDED`` in offload/store
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -55,6 +55,14 @@ from offload.store.budget import TierBudget
 from offload.store.param_homes import HOST_PARAMS
 from offload.store.param_swap import ParamSwap
 from offload.store.tier import Tier
+
+
+class DeferredStep(Protocol):
+    """A step that writes shards when they are first read (the streamed lane's: see [Note: streamed steps deferred]
+    in offload/optim/streamed_step.py)."""
+
+    def run_due(self, unit: int) -> None:
+        """Step what writes ``unit``'s shard now (and clear its ``due``)."""
 
 
 @dataclass(eq=False)
@@ -74,7 +82,7 @@ class ParamShard:
     stepped_on_stream: bool = False
     fetched: Event | None = None  # a host home's last copy to the device (re-recorded each time)
     handed: torch.Tensor | None = None  # the streamed lane's new values on the device, for the next gather
-    due: Callable[[], None] | None = None  # a deferred step that writes the shard: run before any read of it
+    due: DeferredStep | None = None  # a deferred step that writes the shard: run before any read of it
 
 
 class ParamStore:
@@ -424,7 +432,7 @@ class ParamStore:
         if self.home(index) is Tier.NVME:
             self._nvme_stepping.add(index)
 
-    def defer(self, index: int, step: Callable[[], None] | None) -> None:
+    def defer(self, index: int, step: DeferredStep | None) -> None:
         """``step`` (deferred: see [Note: streamed steps deferred] in offload/optim/streamed_step.py) writes the
         shard: whatever reads it first runs it (None: it has run)."""
         self._shards[index].due = step
@@ -432,7 +440,7 @@ class ParamStore:
     def _run_due(self, index: int) -> None:
         step = self._shards[index].due
         if step is not None:
-            step()  # it clears ``due`` of every shard it writes
+            step.run_due(index)  # it clears ``due`` of every shard it writes
 
     def wait_step(self, index: int) -> None:
         """Before anything reads the shard: a deferred step writing it runs, and an early step still writing it
