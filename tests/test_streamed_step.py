@@ -342,3 +342,20 @@ def test_streamed_steps_not_read_ahead_are_deferred_to_their_first_reader(world,
         assert d["losses"] == w["losses"]
         for key, value in w["state"].items():
             assert torch.equal(d["state"][key], value), key
+
+
+def _pieces(engine: Any) -> None:
+    engine.optimizer.streamed.read_per_landing = 1000  # bytes: every sub-group read in pieces over several landings
+
+
+@pytest.mark.parametrize("params,early", [("cpu", "on"), ("none", "off")])
+def test_reads_ahead_in_pieces_train_bitwise_as_whole_reads(params, early):
+    """[Note: the streamed lane]: the landings read the state ahead a few bytes at a time (a sub-group over several
+    landings; the step reads the rest of one begun): the same bytes up and down, the same training bitwise."""
+    config = streamed_config(1, params=params, share=1.0)
+    config["offload"]["early_step"] = early
+    pieces, whole = (run_ranks(train_engine, 1, env=LAGGING_GPU, name="gpt", config=config, steps=STEPS, micro=2,
+                               accum=1, started=started, finished=_lanes)
+                     for started in (_pieces, None))
+    assert pieces[0]["bytes"]["state_h2d"] == pieces[0]["bytes"]["state_d2h"] == whole[0]["bytes"]["state_h2d"]
+    check_bitwise(pieces, whole)

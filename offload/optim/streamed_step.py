@@ -14,9 +14,10 @@ state of those in flight in a ring of twice the largest sub-group's bytes: each 
 (wrapping round), once the copy back of what was there has run, so while a large sub-group is stepped and
 written back the next smaller ones are already coming up (two fixed slots made every read wait for the copy
 back two sub-groups before, and a first sub-group as large as an embedding held up all the rest, as the recorded
-step showed). A read needs no gradient: from the last backward's first landing on, the next sub-group is read into
-the ring after each landing, behind the backward enqueued so far (as many as the ring holds beside what is still
-being written back), so the reads share the bus with backward's gathers rather than queue ahead of them; the step
+step showed). A read needs no gradient: from the last backward's first landing on, ``READ_PER_LANDING`` bytes of
+the next sub-groups' state are read into the ring after each landing, behind the backward enqueued so far (as many
+sub-groups as the ring holds beside what is still being written back; a large one, an embedding's, in pieces over
+several landings), so the reads share the bus with backward's gathers rather than queue ahead of them; the step
 steps them once the norm is known. Every read of a step comes after the last step's copies back (the state it
 reads is theirs). Everything that reads the host state otherwise (checkpoints, the refit) drains the optimizer,
 which waits for the copies back (``settle``). On a CPU compute device the host's memory is the device's: there is
@@ -35,6 +36,7 @@ the deferred sub-groups in order up to its own, on the compute stream, behind th
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +49,18 @@ from offload.store.param_store import ParamStore
 from offload.store.state_format import StateSlot
 from offload.store.sub_groups import SubGroup
 from offload.store.tier import Tier
+
+READ_PER_LANDING = 128 << 20  # bytes of state read ahead after each landing of the last backward (see the note)
+
+
+@dataclass
+class _Reading:
+    """A sub-group's state on its way up in pieces: its place in the ring, its slot there, the elements read."""
+
+    group: SubGroup
+    start: int
+    slot: StateSlot
+    done: int = 0
 
 
 class StreamedStep:
@@ -70,6 +84,8 @@ class StreamedStep:
         self._last: Event | None = None  # the last copy back (what ``settle`` waits for)
         self._step = 0  # the step whose sub-groups are being read
         self._armed: int | None = None  # the step the last backward's landings read ahead for (None: not now)
+        self._reading: _Reading | None = None  # the sub-group read in pieces now (its place pinned)
+        self.read_per_landing = READ_PER_LANDING
         # stepped when first read (see [Note: streamed steps deferred]): (sub-group, step, hypers, grad scale)
         self._deferred: collections.deque[tuple[SubGroup, int, list[AdamHyper], float]] = collections.deque()
 
@@ -89,27 +105,31 @@ class StreamedStep:
         gathers need the bus up first)."""
         if self._armed is None:
             return
-        for group in self.groups:
-            if group.index in self._ready:
-                continue  # read already (or for a step that was skipped: the host state has not changed)
-            start = self._fits(_placed(group))
-            if start is None:
-                self._armed = None  # the ring is full until the step
-                return
-            self.up.wait_event(self.accel.compute_event())
-            self._ready[group.index] = self._read(group, self._armed, start)
-            self._pinned[group.index] = (start, start + _placed(group))
-            return
-        self._armed = None  # every sub-group read
+        self.up.wait_event(self.accel.compute_event())
+        budget = self.read_per_landing
+        while budget > 0:
+            if self._reading is None:
+                # read already (or for a step that was skipped: the host state has not changed)
+                group = next((g for g in self.groups if g.index not in self._ready), None)
+                start = None if group is None else self._fits(_placed(group))
+                if group is None or start is None:
+                    self._armed = None  # every sub-group read, or the ring full until the step
+                    return
+                self._reading = self._begin(group, self._armed, start)
+            budget -= self._read_some(budget)
 
     def step(self, group: SubGroup, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
         """One streamed sub-group's Adam: its state read up (unless read ahead), stepped on the compute stream, and
         written back with its units' new weights (see [Note: the streamed lane]); returns once it is enqueued."""
         assert group.streamed and group.resident is not None, f"sub-group {group.index} is not streamed"
         self._armed = None
-        ready = self._ready.pop(group.index, None)
+        if group.index not in self._ready:  # the rest of its read now, or all of it
+            if self._reading is None:
+                self._reading = self._begin(group, step, self._place(_placed(group)))
+            assert self._reading.group is group, "the streamed sub-groups are read in the order they are stepped"
+            self._read_some(None)
+        start, device, read = self._ready.pop(group.index)
         self._pinned.pop(group.index, None)
-        start, device, read = ready if ready is not None else self._read(group, step, self._place(_placed(group)))
         self.accel.compute_wait(read)
         for member in group.members:
             assert self.shards[member.unit].phase is not ShardPhase.STEPPED, member.unit  # never stepped early
@@ -123,8 +143,7 @@ class StreamedStep:
             else:
                 self.params.write_down(member.unit, weights, self.down)
                 self.params.hand_off(member.unit, weights.to(self.params.dtype, copy=True))
-        host, nbytes, unit, graph = group.resident, group.fmt.slot_bytes(group.numel), group.members[0].unit, \
-            self.accel.graph
+        host, nbytes, unit, graph = group.resident, _nbytes(device), group.members[0].unit, self.accel.graph
 
         def down() -> None:
             graph.work("d2h", unit, nbytes=nbytes)  # the recorded step's (offload/observe/step_graph.py)
@@ -168,23 +187,37 @@ class StreamedStep:
             if g is group:
                 return
 
-    def _read(self, group: SubGroup, step: int, start: int) -> tuple[int, StateSlot, Event]:
-        """``group``'s state up into the ring at ``start`` (free: ``_place`` waited), after the last step's copies
-        back (the state read is the one they wrote); its place, its slot and the read's event."""
-        host = group.resident
-        assert host is not None
+    def _begin(self, group: SubGroup, step: int, start: int) -> _Reading:
+        """``group``'s read into the ring at ``start`` (free: ``_place`` waited; pinned from now), after the last
+        step's copies back (the state read is the one they wrote)."""
         if step != self._step and self._last is not None:  # a step's first read
             self.up.wait_event(self._last)
         self._step = step
-        device = group.fmt.slot(self._ring.narrow(0, start, _placed(group)), group.numel)
-        nbytes, unit, graph = group.fmt.slot_bytes(group.numel), group.members[0].unit, self.accel.graph
+        self._pinned[group.index] = (start, start + _placed(group))
+        return _Reading(group, start, group.fmt.slot(self._ring.narrow(0, start, _placed(group)), group.numel))
+
+    def _read_some(self, budget: int | None) -> int:
+        """The next elements of the sub-group being read go up, ``budget`` bytes of them at most (None: all the
+        rest); once all have, it is ready (its place, its slot, the read's event). Returns the bytes."""
+        reading = self._reading
+        assert reading is not None
+        group, host = reading.group, reading.group.resident
+        assert host is not None
+        left = group.numel - reading.done
+        n = left if budget is None else max(1, min(left, budget * group.numel // max(1, _nbytes(reading.slot))))
+        device, source = reading.slot.narrow(reading.done, n), host.narrow(reading.done, n)
+        nbytes, unit, graph = _nbytes(device), group.members[0].unit, self.accel.graph
 
         def up() -> None:
             graph.work("h2d", unit, nbytes=nbytes)
-            device.copy_(host, non_blocking=True)
+            device.copy_(source, non_blocking=True)
         self.up.run(up)
         self.telemetry.add_bytes("state_h2d", nbytes)
-        return start, device, self.up.record()
+        reading.done += n
+        if reading.done == group.numel:
+            self._ready[group.index] = (reading.start, reading.slot, self.up.record())
+            self._reading = None
+        return nbytes
 
     def _fits(self, nbytes: int) -> int | None:
         """Where ``nbytes`` can go without taking a place read ahead and not yet stepped (None: nowhere now)."""
@@ -224,13 +257,18 @@ class StreamedStep:
         read ahead is dropped (what reads the state next may change it: a checkpoint's load), its reads run out
         first (they read host memory that a load rewrites and a close gives back). Deferred steps run first."""
         self.run_until()
-        if self._ready:
+        if self._ready or self._reading is not None:
             self.accel.wait(self.up.record(), "the streamed state's reads ahead")
-        self._armed = None
+        self._armed = self._reading = None
         self._ready.clear()
         self._pinned.clear()
         if self._last is not None:  # the copy stream runs its copies in order: the last is after every other
             self.accel.wait(self._last, "the streamed state's copy back")
+
+
+def _nbytes(slot: StateSlot) -> int:
+    """Bytes a slot's buffers hold (what a copy of it moves)."""
+    return sum(b.numel() * b.element_size() for b in slot.buffers())
 
 
 def _placed(group: SubGroup) -> int:
