@@ -228,7 +228,8 @@ def test_the_first_streamed_states_go_up_under_backward_and_the_ring_holds_two_o
     assert out["ring"] == 2 * out["largest"]
 
 
-def _train_with_copies_back_lagging(rank: int, world: int, config: dict[str, Any], lag: float) -> dict[str, Any]:
+def _train_with_copies_back_lagging(rank: int, world: int, config: dict[str, Any], lag: float,
+                                    pieces: bool = False) -> dict[str, Any]:
     """train_engine with the streamed lane's copies back each ``lag`` seconds behind: the next step's reads of the
     state, the next forward's of the weights and a checkpoint's of both must wait for them."""
     from offload.machine.accelerator import WorkerStream
@@ -236,18 +237,22 @@ def _train_with_copies_back_lagging(rank: int, world: int, config: dict[str, Any
     def slow_copies_back(engine: Any) -> None:
         streamed = engine.optimizer.streamed
         streamed.down = WorkerStream("state-d2h (lagging)", lag, engine.accel.ledger)
+        if pieces:
+            streamed.read_per_landing = streamed.copy_piece = 1000
 
     return train_engine(rank, world, name="gpt", config=config, steps=STEPS, micro=2, accum=1,
                         started=slow_copies_back)
 
 
-@pytest.mark.parametrize("params,share", [("none", 1.0), ("cpu", 1.0), ("none", 0.08)])
-def test_whatever_reads_the_state_or_the_weights_waits_for_their_copies_back(params, share):
+@pytest.mark.parametrize("params,share,pieces", [("none", 1.0, False), ("cpu", 1.0, False), ("none", 0.08, False),
+                                                ("cpu", 1.0, True)])
+def test_whatever_reads_the_state_or_the_weights_waits_for_their_copies_back(params, share, pieces):
     """Share 0.08: one streamed unit, which takes the other slot each step than it did the last, so its read of
-    the state must wait for the last step's copy back though its slot's own last copy back was long done."""
+    the state must wait for the last step's copy back though its slot's own last copy back was long done. In
+    pieces: each read waits for the copies back of the pieces its place takes."""
     config = streamed_config(1, params=params, share=share)
     env = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    lagging, prompt = (run_ranks(_train_with_copies_back_lagging, 1, env=env, config=config, lag=lag)
+    lagging, prompt = (run_ranks(_train_with_copies_back_lagging, 1, env=env, config=config, lag=lag, pieces=pieces)
                        for lag in (0.05, 0.0))
     check_bitwise(lagging, prompt)
 
@@ -345,13 +350,16 @@ def test_streamed_steps_not_read_ahead_are_deferred_to_their_first_reader(world,
 
 
 def _pieces(engine: Any) -> None:
-    engine.optimizer.streamed.read_per_landing = 1000  # bytes: every sub-group read in pieces over several landings
+    streamed = engine.optimizer.streamed
+    streamed.read_per_landing = 1000  # bytes: every sub-group read in pieces over several landings
+    streamed.copy_piece = 1000  # and copied back in pieces, a read waiting for those of its place alone
 
 
 @pytest.mark.parametrize("params,early", [("cpu", "on"), ("none", "off")])
 def test_reads_ahead_in_pieces_train_bitwise_as_whole_reads(params, early):
     """[Note: the streamed lane]: the landings read the state ahead a few bytes at a time (a sub-group over several
-    landings; the step reads the rest of one begun): the same bytes up and down, the same training bitwise."""
+    landings; the step reads the rest of one begun), and the copies back go in pieces (a read waits for the pieces
+    of its place): the same bytes up and down, the same training bitwise."""
     config = streamed_config(1, params=params, share=1.0)
     config["offload"]["early_step"] = early
     pieces, whole = (run_ranks(train_engine, 1, env=LAGGING_GPU, name="gpt", config=config, steps=STEPS, micro=2,

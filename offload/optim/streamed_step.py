@@ -51,6 +51,7 @@ from offload.store.sub_groups import SubGroup
 from offload.store.tier import Tier
 
 READ_PER_LANDING = 128 << 20  # bytes of state read ahead after each landing of the last backward (see the note)
+COPY_PIECE = 128 << 20  # bytes of state a copy back's piece moves (its place in the ring free once it has run)
 
 
 @dataclass
@@ -85,7 +86,7 @@ class StreamedStep:
         self._step = 0  # the step whose sub-groups are being read
         self._armed: int | None = None  # the step the last backward's landings read ahead for (None: not now)
         self._reading: _Reading | None = None  # the sub-group read in pieces now (its place pinned)
-        self.read_per_landing = READ_PER_LANDING
+        self.read_per_landing, self.copy_piece = READ_PER_LANDING, COPY_PIECE
         # stepped when first read (see [Note: streamed steps deferred]): (sub-group, step, hypers, grad scale)
         self._deferred: collections.deque[tuple[SubGroup, int, list[AdamHyper], float]] = collections.deque()
 
@@ -128,7 +129,7 @@ class StreamedStep:
                 self._reading = self._begin(group, step, self._place(_placed(group)))
             assert self._reading.group is group, "the streamed sub-groups are read in the order they are stepped"
             self._read_some(None)
-        start, device, read = self._ready.pop(group.index)
+        _, device, read = self._ready.pop(group.index)
         self._pinned.pop(group.index, None)
         self.accel.compute_wait(read)
         for member in group.members:
@@ -143,15 +144,27 @@ class StreamedStep:
             else:
                 self.params.write_down(member.unit, weights, self.down)
                 self.params.hand_off(member.unit, weights.to(self.params.dtype, copy=True))
-        host, nbytes, unit, graph = group.resident, _nbytes(device), group.members[0].unit, self.accel.graph
+        assert group.resident is not None
+        self._copy_back(group.resident, device, group.members[0].unit)
 
-        def down() -> None:
-            graph.work("d2h", unit, nbytes=nbytes)  # the recorded step's (offload/observe/step_graph.py)
-            host.copy_(device, non_blocking=True)
-        self.down.run(down)
-        self.telemetry.add_bytes("state_d2h", nbytes)
-        self._last = self.down.record()
-        self._live.append((start, start + _placed(group), self._last))
+    def _copy_back(self, host: StateSlot, device: StateSlot, unit: int) -> None:
+        """The new state down into its host home, buffer by buffer in pieces of ``COPY_PIECE`` bytes, each piece's
+        place in the ring free once its own copy has run (``_live``): a read placed over the start of a large
+        sub-group's place waits for the pieces it takes, not for the whole copy back."""
+        graph, base = self.accel.graph, self._ring.data_ptr()
+        for target, source in zip(host.buffers(), device.buffers(), strict=True):
+            per = max(1, self.copy_piece // max(1, source.element_size()))
+            for lo in range(0, source.numel(), per):
+                into, out = target[lo:lo + per], source[lo:lo + per]
+                nbytes, first = out.numel() * out.element_size(), out.data_ptr() - base
+
+                def down(into: torch.Tensor = into, out: torch.Tensor = out, nbytes: int = nbytes) -> None:
+                    graph.work("d2h", unit, nbytes=nbytes)  # the recorded step's (offload/observe/step_graph.py)
+                    into.copy_(out, non_blocking=True)
+                self.down.run(down)
+                self.telemetry.add_bytes("state_d2h", nbytes)
+                self._last = self.down.record()
+                self._live.append((first, first + nbytes, self._last))
 
     @property
     def deferred(self) -> int:
