@@ -51,7 +51,9 @@ from offload.store.sub_groups import SubGroup
 from offload.store.tier import Tier
 
 READ_PER_LANDING = 128 << 20  # bytes of state read ahead after each landing of the last backward (see the note)
-COPY_PIECE = 128 << 20  # bytes of state a copy back's piece moves (its place in the ring free once it has run)
+# Bytes of state a copy back's piece moves (its place in the ring free once it has run). Replayed on the h100 preset
+# (the 0.91B GPT, docs/performance.md): a buffer a piece (400 MB there) 379.1 ms a step, pieces of 128 MiB 424.3.
+COPY_PIECE = 1 << 30
 
 
 @dataclass
