@@ -237,8 +237,8 @@ def _train_with_copies_back_lagging(rank: int, world: int, config: dict[str, Any
     def slow_copies_back(engine: Any) -> None:
         streamed = engine.optimizer.streamed
         streamed.down = WorkerStream("state-d2h (lagging)", lag, engine.accel.ledger)
-        if pieces:
-            streamed.read_per_landing = streamed.copy_piece = 1000
+        if pieces:  # two pieces a buffer down (each lags), reads in pieces of 1000 bytes
+            streamed.read_per_landing, streamed.copy_piece = 1000, 4096
 
     return train_engine(rank, world, name="gpt", config=config, steps=STEPS, micro=2, accum=1,
                         started=slow_copies_back)
