@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-from offload.machine.accelerator import Accelerator, Event
+from offload.machine.accelerator import Accelerator, CopyStream, Event
 from offload.observe.telemetry import Telemetry
 from offload.optim.adam import AdamHyper
 from offload.optim.shard_state import ShardPhase, ShardState
@@ -55,13 +56,14 @@ READ_PER_LANDING = 128 << 20  # bytes of state read ahead after each landing of 
 # (the 0.91B GPT, docs/performance.md): a buffer a piece (400 MB there) 379.1 ms a step, pieces of 128 MiB 424.3.
 COPY_PIECE = 1 << 30
 
+_Copied = TypeVar("_Copied", torch.Tensor, StateSlot)  # what a copy of the lane moves: a buffer, or a slot whole
+
 
 @dataclass
 class _Reading:
-    """A sub-group's state on its way up in pieces: its place in the ring, its slot there, the elements read."""
+    """A sub-group's state on its way up in pieces: its slot in the ring (its place pinned), the elements read."""
 
     group: SubGroup
-    start: int
     slot: StateSlot
     done: int = 0
 
@@ -82,7 +84,7 @@ class StreamedStep:
         self._head = 0  # where the next sub-group's state goes
         # the places whose copy back has been enqueued, oldest first: (start, end, the copy back's event)
         self._live: collections.deque[tuple[int, int, Event]] = collections.deque()
-        self._ready: dict[int, tuple[int, StateSlot, Event]] = {}  # read ahead, not stepped: (start, slot, its read)
+        self._ready: dict[int, tuple[StateSlot, Event]] = {}  # read ahead, not stepped: (its slot, its read)
         self._pinned: dict[int, tuple[int, int]] = {}  # the places of those: no read may take them
         self._last: Event | None = None  # the last copy back (what ``settle`` waits for)
         self._step = 0  # the step whose sub-groups are being read
@@ -131,7 +133,7 @@ class StreamedStep:
                 self._reading = self._begin(group, step, self._place(_placed(group)))
             assert self._reading.group is group, "the streamed sub-groups are read in the order they are stepped"
             self._read_some(None)
-        _, device, read = self._ready.pop(group.index)
+        device, read = self._ready.pop(group.index)
         self._pinned.pop(group.index, None)
         self.accel.compute_wait(read)
         for member in group.members:
@@ -153,18 +155,13 @@ class StreamedStep:
         """The new state down into its host home, buffer by buffer in pieces of ``COPY_PIECE`` bytes, each piece's
         place in the ring free once its own copy has run (``_live``): a read placed over the start of a large
         sub-group's place waits for the pieces it takes, not for the whole copy back."""
-        graph, base = self.accel.graph, self._ring.data_ptr()
+        base = self._ring.data_ptr()
         for target, source in zip(host.buffers(), device.buffers(), strict=True):
             per = max(1, self.copy_piece // max(1, source.element_size()))
             for lo in range(0, source.numel(), per):
-                into, out = target[lo:lo + per], source[lo:lo + per]
+                out = source[lo:lo + per]
                 nbytes, first = out.numel() * out.element_size(), out.data_ptr() - base
-
-                def down(into: torch.Tensor = into, out: torch.Tensor = out, nbytes: int = nbytes) -> None:
-                    graph.work("d2h", unit, nbytes=nbytes)  # the recorded step's (offload/observe/step_graph.py)
-                    into.copy_(out, non_blocking=True)
-                self.down.run(down)
-                self.telemetry.add_bytes("state_d2h", nbytes)
+                self._copy(self.down, "d2h", unit, target[lo:lo + per], out, nbytes)
                 self._last = self.down.record()
                 self._live.append((first, first + nbytes, self._last))
 
@@ -209,7 +206,7 @@ class StreamedStep:
             self.up.wait_event(self._last)
         self._step = step
         self._pinned[group.index] = (start, start + _placed(group))
-        return _Reading(group, start, group.fmt.slot(self._ring.narrow(0, start, _placed(group)), group.numel))
+        return _Reading(group, group.fmt.slot(self._ring.narrow(0, start, _placed(group)), group.numel))
 
     def _read_some(self, budget: int | None) -> int:
         """The next elements of the sub-group being read go up, ``budget`` bytes of them at most (None: all the
@@ -221,18 +218,24 @@ class StreamedStep:
         left = group.numel - reading.done
         n = left if budget is None else max(1, min(left, budget * group.numel // max(1, _nbytes(reading.slot))))
         device, source = reading.slot.narrow(reading.done, n), host.narrow(reading.done, n)
-        nbytes, unit, graph = _nbytes(device), group.members[0].unit, self.accel.graph
-
-        def up() -> None:
-            graph.work("h2d", unit, nbytes=nbytes)
-            device.copy_(source, non_blocking=True)
-        self.up.run(up)
-        self.telemetry.add_bytes("state_h2d", nbytes)
+        nbytes = _nbytes(device)
+        self._copy(self.up, "h2d", group.members[0].unit, device, source, nbytes)
         reading.done += n
         if reading.done == group.numel:
-            self._ready[group.index] = (reading.start, reading.slot, self.up.record())
+            self._ready[group.index] = (reading.slot, self.up.record())
             self._reading = None
         return nbytes
+
+    def _copy(self, stream: CopyStream, kind: str, unit: int, into: _Copied, out: _Copied, nbytes: int) -> None:
+        """``into`` from ``out`` on ``stream`` (``kind``: h2d or d2h), counted as the state's bytes that way and as
+        the recorded step's work (offload/observe/step_graph.py)."""
+        graph = self.accel.graph
+
+        def copy() -> None:
+            graph.work(kind, unit, nbytes=nbytes)
+            into.copy_(out, non_blocking=True)
+        stream.run(copy)
+        self.telemetry.add_bytes(f"state_{kind}", nbytes)
 
     def _fits(self, nbytes: int) -> int | None:
         """Where ``nbytes`` can go without taking a place read ahead and not yet stepped (None: nowhere now)."""

@@ -474,7 +474,7 @@ def _stream(out: Placement, shards: Shards, config: Any, chosen: list[tuple[int,
     part, grad_bytes = device_grads(out.device_grads_kept, shards.item)
     out.device[part] = out.device.get(part, 0) + grad_bytes * sum(n for _, n in chosen)
     out.device[STREAMED_SLOTS] = 2 * max(g.nbytes for g in out.groups if g.streamed)
-    handed = shards.item * sum(n for i, n in chosen if out.homes.get(i) is not Tier.DEVICE)
+    handed = shards.item * sum(n for i, n in chosen if out.homes[i] is not Tier.DEVICE)
     if handed:
         out.device[STREAMED_HANDED] = handed
 
