@@ -72,7 +72,7 @@ def test_an_unknown_floor_variant_is_a_usage_error(tmp_path, capsys):
     assert main(["bench", "step", "--baseline", "floor", *TINY, "--variants", "full,nope",
                  "--out", str(tmp_path / "f.json")]) == 2
     err = capsys.readouterr().err
-    assert "no floor variant 'nope': choose from full, full-overlap, auto, auto-params-device, nvme" in err
+    assert "no floor variant 'nope': choose from full, full-after, full-overlap, auto, auto-params-device, nvme" in err
 
 
 def test_the_variants_default_to_the_three_placements_of_a_model_larger_than_the_gpu():

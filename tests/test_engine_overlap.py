@@ -65,12 +65,10 @@ def test_the_engine_says_why_it_does_not_overlap(change, reason):
     assert mode.startswith("after backward") and reason in mode
 
 
-def test_auto_overlaps_on_the_cpu_and_steps_after_backward_on_a_gpu():
+def test_auto_overlaps_where_nothing_gates_the_update():
+    # on a GPU too since the Adam left the host thread for the landing worker
     mode = run_ranks(describe_engine, 1, config=overlap_config(1, "auto"))[0]["mode"]
-    if torch.cuda.is_available():
-        assert mode.startswith("after backward") and "on a GPU 'auto' steps after backward" in mode
-    else:
-        assert mode.startswith("overlapped")
+    assert mode.startswith("overlapped")
 
 
 def test_a_host_thread_still_adding_the_previous_micro_batch_does_not_step_early():

@@ -321,12 +321,12 @@ for s in "${stages[@]}"; do
     # Params and optimizer state on NVMe, stepped whole beside their NVMe passes run after step() returned (early on).
     bench-step-nvme-early) stage bench-step-nvme-early py -m offload bench step "${M156[@]}" --offload nvme --path "${NVME_DIR:-/tmp/offload-nvme}" --unit-bytes 64Mi --steps 4 --rounds 2 --variants nvme,nvme-early --out "$OUT/step-nvme-early/step.json" ;;
     # 0.91B: auto keeps nearly all the state on an H200 (33.6M of 910.8M elements on the host), so params-device adds
-    # nothing there; full beside full-overlap (the host Adam during backward) is the open question.
-    pace-0p9b) stage pace-0p9b pace pace-0p9b "${M091[@]}" --steps 4 --warmup 2 --rounds 1 --variants full,full-overlap,auto ;;
+    # nothing there; full (the host Adam during backward, auto since session 45) beside full-after is the open question.
+    pace-0p9b) stage pace-0p9b pace pace-0p9b "${M091[@]}" --steps 4 --warmup 2 --rounds 1 --variants full,full-after,auto ;;
     # #68's streamed lane beside the host one, clipping off and on (#71's first row): the 0.91B GPT, everything on the host
     pace-0p9b-lanes) stage pace-0p9b-lanes pace pace-0p9b-lanes "${M091[@]}" --steps 4 --warmup 2 --rounds 1 --variants full,stream-auto,stream-half,stream-all &&
       stage pace-0p9b-lanes-clip pace pace-0p9b-lanes-clip "${M091[@]}" --clip 1.0 --steps 4 --warmup 2 --rounds 1 --variants full,stream-auto,stream-half,stream-all ;;
-    pace-4p5b) stage pace-4p5b pace pace-4p5b "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants "${PACE_4P5B_VARIANTS:-full-overlap,auto,auto-params-device}" ;;
+    pace-4p5b) stage pace-4p5b pace pace-4p5b "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --variants "${PACE_4P5B_VARIANTS:-full,auto,auto-params-device}" ;;
     pace-4p5b-budget) stage pace-4p5b-budget pace pace-4p5b-budget "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --device-budget 68Gi --variants auto,auto-params-device ;;
     pace-4p5b-formats) stage pace-4p5b-formats pace_formats ;;
     trainer-8b) STAGE_S=${TRAINER_S:-240} stage trainer-8b trainer_8b ;;

@@ -39,9 +39,10 @@ from offload.models.catalog import lm_loss
 
 # Where each variant puts parameters and optimizer state, and what it keeps on the device (the step bench's keys).
 VARIANTS: dict[str, dict[str, Any]] = {
-    "full": {"params": "cpu", "device": "cpu"},
-    # full with the host Adam during backward: on a GPU `overlap_step: auto` steps after backward (measured faster
-    # on a 156M model), which the H200 showed costs a host-bound model backward + Adam in series
+    "full": {"params": "cpu", "device": "cpu"},  # without clipping the host Adam runs during backward (auto)
+    # full with the host Adam after backward (`overlap_step: off`): what a GPU's `auto` ran until the Adam moved to
+    # the landing worker, which the H200 measured as backward + Adam in series for a host-bound model
+    "full-after": {"params": "cpu", "device": "cpu", "overlap": "off"},
     "full-overlap": {"params": "cpu", "device": "cpu", "overlap": "on"},
     "auto": {"params": "cpu", "device": "cpu", "ratio": "auto"},
     "auto-params-device": {"params": "none", "device": "cpu", "ratio": "auto"},

@@ -607,8 +607,8 @@ class OffloadExtConfig:
     overlap_step: str = setting("auto", "on: when nothing global gates the update (no gradient clipping, no fp16), "
                                         "each host-resident shard's Adam runs during the last micro-batch's "
                                         "backward as soon as its gradient lands; off: always step after backward; "
-                                        "auto: on when the compute device is the CPU, off on a GPU (where the "
-                                        "overlapped step measured slower).",
+                                        "auto: on (on a GPU too: the Adam runs on the landing worker, beside "
+                                        "backward).",
                                 choices=("auto", "on", "off"))
     early_step: str = setting("auto", "on: engine.step() returns once the update is decided (norm, clipping, fp16 "
                                       "skip) and Adam runs on a worker thread in unit order while the next forward "
