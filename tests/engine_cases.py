@@ -71,12 +71,14 @@ def base_config(micro: int, accum: int, world: int, clip: float = 1.0, unit_byte
 def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps: int, micro: int,
                  accum: int, save_dir: str | None = None, started: Callable[[Any], None] | None = None,
                  after_step: Callable[[int, Any], None] | None = None,
-                 finished: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+                 finished: Callable[[Any], dict[str, Any]] | None = None,
+                 optimizer: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     """Train with offload on this rank's slices of each global batch; every rank's mean loss per step
     (and a checkpoint in ``save_dir`` at the end). ``started(engine)`` runs after initialize,
-    ``after_step(i, engine)`` after step i, and ``finished(engine)`` adds to the result before the engine closes."""
+    ``after_step(i, engine)`` after step i, and ``finished(engine)`` adds to the result before the engine closes;
+    ``optimizer``: the script's optimizer, built by initialize from the parameters (a class or partial)."""
     model = make_any(name)
-    engine, _, _, _ = offload.initialize(model=model, config=config)
+    engine, _, _, _ = offload.initialize(model=model, config=config, optimizer=optimizer)
     if started is not None:
         started(engine)
     losses = []

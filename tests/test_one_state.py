@@ -3,12 +3,15 @@ native/kernels.cpp), and DeepSpeed's names for them (offload.ops.lion, offload.o
 reference update (the paper's and DeepSpeed's) in every kernel variant; Adagrad torch.optim.Adagrad's, its sum bit
 for bit and its weights to the last place (torch's CPU square root is not correctly rounded; the kernel's is)."""
 
+import functools
+
 import pytest
 import torch
 from engine_cases import backward_over, base_config, batches, engine_device, make_any, train_engine
 
 import offload
 from offload.config import ConfigError
+from offload.engine.errors import EngineError
 from offload.machine.launch import run_ranks
 from offload.machine.native import NativeError
 from offload.ops.adagrad import DeepSpeedCPUAdagrad
@@ -200,3 +203,57 @@ def test_state_on_a_discrete_device_steps_in_torchs_ops_as_plain_torch(tmp_path,
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
     for key, value in ref["state"].items():
         torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+# --------------------------------------------------------------------------- a script's own Lion or Adagrad
+
+
+CLIENTS = {  # the script's optimizer, and what the config's type would be with the same hyperparameters
+    "DeepSpeedCPULion": (functools.partial(DeepSpeedCPULion, lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1), "lion"),
+    "CPUAdagrad": (functools.partial(CPUAdagrad, lr=0.05, weight_decay=0.01), "adagrad"),
+    "torch.optim.Adagrad": (functools.partial(torch.optim.Adagrad, lr=0.05, weight_decay=0.01), "adagrad"),
+}
+
+
+@pytest.mark.parametrize("client,world,state", [("DeepSpeedCPULion", 2, "cpu"), ("CPUAdagrad", 1, "nvme"),
+                                                ("torch.optim.Adagrad", 1, "cpu")])
+def test_a_scripts_lion_or_adagrad_trains_bitwise_as_the_configs_type(tmp_path, client, world, state):
+    """DeepSpeed takes a client optimizer object; its Lion and Adagrad (and torch's Adagrad) run here as the
+    config's type does, from the object's groups: the same weights to the last bit."""
+    make, rule = CLIENTS[client]
+    config, _ = rule_config(tmp_path, rule, world, 3, state, 1.0)
+    typed = run_ranks(train_engine, world, name="gpt", config=config, steps=4, micro=MICRO, accum=ACCUM)
+    mine = {k: v for k, v in config.items() if k != "optimizer"}
+    ours = run_ranks(train_engine, world, name="gpt", config=mine, steps=4, micro=MICRO, accum=ACCUM,
+                     optimizer=make)
+    assert ours[0]["losses"] == typed[0]["losses"]
+    for key, value in typed[0]["state"].items():
+        assert torch.equal(ours[0]["state"][key], value), key
+
+
+def test_a_scripts_adagrad_with_a_term_the_update_lacks_is_refused_by_name():
+    config, _ = rule_config(None, "adagrad", 1, 3, "cpu", 1.0)
+    del config["optimizer"]
+    for kwargs, key in (({"lr_decay": 0.1}, "lr_decay=0.1"), ({"initial_accumulator_value": 0.5},
+                                                                "initial_accumulator_value=0.5"),
+                        ({"maximize": True}, "maximize=True")):
+        model = make_any("gpt")
+        with pytest.raises(EngineError, match=rf"Adagrad's param_groups\[0\] sets {key}, which offload's adagrad"):
+            offload.initialize(model=model, config=config,
+                               optimizer=torch.optim.Adagrad(model.parameters(), lr=0.05, **kwargs))
+
+
+def test_a_scripts_lion_is_held_to_what_the_configs_is():
+    config, _ = rule_config(None, "lion", 1, 3, "cpu", 1.0)
+    del config["optimizer"]
+    model = make_any("gpt")
+    with pytest.raises(ConfigError, match="Lion's state is float32"):
+        offload.initialize(model=model, optimizer=DeepSpeedCPULion(model.parameters()),
+                           config={**config, "offload": {"optimizer_state": {"moments": "bf16"}}})
+    with pytest.raises(ConfigError, match="Lion is not speculated"):
+        offload.initialize(model=model, optimizer=DeepSpeedCPULion(model.parameters()),
+                           config={**config, "offload": {"speculative_step": "on"}})
+    engine, optimizer, *_ = offload.initialize(model=model, config=config,
+                                               optimizer=DeepSpeedCPULion(model.parameters(), lr=2e-4))
+    assert engine.optimizer.update_rule == "lion" and engine.optimizer.hyper(0).lr == 2e-4
+    engine.close()

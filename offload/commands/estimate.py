@@ -173,7 +173,7 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     device, host, nvme = (est.tiers[t.value] for t in (Tier.DEVICE, Tier.HOST, Tier.NVME))
     param_dev = zero.offload_param.device
     dtype = torch.float16 if config.fp16.enabled is True else torch.bfloat16 if item == 2 else torch.float32
-    want = wanted(config, dtype)
+    want = wanted(config, dtype, config.optimizer.rule if config.optimizer is not None else "adam")
     rates = rates or StepRates()
     priced = rates.for_step(compute_ms(est.params, activations, config, rates))
 

@@ -94,6 +94,7 @@ class AdamParams:
 
 OPTIMIZER_TYPES = ("Adam", "AdamW", "Lion", "Adagrad")
 ONE_STATE_TYPES = ("Lion", "Adagrad")  # one state buffer beside the master (offload/optim/one_state.py)
+ONE_STATE_NAMES = {t.lower(): t for t in ONE_STATE_TYPES}  # AdamHyper.rule -> the type's name
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,6 +104,11 @@ class OptimizerConfig:
                                  "weight_decay); each runs offload's own kernels. For another optimizer leave this "
                                  "section out and pass your own.", choices=OPTIMIZER_TYPES)
     params: AdamParams = section(AdamParams, "Optimizer hyperparameters.")
+
+    @property
+    def rule(self) -> str:
+        """The update this type runs (AdamHyper.rule): adam for Adam and AdamW, else lion or adagrad."""
+        return self.type.lower() if self.type in ONE_STATE_TYPES else "adam"
 
     def check(self, path: str) -> None:
         if self.type in ONE_STATE_TYPES and not self.params.bias_correction:

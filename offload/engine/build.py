@@ -149,7 +149,7 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
         undo.callback(swaps.close)
         whole_grads = 0 if stage.reduce_every_micro_batch else sum(
             s.numel for p in plans for s in p.slots if s.param.requires_grad)
-        want = step_schedule.wanted(config, compute_dtype)
+        want = step_schedule.wanted(config, compute_dtype, choice.update)
         device_free = accel.free_bytes()
         ratio, stream = zero.offload_optimizer.ratio, config.offload.stream_state
         # auto's split by this machine's rates, where it has a split to choose (see [Note: rates measured at

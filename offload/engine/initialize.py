@@ -20,7 +20,7 @@ from torch import nn
 
 from offload.config import Config, ConfigError
 from offload.config.fields import resolved
-from offload.config.sections import ONE_STATE_TYPES
+from offload.config.sections import ONE_STATE_NAMES
 from offload.engine.build import OptimizerChoice
 from offload.engine.core import Engine
 from offload.engine.errors import EngineError
@@ -28,6 +28,7 @@ from offload.files.pretrained import PretrainedWeights
 from offload.machine.accelerator import Accelerator, finish_streams
 from offload.machine.host_malloc import set_mmap_threshold
 from offload.optim.cpu_adam import CPUAdam
+from offload.optim.one_state import CPUAdagrad, CPULion
 from offload.optim.sharded import ShardedAdam
 from offload.store import state_format
 from offload.zero.collectives import Group
@@ -75,12 +76,10 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
     if cfg.no_effect and group.rank == 0:
         logger.warning("config: %d key(s) set here have no effect in offload: %s", len(cfg.no_effect),
                        "; ".join(cfg.no_effect))
-    param_groups, adamw_mode, bias_correction = _optimizer_groups(model, model_parameters, cfg, optimizer)
-    update = "adam"  # or the config's Lion or Adagrad (AdamHyper.rule)
-    if cfg.optimizer is not None and cfg.optimizer.type in ONE_STATE_TYPES:
-        update = cfg.optimizer.type.lower()
-    engine = Engine(model, cfg, OptimizerChoice(param_groups, adamw_mode, bias_correction, lr_scheduler, update),
-                    group, accel, weights)
+    choice = _optimizer_choice(model, model_parameters, cfg, optimizer)
+    _check_state_format(cfg, choice.update)
+    choice.lr_scheduler = lr_scheduler
+    engine = Engine(model, cfg, choice, group, accel, weights)
     if isinstance(optimizer, torch.optim.Optimizer):
         _share_groups(optimizer, engine.optimizer)
     loader = None
@@ -151,26 +150,32 @@ def _check_supported(cfg: Config, inference: bool) -> None:
         raise ConfigError("scheduler", "there is no optimizer to schedule (no optimizer section, no optimizer=): "
                                        "the engine runs forward only; add an optimizer section to train, or drop "
                                        "the scheduler")
-    if cfg.optimizer is not None and cfg.optimizer.type in ONE_STATE_TYPES:
-        fmt = state_format.from_config(cfg)
-        if fmt.master is not state_format.Master.FP32 or fmt.moments != torch.float32:
-            raise ConfigError("offload.optimizer_state", f"{cfg.optimizer.type}'s state is float32 here (its "
-                                                         "master and its one buffer): leave the state format fp32")
     if zero.offload_param.device != "none" and zero.offload_optimizer.device == "none" and not inference:
         raise ConfigError("zero_optimization.offload_param.device",
                           f"{zero.offload_param.device!r} needs the optimizer offloaded too: the step writes the new "
                           "parameter shards into their host home; set offload_optimizer.device to cpu or nvme")
 
 
-def _optimizer_groups(model: nn.Module, model_parameters: Iterable[Any] | None, cfg: Config,
-                      client: torch.optim.Optimizer | None) -> tuple[list[dict[str, Any]], bool, bool]:
-    """Param groups with Adam hyperparameters, and (adamw_mode, bias_correction)."""
+def _check_state_format(cfg: Config, rule: str) -> None:
+    if rule != "adam":
+        fmt = state_format.from_config(cfg)
+        if fmt.master is not state_format.Master.FP32 or fmt.moments != torch.float32:
+            raise ConfigError("offload.optimizer_state", f"{ONE_STATE_NAMES[rule]}'s state is float32 here (its "
+                                                         "master and its one buffer): leave the state format fp32")
+
+
+def _optimizer_choice(model: nn.Module, model_parameters: Iterable[Any] | None, cfg: Config,
+                      client: torch.optim.Optimizer | None) -> OptimizerChoice:
+    """Param groups with the update's hyperparameters, the Adam variant and the update (the scheduler is the
+    caller's)."""
     if client is not None and cfg.optimizer is not None:
         raise EngineError("the config has an optimizer section and initialize() was given optimizer=; keep one")
     if client is not None:
         if callable(client) and not isinstance(client, torch.optim.Optimizer):
             params = list(model_parameters) if model_parameters is not None else list(model.parameters())
             client = client(params)
+        if isinstance(client, (CPULion, CPUAdagrad, torch.optim.Adagrad)):
+            return _one_state_client(client)
         if isinstance(client, CPUAdam):  # its modes are per group; the engine steps every group alike
             modes = {(bool(g["adamw_mode"]), bool(g["bias_correction"])) for g in client.param_groups}
             if len(modes) > 1:
@@ -186,13 +191,14 @@ def _optimizer_groups(model: nn.Module, model_parameters: Iterable[Any] | None, 
                                                                  for g in client.param_groups)
             bias = True
         else:
-            raise EngineError(f"optimizer {type(client).__name__} is not supported: offload runs Adam/AdamW "
-                              "(pass torch.optim.Adam/AdamW, offload.optim.CPUAdam, or an optimizer section)")
+            raise EngineError(f"optimizer {type(client).__name__} is not supported: offload runs Adam/AdamW, Lion "
+                              "and Adagrad (pass torch.optim.Adam/AdamW/Adagrad, offload.optim.CPUAdam, "
+                              "DeepSpeedCPULion/DeepSpeedCPUAdagrad, or an optimizer section)")
         groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
                   for g in client.param_groups]
-        return _trainable(groups), adamw, bias
+        return OptimizerChoice(_trainable(groups), adamw, bias)
     if cfg.optimizer is None:  # DeepSpeed's engine without an optimizer: ZeRO-Inference, forward only
-        return [], True, True
+        return OptimizerChoice([])
     p = cfg.optimizer.params
     hyper = {"lr": p.lr, "betas": tuple(resolved(p.betas)), "eps": p.eps, "weight_decay": p.weight_decay}
     source: list[Any] = list(model_parameters) if model_parameters is not None else list(model.parameters())
@@ -201,7 +207,27 @@ def _optimizer_groups(model: nn.Module, model_parameters: Iterable[Any] | None, 
     else:
         groups = [{**hyper, "params": source}]
     adamw = cfg.optimizer.type == "AdamW" or p.adam_w_mode
-    return _trainable(groups), adamw, p.bias_correction
+    return OptimizerChoice(_trainable(groups), adamw, p.bias_correction, update=cfg.optimizer.rule)
+
+
+# what a client Lion's or Adagrad's groups must leave at torch's defaults: the engine's update has no such term
+_ONE_STATE_DEFAULTS = {"lr_decay": 0.0, "initial_accumulator_value": 0.0, "maximize": False, "differentiable": False}
+
+
+def _one_state_client(client: torch.optim.Optimizer) -> OptimizerChoice:
+    """A client Lion or Adagrad object (offload's, DeepSpeed's names, torch.optim.Adagrad): the engine runs the
+    same update as the config's type, from the object's groups; what it has no term for is refused by name."""
+    rule = "lion" if isinstance(client, CPULion) else "adagrad"
+    name = type(client).__name__
+    for i, g in enumerate(client.param_groups):
+        for key, default in _ONE_STATE_DEFAULTS.items():
+            if g.get(key, default) != default:
+                raise EngineError(f"{name}'s param_groups[{i}] sets {key}={g[key]!r}, which offload's {rule} update "
+                                  f"does not take (DeepSpeed's has none either): leave it at {default!r}")
+    # the fields the update reads; the other rule's (Lion: eps, Adagrad: betas) are unused and left at Adam's
+    groups = [{"params": g["params"], "lr": g["lr"], "weight_decay": g["weight_decay"],
+               "betas": tuple(g.get("betas", (0.9, 0.999))), "eps": g.get("eps", 1e-8)} for g in client.param_groups]
+    return OptimizerChoice(_trainable(groups), update=rule)
 
 
 def _share_groups(client: torch.optim.Optimizer, ours: ShardedAdam) -> None:

@@ -27,7 +27,7 @@ import torch
 
 from offload.config import Config, ConfigError
 from offload.config.fields import resolved
-from offload.config.sections import ONE_STATE_TYPES
+from offload.config.sections import ONE_STATE_NAMES
 from offload.machine.accelerator import Accelerator
 from offload.optim.loss_scale import unclipped_factor
 from offload.optim.sharded import LastBackward, ShardedAdam, StepVote
@@ -239,21 +239,22 @@ def gated(config: Config, compute_dtype: torch.dtype) -> list[str]:
     return reasons
 
 
-def wanted(config: Config, compute_dtype: torch.dtype) -> Wanted:
+def wanted(config: Config, compute_dtype: torch.dtype, rule: str) -> Wanted:
+    """``rule``: the update the optimizer runs (AdamHyper.rule: the config's type, or a client object's)."""
     delayed = config.offload.delayed_update.warmup_steps is not None
-    why = _speculation_unwanted(config, compute_dtype)
+    why = _speculation_unwanted(config, compute_dtype, rule)
     if why is not None:
         return Wanted(Speculation.NONE, why, delayed)
     auto = config.offload.speculative_step == "auto"
     return Wanted(Speculation.NVME if auto else Speculation.ALL, "", delayed)
 
 
-def _speculation_unwanted(config: Config, compute_dtype: torch.dtype) -> str | None:
+def _speculation_unwanted(config: Config, compute_dtype: torch.dtype, rule: str) -> str | None:
     mode = config.offload.speculative_step
     if mode == "off":
         return "offload.speculative_step is off"
-    if config.optimizer is not None and config.optimizer.type in ONE_STATE_TYPES:
-        why = f"{config.optimizer.type} is not speculated (its step is not written into a second slot)"
+    if rule != "adam":
+        why = f"{ONE_STATE_NAMES[rule]} is not speculated (its step is not written into a second slot)"
         if mode == "on":
             raise ConfigError("offload.speculative_step", f"{why}: set it to \"auto\" or \"off\"")
         return why
