@@ -646,10 +646,12 @@ class OffloadExtConfig:
                                      "longer batches); false: keep the start-up plan, which leaves half the "
                                      "memory free at start to the activations.")
     stream_state: float | Auto = setting(
-        AUTO_VALUE, "Of the optimizer state offloaded to the host (offload_optimizer.device cpu), the share (the units "
-                    "the next forward needs first, after those whose state stays on the device) that the compute "
-                    "device steps each step, its state read up over the bus and written back, beside the host's "
-                    "Adam on the rest (exact: the same update); its gradients stay on the device. auto: the share "
+        AUTO_VALUE, "Of the optimizer state offloaded (offload_optimizer.device cpu, or nvme: read into the step's "
+                    "host buffers first, stepped inside the step's pass, which then returns only once done), the "
+                    "share (the units the next forward needs first, after those whose state stays on the device) "
+                    "that the compute device steps each step, its state read up over the bus and written back, "
+                    "beside the host's Adam on the rest (exact: the same update); its gradients stay on the device. "
+                    "auto: the share "
                     "that makes the fastest step at the rates measured at start-up (the host's Adam, the bus each "
                     "way, the device's memory) within the device's room, with offload_optimizer.ratio auto's share "
                     "chosen beside it; none where no rates are measured (a CPU device, NVMe state, the delayed "

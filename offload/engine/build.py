@@ -271,7 +271,8 @@ def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, sta
     # a 16+16 master's weights are its high halves, on every rank's copy of every part (see [Note: the weights are
     # the high half] in offload/store/optimizer_state.py); the master itself starts from ``values``
     weights = optimizer.state_format.weights_of(values) if group_of is not None else values
-    unit.load_initial(weights, host_copy=group_of is not None and optimizer.steps_on_host(plan.index), start=start)
+    host_copy = group_of is not None and optimizer.split.writes_host_copy(plan.index)
+    unit.load_initial(weights, host_copy=host_copy, start=start)
     if group_of is not None:
         optimizer.add_shard(unit.index, unit.name, unit.shard_of(values, start),
                             shard_segments(unit.slots, unit.shard_start, unit.shard_numel, group_of))

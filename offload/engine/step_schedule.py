@@ -334,6 +334,9 @@ def _returns(config: Config, stage: Stage, optimizer: ShardedAdam, accel: Accele
         return Whole("offload.early_step is off")
     if stage.resident_params:
         return Whole(f"ZeRO stage {stage.number} spreads the new partitions right after the step")
+    if optimizer.split.through_host:
+        return Whole("the streamed lane steps NVMe state inside the step's pass (offload.stream_state), which does "
+                     "not run beside the next forward")
     if not optimizer.can_return_early and not optimizer.can_return_early_with_nvme:
         return Whole("the optimizer state or some parameter shards are on NVMe or the device")
     if not optimizer.can_return_early and mode == "auto":

@@ -52,11 +52,18 @@ class StateSplit:
     on_device: frozenset[int] = frozenset()  # an offloading optimizer's units stepped on the device all the same
     # units whose state is homed on the host and stepped on the device (see [Note: the streamed lane])
     streamed: frozenset[int] = frozenset()
+    # of those, the units homed on NVMe: their new shards leave through a host copy, as the host lane's (see [Note:
+    # NVMe state streamed] in offload/optim/streamed_step.py)
+    through_host: frozenset[int] = frozenset()
 
     def steps_on_host(self, index: int) -> bool:
         """Whether unit ``index``'s state is offloaded and the host steps it (its step writes a host copy of the
         shard)."""
         return self.offload and index not in self.on_device and index not in self.streamed
+
+    def writes_host_copy(self, index: int) -> bool:
+        """Whether the step writes unit ``index``'s new shard into a host copy (a device home's then copied back)."""
+        return self.steps_on_host(index) or index in self.through_host
 
     @property
     def partial(self) -> bool:
@@ -65,6 +72,7 @@ class StateSplit:
     def move_to_device(self, units: frozenset[int]) -> None:
         self.on_device |= units
         self.streamed -= units  # a streamed unit's state now stays where it is stepped
+        self.through_host -= units
 
 
 class ShardPhase(enum.Enum):

@@ -200,7 +200,9 @@ class ShardedAdam(OptimizerFace):
         # A partial offload's units stepped on the device (see [Note: a partial offload]).
         self.split = StateSplit(self.offload, frozenset(m.unit for g in plan.groups if g.tier is Tier.DEVICE
                                                         for m in g.members) if self.offload else frozenset(),
-                                frozenset(m.unit for g in plan.groups if g.streamed for m in g.members))
+                                frozenset(m.unit for g in plan.groups if g.streamed for m in g.members),
+                                frozenset(m.unit for g in plan.groups if g.streamed and g.tier is Tier.NVME
+                                          for m in g.members))
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
         self.loss_scaler: LossScaler | None = None  # the engine's, for cur_scale
@@ -580,7 +582,7 @@ class ShardedAdam(OptimizerFace):
         self.landing.end_accumulation()
         for index, state in self.shards.items():
             self.accel.graph.work("hook_step", index)
-            if self.steps_on_host(index) and state.phase is not ShardPhase.STEPPED:
+            if self.split.writes_host_copy(index) and state.phase is not ShardPhase.STEPPED:
                 self.params.copy_back(index, after=self.update.after_compute())
             state.empty()
         self.params.commit()  # a failure here leaves units stale, never the step half applied
@@ -596,8 +598,8 @@ class ShardedAdam(OptimizerFace):
     def can_return_early_with_nvme(self) -> bool:
         """Whether ``apply_early`` may run this step with the optimizer state (partly) or parameter shards on NVMe
         (see [Note: the early step on NVMe] in early_step.py, and [Note: an early step's parameter writes] in
-        offload/store/param_swap.py)."""
-        return self.offload and not self.can_return_early
+        offload/store/param_swap.py); never with NVMe state streamed ([Note: NVMe state streamed])."""
+        return self.offload and not self.can_return_early and not self.split.through_host
 
     # ----------------------------------------------------------------- the step overlapped with backward
 

@@ -31,6 +31,18 @@ would hold the compute stream, and the next forward queued behind it, until the 
 next forward's gather, a checkpoint, the refit: every reader of a shard goes through the parameter store) steps
 the deferred sub-groups in order up to its own, on the compute stream, behind the forward of the units before it.
 ``settle`` and the next step run whatever is still deferred (a unit the forward did not use).
+
+[Note: NVMe state streamed] A streamed sub-group homed on NVMe (offload_optimizer.device nvme) goes through the host:
+the step's NVMe pass reads it into a host buffer as it reads every NVMe sub-group, and hands it to the lane there
+(``_step_through_host``). Its state goes up into the ring, Adam runs on the compute stream, and the new state comes
+back down into the buffer; the host waits for that copy before the pass writes the buffer to the slot that is not
+current. The new weights then leave through the parameter store's step target, read from the buffer's master as the
+device lane reads its own, exactly where the host lane's Adam writes them: so a failed NVMe transfer leaves the step
+as the host lane's leaves it (nothing current flips, the step can be retried), and a device home gets its new
+weights once the step is committed (``StateSplit.through_host``: the optimizer's copies back). The pass runs in the
+step, so such a step never returns early, and nothing is read ahead under backward: the pass steps its NVMe
+sub-groups before the host ones, in ring places the reads ahead would hold. On NVMe the disk, not the host's Adam,
+usually sets the pace, so ``auto`` streams none of it; a fixed share streams it where the host's Adam is slower.
 """
 
 from __future__ import annotations
@@ -77,6 +89,7 @@ class StreamedStep:
         largest."""
         self.accel, self.update, self.params, self.shards, self.telemetry = accel, update, params, shards, telemetry
         self.groups = groups
+        self._nvme = any(g.tier is Tier.NVME for g in groups)  # stepped in the step's pass: nothing read ahead
         self.up = accel.copy_stream("state-h2d")
         self.down = accel.copy_stream("state-d2h")
         self.slot_bytes = max(_placed(g) for g in groups)
@@ -100,9 +113,11 @@ class StreamedStep:
 
     def read_ahead(self, step: int) -> None:
         """The last backward before step ``step`` begins: from its first landing on, the first sub-groups' state
-        goes up (``read_next``). A step still deferred (a unit the forward did not read) runs first."""
+        goes up (``read_next``). A step still deferred (a unit the forward did not read) runs first. With NVMe
+        sub-groups nothing is read ahead: the step's pass steps them first, in places of the ring the reads ahead
+        would hold (see [Note: NVMe state streamed])."""
         self.run_until()
-        self._armed = step
+        self._armed = None if self._nvme else step
 
     def read_next(self) -> None:
         """A gradient of the last backward landed: the next sub-group's state goes up (a read needs no gradient),
@@ -114,8 +129,9 @@ class StreamedStep:
         budget = self.read_per_landing
         while budget > 0:
             if self._reading is None:
-                # read already (or for a step that was skipped: the host state has not changed)
-                group = next((g for g in self.groups if g.index not in self._ready), None)
+                # read already (or for a step that was skipped: the host state has not changed); an NVMe
+                # sub-group's state is read by the step's pass, not ahead
+                group = next((g for g in self.groups if g.index not in self._ready and g.tier is Tier.HOST), None)
                 start = None if group is None else self._fits(_placed(group))
                 if group is None or start is None:
                     self._armed = None  # every sub-group read, or the ring full until the step
@@ -125,8 +141,12 @@ class StreamedStep:
 
     def step(self, group: SubGroup, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
         """One streamed sub-group's Adam: its state read up (unless read ahead), stepped on the compute stream, and
-        written back with its units' new weights (see [Note: the streamed lane]); returns once it is enqueued."""
+        written back with its units' new weights (see [Note: the streamed lane]); returns once it is enqueued. A
+        sub-group homed on NVMe is in the step's pass buffer now: see [Note: NVMe state streamed]."""
         assert group.streamed and group.resident is not None, f"sub-group {group.index} is not streamed"
+        if group.tier is Tier.NVME:
+            self._step_through_host(group, step, hypers, grad_scale)
+            return
         self._armed = None
         if group.index not in self._ready:  # the rest of its read now, or all of it
             if self._reading is None:
@@ -150,6 +170,29 @@ class StreamedStep:
                 self.params.hand_off(member.unit, weights.to(self.params.dtype, copy=True))
         assert group.resident is not None
         self._copy_back(group.resident, device, group.members[0].unit)
+
+    def _step_through_host(self, group: SubGroup, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
+        """An NVMe sub-group's step, its state in the pass's buffer (see [Note: NVMe state streamed]): up, Adam on
+        the compute stream, back down into the buffer, and the host waits for that before the pass writes it; the
+        new weights then go through the parameter store's step target, as the host lane's do."""
+        host = group.resident
+        assert host is not None and self._reading is None and not self._ready, "nothing is read ahead beside NVMe"
+        self._reading = self._begin(group, step, self._place(_placed(group)))
+        self._read_some(None)
+        device, read = self._ready.pop(group.index)
+        self._pinned.pop(group.index, None)
+        self.accel.compute_wait(read)
+        for member in group.members:
+            assert self.shards[member.unit].phase is not ShardPhase.STEPPED, member.unit
+            self.update.step_shard(member.unit, device.narrow(member.offset, member.numel), step, hypers, grad_scale,
+                                   publish=False)
+        self.down.wait_event(self.update.after_compute())
+        self._copy_back(host, device, group.members[0].unit)
+        assert self._last is not None
+        self.accel.wait(self._last, "the streamed NVMe state's copy back")
+        for member in group.members:
+            self.params.step_target(member.unit).copy_(host.narrow(member.offset, member.numel).master)
+            self.params.wrote(member.unit)
 
     def _copy_back(self, host: StateSlot, device: StateSlot, unit: int) -> None:
         """The new state down into its host home, buffer by buffer in pieces of ``COPY_PIECE`` bytes, each piece's

@@ -29,6 +29,7 @@ from offload.store.state_format import Master, from_config
 from offload.store.step_cost import Rates, StepPrediction, Traffic, best, predict
 from offload.store.sub_groups import (
     SPECULATIVE_SLOT,
+    STREAMED_COPIES,
     STREAMED_HANDED,
     STREAMED_SLOTS,
     SubGroup,
@@ -182,6 +183,8 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
         if alias:  # the units homed on the device beside offloaded parameters are read there too
             out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
         _plan_streamed(out, shards, config, discrete)
+    elif trained_sizes:
+        _plan_streamed(out, shards, config, discrete)  # a share of state kept on the device: refused by name
     nvme_params = out.nvme_params
     offloaded_sizes = [(i, n) for i, n in trained_sizes if i not in out.state_on_device and i not in out.streamed]
     # Several micro-batches a step on a GPU, gradients reduced once a step (stage 3): an offloaded optimizer's
@@ -228,6 +231,12 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
                 f"parameter copies ({', '.join(f'{k} {v:,}' for k, v in step_buffers.items())}), before any "
                 "optimizer state; raise the budget or use more ranks"))
         out.host.update(step_buffers)
+    if opt.device == "nvme" and out.streamed:
+        # a device home's new weights from NVMe state streamed leave through a host copy, as the host lane's do
+        # ([Note: NVMe state streamed] in offload/optim/streamed_step.py; host-tier sub-groups' go straight down)
+        copies = item * sum(n for i, n in trained_sizes if i in out.streamed and homes[i] is Tier.DEVICE)
+        if copies:
+            out.step_buffers[STREAMED_COPIES] = out.host[STREAMED_COPIES] = copies
 
     _lend_highs(out, config, step)
     budget = TierBudget(Tier.HOST, host_limit, used=sum(out.host.values()))
@@ -442,20 +451,21 @@ def nearest_prefix(sizes: list[tuple[int, int]], share: float) -> list[tuple[int
 
 
 def _plan_streamed(out: Placement, shards: Shards, config: Any, discrete: bool) -> None:
-    """offload.stream_state s: of the units whose optimizer state is offloaded to the host, the first ones (the
-    next forward's first) nearest s of their elements are stepped on the device, their state streamed over the bus
-    each step (see [Note: the streamed lane] in offload/optim/streamed_step.py): their gradients stay on the device
+    """offload.stream_state s: of the units whose optimizer state is offloaded (to the host, or to NVMe through the
+    host: [Note: NVMe state streamed] in offload/optim/streamed_step.py), the first ones (the next forward's first)
+    nearest s of their elements are stepped on the device, their state streamed over the bus each step (see
+    [Note: the streamed lane] in offload/optim/streamed_step.py): their gradients stay on the device
     as a device-stepped unit's do, and a ring of two of the largest such sub-group's state takes device memory.
     On a CPU device, whose memory is the host's, there is no bus to stream over: nothing is streamed."""
     share = config.offload.stream_state
     if share is AUTO or not share or not discrete:
         return  # auto: chosen with the device's state by rates (``_plan_state_on_device``)
     zero = config.zero_optimization
-    if zero.offload_optimizer.device != "cpu":
+    if zero.offload_optimizer.device == "none":
         out.problems.append(ConfigError(
-            "offload.stream_state", f"streams optimizer state homed on the host; offload_optimizer.device "
-            f"{zero.offload_optimizer.device!r} does not home it there (NVMe state is not streamed yet): set "
-            "offload_optimizer.device to cpu, or offload.stream_state to 0"))
+            "offload.stream_state", "streams optimizer state homed on the host or NVMe; offload_optimizer.device "
+            "'none' keeps it all on the device already: set offload_optimizer.device to cpu or nvme, or "
+            "offload.stream_state to 0"))
         return
     chosen = nearest_prefix([(i, n) for i, n in shards.trained_sizes if i not in out.state_on_device], share)
     if chosen:

@@ -19,6 +19,8 @@ SPECULATIVE_SLOT = "optimizer state (speculative slot)"  # the host budget's nam
 STREAMED_SLOTS = "streamed optimizer state (a ring of two sub-groups)"  # the streamed lane's, on the device
 # the streamed units' new weights on the device, from their step to the next gather ([Note: the hand-off])
 STREAMED_HANDED = "streamed units' new weights (handed to the next gather)"
+# on the host: a device home's new weights from NVMe state streamed ([Note: NVMe state streamed], streamed_step.py)
+STREAMED_COPIES = "streamed units' parameter copies"
 
 
 @dataclass(frozen=True)
