@@ -93,15 +93,17 @@ def test_all_of_the_state_streamed_trains_as_all_of_it_on_the_host():
     check_parity([streamed], hosted)
 
 
-@pytest.mark.parametrize("params", ["none", "cpu"])
-def test_the_16_16_master_with_bf16_moments_streams_as_the_host_steps_it(params, monkeypatch):
-    """The format as held on the host goes up and back as bytes; the device steps it in torch's ops, widened to
-    fp32 and split back: the same training as the host's kernel, to fp32 rounding. In this process, as the
-    reference: its bf16 backward on the same threads."""
+@pytest.mark.parametrize("params,state", [("none", "cpu"), ("cpu", "cpu"), ("none", "nvme")])
+def test_the_16_16_master_with_bf16_moments_streams_as_the_host_steps_it(params, state, monkeypatch, tmp_path):
+    """The format as held on the host (or NVMe, through the pass's buffer) goes up and back as bytes; the device
+    steps it in torch's ops, widened to fp32 and split back: the same training as the host's kernel, to fp32
+    rounding. In this process, as the reference: its bf16 backward on the same threads."""
     for key, value in LAGGING_GPU.items():
         monkeypatch.setenv(key, value)
     config = fmt_config(1, master="16+16", moments="bf16", bf16=True)
     config["offload"]["stream_state"] = 0.5
+    if state == "nvme":
+        config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
     if params != "none":
         config["zero_optimization"]["offload_param"] = {"device": params}
     result = train_masters(0, 1, config)
