@@ -105,7 +105,6 @@ class ParamStore:
         self.telemetry = telemetry
         self._shards: dict[int, ParamShard] = {}
         self._h2d: CopyStream | None = None  # copies of host copies back to the device (made on first use)
-        self._compute_done: Event | None = None  # before each copy to the device (re-recorded)
         self.host_is_device = accel.host_is_device  # see [Note: host memory is the device's]
         self.keep_host_copies = keep_host_copies
         self._nvme_stepping: set[int] = set()  # NVMe-homed units with an early step not waited for (the hot path's)
@@ -285,9 +284,8 @@ class ParamStore:
         read = self.swap.fetch(index) if shard.home is Tier.NVME and self.swap is not None else None
         source = self.swap.view(read) if self.swap is not None and read is not None else shard.host
         assert source is not None
-        out = torch.empty(shard.numel, dtype=self.dtype, device=self.accel.device)
-        self._compute_done = self.accel.compute_event(into=self._compute_done)
-        h2d.wait_event(self._compute_done)  # the new buffer may reuse memory compute just freed
+        # no wait for compute: see [Note: a copy's target in its stream's pool] in offload/machine/accelerator.py
+        out = self.accel.copy_target(h2d, shard.numel, self.dtype)
         if on_stream:  # the streamed lane's copy down of these weights (host readers still wait: step_pending)
             assert shard.stepped is not None
             h2d.wait_event(shard.stepped)
