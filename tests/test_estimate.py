@@ -237,7 +237,7 @@ def test_the_split_note_names_ratio_auto_as_the_config_says_it(tmp_path, capsys)
     config = tmp_path / "auto.json"
     zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": "auto"}}
     config.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": zero,
-                                  "offload": {"budgets": {"device": "4Gi"}}}))
+                                  "offload": {"budgets": {"device": "4Gi"}, "stream_state": 0}}))
     assert main(["estimate", "--params", "1e9", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "offload_optimizer.ratio auto: the optimizer state of" in out and "AUTO" not in out

@@ -10,7 +10,7 @@ copy stream, with the new weights: into the device home, or down into a host hom
 them on the device instead ([Note: the hand-off] in offload/store/param_store.py). The units' gradients stay on
 the device, as a device-stepped unit's do (``StateSplit.streamed``), so the norm and clipping see them where the
 device lane's are. The device holds the
-state of those in flight in a ring of twice the largest sub-group's bytes: each sub-group takes the next place
+state of those in flight in a ring of ``RING_SLOTS`` (three) of the largest sub-group: each takes the next place
 (wrapping round), once the copy back of what was there has run, so while a large sub-group is stepped and
 written back the next smaller ones are already coming up (two fixed slots made every read wait for the copy
 back two sub-groups before, and a first sub-group as large as an embedding held up all the rest, as the recorded
@@ -60,7 +60,7 @@ from offload.optim.shard_state import ShardPhase, ShardState
 from offload.optim.update import ShardUpdate
 from offload.store.param_store import ParamStore
 from offload.store.state_format import StateSlot
-from offload.store.sub_groups import SubGroup
+from offload.store.sub_groups import RING_SLOTS, SubGroup
 from offload.store.tier import Tier
 
 READ_PER_LANDING = 128 << 20  # bytes of state read ahead after each landing of the last backward (see the note)
@@ -85,15 +85,15 @@ class StreamedStep:
 
     def __init__(self, accel: Accelerator, update: ShardUpdate, params: ParamStore, shards: dict[int, ShardState],
                  groups: list[SubGroup], telemetry: Telemetry) -> None:
-        """``groups``: the streamed sub-groups (homed on the host), in the step's order; the ring holds two of the
-        largest."""
+        """``groups``: the streamed sub-groups (homed on the host), in the step's order; the ring holds ``RING_SLOTS``
+        of the largest."""
         self.accel, self.update, self.params, self.shards, self.telemetry = accel, update, params, shards, telemetry
         self.groups = groups
         self._nvme = any(g.tier is Tier.NVME for g in groups)  # stepped in the step's pass: nothing read ahead
         self.up = accel.copy_stream("state-h2d")
         self.down = accel.copy_stream("state-d2h")
         self.slot_bytes = max(_placed(g) for g in groups)
-        self._ring = torch.empty(2 * self.slot_bytes, dtype=torch.uint8, device=accel.device)
+        self._ring = torch.empty(RING_SLOTS * self.slot_bytes, dtype=torch.uint8, device=accel.device)
         self._head = 0  # where the next sub-group's state goes
         # the places whose copy back has been enqueued, oldest first: (start, end, the copy back's event)
         self._live: collections.deque[tuple[int, int, Event]] = collections.deque()

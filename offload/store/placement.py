@@ -28,6 +28,7 @@ from offload.store.slots import layout
 from offload.store.state_format import Master, from_config
 from offload.store.step_cost import Rates, StepPrediction, Traffic, best, predict
 from offload.store.sub_groups import (
+    RING_SLOTS,
     SPECULATIVE_SLOT,
     STREAMED_COPIES,
     STREAMED_HANDED,
@@ -455,7 +456,8 @@ def _plan_streamed(out: Placement, shards: Shards, config: Any, discrete: bool) 
     host: [Note: NVMe state streamed] in offload/optim/streamed_step.py), the first ones (the next forward's first)
     nearest s of their elements are stepped on the device, their state streamed over the bus each step (see
     [Note: the streamed lane] in offload/optim/streamed_step.py): their gradients stay on the device
-    as a device-stepped unit's do, and a ring of two of the largest such sub-group's state takes device memory.
+    as a device-stepped unit's do, and a ring of ``RING_SLOTS`` of the largest such sub-group's state takes device
+    memory.
     On a CPU device, whose memory is the host's, there is no bus to stream over: nothing is streamed."""
     share = config.offload.stream_state
     if share is AUTO or not share or not discrete:
@@ -474,8 +476,8 @@ def _plan_streamed(out: Placement, shards: Shards, config: Any, discrete: bool) 
 
 def _stream(out: Placement, shards: Shards, config: Any, chosen: list[tuple[int, int]]) -> None:
     """The ``chosen`` units' state streamed: their own sub-groups, their gradients and the ring on the device
-    (twice the largest one's state: offload/optim/streamed_step.py), and the new weights of those homed off the
-    device, handed to their next gather (the whole step's at once, at most: [Note: the hand-off] in
+    (``RING_SLOTS`` of the largest one's state: offload/optim/streamed_step.py), and the new weights of those
+    homed off the device, handed to their next gather (the whole step's at once, at most: [Note: the hand-off] in
     offload/store/param_store.py)."""
     zero = config.zero_optimization
     out.streamed = frozenset(i for i, _ in chosen)
@@ -483,7 +485,7 @@ def _stream(out: Placement, shards: Shards, config: Any, chosen: list[tuple[int,
                                  from_config(config), streamed=out.streamed)
     part, grad_bytes = device_grads(out.device_grads_kept, shards.item)
     out.device[part] = out.device.get(part, 0) + grad_bytes * sum(n for _, n in chosen)
-    out.device[STREAMED_SLOTS] = 2 * max(g.nbytes for g in out.groups if g.streamed)
+    out.device[STREAMED_SLOTS] = RING_SLOTS * max(g.nbytes for g in out.groups if g.streamed)
     handed = shards.item * sum(n for i, n in chosen if out.homes[i] is not Tier.DEVICE)
     if handed:
         out.device[STREAMED_HANDED] = handed
@@ -529,15 +531,15 @@ class Lanes:
         self.params_offloaded = config.zero_optimization.offload_param.device != "none"
 
     def streamed_bytes(self, k: int, j: int) -> int:
-        """Device bytes of streaming the j units after the first k: their gradients, the ring (twice the largest
-        one's state: a streamed unit is a sub-group alone) and, beside offloaded parameters, their new weights
-        handed to the next gather (as if none of their shards were homed on the device)."""
+        """Device bytes of streaming the j units after the first k: their gradients, the ring (``RING_SLOTS`` of
+        the largest one's state: a streamed unit is a sub-group alone) and, beside offloaded parameters, their new
+        weights handed to the next gather (as if none of their shards were homed on the device)."""
         units = [n for _, n, _ in self.cost[k:k + j]]
         if not units:
             return 0
         slot = round_up(from_config(self.config).slot_bytes(max(units)))
         handed = self.shards.item * sum(units) if self.params_offloaded else 0
-        return self.grad_bytes * sum(units) + 2 * slot + handed
+        return self.grad_bytes * sum(units) + RING_SLOTS * slot + handed
 
     def fastest(self, ks: Sequence[int], home_spare: bool = True) -> tuple[int, int]:
         """The (k, j) of the fastest step, k one of ``ks`` (ascending); ``home_spare``: each candidate's leftover

@@ -16,7 +16,12 @@ from offload.store.state_format import FP32, StateFormat, StateSlot
 from offload.store.tier import Tier
 
 SPECULATIVE_SLOT = "optimizer state (speculative slot)"  # the host budget's name for the second slots
-STREAMED_SLOTS = "streamed optimizer state (a ring of two sub-groups)"  # the streamed lane's, on the device
+# The streamed lane's ring on the device holds this many of the largest streamed sub-group (offload/optim/
+# streamed_step.py). Replayed on the h100 preset (the 0.91B GPT, docs/performance.md): three 309.3 ms a step with
+# clipping and 307.1 without, two 326.1 and 313.6 (the third place lets the next sub-groups come up under backward
+# while the largest, an embedding's, is stepped and written back).
+RING_SLOTS = 3
+STREAMED_SLOTS = "streamed optimizer state (a ring of sub-groups)"  # the streamed lane's, on the device
 # the streamed units' new weights on the device, from their step to the next gather ([Note: the hand-off])
 STREAMED_HANDED = "streamed units' new weights (handed to the next gather)"
 # on the host: a device home's new weights from NVMe state streamed ([Note: NVMe state streamed], streamed_step.py)
