@@ -133,9 +133,9 @@ def check_resumed_bitwise(tmp_path, config: dict[str, Any]) -> None:
 
 
 def nvme_streamed_config(tmp_path, world: int, params: str = "none", clip: float = 1.0, share: float = 0.5,
-                         host: str | None = None) -> dict[str, Any]:
+                         host: str | None = None, stage: int = 3) -> dict[str, Any]:
     """The state on NVMe (``host``: a host budget that keeps the first sub-groups there), ``share`` streamed."""
-    config = streamed_config(world, 3, params, clip, share)
+    config = streamed_config(world, stage, params, clip, share)
     config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path),
                                                         "buffer_count": 2}
     config["zero_optimization"]["sub_group_size"] = 3000
@@ -150,18 +150,21 @@ def _nvme_lanes(engine: Any) -> dict[str, Any]:
             "streamed_tiers": sorted({g.tier.value for g in groups if g.streamed})}
 
 
-@pytest.mark.parametrize("world,params,clip", [(1, "none", 1.0), (2, "cpu", 0.0), (2, "none", 1.0), (1, "cpu", 0.0)])
-def test_nvme_state_streamed_through_the_host_trains_as_plain_pytorch(tmp_path, world, params, clip):
+@pytest.mark.parametrize("world,params,clip,stage", [(1, "none", 1.0, 3), (2, "cpu", 0.0, 3), (2, "none", 1.0, 3),
+                                                      (1, "cpu", 0.0, 3), (2, "none", 1.0, 2), (2, "none", 0.0, 1)])
+def test_nvme_state_streamed_through_the_host_trains_as_plain_pytorch(tmp_path, world, params, clip, stage):
     """[Note: NVMe state streamed]: read into the pass's buffer, stepped on the device, written back to NVMe; the
     copies lag, so a copy back the pass did not wait for before its write shows as a wrong result."""
-    config = nvme_streamed_config(tmp_path, world, params, clip)
+    config = nvme_streamed_config(tmp_path, world, params, clip, stage=stage)
     results = run_ranks(train_engine, world, env=LAGGING_GPU, name="gpt", config=config, steps=STEPS, micro=2,
                         accum=1, finished=_nvme_lanes)
     for rank in results:
         assert rank["streamed_units"] and rank["host_units"] and rank["streamed_tiers"] == ["nvme"]
         assert rank["bytes"]["state_h2d"] == rank["bytes"]["state_d2h"] > 0
-        assert rank["mode"].endswith("the streamed lane steps NVMe state inside the step's pass "
-                                     "(offload.stream_state), which does not run beside the next forward)")
+        assert "step() returns after Adam (" in rank["mode"]  # whole: at stages 1-2 for the stage's own reason
+        assert stage < 3 or rank["mode"].endswith("the streamed lane steps NVMe state inside the step's pass "
+                                                  "(offload.stream_state), which does not run beside the next "
+                                                  "forward)")
     check_parity(results, train_reference("gpt", STEPS, 2 * world, 2, clip, world=world))
 
 
