@@ -34,7 +34,7 @@ the deferred sub-groups in order up to its own, on the compute stream, behind th
 
 [Note: NVMe state streamed] A streamed sub-group homed on NVMe (offload_optimizer.device nvme) goes through the host:
 the step's NVMe pass reads it into a host buffer as it reads every NVMe sub-group, and hands it to the lane there
-(``_step_through_host``). Its state goes up into the ring, Adam runs on the compute stream, and the new state comes
+(``_through_host``). Its state goes up into the ring, Adam runs on the compute stream, and the new state comes
 back down into the buffer; the host waits for that copy before the pass writes the buffer to the slot that is not
 current. The new weights then leave through the parameter store's step target, read from the buffer's master as the
 device lane reads its own, exactly where the host lane's Adam writes them: so a failed NVMe transfer leaves the step
@@ -145,10 +145,25 @@ class StreamedStep:
         sub-group homed on NVMe is in the step's pass buffer now: see [Note: NVMe state streamed]."""
         assert group.streamed and group.resident is not None, f"sub-group {group.index} is not streamed"
         if group.tier is Tier.NVME:
-            self._step_through_host(group, step, hypers, grad_scale)
-            return
+            assert self._reading is None and not self._ready, "nothing is read ahead beside NVMe sub-groups"
         self._armed = None
-        if group.index not in self._ready:  # the rest of its read now, or all of it
+        device = self._stepped(group, step, hypers, grad_scale)
+        if group.tier is Tier.NVME:
+            self._through_host(group, device)
+            return
+        for member in group.members:  # the weights first: the next forward waits for them, not for the state
+            weights = device.narrow(member.offset, member.numel).master
+            if self.params.home(member.unit) is Tier.DEVICE:
+                self.params.write_device(member.unit, weights)
+            else:
+                self.params.write_down(member.unit, weights, self.down)
+                self.params.hand_off(member.unit, weights.to(self.params.dtype, copy=True))
+        self._copy_back(group.resident, device, group.members[0].unit)
+
+    def _stepped(self, group: SubGroup, step: int, hypers: list[AdamHyper], grad_scale: float) -> StateSlot:
+        """``group``'s state in the ring (the rest of its read now, or all of it) and its Adam enqueued on the
+        compute stream, which the copy stream down then waits for; returns its slot in the ring."""
+        if group.index not in self._ready:
             if self._reading is None:
                 self._reading = self._begin(group, step, self._place(_placed(group)))
             assert self._reading.group is group, "the streamed sub-groups are read in the order they are stepped"
@@ -161,32 +176,14 @@ class StreamedStep:
             self.update.step_shard(member.unit, device.narrow(member.offset, member.numel), step, hypers, grad_scale,
                                    publish=False)
         self.down.wait_event(self.update.after_compute())
-        for member in group.members:  # the weights first: the next forward waits for them, not for the state
-            weights = device.narrow(member.offset, member.numel).master
-            if self.params.home(member.unit) is Tier.DEVICE:
-                self.params.write_device(member.unit, weights)
-            else:
-                self.params.write_down(member.unit, weights, self.down)
-                self.params.hand_off(member.unit, weights.to(self.params.dtype, copy=True))
-        assert group.resident is not None
-        self._copy_back(group.resident, device, group.members[0].unit)
+        return device
 
-    def _step_through_host(self, group: SubGroup, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
-        """An NVMe sub-group's step, its state in the pass's buffer (see [Note: NVMe state streamed]): up, Adam on
-        the compute stream, back down into the buffer, and the host waits for that before the pass writes it; the
-        new weights then go through the parameter store's step target, as the host lane's do."""
+    def _through_host(self, group: SubGroup, device: StateSlot) -> None:
+        """An NVMe sub-group stepped (see [Note: NVMe state streamed]): its new state back down into the pass's
+        buffer, the host waiting for that before the pass writes it; the new weights then go through the parameter
+        store's step target, as the host lane's do."""
         host = group.resident
-        assert host is not None and self._reading is None and not self._ready, "nothing is read ahead beside NVMe"
-        self._reading = self._begin(group, step, self._place(_placed(group)))
-        self._read_some(None)
-        device, read = self._ready.pop(group.index)
-        self._pinned.pop(group.index, None)
-        self.accel.compute_wait(read)
-        for member in group.members:
-            assert self.shards[member.unit].phase is not ShardPhase.STEPPED, member.unit
-            self.update.step_shard(member.unit, device.narrow(member.offset, member.numel), step, hypers, grad_scale,
-                                   publish=False)
-        self.down.wait_event(self.update.after_compute())
+        assert host is not None
         self._copy_back(host, device, group.members[0].unit)
         assert self._last is not None
         self.accel.wait(self._last, "the streamed NVMe state's copy back")

@@ -183,9 +183,8 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
         _plan_state_on_device(out, shards, config, stage, machine, step)
         if alias:  # the units homed on the device beside offloaded parameters are read there too
             out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
+    if trained_sizes:  # with the state kept on the device, a share to stream is refused by name
         _plan_streamed(out, shards, config, discrete)
-    elif trained_sizes:
-        _plan_streamed(out, shards, config, discrete)  # a share of state kept on the device: refused by name
     nvme_params = out.nvme_params
     offloaded_sizes = [(i, n) for i, n in trained_sizes if i not in out.state_on_device and i not in out.streamed]
     # Several micro-batches a step on a GPU, gradients reduced once a step (stage 3): an offloaded optimizer's
