@@ -78,8 +78,9 @@ class Config:
     steps_per_print: int | None = setting(None, "Log progress every this many optimizer steps (unset: never, as "
                                                 "DeepSpeed 0.19.8's default).", ge=1)
     zero_allow_untested_optimizer: bool = setting(False, "Allow a client optimizer other than Adam/AdamW.",
-                                                  support=NO_EFFECT, note="offload runs Adam/AdamW, Lion and "
-                                                                          "Adagrad (by the optimizer section's type); "
+                                                  support=NO_EFFECT, note="offload runs Adam/AdamW, Lion, "
+                                                                          "Adagrad and Muon (by the optimizer "
+                                                                          "section's type); "
                                                                           "any other optimizer is an error at "
                                                                           "initialize.")
     gradient_predivide_factor: float = setting(1.0, "Divide gradients by this before the reduction and by "

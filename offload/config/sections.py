@@ -75,6 +75,9 @@ class BF16Config:
 
 # --------------------------------------------------------------------------- optimizer
 
+MUON_ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
+
+
 @dataclass(kw_only=True, slots=True)
 class AdamParams:
     lr: float | Auto = setting(1e-3, "Learning rate (the peak rate when a scheduler warms up to it).", ge=0, auto=True)
@@ -90,27 +93,50 @@ class AdamParams:
                                note="offload always runs its native Adam, which matches torch's within rounding.")
     fused: bool | None = setting(None, "torch's fused Adam switch.", support=NO_EFFECT,
                                  note="offload's Adam is always one fused pass per shard.")
+    # type Muon's (the hidden matrices' Muon; the other parameters' AdamW takes the keys above)
+    momentum: float = setting(0.95, "Muon's momentum (type Muon).", ge=0, lt=1)
+    nesterov: bool = setting(True, "Muon's Nesterov blend of gradient and momentum (type Muon).")
+    ns_steps: int = setting(5, "Muon's Newton-Schulz iterations (type Muon).", ge=1, le=99)
+    adjust_lr_fn: str = setting("original", "How Muon scales a matrix's step by its shape, as torch.optim.Muon: "
+                                            "original, sqrt(max(1, rows / cols)); match_rms_adamw, 0.2 sqrt(max(rows, "
+                                            "cols)) (type Muon).", choices=MUON_ADJUST_LR)
+    muon_lr: float | None = setting(None, "DeepSpeed's: the Muon groups' lr (null: lr) (type Muon).", ge=0)
+    adam_lr: float | None = setting(None, "DeepSpeed's: the lr of the groups AdamW steps beside Muon (null: lr) "
+                                          "(type Muon).", ge=0)
+    ns_method: str = setting("standard", "DeepSpeed's choice of Newton-Schulz iteration (type Muon). offload runs "
+                                         "torch.optim.Muon's (bf16, five steps by default), DeepSpeed's 'standard'; "
+                                         "its 'gram' (fp16, restarted) is not offered.", choices=("standard",))
 
 
-OPTIMIZER_TYPES = ("Adam", "AdamW", "Lion", "Adagrad")
+OPTIMIZER_TYPES = ("Adam", "AdamW", "Lion", "Adagrad", "Muon")
 ONE_STATE_TYPES = ("Lion", "Adagrad")  # one state buffer beside the master (offload/optim/one_state.py)
-ONE_STATE_NAMES = {t.lower(): t for t in ONE_STATE_TYPES}  # AdamHyper.rule -> the type's name
+RULE_TYPES = ONE_STATE_TYPES + ("Muon",)  # the types whose update is not Adam's
+RULE_NAMES = {t.lower(): t for t in RULE_TYPES}  # AdamHyper.rule (or Muon's) -> the type's name
+# the keys only type Muon reads, with their defaults (another type given one is refused by name)
+MUON_KEYS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": "original", "muon_lr": None,
+             "adam_lr": None, "ns_method": "standard"}
 
 
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
-    type: str = setting("AdamW", "Adam, AdamW, Lion or Adagrad (case-insensitive), with DeepSpeed's parameters "
-                                 "(Lion: lr, betas, weight_decay; Adagrad: lr, eps, default 1e-10 as DeepSpeed's, "
-                                 "weight_decay); each runs offload's own kernels. For another optimizer leave this "
-                                 "section out and pass your own.", choices=OPTIMIZER_TYPES)
+    type: str = setting("AdamW", "Adam, AdamW, Lion, Adagrad or Muon (case-insensitive), with DeepSpeed's "
+                                 "parameters (Lion: lr, betas, weight_decay; Adagrad: lr, eps, default 1e-10 as "
+                                 "DeepSpeed's, weight_decay; Muon: torch.optim.Muon on the 2-D matrices not named "
+                                 "embed or lm_head, or as each parameter's use_muon says, AdamW on the rest); each "
+                                 "runs offload's own kernels. For another optimizer leave this section out and pass "
+                                 "your own.", choices=OPTIMIZER_TYPES)
     params: AdamParams = section(AdamParams, "Optimizer hyperparameters.")
 
     @property
     def rule(self) -> str:
-        """The update this type runs (AdamHyper.rule): adam for Adam and AdamW, else lion or adagrad."""
-        return self.type.lower() if self.type in ONE_STATE_TYPES else "adam"
+        """The update this type runs (AdamHyper.rule, or muon): adam for Adam and AdamW, else its own."""
+        return self.type.lower() if self.type in RULE_TYPES else "adam"
 
     def check(self, path: str) -> None:
+        if self.type != "Muon":
+            for key, default in MUON_KEYS.items():
+                if getattr(self.params, key) != default:
+                    raise ConfigError(f"{path}.params.{key}", f"is Muon's; type {self.type} has none: leave it out")
         if self.type in ONE_STATE_TYPES and not self.params.bias_correction:
             raise ConfigError(f"{path}.params.bias_correction", f"is Adam's; {self.type} has none: leave it out")
         if self.type == "AdamW" and not self.params.adam_w_mode:

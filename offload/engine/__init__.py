@@ -6,7 +6,8 @@ Its rooms (tests/test_imports.py checks that each module is named here):
   answers: batch, clipping, stage, rank, learning rate) and persistence.py (whole-model reads and writes: gathered
   parameters, state dicts, 16-bit saves, training checkpoints); compiling.py, a third, is ``engine.compile()``;
   lending.py, a fourth, ``offload_states()`` / ``reload_states()`` (the device's memory lent back between steps).
-- initialize.py: DeepSpeed's entry point; build.py wires the parts from the config.
+- initialize.py: DeepSpeed's entry point (muon_groups.py: the config's type Muon's param groups); build.py wires
+  the parts from the config.
 - life.py: whether the engine takes work; accumulation.py: where it stands between steps; step_schedule.py: how
   the step runs against backward, chosen once; agreement.py: what the ranks agree on around a step.
 - memory.py: the per-tier accounting; rates.py: the machine's rates measured at start-up; refit.py: the split

@@ -35,6 +35,7 @@ from offload.machine.cpus import default_threads
 from offload.observe.telemetry import Telemetry
 from offload.optim.landing import GradientLanding, LandingPolicy
 from offload.optim.lr_schedules import build_lr_schedule
+from offload.optim.muon_pass import MuonPass
 from offload.optim.shard_state import shard_segments
 from offload.optim.sharded import AdamRule, ShardedAdam, StatePlan
 from offload.store.budget import TierBudget
@@ -111,7 +112,7 @@ class OptimizerChoice:
     adamw_mode: bool = True
     bias_correction: bool = True
     lr_scheduler: Any = None
-    update: str = "adam"  # or lion, adagrad: the config's optimizer type (AdamHyper.rule)
+    update: str = "adam"  # or lion, adagrad (AdamHyper.rule), muon: the config's optimizer type
 
 
 def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: Group, stage: Stage,
@@ -212,6 +213,7 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
                                                  placement.device_grads_kept),
                            second_slots=step_schedule.second_slots(want, placement), delayed=want.delayed,
                            staged=placement.staged, stochastic=_stochastic_stream(config, group.rank),
+                           muon=MuonPass(accel, partition.world, partition.pg) if choice.update == "muon" else None,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))
         units = [_shard_unit(model, plan, partition, group, stage, accel, compute_dtype, params, optimizer,
@@ -276,6 +278,10 @@ def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, sta
     if group_of is not None:
         optimizer.add_shard(unit.index, unit.name, unit.shard_of(values, start),
                             shard_segments(unit.slots, unit.shard_start, unit.shard_numel, group_of))
+        if optimizer.update.muon is not None:  # its matrices, for Muon's first pass
+            muon_groups = frozenset(i for i, g in enumerate(optimizer.param_groups) if g.get("use_muon"))
+            optimizer.update.muon.add(unit.index, unit.slots, unit.shard_start, unit.shard_numel, group_of,
+                                      muon_groups)
     return unit
 
 

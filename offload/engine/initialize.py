@@ -20,10 +20,11 @@ from torch import nn
 
 from offload.config import Config, ConfigError
 from offload.config.fields import resolved
-from offload.config.sections import ONE_STATE_NAMES
+from offload.config.sections import RULE_NAMES
 from offload.engine.build import OptimizerChoice
 from offload.engine.core import Engine
 from offload.engine.errors import EngineError
+from offload.engine.muon_groups import check_muon, muon_halves
 from offload.files.pretrained import PretrainedWeights
 from offload.machine.accelerator import Accelerator, finish_streams
 from offload.machine.host_malloc import set_mmap_threshold
@@ -160,7 +161,7 @@ def _check_state_format(cfg: Config, rule: str) -> None:
     if rule != "adam":
         fmt = state_format.from_config(cfg)
         if fmt.master is not state_format.Master.FP32 or fmt.moments != torch.float32:
-            raise ConfigError("offload.optimizer_state", f"{ONE_STATE_NAMES[rule]}'s state is float32 here (its "
+            raise ConfigError("offload.optimizer_state", f"{RULE_NAMES[rule]}'s state is float32 here (its "
                                                          "master and its one buffer): leave the state format fp32")
 
 
@@ -202,6 +203,10 @@ def _optimizer_choice(model: nn.Module, model_parameters: Iterable[Any] | None, 
     p = cfg.optimizer.params
     hyper = {"lr": p.lr, "betas": tuple(resolved(p.betas)), "eps": p.eps, "weight_decay": p.weight_decay}
     source: list[Any] = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if cfg.optimizer.rule == "muon":
+        check_muon(cfg)
+        return OptimizerChoice(_trainable(muon_halves(model, source, p)), p.adam_w_mode, p.bias_correction,
+                               update="muon")
     if source and isinstance(source[0], dict):
         groups = [{**hyper, **g, "params": list(g["params"])} for g in source]
     else:

@@ -27,7 +27,7 @@ import torch
 
 from offload.config import Config, ConfigError
 from offload.config.fields import resolved
-from offload.config.sections import ONE_STATE_NAMES
+from offload.config.sections import RULE_NAMES
 from offload.machine.accelerator import Accelerator
 from offload.optim.loss_scale import unclipped_factor
 from offload.optim.sharded import LastBackward, ShardedAdam, StepVote
@@ -254,7 +254,7 @@ def _speculation_unwanted(config: Config, compute_dtype: torch.dtype, rule: str)
     if mode == "off":
         return "offload.speculative_step is off"
     if rule != "adam":
-        why = f"{ONE_STATE_NAMES[rule]} is not speculated (its step is not written into a second slot)"
+        why = f"{RULE_NAMES[rule]} is not speculated (its step is not written into a second slot)"
         if mode == "on":
             raise ConfigError("offload.speculative_step", f"{why}: set it to \"auto\" or \"off\"")
         return why
@@ -289,6 +289,9 @@ def choose(config: Config, compute_dtype: torch.dtype, stage: Stage, optimizer: 
     returns = _returns(config, stage, optimizer, accel)
     delayed = config.offload.delayed_update.warmup_steps
     if delayed is not None:
+        if optimizer.update_rule == "muon":
+            raise ConfigError("offload.delayed_update.warmup_steps", f"{MUON_WHOLE}, so it runs whole after "
+                              "backward: remove the section")
         if stage.resident_params or not optimizer.can_return_early or optimizer.partial or optimizer.streamed:
             raise ConfigError("offload.delayed_update.warmup_steps", "the delayed update needs ZeRO stage 3 with "
                               "all of the optimizer state on the host, stepped there, and no parameters on NVMe "
@@ -309,6 +312,10 @@ def choose(config: Config, compute_dtype: torch.dtype, stage: Stage, optimizer: 
     return StepSchedule(AfterBackward("; ".join(reasons)) if reasons else Overlapped(), returns)
 
 
+# why Muon's step runs whole after backward ([Note: Muon over shards] in offload/optim/muon_pass.py)
+MUON_WHOLE = "Muon's step gathers each matrix from every rank once every gradient is in"
+
+
 def _not_overlapped(config: Config, compute_dtype: torch.dtype, optimizer: ShardedAdam) -> list[str]:
     """Why the exact overlapped step cannot (or should not) run (empty: it runs)."""
     reasons = gated(config, compute_dtype)
@@ -319,6 +326,11 @@ def _not_overlapped(config: Config, compute_dtype: torch.dtype, optimizer: Shard
     mode = config.offload.overlap_step
     if mode == "off":
         reasons.append("offload.overlap_step is off")
+    if optimizer.update_rule == "muon":
+        if mode == "on":
+            raise ConfigError("offload.overlap_step", f"{MUON_WHOLE}, so it runs whole after backward: set it to "
+                              "auto or off")
+        reasons.append(MUON_WHOLE)
     # 'auto' overlaps on a GPU too. It stepped after backward there once: on an H100 (2026-11-22) the overlapped
     # step measured 0.72x, when the host thread ran each shard's Adam and held up the gradient drain backward's end
     # waits for. The Adam runs on the landing worker now, and the replay on the h100 preset (docs/performance.md,
@@ -332,6 +344,11 @@ def _returns(config: Config, stage: Stage, optimizer: ShardedAdam, accel: Accele
     mode = config.offload.early_step
     if mode == "off":
         return Whole("offload.early_step is off")
+    if optimizer.update_rule == "muon":
+        if mode == "on":
+            raise ConfigError("offload.early_step", f"{MUON_WHOLE}, so it runs whole after backward: set it to auto "
+                              "or off")
+        return Whole(MUON_WHOLE)
     if stage.resident_params:
         return Whole(f"ZeRO stage {stage.number} spreads the new partitions right after the step")
     if optimizer.split.through_host:

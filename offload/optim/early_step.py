@@ -56,7 +56,7 @@ import torch
 
 from offload.machine.accelerator import Event, WorkerStream
 from offload.observe.telemetry import Telemetry
-from offload.optim.adam import AdamHyper
+from offload.optim.muon import Hyper
 from offload.optim.shard_state import ShardPhase
 from offload.optim.speculation import Speculation
 from offload.optim.streamed_step import StreamedStep
@@ -107,7 +107,7 @@ class EarlyStep:
         if run is not None:
             run.abort()
 
-    def run(self, grad_scale: float, hypers: list[AdamHyper], step: int, delayed: bool = False) -> None:
+    def run(self, grad_scale: float, hypers: list[Hyper], step: int, delayed: bool = False) -> None:
         """Step ``step`` handed to the landing worker (``delayed``: to the delayed update's thread, the new shards
         staged until ``publish``); returns at once (see [Note: early step], [Note: delayed update])."""
         assert not delayed or self.adam is not None
@@ -154,7 +154,7 @@ class EarlyStep:
         for group, member in reversed(later):
             self._hand_over(lane, group, member, step, hypers, grad_scale, after, delayed=True)
 
-    def _hand_over(self, lane: WorkerStream, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper],
+    def _hand_over(self, lane: WorkerStream, group: SubGroup, member: Member, step: int, hypers: list[Hyper],
                    grad_scale: float, after: Event, delayed: bool = False, run: NvmePass | None = None) -> None:
         """One shard's early (or delayed) step queued on ``lane``, and the events its next readers wait for;
         ``run``: the step's NVMe pass, which a failure stops (see [Note: the early step on NVMe])."""
@@ -173,7 +173,7 @@ class EarlyStep:
             self.params.step_pending(member.unit, lane)
 
     def _hand_over_sub_group(self, lane: WorkerStream, run: NvmePass, group: SubGroup, step: int,
-                             hypers: list[AdamHyper], grad_scale: float, after: Event) -> None:
+                             hypers: list[Hyper], grad_scale: float, after: Event) -> None:
         """An NVMe sub-group's part of the early step, queued on ``lane``: taken once read, its shards stepped
         (each with its events, as a host shard's), then written to the other slot."""
         def take() -> None:
@@ -212,7 +212,7 @@ class EarlyStep:
                 if state.phase is ShardPhase.HOLDING:
                     state.empty()
 
-    def _step_early(self, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper], grad_scale: float,
+    def _step_early(self, group: SubGroup, member: Member, step: int, hypers: list[Hyper], grad_scale: float,
                     after: Event, delayed: bool = False) -> None:
         index = member.unit
         state = self.shards[index]

@@ -7,7 +7,7 @@ gradient lands (``landed``); the optimizer takes the failure it kept (``take_err
 from __future__ import annotations
 
 from offload.observe.telemetry import Telemetry
-from offload.optim.adam import AdamHyper
+from offload.optim.muon import Hyper
 from offload.optim.shard_state import Overlap, ShardPhase, ShardState
 from offload.optim.speculation import Speculation
 from offload.optim.update import ShardUpdate
@@ -52,7 +52,7 @@ class OverlappedStep:
         except Exception as e:  # noqa: BLE001 - a failed transfer: engine.step() raises it, and can be retried
             self.error = e
 
-    def _step(self, index: int, views: StateSlot, hypers: list[AdamHyper], step: int) -> None:
+    def _step(self, index: int, views: StateSlot, hypers: list[Hyper], step: int) -> None:
         state = self.shards[index]
         if state.phase is ShardPhase.STEPPED:  # a failed backward stepped it ([Note: shard phases], shard_state.py)
             return

@@ -5,7 +5,7 @@ this step ([Note: shard phases]) and the buffers its gradient moves through, kep
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +13,9 @@ import torch
 
 from offload.machine import native
 from offload.machine.accelerator import DoneEvent, Event
-from offload.optim.adam import AdamHyper
+from offload.optim.muon import Hyper
+from offload.store.sub_groups import SubGroup
+from offload.store.tier import Tier
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,14 @@ class StateSplit:
     # of those, the units homed on NVMe: their new shards leave through a host copy, as the host lane's (see [Note:
     # NVMe state streamed] in offload/optim/streamed_step.py)
     through_host: frozenset[int] = frozenset()
+
+    @classmethod
+    def planned(cls, offload: bool, groups: Iterable[SubGroup]) -> StateSplit:
+        """The split the placement's sub-groups make."""
+        def units(keep: Callable[[SubGroup], bool]) -> frozenset[int]:
+            return frozenset(m.unit for g in groups if keep(g) for m in g.members)
+        return cls(offload, units(lambda g: g.tier is Tier.DEVICE) if offload else frozenset(),
+                   units(lambda g: g.streamed), units(lambda g: g.streamed and g.tier is Tier.NVME))
 
     def steps_on_host(self, index: int) -> bool:
         """Whether unit ``index``'s state is offloaded and the host steps it (its step writes a host copy of the
@@ -110,7 +120,7 @@ class Guess:
     """The factor, hyperparameters and step number a speculative Adam ran with: kept when the step's are these."""
 
     factor: float
-    hypers: tuple[AdamHyper, ...]
+    hypers: tuple[Hyper, ...]
     step: int
 
 
@@ -119,7 +129,7 @@ class Overlap:
     """The last backward's plan for stepping shards as their gradients land: which units, with what."""
 
     units: frozenset[int]
-    hypers: list[AdamHyper]
+    hypers: list[Hyper]
     step: int
     # Speculating with this factor (see [Note: speculative step] in speculation.py); None: exact.
     guess: float | None = None

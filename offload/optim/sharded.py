@@ -66,12 +66,14 @@ from offload.optim.adam import AdamHyper
 from offload.optim.early_step import EarlyLanes, EarlyStep, EarlyStepLost
 from offload.optim.landing import GradientLanding, LandingPolicy, OnLanding
 from offload.optim.loss_scale import LossScaler
+from offload.optim.muon import Hyper, MuonHyper
+from offload.optim.muon_pass import MuonPass
 from offload.optim.overlapped_step import OverlappedStep
 from offload.optim.shard_state import Overlap, Segment, ShardPhase, ShardState, StateSplit, gaps, unstep, widened
 from offload.optim.speculation import Speculation
 from offload.optim.speculation_lane import SpeculationLane
 from offload.optim.streamed_step import StreamedStep
-from offload.optim.update import ShardUpdate
+from offload.optim.update import ShardUpdate, UpdateMeans
 from offload.store.budget import TierBudget
 from offload.store.optimizer_state import OptimizerStateStore
 from offload.store.param_store import ParamStore
@@ -102,6 +104,7 @@ class StatePlan:
     delayed: bool = False  # the delayed update runs (see [Note: delayed update] in early_step.py)
     staged: frozenset[int] = frozenset()  # ... and these units' new shards wait in staging buffers (the placement's)
     stochastic: int | None = None  # this rank's stream, where a bf16 master rounds stochastically (state_format.py)
+    muon: MuonPass | None = None  # the Muon matrices' first pass, where the optimizer is Muon (muon_pass.py)
 
 
 @dataclass(frozen=True)
@@ -198,11 +201,7 @@ class ShardedAdam(OptimizerFace):
         self.host = plan.host
         self.params = params
         # A partial offload's units stepped on the device (see [Note: a partial offload]).
-        self.split = StateSplit(self.offload, frozenset(m.unit for g in plan.groups if g.tier is Tier.DEVICE
-                                                        for m in g.members) if self.offload else frozenset(),
-                                frozenset(m.unit for g in plan.groups if g.streamed for m in g.members),
-                                frozenset(m.unit for g in plan.groups if g.streamed and g.tier is Tier.NVME
-                                          for m in g.members))
+        self.split = StateSplit.planned(self.offload, plan.groups)
         self.adam_steps = 0
         self.shards: dict[int, ShardState] = {}
         self.loss_scaler: LossScaler | None = None  # the engine's, for cur_scale
@@ -213,7 +212,8 @@ class ShardedAdam(OptimizerFace):
         # never wait for it (see [Note: speculation on a lane of its own] in offload/optim/speculation_lane.py).
         lane = SpeculationLane(accel) if self.offload and plan.second_slots else None
         nvme_units = frozenset(i for i, _ in sizes if params.home(i) is Tier.NVME)
-        self.update = ShardUpdate(accel, self.shards, params, threads, self.split, nvme_units, plan.stochastic)
+        self.update = ShardUpdate(accel, self.shards, params, self.split, nvme_units,
+                                  UpdateMeans(threads, plan.stochastic, plan.muon))
         if self.offload and sizes:
             self._reserve_host(plan.step_buffers)
         self._host_accumulators = "gradient accumulators" in plan.step_buffers  # the plan counted them
@@ -536,13 +536,15 @@ class ShardedAdam(OptimizerFace):
         norm = torch.linalg.vector_norm(torch.stack(norms), 2.0).double()
         return torch.stack([norm.square(), (~norm.isfinite()).double()])
 
-    def hyper(self, group: int) -> AdamHyper:
+    def hyper(self, group: int) -> Hyper:
         g = self.param_groups[group]
+        if g.get("use_muon"):  # a Muon group ([Note: Muon over shards] in offload/optim/muon_pass.py)
+            return MuonHyper.of(g)
         return AdamHyper(lr=float(g["lr"]), betas=tuple(g["betas"]), eps=float(g["eps"]),
                          weight_decay=float(g["weight_decay"]), adamw_mode=self.adamw_mode,
-                         bias_correction=self.bias_correction, rule=self.update_rule)
+                         bias_correction=self.bias_correction, rule=self.update_rule.replace("muon", "adam"))
 
-    def _hypers(self) -> list[AdamHyper]:
+    def _hypers(self) -> list[Hyper]:
         """Every param group's hyperparameters as the step reads them now (an LR schedule changes them)."""
         return [self.hyper(i) for i in range(len(self.param_groups))]
 
@@ -559,6 +561,7 @@ class ShardedAdam(OptimizerFace):
             if error is not None:  # an NVMe transfer failed during backward
                 raise error
             self.speculation.settle_nvme(step, hypers, grad_scale)
+            self.update.prepare_muon(self.store.groups, hypers, grad_scale)
             for group in self.store.step_pass(vote):
                 if group.streamed:  # the third lane (see [Note: the streamed lane] in streamed_step.py)
                     assert self.streamed is not None

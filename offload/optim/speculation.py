@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 
 from offload.observe.telemetry import Telemetry
-from offload.optim.adam import AdamHyper
+from offload.optim.muon import Hyper
 from offload.optim.shard_state import Guess, Overlap, ShardPhase, ShardState, unstep
 from offload.optim.speculation_lane import SpeculationLane, TicketPhase
 from offload.optim.update import ShardUpdate
@@ -109,7 +109,7 @@ class Speculation:
         return [s for i, s in self.shards.items()
                 if s.phase is ShardPhase.SPECULATED and self.store.place(i)[0].tier is Tier.NVME]
 
-    def settle_nvme(self, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
+    def settle_nvme(self, step: int, hypers: list[Hyper], grad_scale: float) -> None:
         """Before the step's pass goes on: keep the speculated NVMe sub-groups (their new slots flip with the
         pass), or, if the guess was wrong for them, abort the pass so that it steps every one again."""
         speculated = self._nvme_speculated()
@@ -132,7 +132,7 @@ class Speculation:
         for state in speculated:
             self.update.restore_target(state.index, self.store.fmt.weights_of(self.store.read_master(state.index)))
 
-    def settle(self, group: SubGroup, member: Member, step: int, hypers: list[AdamHyper],
+    def settle(self, group: SubGroup, member: Member, step: int, hypers: list[Hyper],
                             grad_scale: float) -> None:
         """The step's factor is known: keep the speculated slot, or recompute it with that factor."""
         state = self.shards[member.unit]

@@ -55,7 +55,7 @@ import torch
 
 from offload.machine.accelerator import Accelerator, CopyStream, Event
 from offload.observe.telemetry import Telemetry
-from offload.optim.adam import AdamHyper
+from offload.optim.muon import Hyper
 from offload.optim.shard_state import ShardPhase, ShardState
 from offload.optim.update import ShardUpdate
 from offload.store.param_store import ParamStore
@@ -105,7 +105,7 @@ class StreamedStep:
         self._reading: _Reading | None = None  # the sub-group read in pieces now (its place pinned)
         self.read_per_landing, self.copy_piece = READ_PER_LANDING, COPY_PIECE
         # stepped when first read (see [Note: streamed steps deferred]): (sub-group, step, hypers, grad scale)
-        self._deferred: collections.deque[tuple[SubGroup, int, list[AdamHyper], float]] = collections.deque()
+        self._deferred: collections.deque[tuple[SubGroup, int, list[Hyper], float]] = collections.deque()
 
     @property
     def device_bytes(self) -> int:
@@ -139,7 +139,7 @@ class StreamedStep:
                 self._reading = self._begin(group, self._armed, start)
             budget -= self._read_some(budget)
 
-    def step(self, group: SubGroup, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
+    def step(self, group: SubGroup, step: int, hypers: list[Hyper], grad_scale: float) -> None:
         """One streamed sub-group's Adam: its state read up (unless read ahead), stepped on the compute stream, and
         written back with its units' new weights (see [Note: the streamed lane]); returns once it is enqueued. A
         sub-group homed on NVMe is in the step's pass buffer now: see [Note: NVMe state streamed]."""
@@ -160,7 +160,7 @@ class StreamedStep:
                 self.params.hand_off(member.unit, weights.to(self.params.dtype, copy=True))
         self._copy_back(group.resident, device, group.members[0].unit)
 
-    def _stepped(self, group: SubGroup, step: int, hypers: list[AdamHyper], grad_scale: float) -> StateSlot:
+    def _stepped(self, group: SubGroup, step: int, hypers: list[Hyper], grad_scale: float) -> StateSlot:
         """``group``'s state in the ring (the rest of its read now, or all of it) and its Adam enqueued on the
         compute stream, which the copy stream down then waits for; returns its slot in the ring."""
         if group.index not in self._ready:
@@ -214,7 +214,7 @@ class StreamedStep:
         """Whether ``group``'s state was read ahead (its step waits for no place in the ring)."""
         return group.index in self._ready
 
-    def defer(self, group: SubGroup, step: int, hypers: list[AdamHyper], grad_scale: float) -> None:
+    def defer(self, group: SubGroup, step: int, hypers: list[Hyper], grad_scale: float) -> None:
         """``step`` of ``group`` is stepped (and its shards' gradients go) when one of its shards is first read
         (see [Note: streamed steps deferred]); sub-groups deferred are stepped in the order deferred."""
         self._deferred.append((group, step, hypers, grad_scale))

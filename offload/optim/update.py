@@ -4,29 +4,45 @@ or delayed; the optimizer (sharded.py) and its early step (early_step.py) and sp
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 import torch
 
 from offload.machine.accelerator import Accelerator, Event
 from offload.machine.native import Stochastic
 from offload.observe.step_graph import COMPUTE
 from offload.optim.adam import AdamHyper, adam_step, device_adam_step, device_adam_step_held
+from offload.optim.muon import Hyper
+from offload.optim.muon_pass import MuonPass, apply_pieces
 from offload.optim.one_state import one_state_step
 from offload.optim.shard_state import ShardPhase, ShardState, StateSplit, by_group, widened
 from offload.store.param_store import ParamStore
 from offload.store.state_format import StateSlot, mix_seed
+from offload.store.sub_groups import SubGroup
+
+
+@dataclass(frozen=True)
+class UpdateMeans:
+    """How the update runs besides Adam's arithmetic: the host kernel's threads, this rank's stream of a bf16
+    master rounded stochastically (None: no such master), and the Muon matrices' first pass (None: the optimizer is
+    not Muon; see [Note: Muon over shards] in offload/optim/muon_pass.py)."""
+
+    threads: int | None = None
+    stochastic: int | None = None
+    muon: MuonPass | None = None
 
 
 class ShardUpdate:
     """Adam over one shard at a time, with the shards' own states, the parameter store to write and the threads
     the host kernel runs on."""
 
-    def __init__(self, accel: Accelerator, shards: dict[int, ShardState], params: ParamStore, threads: int | None,
-                 split: StateSplit, nvme_units: frozenset[int], stochastic: int | None = None) -> None:
+    def __init__(self, accel: Accelerator, shards: dict[int, ShardState], params: ParamStore, split: StateSplit,
+                 nvme_units: frozenset[int], means: UpdateMeans) -> None:
         """``split``: which units' state is stepped on the host (those write a host copy of the shard);
-        ``nvme_units``: units whose parameter shard is homed on NVMe; ``stochastic``: this rank's stream of a bf16
-        master rounded stochastically (None: no such master)."""
-        self.accel, self.shards, self.params, self.threads = accel, shards, params, threads
-        self.stochastic = stochastic
+        ``nvme_units``: units whose parameter shard is homed on NVMe."""
+        self.accel, self.shards, self.params = accel, shards, params
+        self.threads, self.stochastic, self.muon = means.threads, means.stochastic, means.muon
         self.split = split
         self.nvme_units = nvme_units
         self._compute_done: Event | None = None  # where the step orders copies after compute (re-recorded)
@@ -41,7 +57,12 @@ class ShardUpdate:
         norm and Adam run in torch's kernels there (see [Note: Adam on a discrete device] in optim/adam.py)."""
         return not self.split.steps_on_host(index) and not self.accel.host_is_device
 
-    def step_shard(self, index: int, views: StateSlot, step: int, hypers: list[AdamHyper], grad_scale: float,
+    def prepare_muon(self, groups: Iterable[SubGroup], hypers: list[Hyper], grad_scale: float) -> None:
+        """Muon's first pass, at the start of the step (nothing without Muon)."""
+        if self.muon is not None:
+            self.muon.prepare(groups, self.shards, hypers, grad_scale)
+
+    def step_shard(self, index: int, views: StateSlot, step: int, hypers: list[Hyper], grad_scale: float,
                    into: StateSlot | None = None, target: torch.Tensor | None = None, publish: bool = True) -> None:
         """One shard's Adam, in place or (``into``: host state) into another slot; the new shard goes to the
         parameter store's target, or to ``target`` (the delayed update's staging), or (stepped on the device, not
@@ -65,34 +86,40 @@ class ShardUpdate:
         out_bytes = out.element_size() if out is not None and not in_place else 0
         self.accel.graph.work("adam", index, nbytes=master.numel() * (state_bytes + grad.element_size() + out_bytes),
                               lane=COMPUTE if self.on_discrete_device(index) else None)
-        if hypers and hypers[0].rule != "adam":  # Lion or Adagrad: one state buffer (offload/optim/one_state.py)
+        segments = state.segments
+        matrices = self.muon.units.get(index) if self.muon is not None else None
+        if matrices is not None:  # the second pass of Muon's step ([Note: Muon over shards] in muon_pass.py)
+            apply_pieces(matrices, views, hypers, out16)
+            segments = [seg for seg in segments if hypers[seg.group].rule != "muon"]  # the rest are Adam's
+        adams = [h for h in hypers if isinstance(h, AdamHyper)]
+        if adams and adams[0].rule != "adam":  # Lion or Adagrad: one state buffer (offload/optim/one_state.py)
             assert into is None, "Lion and Adagrad are not speculated (the schedule takes no speculative step)"
             on_device = out is None and self.on_discrete_device(index)
-            for seg in state.segments:
+            for seg in segments:
                 s = slice(seg.start, seg.end)
                 # the host kernel reads a 16-bit gradient itself; torch's ops (on the device) need it in fp32
                 g = widened(grad[s], pre_scale) if on_device or pre_scale != 1.0 else grad[s]
                 one_state_step((master[s], exp_avg[s], exp_avg_sq[s]), g, step,
-                               hypers[seg.group], grad_scale, out16[s] if out16 is not None else None,
+                               _adam(hypers[seg.group]), grad_scale, out16[s] if out16 is not None else None,
                                None if on_device else self.threads, on_device)
         elif out is None and self.on_discrete_device(index):  # torch's fused kernel
             assert into is None  # never speculated: host state only
-            for group, segs in by_group(state.segments).items():
+            for group, segs in by_group(segments).items():
                 slices = [slice(seg.start, seg.end) for seg in segs]
                 parts = [views.narrow(s.start, s.stop - s.start) for s in slices]
                 # fp32 as the kernel reads it: a gradient kept as it landed widened and scaled, one unit at a time
                 grads = [widened(grad[s], pre_scale) for s in slices]
                 if views.master.dtype == torch.float32 and exp_avg.dtype == torch.float32:
                     device_adam_step([p.master for p in parts], grads, [p.exp_avg for p in parts],
-                                     [p.exp_avg_sq for p in parts], step, hypers[group], grad_scale)
+                                     [p.exp_avg_sq for p in parts], step, _adam(hypers[group]), grad_scale)
                 else:
-                    device_adam_step_held(parts, grads, step, hypers[group], grad_scale,
+                    device_adam_step_held(parts, grads, step, _adam(hypers[group]), grad_scale,
                                           self._stream(index, step, slices[0].start))
         else:
             lo = views.master_lo
-            for seg in state.segments:
+            for seg in segments:
                 s = slice(seg.start, seg.end)
-                adam_step(master[s], grad[s], exp_avg[s], exp_avg_sq[s], step, hypers[seg.group],
+                adam_step(master[s], grad[s], exp_avg[s], exp_avg_sq[s], step, _adam(hypers[seg.group]),
                           grad_scale, out16=out16[s] if out16 is not None else None, threads=self.threads,
                           pre_scale=pre_scale, into=None if into is None else tuple(b[s] for b in into.buffers()),
                           master_lo=None if lo is None else lo[s], stochastic=self._stream(index, step, seg.start))
@@ -119,3 +146,9 @@ class ShardUpdate:
         out, segments = self.params.step_target(index), self.shards[index].segments
         for seg in segments:
             out[seg.start:seg.end].copy_(master[seg.start:seg.end])
+
+
+def _adam(hyper: Hyper) -> AdamHyper:
+    """A group's hyperparameters where the update is Adam's (or Lion's, Adagrad's): never a Muon group's."""
+    assert isinstance(hyper, AdamHyper), "a Muon group's pieces are stepped by apply_pieces"
+    return hyper

@@ -493,8 +493,10 @@ def _stream(out: Placement, shards: Shards, config: Any, chosen: list[tuple[int,
 def streams_by_rates(config: Any, machine: MachineOffer, step: StepAsks) -> bool:
     """Whether offload.stream_state auto may stream state (its share then chosen by rates): a device with memory of
     its own (a CPU device's is the host's: nothing to stream), the state offloaded to the host (NVMe state is not
-    streamed yet), no delayed update (whose Adam runs on the host alone)."""
-    return (config.offload.stream_state is AUTO and machine.discrete and not step.delayed
+    streamed yet), no delayed update (whose Adam runs on the host alone), not Muon (whose first pass steps every
+    unit before the lane could: offload/optim/muon_pass.py)."""
+    muon = config.optimizer is not None and config.optimizer.rule == "muon"
+    return (config.offload.stream_state is AUTO and machine.discrete and not step.delayed and not muon
             and config.zero_optimization.offload_optimizer.device == "cpu")
 
 
