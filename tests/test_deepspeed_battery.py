@@ -35,6 +35,7 @@ SCRIPTS = {
     "rlhf_actor_critic": ("zero3.json", False, 1),
     "rlhf_offload_states": ("zero3_on_device.json", False, 1),
     "peft_lora": ("zero3.json", False, 1),
+    "optimizer_schedules": ("zero3_no_clip_key.json", False, 1),
 }
 # Where offload answers otherwise, and why (docs/deepspeed-api.md says the same); nothing else may differ.
 KNOWN: dict[tuple[str, str], str] = {
@@ -43,7 +44,11 @@ KNOWN: dict[tuple[str, str], str] = {
                                          "in the 16-bit weights only, until the next step overwrites it",
     ("rlhf_actor_critic", "ref_optimizer"): "an engine without an optimizer returns None as its optimizer here; "
                                             "DeepSpeed 0.19.8 returns its ZeRO-3 parameter-offload object there, "
-                                            "which has no step a script could call"}
+                                            "which has no step a script could call",
+    ("optimizer_schedules", "Lion"): "DeepSpeed 0.19.8's CPU Lion rounds its constants to float first (1 - 0.9f is "
+                                     "0.100000024) and fuses the momentum's blend; offload's is the paper's update "
+                                     "in torch's fp32 order (tests/test_one_state.py holds it there bit for bit), "
+                                     "so the two part in the last places and Lion's sign magnifies that by step 4"}
 REL = 2e-5  # losses, in one run on one machine: DeepSpeed's and offload's fp32 Adam agree to a few ulps a step
 # Against the recorded run (another CPU, whose kernels round otherwise, may run the test): a few ulps a step,
 # grown by eight Adam steps at a high learning rate, stay far inside this; a different training does not.

@@ -230,3 +230,17 @@ def test_lion_and_adagrad_on_the_gpu_match_torch(tmp_path, rule, where):
     ours = train_engine(0, 1, name="gpt", config=config, steps=6, micro=2, accum=2)
     ref = reference(rule, 6, 4, 1.0, 1, **hyper)
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_muon_on_the_gpu_matches_torch(ratio):
+    """#70: Muon's orthogonalisation runs on the GPU for state homed on the host (all of it, or half beside state
+    kept on the GPU), as torch.optim.Muon on the GPU runs it; AdamW's rate 0, as in tests/test_muon.py."""
+    from test_muon import MICRO, STEPS, muon_config, reference
+    config = muon_config(1, 3, "cpu", 0.0, adam_lr=0.0)
+    config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
+    ours = train_engine(0, 1, name="gpt", config=config, steps=STEPS, micro=MICRO, accum=1)
+    ref = reference(STEPS, MICRO, 0.0, 1, adam_lr=0.0)
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)

@@ -203,6 +203,12 @@ def test_what_muon_does_not_take_is_said(tmp_path):
     config = muon_config(1, 3, "cpu", 1.0, ns_method="gram")
     with pytest.raises(ConfigError, match="ns_method"):
         offload.initialize(model=make_any("gpt"), config=config)
+    config = base_config(MICRO, 1, 1)
+    del config["optimizer"]
+    model = make_any("gpt")
+    with pytest.raises(EngineError, match='Muon, with AdamW on what it does not take, by the section.s type "Muon"'):
+        offload.initialize(model=model, config=config, optimizer=torch.optim.Muon(
+            [p for p in model.parameters() if p.ndim == 2]))
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4, 2))
     model[0].weight.use_muon = True
     with pytest.raises(EngineError, match=r"tagged use_muon but has shape \(4, 3, 3, 3\)"):

@@ -269,7 +269,7 @@ for s in "${stages[@]}"; do
     install) stage install install ;;
     bench-deepspeed-placements) stage bench-deepspeed-placements deepspeed_placements ;;
     cuda-streamed) stage cuda-streamed py -m pytest -q -x tests/test_engine_cuda.py -k streamed ;;  # correct first
-    cuda-lend) stage cuda-lend py -m pytest -q -x tests/test_engine_cuda.py -k "offload_states or lion" ;;
+    cuda-lend) stage cuda-lend py -m pytest -q -x tests/test_engine_cuda.py -k "offload_states or lion or muon" ;;
     # compiled blocks under the engine on the GPU (test_compile.py trains on the GPU at W = 1), inductor's first compile
     cuda-compile) stage cuda-compile py -m pytest -q -x tests/test_compile.py ;;
     # plain PyTorch and offload (the state split by auto), each eager and with every block compiled by inductor

@@ -192,9 +192,10 @@ def _optimizer_choice(model: nn.Module, model_parameters: Iterable[Any] | None, 
                                                                  for g in client.param_groups)
             bias = True
         else:
-            raise EngineError(f"optimizer {type(client).__name__} is not supported: offload runs Adam/AdamW, Lion "
-                              "and Adagrad (pass torch.optim.Adam/AdamW/Adagrad, offload.optim.CPUAdam, "
-                              "DeepSpeedCPULion/DeepSpeedCPUAdagrad, or an optimizer section)")
+            raise EngineError(f"optimizer {type(client).__name__} is not supported: offload runs Adam/AdamW, Lion, "
+                              "Adagrad and Muon (pass torch.optim.Adam/AdamW/Adagrad, offload.optim.CPUAdam, "
+                              "DeepSpeedCPULion/DeepSpeedCPUAdagrad, or an optimizer section; Muon, with AdamW on "
+                              "what it does not take, by the section's type \"Muon\")")
         groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
                   for g in client.param_groups]
         return OptimizerChoice(_trainable(groups), adamw, bias)

@@ -28,7 +28,8 @@ def lion_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *,
               betas: tuple[float, float], weight_decay: float = 0.0, grad_scale: float = 1.0,
               out16: torch.Tensor | None = None, threads: int | None = None) -> None:
     """One Lion step in place: decoupled decay, then ``param -= lr * sign(beta1 * m + (1 - beta1) * g)``, then
-    ``m = beta2 * m + (1 - beta2) * g`` (the paper's and DeepSpeed's Lion)."""
+    ``m = beta2 * m + (1 - beta2) * g`` (the paper's Lion, in torch's fp32 order; DeepSpeed's CPU kernel rounds its
+    constants to float first and so differs in the last places)."""
     native.one_state_kernel(param, grad, exp_avg, out16, rule=native.LION, grad_scale=grad_scale,
                             decay=1.0 - lr * weight_decay, lr=lr, beta1=betas[0], beta2=betas[1], threads=threads)
 

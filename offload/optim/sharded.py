@@ -114,7 +114,7 @@ class AdamRule:
     adamw_mode: bool  # decoupled weight decay (AdamW), else L2 (Adam)
     bias_correction: bool
     threads: int | None = None  # offload.cpu_threads (None: the physical cores this process may use)
-    update: str = "adam"  # or lion, adagrad (AdamHyper.rule)
+    update: str = "adam"  # or lion, adagrad (AdamHyper.rule), muon (a Muon group's MuonHyper; its others Adam's)
 
 
 @dataclass(frozen=True, kw_only=True)
