@@ -185,7 +185,7 @@ def estimate(unit_numels: list[int], config: Config, world: int,
                                 whole_grads=0 if stage.reduce_every_micro_batch else est.params),
                     MachineOffer(discrete=discrete, device_free=device_free, refit_room=refit_room,
                                  rates=rates.for_step(None) if refit_room is None else None),
-                    StepAsks(speculation=want.speculation, delayed=want.delayed))
+                    StepAsks(speculation=want.speculation, delayed=want.delayed, not_streamed=want.not_streamed))
 
     placement = placed()
     if activations is not None:

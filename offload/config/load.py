@@ -80,7 +80,8 @@ class Config:
     zero_allow_untested_optimizer: bool = setting(False, "Allow a client optimizer other than Adam/AdamW.",
                                                   support=NO_EFFECT, note="offload runs Adam/AdamW, Lion, "
                                                                           "Adagrad and Muon (by the optimizer "
-                                                                          "section's type); "
+                                                                          "section's type) and torch.optim's other "
+                                                                          "elementwise optimizers (as objects); "
                                                                           "any other optimizer is an error at "
                                                                           "initialize.")
     gradient_predivide_factor: float = setting(1.0, "Divide gradients by this before the reduction and by "

@@ -33,6 +33,7 @@ from offload.machine import prefetch
 from offload.machine.accelerator import Accelerator
 from offload.machine.cpus import default_threads
 from offload.observe.telemetry import Telemetry
+from offload.optim.generic import GenericStep
 from offload.optim.landing import GradientLanding, LandingPolicy
 from offload.optim.lr_schedules import build_lr_schedule
 from offload.optim.muon_pass import MuonPass
@@ -112,7 +113,8 @@ class OptimizerChoice:
     adamw_mode: bool = True
     bias_correction: bool = True
     lr_scheduler: Any = None
-    update: str = "adam"  # or lion, adagrad (AdamHyper.rule), muon: the config's optimizer type
+    update: str = "adam"  # or lion, adagrad (AdamHyper.rule), muon: the config's optimizer type; torch: ``generic``
+    generic: GenericStep | None = None  # a script's torch optimizer, stepped by its own code (optim/generic.py)
 
 
 def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: Group, stage: Stage,
@@ -164,7 +166,7 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
             Shards(shard_sizes, trained, compute_dtype.itemsize), config,
             StageLayout(parts=parts, resident_params=stage.resident_params, whole_grads=whole_grads),
             MachineOffer(discrete=not accel.host_is_device, device_free=device_free, rates=measured),
-            StepAsks(speculation=want.speculation, delayed=want.delayed))
+            StepAsks(speculation=want.speculation, delayed=want.delayed, not_streamed=want.not_streamed))
         nvme_params = placement.nvme_params
         if zero.offload_optimizer.device != "none" and placement.state_fits_device and ratio == 1.0:
             logger.info("rank %d: the whole optimizer state would fit on the device beside the rest, where it steps "
@@ -214,6 +216,7 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
                            second_slots=step_schedule.second_slots(want, placement), delayed=want.delayed,
                            staged=placement.staged, stochastic=_stochastic_stream(config, group.rank),
                            muon=MuonPass(accel, partition.world, partition.pg) if choice.update == "muon" else None,
+                           generic=choice.generic,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))
         units = [_shard_unit(model, plan, partition, group, stage, accel, compute_dtype, params, optimizer,
@@ -278,6 +281,8 @@ def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, sta
     if group_of is not None:
         optimizer.add_shard(unit.index, unit.name, unit.shard_of(values, start),
                             shard_segments(unit.slots, unit.shard_start, unit.shard_numel, group_of))
+        if optimizer.update.generic is not None:  # its parameters, one piece each for a torch optimizer's own step
+            optimizer.update.generic.add(unit.index, unit.slots, unit.shard_start, unit.shard_numel, group_of)
         if optimizer.update.muon is not None:  # its matrices, for Muon's first pass
             muon_groups = frozenset(i for i, g in enumerate(optimizer.param_groups) if g.get("use_muon"))
             optimizer.update.muon.add(unit.index, unit.slots, unit.shard_start, unit.shard_numel, group_of,

@@ -28,6 +28,7 @@ from offload.engine.muon_groups import check_muon, muon_halves
 from offload.files.pretrained import PretrainedWeights
 from offload.machine.accelerator import Accelerator, finish_streams
 from offload.machine.host_malloc import set_mmap_threshold
+from offload.optim import generic
 from offload.optim.cpu_adam import CPUAdam
 from offload.optim.one_state import CPUAdagrad, CPULion
 from offload.optim.sharded import ShardedAdam
@@ -192,10 +193,7 @@ def _optimizer_choice(model: nn.Module, model_parameters: Iterable[Any] | None, 
                                                                  for g in client.param_groups)
             bias = True
         else:
-            raise EngineError(f"optimizer {type(client).__name__} is not supported: offload runs Adam/AdamW, Lion, "
-                              "Adagrad and Muon (pass torch.optim.Adam/AdamW/Adagrad, offload.optim.CPUAdam, "
-                              "DeepSpeedCPULion/DeepSpeedCPUAdagrad, or an optimizer section; Muon, with AdamW on "
-                              "what it does not take, by the section's type \"Muon\")")
+            return _torch_client(client)
         groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
                   for g in client.param_groups]
         return OptimizerChoice(_trainable(groups), adamw, bias)
@@ -234,6 +232,26 @@ def _one_state_client(client: torch.optim.Optimizer) -> OptimizerChoice:
     groups = [{"params": g["params"], "lr": g["lr"], "weight_decay": g["weight_decay"],
                "betas": tuple(g.get("betas", (0.9, 0.999))), "eps": g.get("eps", 1e-8)} for g in client.param_groups]
     return OptimizerChoice(_trainable(groups), update=rule)
+
+
+def _torch_client(client: torch.optim.Optimizer) -> OptimizerChoice:
+    """Another torch optimizer: stepped by its own code on each shard's segments where its update is elementwise
+    (see [Note: a torch optimizer's own step] in offload/optim/generic.py), refused by name where it is not."""
+    cls, names = type(client), tuple(client.defaults)
+    layouts = []
+    for i, g in enumerate(client.param_groups):
+        try:
+            layouts.append(generic.probe(cls, generic.hyperparameters(g, names), f"{cls.__name__}'s "
+                                                                                  f"param_groups[{i}]"))
+        except ValueError as e:
+            raise EngineError(f"{e} (offload runs Adam/AdamW, Lion, Adagrad and Muon with its own kernels: pass "
+                              "torch.optim.Adam/AdamW/Adagrad, offload.optim.CPUAdam, DeepSpeedCPULion/"
+                              "DeepSpeedCPUAdagrad, or an optimizer section; Muon, with AdamW on what it does not "
+                              "take, by the section's type \"Muon\")") from None
+    logger.warning("offload steps %s through torch's own single-tensor code on each shard, after backward: exact, "
+                   "and slower than its native Adam, Lion and Adagrad kernels", cls.__name__)
+    groups = [{**g, "params": list(g["params"])} for g in client.param_groups]
+    return OptimizerChoice(_trainable(groups), update="torch", generic=generic.GenericStep(cls, names, layouts))
 
 
 def _share_groups(client: torch.optim.Optimizer, ours: ShardedAdam) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from offload.config import AUTO, Config, ConfigError
+from offload.config import Config, ConfigError
 from offload.config.fields import resolved
 from offload.config.sections import AdamParams
 from offload.engine.errors import EngineError
@@ -69,6 +69,3 @@ def check_muon(cfg: Config) -> None:
         raise ConfigError("zero_optimization.offload_optimizer.device", "Muon's state is stepped on the host or the "
                           "device here, not through NVMe (its first pass reads every unit's momentum at once): "
                           "set it to cpu or none")
-    if cfg.offload.stream_state is not AUTO and cfg.offload.stream_state:
-        raise ConfigError("offload.stream_state", "Muon's state is not streamed (its first pass steps every unit "
-                          "before the streamed lane could): set it to 0 or auto")

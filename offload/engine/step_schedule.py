@@ -227,6 +227,7 @@ class Wanted:
     speculation: Speculation
     speculation_why: str  # why none, when none
     delayed: bool  # the delayed update stages new shards
+    not_streamed: str = ""  # why the update cannot run in the streamed lane (empty: it can)
 
 
 def gated(config: Config, compute_dtype: torch.dtype) -> list[str]:
@@ -244,9 +245,9 @@ def wanted(config: Config, compute_dtype: torch.dtype, rule: str) -> Wanted:
     delayed = config.offload.delayed_update.warmup_steps is not None
     why = _speculation_unwanted(config, compute_dtype, rule)
     if why is not None:
-        return Wanted(Speculation.NONE, why, delayed)
+        return Wanted(Speculation.NONE, why, delayed, WHOLE.get(rule, ""))
     auto = config.offload.speculative_step == "auto"
-    return Wanted(Speculation.NVME if auto else Speculation.ALL, "", delayed)
+    return Wanted(Speculation.NVME if auto else Speculation.ALL, "", delayed, WHOLE.get(rule, ""))
 
 
 def _speculation_unwanted(config: Config, compute_dtype: torch.dtype, rule: str) -> str | None:
@@ -254,7 +255,8 @@ def _speculation_unwanted(config: Config, compute_dtype: torch.dtype, rule: str)
     if mode == "off":
         return "offload.speculative_step is off"
     if rule != "adam":
-        why = f"{RULE_NAMES[rule]} is not speculated (its step is not written into a second slot)"
+        why = f"{RULE_NAMES.get(rule, 'a torch optimizer')} is not speculated (its step is not written into a second " \
+              "slot)"
         if mode == "on":
             raise ConfigError("offload.speculative_step", f"{why}: set it to \"auto\" or \"off\"")
         return why
@@ -289,9 +291,9 @@ def choose(config: Config, compute_dtype: torch.dtype, stage: Stage, optimizer: 
     returns = _returns(config, stage, optimizer, accel)
     delayed = config.offload.delayed_update.warmup_steps
     if delayed is not None:
-        if optimizer.update_rule == "muon":
-            raise ConfigError("offload.delayed_update.warmup_steps", f"{MUON_WHOLE}, so it runs whole after "
-                              "backward: remove the section")
+        if optimizer.update_rule in WHOLE:
+            raise ConfigError("offload.delayed_update.warmup_steps", f"{WHOLE[optimizer.update_rule]}, so it runs "
+                              "whole after backward: remove the section")
         if stage.resident_params or not optimizer.can_return_early or optimizer.partial or optimizer.streamed:
             raise ConfigError("offload.delayed_update.warmup_steps", "the delayed update needs ZeRO stage 3 with "
                               "all of the optimizer state on the host, stepped there, and no parameters on NVMe "
@@ -312,8 +314,10 @@ def choose(config: Config, compute_dtype: torch.dtype, stage: Stage, optimizer: 
     return StepSchedule(AfterBackward("; ".join(reasons)) if reasons else Overlapped(), returns)
 
 
-# why Muon's step runs whole after backward ([Note: Muon over shards] in offload/optim/muon_pass.py)
-MUON_WHOLE = "Muon's step gathers each matrix from every rank once every gradient is in"
+# why these updates run whole after backward ([Note: Muon over shards] in offload/optim/muon_pass.py, [Note: a torch
+# optimizer's own step] in offload/optim/generic.py)
+WHOLE = {"muon": "Muon's step gathers each matrix from every rank once every gradient is in",
+         "torch": "a torch optimizer's own step runs once every gradient is in"}
 
 
 def _not_overlapped(config: Config, compute_dtype: torch.dtype, optimizer: ShardedAdam) -> list[str]:
@@ -326,11 +330,11 @@ def _not_overlapped(config: Config, compute_dtype: torch.dtype, optimizer: Shard
     mode = config.offload.overlap_step
     if mode == "off":
         reasons.append("offload.overlap_step is off")
-    if optimizer.update_rule == "muon":
+    if optimizer.update_rule in WHOLE:
         if mode == "on":
-            raise ConfigError("offload.overlap_step", f"{MUON_WHOLE}, so it runs whole after backward: set it to "
-                              "auto or off")
-        reasons.append(MUON_WHOLE)
+            raise ConfigError("offload.overlap_step", f"{WHOLE[optimizer.update_rule]}, so it runs whole after "
+                              "backward: set it to auto or off")
+        reasons.append(WHOLE[optimizer.update_rule])
     # 'auto' overlaps on a GPU too. It stepped after backward there once: on an H100 (2026-11-22) the overlapped
     # step measured 0.72x, when the host thread ran each shard's Adam and held up the gradient drain backward's end
     # waits for. The Adam runs on the landing worker now, and the replay on the h100 preset (docs/performance.md,
@@ -344,11 +348,11 @@ def _returns(config: Config, stage: Stage, optimizer: ShardedAdam, accel: Accele
     mode = config.offload.early_step
     if mode == "off":
         return Whole("offload.early_step is off")
-    if optimizer.update_rule == "muon":
+    if optimizer.update_rule in WHOLE:
         if mode == "on":
-            raise ConfigError("offload.early_step", f"{MUON_WHOLE}, so it runs whole after backward: set it to auto "
-                              "or off")
-        return Whole(MUON_WHOLE)
+            raise ConfigError("offload.early_step", f"{WHOLE[optimizer.update_rule]}, so it runs whole after "
+                              "backward: set it to auto or off")
+        return Whole(WHOLE[optimizer.update_rule])
     if stage.resident_params:
         return Whole(f"ZeRO stage {stage.number} spreads the new partitions right after the step")
     if optimizer.split.through_host:

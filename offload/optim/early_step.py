@@ -56,7 +56,7 @@ import torch
 
 from offload.machine.accelerator import Event, WorkerStream
 from offload.observe.telemetry import Telemetry
-from offload.optim.muon import Hyper
+from offload.optim.hyper import Hyper
 from offload.optim.shard_state import ShardPhase
 from offload.optim.speculation import Speculation
 from offload.optim.streamed_step import StreamedStep

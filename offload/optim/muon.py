@@ -10,8 +10,6 @@ from typing import Any
 
 import torch
 
-from offload.optim.adam import AdamHyper
-
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
 ADJUST_LR = ("original", "match_rms_adamw")
 
@@ -73,7 +71,3 @@ def orthogonalized(update: torch.Tensor, hyper: MuonHyper) -> torch.Tensor:
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
-
-
-# A param group's hyperparameters as the step reads them: Adam's (Lion's, Adagrad's) or, in a Muon group, Muon's
-Hyper = AdamHyper | MuonHyper

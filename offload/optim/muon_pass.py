@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from offload.machine.accelerator import Accelerator
-from offload.optim.muon import Hyper, MuonHyper, orthogonalized
+from offload.optim.hyper import Hyper
+from offload.optim.muon import MuonHyper, orthogonalized
 from offload.optim.shard_state import ShardPhase, ShardState, widened
 from offload.store.state_format import StateSlot
 from offload.store.sub_groups import SubGroup

@@ -7,7 +7,7 @@ gradient lands (``landed``); the optimizer takes the failure it kept (``take_err
 from __future__ import annotations
 
 from offload.observe.telemetry import Telemetry
-from offload.optim.muon import Hyper
+from offload.optim.hyper import Hyper
 from offload.optim.shard_state import Overlap, ShardPhase, ShardState
 from offload.optim.speculation import Speculation
 from offload.optim.update import ShardUpdate

@@ -13,7 +13,7 @@ import torch
 
 from offload.machine import native
 from offload.machine.accelerator import DoneEvent, Event
-from offload.optim.muon import Hyper
+from offload.optim.hyper import Hyper
 from offload.store.sub_groups import SubGroup
 from offload.store.tier import Tier
 

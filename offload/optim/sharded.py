@@ -64,9 +64,11 @@ from offload.machine.accelerator import Accelerator
 from offload.observe.telemetry import Telemetry
 from offload.optim.adam import AdamHyper
 from offload.optim.early_step import EarlyLanes, EarlyStep, EarlyStepLost
+from offload.optim.generic import GenericStep
+from offload.optim.hyper import Hyper
 from offload.optim.landing import GradientLanding, LandingPolicy, OnLanding
 from offload.optim.loss_scale import LossScaler
-from offload.optim.muon import Hyper, MuonHyper
+from offload.optim.muon import MuonHyper
 from offload.optim.muon_pass import MuonPass
 from offload.optim.overlapped_step import OverlappedStep
 from offload.optim.shard_state import Overlap, Segment, ShardPhase, ShardState, StateSplit, gaps, unstep, widened
@@ -105,6 +107,7 @@ class StatePlan:
     staged: frozenset[int] = frozenset()  # ... and these units' new shards wait in staging buffers (the placement's)
     stochastic: int | None = None  # this rank's stream, where a bf16 master rounds stochastically (state_format.py)
     muon: MuonPass | None = None  # the Muon matrices' first pass, where the optimizer is Muon (muon_pass.py)
+    generic: GenericStep | None = None  # a torch optimizer's own step, where the script passed one (generic.py)
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,7 @@ class ShardedAdam(OptimizerFace):
         lane = SpeculationLane(accel) if self.offload and plan.second_slots else None
         nvme_units = frozenset(i for i, _ in sizes if params.home(i) is Tier.NVME)
         self.update = ShardUpdate(accel, self.shards, params, self.split, nvme_units,
-                                  UpdateMeans(threads, plan.stochastic, plan.muon))
+                                  UpdateMeans(threads, plan.stochastic, plan.muon, plan.generic))
         if self.offload and sizes:
             self._reserve_host(plan.step_buffers)
         self._host_accumulators = "gradient accumulators" in plan.step_buffers  # the plan counted them
@@ -264,9 +267,6 @@ class ShardedAdam(OptimizerFace):
                     if t is not None]
         return out
 
-    def _host_tensor(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.accel.host_buffer(n, dtype)[0]
-
     # ----------------------------------------------------------------- state
 
     def add_shard(self, index: int, name: str, master: torch.Tensor, segments: list[Segment]) -> None:
@@ -276,10 +276,10 @@ class ShardedAdam(OptimizerFace):
         on_device = None
         if self.steps_on_host(index):
             if index in self.landing.device_accumulated:  # the sum comes down once, in fp32
-                landing = self._host_tensor(n, torch.float32)
+                landing = self.accel.host_buffer(n, torch.float32)[0]
                 on_device = torch.empty(n, dtype=torch.float32, device=self.accel.device)
             elif self.landing.d2h is not None:
-                landing = self._host_tensor(n, self.compute_dtype)
+                landing = self.accel.host_buffer(n, self.compute_dtype)[0]
         elif not self.device_grads_kept:
             grad = torch.zeros(n, dtype=torch.float32, device=self.accel.device)
         self.early.add_staging(index, n, self.compute_dtype)
@@ -540,6 +540,8 @@ class ShardedAdam(OptimizerFace):
         g = self.param_groups[group]
         if g.get("use_muon"):  # a Muon group ([Note: Muon over shards] in offload/optim/muon_pass.py)
             return MuonHyper.of(g)
+        if self.update.generic is not None:  # a torch optimizer's own ([Note: a torch optimizer's own step])
+            return self.update.generic.hyper(group, g)
         return AdamHyper(lr=float(g["lr"]), betas=tuple(g["betas"]), eps=float(g["eps"]),
                          weight_decay=float(g["weight_decay"]), adamw_mode=self.adamw_mode,
                          bias_correction=self.bias_correction, rule=self.update_rule.replace("muon", "adam"))

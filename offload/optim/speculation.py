@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 
 from offload.observe.telemetry import Telemetry
-from offload.optim.muon import Hyper
+from offload.optim.hyper import Hyper
 from offload.optim.shard_state import Guess, Overlap, ShardPhase, ShardState, unstep
 from offload.optim.speculation_lane import SpeculationLane, TicketPhase
 from offload.optim.update import ShardUpdate

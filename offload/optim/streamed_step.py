@@ -55,7 +55,7 @@ import torch
 
 from offload.machine.accelerator import Accelerator, CopyStream, Event
 from offload.observe.telemetry import Telemetry
-from offload.optim.muon import Hyper
+from offload.optim.hyper import Hyper
 from offload.optim.shard_state import ShardPhase, ShardState
 from offload.optim.update import ShardUpdate
 from offload.store.param_store import ParamStore

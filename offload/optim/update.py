@@ -13,7 +13,8 @@ from offload.machine.accelerator import Accelerator, Event
 from offload.machine.native import Stochastic
 from offload.observe.step_graph import COMPUTE
 from offload.optim.adam import AdamHyper, adam_step, device_adam_step, device_adam_step_held
-from offload.optim.muon import Hyper
+from offload.optim.generic import GenericHyper, GenericStep
+from offload.optim.hyper import Hyper
 from offload.optim.muon_pass import MuonPass, apply_pieces
 from offload.optim.one_state import one_state_step
 from offload.optim.shard_state import ShardPhase, ShardState, StateSplit, by_group, widened
@@ -31,6 +32,7 @@ class UpdateMeans:
     threads: int | None = None
     stochastic: int | None = None
     muon: MuonPass | None = None
+    generic: GenericStep | None = None  # a torch optimizer's own step (None: not one; offload/optim/generic.py)
 
 
 class ShardUpdate:
@@ -43,6 +45,7 @@ class ShardUpdate:
         ``nvme_units``: units whose parameter shard is homed on NVMe."""
         self.accel, self.shards, self.params = accel, shards, params
         self.threads, self.stochastic, self.muon = means.threads, means.stochastic, means.muon
+        self.generic = means.generic
         self.split = split
         self.nvme_units = nvme_units
         self._compute_done: Event | None = None  # where the step orders copies after compute (re-recorded)
@@ -92,7 +95,16 @@ class ShardUpdate:
             apply_pieces(matrices, views, hypers, out16)
             segments = [seg for seg in segments if hypers[seg.group].rule != "muon"]  # the rest are Adam's
         adams = [h for h in hypers if isinstance(h, AdamHyper)]
-        if adams and adams[0].rule != "adam":  # Lion or Adagrad: one state buffer (offload/optim/one_state.py)
+        if self.generic is not None:  # see [Note: a torch optimizer's own step] in generic.py
+            assert into is None, "a torch optimizer's own step is not speculated"
+            for start, end, group in self.generic.pieces[index]:
+                s = slice(start, end)
+                g = widened(grad[s], pre_scale)
+                hyper = hypers[group]
+                assert isinstance(hyper, GenericHyper)
+                self.generic.segment((master[s], exp_avg[s], exp_avg_sq[s]), g * grad_scale if grad_scale != 1.0
+                                     else g, step, hyper, out16[s] if out16 is not None else None)
+        elif adams and adams[0].rule != "adam":  # Lion or Adagrad: one state buffer (offload/optim/one_state.py)
             assert into is None, "Lion and Adagrad are not speculated (the schedule takes no speculative step)"
             on_device = out is None and self.on_discrete_device(index)
             for seg in segments:

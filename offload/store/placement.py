@@ -113,6 +113,7 @@ class StepAsks:
 
     speculation: Speculation = Speculation.NONE  # which sub-groups the step speculates on
     delayed: bool = False  # the delayed update stages each new shard in a host buffer of its own
+    not_streamed: str = ""  # why the update cannot run in the streamed lane (empty: it can)
 
 
 @dataclass
@@ -184,7 +185,7 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
         if alias:  # the units homed on the device beside offloaded parameters are read there too
             out.aliased = frozenset(i for i, h in homes.items() if h is Tier.DEVICE)
     if trained_sizes:  # with the state kept on the device, a share to stream is refused by name
-        _plan_streamed(out, shards, config, discrete)
+        _plan_streamed(out, shards, config, discrete, step.not_streamed)
     nvme_params = out.nvme_params
     offloaded_sizes = [(i, n) for i, n in trained_sizes if i not in out.state_on_device and i not in out.streamed]
     # Several micro-batches a step on a GPU, gradients reduced once a step (stage 3): an offloaded optimizer's
@@ -450,17 +451,24 @@ def nearest_prefix(sizes: list[tuple[int, int]], share: float) -> list[tuple[int
     return chosen
 
 
-def _plan_streamed(out: Placement, shards: Shards, config: Any, discrete: bool) -> None:
+def _plan_streamed(out: Placement, shards: Shards, config: Any, discrete: bool, not_streamed: str) -> None:
     """offload.stream_state s: of the units whose optimizer state is offloaded (to the host, or to NVMe through the
     host: [Note: NVMe state streamed] in offload/optim/streamed_step.py), the first ones (the next forward's first)
     nearest s of their elements are stepped on the device, their state streamed over the bus each step (see
     [Note: the streamed lane] in offload/optim/streamed_step.py): their gradients stay on the device
     as a device-stepped unit's do, and a ring of ``RING_SLOTS`` of the largest such sub-group's state takes device
     memory.
-    On a CPU device, whose memory is the host's, there is no bus to stream over: nothing is streamed."""
+    On a CPU device, whose memory is the host's, there is no bus to stream over: nothing is streamed; nor where the
+    update cannot run in the lane (``not_streamed`` says why)."""
     share = config.offload.stream_state
-    if share is AUTO or not share or not discrete:
+    if share is AUTO or not share:
         return  # auto: chosen with the device's state by rates (``_plan_state_on_device``)
+    if not_streamed:
+        out.problems.append(ConfigError("offload.stream_state", f"{not_streamed}, so no state is streamed: set it "
+                                                                "to 0 or auto"))
+        return
+    if not discrete:
+        return
     zero = config.zero_optimization
     if zero.offload_optimizer.device == "none":
         out.problems.append(ConfigError(
@@ -493,10 +501,8 @@ def _stream(out: Placement, shards: Shards, config: Any, chosen: list[tuple[int,
 def streams_by_rates(config: Any, machine: MachineOffer, step: StepAsks) -> bool:
     """Whether offload.stream_state auto may stream state (its share then chosen by rates): a device with memory of
     its own (a CPU device's is the host's: nothing to stream), the state offloaded to the host (NVMe state is not
-    streamed yet), no delayed update (whose Adam runs on the host alone), not Muon (whose first pass steps every
-    unit before the lane could: offload/optim/muon_pass.py)."""
-    muon = config.optimizer is not None and config.optimizer.rule == "muon"
-    return (config.offload.stream_state is AUTO and machine.discrete and not step.delayed and not muon
+    streamed yet), no delayed update (whose Adam runs on the host alone), an update the lane can run."""
+    return (config.offload.stream_state is AUTO and machine.discrete and not step.delayed and not step.not_streamed
             and config.zero_optimization.offload_optimizer.device == "cpu")
 
 
