@@ -12,7 +12,7 @@ import offload
 from offload.engine.errors import EngineError
 from offload.machine.launch import run_ranks
 
-STEPS, MICRO = 5, 2
+STEPS, MICRO = 3, 2
 OPTIMIZERS = {
     "SGD momentum": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01),
     "SGD nesterov": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True),

@@ -102,12 +102,14 @@ def test_the_engine_steps_muon_bitwise_as_torch(stage, state, clip):
 def test_matrices_cut_across_two_ranks_step_as_torch(stage, state):
     """Each rank holds a slice of a matrix; the slices are gathered whole for its orthogonalisation. Two
     micro-batches a step on each rank: one step agrees to the last places (a wrong slice would be off by the
-    whole update, about 5e-3), then the losses to 1e-4 over five."""
+    whole update, about 5e-3); at stage 3, the losses to 1e-4 over five."""
     config = muon_config(2, stage, state, 1.0, accum=ACCUM, adam_lr=0.0)
     one = run_ranks(train_engine, 2, name="gpt", config=config, steps=1, micro=MICRO, accum=ACCUM)
     ref = reference(1, MICRO * ACCUM * 2, 1.0, 2, adam_lr=0.0)
     for key, value in ref["state"].items():
         torch.testing.assert_close(one[0]["state"][key], value, rtol=0, atol=1e-5, msg=key)
+    if stage != 3:
+        return
     five = run_ranks(train_engine, 2, name="gpt", config=config, steps=STEPS, micro=MICRO, accum=ACCUM)
     ref = reference(STEPS, MICRO * ACCUM * 2, 1.0, 2, adam_lr=0.0)
     torch.testing.assert_close(torch.tensor(five[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=0)

@@ -103,10 +103,10 @@ class AdamParams:
     muon_lr: float | None = setting(None, "DeepSpeed's: the Muon groups' lr (null: lr) (type Muon).", ge=0)
     adam_lr: float | None = setting(None, "DeepSpeed's: the lr of the groups AdamW steps beside Muon (null: lr) "
                                           "(type Muon).", ge=0)
-    ns_method: str = setting("standard", "DeepSpeed's choice of Newton-Schulz iteration (type Muon). offload runs "
-                                         "torch.optim.Muon's (bf16, five steps by default), DeepSpeed's 'standard'; "
-                                         "its 'gram' (fp16, restarted) is not offered.", choices=("standard",))
-
+    ns_method: str = setting("standard", "DeepSpeed's choice of Newton-Schulz iteration (type Muon), kept in each Muon "
+                                         "group as DeepSpeed keeps it. offload runs torch.optim.Muon's (bf16, "
+                                         "ns_steps of them), DeepSpeed's 'standard'; its 'gram' (fp16, restarted) is "
+                                         "not offered.", choices=("standard",))
 
 OPTIMIZER_TYPES = ("Adam", "AdamW", "Lion", "Adagrad", "Muon")
 ONE_STATE_TYPES = ("Lion", "Adagrad")  # one state buffer beside the master (offload/optim/one_state.py)

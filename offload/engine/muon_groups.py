@@ -44,7 +44,7 @@ def muon_halves(model: nn.Module, source: list[Any], p: AdamParams) -> list[dict
     if loose or not groups:
         groups.append({"params": loose})
     muon = {"lr": p.lr if p.muon_lr is None else p.muon_lr, "momentum": p.momentum, "weight_decay": p.weight_decay,
-            "nesterov": p.nesterov, "ns_steps": p.ns_steps, "adjust_lr_fn": p.adjust_lr_fn}
+            "nesterov": p.nesterov, "ns_steps": p.ns_steps, "adjust_lr_fn": p.adjust_lr_fn, "ns_method": p.ns_method}
     adam = {"lr": p.lr if p.adam_lr is None else p.adam_lr, "betas": tuple(resolved(p.betas)), "eps": p.eps,
             "weight_decay": p.weight_decay}
     out = []
