@@ -135,6 +135,7 @@ class GenericStep:
         for key, buf in zip(hyper.layout.tensors, buffers, strict=False):
             if made[key].data_ptr() != buf.data_ptr():  # made by the optimizer (its first step), or replaced
                 buf.copy_(made[key])
-        hyper.group[SCALARS] = {k: float(made[k]) for k in hyper.layout.scalars}
+        if hyper.layout.scalars:
+            hyper.group[SCALARS] = {k: float(made[k]) for k in hyper.layout.scalars}
         if out16 is not None:
             out16.copy_(master)

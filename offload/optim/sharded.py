@@ -544,7 +544,8 @@ class ShardedAdam(OptimizerFace):
             return self.update.generic.hyper(group, g)
         return AdamHyper(lr=float(g["lr"]), betas=tuple(g["betas"]), eps=float(g["eps"]),
                          weight_decay=float(g["weight_decay"]), adamw_mode=self.adamw_mode,
-                         bias_correction=self.bias_correction, rule=self.update_rule.replace("muon", "adam"))
+                         bias_correction=self.bias_correction,
+                         rule="adam" if self.update_rule == "muon" else self.update_rule)  # Muon's others: AdamW
 
     def _hypers(self) -> list[Hyper]:
         """Every param group's hyperparameters as the step reads them now (an LR schedule changes them)."""
