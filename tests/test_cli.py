@@ -447,3 +447,19 @@ def test_bench_step_goes_on_when_plain_pytorch_does_not_fit(tmp_path, capsys, mo
         step._torch_steps(step.StepBench(world=1))
     text = capsys.readouterr().out
     assert "the offload variants run without it" in text and "= torch did not fit" in text
+
+
+def test_bench_step_muon_runs_muon_on_both_sides(tmp_path):
+    """--optimizer muon: plain PyTorch steps torch.optim.Muon on the matrices offload's type Muon takes and the
+    fused AdamW on the rest; offload runs the config's type Muon, in the variants whose step it takes."""
+    from offload.bench import step
+    bench = step.StepBench(optimizer="muon", hidden=64, layers=2, seq=16, micro=2, world=1, steps=1, repeats=1,
+                           unit_bytes=8 << 10)
+    assert tuple(bench.variants()) == step.MUON_VARIANTS
+    model = bench.build_model(on_device=False)
+    muon, adamw = step._torch_optimizers(bench, model)
+    assert isinstance(muon, torch.optim.Muon) and all(p.ndim == 2 for g in muon.param_groups for p in g["params"])
+    assert sum(len(g["params"]) for o in (muon, adamw) for g in o.param_groups) == len(list(model.parameters()))
+    assert step.engine_config(bench, {"device": "cpu"})["optimizer"]["type"] == "Muon"
+    result = step.run(step.StepBench(**{**bench.__dict__, "only": ("host",)}), tmp_path / "step.json")
+    assert result.offload_step_s > 0 and result.torch_step_s and json.loads((tmp_path / "step.json").read_text())["bench"]["optimizer"] == "muon"

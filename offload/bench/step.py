@@ -3,7 +3,7 @@
 Both train the same GPT on the same global batch: offload on W ranks over gloo (each
 rank a process with cores/W threads, so both sides use the whole machine), torch in
 one process with torch.optim.AdamW(fused=True) (with bf16: fp32 parameters under bf16
-autocast). Runs alternate (torch, offload, torch, ...) so drift of the shared machine
+autocast; with --optimizer muon, torch.optim.Muon on the hidden matrices beside it). Runs alternate (torch, offload, torch, ...) so drift of the shared machine
 falls on both alike; each figure is a median.
 
 The offload step is split by the engine's telemetry into gather, reduce-scatter,
@@ -56,6 +56,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from offload.engine.muon_groups import uses_muon
 from offload.machine.cpus import default_threads, usable_cpus
 from offload.machine.host_malloc import DEFAULT_THRESHOLD, resident
 from offload.machine.launch import run_ranks
@@ -70,6 +71,8 @@ STATE_FORMATS = {cli: FORMATS[name].names() for cli, name in (
     ("fp32", "fp32"), ("bf16-moments", "bf16 moments"), ("16+16", "16+16 master"),
     ("bf16-master", "bf16 master stochastic"),
     ("bf16-master-nearest", "bf16 master nearest"))}
+# The variants `--optimizer muon` runs unless --variants names others: Muon's step runs whole after backward.
+MUON_VARIANTS = ("host", "clip-after", "noclip-after", "params-host")
 # Variants that run only when --variants names them.
 NAMED_ONLY = ("ratio-auto", "ratio-half", "delayed", "host-spare-cores", "nvme-optimizer-speculative",
               "nvme-optimizer-speculative-kept", "nvme-optimizer-early", "nvme-early", "params-host-bf16-moments",
@@ -116,6 +119,9 @@ class StepBench:
     # offload.optimizer_state (master, moments) of every variant that names none (`--state-format`)
     state: tuple[str, str] = STATE_FORMATS["fp32"]
     compile: str = ""  # a torch.compile backend: every side's repeated blocks compiled with it ("": eager)
+    # adamw, or muon: torch.optim.Muon on the hidden matrices beside AdamW on the rest on every side (offload: the
+    # config's type Muon, whose step runs whole after backward: only the variants that take it run)
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         if self.warmup < 1:  # bytes count from the last warm-up step, begun with nothing in flight
@@ -158,6 +164,8 @@ class StepBench:
         every = self._all_variants()
         if self.only:
             return {name: every[name] for name in self.only}
+        if self.optimizer == "muon":
+            return {name: v for name, v in every.items() if name in MUON_VARIANTS}
         return {name: v for name, v in every.items() if name not in NAMED_ONLY}
 
     def _all_variants(self) -> dict[str, dict[str, Any]]:
@@ -338,7 +346,8 @@ def engine_config(b: StepBench, variant: dict[str, Any]) -> dict[str, Any]:
         param.update(nvme_path=b.nvme_path, max_in_cpu=0, buffer_count=b.param_buffers)
     config = {"train_micro_batch_size_per_gpu": b.micro, "gradient_accumulation_steps": b.accum,
               "gradient_clipping": variant.get("clip", 1.0),
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+              "optimizer": {"type": "Muon", "params": {"lr": 1e-4, "muon_lr": MUON_LR, "weight_decay": 0.1}}
+              if b.optimizer == "muon" else {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
               "bf16": {"enabled": b.dtype == "bf16"},
               "zero_optimization": {"stage": variant.get("stage", 3), "offload_optimizer": optimizer,
                                     "offload_param": param,
@@ -448,6 +457,20 @@ def _out_of_memory(message: str) -> bool:
     return "out of memory" in message.lower() or "ALLOC_FAILED" in message
 
 
+MUON_LR = 0.02  # the Muon matrices' rate (the rest's AdamW keeps 1e-4)
+
+
+def _torch_optimizers(b: StepBench, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """Plain PyTorch's optimizers: the fused AdamW, or torch.optim.Muon on the matrices offload's type Muon gives
+    it (offload/engine/muon_groups.py) and the fused AdamW on the rest."""
+    if b.optimizer != "muon":
+        return [torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)]
+    named = list(model.named_parameters())
+    muon = [p for n, p in named if uses_muon(p, n)]
+    return [torch.optim.Muon(muon, lr=MUON_LR, weight_decay=0.1),
+            torch.optim.AdamW([p for n, p in named if not uses_muon(p, n)], lr=1e-4, weight_decay=0.1, fused=True)]
+
+
 def _torch_timed(b: StepBench) -> tuple[list[float], int]:
     """Step times of plain PyTorch (model and AdamW on ``b.device``) and, on a GPU, its memory high water.
 
@@ -456,7 +479,7 @@ def _torch_timed(b: StepBench) -> tuple[list[float], int]:
     model = b.build_model(on_device=True)
     if b.compile:
         compile_blocks(model, b.compile, {})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    opts = _torch_optimizers(b, model)
     autocast = torch.autocast(b.device, dtype=torch.bfloat16, enabled=b.dtype == "bf16")
     times = []
     rows = b.micro * b.world
@@ -470,13 +493,14 @@ def _torch_timed(b: StepBench) -> tuple[list[float], int]:
                 loss = lm_loss(model, model, part)
             (loss / b.accum if b.accum > 1 else loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         sync(b.device)
         if i >= b.warmup:
             times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() if b.device == "cuda" else 0
-    del model, opt
+    del model, opts
     if b.device == "cuda":
         torch.cuda.empty_cache()
     return times, peak

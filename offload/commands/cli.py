@@ -262,7 +262,7 @@ def _step_bench(args: argparse.Namespace, step: Any, out: Path) -> Any:
                           sub_group_size=args.sub_group_size, trace_dir=str(out.parent), device=args.device,
                           stages=_stages(args.stage), checkpointing=args.checkpointing, profile=args.profile,
                           headline_only=args.headline_only, device_budget=args.device_budget,
-                          state=step.STATE_FORMATS[args.state_format],
+                          state=step.STATE_FORMATS[args.state_format], optimizer=args.optimizer,
                           only=() if args.baseline != "torch" else _names(args.variants))
 
 
@@ -686,6 +686,10 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
                         "(torch.compile, default backend inductor): how much of compile's gain offload keeps")
     b.add_argument("--clip", type=float, default=1.0, help="gradient_clipping with --baseline floor (0: off; "
                                                             "default 1.0)")
+    b.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="every side's optimizer: AdamW (default), or torch.optim.Muon on the hidden matrices beside "
+                        "AdamW on the rest (offload: the config's type Muon; its variants: host, clip-after, "
+                        "noclip-after, params-host)")
     b.add_argument("--state-format", choices=["fp32", "bf16-moments", "16+16", "bf16-master", "bf16-master-nearest"],
                    default="fp32", help="offload.optimizer_state of offload's variants that name none: fp32 (default), "
                                         "bf16 moments, a 16+16 master with bf16 moments, a bf16 master rounded "
