@@ -3,8 +3,9 @@
 Both train the same GPT on the same global batch: offload on W ranks over gloo (each
 rank a process with cores/W threads, so both sides use the whole machine), torch in
 one process with torch.optim.AdamW(fused=True) (with bf16: fp32 parameters under bf16
-autocast; with --optimizer muon, torch.optim.Muon on the hidden matrices beside it). Runs alternate (torch, offload, torch, ...) so drift of the shared machine
-falls on both alike; each figure is a median.
+autocast; with --optimizer muon, torch.optim.Muon on the hidden matrices beside it).
+Runs alternate (torch, offload, torch, ...) so drift of the shared machine falls on
+both alike; each figure is a median.
 
 The offload step is split by the engine's telemetry into gather, reduce-scatter,
 waiting for gradients to reach the host, and the optimizer (norm + Adam); compute is
