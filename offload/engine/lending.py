@@ -19,14 +19,19 @@ from collections.abc import Container, Iterator
 import torch
 from torch import nn
 
+from offload.aio.base import IOEngine, SwapFile, SwapIOError
 from offload.checkpointing import ActivationStore
+from offload.config import Config
 from offload.engine.accumulation import Accumulation, Phase
+from offload.engine.build import SwapFiles
 from offload.engine.errors import EngineError
 from offload.engine.life import Lifetime
 from offload.machine.accelerator import Accelerator
+from offload.machine.buffers import ALIGN, AlignedBuffer, round_up
 from offload.machine.parking import Parking
 from offload.optim.sharded import ShardedAdam
 from offload.store.param_store import ParamStore
+from offload.store.swapdir import SwapDir
 from offload.zero.unit import Unit
 
 logger = logging.getLogger("offload.engine")
@@ -64,18 +69,27 @@ class StateLending:
     life: Lifetime
     activations: ActivationStore
     _lent: Parking | None = None
+    _swaps: SwapFiles
+    config: Config
+    _spills = 0  # NVMe files written so far (each lending's has a name of its own)
 
     def offload_states(self, include: Container[OffloadStateTypeEnum | str] | None = None,
                        device: OffloadDeviceEnum | str = OffloadDeviceEnum.cpu, pin_memory: bool = True,
                        non_blocking: bool = False) -> None:
         """Move the ``include``d states (default: all) that are on the device to host memory (pinned with
-        ``pin_memory``), between steps. ``non_blocking`` is accepted; the memory is given back only once its
+        ``pin_memory``) or, with ``device="nvme"``, through it into a file in the config's NVMe directory (where
+        DeepSpeed refuses), between steps. ``non_blocking`` is accepted; the memory is given back only once its
         copy is done, so the call returns after the copies either way."""
         target = OffloadDeviceEnum(getattr(device, "value", device))
-        if target is not OffloadDeviceEnum.cpu:
-            raise EngineError(f"engine.offload_states(device={target.value!r}): offload moves the device's states "
-                              "to host memory only (device='cpu'); a host or NVMe home for them is the config's "
-                              "zero_optimization.offload_optimizer / offload_param")
+        if target is OffloadDeviceEnum.none:
+            raise EngineError("engine.offload_states(device='none'): the states move to host memory (device='cpu') "
+                              "or through it to NVMe (device='nvme')")
+        zero = self.config.zero_optimization
+        nvme_path = zero.offload_optimizer.nvme_path or zero.offload_param.nvme_path
+        if target is OffloadDeviceEnum.nvme and nvme_path is None:
+            raise EngineError("engine.offload_states(device='nvme') writes the states to the config's NVMe "
+                              "directory, and this config names none: set zero_optimization.offload_optimizer."
+                              "nvme_path (or offload_param's), or offload to device='cpu'")
         wanted = _categories(include)
         self.life.check()
         if self.accumulation.phase is not Phase.EMPTY:
@@ -87,19 +101,35 @@ class StateLending:
         self.accel.synchronize()
         parking = Parking()
         if not self.accel.host_is_device:  # else the device is host memory: nothing to give back
-            parking.park(self._device_memory(wanted), pin=pin_memory)
+            parking.park(self._device_memory(wanted), pin=pin_memory and target is OffloadDeviceEnum.cpu)
+        if target is OffloadDeviceEnum.nvme and parking.nbytes:
+            assert nvme_path is not None
+            self._spills += 1
+            try:
+                swap_dir, io = self._swaps.at(nvme_path)
+                parking.spill(NvmeSpill(swap_dir, io, f"lent-{self._spills}"))
+            except BaseException as e:
+                parking.restore()
+                raise EngineError(f"engine.offload_states(device='nvme'): {e}; nothing moved (the states are on "
+                                  "the device as before)") from e
         if self.accel.is_cuda:
             torch.cuda.empty_cache()
         self._lent = parking
         self.life.lend()
-        logger.info("engine.offload_states: %.1f MiB of device memory given back (%s)", parking.nbytes / 2**20,
-                    ", ".join(sorted(c.value for c in wanted)))
+        logger.info("engine.offload_states: %.1f MiB of device memory given back (%s), kept in %s",
+                    parking.nbytes / 2**20, ", ".join(sorted(c.value for c in wanted)),
+                    "an NVMe file" if parking.spilled else "host memory")
 
     def reload_states(self, non_blocking: bool = False) -> None:
-        """Bring back what ``offload_states`` moved; training goes on as if it had never moved."""
+        """Bring back what ``offload_states`` moved; training goes on as if it had never moved. From NVMe, a failed
+        read leaves the states offloaded (call it again)."""
         if self._lent is None:
             raise EngineError("engine.reload_states(): nothing is offloaded (call engine.offload_states() first)")
-        self._lent.restore(non_blocking=non_blocking)
+        try:
+            self._lent.restore(non_blocking=non_blocking)
+        except SwapIOError as e:
+            raise EngineError(f"engine.reload_states(): {e}; the states are still offloaded, on NVMe: call "
+                              "engine.reload_states() again once the drive reads") from e
         self._lent = None
         self.life.reclaim()
 
@@ -130,3 +160,49 @@ def _categories(include: Container[OffloadStateTypeEnum | str] | None) -> frozen
     except ValueError as e:
         raise EngineError(f"engine.offload_states(include=...): {e}; the states are "
                           f"{', '.join(c.value for c in OffloadStateTypeEnum)}") from None
+
+
+class NvmeSpill:
+    """A lending's kept bytes in a swap file of their own, through an aligned staging buffer (O_DIRECT reads and
+    writes whole 4 KiB blocks from aligned memory): reserved whole before anything is written, so a full drive
+    fails at once; released after the reload."""
+
+    STAGING = 16 << 20
+
+    def __init__(self, swap_dir: SwapDir, io: IOEngine, name: str) -> None:
+        self.swap_dir, self.io, self.name = swap_dir, io, name
+        self._offsets: list[int] = []
+        self._file: SwapFile | None = None
+
+    def write_all(self, copies: list[torch.Tensor]) -> None:
+        at = 0
+        for copy in copies:
+            self._offsets.append(at)
+            at += round_up(copy.numel())
+        self._file = self.swap_dir.reserve(self.name, max(at, ALIGN))
+        try:
+            self._move(copies, write=True)
+        except BaseException:
+            self.release()
+            raise
+
+    def read_all(self, into: list[torch.Tensor]) -> None:
+        self._move(into, write=False)
+
+    def _move(self, tensors: list[torch.Tensor], write: bool) -> None:
+        assert self._file is not None
+        staging = AlignedBuffer(self.STAGING, pin=False)
+        for tensor, offset in zip(tensors, self._offsets, strict=True):
+            for start in range(0, tensor.numel(), self.STAGING):
+                n = min(self.STAGING, tensor.numel() - start)
+                if write:
+                    staging.tensor[:n].copy_(tensor[start:start + n])
+                    self.io.write(self._file, staging.tensor, offset + start, n).wait()
+                else:
+                    self.io.read(self._file, staging.tensor, offset + start, n).wait()
+                    tensor[start:start + n].copy_(staging.tensor[:n])
+
+    def release(self) -> None:
+        if self._file is not None:
+            self.swap_dir.release(self.name)
+            self._file = None

@@ -9,12 +9,17 @@ allocator) while every view keeps its identity, shape and strides; on the way ba
 size again and the bytes copied in. This is how FSDP2 frees and refills its unsharded parameters. A storage whose
 contents are dead between steps (a gradient accumulator the next backward overwrites, a staging ring) is shrunk
 and grown without a copy. Storages are taken once each, however many views name them.
+
+The kept bytes can go further, off host memory (``spill``: the engine's NVMe file), all or nothing: a failed
+write leaves them in host memory; on the way back every byte is read before any storage grows, so a failed read
+leaves the states where they were, to be reloaded again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,7 +28,21 @@ import torch
 class _Parked:
     storage: torch.UntypedStorage
     nbytes: int
-    saved: torch.Tensor | None  # the bytes, in host memory; None where the contents are dead
+    saved: torch.Tensor | None  # the bytes, in host memory; None where the contents are dead (or spilled)
+    spilled: bool = False  # the bytes are in the spill, not in host memory
+
+
+class Spill(Protocol):
+    """Where kept bytes wait off host memory (offload/engine/lending.py's NVMe file)."""
+
+    def write_all(self, copies: list[torch.Tensor]) -> None:
+        """Every copy written (uint8 host tensors), or an error with nothing to rely on."""
+
+    def read_all(self, into: list[torch.Tensor]) -> None:
+        """Every copy read back into ``into`` (as many, the same sizes, in the same order)."""
+
+    def release(self) -> None:
+        """The copies are no longer needed."""
 
 
 class Parking:
@@ -31,6 +50,7 @@ class Parking:
 
     def __init__(self) -> None:
         self._parked: list[_Parked] = []
+        self._spill: Spill | None = None
 
     @property
     def nbytes(self) -> int:
@@ -65,9 +85,31 @@ class Parking:
         self._parked += new
         return sum(p.nbytes for p in new)
 
+    @property
+    def spilled(self) -> bool:
+        """The kept bytes are in a spill, not in host memory."""
+        return self._spill is not None
+
+    def spill(self, spill: Spill) -> None:
+        """Every kept copy written out through ``spill`` and its host memory let go; a failed write raises with
+        the copies still here."""
+        kept = [p for p in self._parked if p.saved is not None]
+        spill.write_all([p.saved for p in kept if p.saved is not None])
+        for parked in kept:
+            parked.saved, parked.spilled = None, True
+        self._spill = spill
+
     def restore(self, non_blocking: bool = False) -> None:
         """Grow every storage back and copy its bytes in; with ``non_blocking`` a GPU's copies stay queued on the
-        current stream (whatever runs there next is ordered after them)."""
+        current stream (whatever runs there next is ordered after them). Spilled bytes are all read first: a
+        failed read raises with nothing changed."""
+        if self._spill is not None:
+            back = [torch.empty(p.nbytes, dtype=torch.uint8) for p in self._parked if p.spilled]
+            self._spill.read_all(back)
+            for parked, copy in zip([p for p in self._parked if p.spilled], back, strict=True):
+                parked.saved, parked.spilled = copy, False
+            self._spill.release()
+            self._spill = None
         for parked in self._parked:
             parked.storage.resize_(parked.nbytes)
             if parked.saved is not None:

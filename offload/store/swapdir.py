@@ -257,6 +257,12 @@ class SwapDir:
         self._files[name] = f
         return f
 
+    def release(self, name: str) -> None:
+        """Swap file ``name`` is done with: closed, and its blocks given back."""
+        f = self._files.pop(name)
+        f.close()
+        (self.path / name).unlink(missing_ok=True)
+
     def close(self) -> None:
         """Close and delete every swap file and the directory (the clean-exit path)."""
         if self._closed:
