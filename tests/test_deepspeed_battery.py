@@ -36,6 +36,7 @@ SCRIPTS = {
     "rlhf_offload_states": ("zero3_on_device.json", False, 1),
     "peft_lora": ("zero3.json", False, 1),
     "optimizer_schedules": ("zero3_no_clip_key.json", False, 1),
+    "client_torch_optimizers": ("zero3_no_clip_key.json", False, 1),
 }
 # Where offload answers otherwise, and why (docs/deepspeed-api.md says the same); nothing else may differ.
 KNOWN: dict[tuple[str, str], str] = {
