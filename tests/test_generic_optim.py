@@ -141,3 +141,24 @@ def test_what_cannot_be_stepped_a_shard_at_a_time_is_refused_by_name():
     for client, message in cases:
         with pytest.raises(EngineError, match=message):
             offload.initialize(model=model, config=config, optimizer=client)
+
+
+def test_a_torch_optimizer_named_by_the_configs_type_trains_as_the_object():
+    """DeepSpeed's `"type": "SGD"` (any case), its params the class's keyword arguments: the same steps as the
+    object handed to initialize."""
+    config = client_config(1, 3, {"device": "cpu"}, 0.0)
+    config["optimizer"] = {"type": "sgd", "params": {"lr": 0.05, "momentum": 0.9, "nesterov": True}}
+    results = run_ranks(train_engine, 1, name="gpt", config=config, steps=STEPS, micro=MICRO, accum=1)
+    check_bitwise(results, reference(OPTIMIZERS["SGD nesterov"], STEPS, MICRO, 0.0))
+
+
+def test_what_a_named_torch_optimizer_does_not_take_is_said():
+    from offload.config import ConfigError
+    config = client_config(1, 3, {"device": "cpu"}, 0.0)
+    config["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "betas": [0.9, 0.99]}}
+    with pytest.raises(ConfigError, match="torch.optim.SGD does not take these.*betas"):
+        offload.initialize(model=make_any("gpt"), config=config)
+    config["optimizer"]["params"] = {"lr": 0.05}
+    config["offload"] = {"optimizer_state": {"moments": "bf16"}}
+    with pytest.raises(ConfigError, match="a torch optimizer's state is float32"):
+        offload.initialize(model=make_any("gpt"), config=config)

@@ -85,7 +85,9 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     if resolved.offload.checkpoint_blocks:
         where = "host" if resolved.activation_checkpointing.cpu_checkpointing else "device"
         print(f"  activation checkpointing: every block, inputs kept on the {where}")
-    if resolved.optimizer:
+    if resolved.optimizer and isinstance(resolved.optimizer.params, dict):  # a torch.optim type's own arguments
+        print(f"  optimizer: torch.optim.{resolved.optimizer.type} {resolved.optimizer.params}")
+    elif resolved.optimizer:
         p = resolved.optimizer.params
         print(f"  optimizer: {resolved.optimizer.type} lr {p.lr} betas {p.betas} eps {p.eps} "
               f"weight_decay {p.weight_decay}")

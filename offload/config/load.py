@@ -30,6 +30,7 @@ from .fields import (
 from .sections import (
     SCHEDULER_PARAMS,
     ActivationCheckpointingConfig,
+    AdamParams,
     AioConfig,
     BF16Config,
     CheckpointConfig,
@@ -242,7 +243,7 @@ class Config:
 
 # ------------------------------------------------------------------------- helpers
 
-_VARIANTS = {"scheduler.params": tuple(SCHEDULER_PARAMS.values())}
+_VARIANTS = {"scheduler.params": tuple(SCHEDULER_PARAMS.values()), "optimizer.params": (AdamParams,)}
 # Keys whose "auto" the engine decides at start-up; resolve leaves them "auto".
 RUNTIME_AUTO = ("zero_optimization.offload_optimizer.ratio", "offload.stream_state")
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

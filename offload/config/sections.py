@@ -108,7 +108,10 @@ class AdamParams:
                                          "ns_steps of them), DeepSpeed's 'standard'; its 'gram' (fp16, restarted) is "
                                          "not offered.", choices=("standard",))
 
-OPTIMIZER_TYPES = ("Adam", "AdamW", "Lion", "Adagrad", "Muon")
+# torch.optim's other elementwise optimizers, by name as DeepSpeed takes them: stepped by their own code
+# (offload/optim/generic.py), their params handed to the class as they are
+TORCH_TYPES = ("SGD", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+OPTIMIZER_TYPES = ("Adam", "AdamW", "Lion", "Adagrad", "Muon") + TORCH_TYPES
 ONE_STATE_TYPES = ("Lion", "Adagrad")  # one state buffer beside the master (offload/optim/one_state.py)
 RULE_TYPES = ONE_STATE_TYPES + ("Muon",)  # the types whose update is not Adam's
 RULE_NAMES = {t.lower(): t for t in RULE_TYPES}  # AdamHyper.rule (or Muon's) -> the type's name
@@ -117,22 +120,38 @@ MUON_KEYS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": 
              "adam_lr": None, "ns_method": "standard"}
 
 
+def _optimizer_params_type(parsed: dict[str, Any]) -> Any:
+    """AdamParams for offload's own types; a torch.optim type's keyword arguments as they are."""
+    return dict[str, Any] if parsed.get("type") in TORCH_TYPES else AdamParams
+
+
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
     type: str = setting("AdamW", "Adam, AdamW, Lion, Adagrad or Muon (case-insensitive), with DeepSpeed's "
                                  "parameters (Lion: lr, betas, weight_decay; Adagrad: lr, eps, default 1e-10 as "
                                  "DeepSpeed's, weight_decay; Muon: torch.optim.Muon on the 2-D matrices not named "
-                                 "embed or lm_head, or as each parameter's use_muon says, AdamW on the rest); each "
-                                 "runs offload's own kernels. For another optimizer leave this section out and pass "
-                                 "your own.", choices=OPTIMIZER_TYPES)
-    params: AdamParams = section(AdamParams, "Optimizer hyperparameters.")
+                                 "embed or lm_head, or as each parameter's use_muon says, AdamW on the rest), each "
+                                 "on offload's own kernels; or, as DeepSpeed takes any torch.optim class by name, "
+                                 "one of torch.optim's other elementwise optimizers, its params the class's own "
+                                 "keyword arguments, stepped by its own code. For another optimizer leave this "
+                                 "section out and pass your own.", choices=OPTIMIZER_TYPES)
+    params: Any = section(AdamParams, "Optimizer hyperparameters (a torch.optim type's: its keyword arguments).",
+                          hint_from=_optimizer_params_type)
 
     @property
     def rule(self) -> str:
         """The update this type runs (AdamHyper.rule, or muon): adam for Adam and AdamW, else its own."""
+        if self.type in TORCH_TYPES:
+            return "torch"
         return self.type.lower() if self.type in RULE_TYPES else "adam"
 
+    def __post_init__(self) -> None:
+        if self.type in TORCH_TYPES and not isinstance(self.params, dict):
+            self.params = {}  # the section left out: the class's own defaults
+
     def check(self, path: str) -> None:
+        if self.type in TORCH_TYPES:
+            return  # the class checks its own keyword arguments (offload/engine/initialize.py)
         if self.type != "Muon":
             for key, default in MUON_KEYS.items():
                 if getattr(self.params, key) != default:

@@ -162,8 +162,9 @@ def _check_state_format(cfg: Config, rule: str) -> None:
     if rule != "adam":
         fmt = state_format.from_config(cfg)
         if fmt.master is not state_format.Master.FP32 or fmt.moments != torch.float32:
-            raise ConfigError("offload.optimizer_state", f"{RULE_NAMES[rule]}'s state is float32 here (its "
-                                                         "master and its one buffer): leave the state format fp32")
+            name = RULE_NAMES.get(rule, "a torch optimizer")
+            raise ConfigError("offload.optimizer_state", f"{name}'s state is float32 here (its master and its "
+                                                         "buffers): leave the state format fp32")
 
 
 def _optimizer_choice(model: nn.Module, model_parameters: Iterable[Any] | None, cfg: Config,
@@ -199,9 +200,16 @@ def _optimizer_choice(model: nn.Module, model_parameters: Iterable[Any] | None, 
         return OptimizerChoice(_trainable(groups), adamw, bias)
     if cfg.optimizer is None:  # DeepSpeed's engine without an optimizer: ZeRO-Inference, forward only
         return OptimizerChoice([])
+    source: list[Any] = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if cfg.optimizer.rule == "torch":  # a torch.optim type by name, as DeepSpeed takes it: its own class
+        try:
+            client = getattr(torch.optim, cfg.optimizer.type)(source, **cfg.optimizer.params)
+        except (TypeError, ValueError) as e:
+            raise ConfigError("optimizer.params", f"torch.optim.{cfg.optimizer.type} does not take these: {e}; "
+                              "give it the keyword arguments its constructor takes") from None
+        return _torch_client(client)
     p = cfg.optimizer.params
     hyper = {"lr": p.lr, "betas": tuple(resolved(p.betas)), "eps": p.eps, "weight_decay": p.weight_decay}
-    source: list[Any] = list(model_parameters) if model_parameters is not None else list(model.parameters())
     if cfg.optimizer.rule == "muon":
         check_muon(cfg)
         return OptimizerChoice(_trainable(muon_halves(model, source, p)), p.adam_w_mode, p.bias_correction,
