@@ -179,6 +179,11 @@ def test_the_groups_split_as_deepspeeds_with_a_scripts_tags_and_group_keys():
     assert optimizer.param_groups[0]["momentum"] == MOMENTUM and optimizer.hyper(0).rule == "muon"
     assert optimizer.hyper(1).rule == "adam" and optimizer.hyper(1).betas == (0.9, 0.95)
     engine.close()
+    with offload.zero.Init():  # built a unit at a time: the parameters keep their shapes, so the split is the same
+        model = make_any("gpt")
+    engine, optimizer, _, _ = offload.initialize(model=model, config=muon_config(1, 3, "cpu", 1.0))
+    assert [len(g["params"]) for g in optimizer.param_groups] == [n_matrices + 1, len(rest)]
+    engine.close()
 
 
 def test_what_muon_does_not_take_is_said(tmp_path):

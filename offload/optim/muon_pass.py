@@ -99,7 +99,7 @@ class MuonPass:
             grad, pre_scale = torch.zeros_like(master), 1.0
         else:
             grad, pre_scale = state.gradient()
-        blended = torch.zeros(unit.numel, dtype=torch.float32, device=master.device)
+        blended = torch.empty(unit.numel, dtype=torch.float32, device=master.device)  # only matrices are read
         for m, lo, hi in unit.pieces():
             hyper = _muon(hypers[m.group])
             g = widened(grad[lo:hi], pre_scale)
