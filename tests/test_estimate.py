@@ -91,6 +91,8 @@ def test_larger_offload_choices_train_larger_models_and_the_limit_is_named(tmp_p
     # 64 GiB of RAM at ~16 bytes per parameter (fp32 master, moments and gradients; bf16 copies): about 4B
     assert 3.0e9 < largest["params + optimizer on cpu"][0] < 4.6e9
     assert largest["params + optimizer on nvme"][0] > largest["params + optimizer on cpu"][0]
+    muon = largest_trainable({"bf16": {"enabled": True}, "optimizer": {"type": "Muon"}}, machine)
+    assert list(muon) == ["no offload", "optimizer on cpu", "params + optimizer on cpu"]  # its state is never on NVMe
 
 
 def test_cli_prints_tiers_and_the_largest_models_and_writes_json(tmp_path, capsys):

@@ -376,9 +376,13 @@ def choice_config(base: dict[str, Any], choice: dict[str, str], nvme_path: str) 
 
 
 def largest_trainable(base: dict[str, Any], machine: Machine, world: int = 1) -> dict[str, tuple[int, str]]:
-    """Per offload choice: the most parameters it trains on ``machine`` and the tier that limits it."""
+    """Per offload choice: the most parameters it trains on ``machine`` and the tier that limits it (a choice the
+    config's optimizer refuses is left out: Muon's state is never on NVMe)."""
     out: dict[str, tuple[int, str]] = {}
+    muon = str((base.get("optimizer") or {}).get("type", "")).lower() == "muon"
     for name, choice in CHOICES.items():
+        if muon and choice["offload_optimizer"] == "nvme":
+            continue
         raw = choice_config(base, choice, machine.nvme_path)
         config = Config.load(raw).resolve(world_size=world)
         small, large = 10**9, 4 * 10**9  # both past the point where the NVMe buffers stop growing
