@@ -1,15 +1,17 @@
-"""Any elementwise torch.optim optimizer over sharded state: torch's own step, run on each shard's segments.
+"""Any elementwise torch.optim optimizer over sharded state: torch's own step, run on each parameter's piece.
 
-[Note: a torch optimizer's own step] An optimizer whose update is elementwise gives a flat slice of a parameter
-what it gives that slice as part of the whole, so each shard's segment can be stepped by the optimizer's own
-implementation: a throwaway instance over the master slice (an fp32 leaf), its gradient the widened, clipped one,
-and its per-parameter state the slot's views. What torch keeps per parameter maps onto the slot: up to two tensors
-of the parameter's size (in the order torch creates them: ``exp_avg``, then ``exp_avg_sq``), the ``step`` count
-(the engine's), and scalars alike for every parameter of a group (NAdam's ``mu_product``, ASGD's ``eta`` and
-``mu``), kept in the group under ``SCALARS`` (so checkpoints hold them as plain numbers). On the first step the
-optimizer makes its own state, as it would (SGD's momentum starts as the gradient, Rprop's step sizes at lr), and
-it is copied into the slot; later steps hand it the slot's views. Every segment of a step reads the scalars as
-they were before the step (``_before``), so the order segments run in, and a retried step, change nothing.
+[Note: a torch optimizer's own step] An optimizer whose update is elementwise gives a flat slice of a parameter what
+it gives that slice as part of the whole, so each parameter's piece of a shard can be stepped by the optimizer's own
+implementation (one piece per parameter, not per run of a group: torch's CPU kernels round a tensor's last, partial
+vector otherwise than the rest, so a whole parameter, one rank's, rounds as the reference): a throwaway instance
+over the master slice (an fp32 leaf), its gradient the widened, clipped one, and its per-parameter state the slot's
+views. What torch keeps per parameter maps onto the slot: up to two tensors of the parameter's size (in the order
+torch creates them: ``exp_avg``, then ``exp_avg_sq``), the ``step`` count (the engine's), and scalars alike for
+every parameter of a group (NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``), kept in the group under ``SCALARS``
+(so checkpoints hold them as plain numbers). On the first step the optimizer makes its own state, as it would (SGD's
+momentum starts as the gradient, Rprop's step sizes at lr), and it is copied into the slot; later steps hand it the
+slot's views. Every piece of a step reads the scalars as they were before the step (``_before``), so the order
+pieces run in, and a retried step, change nothing.
 
 What the probe at start-up finds decides: an optimizer torch lists as elementwise is taken; one that needs the
 whole tensor (``WHOLE_TENSOR``) or holds more than two tensors a parameter is refused by name. The step runs
