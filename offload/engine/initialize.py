@@ -24,7 +24,7 @@ from offload.config.sections import RULE_NAMES
 from offload.engine.build import OptimizerChoice
 from offload.engine.core import Engine
 from offload.engine.errors import EngineError
-from offload.engine.muon_groups import check_muon, muon_halves
+from offload.engine.muon_groups import MUON_GROUP_KEYS, check_muon, muon_halves
 from offload.files.pretrained import PretrainedWeights
 from offload.machine.accelerator import Accelerator, finish_streams
 from offload.machine.host_malloc import set_mmap_threshold
@@ -179,6 +179,11 @@ def _optimizer_choice(model: nn.Module, model_parameters: Iterable[Any] | None, 
             client = client(params)
         if isinstance(client, (CPULion, CPUAdagrad, torch.optim.Adagrad)):
             return _one_state_client(client)
+        if isinstance(client, getattr(torch.optim, "Muon", ())):  # torch >= 2.9's
+            check_muon(cfg)
+            groups = [{**{k: g[k] for k in MUON_GROUP_KEYS}, "params": g["params"], "use_muon": True}
+                      for g in client.param_groups]
+            return OptimizerChoice(_trainable(groups), update="muon")
         if isinstance(client, CPUAdam):  # its modes are per group; the engine steps every group alike
             modes = {(bool(g["adamw_mode"]), bool(g["bias_correction"])) for g in client.param_groups}
             if len(modes) > 1:

@@ -22,6 +22,9 @@ from offload.optim.muon import NS_COEFFICIENTS
 MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps", "adjust_lr_fn")  # a group may set these
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")  # ... and its AdamW half these
 NS_EPS = 1e-7  # torch.optim.Muon's eps in the Newton-Schulz normalisation (the config's eps is AdamW's)
+# what a script's torch.optim.Muon group holds and the step reads (offload/optim/muon.py's MuonHyper.of)
+MUON_GROUP_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+                   "adjust_lr_fn")
 
 
 def uses_muon(param: nn.Parameter, name: str) -> bool:
