@@ -466,10 +466,11 @@ def _torch_optimizers(b: StepBench, model: torch.nn.Module) -> list[torch.optim.
     it (offload/engine/muon_groups.py) and the fused AdamW on the rest."""
     if b.optimizer != "muon":
         return [torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)]
-    named = list(model.named_parameters())
-    muon = [p for n, p in named if uses_muon(p, n)]
-    return [torch.optim.Muon(muon, lr=MUON_LR, weight_decay=0.1),
-            torch.optim.AdamW([p for n, p in named if not uses_muon(p, n)], lr=1e-4, weight_decay=0.1, fused=True)]
+    halves: dict[bool, list[nn.Parameter]] = {True: [], False: []}
+    for name, param in model.named_parameters():
+        halves[uses_muon(param, name)].append(param)
+    return [torch.optim.Muon(halves[True], lr=MUON_LR, weight_decay=0.1),
+            torch.optim.AdamW(halves[False], lr=1e-4, weight_decay=0.1, fused=True)]
 
 
 def _torch_timed(b: StepBench) -> tuple[list[float], int]:

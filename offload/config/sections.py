@@ -114,10 +114,10 @@ TORCH_TYPES = ("SGD", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop",
 OPTIMIZER_TYPES = ("Adam", "AdamW", "Lion", "Adagrad", "Muon") + TORCH_TYPES
 ONE_STATE_TYPES = ("Lion", "Adagrad")  # one state buffer beside the master (offload/optim/one_state.py)
 RULE_TYPES = ONE_STATE_TYPES + ("Muon",)  # the types whose update is not Adam's
-RULE_NAMES = {t.lower(): t for t in RULE_TYPES}  # AdamHyper.rule (or Muon's) -> the type's name
-# the keys only type Muon reads, with their defaults (another type given one is refused by name)
-MUON_KEYS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": "original", "muon_lr": None,
-             "adam_lr": None, "ns_method": "standard"}
+# a rule (AdamHyper.rule, Muon's, a torch optimizer's) -> how messages name it
+RULE_NAMES = {t.lower(): t for t in RULE_TYPES} | {"torch": "a torch optimizer"}
+# the keys only type Muon reads (another type given one off its default is refused by name)
+MUON_ONLY = ("momentum", "nesterov", "ns_steps", "adjust_lr_fn", "muon_lr", "adam_lr", "ns_method")
 
 
 def _optimizer_params_type(parsed: dict[str, Any]) -> Any:
@@ -153,8 +153,9 @@ class OptimizerConfig:
         if self.type in TORCH_TYPES:
             return  # the class checks its own keyword arguments (offload/engine/initialize.py)
         if self.type != "Muon":
-            for key, default in MUON_KEYS.items():
-                if getattr(self.params, key) != default:
+            defaults = AdamParams()
+            for key in MUON_ONLY:
+                if getattr(self.params, key) != getattr(defaults, key):
                     raise ConfigError(f"{path}.params.{key}", f"is Muon's; type {self.type} has none: leave it out")
         if self.type in ONE_STATE_TYPES and not self.params.bias_correction:
             raise ConfigError(f"{path}.params.bias_correction", f"is Adam's; {self.type} has none: leave it out")

@@ -215,7 +215,9 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
                                                  placement.device_grads_kept),
                            second_slots=step_schedule.second_slots(want, placement), delayed=want.delayed,
                            staged=placement.staged, stochastic=_stochastic_stream(config, group.rank),
-                           muon=MuonPass(accel, partition.world, partition.pg) if choice.update == "muon" else None,
+                           muon=MuonPass(accel, partition.world, partition.pg, frozenset(
+                               i for i, g in enumerate(param_groups) if g.get("use_muon")))
+                           if choice.update == "muon" else None,
                            generic=choice.generic,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))
@@ -282,11 +284,10 @@ def _shard_unit(model: nn.Module, plan: Any, partition: Group, group: Group, sta
         optimizer.add_shard(unit.index, unit.name, unit.shard_of(values, start),
                             shard_segments(unit.slots, unit.shard_start, unit.shard_numel, group_of))
         if optimizer.update.generic is not None:  # its parameters, one piece each for a torch optimizer's own step
-            optimizer.update.generic.add(unit.index, unit.slots, unit.shard_start, unit.shard_numel, group_of)
+            optimizer.update.generic.pieces[unit.index] = shard_segments(
+                unit.slots, unit.shard_start, unit.shard_numel, group_of, per_param=True)
         if optimizer.update.muon is not None:  # its matrices, for Muon's first pass
-            muon_groups = frozenset(i for i, g in enumerate(optimizer.param_groups) if g.get("use_muon"))
-            optimizer.update.muon.add(unit.index, unit.slots, unit.shard_start, unit.shard_numel, group_of,
-                                      muon_groups)
+            optimizer.update.muon.add(unit.index, unit.slots, unit.shard_start, unit.shard_numel, group_of)
     return unit
 
 

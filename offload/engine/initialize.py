@@ -24,7 +24,7 @@ from offload.config.sections import RULE_NAMES
 from offload.engine.build import OptimizerChoice
 from offload.engine.core import Engine
 from offload.engine.errors import EngineError
-from offload.engine.muon_groups import MUON_GROUP_KEYS, check_muon, muon_halves
+from offload.engine.muon_groups import check_muon, muon_halves
 from offload.files.pretrained import PretrainedWeights
 from offload.machine.accelerator import Accelerator, finish_streams
 from offload.machine.host_malloc import set_mmap_threshold
@@ -162,9 +162,8 @@ def _check_state_format(cfg: Config, rule: str) -> None:
     if rule != "adam":
         fmt = state_format.from_config(cfg)
         if fmt.master is not state_format.Master.FP32 or fmt.moments != torch.float32:
-            name = RULE_NAMES.get(rule, "a torch optimizer")
-            raise ConfigError("offload.optimizer_state", f"{name}'s state is float32 here (its master and its "
-                                                         "buffers): leave the state format fp32")
+            raise ConfigError("offload.optimizer_state", f"{RULE_NAMES[rule]}'s state is float32 here (its master "
+                                                         "and its buffers): leave the state format fp32")
 
 
 def _optimizer_choice(model: nn.Module, model_parameters: Iterable[Any] | None, cfg: Config,
@@ -181,8 +180,7 @@ def _optimizer_choice(model: nn.Module, model_parameters: Iterable[Any] | None, 
             return _one_state_client(client)
         if isinstance(client, getattr(torch.optim, "Muon", ())):  # torch >= 2.9's
             check_muon(cfg)
-            groups = [{**{k: g[k] for k in MUON_GROUP_KEYS}, "params": g["params"], "use_muon": True}
-                      for g in client.param_groups]
+            groups = [{**g, "params": list(g["params"]), "use_muon": True} for g in client.param_groups]
             return OptimizerChoice(_trainable(groups), update="muon")
         if isinstance(client, CPUAdam):  # its modes are per group; the engine steps every group alike
             modes = {(bool(g["adamw_mode"]), bool(g["bias_correction"])) for g in client.param_groups}

@@ -17,14 +17,10 @@ from offload.config import Config, ConfigError
 from offload.config.fields import resolved
 from offload.config.sections import AdamParams
 from offload.engine.errors import EngineError
-from offload.optim.muon import NS_COEFFICIENTS
+from offload.optim.muon import MuonHyper
 
 MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps", "adjust_lr_fn")  # a group may set these
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")  # ... and its AdamW half these
-NS_EPS = 1e-7  # torch.optim.Muon's eps in the Newton-Schulz normalisation (the config's eps is AdamW's)
-# what a script's torch.optim.Muon group holds and the step reads (offload/optim/muon.py's MuonHyper.of)
-MUON_GROUP_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
-                   "adjust_lr_fn")
 
 
 def uses_muon(param: nn.Parameter, name: str) -> bool:
@@ -50,17 +46,19 @@ def muon_halves(model: nn.Module, source: list[Any], p: AdamParams) -> list[dict
             "nesterov": p.nesterov, "ns_steps": p.ns_steps, "adjust_lr_fn": p.adjust_lr_fn, "ns_method": p.ns_method}
     adam = {"lr": p.lr if p.adam_lr is None else p.adam_lr, "betas": tuple(resolved(p.betas)), "eps": p.eps,
             "weight_decay": p.weight_decay}
+    torch_muon = MuonHyper()  # torch.optim.Muon's iteration: its coefficients and eps (the config's eps is AdamW's)
     out = []
     for g in groups:
-        params = list(g["params"])
+        halves: dict[bool, list[Any]] = {True: [], False: []}
+        for q in g["params"]:
+            halves[uses_muon(q, names.get(id(q), ""))].append(q)
         for use_muon, defaults, keys in ((True, muon, MUON_KEYS), (False, adam, ADAM_KEYS)):
-            half = [q for q in params if uses_muon(q, names.get(id(q), "")) is use_muon]
-            if not half:
+            if not halves[use_muon]:
                 continue
             settings = {**defaults, **{k: v for k, v in g.items() if k in keys}}
             if use_muon:
-                settings |= {"ns_coefficients": NS_COEFFICIENTS, "eps": NS_EPS}
-            out.append({**settings, "params": half, "use_muon": use_muon})
+                settings |= {"ns_coefficients": torch_muon.ns_coefficients, "eps": torch_muon.eps}
+            out.append({**settings, "params": halves[use_muon], "use_muon": use_muon})
     return out
 
 

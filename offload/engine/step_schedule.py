@@ -243,11 +243,12 @@ def gated(config: Config, compute_dtype: torch.dtype) -> list[str]:
 def wanted(config: Config, compute_dtype: torch.dtype, rule: str) -> Wanted:
     """``rule``: the update the optimizer runs (AdamHyper.rule: the config's type, or a client object's)."""
     delayed = config.offload.delayed_update.warmup_steps is not None
+    not_streamed = WHOLE.get(rule, "")
     why = _speculation_unwanted(config, compute_dtype, rule)
     if why is not None:
-        return Wanted(Speculation.NONE, why, delayed, WHOLE.get(rule, ""))
+        return Wanted(Speculation.NONE, why, delayed, not_streamed)
     auto = config.offload.speculative_step == "auto"
-    return Wanted(Speculation.NVME if auto else Speculation.ALL, "", delayed, WHOLE.get(rule, ""))
+    return Wanted(Speculation.NVME if auto else Speculation.ALL, "", delayed, not_streamed)
 
 
 def _speculation_unwanted(config: Config, compute_dtype: torch.dtype, rule: str) -> str | None:
@@ -255,8 +256,7 @@ def _speculation_unwanted(config: Config, compute_dtype: torch.dtype, rule: str)
     if mode == "off":
         return "offload.speculative_step is off"
     if rule != "adam":
-        why = f"{RULE_NAMES.get(rule, 'a torch optimizer')} is not speculated (its step is not written into a second " \
-              "slot)"
+        why = f"{RULE_NAMES[rule]} is not speculated (its step is not written into a second slot)"
         if mode == "on":
             raise ConfigError("offload.speculative_step", f"{why}: set it to \"auto\" or \"off\"")
         return why
@@ -288,12 +288,10 @@ def choose(config: Config, compute_dtype: torch.dtype, stage: Stage, optimizer: 
            want: Wanted, placement: Placement) -> StepSchedule:
     """The run's schedule, from the config, what the placement could hold (the speculative slot needs host
     memory) and what the optimizer's state allows."""
+    _refuse_beside_whole(config, optimizer.update_rule)
     returns = _returns(config, stage, optimizer, accel)
     delayed = config.offload.delayed_update.warmup_steps
     if delayed is not None:
-        if optimizer.update_rule in WHOLE:
-            raise ConfigError("offload.delayed_update.warmup_steps", f"{WHOLE[optimizer.update_rule]}, so it runs "
-                              "whole after backward: remove the section")
         if stage.resident_params or not optimizer.can_return_early or optimizer.partial or optimizer.streamed:
             raise ConfigError("offload.delayed_update.warmup_steps", "the delayed update needs ZeRO stage 3 with "
                               "all of the optimizer state on the host, stepped there, and no parameters on NVMe "
@@ -320,6 +318,19 @@ WHOLE = {"muon": "Muon's step gathers each matrix from every rank once every gra
          "torch": "a torch optimizer's own step runs once every gradient is in"}
 
 
+def _refuse_beside_whole(config: Config, rule: str) -> None:
+    """An update that runs whole after backward (``WHOLE``) refuses every key that asks to step elsewhere."""
+    if rule not in WHOLE:
+        return
+    off = config.offload
+    for key, asked, fix in (("overlap_step", off.overlap_step == "on", "set it to auto or off"),
+                            ("early_step", off.early_step == "on", "set it to auto or off"),
+                            ("delayed_update.warmup_steps", off.delayed_update.warmup_steps is not None,
+                             "remove the section")):
+        if asked:
+            raise ConfigError(f"offload.{key}", f"{WHOLE[rule]}, so it runs whole after backward: {fix}")
+
+
 def _not_overlapped(config: Config, compute_dtype: torch.dtype, optimizer: ShardedAdam) -> list[str]:
     """Why the exact overlapped step cannot (or should not) run (empty: it runs)."""
     reasons = gated(config, compute_dtype)
@@ -330,10 +341,7 @@ def _not_overlapped(config: Config, compute_dtype: torch.dtype, optimizer: Shard
     mode = config.offload.overlap_step
     if mode == "off":
         reasons.append("offload.overlap_step is off")
-    if optimizer.update_rule in WHOLE:
-        if mode == "on":
-            raise ConfigError("offload.overlap_step", f"{WHOLE[optimizer.update_rule]}, so it runs whole after "
-                              "backward: set it to auto or off")
+    if optimizer.update_rule in WHOLE:  # what asked for more is refused in ``choose``
         reasons.append(WHOLE[optimizer.update_rule])
     # 'auto' overlaps on a GPU too. It stepped after backward there once: on an H100 (2026-11-22) the overlapped
     # step measured 0.72x, when the host thread ran each shard's Adam and held up the gradient drain backward's end
@@ -348,10 +356,7 @@ def _returns(config: Config, stage: Stage, optimizer: ShardedAdam, accel: Accele
     mode = config.offload.early_step
     if mode == "off":
         return Whole("offload.early_step is off")
-    if optimizer.update_rule in WHOLE:
-        if mode == "on":
-            raise ConfigError("offload.early_step", f"{WHOLE[optimizer.update_rule]}, so it runs whole after "
-                              "backward: set it to auto or off")
+    if optimizer.update_rule in WHOLE:  # what asked for more is refused in ``choose``
         return Whole(WHOLE[optimizer.update_rule])
     if stage.resident_params:
         return Whole(f"ZeRO stage {stage.number} spreads the new partitions right after the step")

@@ -104,9 +104,10 @@ class Parking:
         current stream (whatever runs there next is ordered after them). Spilled bytes are all read first: a
         failed read raises with nothing changed."""
         if self._spill is not None:
-            back = [torch.empty(p.nbytes, dtype=torch.uint8) for p in self._parked if p.spilled]
+            spilled = [p for p in self._parked if p.spilled]
+            back = [torch.empty(p.nbytes, dtype=torch.uint8) for p in spilled]
             self._spill.read_all(back)
-            for parked, copy in zip([p for p in self._parked if p.spilled], back, strict=True):
+            for parked, copy in zip(spilled, back, strict=True):
                 parked.saved, parked.spilled = copy, False
             self._spill.release()
             self._spill = None

@@ -20,7 +20,6 @@ once at start-up."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,20 +96,12 @@ class GenericStep:
 
     def __init__(self, cls: type[torch.optim.Optimizer], names: tuple[str, ...], layouts: list[Layout]) -> None:
         self.cls, self.names, self.layouts = cls, names, layouts
-        self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # per unit: (start, end, group) of each parameter
+        # per unit, each parameter's piece of this rank's shard (``shard_segments(..., per_param=True)``): torch's
+        # kernels split a tensor into vectors from its start, so a piece that is the whole parameter (one rank)
+        # rounds every element as the reference does
+        self.pieces: dict[int, list[Any]] = {}
         self._step: int | None = None  # the step whose scalars ``_before`` holds
         self._before: dict[int, dict[str, float]] = {}
-
-    def add(self, index: int, slots: Iterable[Any], start: int, numel: int, group_of: dict[int, int]) -> None:
-        """Unit ``index``'s parameters (``slots``: each with ``param``, ``offset``, ``numel``) in this rank's shard
-        [start, start + numel), one piece each: torch's kernels split a tensor into vectors from its start, so a
-        piece that is the whole parameter (one rank) rounds every element as the reference does."""
-        pieces = []
-        for slot in slots:
-            lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + numel)
-            if lo < hi and id(slot.param) in group_of:
-                pieces.append((lo - start, hi - start, group_of[id(slot.param)]))
-        self.pieces[index] = pieces
 
     def hyper(self, index: int, group: dict[str, Any]) -> GenericHyper:
         return GenericHyper(self.cls, hyperparameters(group, self.names), self.layouts[index], group)

@@ -71,16 +71,17 @@ class MuonPass:
     """The step's first pass over the Muon matrices (see [Note: Muon over shards]); the units register theirs as
     they are sharded."""
 
-    def __init__(self, accel: Accelerator, world: int, group: dist.ProcessGroup | None) -> None:
-        """``world`` ranks share each unit (``group``: their process group, None for one)."""
-        self.accel, self.world, self.group = accel, world, group
+    def __init__(self, accel: Accelerator, world: int, group: dist.ProcessGroup | None,
+                 muon_groups: frozenset[int]) -> None:
+        """``world`` ranks share each unit (``group``: their process group, None for one); ``muon_groups``: the
+        param groups Muon steps."""
+        self.accel, self.world, self.group, self.muon_groups = accel, world, group, muon_groups
         self.units: dict[int, MuonUnit] = {}
 
-    def add(self, index: int, slots: Iterable[Any], start: int, numel: int, group_of: dict[int, int],
-            muon_groups: frozenset[int]) -> None:
+    def add(self, index: int, slots: Iterable[Any], start: int, numel: int, group_of: dict[int, int]) -> None:
         """Unit ``index``'s params (``slots``: each with ``param``, ``offset``, ``shape``) in a Muon group."""
         matrices = tuple(Matrix(s.offset, (s.shape[0], s.shape[1]), group_of[id(s.param)]) for s in slots
-                         if group_of.get(id(s.param)) in muon_groups)
+                         if group_of.get(id(s.param)) in self.muon_groups)
         if matrices:
             self.units[index] = MuonUnit(start, numel, matrices)
 
@@ -110,13 +111,11 @@ class MuonPass:
             blended[lo:hi] = g.lerp(buf, hyper.momentum) if hyper.nesterov else buf
         whole = self._gathered(blended)
         ns_device = self.accel.device if self.accel.is_cuda else whole.device
-        for m in unit.matrices:
-            lo, hi = max(m.offset, unit.start), min(m.offset + m.numel, unit.start + unit.numel)
-            if lo >= hi:
-                continue  # not in this rank's shard: its orthogonalisation is another rank's
+        for m, lo, hi in unit.pieces():  # a matrix not in this rank's shard is another rank's to orthogonalise
             matrix = whole[m.offset:m.offset + m.numel].view(m.shape).to(ns_device)
             out = orthogonalized(matrix, _muon(hypers[m.group])).reshape(-1)
-            direction(exp_avg_sq[lo - unit.start:hi - unit.start]).copy_(out[lo - m.offset:hi - m.offset])
+            at = unit.start - m.offset  # shard-relative to matrix-relative
+            direction(exp_avg_sq[lo:hi]).copy_(out[lo + at:hi + at])
 
     def _gathered(self, blended: torch.Tensor) -> torch.Tensor:
         """The whole unit's blended updates from every rank's shard (one collective per unit)."""

@@ -18,6 +18,8 @@ from offload.machine.cpus import default_threads
 from offload.optim.adam import AdamHyper
 from offload.optim.cpu_adam import HostOptimizer
 
+ONE_STATE_RULES = ("lion", "adagrad")  # the AdamHyper.rule values this module's update runs
+
 
 def _finite(name: str, value: float, ok: bool, rule: str) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):

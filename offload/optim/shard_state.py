@@ -27,9 +27,11 @@ class Segment:
     group: int
 
 
-def shard_segments(slots: Iterable[Any], start: int, numel: int, group_of: dict[int, int]) -> list[Segment]:
+def shard_segments(slots: Iterable[Any], start: int, numel: int, group_of: dict[int, int],
+                   per_param: bool = False) -> list[Segment]:
     """The optimizer segments of the shard [start, start + numel) of a flat buffer whose parameters sit at
-    ``slots`` (each with ``param``, ``offset`` and ``numel``); padding and params in no group are left out."""
+    ``slots`` (each with ``param``, ``offset`` and ``numel``); padding and params in no group are left out.
+    Neighbours of one group make one segment, or (``per_param``) each parameter's piece is one."""
     lo, hi = start, start + numel
     segments: list[Segment] = []
     for slot in slots:
@@ -37,7 +39,7 @@ def shard_segments(slots: Iterable[Any], start: int, numel: int, group_of: dict[
         start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if group is None or start >= end:
             continue
-        if segments and segments[-1].group == group and segments[-1].end == start - lo:
+        if not per_param and segments and segments[-1].group == group and segments[-1].end == start - lo:
             segments[-1] = Segment(segments[-1].start, end - lo, group)
         else:
             segments.append(Segment(start - lo, end - lo, group))

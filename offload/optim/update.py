@@ -16,7 +16,7 @@ from offload.optim.adam import AdamHyper, adam_step, device_adam_step, device_ad
 from offload.optim.generic import GenericHyper, GenericStep
 from offload.optim.hyper import Hyper
 from offload.optim.muon_pass import MuonPass, apply_pieces
-from offload.optim.one_state import one_state_step
+from offload.optim.one_state import ONE_STATE_RULES, one_state_step
 from offload.optim.shard_state import ShardPhase, ShardState, StateSplit, by_group, widened
 from offload.store.param_store import ParamStore
 from offload.store.state_format import StateSlot, mix_seed
@@ -94,17 +94,16 @@ class ShardUpdate:
         if matrices is not None:  # the second pass of Muon's step ([Note: Muon over shards] in muon_pass.py)
             apply_pieces(matrices, views, hypers, out16)
             segments = [seg for seg in segments if hypers[seg.group].rule != "muon"]  # the rest are Adam's
-        adams = [h for h in hypers if isinstance(h, AdamHyper)]
         if self.generic is not None:  # see [Note: a torch optimizer's own step] in generic.py
             assert into is None, "a torch optimizer's own step is not speculated"
-            for start, end, group in self.generic.pieces[index]:
-                s = slice(start, end)
+            for seg in self.generic.pieces[index]:
+                s = slice(seg.start, seg.end)
                 g = widened(grad[s], pre_scale)
-                hyper = hypers[group]
+                hyper = hypers[seg.group]
                 assert isinstance(hyper, GenericHyper)
                 self.generic.segment((master[s], exp_avg[s], exp_avg_sq[s]), g * grad_scale if grad_scale != 1.0
                                      else g, step, hyper, out16[s] if out16 is not None else None)
-        elif adams and adams[0].rule != "adam":  # Lion or Adagrad: one state buffer (offload/optim/one_state.py)
+        elif any(h.rule in ONE_STATE_RULES for h in hypers):  # one state buffer (offload/optim/one_state.py)
             assert into is None, "Lion and Adagrad are not speculated (the schedule takes no speculative step)"
             on_device = out is None and self.on_discrete_device(index)
             for seg in segments:
