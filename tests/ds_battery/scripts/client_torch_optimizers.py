@@ -6,7 +6,7 @@ import json
 
 import deepspeed
 import torch
-from common import Net, data, report
+from common import Net, data, report, train
 
 parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
 args = parser.parse_args()
@@ -24,11 +24,5 @@ for name, make in runs.items():
     torch.manual_seed(0)
     model = Net()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make(model.parameters()), config=config)
-    losses = []
-    for tokens in data(32).split(4):
-        loss = engine(tokens)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    observed[name] = losses
+    observed[name] = train(engine, data(32).split(4))
 report(**observed)
