@@ -672,20 +672,23 @@ void adam(const AdamArgs& a, size_t begin, size_t end) {
   adam_span<Scalar>(a, adam_span<Vec>(a, align_elsewhere<Vec>(a, begin, end), end), end);
 }
 
-// [Note: one state] Lion and Adagrad keep one state buffer beside the float32 master (Lion its momentum, Adagrad
-// its sum of squared gradients), 12 bytes an element moved where Adam moves 16 (plus the gradient and the 16-bit
-// copy). Each line rounds where the reference rounds: Lion as its paper and DeepSpeed's CPU Lion write it (the
-// decay first, the sign of beta1 * m + (1 - beta1) * g, then the momentum's own update with beta2), with torch's
-// add(alpha=)'s FMA; Adagrad as torch.optim.Adagrad's single-tensor path (the L2 term into the gradient, the sum's
-// addcmul_ as an FMA, the divide by sqrt(sum) + eps; its learning rate decayed by the caller). The sign of 0 is 0
-// and of a NaN a NaN, as torch.sign's.
-template <class V, DType G, int OUT, int RULE>
+// [Note: one state] Lion and Adagrad keep one state buffer beside the master (Lion its momentum, Adagrad its sum of
+// squared gradients): with the float32 state 12 bytes an element moved where Adam moves 16 (plus the gradient and
+// the 16-bit copy). Each line rounds where the reference rounds: Lion as its paper and DeepSpeed's CPU Lion write it
+// (the decay first, the sign of beta1 * m + (1 - beta1) * g, then the momentum's own update with beta2), with
+// torch's add(alpha=)'s FMA; Adagrad as torch.optim.Adagrad's single-tensor path (the L2 term into the gradient, the
+// sum's addcmul_ as an FMA, the divide by sqrt(sum) + eps; its learning rate decayed by the caller). The sign of 0
+// is 0 and of a NaN a NaN, as torch.sign's. The master and the state take Adam's formats (see [Note: state
+// formats]): loaded and stored as held, the arithmetic float32, so a 16+16 master steps bit for bit as a float32 one.
+template <class V, DType G, int OUT, int RULE, int MASTER, bool BF16S>
 size_t one_state_loop(const OneStateArgs& a, size_t i, size_t end) {
   using F = typename V::F;
-  float* __restrict param = a.param;
-  float* __restrict state = a.state;
+  void* __restrict param = a.param;
+  uint16_t* __restrict param_lo = a.param_lo;
+  void* __restrict state = a.state;
   const void* __restrict grad = a.grad;
   void* __restrict out16 = a.out16;
+  const uint32_t seed = scalar::mix32(a.seed), at0 = uint32_t(a.index0);
   const F scale = V::set1(a.grad_scale), decay = V::set1(a.decay), l2 = V::set1(a.l2), lr = V::set1(a.lr);
   const F neg_lr = V::set1(-a.lr), b1 = V::set1(a.beta1), b1c = V::set1(a.one_minus_beta1);
   const F b2 = V::set1(a.beta2), b2c = V::set1(a.one_minus_beta2), eps = V::set1(a.eps);
@@ -693,8 +696,8 @@ size_t one_state_loop(const OneStateArgs& a, size_t i, size_t end) {
   for (; i + V::W <= end; i += V::W) {
     F g = V::load_any(grad, G, i);
     if (use_scale) g = V::mul(g, scale);
-    F p = V::load(param + i);
-    F s = V::load(state + i);
+    F p = load_master<V, MASTER>(param, param_lo, i);
+    F s = load_moment<V, BF16S>(state, i);
     if constexpr (RULE == int(OneStateRule::LION)) {
       if (use_decay) p = V::mul(p, decay);                  // param.mul_(1 - lr * weight_decay)
       const F c = V::fmadd(b1c, g, V::mul(s, b1));          // exp_avg * beta1 + (1 - beta1) * grad
@@ -705,32 +708,54 @@ size_t one_state_loop(const OneStateArgs& a, size_t i, size_t end) {
       s = V::fmadd(g, g, s);                                // state_sum.addcmul_(grad, grad)
       p = V::sub(p, V::div(V::mul(lr, g), V::add(V::sqrt(s), eps)));  // param.addcdiv_(grad, std, value=-clr)
     }
-    V::store(param + i, p);
-    V::store(state + i, s);
-    if constexpr (OUT != 0) V::store16(out16, OUT == 1 ? DType::BF16 : DType::F16, i, p);
+    store_master<V, MASTER>(param, param_lo, i, p, at0 + uint32_t(i), seed);
+    store_moment<V, BF16S>(state, i, s);
+    if constexpr (OUT != 0 && MASTER != int(Master::F32)) {
+      V::copy16(out16, static_cast<const uint16_t*>(param), i);  // the weights are the master's 16 bits
+    } else if constexpr (OUT != 0) {
+      V::store16(out16, OUT == 1 ? DType::BF16 : DType::F16, i, p);
+    }
   }
   return i;
 }
 
-template <class V, DType G, int OUT>
+template <class V, DType G, int OUT, int MASTER, bool BF16S>
 size_t one_state_rule(const OneStateArgs& a, size_t i, size_t end) {
-  if (a.rule == OneStateRule::LION) return one_state_loop<V, G, OUT, int(OneStateRule::LION)>(a, i, end);
-  return one_state_loop<V, G, OUT, int(OneStateRule::ADAGRAD)>(a, i, end);
+  if (a.rule == OneStateRule::LION)
+    return one_state_loop<V, G, OUT, int(OneStateRule::LION), MASTER, BF16S>(a, i, end);
+  return one_state_loop<V, G, OUT, int(OneStateRule::ADAGRAD), MASTER, BF16S>(a, i, end);
+}
+
+template <class V, DType G, int MASTER, bool BF16S>
+size_t one_state_out(const OneStateArgs& a, size_t i, size_t end) {
+  if (a.out16 == nullptr) return one_state_rule<V, G, 0, MASTER, BF16S>(a, i, end);
+  if (a.out_dtype == DType::BF16) return one_state_rule<V, G, 1, MASTER, BF16S>(a, i, end);
+  if constexpr (MASTER == int(Master::F32)) return one_state_rule<V, G, 2, MASTER, BF16S>(a, i, end);
+  return i;  // a 16-bit master has no float16 copy (refused by the binding)
+}
+
+template <class V, DType G, bool BF16S>
+size_t one_state_master(const OneStateArgs& a, size_t i, size_t end) {
+  switch (a.master) {
+    case Master::SPLIT: return one_state_out<V, G, int(Master::SPLIT), BF16S>(a, i, end);
+    case Master::BF16: return one_state_out<V, G, int(Master::BF16), BF16S>(a, i, end);
+    case Master::BF16_STOCHASTIC: return one_state_out<V, G, int(Master::BF16_STOCHASTIC), BF16S>(a, i, end);
+    default: return one_state_out<V, G, int(Master::F32), BF16S>(a, i, end);
+  }
 }
 
 template <class V, DType G>
-size_t one_state_out(const OneStateArgs& a, size_t i, size_t end) {
-  if (a.out16 == nullptr) return one_state_rule<V, G, 0>(a, i, end);
-  if (a.out_dtype == DType::BF16) return one_state_rule<V, G, 1>(a, i, end);
-  return one_state_rule<V, G, 2>(a, i, end);
+size_t one_state_g(const OneStateArgs& a, size_t i, size_t end) {
+  if (a.state_dtype == DType::BF16) return one_state_master<V, G, true>(a, i, end);
+  return one_state_master<V, G, false>(a, i, end);
 }
 
 template <class V>
 size_t one_state_span(const OneStateArgs& a, size_t i, size_t end) {
   switch (a.grad_dtype) {
-    case DType::BF16: return one_state_out<V, DType::BF16>(a, i, end);
-    case DType::F16: return one_state_out<V, DType::F16>(a, i, end);
-    default: return one_state_out<V, DType::F32>(a, i, end);
+    case DType::BF16: return one_state_g<V, DType::BF16>(a, i, end);
+    case DType::F16: return one_state_g<V, DType::F16>(a, i, end);
+    default: return one_state_g<V, DType::F32>(a, i, end);
   }
 }
 

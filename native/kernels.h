@@ -67,16 +67,22 @@ struct AdamArgs {
   size_t prefetch = PREFETCH_BUILD;
 };
 
-// Lion or Adagrad (see [Note: one state] in kernels.cpp): a float32 master and one float32 state buffer.
+// Lion or Adagrad (see [Note: one state] in kernels.cpp): a master and one state buffer, each in the formats Adam's
+// state takes (see [Note: state formats] in kernels.cpp).
 enum class OneStateRule : int { LION = 0, ADAGRAD = 1 };
 
 struct OneStateArgs {
-  float* param = nullptr;
+  void* param = nullptr;          // float (Master::F32), else bf16: SPLIT's high halves
+  uint16_t* param_lo = nullptr;   // SPLIT: the low halves
   const void* grad = nullptr;
-  float* state = nullptr;   // Lion: the momentum; Adagrad: the sum of squared gradients
+  void* state = nullptr;    // state_dtype; Lion: the momentum; Adagrad: the sum of squared gradients
   void* out16 = nullptr;    // optional 16-bit copy of the updated params
   DType grad_dtype = DType::F32;
   DType out_dtype = DType::BF16;
+  DType state_dtype = DType::F32;  // F32, or BF16 (stored rounded to nearest even; arithmetic in float32)
+  Master master = Master::F32;
+  uint32_t seed = 0;        // BF16_STOCHASTIC: the step's stream, and the stream index of element 0 (as AdamArgs)
+  uint64_t index0 = 0;
   OneStateRule rule = OneStateRule::LION;
   float grad_scale = 1.0f;  // unscale and clip in one factor (1: off)
   float decay = 1.0f;       // Lion: param *= 1 - lr * weight_decay

@@ -101,6 +101,34 @@ void* out16_buffer(const RwArray& a, size_t n, DType& dtype) {
   return a.data();
 }
 
+// The master weights as their buffers hold them (see [Note: state formats] in kernels.cpp): float32; bfloat16 with
+// its low halves (16+16); or bfloat16 alone, rounded to nearest or stochastically.
+struct MasterBuffers {
+  Master master;
+  DType dtype;
+  void* param;
+  uint16_t* lo;
+};
+
+MasterBuffers master_buffers(const RwArray& param, const std::optional<RwArray>& param_lo, bool stochastic, size_t n) {
+  require_dense_cpu(param, "param");
+  const DType dtype = dtype_of(param, "param");
+  if (dtype == DType::F16) throw std::invalid_argument("param must be float32 or bfloat16 (a master weight)");
+  MasterBuffers out{Master::F32, dtype, nullptr, nullptr};
+  if (dtype == DType::F32) {
+    if (param_lo || stochastic)
+      throw std::invalid_argument("param_lo and stochastic rounding go with a bfloat16 master, and param is float32");
+  } else if (param_lo) {
+    if (stochastic) throw std::invalid_argument("a 16+16 master (param_lo given) is exact: no stochastic rounding");
+    out.master = Master::SPLIT;
+    out.lo = half_buffer(*param_lo, "param_lo", n);
+  } else {
+    out.master = stochastic ? Master::BF16_STOCHASTIC : Master::BF16;
+  }
+  out.param = typed_buffer(param, "param", n, dtype);
+  return out;
+}
+
 void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg, const RwArray& exp_avg_sq,
              std::optional<RwArray> out16, std::optional<RwArray> param_out, std::optional<RwArray> exp_avg_out,
              std::optional<RwArray> exp_avg_sq_out, float pre_scale, float grad_scale, float decay, float l2,
@@ -109,21 +137,11 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
              uint32_t seed, uint64_t index0, int64_t prefetch) {
   AdamArgs a;
   const size_t n = param.size();
-  require_dense_cpu(param, "param");
-  const DType master_dtype = dtype_of(param, "param");
-  if (master_dtype == DType::F16) throw std::invalid_argument("param must be float32 or bfloat16 (a master weight)");
-  if (master_dtype == DType::F32) {
-    if (param_lo || stochastic)
-      throw std::invalid_argument("param_lo and stochastic rounding go with a bfloat16 master, and param is float32");
-    a.master = Master::F32;
-  } else if (param_lo) {
-    if (stochastic) throw std::invalid_argument("a 16+16 master (param_lo given) is exact: no stochastic rounding");
-    a.master = Master::SPLIT;
-    a.param_lo = half_buffer(*param_lo, "param_lo", n);
-  } else {
-    a.master = stochastic ? Master::BF16_STOCHASTIC : Master::BF16;
-  }
-  a.param = typed_buffer(param, "param", n, master_dtype);
+  const MasterBuffers held = master_buffers(param, param_lo, stochastic, n);
+  const DType master_dtype = held.dtype;
+  a.master = held.master;
+  a.param = held.param;
+  a.param_lo = held.lo;
   require_dense_cpu(exp_avg, "exp_avg");
   a.moment_dtype = dtype_of(exp_avg, "exp_avg");
   if (a.moment_dtype == DType::F16) throw std::invalid_argument("exp_avg must be float32 or bfloat16");
@@ -167,19 +185,32 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
 
 void py_one_state(const RwArray& param, const AnyArray& grad, const RwArray& state, std::optional<RwArray> out16,
                   int rule, float grad_scale, float decay, float l2, float lr, float beta1, float one_minus_beta1,
-                  float beta2, float one_minus_beta2, float eps, int threads) {
+                  float beta2, float one_minus_beta2, float eps, int threads, std::optional<RwArray> param_lo,
+                  bool stochastic, uint32_t seed, uint64_t index0) {
   OneStateArgs a;
   const size_t n = param.size();
-  a.param = fp32_buffer(param, "param", n);
-  a.state = fp32_buffer(state, "state", n);
+  const MasterBuffers held = master_buffers(param, param_lo, stochastic, n);
+  a.master = held.master;
+  a.param = held.param;
+  a.param_lo = held.lo;
+  require_dense_cpu(state, "state");
+  a.state_dtype = dtype_of(state, "state");
+  if (a.state_dtype == DType::F16) throw std::invalid_argument("state must be float32 or bfloat16");
+  a.state = typed_buffer(state, "state", n, a.state_dtype);
   require_dense_cpu(grad, "grad");
   require_size(grad, "grad", n);
   a.grad_dtype = dtype_of(grad, "grad");
   a.grad = grad.data();
-  if (out16) a.out16 = out16_buffer(*out16, n, a.out_dtype);
+  if (out16) {
+    a.out16 = out16_buffer(*out16, n, a.out_dtype);
+    if (a.master != Master::F32 && a.out_dtype != DType::BF16)
+      throw std::invalid_argument("out16 of a bfloat16 master is bfloat16: the copy is the master's own bits");
+  }
   if (rule != int(OneStateRule::LION) && rule != int(OneStateRule::ADAGRAD))
     throw std::invalid_argument("rule must be 0 (Lion) or 1 (Adagrad)");
   a.rule = OneStateRule(rule);
+  a.seed = seed;
+  a.index0 = index0;
   a.grad_scale = grad_scale;
   a.decay = decay;
   a.l2 = l2;
@@ -250,9 +281,10 @@ NB_MODULE(_native, m) {
   m.def("one_state", &py_one_state, nb::arg("param").noconvert(), nb::arg("grad").noconvert(),
         nb::arg("state").noconvert(), nb::arg("out16").none(), nb::arg("rule"), nb::arg("grad_scale"),
         nb::arg("decay"), nb::arg("l2"), nb::arg("lr"), nb::arg("beta1"), nb::arg("one_minus_beta1"),
-        nb::arg("beta2"), nb::arg("one_minus_beta2"), nb::arg("eps"),
-        nb::arg("threads"), "One Lion (rule 0) or Adagrad (rule 1) step over a float32 master and its one float32 "
-        "state buffer, in place, with an optional 16-bit copy of the new params.");
+        nb::arg("beta2"), nb::arg("one_minus_beta2"), nb::arg("eps"), nb::arg("threads"),
+        nb::arg("param_lo").none(), nb::arg("stochastic"), nb::arg("seed"), nb::arg("index0"),
+        "One Lion (rule 0) or Adagrad (rule 1) step over a master and its one state buffer, each as held (see "
+        "adam), in place, with an optional 16-bit copy of the new params.");
   m.def("accumulate", &py_accumulate, nb::arg("acc").noconvert(), nb::arg("grad").noconvert(), nb::arg("s"),
         nb::arg("overwrite"), nb::arg("threads"), "acc = s * grad (overwrite) or acc += s * grad.");
   m.def("use_openmp", [](const std::string& path) { return use_openmp(path.c_str()); }, nb::arg("path"),

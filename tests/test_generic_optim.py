@@ -162,3 +162,16 @@ def test_what_a_named_torch_optimizer_does_not_take_is_said():
     config["offload"] = {"optimizer_state": {"moments": "bf16"}}
     with pytest.raises(ConfigError, match="a torch optimizer's state is float32"):
         offload.initialize(model=make_any("gpt"), config=config)
+
+
+@pytest.mark.parametrize("name,held", [("SGD", ()), ("SGD momentum", ("exp_avg",)),
+                                       ("RMSprop plain", ("exp_avg",)), ("RMSprop", ("exp_avg", "exp_avg_sq"))])
+def test_the_slot_holds_only_the_buffers_the_optimizer_keeps(name, held):
+    """SGD without momentum keeps the master alone (4 bytes an element), with momentum one buffer beside it (8);
+    RMSprop its square average, and with momentum its momentum too: the probe says which."""
+    make = functools.partial(torch.optim.RMSprop, lr=0.005) if name == "RMSprop plain" else OPTIMIZERS[name]
+    engine, *_ = offload.initialize(model=make_any("gpt"), config=client_config(1, 3, {"device": "cpu"}, 0.0),
+                                    optimizer=make)
+    fmt = engine.optimizer.state_format
+    engine.close()
+    assert fmt.held == held and fmt.bytes_per_element == 4 + 4 * len(held)

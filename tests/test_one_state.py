@@ -4,10 +4,12 @@ reference update (the paper's and DeepSpeed's) in every kernel variant; Adagrad 
 for bit and its weights to the last place (torch's CPU square root is not correctly rounded; the kernel's is)."""
 
 import functools
+import json
+import logging
 
 import pytest
 import torch
-from engine_cases import backward_over, base_config, batches, engine_device, make_any, train_engine
+from engine_cases import backward_over, base_config, batches, engine_device, loss_of, make_any, train_engine
 
 import offload
 from offload.config import ConfigError
@@ -114,8 +116,8 @@ def test_deepspeeds_names_take_its_arguments_and_say_what_they_refuse():
         CPULion([torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)])
     with pytest.raises(ValueError, match=r"invalid betas\[1\]: 1.0"):
         CPULion([p], betas=(0.9, 1.0))
-    with pytest.raises(NativeError, match="state has dtype torch.bfloat16"):
-        lion_step(torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), lr=1e-3, betas=(0.9, 0.99))
+    with pytest.raises(NativeError, match="state has dtype torch.float16"):
+        lion_step(torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.float16), lr=1e-3, betas=(0.9, 0.99))
 
 
 # --------------------------------------------------------------------------- the engine's Lion and Adagrad
@@ -180,9 +182,6 @@ def test_the_engine_steps_lion_and_adagrad_as_plain_torch(tmp_path, rule, world,
 
 def test_what_lion_and_adagrad_do_not_take_is_said():
     config, _ = rule_config(None, "lion", 1, 3, "cpu", 1.0)
-    with pytest.raises(ConfigError, match="Lion's state is float32"):
-        offload.initialize(model=make_any("gpt"), config={**config, "offload": {"optimizer_state": {
-            "moments": "bf16"}}})
     with pytest.raises(ConfigError, match="Lion is not speculated"):
         offload.initialize(model=make_any("gpt"), config={**config, "offload": {"speculative_step": "on"}})
     config["optimizer"]["params"]["bias_correction"] = False
@@ -247,9 +246,11 @@ def test_a_scripts_lion_is_held_to_what_the_configs_is():
     config, _ = rule_config(None, "lion", 1, 3, "cpu", 1.0)
     del config["optimizer"]
     model = make_any("gpt")
-    with pytest.raises(ConfigError, match="Lion's state is float32"):
-        offload.initialize(model=model, optimizer=DeepSpeedCPULion(model.parameters()),
-                           config={**config, "offload": {"optimizer_state": {"moments": "bf16"}}})
+    bf16 = make_any("gpt")
+    engine, *_ = offload.initialize(model=bf16, optimizer=DeepSpeedCPULion(bf16.parameters()),
+                                    config={**config, "offload": {"optimizer_state": {"moments": "bf16"}}})
+    assert engine.optimizer.state_format.bytes_per_element == 6  # the config's format, the update's one buffer
+    engine.close()
     with pytest.raises(ConfigError, match="Lion is not speculated"):
         offload.initialize(model=model, optimizer=DeepSpeedCPULion(model.parameters()),
                            config={**config, "offload": {"speculative_step": "on"}})
@@ -257,3 +258,88 @@ def test_a_scripts_lion_is_held_to_what_the_configs_is():
                                                optimizer=DeepSpeedCPULion(model.parameters(), lr=2e-4))
     assert engine.optimizer.update_rule == "lion" and engine.optimizer.hyper(0).lr == 2e-4
     engine.close()
+
+
+# --------------------------------------------------------------------------- one buffer held, not two
+
+
+def host_state_bytes(config):
+    engine, *_ = offload.initialize(model=make_any("gpt"), config=config)
+    try:
+        fmt = engine.optimizer.state_format
+        return fmt, engine.memory_summary()["host"]["optimizer state"], engine.optimizer.sub_groups
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("rule,held", [("lion", ("exp_avg",)), ("adagrad", ("exp_avg_sq",))])
+def test_lion_and_adagrad_hold_one_buffer_beside_the_master(tmp_path, rule, held):
+    """8 bytes an element of fp32 state, not Adam's 12: the buffer the update does not keep takes no memory."""
+    config, _ = rule_config(tmp_path, rule, 1, 3, "cpu", 1.0)
+    fmt, host, groups = host_state_bytes(config)
+    assert fmt.held == held and fmt.bytes_per_element == 8
+    assert all(g.nbytes >= 8 * g.numel and g.nbytes < 8 * g.numel + 4096 for g in groups)
+    assert host == sum(g.nbytes for g in groups)
+    fmt, adam, groups = host_state_bytes({**config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert fmt.bytes_per_element == 12 and all(g.nbytes >= 12 * g.numel for g in groups) and adam > 1.3 * host
+
+
+@pytest.mark.parametrize("rule,state", [("lion", "cpu"), ("adagrad", "nvme")])
+def test_a_resumed_lion_or_adagrad_run_is_bitwise_the_unbroken_one(tmp_path, rule, state):
+    """The one buffer goes through the checkpoint (and only it: the meta says which), on the host and on NVMe."""
+    config, _ = rule_config(tmp_path / "swap", rule, 2, 3, state, 1.0)
+    whole = run_ranks(train_engine, 2, name="gpt", config=config, steps=4, micro=MICRO, accum=ACCUM)
+    run_ranks(train_engine, 2, name="gpt", config=config, steps=2, micro=MICRO, accum=ACCUM,
+              save_dir=str(tmp_path / "ckpt"))
+    tag = (tmp_path / "ckpt" / "latest").read_text().strip()
+    meta = json.loads((tmp_path / "ckpt" / tag / "meta.json").read_text())
+    held = ["exp_avg"] if rule == "lion" else ["exp_avg_sq"]
+    assert meta["state_format"] == {"master": "fp32", "moments": "float32", "held": held}
+    index = json.loads((tmp_path / "ckpt" / tag / "rank0.json").read_text())
+    assert {e["kind"] for e in index} - {"shard"} == {"master", *held}
+    resumed = run_ranks(resume_and_train, 2, config=config, load_dir=str(tmp_path / "ckpt"))
+    for key, value in whole[0]["state"].items():
+        assert torch.equal(resumed[0]["state"][key], value), key
+
+
+def resume_and_train(rank, world, config, load_dir):
+    """Steps 3 and 4 of ``train_engine``'s run, from the checkpoint it saved after step 2."""
+    engine, _, _, _ = offload.initialize(model=make_any("gpt"), config=config)
+    engine.load_checkpoint(load_dir)
+    for tokens in batches(4, MICRO * ACCUM * world)[2:]:
+        for a in range(ACCUM):
+            rows = tokens[(a * world + rank) * MICRO:(a * world + rank + 1) * MICRO]
+            engine.backward(loss_of(engine, "gpt", rows))
+            engine.step()
+    out = {"state": engine.full_state_dict()}
+    engine.close()
+    return out
+
+
+def test_a_checkpoint_without_a_moment_loads_into_an_update_that_keeps_it_at_zero(tmp_path, caplog):
+    """Lion's checkpoint (exp_avg only) into AdamW: the momentum carried over, the second moment a new
+    optimizer's zeros, and the note says so."""
+    config, _ = rule_config(tmp_path, "lion", 1, 3, "cpu", 1.0)
+    saved = run_ranks(train_engine, 1, name="gpt", config=config, steps=2, micro=MICRO, accum=ACCUM,
+                      save_dir=str(tmp_path / "ckpt"), finished=moments_of)[0]
+    adam = {**config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = offload.initialize(model=make_any("gpt"), config=adam)
+    with caplog.at_level(logging.WARNING, logger="offload.checkpoint"):
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+    loaded = moments_of(engine)
+    engine.close()
+    assert "exp_avg float32 and this engine holds it as master fp32, moments float32" in caplog.text
+    assert "does not hold starts at zero" in caplog.text
+    assert torch.equal(loaded["exp_avg"], saved["exp_avg"]) and loaded["exp_avg"].abs().sum() > 0
+    assert not loaded["exp_avg_sq"].any() and saved["exp_avg_sq"].numel() == 0
+
+
+def moments_of(engine):
+    """Every unit's exp_avg and exp_avg_sq as the slot holds them, in unit order."""
+    out = {"exp_avg": [], "exp_avg_sq": []}
+    for g in engine.optimizer.one_at_a_time(read=True, write=False):
+        for m in g.members:
+            views = g.views(m)
+            out["exp_avg"].append(views.exp_avg.clone())
+            out["exp_avg_sq"].append(views.exp_avg_sq.clone())
+    return {k: torch.cat(v) for k, v in out.items()}

@@ -32,6 +32,7 @@ from offload.config.fields import resolved
 from offload.engine.refit import refits, room_beside
 from offload.engine.step_schedule import wanted
 from offload.models.catalog import MODELS, ModelError, build_model
+from offload.optim.hyper import held_moments
 from offload.store.param_homes import describe_placement
 from offload.store.placement import KEPT_GRADS, MachineOffer, Shards, Speculation, StageLayout, StepAsks, plan, traffic
 from offload.store.step_cost import STATE_BYTES, Rates, StepPrediction, adam_bytes, adam_ms, predict
@@ -173,14 +174,15 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     device, host, nvme = (est.tiers[t.value] for t in (Tier.DEVICE, Tier.HOST, Tier.NVME))
     param_dev = zero.offload_param.device
     dtype = torch.float16 if config.fp16.enabled is True else torch.bfloat16 if item == 2 else torch.float32
-    want = wanted(config, dtype, config.optimizer.rule if config.optimizer is not None else "adam")
+    rule = config.optimizer.rule if config.optimizer is not None else "adam"
+    want = wanted(config, dtype, rule)
     rates = rates or StepRates()
     priced = rates.for_step(compute_ms(est.params, activations, config, rates))
 
     def placed(refit_room: int | None = None) -> Any:
         """The engine's own plan: at start-up auto's split by the rates (the compute is not known there); the
         refit's, state first as the refit moves it (offload/engine/refit.py)."""
-        return plan(Shards(sizes, {i for i, _ in sizes}, item), config,
+        return plan(Shards(sizes, {i for i, _ in sizes}, item, held_moments(rule)), config,
                     StageLayout(parts=parts, resident_params=stage.resident_params,
                                 whole_grads=0 if stage.reduce_every_micro_batch else est.params),
                     MachineOffer(discrete=discrete, device_free=device_free, refit_room=refit_room,

@@ -622,8 +622,11 @@ class OptimizerStateConfig:
                                   "bf16_master_weights_and_grads: small updates are lost); bf16-stochastic "
                                   "(rounded stochastically: updates kept in expectation). A bf16 master needs "
                                   "bf16.enabled.", choices=("fp32", "16+16", "bf16", "bf16-stochastic"))
-    moments: str = setting("fp32", "How Adam's moments are held: fp32, or bf16 (arithmetic in fp32, stored rounded to "
-                                   "nearest even: 4 bytes an element instead of 8).", choices=("fp32", "bf16"))
+    moments: str = setting("fp32", "How the optimizer's state buffers are held (Adam's two moments; Lion's momentum "
+                                   "and Adagrad's sum, one buffer each): fp32, or bf16 (arithmetic in fp32, stored "
+                                   "rounded to nearest even: 2 bytes a buffer an element instead of 4; a bf16 "
+                                   "Adagrad sum stops growing where a step's squared gradient is under 2**-9 of it). "
+                                   "Muon and torch's other optimizers take fp32 only.", choices=("fp32", "bf16"))
     seed: int = setting(0, "The stochastic rounding's seed (each rank, step and unit draws its own stream from it, so "
                            "a resumed run rounds as the run that never stopped).", ge=0)
 

@@ -34,6 +34,7 @@ from offload.machine.accelerator import Accelerator
 from offload.machine.cpus import default_threads
 from offload.observe.telemetry import Telemetry
 from offload.optim.generic import GenericStep
+from offload.optim.hyper import held_moments
 from offload.optim.landing import GradientLanding, LandingPolicy
 from offload.optim.lr_schedules import build_lr_schedule
 from offload.optim.muon_pass import MuonPass
@@ -163,7 +164,7 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
                     and zero.offload_optimizer.device == "cpu" and not accel.host_is_device
                     and (config.offload.budgets.device is not None or device_free is not None) else None)
         placement = plan_placement(
-            Shards(shard_sizes, trained, compute_dtype.itemsize), config,
+            Shards(shard_sizes, trained, compute_dtype.itemsize, held_moments(choice.update, choice.generic)), config,
             StageLayout(parts=parts, resident_params=stage.resident_params, whole_grads=whole_grads),
             MachineOffer(discrete=not accel.host_is_device, device_free=device_free, rates=measured),
             StepAsks(speculation=want.speculation, delayed=want.delayed, not_streamed=want.not_streamed))

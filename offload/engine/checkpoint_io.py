@@ -47,7 +47,7 @@ from offload.files.training_checkpoint import (
     write_atomic,
     writer_lock,
 )
-from offload.store.state_format import FP32, StateFormat, StateSlot
+from offload.store.state_format import FP32, MOMENTS, StateFormat, StateSlot
 from offload.version import __version__
 from offload.zero.collectives import all_ok
 
@@ -137,13 +137,17 @@ def _read_relaid(reader: ShardReader, meta: dict[str, Any], saved_at: dict[str, 
     return out
 
 
-def _format_meta(fmt: StateFormat) -> dict[str, str]:
-    """How a checkpoint says its optimizer state is held (absent in older ones: fp32)."""
-    return {"master": fmt.master.value, "moments": str(fmt.moments).removeprefix("torch.")}
+def _format_meta(fmt: StateFormat) -> dict[str, Any]:
+    """How a checkpoint says its optimizer state is held (absent in older ones: fp32); ``held`` only where the
+    update keeps fewer moments than Adam's two (absent: both)."""
+    held = {} if fmt.held == MOMENTS else {"held": list(fmt.held)}
+    return {"master": fmt.master.value, "moments": str(fmt.moments).removeprefix("torch.")} | held
 
 
-def _format_text(meta: dict[str, str]) -> str:
-    return f"master {meta['master']}, moments {meta['moments']}"
+def _format_text(meta: dict[str, Any]) -> str:
+    held = meta.get("held", MOMENTS)
+    moments = "moments" if tuple(held) == MOMENTS else " ".join(held) if held else "no moments"
+    return f"master {meta['master']}, {moments} {meta['moments']}"
 
 
 def _barrier(group: Any) -> None:
@@ -307,9 +311,10 @@ def _write_rank_files(engine: Any, tmp: Path, client_state: dict[str, Any], pick
         try:
             for g in engine.optimizer.one_at_a_time(read=True, write=False):
                 for m in g.members:
-                    for kind, values in zip(("master", "exp_avg", "exp_avg_sq"), g.views(m).held(), strict=True):
-                        writer.add(m.unit, kind, values)
-                        phase("writing")
+                    for kind, values in zip(("master", *MOMENTS), g.views(m).held(), strict=True):
+                        if kind == "master" or kind in g.fmt.held:  # a moment not held is no array
+                            writer.add(m.unit, kind, values)
+                            phase("writing")
             for unit in engine.units:
                 if not engine.optimizer.trains(unit.index):
                     writer.add(unit.index, "shard", engine.params.read(unit.index))
@@ -494,14 +499,20 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
     saved_format, our_format = meta.get("state_format", _format_meta(FP32)), _format_meta(engine.optimizer.state_format)
     if saved_format != our_format and rank == 0:
         logger.warning("loading %s: its optimizer state is held as %s and this engine holds it as %s: converted "
-                       "(to fp32 or 16+16 exactly, to a bf16 master or bf16 moments rounded to nearest)", path,
+                       "(to fp32 or 16+16 exactly, to a bf16 master or bf16 moments rounded to nearest; a moment it "
+                       "does not hold starts at zero, one this engine does not keep is left out)", path,
                        _format_text(saved_format), _format_text(our_format))
+    saved_held = set(saved_format.get("held", MOMENTS))
+
     def load_state(index: int, views: StateSlot) -> bool:
         saved = take(units[index], "master")
         views.set_master(saved if rounded is None else saved.to(rounded).float())
-        if moments:
-            views.exp_avg.copy_(take(units[index], "exp_avg"))
-            views.exp_avg_sq.copy_(take(units[index], "exp_avg_sq"))
+        if moments:  # a moment this engine holds and the checkpoint does not starts at zero, as a new optimizer's
+            for kind, view in zip(MOMENTS, (views.exp_avg, views.exp_avg_sq), strict=True):
+                if kind in saved_held:
+                    view.copy_(take(units[index], kind))
+                else:
+                    view.zero_()
         return True
 
     try:

@@ -30,7 +30,7 @@ from offload.machine.accelerator import Accelerator, finish_streams
 from offload.machine.host_malloc import set_mmap_threshold
 from offload.optim import generic
 from offload.optim.cpu_adam import CPUAdam
-from offload.optim.one_state import CPUAdagrad, CPULion
+from offload.optim.one_state import ONE_STATE_RULES, CPUAdagrad, CPULion
 from offload.optim.sharded import ShardedAdam
 from offload.store import state_format
 from offload.zero.collectives import Group
@@ -159,7 +159,9 @@ def _check_supported(cfg: Config, inference: bool) -> None:
 
 
 def _check_state_format(cfg: Config, rule: str) -> None:
-    if rule != "adam":
+    """Adam, Lion and Adagrad take every state format (the native kernels hold each); Muon and a torch optimizer's
+    own code step float32 state."""
+    if rule not in ("adam", *ONE_STATE_RULES):
         fmt = state_format.from_config(cfg)
         if fmt.master is not state_format.Master.FP32 or fmt.moments != torch.float32:
             raise ConfigError("offload.optimizer_state", f"{RULE_NAMES[rule]}'s state is float32 here (its master "

@@ -192,21 +192,39 @@ LION, ADAGRAD = 0, 1  # the one-state rules (OneStateRule in native/kernels.h)
 
 def one_state_kernel(param: torch.Tensor, grad: torch.Tensor, state: torch.Tensor, out16: torch.Tensor | None, *,
                      rule: int, grad_scale: float = 1.0, decay: float = 1.0, l2: float = 0.0, lr: float,
-                     beta1: float = 0.0, beta2: float = 0.0, eps: float = 0.0, threads: int | None = None) -> None:
-    """One Lion (``rule`` LION) or Adagrad (ADAGRAD) step in place over a float32 master and its one float32
-    state buffer (see [Note: one state] in native/kernels.cpp); scalars arrive as the caller computed them in double,
-    each rounded to float32 once."""
+                     beta1: float = 0.0, beta2: float = 0.0, eps: float = 0.0, threads: int | None = None,
+                     param_lo: torch.Tensor | None = None, stochastic: Stochastic | None = None) -> None:
+    """One Lion (``rule`` LION) or Adagrad (ADAGRAD) step in place over a master and its one state buffer (see
+    [Note: one state] in native/kernels.cpp); scalars arrive as the caller computed them in double, each rounded to
+    float32 once. The master is held as ``adam_kernel``'s (float32, 16+16 with ``param_lo``, bfloat16 to nearest or
+    ``stochastic``ally), the state float32 or bfloat16."""
     tensors = {"param": param, "grad": grad, "state": state} | ({"out16": out16} if out16 is not None else {})
-    checked = {name: _check_buffer(t, name) for name, t in tensors.items()}
-    for name in ("param", "state"):
-        if checked[name].dtype != torch.float32:
-            raise NativeError(f"{name} has dtype {checked[name].dtype}; Lion's and Adagrad's master and state are "
-                              "float32")
+    if param_lo is not None:
+        tensors["param_lo"] = param_lo
+    checked = {name: _check_buffer(t, name, None if name == "param_lo" else KERNEL_DTYPES)
+               for name, t in tensors.items()}
+    master = checked["param"].dtype
+    if master not in MASTER_DTYPES:
+        raise NativeError(f"param has dtype {master}; a master weight is float32 or bfloat16")
+    if checked["state"].dtype not in MOMENT_DTYPES:
+        raise NativeError(f"state has dtype {checked['state'].dtype}; Lion's and Adagrad's state is float32 or "
+                          "bfloat16")
+    if param_lo is not None and checked["param_lo"].dtype.itemsize != 2:
+        raise NativeError(f"param_lo has dtype {checked['param_lo'].dtype}; the low halves of a 16+16 master are "
+                          "16-bit")
+    if master == torch.float32 and (param_lo is not None or stochastic is not None):
+        raise NativeError("param_lo and stochastic rounding go with a bfloat16 master, and param is float32")
+    if param_lo is not None and stochastic is not None:
+        raise NativeError("a 16+16 master (param_lo) is exact: it takes no stochastic rounding")
     if out16 is not None and checked["out16"].dtype == torch.float32:
         raise NativeError("out16 has dtype torch.float32; the copy is bfloat16 or float16")
+    if out16 is not None and master != torch.float32 and checked["out16"].dtype != torch.bfloat16:
+        raise NativeError(f"out16 has dtype {checked['out16'].dtype}; a bfloat16 master's copy is bfloat16 (its bits)")
     n_threads = _matched(checked, param.numel(), threads)
+    seed, index0 = (int(stochastic.seed) & 0xFFFFFFFF, int(stochastic.index0)) if stochastic is not None else (0, 0)
     _native.one_state(_dl(checked["param"]), _dl(checked["grad"]), _dl(checked["state"]), _dl(checked.get("out16")),
-                      rule, grad_scale, decay, l2, lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, n_threads)
+                      rule, grad_scale, decay, l2, lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, n_threads,
+                      _dl(checked.get("param_lo")), stochastic is not None, seed, index0)
 
 
 _prefetch: int | None = None  # elements ahead the Adam pass prefetches (None: the variant's build default)

@@ -17,8 +17,12 @@ from offload.machine import native
 from offload.machine.cpus import default_threads
 from offload.optim.adam import AdamHyper
 from offload.optim.cpu_adam import HostOptimizer
+from offload.store.state_format import StateSlot, stochastic_round_
 
 ONE_STATE_RULES = ("lion", "adagrad")  # the AdamHyper.rule values this module's update runs
+# the state slot's buffer each keeps (offload/store/state_format.py): Lion's momentum, Adagrad's sum (DeepSpeed's
+# CPU Adagrad names it exp_avg_sq)
+ONE_STATE_HELD = {"lion": ("exp_avg",), "adagrad": ("exp_avg_sq",)}
 
 
 def _finite(name: str, value: float, ok: bool, rule: str) -> None:
@@ -28,20 +32,25 @@ def _finite(name: str, value: float, ok: bool, rule: str) -> None:
 
 def lion_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float,
               betas: tuple[float, float], weight_decay: float = 0.0, grad_scale: float = 1.0,
-              out16: torch.Tensor | None = None, threads: int | None = None) -> None:
+              out16: torch.Tensor | None = None, threads: int | None = None, master_lo: torch.Tensor | None = None,
+              stochastic: native.Stochastic | None = None) -> None:
     """One Lion step in place: decoupled decay, then ``param -= lr * sign(beta1 * m + (1 - beta1) * g)``, then
     ``m = beta2 * m + (1 - beta2) * g`` (the paper's Lion, in torch's fp32 order; DeepSpeed's CPU kernel rounds its
-    constants to float first and so differs in the last places)."""
+    constants to float first and so differs in the last places). The master and the momentum may be held as Adam's
+    state is (``master_lo``, ``stochastic``: see ``adam_step``)."""
     native.one_state_kernel(param, grad, exp_avg, out16, rule=native.LION, grad_scale=grad_scale,
-                            decay=1.0 - lr * weight_decay, lr=lr, beta1=betas[0], beta2=betas[1], threads=threads)
+                            decay=1.0 - lr * weight_decay, lr=lr, beta1=betas[0], beta2=betas[1], threads=threads,
+                            param_lo=master_lo, stochastic=stochastic)
 
 
 def adagrad_step(param: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, step: int, *, lr: float,
                  eps: float = 1e-10, weight_decay: float = 0.0, lr_decay: float = 0.0, grad_scale: float = 1.0,
-                 out16: torch.Tensor | None = None, threads: int | None = None) -> None:
-    """One Adagrad step in place, as torch.optim.Adagrad's: ``step`` counts from 1."""
+                 out16: torch.Tensor | None = None, threads: int | None = None,
+                 master_lo: torch.Tensor | None = None, stochastic: native.Stochastic | None = None) -> None:
+    """One Adagrad step in place, as torch.optim.Adagrad's: ``step`` counts from 1. Held as ``lion_step``'s."""
     native.one_state_kernel(param, grad, state_sum, out16, rule=native.ADAGRAD, grad_scale=grad_scale,
-                            l2=weight_decay, lr=lr / (1 + (step - 1) * lr_decay), eps=eps, threads=threads)
+                            l2=weight_decay, lr=lr / (1 + (step - 1) * lr_decay), eps=eps, threads=threads,
+                            param_lo=master_lo, stochastic=stochastic)
 
 
 class _HostOptimizer(HostOptimizer):
@@ -110,32 +119,42 @@ class CPUAdagrad(_HostOptimizer):
                      weight_decay=float(group["weight_decay"]), lr_decay=float(group["lr_decay"]), threads=self.threads)
 
 
-def one_state_step(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor, step: int,
-                   hyper: AdamHyper, grad_scale: float, out16: torch.Tensor | None, threads: int | None,
+def one_state_step(slot: StateSlot, grad: torch.Tensor, step: int, hyper: AdamHyper, grad_scale: float,
+                   out16: torch.Tensor | None, threads: int | None, stochastic: native.Stochastic | None,
                    on_device: bool) -> None:
     """One segment of a Lion or Adagrad step as the engine's update runs it (offload/optim/update.py), over the
-    state slot's (master, exp_avg, exp_avg_sq): Lion's momentum is exp_avg, Adagrad's sum exp_avg_sq (the other
-    buffer unused). Host state runs the native kernel; state on a discrete device (a GPU) torch's ops, in the
-    reference's order."""
-    master, exp_avg, exp_avg_sq = state
+    state slot's views of it: Lion's momentum is exp_avg, Adagrad's sum exp_avg_sq (the other buffer not held:
+    ``ONE_STATE_HELD``). Host state runs the native kernel; state on a discrete device (a GPU) torch's ops, in the
+    reference's order, widened to float32 and stored back as held (as ``device_adam_step_held``)."""
+    state = slot.exp_avg if hyper.rule == "lion" else slot.exp_avg_sq
     if not on_device:
         if hyper.rule == "lion":
-            lion_step(master, grad, exp_avg, lr=hyper.lr, betas=hyper.betas, weight_decay=hyper.weight_decay,
-                      grad_scale=grad_scale, out16=out16, threads=threads)
+            lion_step(slot.master, grad, state, lr=hyper.lr, betas=hyper.betas, weight_decay=hyper.weight_decay,
+                      grad_scale=grad_scale, out16=out16, threads=threads, master_lo=slot.master_lo,
+                      stochastic=stochastic)
         else:
-            adagrad_step(master, grad, exp_avg_sq, step, lr=hyper.lr, eps=hyper.eps,
-                         weight_decay=hyper.weight_decay, grad_scale=grad_scale, out16=out16, threads=threads)
+            adagrad_step(slot.master, grad, state, step, lr=hyper.lr, eps=hyper.eps,
+                         weight_decay=hyper.weight_decay, grad_scale=grad_scale, out16=out16, threads=threads,
+                         master_lo=slot.master_lo, stochastic=stochastic)
         return
+    exact = slot.master.dtype == torch.float32 and state.dtype == torch.float32
+    master, s = (slot.master, state) if exact else (slot.master_fp32(), state.float())
     g = grad * grad_scale if grad_scale != 1.0 else grad
     if hyper.rule == "lion":
         beta1, beta2 = hyper.betas
         master.mul_(1 - hyper.lr * hyper.weight_decay)
-        master.add_(exp_avg.mul(beta1).add_(g, alpha=1 - beta1).sign_(), alpha=-hyper.lr)
-        exp_avg.mul_(beta2).add_(g, alpha=1 - beta2)
+        master.add_(s.mul(beta1).add_(g, alpha=1 - beta1).sign_(), alpha=-hyper.lr)
+        s.mul_(beta2).add_(g, alpha=1 - beta2)
     else:
         if hyper.weight_decay:
             g = g.add(master, alpha=hyper.weight_decay)
-        exp_avg_sq.addcmul_(g, g, value=1)
-        master.addcdiv_(g, exp_avg_sq.sqrt().add_(hyper.eps), value=-hyper.lr)
+        s.addcmul_(g, g, value=1)
+        master.addcdiv_(g, s.sqrt().add_(hyper.eps), value=-hyper.lr)
+    if not exact:
+        state.copy_(s)
+        if stochastic is not None and slot.master_lo is None and slot.master.dtype == torch.bfloat16:
+            stochastic_round_(slot.master, master, stochastic.seed)
+        else:
+            slot.set_master(master)
     if out16 is not None:
-        out16.copy_(master)
+        out16.copy_(slot.master)

@@ -110,9 +110,9 @@ class ShardUpdate:
                 s = slice(seg.start, seg.end)
                 # the host kernel reads a 16-bit gradient itself; torch's ops (on the device) need it in fp32
                 g = widened(grad[s], pre_scale) if on_device or pre_scale != 1.0 else grad[s]
-                one_state_step((master[s], exp_avg[s], exp_avg_sq[s]), g, step,
-                               _adam(hypers[seg.group]), grad_scale, out16[s] if out16 is not None else None,
-                               None if on_device else self.threads, on_device)
+                one_state_step(views.narrow(seg.start, seg.end - seg.start), g, step, _adam(hypers[seg.group]),
+                               grad_scale, out16[s] if out16 is not None else None,
+                               None if on_device else self.threads, self._stream(index, step, seg.start), on_device)
         elif out is None and self.on_discrete_device(index):  # torch's fused kernel
             assert into is None  # never speculated: host state only
             for group, segs in by_group(segments).items():

@@ -25,7 +25,7 @@ from offload.machine.buffers import round_up
 from offload.store.budget import TierBudget
 from offload.store.param_homes import HOST_PARAMS, WRITE_BUFFERS, param_buffer_bytes, place_params, plan_homes
 from offload.store.slots import layout
-from offload.store.state_format import Master, from_config
+from offload.store.state_format import MOMENTS, Master, StateFormat, from_config
 from offload.store.step_cost import Rates, StepPrediction, Traffic, best, predict
 from offload.store.sub_groups import (
     RING_SLOTS,
@@ -73,6 +73,11 @@ class Shards:
     sizes: list[tuple[int, int]]  # (unit, shard elements), in unit order
     trained: set[int] | frozenset[int]  # the units the optimizer steps
     item: int  # bytes an element of the compute dtype
+    held: tuple[str, ...] = MOMENTS  # the moment buffers the optimizer keeps of each (offload/optim/hyper.py)
+
+    def state_format(self, config: Any) -> StateFormat:
+        """How their state is held: the config's format, with the moments the update keeps."""
+        return from_config(config).holding(self.held)
 
     @property
     def trained_sizes(self) -> list[tuple[int, int]]:
@@ -173,7 +178,7 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
     off_device = Tier.HOST if param.device != "none" else Tier.DEVICE
     homes = {i: off_device for i, _ in shard_sizes} | {i: Tier.NVME for i, _ in nvme_params}
     trained_sizes = shards.trained_sizes
-    fmt = from_config(config)
+    fmt = shards.state_format(config)
     out = Placement(homes, nvme_params, plan_sub_groups(trained_sizes, int(zero.sub_group_size), fmt=fmt), False)
     out.device_grads_kept = one_micro_batch and item == 2
     alias = stage.parts == 1 and discrete and not stage.resident_params
@@ -400,7 +405,7 @@ def _plan_state_on_device(out: Placement, shards: Shards, config: Any, stage: St
     # state (a sub-group each at worst), the gradient (an fp32 accumulator, or the 16-bit one kept) and, beside
     # offloaded parameters, the shard itself
     part, grad_bytes = device_grads(out.device_grads_kept, item)
-    fmt = from_config(config)
+    fmt = shards.state_format(config)
     cost = [(i, n, round_up(fmt.slot_bytes(n)) + grad_bytes * n + (item * n if params_offloaded else 0))
             for i, n in trained_sizes]
     out.state_fits_device = room is not None and sum(c for *_, c in cost) <= room
@@ -430,7 +435,7 @@ def _plan_state_on_device(out: Placement, shards: Shards, config: Any, stage: St
     if chosen:
         out.state_on_device = frozenset(i for i, _ in chosen)
         out.groups = plan_sub_groups(trained_sizes, int(zero.sub_group_size), out.state_on_device,
-                                     from_config(config))
+                                     shards.state_format(config))
         out.device["optimizer state"] = sum(g.nbytes for g in out.groups if g.tier is Tier.DEVICE)
         out.device[part] = grad_bytes * sum(n for _, n in chosen)
     if params_offloaded:
@@ -489,7 +494,7 @@ def _stream(out: Placement, shards: Shards, config: Any, chosen: list[tuple[int,
     zero = config.zero_optimization
     out.streamed = frozenset(i for i, _ in chosen)
     out.groups = plan_sub_groups(shards.trained_sizes, int(zero.sub_group_size), out.state_on_device,
-                                 from_config(config), streamed=out.streamed)
+                                 shards.state_format(config), streamed=out.streamed)
     part, grad_bytes = device_grads(out.device_grads_kept, shards.item)
     out.device[part] = out.device.get(part, 0) + grad_bytes * sum(n for _, n in chosen)
     out.device[STREAMED_SLOTS] = RING_SLOTS * max(g.nbytes for g in out.groups if g.streamed)
@@ -544,7 +549,7 @@ class Lanes:
         units = [n for _, n, _ in self.cost[k:k + j]]
         if not units:
             return 0
-        slot = round_up(from_config(self.config).slot_bytes(max(units)))
+        slot = round_up(self.shards.state_format(self.config).slot_bytes(max(units)))
         handed = self.shards.item * sum(units) if self.params_offloaded else 0
         return self.grad_bytes * sum(units) + RING_SLOTS * slot + handed
 
@@ -578,7 +583,8 @@ class Lanes:
         homed = (homed_on_device(sizes, item, stepped_there, spare) if self.params_offloaded
                  else {i for i, _ in sizes})
         stepped = {Tier.DEVICE: sum(n for _, n, _ in self.cost[:k]), Tier.HOST: sum(on_host.values())}
-        return predict(_traffic(sizes, stepped, set(on_host), homed, item, self.config, streamed), self.rates)
+        return predict(_traffic(sizes, stepped, set(on_host), homed, item, self.config, streamed,
+                                self.shards.state_format(self.config)), self.rates)
 
 
 def homed_on_device(shard_sizes: list[tuple[int, int]], item: int, stepped_there: frozenset[int],
@@ -673,21 +679,22 @@ def traffic(out: Placement, shard_sizes: list[tuple[int, int]], item: int, confi
             stepped[g.tier] = stepped.get(g.tier, 0) + g.numel
     off_device = {m.unit for g in out.groups if g.tier is not Tier.DEVICE and not g.streamed for m in g.members}
     homed = {i for i, _ in shard_sizes if out.homes[i] is Tier.DEVICE}
-    return _traffic(shard_sizes, stepped, off_device, homed, item, config, out.streamed)
+    fmt = out.groups[0].fmt if out.groups else from_config(config)  # stepped_bytes: the same, a high half lent
+    return _traffic(shard_sizes, stepped, off_device, homed, item, config, out.streamed, fmt)
 
 
 def _traffic(shard_sizes: list[tuple[int, int]], stepped: dict[Tier, int], stepped_off: set[int], homed: set[int],
-             item: int, config: Any, streamed: frozenset[int] = frozenset()) -> Traffic:
+             item: int, config: Any, streamed: frozenset[int], fmt: StateFormat) -> Traffic:
     """A step's traffic, by the one rule a plan and auto's candidates both follow: the elements ``stepped`` on each
     tier; each shard not ``homed`` on the device gathered up; each device home stepped off it (``stepped_off``)
     copied up once; with ``config``'s micro-batches a step, each gathering and sending gradients down (or,
     accumulated on the device, sent once: offload.accumulate_on_device); the ``streamed`` units' state up and down,
-    and their new weights down where their shards are not ``homed`` on the device."""
+    and their new weights down where their shards are not ``homed`` on the device; the state as ``fmt`` holds it."""
     return Traffic(stepped, gathered_up=sum(n for i, n in shard_sizes if i not in homed),
                    copied_up=sum(n for i, n in shard_sizes if i in stepped_off and i in homed), item=item,
                    micro_batches=int(config.gradient_accumulation_steps or 1),
                    grads_accumulated_on_device=bool(config.offload.accumulate_on_device),
-                   state_bytes=from_config(config).stepped_bytes,
+                   state_bytes=fmt.stepped_bytes,
                    streamed=sum(n for i, n in shard_sizes if i in streamed),
                    streamed_down=sum(n for i, n in shard_sizes if i in streamed and i not in homed))
 

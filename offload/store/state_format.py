@@ -12,6 +12,11 @@ the same values as torch's AdamW. The others hold fewer bytes with the arithmeti
 | bf16 master, stochastic | bfloat16 | bfloat16 | 6 | in expectation |
 | bf16 master (DeepSpeed's) | bfloat16, nearest | bfloat16 | 6 | no: small updates stall |
 
+An update with fewer buffers than Adam's two moments holds only those (``StateFormat.held``): Lion its momentum
+(exp_avg), Adagrad its sum of squares (exp_avg_sq, DeepSpeed's name for it), SGD with momentum its buffer, a torch
+optimizer with none no moment at all; an fp32 Lion or Adagrad then holds 8 bytes an element, not 12. A buffer not
+held is an empty view in each slot.
+
 This room owns those facts (bytes, dtypes, the split of a float32 into its halves); the store sizes its
 buffers by them and the optimizer hands the kernel the buffers they describe.
 """
@@ -26,6 +31,8 @@ from typing import Any
 import torch
 
 from offload.config import ConfigError
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # the slot's moment buffers, in their order (Adam's first and second)
 
 
 class Master(enum.Enum):
@@ -45,10 +52,13 @@ class StateFormat:
     # high half] in offload/store/optimizer_state.py): the slot holds the low half and the moments only. The same
     # format (equal, the same bytes in a checkpoint), held in fewer bytes.
     high_elsewhere: bool = field(default=False, compare=False)
+    held: tuple[str, ...] = MOMENTS  # the moment buffers the update keeps (see the module's docstring)
 
     def __post_init__(self) -> None:
         if self.moments not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the moments are float32 or bfloat16, got {self.moments}")
+        if self.held != tuple(m for m in MOMENTS if m in self.held):
+            raise ValueError(f"held names the moments {MOMENTS} in their order, got {self.held}")
         if self.high_elsewhere and self.master is not Master.SPLIT:
             raise ValueError(f"only a 16+16 master keeps its high half elsewhere, not {self.master.value}")
 
@@ -59,6 +69,10 @@ class StateFormat:
     def high_in_state(self) -> StateFormat:
         """This format with every part held in the state's own memory (a lent high half taken back)."""
         return replace(self, high_elsewhere=False)
+
+    def holding(self, held: tuple[str, ...]) -> StateFormat:
+        """This format keeping only the moment buffers ``held`` (an update's own, offload/optim/hyper.py)."""
+        return replace(self, held=held)
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -82,8 +96,8 @@ class StateFormat:
 
     @property
     def bytes_per_element(self) -> int:
-        """Master and both moments."""
-        return self.master_bytes + 2 * self.moment_bytes
+        """Master and the moments held."""
+        return self.master_bytes + len(self.held) * self.moment_bytes
 
     @classmethod
     def named(cls, master: str, moments: str) -> StateFormat:
@@ -98,11 +112,12 @@ class StateFormat:
     @property
     def kinds(self) -> tuple[torch.dtype, ...]:
         """The dtype of each buffer a slot holds, in its order: master (16+16: its high half, then its low half),
-        exp_avg, exp_avg_sq."""
+        then the moments held (exp_avg, exp_avg_sq)."""
+        moments = (self.moments,) * len(self.held)
         if self.master is Master.SPLIT:
             high = () if self.high_elsewhere else (torch.bfloat16,)
-            return (*high, torch.int16, self.moments, self.moments)
-        return (self.master_dtype, self.moments, self.moments)
+            return (*high, torch.int16, *moments)
+        return (self.master_dtype, *moments)
 
     def slot_bytes(self, numel: int) -> int:
         """Bytes of one slot of ``numel`` elements: each kind after the last, starting where its element size
@@ -120,11 +135,14 @@ class StateFormat:
             at = _aligned(at, dtype.itemsize)
             views.append(raw[at:at + numel * dtype.itemsize].view(dtype))
             at += numel * dtype.itemsize
+        masters = 1 + (self.master is Master.SPLIT) - self.high_elsewhere
+        held = iter(views[masters:])
+        exp_avg, exp_avg_sq = (next(held) if m in self.held else raw[:0].view(self.moments) for m in MOMENTS)
         if self.high_elsewhere:  # the master's high halves are lent per unit (SubGroup.views)
-            return StateSlot(raw[:0].view(torch.bfloat16), views[1], views[2], views[0])
+            return StateSlot(raw[:0].view(torch.bfloat16), exp_avg, exp_avg_sq, views[0])
         if self.master is Master.SPLIT:
-            return StateSlot(views[0], views[2], views[3], views[1])
-        return StateSlot(*views)
+            return StateSlot(views[0], exp_avg, exp_avg_sq, views[1])
+        return StateSlot(views[0], exp_avg, exp_avg_sq)
 
     def empty_slot(self, numel: int, device: torch.device | str) -> StateSlot:
         """A zeroed slot of its own on ``device``."""
@@ -137,7 +155,9 @@ class StateFormat:
 
     def describe(self) -> str:
         master, moments = self.names()
-        return f"master {master}, moments {moments} ({self.bytes_per_element} bytes an element)"
+        kept = (f"moments {moments}" if self.held == MOMENTS else f"{self.held[0]} {moments}" if self.held
+                else "no moments")
+        return f"master {master}, {kept} ({self.bytes_per_element} bytes an element)"
 
 
 @dataclass(frozen=True, slots=True)
