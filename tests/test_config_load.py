@@ -276,3 +276,15 @@ def test_round_trip_through_to_dict():
         cfg = Config.load(raw)
         assert Config.load(cfg.to_dict()) == cfg
         assert Config.load(cfg.to_json()) == cfg
+
+
+@pytest.mark.parametrize("name,says", [("Lamb", "trust ratio.*use Lion or AdamW"),
+                                       ("onebitadam", "1 bit.*type \"Adam\" takes the same params"),
+                                       ("OneBitLamb", "1 bit.*trust ratio"), ("ZeroOneAdam", "0/1 Adam"),
+                                       ("MuAdamW", "mup.MuAdamW.*initialize\\(optimizer=...\\).*torch.optim.AdamW")])
+def test_deepspeeds_other_optimizer_types_are_refused_with_what_to_use(name, says):
+    """DeepSpeed's LAMB, 1-bit and mup types: each named, with why and what instead, not a bare list of choices."""
+    with pytest.raises(ConfigError, match=f"optimizer.type: '{name}': .*{says}"):
+        Config.load({"optimizer": {"type": name, "params": {"lr": 1e-3}}})
+    with pytest.raises(ConfigError, match="'Lamb2' is not one of 'Adam'"):
+        Config.load({"optimizer": {"type": "Lamb2"}})

@@ -94,6 +94,8 @@ class Spec:
     le: float | None = None
     lt: float | None = None
     choices: tuple[str, ...] | None = None
+    # values a reader might expect among the choices, each with why it is not one and what to use instead
+    refused_choices: tuple[tuple[str, str], ...] = ()
     auto: bool = False
     aliases: tuple[str, ...] = ()
     support: Support = Support.HONOURED
@@ -227,6 +229,9 @@ def coerce(value: Any, hint: Any, spec: Spec, path: str, notes: list[str]) -> An
         result = to_float(value, path)
     elif core is str:
         if spec.choices:
+            for refused, why in spec.refused_choices:
+                if isinstance(value, str) and value.lower() == refused.lower():
+                    raise ConfigError(path, f"{value!r}: {why}")
             return _choice(value, spec.choices, path)
         if not isinstance(value, str):
             raise ConfigError(path, f"expected a string, got {_describe(value)}")

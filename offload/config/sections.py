@@ -116,6 +116,19 @@ ONE_STATE_TYPES = ("Lion", "Adagrad")  # one state buffer beside the master (off
 RULE_TYPES = ONE_STATE_TYPES + ("Muon",)  # the types whose update is not Adam's
 # a rule (AdamHyper.rule, Muon's, a torch optimizer's) -> how messages name it
 RULE_NAMES = {t.lower(): t for t in RULE_TYPES} | {"torch": "a torch optimizer"}
+# DeepSpeed's other config types: each refused by name, with why and what to use instead
+_LAMB = ("scales each parameter's update by its whole weight's norm over its whole update's (a trust ratio), which "
+         "offload's elementwise host kernels do not compute: use Lion or AdamW (or pass your own elementwise torch "
+         "optimizer)")
+_ONE_BIT = ("compresses the gradients' all-reduce to 1 bit with error feedback, which offload does not have: it "
+            "reduces gradients exactly; type \"Adam\" takes the same params without the compression")
+_MUP = ("{0} is mup's: build mup.{0}(model.parameters(), ...) in your script and pass it to "
+        "initialize(optimizer=...): it is a torch.optim.{1} with each group's learning rate scaled by its width, "
+        "which offload runs as such")
+REFUSED_TYPES = (("Lamb", f"LAMB {_LAMB}"), ("OneBitLamb", f"1-bit LAMB {_ONE_BIT}; and LAMB {_LAMB}"),
+                 ("OneBitAdam", f"1-bit Adam {_ONE_BIT}"), ("ZeroOneAdam", f"0/1 Adam {_ONE_BIT}"),
+                 ("MuAdam", _MUP.format("MuAdam", "Adam")), ("MuAdamW", _MUP.format("MuAdamW", "AdamW")),
+                 ("MuSGD", _MUP.format("MuSGD", "SGD")))
 # the keys only type Muon reads (another type given one off its default is refused by name)
 MUON_ONLY = ("momentum", "nesterov", "ns_steps", "adjust_lr_fn", "muon_lr", "adam_lr", "ns_method")
 
@@ -134,7 +147,9 @@ class OptimizerConfig:
                                  "on offload's own kernels; or, as DeepSpeed takes any torch.optim class by name, "
                                  "one of torch.optim's other elementwise optimizers, its params the class's own "
                                  "keyword arguments, stepped by its own code. For another optimizer leave this "
-                                 "section out and pass your own.", choices=OPTIMIZER_TYPES)
+                                 "section out and pass your own. DeepSpeed's LAMB, 1-bit and mup types are refused "
+                                 "with what to use instead.", choices=OPTIMIZER_TYPES,
+                        refused_choices=REFUSED_TYPES)
     params: Any = section(AdamParams, "Optimizer hyperparameters (a torch.optim type's: its keyword arguments).",
                           hint_from=_optimizer_params_type)
 
