@@ -110,7 +110,7 @@ def _deepspeed_whose_cpu_adam_fails(rank, world, config_path):
     from offload.models import GPT
     bench = StepBench(world=1, hidden=64, layers=2, seq=32, vocab=512, micro=2)
     torch.manual_seed(0)
-    engine, name = versus._deepspeed_engine(GPT(bench.model_config()), bench, config_path)
+    engine, name = versus.deepspeed_engine(GPT(bench.model_config()), bench, config_path)
     return name, calls[1]
 
 

@@ -64,7 +64,7 @@
 #   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b
 #   bench-deepspeed-nvme bench-step-checkpointing bench-step-threads profile sanitizer suite
 #   pace-0p9b pace-0p9b-lanes pace-4p5b pace-4p5b-budget pace-4p5b-formats trainer-8b trainer-8b-refit largest
-#   cuda-lend cuda-compile bench-step-compile
+#   cuda-lend bench-lend cuda-compile bench-step-compile
 # bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
 # a call of its own (SUITE_S, default 420 s, 14 workers).
 # Then replay the same model's recorded step graph here (`offload bench schedule`, docs/performance.md) and put the
@@ -256,9 +256,11 @@ for s in "$@"; do
     plan55) stages+=(install pace-4p5b-formats) ;;
     plan59) stages+=(install cuda-tests pace-0p9b) ;;  # cuda-tests: 15 s on the H200 (2026-11-27)
     plan68) stages+=(install cuda-streamed pace-0p9b-lanes) ;;  # the lanes first, whenever a device is lent (#71's row 1)
-    # #69 and #70 on a GPU (after plan68, with time left): the CUDA tests of offload_states (the GPU's freed bytes) and
-    # compiled units, then the 0.91B compiled beside eager, offload and plain PyTorch (#71's row 4).
-    plan69) stages+=(install cuda-lend cuda-compile bench-step-compile) ;;
+    # #69 and #70 on a GPU (after plan68, with time left): the CUDA tests of offload_states (the GPU's freed bytes),
+    # Lion/Adagrad and Muon, the 0.91B's offload_states round trip beside the bus and DeepSpeed's (#70's RLHF
+    # measurement; untimed: about a minute is the guess), the compiled units, then the 0.91B compiled beside eager,
+    # offload and plain PyTorch (#71's row 4).
+    plan69) stages+=(install cuda-lend bench-lend cuda-compile bench-step-compile) ;;
     *) stages+=("$s") ;;
   esac
 done
@@ -270,6 +272,7 @@ for s in "${stages[@]}"; do
     bench-deepspeed-placements) stage bench-deepspeed-placements deepspeed_placements ;;
     cuda-streamed) stage cuda-streamed py -m pytest -q -x tests/test_engine_cuda.py -k streamed ;;  # correct first
     cuda-lend) stage cuda-lend py -m pytest -q -x tests/test_engine_cuda.py -k "offload_states or lion or muon" ;;
+    bench-lend) stage bench-lend py -m offload bench lend --device cuda --dtype bf16 --hidden 2048 --layers 16 --vocab 50304 --rounds 5 --out "$OUT/lend.json" ;;
     # compiled blocks under the engine on the GPU (test_compile.py trains on the GPU at W = 1), inductor's first compile
     cuda-compile) stage cuda-compile py -m pytest -q -x tests/test_compile.py ;;
     # plain PyTorch and offload (the state split by auto), each eager and with every block compiled by inductor

@@ -207,7 +207,7 @@ def side_rank(rank: int, world: int, side: str, bench: dict[str, Any], config_pa
         device = b.device
     else:
         if side == "deepspeed":
-            engine, name = _deepspeed_engine(model, b, config_path)
+            engine, name = deepspeed_engine(model, b, config_path)
         else:
             import offload
             engine, optimizer, _, _ = offload.initialize(model=model, config=config_path)
@@ -271,7 +271,7 @@ def _op_build_failed(e: BaseException) -> bool:
     return False
 
 
-def _deepspeed_engine(model: Any, b: StepBench, config_path: str) -> tuple[Any, str]:
+def deepspeed_engine(model: Any, b: StepBench, config_path: str) -> tuple[Any, str]:
     """DeepSpeed's engine from the shared config, and the name of the optimizer it steps with. Where its
     cpu_adam op does not build, the same config with DeepSpeed's own switch to torch's Adam (a key offload reads
     as no effect), and the name says so."""

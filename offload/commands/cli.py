@@ -137,6 +137,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         hooks.print_header(sys.stdout)
         hooks.run(bench_hooks, out=out, stream=sys.stdout)
         print(f"wrote {out}")
+    elif what == "lend":
+        from offload.bench import lend
+        try:
+            bench_lend = step.StepBench(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
+                                        vocab=args.vocab, seq=128, micro=2, world=1, dtype=args.dtype,
+                                        device=args.device)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        lend.run(bench_lend, args.placement, args.rounds, out, sys.stdout)
+        print(f"wrote {out}")
     elif what in ("schedule", "replay"):
         return _cmd_schedule(args, out)
     elif what == "adam":
@@ -529,7 +539,7 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
     """Each benchmark its own flags (a flag of another benchmark is an error, not silently ignored)."""
     from offload.models.catalog import MODELS
     bsub = p.add_subparsers(dest="what", required=True,
-                            metavar="{adam,all,formats,hooks,nvme,pcie,replay,schedule,step}")
+                            metavar="{adam,all,formats,hooks,lend,nvme,pcie,replay,schedule,step}")
 
     def bench(name: str, help: str, out: str = "JSON path (default bench-results/<benchmark>.json)"
               ) -> argparse.ArgumentParser:
@@ -570,6 +580,18 @@ def _bench_parsers(p: argparse.ArgumentParser) -> None:
     b.add_argument("--layers", type=positive_int, default=64, help="tiny layers, one unit each (default 64)")
     b.add_argument("--rounds", type=positive_int, default=5, help="alternating rounds; the median (default 5)")
     b.add_argument("--iterations", type=positive_int, default=20, help="passes per round and side (default 20)")
+
+    b = bench("lend", "engine.offload_states()/reload_states(): the device bytes freed and the round trip, beside "
+                      "the bus and DeepSpeed's")
+    b.add_argument("--hidden", type=positive_int, default=1024, help="GPT width (default 1024)")
+    b.add_argument("--layers", type=positive_int, default=8, help="blocks (default 8)")
+    b.add_argument("--vocab", type=positive_int, default=50304, help="vocabulary (default 50304)")
+    b.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="compute dtype (default bf16)")
+    b.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda (default where there is one), or cpu: the emulated discrete device")
+    b.add_argument("--placement", choices=["device", "ratio-half", "optimizer-host"], default="device",
+                   help="where both engines keep the state (default device: an RLHF actor's, nothing offloaded)")
+    b.add_argument("--rounds", type=positive_int, default=5, help="round trips a side; the median (default 5)")
 
     b = bench("pcie", "on a GPU: pinned vs pageable H2D/D2H GB/s, and both directions at once")
     b.add_argument("--pcie-size", type=positive_size, default="256Mi", help="bytes per copy (default 256Mi)")
