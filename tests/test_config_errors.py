@@ -42,7 +42,7 @@ NVME = {"stage": 3, "offload_optimizer": {"device": "nvme"}}
     ({"aio": {"queue_depth": 0}}, "aio.queue_depth", "must be >= 1"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "bf16.enabled", "both enabled"),
     ({"fp16": {"min_loss_scale": 0}}, "fp16.min_loss_scale", "must be > 0"),
-    ({"optimizer": {"type": "Lamb"}}, "optimizer.type", "'Lamb' is not one of 'Adam', 'AdamW'"),
+    ({"optimizer": {"type": "Sophia"}}, "optimizer.type", "'Sophia' is not one of 'Adam', 'AdamW'"),
     ({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}}, "optimizer.params.adam_w_mode",
      "use type 'Adam' for L2"),
     ({"optimizer": {"params": {"betas": [0.9]}}}, "optimizer.params.betas", "expected a list of 2 numbers"),
