@@ -71,8 +71,10 @@ def run(impl: str, name: str, tmp: Path) -> dict:
     port = str(_free_port())  # another test's ranks may hold a port a formula would pick (xdist workers)
     procs = []
     for rank in range(world):
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONWARNINGS": "ignore"}
+        # both on the CPU, as recorded (on a GPU machine offload would train there and zero.Init draw there)
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "PYTHONWARNINGS": "ignore"}
         procs.append(subprocess.Popen([sys.executable, str(HERE / "run.py"), impl, str(HERE / "scripts" / f"{name}.py"),
                                        *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                       cwd=tmp))

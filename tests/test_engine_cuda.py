@@ -244,3 +244,27 @@ def test_muon_on_the_gpu_matches_torch(ratio):
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
     for key, value in ref["state"].items():
         torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("which", ["handmade", "hf-llama"])
+def test_init_on_the_gpu_draws_there_as_plain_construction_under_cuda(which):
+    """#71: [Note: drawing on the device]: zero.Init on a GPU draws every weight there, with the CUDA generator in
+    plain construction's order: the engine starts from the weights `with torch.device("cuda"): Model()` gives, bit
+    for bit, and the generator stands where that construction leaves it."""
+    from test_engine_init import _Handmade, _llama
+    make = _Handmade if which == "handmade" else _llama
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        plain = make()
+    plain_next = torch.rand(8, device="cuda")
+    torch.manual_seed(0)
+    with offload.zero.Init(min_meta_numel=1000) as init:
+        model = make()
+    assert init.device.type == "cuda" and sum(p.is_meta for p in model.parameters()) >= 4
+    assert torch.equal(torch.rand(8, device="cuda"), plain_next)
+    engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))
+    state = engine.full_state_dict()
+    for key, value in plain.state_dict().items():
+        if key in state:
+            assert torch.equal(state[key].cpu(), value.cpu()), key
+    engine.close()

@@ -19,11 +19,11 @@ MEASURE = textwrap.dedent("""
     sys.path.insert(0, %r)
     from memwatch import AnonPeak, rss_anon
     from offload.models import GPT, GPTConfig
-    with offload.zero.Init():  # pay the one-time cost of the meta kernels' first use
+    with offload.zero.Init(draw_device="cpu"):  # pay the one-time cost of the meta kernels' first use
         GPT(GPTConfig(vocab_size=64, context=8, hidden_size=64, layers=1, heads=2))
     cfg = GPTConfig(vocab_size=4096, context=128, hidden_size=384, layers=12, heads=6)
     before = rss_anon()
-    with offload.zero.Init():
+    with offload.zero.Init(draw_device="cpu"):
         model = GPT(cfg)
     built = rss_anon()
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
@@ -50,7 +50,7 @@ def test_building_under_init_needs_about_one_unit_of_memory():
 
 
 def test_init_sends_large_tensors_to_meta_and_keeps_small_ones():
-    with offload.zero.Init(min_meta_numel=1000):
+    with offload.zero.Init(min_meta_numel=1000, draw_device="cpu"):  # plain construction on the CPU
         big, small = torch.nn.Linear(100, 100), torch.nn.Linear(10, 10)
         explicit = torch.empty(100, 100, device="cpu")
         positional = torch.zeros(50, 50)
@@ -62,7 +62,7 @@ def _train_gpt(under_init: bool):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=96, context=16, hidden_size=32, layers=2, heads=2)
     if under_init:
-        with offload.zero.Init():
+        with offload.zero.Init(draw_device="cpu"):
             model = GPT(cfg)
         assert any(p.is_meta for p in model.parameters())
     else:
@@ -135,7 +135,7 @@ def test_init_gives_the_weights_of_plain_construction_with_the_same_seed(make, c
     plain = make()
     plain_next = torch.rand(8)
     torch.manual_seed(0)
-    with offload.zero.Init(min_meta_numel=1000):
+    with offload.zero.Init(min_meta_numel=1000, draw_device="cpu"):  # plain construction on the CPU
         model = make()
     assert sum(p.is_meta for p in model.parameters()) >= 4
     assert torch.equal(torch.rand(8), plain_next)
@@ -183,7 +183,7 @@ def test_a_draw_that_a_later_write_hides_is_not_replayed():
     torch.manual_seed(0)
     plain = _Redrawn()
     torch.manual_seed(0)
-    with offload.zero.Init(min_meta_numel=1000):
+    with offload.zero.Init(min_meta_numel=1000, draw_device="cpu"):  # plain construction on the CPU
         model = _Redrawn()
     with _Calls() as calls:
         engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))
@@ -195,7 +195,7 @@ def test_a_draw_that_a_later_write_hides_is_not_replayed():
 
 
 def test_a_write_after_the_init_block_is_refused_not_lost():
-    with offload.zero.Init(min_meta_numel=1000):
+    with offload.zero.Init(min_meta_numel=1000, draw_device="cpu"):  # plain construction on the CPU
         model = _Handmade()
     with torch.no_grad():
         model.out.weight.fill_(0.5)  # a meta tensor: the write does nothing
@@ -214,7 +214,7 @@ class _CopiesFromOutside(torch.nn.Module):
 
 def test_a_recipe_that_cannot_be_replayed_falls_back_to_the_initialiser_and_says_so(caplog):
     source = torch.empty(64, 64, device="meta")
-    with offload.zero.Init(min_meta_numel=1000):
+    with offload.zero.Init(min_meta_numel=1000, draw_device="cpu"):  # plain construction on the CPU
         model = _CopiesFromOutside(source)
     with caplog.at_level("WARNING", logger="offload.zero.init"):
         engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))
@@ -231,7 +231,7 @@ def test_a_write_under_gathered_parameters_before_initialize_is_kept():
     torch.manual_seed(0)
     plain = _Handmade()
     torch.manual_seed(0)
-    with offload.zero.Init(min_meta_numel=1000):
+    with offload.zero.Init(min_meta_numel=1000, draw_device="cpu"):  # plain construction on the CPU
         model = _Handmade()
     with offload.zero.GatheredParameters(model.out.weight, modifier_rank=0):
         assert not model.out.weight.is_meta
@@ -243,10 +243,58 @@ def test_a_write_under_gathered_parameters_before_initialize_is_kept():
 
 
 def test_a_write_after_the_init_block_is_refused_by_gathered_parameters_too():
-    with offload.zero.Init(min_meta_numel=1000):
+    with offload.zero.Init(min_meta_numel=1000, draw_device="cpu"):  # plain construction on the CPU
         model = _Handmade()
     with torch.no_grad():
         model.out.weight.fill_(0.5)  # a meta tensor: the write did nothing, and replaying now would hide that
     with pytest.raises(ValueError, match=r"was written after the `with offload.zero.Init\(\):` block"):
         with offload.zero.GatheredParameters(model.out.weight, modifier_rank=0):
             pass
+
+
+def test_where_init_draws_is_the_gpu_where_there_is_one_and_is_checked():
+    """[Note: drawing on the device]: the host on a machine without a GPU (and when asked, or disabled); a GPU asked
+    for where none is usable, or another device, is refused by name."""
+    assert offload.zero.Init().device == torch.device("cuda" if torch.cuda.is_available() else "cpu", 0 if
+                                                      torch.cuda.is_available() else None)
+    assert offload.zero.Init(draw_device="cpu").device == torch.device("cpu")
+    assert offload.zero.Init(enabled=False, draw_device=None).device == torch.device("cpu")
+    with pytest.raises(ValueError, match="draw_device 'mps': construction draws on the host"):
+        offload.zero.Init(draw_device="mps")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="draw_device 'cuda': this machine has no usable GPU"):
+            offload.zero.Init(draw_device="cuda")
+
+
+def _built_on_the_device(rank, world):
+    """Under the emulated discrete device: a model built under zero.Init, its engine's whole weights, the plain
+    construction's, and initialize's log."""
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("offload.engine").addHandler(handler)
+    logging.getLogger("offload.engine").setLevel(logging.INFO)
+    torch.manual_seed(0)
+    plain = _Handmade()
+    torch.manual_seed(0)
+    with offload.zero.Init(min_meta_numel=1000, draw_device="cpu"):  # plain construction on the CPU
+        model = _Handmade()
+    engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))
+    out = {"engine": engine.full_state_dict(), "plain": plain.state_dict(), "discrete": not engine.accel.host_is_device,
+           "log": [r.getMessage() for r in records]}
+    engine.close()
+    return out
+
+
+def test_through_the_emulated_device_init_draws_with_the_hosts_generator_as_plain_construction():
+    """The device path of a build (the emulated discrete device: every copy on its own stream) with the host
+    generator's order: the weights are plain construction's on the CPU, bit for bit, and initialize says how long
+    building the units took."""
+    from offload.machine.launch import run_ranks
+    env = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = run_ranks(_built_on_the_device, 1, env=env)[0]
+    assert out["discrete"]
+    for key, value in out["plain"].items():
+        assert torch.equal(out["engine"][key], value), key
+    assert any("units (" in m and "built, sharded and placed in" in m for m in out["log"])

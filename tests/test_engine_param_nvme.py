@@ -198,7 +198,7 @@ def _rss_of_training(rank, world, path):
     # and RSS drifts far above what is live (measured here: 374 vs 215 MiB of growth); a fixed threshold
     # (offload.host_malloc, see offload/machine/host_malloc.py) makes RSS track the live memory that the budgets bound.
     config["offload"]["host_malloc"] = {"mmap_threshold": "128KiB"}
-    with offload.zero.Init():
+    with offload.zero.Init(draw_device="cpu"):  # the host's memory is measured
         model = GPT(GPTConfig(vocab_size=512, context=32, hidden_size=512, layers=12, heads=8))
     plan = estimate(model_units(model, Config.load(config).resolve(world_size=1)), Config.load(config), 1,
                     discrete=False)  # trained on the CPU (a GPU's landing buffers would count against the host)

@@ -32,10 +32,11 @@
 #   test_engine_cuda.py; offload estimate at the measured rates: test_cli.py); the 8B Llama through
 #   offload.hf.Trainer, DeepSpeed and plain PyTorch; the 4.5B under a 68 GiB device budget. trainer-8b-refit (a
 #   stage of its own) runs the 8B's offload side with no device budget: auto and its refit choose the split.
-#   Expect offload's side to spend minutes before its first step: offload.zero.Init replays plain construction's
-#   draws on the host's generator, one value at a time (a one-layer 1.27B slice of that Llama took 13-18 s to build
-#   and 23-24 s to initialize on a 2-core Xeon, beside 16 s for a plain build; the whole 8B about 6x that), where
-#   DeepSpeed's zero.Init draws on the GPU. TRAINER_S=360 if the 240 s default cuts it.
+#   offload.zero.Init now draws on the GPU as DeepSpeed's does ([Note: drawing on the device] in
+#   offload/zero/recipe.py, session 47; unmeasured on a GPU: initialize logs "units ... built, sharded and placed in
+#   N s"). Before it drew on the host's generator, one value at a time (a one-layer 1.27B slice of that Llama took
+#   13-18 s to build and 23-24 s to initialize on a 2-core Xeon; the whole 8B about 6x that). TRAINER_S=360 if the
+#   240 s default cuts it.
 # plan55 (#55's GPU rows): install; the 4.5B GPT full offload and auto with bf16 moments and with a bf16 master
 #   (stochastic), each against its floor at its own host step's rate (pace-4p5b-formats); pace-4p5b is the fp32 row.
 # largest (a stage of its own, about 3-5 minutes): the largest model `offload estimate` says that machine trains
@@ -271,7 +272,7 @@ for s in "${stages[@]}"; do
     install) stage install install ;;
     bench-deepspeed-placements) stage bench-deepspeed-placements deepspeed_placements ;;
     cuda-streamed) stage cuda-streamed py -m pytest -q -x tests/test_engine_cuda.py -k streamed ;;  # correct first
-    cuda-lend) stage cuda-lend py -m pytest -q -x tests/test_engine_cuda.py -k "offload_states or lion or muon" ;;
+    cuda-lend) stage cuda-lend py -m pytest -q -x tests/test_engine_cuda.py -k "offload_states or lion or muon or init_on_the_gpu" ;;
     bench-lend) stage bench-lend py -m offload bench lend --device cuda --dtype bf16 --hidden 2048 --layers 16 --vocab 50304 --rounds 5 --out "$OUT/lend.json" ;;
     # compiled blocks under the engine on the GPU (test_compile.py trains on the GPU at W = 1), inductor's first compile
     cuda-compile) stage cuda-compile py -m pytest -q -x tests/test_compile.py ;;

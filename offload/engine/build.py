@@ -222,8 +222,11 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
                            generic=choice.generic,
                            rank=group.rank, swap=(swaps.at(zero.offload_optimizer.nvme_path)
                                                   if zero.offload_optimizer.device == "nvme" else None)))
+        started = time.perf_counter()
         units = [_shard_unit(model, plan, partition, group, stage, accel, compute_dtype, params, optimizer,
                              group_of if plan.index in trained else None, pretrained) for plan in plans]
+        logger.info("rank %d: %d units (%s parameters) built, sharded and placed in %.1f s", group.rank, len(units),
+                    f"{sum(p.numel for p in plans):,}", time.perf_counter() - started)
         if pretrained is not None:
             pretrained.load_buffers(model)
         _place_buffers(model, group, accel)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -49,17 +50,20 @@ class Init(TorchFunctionMode):
     partitions live (``remote_device``, ``pin_memory``), their dtype (``dtype``) and the config
     (``config_dict_or_path``, ``config``) are the config's that ``initialize`` reads, which shards the model: here
     they change nothing, as nothing is partitioned until then. ``module`` (a model built already) is sharded by
-    ``initialize`` as it is."""
+    ``initialize`` as it is. ``draw_device``: whose generator the weights are drawn from, and where (see [Note:
+    drawing on the device] in recipe.py): None, this process's GPU where there is one (as DeepSpeed's), else the
+    host; "cpu" keeps the host's, the values of plain construction on the CPU."""
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
                  mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
                  config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
                  dtype: torch.dtype | None = None, mpu: Any = None, *, min_meta_numel: int = 4096,
-                 **deepspeed_only: Any) -> None:
+                 draw_device: str | torch.device | None = None, **deepspeed_only: Any) -> None:
         super().__init__()
         self.min_meta_numel = min_meta_numel if enabled else math.inf
-        self.recorder = Recorder()
-        self.scratch = _Scratch()
+        self.device = drawing_device(draw_device) if enabled else torch.device("cpu")
+        self.recorder = Recorder(self.device)
+        self.scratch = _Scratch(self.device)
 
     def __exit__(self, *exc: Any) -> None:
         self.recorder.close()
@@ -70,9 +74,12 @@ class Init(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         rec = self.recorder
-        if func in _FACTORIES and kwargs.get("device") is None and _numel(func, args, kwargs) >= self.min_meta_numel:
+        if func in _FACTORIES and kwargs.get("device") is None:
+            if _numel(func, args, kwargs) < self.min_meta_numel:  # made for real, where construction draws
+                return func(*args, **kwargs) if self.device.type == "cpu" else func(*args, **kwargs,
+                                                                                      device=self.device)
             out = func(*args, **{**kwargs, "device": "meta"})
-            call = rec.call(func, args, {**kwargs, "device": "cpu", "dtype": out.dtype})
+            call = rec.call(func, args, {**kwargs, "device": self.device, "dtype": out.dtype})
             if call.rng is not None:  # the generator moves as in plain construction
                 self.scratch.made(func, out, args, kwargs)
             rec.made(out, call, args, kwargs)
@@ -121,19 +128,39 @@ class Init(TorchFunctionMode):
         self.scratch.run(func, (tensor,), kwargs)
 
 
-class _Scratch:
-    """One buffer, grown to the largest drawing call's tensors and freed when the mode ends: the generator moves
-    as in plain construction without a tensor's worth of memory left behind per call."""
+def drawing_device(asked: str | torch.device | None) -> torch.device:
+    """Where construction draws (see [Note: drawing on the device] in recipe.py): ``asked``, else this process's GPU
+    (LOCAL_RANK's, as initialize picks it) where there is one, else the host; a GPU with its index."""
+    if asked is None:
+        index = int(os.environ.get("LOCAL_RANK", -1))
+        if not torch.cuda.is_available():
+            asked = "cpu"
+        else:
+            asked = f"cuda:{index if 0 <= index < torch.cuda.device_count() else torch.cuda.current_device()}"
+    device = torch.device(asked)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"draw_device {asked!r}: construction draws on the host (\"cpu\") or a GPU (\"cuda\")")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"draw_device {asked!r}: this machine has no usable GPU; leave it None or \"cpu\"")
+        return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    return device
 
-    def __init__(self) -> None:
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+class _Scratch:
+    """One buffer on the drawing device, grown to the largest drawing call's tensors and freed when the mode ends:
+    the generator moves as in plain construction without a tensor's worth of memory left behind per call."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=device)
 
     def run(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         metas = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.is_meta]
         sizes = [-(-a.numel() * a.element_size() // 64) * 64 for a in metas]
         if sum(sizes) > self.buffer.numel():
-            self.buffer = torch.empty(0, dtype=torch.uint8)  # freed before the larger one is taken
-            self.buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+            self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)  # freed before the larger is taken
+            self.buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
         carved, at = {}, 0
         for a, n in zip(metas, sizes, strict=True):
             carved[id(a)] = self.buffer[at:at + a.numel() * a.element_size()].view(a.dtype).view(a.shape)
@@ -150,7 +177,7 @@ class _Scratch:
         self.run(lambda into: func(*args, **rest, out=into), (out,), {})
 
     def close(self) -> None:
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
 
 
 _IS_META = torch.Tensor.is_meta.__get__  # type: ignore[attr-defined]
