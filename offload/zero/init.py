@@ -76,8 +76,7 @@ class Init(TorchFunctionMode):
         rec = self.recorder
         if func in _FACTORIES and kwargs.get("device") is None:
             if _numel(func, args, kwargs) < self.min_meta_numel:  # made for real, where construction draws
-                return func(*args, **kwargs) if self.device.type == "cpu" else func(*args, **kwargs,
-                                                                                      device=self.device)
+                return func(*args, **{**kwargs, "device": self.device})  # over a module's own device=None
             out = func(*args, **{**kwargs, "device": "meta"})
             call = rec.call(func, args, {**kwargs, "device": self.device, "dtype": out.dtype})
             if call.rng is not None:  # the generator moves as in plain construction
