@@ -261,7 +261,7 @@ def _torch_client(client: torch.optim.Optimizer) -> OptimizerChoice:
                               "torch.optim.Adam/AdamW/Adagrad, offload.optim.CPUAdam, DeepSpeedCPULion/"
                               "DeepSpeedCPUAdagrad, or an optimizer section; Muon, with AdamW on what it does not "
                               "take, by the section's type \"Muon\")") from None
-    logger.warning("offload steps %s through torch's own single-tensor code on each shard, after backward: exact, "
+    logger.warning("offload steps %s through torch's own single-tensor code on each shard: exact, "
                    "and slower than its native Adam, Lion and Adagrad kernels", cls.__name__)
     groups = [{**g, "params": list(g["params"])} for g in client.param_groups]
     return OptimizerChoice(_trainable(groups), update="torch", generic=generic.GenericStep(cls, names, layouts))

@@ -314,8 +314,7 @@ def choose(config: Config, compute_dtype: torch.dtype, stage: Stage, optimizer: 
 
 # why these updates run whole after backward ([Note: Muon over shards] in offload/optim/muon_pass.py, [Note: a torch
 # optimizer's own step] in offload/optim/generic.py)
-WHOLE = {"muon": "Muon's step gathers each matrix from every rank once every gradient is in",
-         "torch": "a torch optimizer's own step runs once every gradient is in"}
+WHOLE = {"muon": "Muon's step gathers each matrix from every rank once every gradient is in"}
 
 
 def _refuse_beside_whole(config: Config, rule: str) -> None:

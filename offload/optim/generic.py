@@ -15,8 +15,8 @@ pieces run in, and a retried step, change nothing.
 
 What the probe at start-up finds decides: an optimizer torch lists as elementwise is taken; one that needs the
 whole tensor (``WHOLE_TENSOR``) or holds more than two tensors a parameter is refused by name. The step runs
-torch's single-tensor code on the host (no foreach), after backward: slower than the native kernels, and said so
-once at start-up."""
+torch's single-tensor code (no foreach) in whichever schedule and lane the native kernels would (not the
+speculative step: nothing writes a second slot): slower than the native kernels, and said so once at start-up."""
 
 from __future__ import annotations
 
