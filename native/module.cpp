@@ -129,6 +129,14 @@ MasterBuffers master_buffers(const RwArray& param, const std::optional<RwArray>&
   return out;
 }
 
+// A state buffer's dtype: float32, or bfloat16 (see [Note: state formats] in kernels.cpp).
+DType state_dtype(const RwArray& a, const char* what) {
+  require_dense_cpu(a, what);
+  const DType dtype = dtype_of(a, what);
+  if (dtype == DType::F16) throw std::invalid_argument(std::string(what) + " must be float32 or bfloat16");
+  return dtype;
+}
+
 void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg, const RwArray& exp_avg_sq,
              std::optional<RwArray> out16, std::optional<RwArray> param_out, std::optional<RwArray> exp_avg_out,
              std::optional<RwArray> exp_avg_sq_out, float pre_scale, float grad_scale, float decay, float l2,
@@ -142,9 +150,7 @@ void py_adam(const RwArray& param, const AnyArray& grad, const RwArray& exp_avg,
   a.master = held.master;
   a.param = held.param;
   a.param_lo = held.lo;
-  require_dense_cpu(exp_avg, "exp_avg");
-  a.moment_dtype = dtype_of(exp_avg, "exp_avg");
-  if (a.moment_dtype == DType::F16) throw std::invalid_argument("exp_avg must be float32 or bfloat16");
+  a.moment_dtype = state_dtype(exp_avg, "exp_avg");
   a.exp_avg = typed_buffer(exp_avg, "exp_avg", n, a.moment_dtype);
   a.exp_avg_sq = typed_buffer(exp_avg_sq, "exp_avg_sq", n, a.moment_dtype);
   require_dense_cpu(grad, "grad");
@@ -193,9 +199,7 @@ void py_one_state(const RwArray& param, const AnyArray& grad, const RwArray& sta
   a.master = held.master;
   a.param = held.param;
   a.param_lo = held.lo;
-  require_dense_cpu(state, "state");
-  a.state_dtype = dtype_of(state, "state");
-  if (a.state_dtype == DType::F16) throw std::invalid_argument("state must be float32 or bfloat16");
+  a.state_dtype = state_dtype(state, "state");
   a.state = typed_buffer(state, "state", n, a.state_dtype);
   require_dense_cpu(grad, "grad");
   require_size(grad, "grad", n);

@@ -117,6 +117,22 @@ def train_engine(rank: int, world: int, name: str, config: dict[str, Any], steps
     return out
 
 
+def resume_engine(rank: int, world: int, name: str, config: dict[str, Any], load_dir: str, steps: int, start: int,
+                  micro: int, accum: int, optimizer: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """Steps ``start`` + 1 to ``steps`` of ``train_engine``'s run, from the checkpoint it saved after step ``start``:
+    the whole state, and the param groups without their params."""
+    engine, _, _, _ = offload.initialize(model=make_any(name), config=config, optimizer=optimizer)
+    engine.load_checkpoint(load_dir)
+    for tokens in batches(steps, micro * accum * world)[start:]:
+        for a in range(accum):
+            rows = tokens[(a * world + rank) * micro:(a * world + rank + 1) * micro]
+            engine.backward(loss_of(engine, name, rows))
+            engine.step()
+    out = {"state": engine.full_state_dict(), "groups": [dict(g, params=None) for g in engine.optimizer.param_groups]}
+    engine.close()
+    return out
+
+
 def engine_device(world: int) -> str:
     """Where the engine trains: one rank takes the GPU if there is one; run_ranks puts several on the CPU."""
     return "cuda" if world == 1 and torch.cuda.is_available() else "cpu"

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from engine_cases import backward_over, base_config, batches, make_any, train_engine
+from engine_cases import backward_over, base_config, batches, make_any, resume_engine, train_engine
 
 import offload
 from offload.engine.errors import EngineError
@@ -106,23 +106,10 @@ def test_two_ranks_accumulating_train_as_torch_and_resume_bitwise(tmp_path):
         torch.testing.assert_close(whole[0]["state"][key], value, rtol=1e-4, atol=1e-6, msg=key)
     run_ranks(train_engine, 2, name="gpt", config=config, steps=2, micro=MICRO, accum=2, optimizer=make,
               save_dir=str(tmp_path))
-    resumed = run_ranks(resume_and_train, 2, config=config, load_dir=str(tmp_path), make=make)
+    resumed = run_ranks(resume_engine, 2, name="gpt", config=config, load_dir=str(tmp_path), steps=4, start=2,
+                        micro=MICRO, accum=2, optimizer=make)
     for key, value in whole[0]["state"].items():
         assert torch.equal(resumed[0]["state"][key], value), key
-
-
-def resume_and_train(rank, world, config, load_dir, make):
-    from engine_cases import loss_of
-    engine, _, _, _ = offload.initialize(model=make_any("gpt"), config=config, optimizer=make)
-    engine.load_checkpoint(load_dir)
-    for tokens in batches(4, MICRO * 2 * world)[2:]:
-        for a in range(2):
-            rows = tokens[(a * world + rank) * MICRO:(a * world + rank + 1) * MICRO]
-            engine.backward(loss_of(engine, "gpt", rows))
-            engine.step()
-    out = {"state": engine.full_state_dict()}
-    engine.close()
-    return out
 
 
 def test_what_cannot_be_stepped_a_shard_at_a_time_is_refused_by_name():

@@ -6,7 +6,7 @@ than one process's (which Muon's bf16 orthogonalisation then magnifies), to the 
 
 import pytest
 import torch
-from engine_cases import backward_over, base_config, batches, engine_device, make_any, train_engine
+from engine_cases import backward_over, base_config, batches, engine_device, make_any, resume_engine, train_engine
 
 import offload
 from offload.config import ConfigError
@@ -143,24 +143,10 @@ def test_a_resumed_muon_run_is_bitwise_the_unbroken_one(tmp_path):
     whole = run_ranks(train_engine, 2, name="gpt", config=config, steps=4, micro=MICRO, accum=ACCUM)
     run_ranks(train_engine, 2, name="gpt", config=config, steps=2, micro=MICRO, accum=ACCUM,
               save_dir=str(tmp_path))
-    resumed = run_ranks(resume_and_train, 2, config=config, load_dir=str(tmp_path))
+    resumed = run_ranks(resume_engine, 2, name="gpt", config=config, load_dir=str(tmp_path), steps=4, start=2,
+                        micro=MICRO, accum=ACCUM)
     for key, value in whole[0]["state"].items():
         assert torch.equal(resumed[0]["state"][key], value), key
-
-
-def resume_and_train(rank, world, config, load_dir):
-    """Steps 3 and 4 of ``train_engine``'s run, from the checkpoint it saved after step 2."""
-    from engine_cases import loss_of
-    engine, _, _, _ = offload.initialize(model=make_any("gpt"), config=config)
-    engine.load_checkpoint(load_dir)
-    for tokens in batches(4, MICRO * ACCUM * world)[2:]:
-        for a in range(ACCUM):
-            rows = tokens[(a * world + rank) * MICRO:(a * world + rank + 1) * MICRO]
-            engine.backward(loss_of(engine, "gpt", rows))
-            engine.step()
-    out = {"state": engine.full_state_dict(), "groups": [dict(g, params=None) for g in engine.optimizer.param_groups]}
-    engine.close()
-    return out
 
 
 def test_the_groups_split_as_deepspeeds_with_a_scripts_tags_and_group_keys():

@@ -9,7 +9,15 @@ import logging
 
 import pytest
 import torch
-from engine_cases import backward_over, base_config, batches, engine_device, loss_of, make_any, train_engine
+from engine_cases import (
+    backward_over,
+    base_config,
+    batches,
+    engine_device,
+    make_any,
+    resume_engine,
+    train_engine,
+)
 
 import offload
 from offload.config import ConfigError
@@ -297,23 +305,10 @@ def test_a_resumed_lion_or_adagrad_run_is_bitwise_the_unbroken_one(tmp_path, rul
     assert meta["state_format"] == {"master": "fp32", "moments": "float32", "held": held}
     index = json.loads((tmp_path / "ckpt" / tag / "rank0.json").read_text())
     assert {e["kind"] for e in index} - {"shard"} == {"master", *held}
-    resumed = run_ranks(resume_and_train, 2, config=config, load_dir=str(tmp_path / "ckpt"))
+    resumed = run_ranks(resume_engine, 2, name="gpt", config=config, load_dir=str(tmp_path / "ckpt"), steps=4,
+                        start=2, micro=MICRO, accum=ACCUM)
     for key, value in whole[0]["state"].items():
         assert torch.equal(resumed[0]["state"][key], value), key
-
-
-def resume_and_train(rank, world, config, load_dir):
-    """Steps 3 and 4 of ``train_engine``'s run, from the checkpoint it saved after step 2."""
-    engine, _, _, _ = offload.initialize(model=make_any("gpt"), config=config)
-    engine.load_checkpoint(load_dir)
-    for tokens in batches(4, MICRO * ACCUM * world)[2:]:
-        for a in range(ACCUM):
-            rows = tokens[(a * world + rank) * MICRO:(a * world + rank + 1) * MICRO]
-            engine.backward(loss_of(engine, "gpt", rows))
-            engine.step()
-    out = {"state": engine.full_state_dict()}
-    engine.close()
-    return out
 
 
 def test_a_checkpoint_without_a_moment_loads_into_an_update_that_keeps_it_at_zero(tmp_path, caplog):

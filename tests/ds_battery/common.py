@@ -45,6 +45,18 @@ def train(engine, batches, **forward_kwargs):
     return losses
 
 
+def train_scheduled(engine, batches):
+    """``train``'s loop, with the learning rate each step read (the engine's schedule moves it): (losses, rates)."""
+    losses, lrs = [], []
+    for tokens in batches:
+        loss = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        lrs.append(engine.get_lr()[0])
+    return losses, lrs
+
+
 def report(**observed):
     """The script's observations, one JSON line the battery compares."""
     print("RESULT " + json.dumps(observed, sort_keys=True), flush=True)

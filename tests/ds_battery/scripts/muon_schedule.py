@@ -5,7 +5,7 @@ import json
 
 import deepspeed
 import torch
-from common import Net, data, report
+from common import Net, data, report, train_scheduled
 
 parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
 args = parser.parse_args()
@@ -19,11 +19,5 @@ config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0,
                                                            "warmup_type": "linear"}}
 torch.manual_seed(0)
 engine, _, _, _ = deepspeed.initialize(model=Net(), config=config)
-losses, lrs = [], []
-for tokens in data(32).split(4):
-    loss = engine(tokens)
-    engine.backward(loss)
-    engine.step()
-    losses.append(loss.item())
-    lrs.append(engine.get_lr()[0])
+losses, lrs = train_scheduled(engine, data(32).split(4))
 report(losses=losses, lrs=lrs)

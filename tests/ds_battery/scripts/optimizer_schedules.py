@@ -5,7 +5,7 @@ import json
 
 import deepspeed
 import torch
-from common import Net, data, report
+from common import Net, data, report, train_scheduled
 
 parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
 args = parser.parse_args()
@@ -22,12 +22,6 @@ for name, params in runs.items():
                              "params": {"warmup_min_lr": 0.0, "warmup_max_lr": params["lr"], "warmup_num_steps": 3,
                                         "total_num_steps": 8, "warmup_type": "linear"}})
     engine, _, _, _ = deepspeed.initialize(model=Net(), config=config)
-    losses, lrs = [], []
-    for tokens in data(32).split(4):
-        loss = engine(tokens)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        lrs.append(engine.get_lr()[0])
+    losses, lrs = train_scheduled(engine, data(32).split(4))
     observed[name] = {"losses": losses, "lrs": lrs}
 report(**observed)
