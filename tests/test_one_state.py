@@ -338,3 +338,19 @@ def moments_of(engine):
             out["exp_avg"].append(views.exp_avg.clone())
             out["exp_avg_sq"].append(views.exp_avg_sq.clone())
     return {k: torch.cat(v) for k, v in out.items()}
+
+
+def test_a_checkpoint_with_both_moments_loads_into_lion_keeping_its_momentum(tmp_path, caplog):
+    """An AdamW checkpoint (both moments, as a Lion engine before it held one buffer saved them) into Lion: its
+    momentum is the checkpoint's exp_avg, the second moment left out, and the note says so."""
+    config, _ = rule_config(tmp_path, "lion", 1, 3, "cpu", 1.0)
+    adam = {**config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    saved = run_ranks(train_engine, 1, name="gpt", config=adam, steps=2, micro=MICRO, accum=ACCUM,
+                      save_dir=str(tmp_path / "ckpt"), finished=moments_of)[0]
+    engine, *_ = offload.initialize(model=make_any("gpt"), config=config)
+    with caplog.at_level(logging.WARNING, logger="offload.checkpoint"):
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+    loaded = moments_of(engine)
+    engine.close()
+    assert "one this engine does not keep is left out" in caplog.text
+    assert torch.equal(loaded["exp_avg"], saved["exp_avg"]) and loaded["exp_avg_sq"].numel() == 0

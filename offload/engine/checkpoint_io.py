@@ -502,13 +502,15 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
                        "(to fp32 or 16+16 exactly, to a bf16 master or bf16 moments rounded to nearest; a moment it "
                        "does not hold starts at zero, one this engine does not keep is left out)", path,
                        _format_text(saved_format), _format_text(our_format))
-    saved_held = set(saved_format.get("held", MOMENTS))
+    saved_held, ours_held = set(saved_format.get("held", MOMENTS)), engine.optimizer.state_format.held
 
     def load_state(index: int, views: StateSlot) -> bool:
         saved = take(units[index], "master")
         views.set_master(saved if rounded is None else saved.to(rounded).float())
         if moments:  # a moment this engine holds and the checkpoint does not starts at zero, as a new optimizer's
             for kind, view in zip(MOMENTS, (views.exp_avg, views.exp_avg_sq), strict=True):
+                if kind not in ours_held:  # not kept here: left out
+                    continue
                 if kind in saved_held:
                     view.copy_(take(units[index], kind))
                 else:
