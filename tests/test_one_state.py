@@ -22,6 +22,7 @@ from engine_cases import (
 import offload
 from offload.config import ConfigError
 from offload.engine.errors import EngineError
+from offload.files.export import describe
 from offload.machine.launch import run_ranks
 from offload.machine.native import NativeError
 from offload.ops.adagrad import DeepSpeedCPUAdagrad
@@ -305,6 +306,7 @@ def test_a_resumed_lion_or_adagrad_run_is_bitwise_the_unbroken_one(tmp_path, rul
     assert meta["state_format"] == {"master": "fp32", "moments": "float32", "held": held}
     index = json.loads((tmp_path / "ckpt" / tag / "rank0.json").read_text())
     assert {e["kind"] for e in index} - {"shard"} == {"master", *held}
+    assert f"({held[0]}, float32)" in describe(str(tmp_path / "ckpt"))  # offload inspect's table
     resumed = run_ranks(resume_engine, 2, name="gpt", config=config, load_dir=str(tmp_path / "ckpt"), steps=4,
                         start=2, micro=MICRO, accum=ACCUM)
     for key, value in whole[0]["state"].items():

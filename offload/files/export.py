@@ -175,11 +175,10 @@ def describe(checkpoint: str | os.PathLike[str], tag: str | None = None) -> str:
         ("written by", f"offload {meta['version']} (format {meta['format']})"),
         ("world size", f"{meta['world_size']} (state in {partitions(meta)} rank file(s))"),
         ("steps", f"{meta['global_steps']} ({meta['skipped_steps']} skipped), {meta['micro_steps']} micro-batches, "
-                  f"{meta['adam_steps']} Adam steps"),
+                  f"{meta['adam_steps']} optimizer steps"),
         ("parameters", f"{trained + frozen:,} in {len(units)} units ({trained:,} trained, {frozen:,} frozen)"),
         ("compute dtype", meta["compute_dtype"]),
-        ("fp32 master", _mib(4 * trained)),
-        ("Adam moments", _mib(8 * trained)),
+        *_state_rows(meta.get("state_format", {"master": "fp32", "moments": "float32"}), trained),
         ("frozen shards", _mib(item * frozen)),
         ("files", _mib(sum((path / name).stat().st_size for name in meta["files"]))
          + f" in {len(meta['files'])} files (+ meta.json), every checksum verified"),
@@ -189,6 +188,16 @@ def describe(checkpoint: str | os.PathLike[str], tag: str | None = None) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _state_rows(fmt: dict[str, Any], trained: int) -> list[tuple[str, str]]:
+    """The master's and the moments' bytes as the checkpoint holds them (its ``state_format``: a 16+16 master saved
+    as the float32 it is, a bf16 one in 2 bytes; the moments the update keeps, in their dtype)."""
+    held = fmt.get("held", ["exp_avg", "exp_avg_sq"])
+    master = 2 if fmt["master"] in ("bf16", "bf16-stochastic") else 4
+    moments = len(held) * getattr(torch, fmt["moments"]).itemsize
+    return [(f"{fmt['master']} master", _mib(master * trained)),
+            ("moments", f"{_mib(moments * trained)} ({', '.join(held) or 'none kept'}, {fmt['moments']})")]
 
 
 def _mib(n: int) -> str:
