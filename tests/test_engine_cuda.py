@@ -268,3 +268,27 @@ def test_init_on_the_gpu_draws_there_as_plain_construction_under_cuda(which):
         if key in state:
             assert torch.equal(state[key].cpu(), value.cpu()), key
     engine.close()
+
+
+class _OwnGenerator(torch.nn.Module):
+    """A weight drawn from the script's own host generator: not what the GPU's generator can replay."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+        torch.nn.init.normal_(self.lin.weight, generator=torch.Generator().manual_seed(1))
+
+    def forward(self, x):
+        return self.lin(x).square().mean()
+
+
+def test_init_on_the_gpu_gives_a_draw_from_a_host_generator_to_the_initialiser(caplog):
+    """Drawing on the GPU, a draw from a host generator cannot be replayed beside the GPU's: the module's own
+    initialiser makes that weight, and the warning says why."""
+    with offload.zero.Init(min_meta_numel=1000) as init:
+        model = _OwnGenerator()
+    assert init.device.type == "cuda" and model.lin.weight.is_meta
+    with caplog.at_level("WARNING", logger="offload.zero.init"):
+        engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))
+    assert "drew from a generator on cpu while zero.Init draws on cuda" in caplog.text
+    engine.close()

@@ -298,3 +298,14 @@ def test_through_the_emulated_device_init_draws_with_the_hosts_generator_as_plai
     for key, value in out["plain"].items():
         assert torch.equal(out["engine"][key], value), key
     assert any("units (" in m and "built, sharded and placed in" in m for m in out["log"])
+
+
+def test_inside_init_the_hosts_draw_leaves_every_other_call_as_it_was():
+    """Drawing on the host, the block touches only its large factories: torch.normal over tensors, a small tensor
+    under an outer device context, and everything under enabled=False run as they would without it."""
+    with offload.zero.Init(draw_device="cpu"):
+        assert torch.normal(torch.zeros(3), torch.ones(3)).shape == (3,)
+        with torch.device("meta"):
+            assert torch.zeros(3).is_meta
+    with torch.device("meta"), offload.zero.Init(enabled=False):
+        assert torch.zeros(3).is_meta and torch.zeros(100_000).is_meta

@@ -23,6 +23,7 @@ import offload
 from offload.config import ConfigError
 from offload.engine.errors import EngineError
 from offload.files.export import describe
+from offload.files.training_checkpoint import CheckpointError
 from offload.machine.launch import run_ranks
 from offload.machine.native import NativeError
 from offload.ops.adagrad import DeepSpeedCPUAdagrad
@@ -313,22 +314,23 @@ def test_a_resumed_lion_or_adagrad_run_is_bitwise_the_unbroken_one(tmp_path, rul
         assert torch.equal(resumed[0]["state"][key], value), key
 
 
-def test_a_checkpoint_without_a_moment_loads_into_an_update_that_keeps_it_at_zero(tmp_path, caplog):
-    """Lion's checkpoint (exp_avg only) into AdamW: the momentum carried over, the second moment a new
-    optimizer's zeros, and the note says so."""
-    config, _ = rule_config(tmp_path, "lion", 1, 3, "cpu", 1.0)
-    saved = run_ranks(train_engine, 1, name="gpt", config=config, steps=2, micro=MICRO, accum=ACCUM,
-                      save_dir=str(tmp_path / "ckpt"), finished=moments_of)[0]
-    adam = {**config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    engine, *_ = offload.initialize(model=make_any("gpt"), config=adam)
-    with caplog.at_level(logging.WARNING, logger="offload.checkpoint"):
-        engine.load_checkpoint(str(tmp_path / "ckpt"))
-    loaded = moments_of(engine)
-    engine.close()
-    assert "exp_avg float32 and this engine holds it as master fp32, moments float32" in caplog.text
-    assert "does not hold starts at zero" in caplog.text
-    assert torch.equal(loaded["exp_avg"], saved["exp_avg"]) and loaded["exp_avg"].abs().sum() > 0
-    assert not loaded["exp_avg_sq"].any() and saved["exp_avg_sq"].numel() == 0
+def test_a_checkpoint_without_a_moment_this_update_keeps_is_refused_and_loads_without_the_state():
+    """Lion's checkpoint (exp_avg only) into AdamW: zeros for the second moment beside the restored step count would
+    make AdamW's first steps huge, so the moments are refused by name, before anything is replaced; with
+    load_optimizer_states=False the weights load and the state starts fresh."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        config, _ = rule_config(d, "lion", 1, 3, "cpu", 1.0)
+        run_ranks(train_engine, 1, name="gpt", config=config, steps=2, micro=MICRO, accum=ACCUM, save_dir=f"{d}/ckpt")
+        adam = {**config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+        engine, *_ = offload.initialize(model=make_any("gpt"), config=adam)
+        with pytest.raises(CheckpointError, match="holds exp_avg and this engine's update keeps exp_avg_sq too.*"
+                                                  "load_optimizer_states=False"):
+            engine.load_checkpoint(f"{d}/ckpt")
+        engine.load_checkpoint(f"{d}/ckpt", load_optimizer_states=False)
+        loaded = moments_of(engine)
+        assert engine.optimizer.adam_steps == 0 and not loaded["exp_avg"].any() and not loaded["exp_avg_sq"].any()
+        engine.close()
 
 
 def moments_of(engine):
@@ -354,5 +356,5 @@ def test_a_checkpoint_with_both_moments_loads_into_lion_keeping_its_momentum(tmp
         engine.load_checkpoint(str(tmp_path / "ckpt"))
     loaded = moments_of(engine)
     engine.close()
-    assert "one this engine does not keep is left out" in caplog.text
+    assert "a moment this engine does not keep is left out" in caplog.text
     assert torch.equal(loaded["exp_avg"], saved["exp_avg"]) and loaded["exp_avg_sq"].numel() == 0

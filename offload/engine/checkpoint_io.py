@@ -499,22 +499,25 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
     saved_format, our_format = meta.get("state_format", _format_meta(FP32)), _format_meta(engine.optimizer.state_format)
     if saved_format != our_format and rank == 0:
         logger.warning("loading %s: its optimizer state is held as %s and this engine holds it as %s: converted "
-                       "(to fp32 or 16+16 exactly, to a bf16 master or bf16 moments rounded to nearest; a moment it "
-                       "does not hold starts at zero, one this engine does not keep is left out)", path,
+                       "(to fp32 or 16+16 exactly, to a bf16 master or bf16 moments rounded to nearest; a moment this "
+                       "engine does not keep is left out)", path,
                        _format_text(saved_format), _format_text(our_format))
     saved_held, ours_held = set(saved_format.get("held", MOMENTS)), engine.optimizer.state_format.held
+    lacking = [kind for kind in ours_held if kind not in saved_held]
+    if moments and lacking:  # zeros there would not be a fresh optimizer's: the step count comes with the rest
+        held = " and ".join(sorted(saved_held)) or "no moment"
+        raise CheckpointError(f"loading {path}: its optimizer state holds {held} and this engine's update keeps "
+                              f"{' and '.join(lacking)} too (the checkpoint is another optimizer's); load it with "
+                              "load_optimizer_states=False to start this optimizer's state fresh from the "
+                              "checkpoint's weights")
 
     def load_state(index: int, views: StateSlot) -> bool:
         saved = take(units[index], "master")
         views.set_master(saved if rounded is None else saved.to(rounded).float())
-        if moments:  # a moment this engine holds and the checkpoint does not starts at zero, as a new optimizer's
+        if moments:  # the moments this engine keeps (the checkpoint holds each: checked above)
             for kind, view in zip(MOMENTS, (views.exp_avg, views.exp_avg_sq), strict=True):
-                if kind not in ours_held:  # not kept here: left out
-                    continue
-                if kind in saved_held:
+                if kind in ours_held:
                     view.copy_(take(units[index], kind))
-                else:
-                    view.zero_()
         return True
 
     try:

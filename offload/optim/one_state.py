@@ -17,7 +17,7 @@ from offload.machine import native
 from offload.machine.cpus import default_threads
 from offload.optim.adam import AdamHyper
 from offload.optim.cpu_adam import HostOptimizer
-from offload.store.state_format import StateSlot, stochastic_round_
+from offload.store.state_format import StateSlot, mix_seed, stochastic_round_
 
 ONE_STATE_RULES = ("lion", "adagrad")  # the AdamHyper.rule values this module's update runs
 # the state slot's buffer each keeps (offload/store/state_format.py): Lion's momentum, Adagrad's sum (DeepSpeed's
@@ -153,7 +153,7 @@ def one_state_step(slot: StateSlot, grad: torch.Tensor, step: int, hyper: AdamHy
     if not exact:
         state.copy_(s)
         if stochastic is not None and slot.master_lo is None and slot.master.dtype == torch.bfloat16:
-            stochastic_round_(slot.master, master, stochastic.seed)
+            stochastic_round_(slot.master, master, mix_seed(stochastic.seed, stochastic.index0))  # a segment's own
         else:
             slot.set_master(master)
     if out16 is not None:

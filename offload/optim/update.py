@@ -85,7 +85,7 @@ class ShardUpdate:
         out16 = out if out is not None and out.dtype != torch.float32 and not in_place else None
         grad, pre_scale = (torch.zeros_like(master), 1.0) if empty else state.gradient()
         # Master, moments read and written, the gradient read, the new shard written.
-        state_bytes = 2 * sum(b.element_size() for b in views.buffers())
+        state_bytes = 2 * sum(b.element_size() for b in views.buffers() if b.numel())  # a moment not held: none
         out_bytes = out.element_size() if out is not None and not in_place else 0
         self.accel.graph.work("adam", index, nbytes=master.numel() * (state_bytes + grad.element_size() + out_bytes),
                               lane=COMPUTE if self.on_discrete_device(index) else None)

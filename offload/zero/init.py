@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_flatten, tree_map
 
 from offload.zero.plan import ParamSlot, UnitPlan
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 _FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.empty_strided,
               torch.normal}
+# what torch.device("cuda") as a context gives a device to: drawing on the GPU, the block does too
+_CONSTRUCTORS = frozenset(_device_constructors())
 
 
 class Init(TorchFunctionMode):
@@ -62,6 +65,7 @@ class Init(TorchFunctionMode):
         super().__init__()
         self.min_meta_numel = min_meta_numel if enabled else math.inf
         self.device = drawing_device(draw_device) if enabled else torch.device("cpu")
+        self.on_gpu = self.device.type == "cuda"
         self.recorder = Recorder(self.device)
         self.scratch = _Scratch(self.device)
 
@@ -74,15 +78,18 @@ class Init(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         rec = self.recorder
-        if func in _FACTORIES and kwargs.get("device") is None:
-            if _numel(func, args, kwargs) < self.min_meta_numel:  # made for real, where construction draws
-                return func(*args, **{**kwargs, "device": self.device})  # over a module's own device=None
+        if func in _FACTORIES and kwargs.get("device") is None and _numel(func, args, kwargs) >= self.min_meta_numel:
             out = func(*args, **{**kwargs, "device": "meta"})
-            call = rec.call(func, args, {**kwargs, "device": self.device, "dtype": out.dtype})
+            gen = kwargs.get("generator")
+            where = gen.device if isinstance(gen, torch.Generator) else self.device
+            call = rec.call(func, args, {**kwargs, "device": where, "dtype": out.dtype})
             if call.rng is not None:  # the generator moves as in plain construction
                 self.scratch.made(func, out, args, kwargs)
             rec.made(out, call, args, kwargs)
             return out
+        if (self.on_gpu and func in _CONSTRUCTORS and kwargs.get("device") is None
+                and torch.get_default_device().type == "cpu"):  # made for real where construction draws
+            return func(*args, **{**kwargs, "device": self.device})  # as torch.device("cuda") would, over device=None
         metas = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and rec.shares(a)]
         if not metas:
             return func(*args, **kwargs)
@@ -147,22 +154,27 @@ def drawing_device(asked: str | torch.device | None) -> torch.device:
 
 
 class _Scratch:
-    """One buffer on the drawing device, grown to the largest drawing call's tensors and freed when the mode ends:
-    the generator moves as in plain construction without a tensor's worth of memory left behind per call."""
+    """One buffer on the drawing device (and one on a script's own generator's device, where it passes one), grown
+    to the largest drawing call's tensors and freed when the mode ends: the generator moves as in plain construction
+    without a tensor's worth of memory left behind per call."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.buffer = torch.empty(0, dtype=torch.uint8, device=device)
+        self.buffers: dict[torch.device, torch.Tensor] = {}
 
     def run(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         metas = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.is_meta]
         sizes = [-(-a.numel() * a.element_size() // 64) * 64 for a in metas]
-        if sum(sizes) > self.buffer.numel():
-            self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)  # freed before the larger is taken
-            self.buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+        gen = kwargs.get("generator")
+        device = gen.device if isinstance(gen, torch.Generator) else self.device
+        buffer = self.buffers.pop(device, None)
+        if buffer is None or sum(sizes) > buffer.numel():
+            buffer = None  # freed before the larger one is taken
+            buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        self.buffers[device] = buffer
         carved, at = {}, 0
         for a, n in zip(metas, sizes, strict=True):
-            carved[id(a)] = self.buffer[at:at + a.numel() * a.element_size()].view(a.dtype).view(a.shape)
+            carved[id(a)] = buffer[at:at + a.numel() * a.element_size()].view(a.dtype).view(a.shape)
             at += n
 
         def scratch(a: Any) -> Any:
@@ -176,7 +188,10 @@ class _Scratch:
         self.run(lambda into: func(*args, **rest, out=into), (out,), {})
 
     def close(self) -> None:
-        self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+        on_gpu = any(d.type == "cuda" for d in self.buffers)
+        self.buffers.clear()
+        if on_gpu:  # back to the device: initialize measures what is free without the allocator's cache
+            torch.cuda.empty_cache()
 
 
 _IS_META = torch.Tensor.is_meta.__get__  # type: ignore[attr-defined]
@@ -200,18 +215,21 @@ def _numel(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def materialize_unit(model: nn.Module, plan: UnitPlan) -> None:
-    """Give the unit's meta parameters host memory and the values plain construction would have given them
-    (see [Note: replaying construction]); those without a recipe to replay, their module's initialiser."""
+    """Give the unit's meta parameters memory and the values plain construction would have given them (see [Note:
+    replaying construction]); those without a recipe to replay, or whose replay fails, their module's initialiser."""
     meta = [s for s in plan.slots if s.param.is_meta]
     rest: list[ParamSlot] = []
     for s in meta:
         recipe = _recipe(s.param, f"parameter {s.name!r}")
         if recipe is not None and recipe.broken is None:
-            _swap_in(s.param, replay(recipe))
-        else:
-            rest.append(s)
-            _say_not_replayed(s.name, f"its recipe cannot be replayed: {recipe.broken}" if recipe is not None
-                              else "it was put on the meta device outside offload.zero.Init's recording")
+            try:
+                _swap_in(s.param, replay(recipe))
+                continue
+            except (RuntimeError, TypeError, ValueError) as e:  # a call that cannot run again as recorded
+                recipe.broken = f"replaying it failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+        rest.append(s)
+        _say_not_replayed(s.name, f"its recipe cannot be replayed: {recipe.broken}" if recipe is not None
+                          else "it was put on the meta device outside offload.zero.Init's recording")
     if not rest:
         return
     give_memory(plan)

@@ -72,6 +72,7 @@ class Call:
     rng: torch.Tensor | None = None  # the default generator's state on ``device`` before the call (a drawing call)
     generator: torch.Tensor | None = None  # the state of the generator passed as ``generator=``
     device: torch.device = HOST  # whose default generator ``rng`` is; ``generator``'s device too
+    host_rng: torch.Tensor | None = None  # drawing on a GPU: the host generator's state too (a call may draw there)
 
 
 @dataclass
@@ -98,13 +99,15 @@ class Recorder:
         """The call as it can be replayed: recorded tensors as ``Ref``s, the generators' states if it draws."""
         gen = kwargs.get("generator")
         device = gen.device if isinstance(gen, torch.Generator) else self.device
-        rng = rng_state(device) if draws(func, kwargs) else None  # with ``generator=`` too: it runs on scratch
+        drawing = draws(func, kwargs)
+        rng = rng_state(device) if drawing else None  # with ``generator=`` too: it runs on scratch
         return Call(func, self._refs(args), self._refs({k: v for k, v in kwargs.items() if k != "generator"}), rng,
-                    gen.get_state() if isinstance(gen, torch.Generator) else None, device)
+                    gen.get_state() if isinstance(gen, torch.Generator) else None, device,
+                    torch.get_rng_state() if drawing and device.type != "cpu" else None)
 
     def made(self, out: torch.Tensor, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """``out``, a new meta tensor, came from ``call``."""
-        recipe = Recipe(call, out.shape, broken=self._unknown(args, kwargs))
+        recipe = Recipe(call, out.shape, broken=self._unknown(args, kwargs) or self._elsewhere(call))
         self.roots[storage_key(out)] = (recipe, out)
         _REGISTRY[storage_key(out)] = (recipe, out)
 
@@ -136,6 +139,16 @@ class Recorder:
         why = self._unknown(args, kwargs)
         if why and ref.recipe.broken is None:
             ref.recipe.broken = f"{_name(call.func)} read {why}"
+        if ref.recipe.broken is None:
+            ref.recipe.broken = self._elsewhere(call)
+
+    def _elsewhere(self, call: Call) -> str | None:
+        """A draw from a script's own generator on another device than the one construction draws on: its replay
+        would draw one tensor there and the rest here, so the module's initialiser makes it instead (said)."""
+        if call.generator is None or call.device == self.device:
+            return None
+        return (f"{_name(call.func)} drew from a generator on {call.device} while zero.Init draws on {self.device} "
+                f"(zero.Init(draw_device=\"{call.device.type}\") draws there)")
 
     def close(self) -> None:
         for recipe, t in self.roots.values():
@@ -262,6 +275,8 @@ def _run(call: Call, memo: dict[int, torch.Tensor], writing: Recipe | None) -> A
     if call.device.type == "cuda":
         with torch.random.fork_rng(devices=[call.device.index], device_type="cuda"):
             torch.cuda.set_rng_state(call.rng, call.device)
+            if call.host_rng is not None:
+                torch.set_rng_state(call.host_rng)
             return call.func(*args, **kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(call.rng)
