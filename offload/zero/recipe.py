@@ -18,7 +18,9 @@ state, so a replay on the GPU equals plain construction under ``torch.device("cu
 for bit, and costs the GPU's microseconds where the host's generator draws one value at a
 time (about 4 minutes before the first step of an 8B Llama on a 2-core host). The host draw
 (``zero.Init(draw_device="cpu")``, and any machine without a GPU) equals plain construction
-on the CPU; one code path serves both, the recorder's ``device`` naming the generator.
+on the CPU, and leaves every call but the large factories as it was; the recorder's ``device``
+names the generator. A draw from a script's own generator on the other device cannot be
+replayed beside them: that tensor is made by its module's initialiser, said once.
 ``materialize`` replays a parameter's recipe into real memory, unit by unit, with those
 states: the values equal plain construction's bit for bit. A recipe that cannot be replayed
 (a write from a tensor it does not know, a view it cannot repeat) says so; the caller then
