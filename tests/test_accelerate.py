@@ -117,11 +117,12 @@ def test_what_it_cannot_run_is_refused_by_name(monkeypatch, env, kwargs, message
 def launch(impl: str, out: Path, *extra: str) -> list[dict]:
     """The loop on two processes, as `accelerate launch --multi_gpu --num_processes 2` starts them (on CPUs: gloo)."""
     from offload.machine.launch import _free_port
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONWARNINGS": "ignore"}
+    # faulthandler: a rank that aborts at exit prints every thread's Python stack (see tests/test_lightning.py)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                            "--main_process_port", str(_free_port()), str(LOOP), impl, str(out), *extra],
                           capture_output=True, text=True, cwd=out.parent, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stderr[-8000:]
     return [torch.load(f"{out}.{rank}") for rank in range(2)]
 
 

@@ -3,6 +3,7 @@ Lightning's own DDP (tests/lightning_scripts/fit.py, run as a script per side: l
 final weights), at one process and at two through Lightning's own launcher; fit(ckpt_path=...) from a
 ModelCheckpoint resumes bitwise; DeepSpeed is never imported; what it cannot run is refused by name."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,12 @@ FABRIC_LOOP = Path(__file__).parent / "lightning_scripts" / "fabric_loop.py"
 
 def fit(strategy: str, out: Path, *extra: str, devices: int = 1) -> list[dict]:
     """Each rank's record of one run."""
+    # faulthandler: a rank that aborts (the rare "terminate called without an active exception" at exit, see
+    # docs/testing.md) prints every thread's Python stack into stderr, which the assertion shows
     proc = subprocess.run([sys.executable, str(FIT), strategy, str(out), "--devices", str(devices), *extra],
-                          capture_output=True, text=True, cwd=out.parent, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+                          capture_output=True, text=True, cwd=out.parent, timeout=300,
+                          env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    assert proc.returncode == 0, proc.stderr[-8000:]
     records = [torch.load(f"{out}.{rank}.pt") for rank in range(devices)]
     for record in records:
         record["stderr"] = proc.stderr
