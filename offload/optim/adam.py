@@ -24,7 +24,7 @@ from torch.optim.adam import adam as torch_adam
 from torch.optim.adamw import adamw as torch_adamw
 
 from offload.machine import native
-from offload.store.state_format import mix_seed, stochastic_round_
+from offload.store.state_format import mix_seed
 
 RULES = ("adam", "lion", "adagrad")
 
@@ -94,10 +94,7 @@ def device_adam_step_held(slots: list[Any], grads: list[torch.Tensor], step: int
     for i, (slot, master, m, v) in enumerate(zip(slots, masters, exp_avgs, exp_avg_sqs, strict=True)):
         slot.exp_avg.copy_(m)
         slot.exp_avg_sq.copy_(v)
-        if stochastic is not None and slot.master_lo is None and slot.master.dtype == torch.bfloat16:
-            stochastic_round_(slot.master, master, mix_seed(stochastic.seed, stochastic.index0, i))  # each its own
-        else:
-            slot.set_master(master)
+        slot.set_master(master, None if stochastic is None else mix_seed(stochastic.seed, stochastic.index0, i))
 
 
 def _uncorrected_adam(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamHyper) -> None:

@@ -17,12 +17,12 @@ from offload.machine import native
 from offload.machine.cpus import default_threads
 from offload.optim.adam import AdamHyper
 from offload.optim.cpu_adam import HostOptimizer
-from offload.store.state_format import StateSlot, mix_seed, stochastic_round_
+from offload.store.state_format import StateSlot, mix_seed
 
-ONE_STATE_RULES = ("lion", "adagrad")  # the AdamHyper.rule values this module's update runs
-# the state slot's buffer each keeps (offload/store/state_format.py): Lion's momentum, Adagrad's sum (DeepSpeed's
-# CPU Adagrad names it exp_avg_sq)
+# The AdamHyper.rule values this module's update runs, each with the state slot's buffer it keeps
+# (offload/store/state_format.py): Lion's momentum, Adagrad's sum (DeepSpeed's CPU Adagrad names it exp_avg_sq).
 ONE_STATE_HELD = {"lion": ("exp_avg",), "adagrad": ("exp_avg_sq",)}
+ONE_STATE_RULES = tuple(ONE_STATE_HELD)
 
 
 def _finite(name: str, value: float, ok: bool, rule: str) -> None:
@@ -152,9 +152,6 @@ def one_state_step(slot: StateSlot, grad: torch.Tensor, step: int, hyper: AdamHy
         master.addcdiv_(g, s.sqrt().add_(hyper.eps), value=-hyper.lr)
     if not exact:
         state.copy_(s)
-        if stochastic is not None and slot.master_lo is None and slot.master.dtype == torch.bfloat16:
-            stochastic_round_(slot.master, master, mix_seed(stochastic.seed, stochastic.index0))  # a segment's own
-        else:
-            slot.set_master(master)
+        slot.set_master(master, None if stochastic is None else mix_seed(stochastic.seed, stochastic.index0))
     if out16 is not None:
         out16.copy_(slot.master)

@@ -212,12 +212,15 @@ class StateSlot:
             return join_master(self.master, self.master_lo)
         return self.master.float() if self.master.dtype != torch.float32 else self.master.clone()
 
-    def set_master(self, values: torch.Tensor) -> None:
-        """The master from ``values``, held as this slot holds it (16+16: split; bf16: to nearest)."""
+    def set_master(self, values: torch.Tensor, stochastic_seed: int | None = None) -> None:
+        """The master from ``values``, held as this slot holds it (16+16: split; bf16: to nearest, or with
+        ``stochastic_seed`` stochastically from that stream)."""
         if self.master_lo is not None:
             hi, lo = split_master(values.float())
             self.master.copy_(hi)
             self.master_lo.copy_(lo)
+        elif stochastic_seed is not None and self.master.dtype == torch.bfloat16:
+            stochastic_round_(self.master, values, stochastic_seed)
         else:
             self.master.copy_(values)
 
