@@ -137,16 +137,9 @@ def _read_relaid(reader: ShardReader, meta: dict[str, Any], saved_at: dict[str, 
     return out
 
 
-def _format_meta(fmt: StateFormat) -> dict[str, Any]:
-    """How a checkpoint says its optimizer state is held (absent in older ones: fp32); ``held`` only where the
-    update keeps fewer moments than Adam's two (absent: both)."""
-    held = {} if fmt.held == MOMENTS else {"held": list(fmt.held)}
-    return {"master": fmt.master.value, "moments": str(fmt.moments).removeprefix("torch.")} | held
-
-
 def _format_text(meta: dict[str, Any]) -> str:
-    held = meta.get("held", MOMENTS)
-    moments = "moments" if tuple(held) == MOMENTS else " ".join(held) if held else "no moments"
+    held = StateFormat.from_meta(meta).held
+    moments = "moments" if held == MOMENTS else " ".join(held) if held else "no moments"
     return f"master {meta['master']}, {moments} {meta['moments']}"
 
 
@@ -289,7 +282,7 @@ def _publish(engine: Any, root: Path, tag: str, layout: list[Any], kinds: dict[s
             "partitions": engine.partition.world,
             "global_steps": train["global_steps"], "skipped_steps": train["skipped_steps"],
             "micro_steps": train["micro_steps"], "global_samples": train["global_samples"],
-            "adam_steps": engine.optimizer.adam_steps, "state_format": _format_meta(engine.optimizer.state_format),
+            "adam_steps": engine.optimizer.adam_steps, "state_format": engine.optimizer.state_format.meta(),
             "compute_dtype": str(engine.compute_dtype).removeprefix("torch."), "units": _layout(engine),
             "params": params,
             "config": engine.config.to_dict(), "files": {k: v for f in every for k, v in f.items()}}
@@ -496,13 +489,14 @@ def load(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_op
     # zero_optimization.load_from_fp32_weights false: the master weights are rebuilt from the checkpoint's
     # compute-dtype weights (rounded), as DeepSpeed does from its 16-bit ones.
     rounded = None if engine.config.zero_optimization.load_from_fp32_weights else getattr(torch, meta["compute_dtype"])
-    saved_format, our_format = meta.get("state_format", _format_meta(FP32)), _format_meta(engine.optimizer.state_format)
+    # absent in a checkpoint from before the formats: fp32
+    saved_format, our_format = meta.get("state_format", FP32.meta()), engine.optimizer.state_format.meta()
     if saved_format != our_format and rank == 0:
         logger.warning("loading %s: its optimizer state is held as %s and this engine holds it as %s: converted "
                        "(to fp32 or 16+16 exactly, to a bf16 master or bf16 moments rounded to nearest; a moment this "
                        "engine does not keep is left out)", path,
                        _format_text(saved_format), _format_text(our_format))
-    saved_held, ours_held = set(saved_format.get("held", MOMENTS)), engine.optimizer.state_format.held
+    saved_held, ours_held = set(StateFormat.from_meta(saved_format).held), engine.optimizer.state_format.held
     lacking = [kind for kind in ours_held if kind not in saved_held]
     if moments and lacking:  # zeros there would not be a fresh optimizer's: the step count comes with the rest
         held = " and ".join(sorted(saved_held)) or "no moment"

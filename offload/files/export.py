@@ -26,6 +26,7 @@ import torch
 from offload.files import small_state
 from offload.files.training_checkpoint import CheckpointError, ShardReader, partitions, read_meta, resolve, verify
 from offload.files.weights_file import SafetensorsStream, TensorSpec
+from offload.store.state_format import FP32, StateFormat
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -178,7 +179,7 @@ def describe(checkpoint: str | os.PathLike[str], tag: str | None = None) -> str:
                   f"{meta['adam_steps']} optimizer steps"),
         ("parameters", f"{trained + frozen:,} in {len(units)} units ({trained:,} trained, {frozen:,} frozen)"),
         ("compute dtype", meta["compute_dtype"]),
-        *_state_rows(meta.get("state_format", {"master": "fp32", "moments": "float32"}), trained),
+        *_state_rows(meta.get("state_format", FP32.meta()), trained),
         ("frozen shards", _mib(item * frozen)),
         ("files", _mib(sum((path / name).stat().st_size for name in meta["files"]))
          + f" in {len(meta['files'])} files (+ meta.json), every checksum verified"),
@@ -190,14 +191,13 @@ def describe(checkpoint: str | os.PathLike[str], tag: str | None = None) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def _state_rows(fmt: dict[str, Any], trained: int) -> list[tuple[str, str]]:
+def _state_rows(meta: dict[str, Any], trained: int) -> list[tuple[str, str]]:
     """The master's and the moments' bytes as the checkpoint holds them (its ``state_format``: a 16+16 master saved
     as the float32 it is, a bf16 one in 2 bytes; the moments the update keeps, in their dtype)."""
-    held = fmt.get("held", ["exp_avg", "exp_avg_sq"])
-    master = 2 if fmt["master"] in ("bf16", "bf16-stochastic") else 4
-    moments = len(held) * getattr(torch, fmt["moments"]).itemsize
-    return [(f"{fmt['master']} master", _mib(master * trained)),
-            ("moments", f"{_mib(moments * trained)} ({', '.join(held) or 'none kept'}, {fmt['moments']})")]
+    fmt = StateFormat.from_meta(meta)
+    moments = len(fmt.held) * fmt.moment_bytes
+    return [(f"{meta['master']} master", _mib(fmt.master_bytes * trained)),
+            ("moments", f"{_mib(moments * trained)} ({', '.join(fmt.held) or 'none kept'}, {meta['moments']})")]
 
 
 def _mib(n: int) -> str:

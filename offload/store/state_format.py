@@ -153,6 +153,17 @@ class StateFormat:
         zero), else the master itself (the copy into the weights rounds it to nearest even)."""
         return split_master(master.float())[0] if self.master is Master.SPLIT else master
 
+    def meta(self) -> dict[str, Any]:
+        """How a checkpoint says this state is held (``held`` only where the update keeps fewer moments than Adam's
+        two); ``from_meta`` reads it back."""
+        held = {} if self.held == MOMENTS else {"held": list(self.held)}
+        return {"master": self.master.value, "moments": str(self.moments).removeprefix("torch.")} | held
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> StateFormat:
+        """The format a checkpoint's ``state_format`` names (``meta``'s inverse)."""
+        return cls(Master(meta["master"]), getattr(torch, meta["moments"]), held=tuple(meta.get("held", MOMENTS)))
+
     def describe(self) -> str:
         master, moments = self.names()
         kept = (f"moments {moments}" if self.held == MOMENTS else f"{self.held[0]} {moments}" if self.held
