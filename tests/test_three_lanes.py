@@ -19,7 +19,7 @@ from offload.config import AUTO, Config, ConfigError
 from offload.machine.launch import run_ranks
 from offload.store.placement import MachineOffer, Shards, StageLayout, StepAsks, plan, traffic
 from offload.store.step_cost import Rates, Traffic, predict, sort_key
-from offload.store.sub_groups import RING_SLOTS, STREAMED_SLOTS
+from offload.store.sub_groups import RING_SLOTS, STREAMED_HANDED, STREAMED_SLOTS
 from offload.store.tier import Tier
 
 # Neither lane far ahead: the host's Adam and the bus within a few times of each other.
@@ -164,6 +164,30 @@ def test_stream_state_is_auto_by_default_and_stays_so_for_the_engine():
     assert Config.load({"offload": {"stream_state": 0.25}}).offload.stream_state == 0.25
     with pytest.raises(ConfigError, match="offload.stream_state"):
         Config.load({"offload": {"stream_state": 1.5}})
+
+
+def test_nvme_state_streamed_is_priced_through_the_disk_and_hands_no_weights_over(tmp_path):
+    """[Note: NVMe state streamed]: a streamed sub-group homed on NVMe is read and written by the step's disk pass,
+    and its new weights are written on the host (through the step target), not handed to the next gather: the plan
+    keeps no device bytes for handed weights, and the step's model keeps the disk's pass in the host's lane and
+    every parameter crossing the bus up."""
+    raw = lanes_config(stream=0.5)
+    raw["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = Config.load(raw).resolve(world_size=1)
+    sizes = [(i, n) for i, n in enumerate(model_units(make_model("gpt"), config))]
+    rates = Rates(device_gbps=2000.0, host_gbps=60.0, h2d_gbps=20.0, d2h_gbps=20.0, nvme_gbps=2.0)
+    out = plan(Shards(sizes, {i for i, _ in sizes}, 2), config, StageLayout(parts=1), MachineOffer(rates=rates),
+               StepAsks())
+    out.check()
+    streamed = sum(n for i, n in sizes if i in out.streamed)
+    assert streamed and all(g.tier is Tier.NVME for g in out.groups if g.streamed)
+    assert STREAMED_HANDED not in out.device and out.device[STREAMED_SLOTS] > 0
+    t = traffic(out, sizes, 2, config)
+    assert t.streamed == t.streamed_nvme == streamed and t.streamed_down == 0
+    p = predict(t, rates)
+    on_disk = t.stepped[Tier.NVME] + streamed
+    assert p.terms["host Adam"] == pytest.approx(on_disk * 2 * t.state_bytes / 2e9 * 1e3)  # the disk's pass
+    assert p.terms["parameters up"] == pytest.approx(2 * 2 * sum(n for _, n in sizes) / 20e9 * 1e3)
 
 
 # ----------------------------------------------------------------------------- the estimate

@@ -285,6 +285,9 @@ def step_traffic(groups: list[SubGroup], item: int, rates: Rates, source: str) -
             part += f" and {n * 2 * state / 1e9:.2f} GB read and written on NVMe"
         if lane == STREAMED:
             part += f" and {n * state / 1e9:.2f} GB over the bus each way"
+            passed = sum(g.numel for g in groups if g.streamed and g.tier is Tier.NVME)
+            if passed:  # read and written by the step's NVMe pass, priced in the host's term
+                part += f" ({passed * 2 * state / 1e9:.2f} GB of it read and written on NVMe)"
         ms = adam_ms(tier, n, item, rates, state)  # without the disk's rate an NVMe tier's cost is unknown: bytes only
         if ms is not None:
             cost_ms[lane] = ms

@@ -249,6 +249,8 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
     try:
         place_sub_groups(out.groups, opt.device, budget, opt.buffer_count, spare=step.speculation is Speculation.ALL)
         out.placed = True
+        if STREAMED_HANDED in out.device:
+            _hand_over_host_tier_only(out, shards)
     except ConfigError as e:
         out.problems.append(e)
     if (opt.device == "nvme" and out.placed and offloaded_sizes and one_micro_batch
@@ -498,9 +500,27 @@ def _stream(out: Placement, shards: Shards, config: Any, chosen: list[tuple[int,
     part, grad_bytes = device_grads(out.device_grads_kept, shards.item)
     out.device[part] = out.device.get(part, 0) + grad_bytes * sum(n for _, n in chosen)
     out.device[STREAMED_SLOTS] = RING_SLOTS * max(g.nbytes for g in out.groups if g.streamed)
-    handed = shards.item * sum(n for i, n in chosen if out.homes[i] is not Tier.DEVICE)
+    handed = shards.item * sum(n for i, n in chosen if out.homes[i] is not Tier.DEVICE)  # less NVMe's: below
     if handed:
         out.device[STREAMED_HANDED] = handed
+
+
+def _hand_over_host_tier_only(out: Placement, shards: Shards) -> None:
+    """Once the sub-groups are placed: the streamed ones placed on NVMe hand no weights to the next gather (theirs
+    are written on the host by the step's pass, as the host lane's are), so the device keeps no bytes for them."""
+    through_host = _streamed_nvme(out)
+    handed = shards.item * sum(n for i, n in shards.sizes
+                               if i in out.streamed and out.homes[i] is not Tier.DEVICE and i not in through_host)
+    if handed:
+        out.device[STREAMED_HANDED] = handed
+    else:
+        out.device.pop(STREAMED_HANDED)
+
+
+def _streamed_nvme(out: Placement) -> frozenset[int]:
+    """The streamed units whose state is homed on NVMe (stepped in the step's NVMe pass, through the host: see
+    [Note: NVMe state streamed] in offload/optim/streamed_step.py)."""
+    return frozenset(m.unit for g in out.groups if g.streamed and g.tier is Tier.NVME for m in g.members)
 
 
 def streams_by_rates(config: Any, machine: MachineOffer, step: StepAsks) -> bool:
@@ -680,23 +700,28 @@ def traffic(out: Placement, shard_sizes: list[tuple[int, int]], item: int, confi
     off_device = {m.unit for g in out.groups if g.tier is not Tier.DEVICE and not g.streamed for m in g.members}
     homed = {i for i, _ in shard_sizes if out.homes[i] is Tier.DEVICE}
     fmt = out.groups[0].fmt if out.groups else from_config(config)  # stepped_bytes: the same, a high half lent
-    return _traffic(shard_sizes, stepped, off_device, homed, item, config, out.streamed, fmt)
+    return _traffic(shard_sizes, stepped, off_device, homed, item, config, out.streamed, fmt, _streamed_nvme(out))
 
 
 def _traffic(shard_sizes: list[tuple[int, int]], stepped: dict[Tier, int], stepped_off: set[int], homed: set[int],
-             item: int, config: Any, streamed: frozenset[int], fmt: StateFormat) -> Traffic:
+             item: int, config: Any, streamed: frozenset[int], fmt: StateFormat,
+             streamed_nvme: frozenset[int] = frozenset()) -> Traffic:
     """A step's traffic, by the one rule a plan and auto's candidates both follow: the elements ``stepped`` on each
     tier; each shard not ``homed`` on the device gathered up; each device home stepped off it (``stepped_off``)
     copied up once; with ``config``'s micro-batches a step, each gathering and sending gradients down (or,
     accumulated on the device, sent once: offload.accumulate_on_device); the ``streamed`` units' state up and down,
-    and their new weights down where their shards are not ``homed`` on the device; the state as ``fmt`` holds it."""
+    and their new weights down where their shards are not ``homed`` on the device, unless their state is on NVMe
+    (``streamed_nvme``: read from and written to the disk by the step's pass, the weights written on the host);
+    the state as ``fmt`` holds it."""
     return Traffic(stepped, gathered_up=sum(n for i, n in shard_sizes if i not in homed),
                    copied_up=sum(n for i, n in shard_sizes if i in stepped_off and i in homed), item=item,
                    micro_batches=int(config.gradient_accumulation_steps or 1),
                    grads_accumulated_on_device=bool(config.offload.accumulate_on_device),
                    state_bytes=fmt.stepped_bytes,
                    streamed=sum(n for i, n in shard_sizes if i in streamed),
-                   streamed_down=sum(n for i, n in shard_sizes if i in streamed and i not in homed))
+                   streamed_down=sum(n for i, n in shard_sizes
+                                     if i in streamed and i not in homed and i not in streamed_nvme),
+                   streamed_nvme=sum(n for i, n in shard_sizes if i in streamed_nvme))
 
 
 def describe_split(out: Placement, shard_sizes: list[tuple[int, int]]) -> str:

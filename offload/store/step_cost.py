@@ -5,12 +5,14 @@ of what runs it: the model's compute and the device Adam (the GPU), the host Ada
 state on NVMe), the parameter shards brought up from the host (pinned host to device) and the gradients sent down
 (device to host). State streamed (homed on the host, stepped on the device: [Note: the streamed lane] in
 offload/optim/streamed_step.py) adds to the device Adam and crosses the bus both ways: its state up; its state, and
-for a host home its new weights, down. The terms that share a resource run one after another on it, so they form a
-lane: the GPU's is compute plus the device Adam; each bus direction's is its copies (parameters and state up;
-gradients and state down); the host Adam is a lane alone. Where every stage overlaps the step is its
-longest lane (the floor); where they run one after another, the sum of the terms. A split is chosen for the
-shortest longest lane, and of splits within ``TIE`` of it, for the shortest sum: the max is what an overlapped step
-reaches, the sum what it falls back to where an overlap fails, and the second never buys the first.
+for a host home its new weights, down; homed on NVMe, its state is read and written by the step's disk pass (in
+the host Adam's term, the disk's lane) and its new weights are written on the host. The terms that share a
+resource run one after another on it, so they form a lane: the GPU's is compute plus the device Adam; each bus
+direction's is its copies (parameters and state up; gradients and state down); the host Adam is a lane alone.
+Where every stage overlaps the step is its longest lane (the floor); where they run one after another, the sum of
+the terms. A split is chosen for the shortest longest lane, and of splits within ``TIE`` of it, for the shortest
+sum: the max is what an overlapped step reaches, the sum what it falls back to where an overlap fails, and the
+second never buys the first.
 """
 
 from __future__ import annotations
@@ -65,17 +67,20 @@ class Traffic:
     state_bytes: int = STATE_BYTES  # bytes an element of optimizer state (its format's)
     streamed: int = 0  # elements whose state is homed on the host and stepped on the device (not in ``stepped``)
     streamed_down: int = 0  # of those, elements whose new weights go down to a host home (not up for the forward)
+    streamed_nvme: int = 0  # of those, elements whose state the step's pass reads from NVMe and writes back there
 
 
-def adam_ms(tier: Tier, numel: int, item: int, rates: Rates, state_bytes: int = STATE_BYTES) -> float | None:
+def adam_ms(tier: Tier, numel: int, item: int, rates: Rates, state_bytes: int = STATE_BYTES,
+            passed: int = 0) -> float | None:
     """One step's Adam over ``numel`` elements whose state (``state_bytes`` an element) lives on ``tier``: its
-    memory traffic (and on NVMe its disk's, whichever is longer: they overlap); None without the rate."""
+    memory traffic (and on NVMe its disk's, whichever is longer: they overlap; the disk's pass also carries the
+    state of ``passed`` more elements, streamed through the device); None without the rate."""
     rate = rates.device_gbps if tier is Tier.DEVICE else rates.host_gbps
     times = [numel * (adam_bytes(state_bytes) + item) / (rate * 1e9) * 1e3] if rate else []
     if tier is Tier.NVME:
         if not rates.nvme_gbps:
             return None
-        times.append(numel * 2 * state_bytes / (rates.nvme_gbps * 1e9) * 1e3)
+        times.append((numel + passed) * 2 * state_bytes / (rates.nvme_gbps * 1e9) * 1e3)
     return max(times) if times else None
 
 
@@ -137,8 +142,9 @@ def predict(traffic: Traffic, rates: Rates) -> StepPrediction:
     host_stepped = sum(n for tier, n in traffic.stepped.items() if tier is not Tier.DEVICE)
     host_adam: float | None = 0.0
     for tier in (Tier.HOST, Tier.NVME):
-        if traffic.stepped.get(tier):
-            ms = adam_ms(tier, traffic.stepped[tier], item, rates, traffic.state_bytes)
+        passed = traffic.streamed_nvme if tier is Tier.NVME else 0  # the NVMe pass reads and writes theirs too
+        if traffic.stepped.get(tier) or passed:
+            ms = adam_ms(tier, traffic.stepped.get(tier, 0), item, rates, traffic.state_bytes, passed)
             host_adam = None if ms is None or host_adam is None else host_adam + ms
     terms: dict[str, float | None] = {
         "compute": rates.compute_ms,
