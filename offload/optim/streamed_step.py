@@ -30,7 +30,10 @@ would hold the compute stream, and the next forward queued behind it, until the 
 (``defer``): each of their units' shards is marked due (``ParamStore.defer``), and whatever reads one first (the
 next forward's gather, a checkpoint, the refit: every reader of a shard goes through the parameter store) steps
 the deferred sub-groups in order up to its own, on the compute stream, behind the forward of the units before it.
-``settle`` and the next step run whatever is still deferred (a unit the forward did not use).
+``settle`` and the next step run whatever is still deferred (a unit the forward did not use). A first reader in
+backward (a unit the forward did not use, gathered for backward or a checkpointed unit's recompute) steps them on
+the autograd thread: its current stream there is the one the engine set for the node it runs (the stream its
+forward ran on), so the step joins the compute stream's order as it would from the forward's thread.
 
 [Note: NVMe state streamed] A streamed sub-group homed on NVMe (offload_optimizer.device nvme) goes through the host:
 the step's NVMe pass reads it into a host buffer as it reads every NVMe sub-group, and hands it to the lane there
