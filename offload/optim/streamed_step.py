@@ -67,8 +67,10 @@ from offload.store.sub_groups import RING_SLOTS, SubGroup
 from offload.store.tier import Tier
 
 READ_PER_LANDING = 128 << 20  # bytes of state read ahead after each landing of the last backward (see the note)
-# Bytes of state a copy back's piece moves (its place in the ring free once it has run). Replayed on the h100 preset
-# (the 0.91B GPT, docs/performance.md): a buffer a piece (400 MB there) 379.1 ms a step, pieces of 128 MiB 424.3.
+# Bytes of state a copy back's piece moves (its place in the ring free once it has run). Neither number moves the
+# replayed step (the 0.91B GPT on the h100 preset, clipping on, docs/performance.md, session 48): pieces of 128 MiB,
+# 256 MiB and 1 GiB, reads of 64, 128 and 256 MiB a landing all 309.3-309.5 ms a step, the host's Adam after
+# backward being the critical path. (Session 44's 379.1 against 424.3 came from the replay's old, hash-ordered bus.)
 COPY_PIECE = 1 << 30
 
 _Copied = TypeVar("_Copied", torch.Tensor, StateSlot)  # what a copy of the lane moves: a buffer, or a slot whole
