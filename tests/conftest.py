@@ -17,6 +17,14 @@ def _torch_threads_kept():
     assert torch.get_num_threads() == before, f"this test left torch at {torch.get_num_threads()} threads, not {before}"
 
 
+@pytest.fixture(autouse=True)
+def _said_once_again():
+    """zero.Init's fallback warning is said once a process: each test that looks for it sees it, whichever test
+    of its worker fell back first."""
+    import offload.zero.init
+    offload.zero.init._said.clear()
+
+
 @pytest.fixture
 def repo() -> pathlib.Path:
     return REPO

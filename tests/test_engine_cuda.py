@@ -270,6 +270,38 @@ def test_init_on_the_gpu_draws_there_as_plain_construction_under_cuda(which):
     engine.close()
 
 
+class _NormalAndOwnCudaGenerator(torch.nn.Module):
+    """A weight from torch.normal's size form (drawn on the host under torch.device("cuda"), which gives a device
+    to constructors only), one from randn, one from a CUDA generator made as torch.Generator(device="cuda")."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.normal(0.0, 1.0, size=(64, 64)))
+        self.b = torch.nn.Parameter(torch.randn(64, 64))
+        self.c = torch.nn.Parameter(torch.empty(64, 64))
+        torch.nn.init.normal_(self.c, generator=torch.Generator(device="cuda").manual_seed(3))
+
+
+def test_init_on_the_gpu_draws_torch_normal_on_the_host_and_a_cuda_generator_there():
+    """What torch.device("cuda") leaves to the host (torch.normal's size form) is drawn there, from the host's
+    generator; a generator made as torch.Generator(device="cuda") (no index) draws on the GPU beside construction's,
+    replayed, not handed to the initialiser: the weights and both generators as plain construction's."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        plain = _NormalAndOwnCudaGenerator()
+    plain_next = (torch.rand(8), torch.rand(8, device="cuda"))
+    torch.manual_seed(0)
+    with offload.zero.Init(min_meta_numel=1000) as init:
+        model = _NormalAndOwnCudaGenerator()
+    assert init.device.type == "cuda" and model.b.is_meta
+    assert torch.equal(torch.rand(8), plain_next[0]) and torch.equal(torch.rand(8, device="cuda"), plain_next[1])
+    engine, *_ = offload.initialize(model=model, config=base_config(2, 1, 1))
+    state = engine.full_state_dict()
+    for key, value in plain.state_dict().items():
+        assert torch.equal(state[key].cpu(), value.cpu()), key
+    engine.close()
+
+
 class _OwnGenerator(torch.nn.Module):
     """A weight drawn from the script's own host generator: not what the GPU's generator can replay."""
 

@@ -256,7 +256,7 @@ for s in "$@"; do
     plan44b) stages+=(cuda-tests trainer-8b pace-4p5b-budget) ;;
     plan55) stages+=(install pace-4p5b-formats) ;;
     plan59) stages+=(install cuda-tests pace-0p9b) ;;  # cuda-tests: 15 s on the H200 (2026-11-27)
-    plan68) stages+=(install cuda-streamed pace-0p9b-lanes) ;;  # the lanes first, whenever a device is lent (#71's row 1)
+    plan68) stages+=(install cuda-streamed sanitizer-streamed pace-0p9b-lanes) ;;  # the lanes first, whenever a device is lent (#71's row 1)
     # #69 and #70 on a GPU (after plan68, with time left): the CUDA tests of offload_states (the GPU's freed bytes),
     # Lion/Adagrad and Muon, the 0.91B's offload_states round trip beside the bus and DeepSpeed's (#70's RLHF
     # measurement; untimed: about a minute is the guess), the compiled units, then the 0.91B compiled beside eager,
@@ -281,6 +281,8 @@ for s in "${stages[@]}"; do
     cuda-tests) stage cuda-tests py -m pytest -q -x tests/test_engine_cuda.py tests/test_cli.py tests/test_bench_pace.py -k "cuda or gpu or pcie" ;;
     # The CUDA tests under torch's stream sanitizer: a kernel that reads what another stream writes without a wait fails.
     sanitizer) TORCH_CUDA_SANITIZER=1 stage sanitizer py -m pytest -q tests/test_engine_cuda.py ;;
+    # the streamed lane's alone (plan68): its ring is read by compute and rewritten by the copy streams each step
+    sanitizer-streamed) TORCH_CUDA_SANITIZER=1 stage sanitizer-streamed py -m pytest -q tests/test_engine_cuda.py -k streamed ;;
     # The static checks (ruff, mypy) need no GPU and are not carried there: left out where their tools are missing.
     suite) static=$($PY -c "import ruff, mypy" 2>/dev/null || echo "--ignore tests/test_lint.py --ignore tests/test_types.py")
            FAIL_LOG=$OUT/failures.log PYTHONPATH=tools TAIL=30 stage suite timeout "${SUITE_S:-420}" $PY -m pytest -n 14 -q -p pytest_failures_now -p no:cacheprovider -p no:benchmark --timeout 150 $static ${SUITE_ARGS:-tests} ;;

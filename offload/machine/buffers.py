@@ -44,6 +44,9 @@ class _Mapping(mmap.mmap):
         self.unregister()
 
 
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+
 class AlignedBuffer:
     """``nbytes`` (rounded up to 4 KiB) of page-aligned host memory, as a uint8 tensor."""
 
@@ -57,8 +60,9 @@ class AlignedBuffer:
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.pinned = False
         if pin if pin is not None else torch.cuda.is_available():
-            # Registering pages with the driver makes H2D/D2H copies from them asynchronous.
-            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.capacity, 0)
+            # Registering pages with the driver makes H2D/D2H copies from them asynchronous; portable, so they are
+            # pinned for every CUDA context of the process, not only the one current here
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.capacity, HOST_REGISTER_PORTABLE)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of {self.capacity} bytes failed (error {int(err)})")
             self._mmap.registered_at = self.tensor.data_ptr()

@@ -163,6 +163,9 @@ class StreamedStep:
             else:
                 self.params.write_down(member.unit, weights, self.down)
                 self.params.hand_off(member.unit, weights.to(self.params.dtype, copy=True))
+        # The writes into a device home and the hand-off's copies read the ring on the compute stream after the
+        # Adam: the copy back, which frees the place for the next read, waits for them too
+        self.down.wait_event(self.update.after_compute())
         self._copy_back(group.resident, device, group.members[0].unit)
 
     def _stepped(self, group: SubGroup, step: int, hypers: list[Hyper], grad_scale: float) -> StateSlot:

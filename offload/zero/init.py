@@ -36,7 +36,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_flatten, tree_map
 
 from offload.zero.plan import ParamSlot, UnitPlan
-from offload.zero.recipe import Recipe, Recorder, replay, take_recipe, written_after
+from offload.zero.recipe import HOST, Recipe, Recorder, generator_device, replay, take_recipe, written_after
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +81,13 @@ class Init(TorchFunctionMode):
         if func in _FACTORIES and kwargs.get("device") is None and _numel(func, args, kwargs) >= self.min_meta_numel:
             out = func(*args, **{**kwargs, "device": "meta"})
             gen = kwargs.get("generator")
-            where = gen.device if isinstance(gen, torch.Generator) else self.device
-            call = rec.call(func, args, {**kwargs, "device": where, "dtype": out.dtype})
+            # torch.device("cuda") gives a device to its constructors only: torch.normal(mean, std, size) is
+            # drawn on the host there, from the host's generator, and so it is here
+            where = (generator_device(gen) if isinstance(gen, torch.Generator)
+                     else self.device if func in _CONSTRUCTORS else HOST)
+            call = rec.call(func, args, {**kwargs, "device": where, "dtype": out.dtype}, device=where)
             if call.rng is not None:  # the generator moves as in plain construction
-                self.scratch.made(func, out, args, kwargs)
+                self.scratch.made(func, out, args, kwargs, where)
             rec.made(out, call, args, kwargs)
             return out
         if (self.on_gpu and func in _CONSTRUCTORS and kwargs.get("device") is None
@@ -162,11 +165,14 @@ class _Scratch:
         self.device = device
         self.buffers: dict[torch.device, torch.Tensor] = {}
 
-    def run(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def run(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+            device: torch.device | None = None) -> None:
+        """``func`` on scratch memory in place of its meta tensors, on ``device`` (None: the drawing device; a
+        generator passed says its own)."""
         metas = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.is_meta]
         sizes = [-(-a.numel() * a.element_size() // 64) * 64 for a in metas]
         gen = kwargs.get("generator")
-        device = gen.device if isinstance(gen, torch.Generator) else self.device
+        device = generator_device(gen) if isinstance(gen, torch.Generator) else device or self.device
         buffer = self.buffers.pop(device, None)
         if buffer is None or sum(sizes) > buffer.numel():
             buffer = None  # freed before the larger one is taken
@@ -181,11 +187,12 @@ class _Scratch:
             return carved[id(a)] if isinstance(a, torch.Tensor) and a.is_meta else a
         func(*tree_map(scratch, args), **tree_map(scratch, kwargs))
 
-    def made(self, func: Callable[..., Any], out: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A drawing factory (``torch.randn(n, m)``), into scratch memory shaped as its meta ``out``."""
+    def made(self, func: Callable[..., Any], out: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
+             device: torch.device) -> None:
+        """A drawing factory (``torch.randn(n, m)``), into scratch memory on ``device`` shaped as its meta ``out``."""
         rest = {k: v for k, v in kwargs.items() if k not in ("device", "dtype", "layout", "requires_grad",
                                                              "pin_memory")}
-        self.run(lambda into: func(*args, **rest, out=into), (out,), {})
+        self.run(lambda into: func(*args, **rest, out=into), (out,), {}, device)
 
     def close(self) -> None:
         on_gpu = any(d.type == "cuda" for d in self.buffers)

@@ -97,10 +97,12 @@ class Recorder:
         self.roots: dict[int, tuple[Recipe, torch.Tensor]] = {}  # by storage
         self.views: dict[int, tuple[torch.Tensor, Ref]] = {}  # by id of a view or alias (kept alive meanwhile)
 
-    def call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
-        """The call as it can be replayed: recorded tensors as ``Ref``s, the generators' states if it draws."""
+    def call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+             device: torch.device | None = None) -> Call:
+        """The call as it can be replayed: recorded tensors as ``Ref``s, the generators' states if it draws (on
+        ``device``: a factory's, None the recorder's; a generator passed says its own)."""
         gen = kwargs.get("generator")
-        device = gen.device if isinstance(gen, torch.Generator) else self.device
+        device = generator_device(gen) if isinstance(gen, torch.Generator) else device or self.device
         drawing = draws(func, kwargs)
         rng = rng_state(device) if drawing else None  # with ``generator=`` too: it runs on scratch
         return Call(func, self._refs(args), self._refs({k: v for k, v in kwargs.items() if k != "generator"}), rng,
@@ -166,6 +168,15 @@ class Recorder:
             if isinstance(a, torch.Tensor) and a.is_meta and self.ref(a) is None:
                 return f"a meta tensor of shape {tuple(a.shape)} that the recording cannot make"
         return None
+
+
+def generator_device(gen: torch.Generator) -> torch.device:
+    """The device a generator draws on, with its index: ``torch.Generator(device="cuda")`` says only "cuda", and
+    draws on the GPU current when it was made, as construction's do (compared with the recorder's ``cuda:N``)."""
+    device = gen.device
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _whole(t: torch.Tensor, base: torch.Tensor) -> bool:
