@@ -34,6 +34,7 @@ Only the few lines under ``_Cuda*`` run on CUDA alone; everything else is shared
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue
 import threading
@@ -46,6 +47,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from offload.machine.buffers import AlignedBuffer
+from offload.machine.stream_check import StreamCheck, process_check
 from offload.observe.step_graph import COMPUTE, Item, StepGraph, running_as, set_lane
 from offload.observe.sync_ledger import Role, SyncLedger, acting_as
 
@@ -109,6 +111,9 @@ class WorkEvent:
 
     def __init__(self, work: object) -> None:
         self.work = work
+        check = process_check()
+        if check is not None:  # a collective is ordered after the compute it was issued behind
+            check.recorded(self, None)
 
     def synchronize(self) -> None:
         self.work.wait()  # type: ignore[attr-defined]
@@ -164,6 +169,9 @@ class ThreadEvent:
             self._done.wait(_HELD_RECHECK_S)
         if self._error is not None:
             raise StreamError(f"work before this event failed: {self._error}") from self._error
+        check = self._stream._check if self._stream is not None else None
+        if check is not None:
+            check.waited(self)
 
     def query(self) -> bool:
         return self._done.is_set()
@@ -187,9 +195,10 @@ class WorkerStream:
     """
 
     def __init__(self, name: str, delay_s: float = 0.0, ledger: SyncLedger | None = None,
-                 graph: StepGraph | None = None) -> None:
+                 graph: StepGraph | None = None, check: StreamCheck | None = None) -> None:
         self.name = name
         self._delay_s = delay_s
+        self._check = check  # the stream order checked (see [Note: stream order checked] in stream_check.py)
         self._ledger = ledger
         self._graph = graph
         self._synced: ThreadEvent | None = None  # synchronize()'s event, re-recorded
@@ -272,6 +281,8 @@ class WorkerStream:
 
     def run(self, fn: Callable[[], object], held: bool = False) -> None:
         graph = self._recording()
+        if self._check is not None:
+            fn = self._check.enqueued(self.name, fn)
         self._put(("run", fn, graph.issue_point() if graph else None), held)
 
     def record(self, into: Event | None = None, held: bool = False) -> ThreadEvent:
@@ -282,12 +293,16 @@ class WorkerStream:
             if self._ledger is not None:
                 self._ledger.event_made(self.name)
         event._stream = self
+        if self._check is not None:
+            self._check.recorded(event, self.name)
         graph = self._recording()
         recorded = (graph.new_record(event), graph.issue_point()) if graph else None
         self._put(("record", (event, event._rearm()), recorded), held)
         return event
 
     def wait_event(self, event: Event, held: bool = False) -> None:
+        if self._check is not None:
+            self._check.waited(event, self.name)
         graph = self._recording()
         recorded = (graph.record_of(event), graph.issue_point()) if graph else None
         if not isinstance(event, DoneEvent) or recorded is not None:  # a marked one still orders the graph
@@ -298,6 +313,8 @@ class WorkerStream:
         if self._graph is not None:
             self._graph.wait(self._synced)
         self._synced.synchronize()
+        if self._check is not None:
+            self._check.waited(self._synced)
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -437,6 +454,8 @@ class Accelerator:
         self._streams: list[CopyStream] = []
         self._host_buffers: list[AlignedBuffer] = []  # unpinned at close()
         self.ledger = SyncLedger()  # every host-blocking wait, by who waited (see [Note: sync ledger])
+        # the streams' order checked on the emulated GPU where asked (see [Note: stream order checked])
+        self.check = process_check() if discrete and not self.is_cuda else None
         self.graph = StepGraph()  # off until a recording starts (see [Note: recorded step graph])
 
     @property
@@ -448,7 +467,7 @@ class Accelerator:
         waits for its copies (parameters coming in), so on a GPU its kernels go before those of normal streams
         (gradients going out) when both are queued."""
         stream: CopyStream = _CudaStream(name, self.device, self.ledger, urgent) if self.is_cuda else WorkerStream(
-            name, self._delay_s, self.ledger, self.graph)
+            name, self._delay_s, self.ledger, self.graph, self.check)
         self.graph.declare(name, "copy")
         self._streams.append(stream)
         return stream
@@ -473,7 +492,7 @@ class Accelerator:
 
     def host_queue(self, name: str) -> WorkerStream:
         """An ordered host thread for CPU work that must wait on device events (e.g. gradient accumulation)."""
-        stream = WorkerStream(name, self._host_delay_s, self.ledger, self.graph)
+        stream = WorkerStream(name, self._host_delay_s, self.ledger, self.graph, self.check)
         self.graph.declare(name, "host")
         self._streams.append(stream)
         return stream
@@ -491,9 +510,12 @@ class Accelerator:
         """An event after everything enqueued on the compute stream so far (``into``: as ``CopyStream.record``)."""
         if self.is_cuda:
             return _record_cuda(torch.cuda.current_stream(self.device), into, self.ledger, "compute")
-        if self.graph.on:  # still complete (CPU compute is synchronous), but a point the graph can name
+        if self.graph.on or self.check is not None:  # complete (CPU compute is synchronous), but a point named
             event = into if isinstance(into, MarkedDone) else MarkedDone()
-            self.graph.add(Item("record", record=self.graph.new_record(event)), COMPUTE)
+            if self.graph.on:
+                self.graph.add(Item("record", record=self.graph.new_record(event)), COMPUTE)
+            if self.check is not None:
+                self.check.recorded(event, None)
             return event
         return DONE  # CPU compute is synchronous: all of it has already run
 
@@ -507,7 +529,8 @@ class Accelerator:
             if self.graph.on:
                 send_held_for(event)
                 self.graph.wait(event, COMPUTE)
-            event.synchronize()  # a WorkEvent on CUDA: Work.wait makes the current stream wait
+            with self.check.compute_waits(event) if self.check is not None else contextlib.nullcontext():
+                event.synchronize()  # a WorkEvent on CUDA: Work.wait makes the current stream wait
 
     def wait(self, event: Event, what: str) -> None:
         """Block the calling thread until ``event`` completes; ``what`` names it in the ledger. Every host-blocking
@@ -519,6 +542,8 @@ class Accelerator:
             send_held_for(event)
             self.graph.wait(event)
         event.synchronize()
+        if self.check is not None:
+            self.check.waited(event)
 
     def drain(self, stream: CopyStream, what: str) -> None:
         """Block until everything enqueued on ``stream`` has run (re-raises its first failure); counted as ``wait``."""

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.machine import stream_check
+
 ALIGN = 4096
 
 
@@ -58,6 +60,7 @@ class AlignedBuffer:
         if self.capacity >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
             self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        stream_check.host_memory(self.tensor.data_ptr(), self.capacity)
         self.pinned = False
         if pin if pin is not None else torch.cuda.is_available():
             # Registering pages with the driver makes H2D/D2H copies from them asynchronous; portable, so they are

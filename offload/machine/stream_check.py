@@ -1,0 +1,269 @@
+"""A check of the device's stream order on the emulated GPU: the wait a real GPU would miss, found on a CPU.
+
+[Note: stream order checked] On the emulated device (see [Note: emulated streams] in accelerator.py) a copy stream
+lags, so a copy that forgets to wait for another copy fails a test. The compute stream cannot lag: a CPU runs each
+op as it is issued, so compute has always finished whatever a copy stream reads or overwrites after it, and a copy
+that forgets to wait for compute works here and races on a GPU (a copy back that frees a place of the streamed
+lane's ring before the compute stream has read it, say). ``OFFLOAD_EMULATED_STREAM_CHECK=1`` checks every device
+access the way torch's CUDA sanitizer does on a GPU, by the order the streams promise, not by what ran first:
+
+- each agent (the compute stream: the thread that started the engine; each emulated copy stream and host queue)
+  has a vector clock. An op on the compute stream ticks its own entry; work enqueued on a stream takes that
+  stream's clock when it was enqueued (it runs later, on the stream's thread, in that order);
+- an event carries the clock of the point it was recorded at; ``wait_event`` (a stream), ``compute_wait`` and a
+  host's wait (the compute thread) take it in;
+- every aten op run by an agent notes what it reads and writes of device memory (byte ranges of each tensor,
+  read or written by the op's schema). An access races an earlier one by another agent, when either writes,
+  unless the earlier one is in the accessing agent's clock: that raises ``StreamOrderError``, naming both.
+
+Host memory (the pinned and pageable buffers the engine allocates, ``AlignedBuffer``) is left out: the host's own
+program order covers what a host thread writes before it enqueues a copy, and a copy stream's lag already tests
+what host threads read of a copy. A fresh tensor an op returns starts a new history where it lies (the CPU's
+allocator reuses memory at once; a GPU's caching allocator is stream-aware). Ops of other threads (gloo's, NVMe
+I/O) are not seen. It is slow (a Python hook on every op) and for tests: a few steps of a small model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
+from torch.utils._pytree import tree_flatten
+
+Clock = dict[str, int]
+COMPUTE = "compute"
+ENV = "OFFLOAD_EMULATED_STREAM_CHECK"
+WANTED = os.environ.get(ENV, "0") not in ("", "0")
+_HOST: list[tuple[int, int]] = []  # host buffers' address ranges, kept where the check is wanted (not checked)
+
+
+class StreamOrderError(RuntimeError):
+    """A device access not ordered after an earlier conflicting one by another stream."""
+
+
+@dataclass
+class _Access:
+    start: int
+    end: int
+    agent: str
+    tick: int  # the agent's own clock entry at the access
+    write: bool
+    op: str
+
+
+def _merge(into: Clock, other: Clock) -> None:
+    for agent, tick in other.items():
+        if into.get(agent, 0) < tick:
+            into[agent] = tick
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """A storage's key: the storage object and where its memory starts. Memory freed and taken again by another
+    storage (a gradient's, then a gathered unit's resized back) starts a new history; what the CPU's allocator
+    reuses is not what a GPU's stream-aware one would (see the note)."""
+    storage = t.untyped_storage()
+    return storage._cdata, storage.data_ptr()
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``t`` can touch, as addresses (None: no memory)."""
+    if t.device.type != "cpu" or t.is_sparse or t.numel() == 0:
+        return None
+    start = t.data_ptr()
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
+    return start, start + (last + 1) * t.element_size()
+
+
+class StreamCheck:
+    """The clocks, the events' clocks and the device accesses of one process (see [Note: stream order checked])."""
+
+    def __init__(self) -> None:
+        self.compute_thread = threading.get_ident()
+        self.clocks: dict[str, Clock] = {COMPUTE: {COMPUTE: 0}}
+        self._events: dict[int, Clock] = {}  # by id of the event object: its latest record's clock
+        self._accesses: dict[tuple[int, int], list[_Access]] = {}  # by storage (see ``_storage``)
+        self._lock = threading.RLock()
+        self._local = threading.local()  # the agent and clock of the work running on this thread, if any
+        self.main_host: Clock = {}  # what the compute thread has seen complete (its blocking waits)
+        _push_mode(_Mode(self))  # on the compute thread, for the rest of the process (a test's)
+
+    # ------------------------------------------------------------------ the agents' order
+
+    def _host_clock(self) -> Clock:
+        """What the calling thread has seen complete: a stream's work running here (its clock as enqueued, and
+        what it waited for since), the compute thread's blocking waits, another host thread's own."""
+        running = getattr(self._local, "running", None)
+        if running is not None:
+            return running[1]
+        if threading.get_ident() == self.compute_thread:
+            return self.main_host
+        host = getattr(self._local, "host", None)
+        if host is None:
+            host = self._local.host = {}
+        return host
+
+    def _stream_clock(self, stream: str) -> Clock:
+        """``stream``'s clock as work is enqueued on it now: after all the enqueuing thread has seen complete."""
+        clock = self.clocks.setdefault(stream, {})
+        _merge(clock, self._host_clock())
+        return clock
+
+    def enqueued(self, stream: str, fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn`` enqueued on ``stream`` now: it runs later on the stream's thread, ordered by the stream's clock
+        as it stands here."""
+        with self._lock:
+            clock = self._stream_clock(stream)
+            clock[stream] = clock.get(stream, 0) + 1
+            taken = dict(clock)
+
+        def run() -> object:
+            self._local.running = (stream, taken)
+            _push_mode(_Mode(self))
+            try:
+                return fn()
+            finally:
+                _pop_mode()
+                self._local.running = None
+        return run
+
+    def recorded(self, event: object, stream: str | None) -> None:
+        """``event`` recorded on ``stream`` (None: the compute stream) at this point of its order."""
+        with self._lock:
+            clock = self._stream_clock(stream) if stream is not None else self.clocks[COMPUTE]
+            self._events[id(event)] = dict(clock)
+
+    def waited(self, event: object, stream: str | None = None) -> None:
+        """``stream`` waits for ``event`` (a wait enqueued there); None: the calling thread blocked until it
+        completed, so what it does next, and the compute stream's work it issues, comes after it."""
+        with self._lock:
+            clock = self._events.get(id(event))
+            if clock is None:
+                return
+            if stream is not None:
+                _merge(self._stream_clock(stream), clock)
+                return
+            if getattr(self._local, "stream_wait", False):
+                return
+            _merge(self._host_clock(), clock)
+            if threading.get_ident() == self.compute_thread and getattr(self._local, "running", None) is None:
+                _merge(self.clocks[COMPUTE], clock)
+
+    @contextlib.contextmanager
+    def compute_waits(self, event: object) -> Iterator[None]:
+        """The compute stream waits for ``event``: a stream's wait on a GPU, where the host goes on (the emulated
+        device blocks the thread inside, which orders nothing more here)."""
+        with self._lock:
+            clock = self._events.get(id(event))
+            if clock is not None:
+                _merge(self.clocks[COMPUTE], clock)
+        self._local.stream_wait = True
+        try:
+            yield
+        finally:
+            self._local.stream_wait = False
+
+    # ------------------------------------------------------------------ the accesses
+
+    def _agent(self) -> tuple[str, Clock] | None:
+        running = getattr(self._local, "running", None)
+        if running is not None:
+            return running
+        if threading.get_ident() != self.compute_thread:
+            return None
+        clock = self.clocks[COMPUTE]
+        clock[COMPUTE] += 1
+        return COMPUTE, clock
+
+    def op(self, func: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object],
+           out: object) -> None:
+        with self._lock:
+            agent = self._agent()
+            if agent is None:
+                return
+            name, clock = agent
+            if func.is_view:
+                return  # no data touched
+            reads, writes = _accessed(func, args, kwargs)
+            inputs = {_storage(t) for t in reads + writes if _span(t) is not None}
+            fresh = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and _span(t) is not None
+                     and _storage(t) not in inputs]
+            for t in fresh:  # a new allocation: its memory's history starts here
+                self._accesses.pop(_storage(t), None)
+            if func in _NO_ACCESS:
+                return  # allocated (on a GPU, from the pool of the stream that asked), not written
+            for t, write in [(t, False) for t in reads] + [(t, True) for t in writes + fresh]:
+                self._access(t, write, name, clock, str(func))
+
+    def _access(self, t: torch.Tensor, write: bool, agent: str, clock: Clock, op: str) -> None:
+        span = _span(t)
+        if span is None or any(lo <= span[0] < hi for lo, hi in _HOST):
+            return
+        start, end = span
+        history = self._accesses.setdefault(_storage(t), [])
+        for a in history:
+            if a.agent != agent and a.start < end and start < a.end and (write or a.write) \
+                    and clock.get(a.agent, 0) < a.tick:
+                raise StreamOrderError(
+                    f"{agent} {'writes' if write else 'reads'} device bytes [{start:#x}, {end:#x}) in {op} that "
+                    f"{a.agent} {'wrote' if a.write else 'read'} in {a.op} with no wait for it between them: on a "
+                    f"GPU the two may run in either order (its access {a.tick} of {a.agent}'s order, {agent} ordered "
+                    f"after {clock.get(a.agent, 0)}; see [Note: stream order checked])")
+        tick = clock.get(agent, 0)
+        history[:] = [a for a in history if not (a.agent == agent and a.start == start and a.end == end
+                                                 and a.write == write)]
+        history.append(_Access(start, end, agent, tick, write, op))
+
+
+_NO_ACCESS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+              torch.ops.aten.detach.default, torch.ops.aten.set_.source_Storage_storage_offset,
+              torch.ops.aten.resize_.default}
+
+
+def _accessed(func: torch._ops.OpOverload, args: tuple[object, ...],
+              kwargs: dict[str, object]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors ``func`` reads and those it writes, by its schema (views and allocations touch no data)."""
+    reads: list[torch.Tensor] = []
+    writes: list[torch.Tensor] = []
+    schema = func._schema
+    named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
+    for arg in schema.arguments:
+        value = named.get(arg.name)
+        tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        written = arg.alias_info is not None and arg.alias_info.is_write
+        (writes if written else reads).extend(tensors)
+    return reads, writes
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, check: StreamCheck) -> None:
+        super().__init__()
+        self.check = check
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.check.op(func, args, kwargs, out)
+        return out
+
+
+_CHECK: StreamCheck | None = None
+
+
+def process_check() -> StreamCheck | None:
+    """The process's check where ``OFFLOAD_EMULATED_STREAM_CHECK`` asks for it (made by the first engine's
+    emulated device, on its thread), else None."""
+    global _CHECK
+    if WANTED and _CHECK is None:
+        _CHECK = StreamCheck()
+    return _CHECK
+
+
+def host_memory(start: int, nbytes: int) -> None:
+    """``nbytes`` at ``start`` are host memory: not checked (see the note)."""
+    if WANTED:
+        _HOST.append((start, start + nbytes))
