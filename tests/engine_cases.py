@@ -12,6 +12,9 @@ import offload
 from offload.models import GPT, GPTConfig
 
 VOCAB, SEQ = 96, 16
+# Every engine test on the emulated GPU checks its streams' order too (see [Note: stream order checked] in
+# offload/machine/stream_check.py): a copy that forgets to wait for the compute stream fails on the CPU.
+STREAM_CHECK = {"OFFLOAD_EMULATED_STREAM_CHECK": "1"}
 
 
 def make_model(name: str, seed: int = 0) -> torch.nn.Module:

@@ -6,7 +6,7 @@ measured at start-up (offload/engine/rates.py), agreed by the ranks, given on th
 import logging
 
 import pytest
-from engine_cases import check_parity, make_model, train_engine, train_reference
+from engine_cases import STREAM_CHECK, check_parity, make_model, train_engine, train_reference
 from test_partial_offload import ratio_config
 
 from offload.commands.estimate import model_units
@@ -22,7 +22,7 @@ from offload.zero.collectives import Group
 HOST_BOUND = Rates(device_gbps=2000.0, host_gbps=10.0, h2d_gbps=50.0, d2h_gbps=50.0)
 BUS_BOUND = Rates(device_gbps=2000.0, host_gbps=1000.0, h2d_gbps=0.5, d2h_gbps=50.0)
 # The GPU's paths on this CPU, with rates given (a GPU machine's own would be measured: hidden from these runs).
-EMULATED_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
+EMULATED_GPU = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def env_rates(rates):

@@ -4,7 +4,7 @@ stepped on the device keeps its gradient as the reduction left it (2 bytes an el
 
 import pytest
 import torch
-from engine_cases import check_bitwise, train_engine
+from engine_cases import STREAM_CHECK, check_bitwise, train_engine
 from test_partial_offload import ratio_config
 from test_split_beside_params import split_config
 
@@ -12,7 +12,7 @@ from offload.machine.launch import run_ranks
 from offload.optim.shard_state import ShardPhase, ShardState, widened
 from offload.store.placement import KEPT_GRADS
 
-EMULATED_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002",
+EMULATED_GPU = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002",
                 "CUDA_VISIBLE_DEVICES": ""}
 
 

@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import base_config, batches, check_bitwise, describe_engine, loss_of, make_model, train_engine
+from engine_cases import (
+    STREAM_CHECK,
+    base_config,
+    batches,
+    check_bitwise,
+    describe_engine,
+    loss_of,
+    make_model,
+    train_engine,
+)
 from test_sync_ledger import ledger_of_a_step
 
 from offload.machine.launch import run_ranks
 
 HOST_LAG = {"OFFLOAD_EMULATED_HOST_DELAY_S": "0.01"}  # the device stays the host's memory: units read in place
-LAG = {"OFFLOAD_EMULATED_COPY_DELAY_S": "0.003"}  # a discrete device: gathers and copies back too
-DISCRETE = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"}  # the copies a GPU needs, without a copy delay
+LAG = {**STREAM_CHECK, "OFFLOAD_EMULATED_COPY_DELAY_S": "0.003"}  # a discrete device: gathers and copies back too
+DISCRETE = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"}  # the copies a GPU needs, without a copy delay
 
 
 def early_config(world: int, early: str, params: str = "cpu", accum: int = 2) -> dict:

@@ -2,14 +2,15 @@
 
 import pytest
 import torch
-from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
+from engine_cases import STREAM_CHECK, base_config, check_parity, make_model, train_engine, train_reference
 
 from offload.machine.launch import RankError, run_ranks
 
 STEPS = 3
 
 
-DISCRETE = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"}  # W = 1 gathers too (else a CPU reads units in place)
+# W = 1 gathers too (else a CPU reads units in place)
+DISCRETE = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"}
 
 
 def _run(world, **zero):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_cases import base_config, check_parity, train_engine, train_reference
+from engine_cases import STREAM_CHECK, base_config, check_parity, train_engine, train_reference
 
 from offload.machine.accelerator import StreamError, WorkerStream
 from offload.machine.launch import run_ranks
@@ -21,8 +21,8 @@ from offload.machine.launch import run_ranks
 
 def test_lagging_copy_streams_give_the_same_training():
     config = base_config(2, 2, 2)
-    results = run_ranks(train_engine, 2, env={"OFFLOAD_EMULATED_COPY_DELAY_S": "0.004"}, name="gpt", config=config,
-                        steps=4, micro=2, accum=2)
+    results = run_ranks(train_engine, 2, env={**STREAM_CHECK, "OFFLOAD_EMULATED_COPY_DELAY_S": "0.004"}, name="gpt",
+                        config=config, steps=4, micro=2, accum=2)
     ref = train_reference("gpt", 4, 8, 2, world=2)
     check_parity(results, ref)
 

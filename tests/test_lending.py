@@ -4,7 +4,7 @@ bit as if nothing had moved. Run on the emulated discrete device (host and devic
 
 import pytest
 import torch
-from engine_cases import base_config, batches, check_bitwise, loss_of, make_model, train_engine
+from engine_cases import STREAM_CHECK, base_config, batches, check_bitwise, loss_of, make_model, train_engine
 from test_partial_offload import ratio_config
 
 import offload
@@ -12,7 +12,7 @@ from offload.engine.errors import EngineError
 from offload.engine.lending import OffloadStateTypeEnum
 from offload.machine.launch import run_ranks
 
-DISCRETE = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
+DISCRETE = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
 STEPS = 4
 
 

@@ -6,7 +6,15 @@ import logging
 
 import pytest
 import torch
-from engine_cases import base_config, check_parity, describe_engine, make_model, train_engine, train_reference
+from engine_cases import (
+    STREAM_CHECK,
+    base_config,
+    check_parity,
+    describe_engine,
+    make_model,
+    train_engine,
+    train_reference,
+)
 
 import offload
 from offload.commands.estimate import estimate, model_units
@@ -155,7 +163,7 @@ def test_start_up_says_when_the_whole_optimizer_state_would_fit_on_the_device(ca
 def test_a_split_on_an_emulated_gpu_trains_as_plain_pytorch():
     """The GPU's paths on this CPU: the offloaded units' gradients land in buffers of their own after an emulated
     copy delay (and add up on the device with accumulation), the device units' never leave it."""
-    env = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
+    env = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
     for accum in (1, 2):
         config = ratio_config(1, accum, 0.5, early_step="on")
         results = run_ranks(train_engine, 1, env=env, name="gpt", config=config, steps=3, micro=2, accum=accum)

@@ -4,7 +4,16 @@ PyTorch's, bitwise as if they had never moved where both tiers run the same kern
 
 import pytest
 import torch
-from engine_cases import base_config, batches, check_parity, loss_of, make_model, train_engine, train_reference
+from engine_cases import (
+    STREAM_CHECK,
+    base_config,
+    batches,
+    check_parity,
+    loss_of,
+    make_model,
+    train_engine,
+    train_reference,
+)
 
 import offload
 from offload.commands.estimate import estimate, model_units
@@ -14,7 +23,7 @@ from offload.machine.launch import run_ranks
 from offload.store.sub_groups import plan_sub_groups
 from offload.store.tier import Tier
 
-EMULATED_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
+EMULATED_GPU = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
 
 
 def split_config(world, accum, ratio=0.75, **offload_section):

@@ -10,13 +10,13 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_cases import base_config, batches, loss_of, make_model
+from engine_cases import STREAM_CHECK, base_config, batches, loss_of, make_model
 
 import offload
 from offload.engine import errors
 from offload.machine.launch import run_ranks
 
-EMULATED_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"}
+EMULATED_GPU = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"}
 
 
 def _touch(rank, world, params, touch, path):

@@ -7,7 +7,16 @@ import threading
 
 import pytest
 import torch
-from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
+from engine_cases import (
+    STREAM_CHECK,
+    base_config,
+    batches,
+    describe_engine,
+    loss_of,
+    make_model,
+    train_engine,
+    train_reference,
+)
 
 import offload
 from offload.commands.estimate import estimate
@@ -35,7 +44,7 @@ def assert_bitwise(on, off):
             assert torch.equal(spec["state"][key], value), key
 
 
-DISCRETE = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
+DISCRETE = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
 
 
 # clip 1e6 never fires, 1e-3 always does; the emulated GPU lands gradients in buffers of their own and copies each

@@ -7,7 +7,7 @@ takes the GPU's paths (landing buffers, copies, units read where they live)."""
 import logging
 
 import pytest
-from engine_cases import check_bitwise, check_parity, make_any, make_model, train_engine, train_reference
+from engine_cases import STREAM_CHECK, check_bitwise, check_parity, make_any, make_model, train_engine, train_reference
 from test_partial_offload import device_state, ratio_config
 
 import offload
@@ -18,7 +18,7 @@ from offload.machine.launch import run_ranks
 from offload.store.placement import MachineOffer, Shards, plan
 from offload.store.tier import Tier
 
-EMULATED_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
+EMULATED_GPU = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}
 
 
 def half_budget(world, params):

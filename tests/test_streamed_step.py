@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from engine_cases import (
+    STREAM_CHECK,
     base_config,
     batches,
     check_bitwise,
@@ -27,7 +28,7 @@ from offload.config import ConfigError
 from offload.machine.launch import run_ranks
 from offload.store.sub_groups import STREAMED_SLOTS
 
-LAGGING_GPU = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002",
+LAGGING_GPU = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002",
                "CUDA_VISIBLE_DEVICES": ""}
 STEPS = 3
 
@@ -280,7 +281,7 @@ def _train_with_copies_back_lagging(rank: int, world: int, config: dict[str, Any
 
     def slow_copies_back(engine: Any) -> None:
         streamed = engine.optimizer.streamed
-        streamed.down = WorkerStream("state-d2h (lagging)", lag, engine.accel.ledger)
+        streamed.down = WorkerStream("state-d2h (lagging)", lag, engine.accel.ledger, check=engine.accel.check)
         if pieces:  # two pieces a buffer down (each lags), reads in pieces of 1000 bytes
             streamed.read_per_landing, streamed.copy_piece = 1000, 4096
 

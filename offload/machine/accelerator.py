@@ -8,6 +8,8 @@ both kinds of machine, and a missing wait shows up in a CPU test as a wrong resu
 ``OFFLOAD_EMULATED_COPY_DELAY_S`` makes every emulated operation sleep first, so tests
 can make the worker lag far behind the main thread and a missing wait certain to bite;
 ``OFFLOAD_EMULATED_HOST_DELAY_S`` delays the host queues alone (on a GPU machine too).
+The compute stream cannot lag here; ``OFFLOAD_EMULATED_STREAM_CHECK`` checks the order the streams promise
+instead (see [Note: stream order checked] in stream_check.py).
 
 A CPU compute device reads host memory in place, so the engine makes none of the
 copies a GPU needs there (``host_is_device``; see [Note: host memory is the device's]
@@ -46,8 +48,9 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from offload.machine import stream_check
 from offload.machine.buffers import AlignedBuffer
-from offload.machine.stream_check import StreamCheck, process_check
+from offload.machine.stream_check import StreamCheck
 from offload.observe.step_graph import COMPUTE, Item, StepGraph, running_as, set_lane
 from offload.observe.sync_ledger import Role, SyncLedger, acting_as
 
@@ -111,7 +114,7 @@ class WorkEvent:
 
     def __init__(self, work: object) -> None:
         self.work = work
-        check = process_check()
+        check = stream_check.active()
         if check is not None:  # a collective is ordered after the compute it was issued behind
             check.recorded(self, None)
 
@@ -233,6 +236,8 @@ class WorkerStream:
             if recorded is not None and self._graph is not None:
                 rid, issued = recorded
                 self._graph.add(Item("record", record=rid, issued=issued))
+            if self._check is not None:
+                self._check.reached(event, self.name)
             event._complete(self._error, generation)
             return
         if self._error is not None:
@@ -455,7 +460,7 @@ class Accelerator:
         self._host_buffers: list[AlignedBuffer] = []  # unpinned at close()
         self.ledger = SyncLedger()  # every host-blocking wait, by who waited (see [Note: sync ledger])
         # the streams' order checked on the emulated GPU where asked (see [Note: stream order checked])
-        self.check = process_check() if discrete and not self.is_cuda else None
+        self.check = stream_check.start() if discrete and not self.is_cuda else None
         self.graph = StepGraph()  # off until a recording starts (see [Note: recorded step graph])
 
     @property
@@ -604,6 +609,8 @@ class Accelerator:
         for stream in self._streams:
             stream.close()
         self._streams.clear()
+        if self.check is not None:
+            self.check.close()
         for buf in self._host_buffers:
             buf.release_pin()
         self._host_buffers.clear()

@@ -28,18 +28,22 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 from torch.utils._pytree import tree_flatten
 
 Clock = dict[str, int]
 COMPUTE = "compute"
-ENV = "OFFLOAD_EMULATED_STREAM_CHECK"
-WANTED = os.environ.get(ENV, "0") not in ("", "0")
+ENV = "OFFLOAD_EMULATED_STREAM_CHECK"  # 1, or "stacks": each access also says where it was issued (slower)
 _HOST: list[tuple[int, int]] = []  # host buffers' address ranges, kept where the check is wanted (not checked)
+
+
+def wanted() -> bool:
+    return os.environ.get(ENV, "0") not in ("", "0")
 
 
 class StreamOrderError(RuntimeError):
@@ -54,6 +58,7 @@ class _Access:
     tick: int  # the agent's own clock entry at the access
     write: bool
     op: str
+    where: str = ""  # where the access was issued (OFFLOAD_EMULATED_STREAM_CHECK=stacks)
 
 
 def _merge(into: Clock, other: Clock) -> None:
@@ -83,6 +88,8 @@ class StreamCheck:
     """The clocks, the events' clocks and the device accesses of one process (see [Note: stream order checked])."""
 
     def __init__(self) -> None:
+        self.stacks = os.environ.get(ENV) == "stacks"
+        self.closed = False
         self.compute_thread = threading.get_ident()
         self.clocks: dict[str, Clock] = {COMPUTE: {COMPUTE: 0}}
         self._events: dict[int, Clock] = {}  # by id of the event object: its latest record's clock
@@ -90,7 +97,16 @@ class StreamCheck:
         self._lock = threading.RLock()
         self._local = threading.local()  # the agent and clock of the work running on this thread, if any
         self.main_host: Clock = {}  # what the compute thread has seen complete (its blocking waits)
-        _push_mode(_Mode(self))  # on the compute thread, for the rest of the process (a test's)
+        self._ran: dict[str, Clock] = {}  # by stream: the clocks its work ran with, waits made inside included
+        self._mode = _Mode(self)
+        _push_mode(self._mode)  # on the compute thread, until ``close``
+
+    def close(self) -> None:
+        """The engine is done: nothing more is checked, and the mode leaves the compute thread (where it is the
+        newest; else it stays, doing nothing)."""
+        self.closed = True
+        if threading.get_ident() == self.compute_thread and _get_current_dispatch_mode() is self._mode:
+            _pop_mode()
 
     # ------------------------------------------------------------------ the agents' order
 
@@ -120,16 +136,28 @@ class StreamCheck:
             clock = self._stream_clock(stream)
             clock[stream] = clock.get(stream, 0) + 1
             taken = dict(clock)
+        issued = _where() if self.stacks else ""
 
         def run() -> object:
             self._local.running = (stream, taken)
+            self._local.issued = issued
             _push_mode(_Mode(self))
             try:
                 return fn()
             finally:
                 _pop_mode()
                 self._local.running = None
+                with self._lock:  # what it waited for, its stream's later records carry (``reached``)
+                    _merge(self._ran.setdefault(stream, {}), taken)
         return run
+
+    def reached(self, event: object, stream: str) -> None:
+        """``stream``'s thread reached ``event``'s record: it completes after all the work before it ran, and
+        after every wait that work made on the way."""
+        with self._lock:
+            clock = self._events.get(id(event))
+            if clock is not None:
+                _merge(clock, self._ran.get(stream, {}))
 
     def recorded(self, event: object, stream: str | None) -> None:
         """``event`` recorded on ``stream`` (None: the compute stream) at this point of its order."""
@@ -181,6 +209,8 @@ class StreamCheck:
 
     def op(self, func: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object],
            out: object) -> None:
+        if self.closed:
+            return
         with self._lock:
             agent = self._agent()
             if agent is None:
@@ -208,15 +238,21 @@ class StreamCheck:
         for a in history:
             if a.agent != agent and a.start < end and start < a.end and (write or a.write) \
                     and clock.get(a.agent, 0) < a.tick:
+                here = getattr(self._local, "issued", "") if agent != COMPUTE else _where()
+                if self.stacks:
+                    op = f"{op} (issued at {here})"
                 raise StreamOrderError(
                     f"{agent} {'writes' if write else 'reads'} device bytes [{start:#x}, {end:#x}) in {op} that "
-                    f"{a.agent} {'wrote' if a.write else 'read'} in {a.op} with no wait for it between them: on a "
-                    f"GPU the two may run in either order (its access {a.tick} of {a.agent}'s order, {agent} ordered "
-                    f"after {clock.get(a.agent, 0)}; see [Note: stream order checked])")
+                    f"{a.agent} {'wrote' if a.write else 'read'} in {a.op}{a.where} with no wait for it between "
+                    f"them: on a GPU the two may run in either order (its access {a.tick} of {a.agent}'s order, "
+                    f"{agent} ordered after {clock.get(a.agent, 0)}; see [Note: stream order checked])")
         tick = clock.get(agent, 0)
         history[:] = [a for a in history if not (a.agent == agent and a.start == start and a.end == end
                                                  and a.write == write)]
-        history.append(_Access(start, end, agent, tick, write, op))
+        where = ""
+        if self.stacks:
+            where = f" (issued at {getattr(self._local, 'issued', '') if agent != COMPUTE else _where()})"
+        history.append(_Access(start, end, agent, tick, write, op, where))
 
 
 _NO_ACCESS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
@@ -251,19 +287,33 @@ class _Mode(TorchDispatchMode):
         return out
 
 
-_CHECK: StreamCheck | None = None
+_ACTIVE: StreamCheck | None = None
 
 
-def process_check() -> StreamCheck | None:
-    """The process's check where ``OFFLOAD_EMULATED_STREAM_CHECK`` asks for it (made by the first engine's
-    emulated device, on its thread), else None."""
-    global _CHECK
-    if WANTED and _CHECK is None:
-        _CHECK = StreamCheck()
-    return _CHECK
+def start() -> StreamCheck | None:
+    """A check for a new emulated device, on its thread, where ``OFFLOAD_EMULATED_STREAM_CHECK`` asks for one (an
+    older engine's stops: one check follows the process's streams at a time), else None."""
+    global _ACTIVE
+    if not wanted():
+        return None
+    if _ACTIVE is not None:
+        _ACTIVE.close()
+    _ACTIVE = StreamCheck()
+    return _ACTIVE
+
+
+def active() -> StreamCheck | None:
+    """The check following the streams now, if any."""
+    return _ACTIVE if _ACTIVE is not None and not _ACTIVE.closed else None
 
 
 def host_memory(start: int, nbytes: int) -> None:
     """``nbytes`` at ``start`` are host memory: not checked (see the note)."""
-    if WANTED:
+    if wanted():
         _HOST.append((start, start + nbytes))
+
+
+def _where() -> str:
+    """The engine's frames of the calling stack, innermost last."""
+    frames = [f for f in traceback.extract_stack() if "/offload/" in f.filename and "stream_check" not in f.filename]
+    return " <- ".join(f"{f.filename.rsplit('/offload/', 1)[1]}:{f.lineno}" for f in reversed(frames[-6:]))
