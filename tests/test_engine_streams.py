@@ -290,3 +290,30 @@ def test_a_gloo_group_left_alive_is_ended_before_python_finalizes(tmp_path):
         assert proc.returncode == 0, err[-2000:]
     for rank in range(2):
         assert (tmp_path / f"alive-get_rank{rank}").read_text() == "False", "the group outlived the script's end"
+
+
+def _gather_in_flight_at_exit(rank: int, world: int) -> bool:
+    """A unit's all-gather issued and never waited for (a prefetch the script did not use), rank 1 a second late to
+    it: what the exit's wait finds (rank 0)."""
+    import time
+
+    from engine_cases import make_model
+
+    import offload
+    from offload.zero.unit import UnitState, wait_in_flight
+    engine, *_ = offload.initialize(model=make_model("gpt"), config=base_config(2, 1, 2))
+    unit = next(u for u in engine.units if u.state is UnitState.SHARDED)
+    if rank == 1:
+        time.sleep(1.0)
+    unit.start_unshard()
+    wait_in_flight()
+    done = unit._work is not None and unit._work.is_completed()
+    unit.finish_unshard()
+    engine.close()
+    return done
+
+
+def test_the_exit_waits_for_an_all_gather_still_in_flight():
+    """See [Note: the group at exit]: a gloo worker that finished a gather while Python finalized would free its
+    tensors then; the exit waits for every gather in flight before it ends the group."""
+    assert run_ranks(_gather_in_flight_at_exit, 2) == [True, True]

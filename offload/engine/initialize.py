@@ -34,6 +34,7 @@ from offload.optim.one_state import ONE_STATE_RULES, CPUAdagrad, CPULion
 from offload.optim.sharded import ShardedAdam
 from offload.store import state_format
 from offload.zero.collectives import Group
+from offload.zero.unit import wait_in_flight
 
 logger = logging.getLogger("offload.engine")
 
@@ -122,8 +123,9 @@ def _end_group_at_exit() -> None:
     accelerate leave the group to the process's end) has gloo's worker threads still holding finished work, whose
     tensors are freed while Python finalizes; that takes the GIL of a finalizing interpreter and the rank aborts
     ("terminate called without an active exception", now and then: one run in many on a 2-core machine). So at
-    exit, while Python is whole, our streams finish their work and then a gloo group still alive is destroyed
-    (registered after torch's and the launcher's handlers, so it runs before them). NCCL's group is left to the
+    exit, while Python is whole, our streams finish their work, the all-gathers still in flight (a prefetch the
+    script never used) are waited for, and then a gloo group still alive is destroyed (registered after torch's and
+    the launcher's handlers, so it runs before them). NCCL's group is left to the
     script: its destroy can block on a peer, and its end at exit is only a warning."""
     if not _ENDING:
         _ENDING.append(True)
@@ -133,6 +135,7 @@ def _end_group_at_exit() -> None:
 def _end_group() -> None:
     finish_streams()
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        wait_in_flight()
         dist.destroy_process_group()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -367,12 +368,15 @@ class Unit:
         self._bind()
         self._transient = shard
         self._work = all_gather(self.full, shard, self.group, async_op=True)
+        if self._work is not None:
+            _IN_FLIGHT.add(self)
         self.state = UnitState.GATHERING
 
     def finish_unshard(self) -> None:
         """GATHERING -> UNSHARDED: wait for the all-gather."""
         assert self.state is UnitState.GATHERING, f"unit {self.name!r} is {self.state.value}, not gathering"
         work, self._work, self._transient = self._work, None, None
+        _IN_FLIGHT.discard(self)
         if work is not None:
             work.wait()
         self.state = UnitState.UNSHARDED
@@ -439,3 +443,16 @@ class Unit:
     def __repr__(self) -> str:
         return (f"Unit({self.index} {self.name!r}, {self.numel} elements in {len(self.slots)} params, "
                 f"shard {self.shard_numel}, {self.state.value})")
+
+
+_IN_FLIGHT: weakref.WeakSet[Unit] = weakref.WeakSet()  # units whose all-gather is issued and not yet waited for
+
+
+def wait_in_flight() -> None:
+    """Every all-gather still in flight (a prefetch nobody used) is waited for: at exit, so that no gloo worker
+    finishes one, and frees its tensors, while Python finalizes (see [Note: the group at exit] in
+    offload/engine/initialize.py)."""
+    for unit in list(_IN_FLIGHT):
+        work = unit._work
+        if work is not None:
+            work.wait()
