@@ -6,7 +6,16 @@ import copy
 
 import pytest
 import torch
-from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
+from engine_cases import (
+    STREAM_CHECK,
+    base_config,
+    batches,
+    describe_engine,
+    loss_of,
+    make_model,
+    train_engine,
+    train_reference,
+)
 
 import offload
 from offload.machine.launch import run_ranks
@@ -51,7 +60,7 @@ def one_step_late_reference(steps, rows, micro, warmup, clip=1.0):
 # back waits; elsewhere it waits in a staging buffer.
 @pytest.mark.parametrize("world,accum,discrete", [(1, 1, False), (2, 2, False), (1, 1, True), (1, 2, True)])
 def test_the_delayed_update_trains_as_the_one_step_late_reference(world, accum, discrete):
-    env = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"} if discrete else None
+    env = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"} if discrete else None
     results = run_ranks(train_engine, world, env=env, name="gpt", config=delayed_config(world, accum), steps=STEPS,
                         micro=2, accum=accum)
     late = one_step_late_reference(STEPS, 2 * accum * world, 2, WARMUP)
@@ -91,7 +100,7 @@ def test_the_next_backward_lands_beside_a_lagging_delayed_adam_and_changes_nothi
     """On a discrete device (emulated) each gradient comes down into a landing buffer. The delayed Adam runs on a
     thread of its own, lagging here, while the next backward's gradients land: each unit's landing waits until
     that Adam has read the unit's last gradient (a missing wait lands the new gradient under it)."""
-    slow = {"OFFLOAD_EMULATED_COPY_DELAY_S": "0.001", "OFFLOAD_EMULATED_HOST_DELAY_S": "0.03"}
+    slow = {**STREAM_CHECK, "OFFLOAD_EMULATED_COPY_DELAY_S": "0.001", "OFFLOAD_EMULATED_HOST_DELAY_S": "0.03"}
     runs = [run_ranks(train_engine, 1, env=env, name="gpt", config=delayed_config(1, accum, warmup=1), steps=4,
                       micro=2, accum=accum)[0] for env in (slow, {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1"})]
     assert runs[0]["counts"]["optimizer_delayed"] == 3 * runs[0]["units"]

@@ -6,7 +6,16 @@ import os
 
 import pytest
 import torch
-from engine_cases import base_config, batches, describe_engine, loss_of, make_model, train_engine, train_reference
+from engine_cases import (
+    STREAM_CHECK,
+    base_config,
+    batches,
+    describe_engine,
+    loss_of,
+    make_model,
+    train_engine,
+    train_reference,
+)
 
 import offload
 import offload.aio.base as aio_base
@@ -74,7 +83,7 @@ def test_auto_overlaps_where_nothing_gates_the_update():
 def test_a_host_thread_still_adding_the_previous_micro_batch_does_not_step_early():
     # A slow host thread (emulated by delaying each of its tasks) is still adding the first micro-batch's
     # gradients when the last micro-batch's backward begins; those must not trigger the overlapped step.
-    slow = {"OFFLOAD_EMULATED_COPY_DELAY_S": "0.02"}
+    slow = {**STREAM_CHECK, "OFFLOAD_EMULATED_COPY_DELAY_S": "0.02"}
     runs = {mode: run_ranks(train_engine, 1, env=slow, name="gpt", config=overlap_config(1, mode), steps=3,
                             micro=2, accum=2) for mode in ("on", "off")}
     assert runs["on"][0]["overlapped"] > 0

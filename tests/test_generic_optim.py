@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from engine_cases import backward_over, base_config, batches, make_any, resume_engine, train_engine
+from engine_cases import STREAM_CHECK, backward_over, base_config, batches, make_any, resume_engine, train_engine
 
 import offload
 from offload.engine.errors import EngineError
@@ -187,7 +187,7 @@ def test_state_on_the_emulated_gpu_or_streamed_through_it_steps_as_torch(lane):
     config = client_config(1, 3, state, 0.0)  # clipping that fires scales as torch's only closely (see above)
     config["offload"]["stream_state"] = 0.5 if lane == "streamed" else 0
     make = OPTIMIZERS["RMSprop"]
-    env = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
     results = run_ranks(train_engine, 1, env=env, name="gpt", config=config, steps=STEPS, micro=MICRO, accum=1,
                         optimizer=make, finished=lanes_of)
     assert (("device", False) if lane == "device" else ("host", True)) in results[0]["lanes"]

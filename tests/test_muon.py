@@ -6,7 +6,16 @@ than one process's (which Muon's bf16 orthogonalisation then magnifies), to the 
 
 import pytest
 import torch
-from engine_cases import backward_over, base_config, batches, engine_device, make_any, resume_engine, train_engine
+from engine_cases import (
+    STREAM_CHECK,
+    backward_over,
+    base_config,
+    batches,
+    engine_device,
+    make_any,
+    resume_engine,
+    train_engine,
+)
 
 import offload
 from offload.config import ConfigError
@@ -131,7 +140,8 @@ def test_state_on_a_discrete_device_steps_muon_as_plain_torch():
     orthogonalisation in the device's memory, the rest on the host."""
     config = muon_config(1, 3, "cpu", 0.0, adam_lr=0.0)  # the norm of a split is summed in two parts
     config["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
-    results = run_ranks(train_engine, 1, env={"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""},
+    gpu = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    results = run_ranks(train_engine, 1, env=gpu,
                         name="gpt", config=config, steps=STEPS, micro=MICRO, accum=1)
     assert results[0]["tiers"]["device"] > 0
     check_bitwise(results, reference(STEPS, MICRO, 0.0, 1, adam_lr=0.0))

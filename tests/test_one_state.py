@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 from engine_cases import (
+    STREAM_CHECK,
     backward_over,
     base_config,
     batches,
@@ -205,7 +206,8 @@ def test_state_on_a_discrete_device_steps_in_torchs_ops_as_plain_torch(tmp_path,
     reference's order), the rest the host kernel."""
     config, hyper = rule_config(tmp_path, rule, 1, 3, "cpu", 1.0)
     config["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
-    results = run_ranks(train_engine, 1, env={"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""},
+    gpu = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    results = run_ranks(train_engine, 1, env=gpu,
                         name="gpt", config=config, steps=STEPS, micro=MICRO, accum=ACCUM)
     assert results[0]["tiers"]["device"] > 0
     ref = reference(rule, STEPS, MICRO * ACCUM, 1.0, 1, **hyper)

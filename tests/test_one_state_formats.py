@@ -6,7 +6,7 @@ one, and the GPU's torch-ops path (the emulated discrete device) bit for bit the
 
 import pytest
 import torch
-from engine_cases import base_config, batches, loss_of, make_any
+from engine_cases import STREAM_CHECK, base_config, batches, loss_of, make_any
 
 import offload
 from offload.machine.launch import run_ranks
@@ -149,7 +149,7 @@ def test_state_on_the_emulated_gpu_steps_as_the_host_kernel(rule, master, lane):
     kernel's is: a weight's last place, fed back through its decay into the sum, can move the bf16 sum to its
     neighbour, 2**-8 of it); a stochastic master the same in distribution, from another generator, so its losses
     alone are compared."""
-    env = {"OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "CUDA_VISIBLE_DEVICES": ""}
     config = (rule_config(rule, master, "bf16", ratio=0.5) if lane == "device"
               else rule_config(rule, master, "bf16", ratio=1.0, stream=0.5))
     half = run_ranks(train_masters, 1, env=env, config=config)[0]
