@@ -29,6 +29,7 @@ ALLOWED = {
     ("offload/zero/runtime.py", "ZeroRuntime._reduce", ".wait()"): "overlap_comm off: a collective's wait, a "
                                                                       "stream wait on NCCL",
     ("offload/zero/unit.py", "Unit.finish_unshard", ".wait()"): "an all-gather's wait, a stream wait on NCCL",
+    ("offload/zero/unit.py", "wait_in_flight", ".wait()"): "the process's exit, with gloo",
     ("offload/optim/sharded.py", "ShardedAdam.hyper", "float()"): "Python numbers from param_groups",
     ("offload/optim/sharded.py", "ShardedAdam.close", ".synchronize()"): "closing",
     ("offload/store/param_store.py", "ParamStore.add", ".cpu()"): "start-up",
