@@ -92,11 +92,18 @@ class StreamError(RuntimeError):
 # --------------------------------------------------------------------------- CPU: emulated
 
 
+def _waited(event: Event) -> None:
+    """The calling thread saw ``event`` complete: the stream order's check, where one runs, takes it in."""
+    check = stream_check.active()
+    if check is not None:
+        check.waited(event)
+
+
 class DoneEvent:
     """An event that has already completed (recorded on a synchronous stream)."""
 
     def synchronize(self) -> None:
-        return None
+        _waited(self)  # a compute event: what the host issues after waiting for it comes after that compute
 
     def query(self) -> bool:
         return True
@@ -120,6 +127,7 @@ class WorkEvent:
 
     def synchronize(self) -> None:
         self.work.wait()  # type: ignore[attr-defined]
+        _waited(self)
 
     def query(self) -> bool:
         return bool(self.work.is_completed())  # type: ignore[attr-defined]
@@ -172,9 +180,7 @@ class ThreadEvent:
             self._done.wait(_HELD_RECHECK_S)
         if self._error is not None:
             raise StreamError(f"work before this event failed: {self._error}") from self._error
-        check = self._stream._check if self._stream is not None else None
-        if check is not None:
-            check.waited(self)
+        _waited(self)
 
     def query(self) -> bool:
         return self._done.is_set()
@@ -317,9 +323,7 @@ class WorkerStream:
         self._synced = self.record(self._synced)
         if self._graph is not None:
             self._graph.wait(self._synced)
-        self._synced.synchronize()
-        if self._check is not None:
-            self._check.waited(self._synced)
+        self._synced.synchronize()  # the stream order's check takes the wait in there
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -546,9 +550,7 @@ class Accelerator:
         if self.graph.on:
             send_held_for(event)
             self.graph.wait(event)
-        event.synchronize()
-        if self.check is not None:
-            self.check.waited(event)
+        event.synchronize()  # the stream order's check takes the wait in there
 
     def drain(self, stream: CopyStream, what: str) -> None:
         """Block until everything enqueued on ``stream`` has run (re-raises its first failure); counted as ``wait``."""

@@ -10,8 +10,9 @@ access the way torch's CUDA sanitizer does on a GPU, by the order the streams pr
 - each agent (the compute stream: the thread that started the engine; each emulated copy stream and host queue)
   has a vector clock. An op on the compute stream ticks its own entry; work enqueued on a stream takes that
   stream's clock when it was enqueued (it runs later, on the stream's thread, in that order);
-- an event carries the clock of the point it was recorded at; ``wait_event`` (a stream), ``compute_wait`` and a
-  host's wait (the compute thread) take it in;
+- an event carries the clock of the point it was recorded at, and of the waits its stream's work made before the
+  record ran; ``wait_event`` (a stream), ``compute_wait`` and a thread that blocked on it take it in (work a thread
+  enqueues later is ordered after what it has seen complete);
 - every aten op run by an agent notes what it reads and writes of device memory (byte ranges of each tensor,
   read or written by the op's schema). An access races an earlier one by another agent, when either writes,
   unless the earlier one is in the accessing agent's clock: that raises ``StreamOrderError``, naming both.
@@ -238,21 +239,23 @@ class StreamCheck:
         for a in history:
             if a.agent != agent and a.start < end and start < a.end and (write or a.write) \
                     and clock.get(a.agent, 0) < a.tick:
-                here = getattr(self._local, "issued", "") if agent != COMPUTE else _where()
-                if self.stacks:
-                    op = f"{op} (issued at {here})"
                 raise StreamOrderError(
-                    f"{agent} {'writes' if write else 'reads'} device bytes [{start:#x}, {end:#x}) in {op} that "
+                    f"{agent} {'writes' if write else 'reads'} device bytes [{start:#x}, {end:#x}) in {op}"
+                    f"{self._issued(agent)} that "
                     f"{a.agent} {'wrote' if a.write else 'read'} in {a.op}{a.where} with no wait for it between "
                     f"them: on a GPU the two may run in either order (its access {a.tick} of {a.agent}'s order, "
                     f"{agent} ordered after {clock.get(a.agent, 0)}; see [Note: stream order checked])")
         tick = clock.get(agent, 0)
         history[:] = [a for a in history if not (a.agent == agent and a.start == start and a.end == end
                                                  and a.write == write)]
-        where = ""
-        if self.stacks:
-            where = f" (issued at {getattr(self._local, 'issued', '') if agent != COMPUTE else _where()})"
-        history.append(_Access(start, end, agent, tick, write, op, where))
+        history.append(_Access(start, end, agent, tick, write, op, self._issued(agent)))
+
+    def _issued(self, agent: str) -> str:
+        """Where the access running now was issued (``stacks`` only): a stream's work where it was enqueued, the
+        compute stream's op here."""
+        if not self.stacks:
+            return ""
+        return f" (issued at {getattr(self._local, 'issued', '') if agent != COMPUTE else _where()})"
 
 
 _NO_ACCESS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
@@ -262,7 +265,7 @@ _NO_ACCESS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.d
 
 def _accessed(func: torch._ops.OpOverload, args: tuple[object, ...],
               kwargs: dict[str, object]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The tensors ``func`` reads and those it writes, by its schema (views and allocations touch no data)."""
+    """The tensors ``func`` reads and those it writes, by its schema."""
     reads: list[torch.Tensor] = []
     writes: list[torch.Tensor] = []
     schema = func._schema

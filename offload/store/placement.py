@@ -249,7 +249,7 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
     try:
         place_sub_groups(out.groups, opt.device, budget, opt.buffer_count, spare=step.speculation is Speculation.ALL)
         out.placed = True
-        if STREAMED_HANDED in out.device:
+        if opt.device == "nvme" and STREAMED_HANDED in out.device:  # host-tier sub-groups alone: as counted
             _hand_over_host_tier_only(out, shards)
     except ConfigError as e:
         out.problems.append(e)
