@@ -92,3 +92,16 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if gone:
             raise pytest.UsageError(f"tests/slow.txt names tests that no longer exist: {', '.join(gone)}; remove "
                                     "them, or regenerate the list with tools/slow_tests.py")
+
+
+# --------------------------------------------------------------------------- what this CPU could not run
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say which native kernel variants the variant-parametrised tests ran here, and which compiled ones this CPU
+    cannot execute (so were checked only where another CPU runs the suite; NEON runs under qemu-user in
+    test_native_cross.py wherever the cross tools are). No emulator from the registries runs AVX-512 here:
+    Debian's qemu-user (7.2) emulates up to AVX2, and Intel SDE is a download, not a package."""
+    ran, compiled = native.supported_variants(), native.compiled_variants()
+    missing = [v for v in compiled if v not in ran]
+    terminalreporter.write_line(f"kernel variants tested on this CPU: {', '.join(ran)}"
+                                + (f"; not reachable here: {', '.join(missing)}" if missing else ""))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 import offload
 from offload.models import GPT, GPTConfig
+from offload.optim.loss_scale import clip_coefficient
 
 VOCAB, SEQ = 96, 16
 # Every engine test on the emulated GPU checks its streams' order too (see [Note: stream order checked] in
@@ -28,6 +30,19 @@ def make_model(name: str, seed: int = 0) -> torch.nn.Module:
                           tie_word_embeddings=True, attn_implementation="eager")
         return LlamaForCausalLM(cfg)
     raise ValueError(name)
+
+
+def clip_at_exact_norm_(params: Any, max_norm: float) -> float:
+    """``clip_grad_norm_`` from the exact global norm: the norm summed in float64 (as the engine sums it) and the
+    factor in torch's float32 steps (``clip_coefficient``). torch's own norm sums float32 squares in an order set by
+    the CPU's vector width, so a reference clipped by it is not the same on every CPU ([Note: the clip factor] in
+    offload/optim/loss_scale.py); returns the norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = math.sqrt(float(sum(g.double().square().sum() for g in grads)))
+    factor = clip_coefficient(norm, max_norm)
+    for g in grads:
+        g.mul_(torch.tensor(factor, dtype=g.dtype, device=g.device))
+    return norm
 
 
 def loss_of(model: Any, name: str, tokens: torch.Tensor) -> torch.Tensor:

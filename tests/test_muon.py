@@ -11,6 +11,7 @@ from engine_cases import (
     backward_over,
     base_config,
     batches,
+    clip_at_exact_norm_,
     engine_device,
     make_any,
     resume_engine,
@@ -71,8 +72,8 @@ def _reference(steps, rows, clip, world, adam_lr):
     losses = []
     for tokens in batches(steps, rows):
         losses.append(backward_over(model, "gpt", tokens.to(engine_device(world)), MICRO))
-        if clip:
-            torch.nn.utils.clip_grad_norm_([p for _, p in named], clip)
+        if clip:  # the exact norm: torch's own rounds by the CPU (see clip_at_exact_norm_)
+            clip_at_exact_norm_([p for _, p in named], clip)
         muon.step()
         adam.step()
         for _, p in named:

@@ -41,6 +41,7 @@ import torch
 from offload.bench.comparison import RATE, TIME, Comparison
 from offload.machine import cpus, native
 from offload.optim import AdamHyper, adam_step
+from offload.optim.loss_scale import clip_coefficient
 from offload.optim.one_state import adagrad_step, lion_step
 from offload.store.state_format import FORMATS, Master, StateFormat, split_master
 from offload.store.step_cost import ADAM_BYTES  # read p, g, m, v; write p, m, v (fp32)
@@ -203,7 +204,7 @@ def bench_size(n: int, repeats: int, threads: int, say: Callable[[str], None],
 
     def ours_fused() -> None:
         norm = native.grad_sq_norm(g16, threads=threads)
-        scale = 1.0 if norm.nonfinite else min(1.0, MAX_NORM / (norm.norm + 1e-6))
+        scale = 1.0 if norm.nonfinite else clip_coefficient(norm.norm, MAX_NORM)
         step[0] += 1
         adam_step(p, g16, m, v, step[0], HYPER, grad_scale=scale, out16=out16, threads=threads)
 
@@ -342,7 +343,7 @@ def format_step(fmt: StateFormat, p0: torch.Tensor, g16: torch.Tensor, threads: 
 
     def run() -> None:
         norm = native.grad_sq_norm(g16, threads=threads)
-        scale = 1.0 if norm.nonfinite else min(1.0, MAX_NORM / (norm.norm + 1e-6))
+        scale = 1.0 if norm.nonfinite else clip_coefficient(norm.norm, MAX_NORM)
         step[0] += 1
         adam_step(master, g16, m, v, step[0], HYPER, grad_scale=scale, out16=out16, threads=threads, master_lo=lo,
                   stochastic=stochastic)

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from offload.config.sections import FP16Config
 
 
@@ -81,8 +83,25 @@ def gradient_factor(sum_sq: float, nonfinite: int, loss_scale: float, clip: floa
     norm = math.sqrt(sum_sq) / loss_scale if nonfinite == 0 else math.nan
     factor = unclipped_factor(loss_scale)
     if clip > 0 and math.isfinite(norm):
-        factor *= min(1.0, clip / (norm + 1e-6))
+        factor *= clip_coefficient(norm, clip)
     return norm, factor
+
+
+def clip_coefficient(norm: float, clip: float) -> float:
+    """The factor ``clip_grad_norm_`` scales the gradients by, in its own float32 steps from the norm held as a
+    float32: ``max_norm / (total_norm + 1e-6)`` is a rounded add, then (Tensor.__rdiv__) a rounded reciprocal times
+    the clip, then clamped at 1. So the same norm gives torch's factor to the bit (see [Note: the clip factor])."""
+    held = np.float32(norm) + np.float32(1e-6)
+    return min(1.0, float((np.float32(1.0) / held) * np.float32(clip)))
+
+
+# [Note: the clip factor] The global norm is a sum of squares taken in float64 (natively, as the gradients land,
+# and over the ranks), so it is the exact norm of the float32 gradients rounded once: the same on every CPU and
+# every world size. torch's clip_grad_norm_ sums float32 squares in float32, in an order set by the CPU's vector
+# width and torch's threads, so its norm (and, where it crosses a rounding boundary, its factor) moves by an ulp
+# from one CPU to another. The factor is computed from the norm as torch computes it (``clip_coefficient``), so
+# the engine's step is torch's bit for bit wherever the two norms round alike; the tests take their reference's
+# factor from the exact norm the same way (tests/engine_cases.py, ``clip_at_exact_norm_``).
 
 
 def unclipped_factor(loss_scale: float) -> float:
