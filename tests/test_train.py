@@ -27,6 +27,18 @@ def test_train_on_the_embedded_default_learns_and_writes_record_trace_and_plot(t
     assert (tmp_path / "out" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "tok/s" in text and "host" in text and "peak RSS" in text
+    # A newcomer's first lines say what runs in a few words each; why the step runs as it does is asked for.
+    first = text.splitlines()[:3]
+    assert first[2] == "step: after backward, step() returns after Adam (--verbose says why)"
+    assert all(len(line) <= 100 for line in first), first
+    assert "gradient clipping needs the global norm first" in record["step_mode"]
+
+
+def test_verbose_says_why_the_step_runs_as_it_does(tmp_path, capsys):
+    assert _train(tmp_path, "--steps", "1", "--verbose") == 0
+    step = capsys.readouterr().out.splitlines()[2]
+    assert step.startswith("step: after backward (gradient clipping needs the global norm first; not speculative")
+    assert step[len("step: "):] == _record(tmp_path)["step_mode"]
 
 
 def test_train_with_params_and_optimizer_on_nvme_and_a_hugging_face_model(tmp_path):

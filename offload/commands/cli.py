@@ -466,6 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-every", type=positive_int, default=None, help="steps between progress lines")
     p.add_argument("--expect-loss-drop", action="store_true",
                    help="exit 1 (saying so) unless the last step's loss is below the first's")
+    p.add_argument("--verbose", action="store_true",
+                   help="say why the step runs as it does (each 'auto' choice's reason; record.json has it too)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("estimate", help="bytes per tier per rank for a model under a config, and the largest model "

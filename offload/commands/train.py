@@ -71,6 +71,7 @@ class TrainArgs:
     save_on_stop: bool = True  # a SIGTERM or SIGINT saves a checkpoint of the step it stops after
     keep_last: int | None = None  # offload.checkpoints.keep_last: the newest N checkpoints kept (None: the config's)
     print_every: int | None = None  # None: the config's steps_per_print
+    verbose: bool = False  # the reasons behind each 'auto' choice of the step, on screen too
 
 
 @dataclass
@@ -390,8 +391,12 @@ def run(args: TrainArgs, out: TextIO | None = None, quiet: bool = False) -> Trai
     micro, accum = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
     assert isinstance(micro, int) and isinstance(accum, int)  # the engine's config is resolved: numbers
     say(f"model {args.model}: {params:,} parameters in {len(engine.units)} units on {engine.accel.device}, "
-        f"world {engine.group.world}; ZeRO stage {cfg.zero_optimization.stage}, "
-        f"{cfg.zero_optimization.placement_words()}; step {engine.step_mode}")
+        f"world {engine.group.world}")
+    say(f"ZeRO stage {cfg.zero_optimization.stage}: {cfg.zero_optimization.placement_words()}")
+    if args.verbose:
+        say(f"step: {engine.step_mode}")
+    else:  # why each 'auto' choice was made: --verbose, and record.json's step_mode
+        say(f"step: {engine.step_brief} (--verbose says why)")
     record = TrainRecord(args=asdict(args), params=params, world=engine.group.world, device=str(engine.accel.device),
                          step_mode=engine.step_mode, first_step=first_step - len(history), losses=list(history))
     gen = torch.Generator()

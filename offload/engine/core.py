@@ -86,7 +86,8 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable, Compiling, StateLending
         self._warned_zero_grad = False  # zero_grad() mid-accumulation: said once
         # the model's own zero_grad(), told to the engine (see [Note: the model's own zero_grad])
         self._model_zero_grad = ModelZeroGrad(self) if self.trains else None
-        self.step_mode = self.schedule.describe()
+        self.step_mode = self.schedule.describe()  # with the reasons; step_brief: the few words
+        self.step_brief = self.schedule.brief()
         self._phases = PhaseReport(self.telemetry) if config.wall_clock_breakdown else None
         if config.dump_state:
             logger.info("engine state at start (dump_state), rank %d:\n%s\nstep mode: %s\nconfig: %s", group.rank,

@@ -50,6 +50,10 @@ class DuringBackward:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def brief(self) -> str:
+        """A few words for the first lines a person reads; ``describe`` adds why."""
+        raise NotImplementedError
+
 
 @dataclass
 class AfterBackward(DuringBackward):
@@ -58,6 +62,9 @@ class AfterBackward(DuringBackward):
     def describe(self) -> str:
         return f"after backward ({self.why})"
 
+    def brief(self) -> str:
+        return "after backward"
+
 
 class Overlapped(DuringBackward):
     def begins(self, loss_scale: float) -> tuple[bool, float | None]:
@@ -65,6 +72,9 @@ class Overlapped(DuringBackward):
 
     def describe(self) -> str:
         return "overlapped with the last micro-batch's backward"
+
+    def brief(self) -> str:
+        return "overlapped with backward"
 
 
 @dataclass
@@ -82,6 +92,9 @@ class Speculative(DuringBackward):
 
     def norm_known(self, clipped: bool) -> None:
         self.clipped_last = clipped
+
+    def brief(self) -> str:
+        return "speculative during backward" + (" (NVMe sub-groups)" if self.adaptive else "")
 
     def describe(self) -> str:
         text = ("speculative: Adam runs during the last micro-batch's backward with clip factor 1 into a second "
@@ -113,6 +126,9 @@ class StepReturn:
     def describe(self, during: str) -> str:
         raise NotImplementedError
 
+    def brief(self, during: str) -> str:
+        raise NotImplementedError
+
 
 @dataclass
 class Whole(StepReturn):
@@ -125,6 +141,9 @@ class Whole(StepReturn):
 
     def describe(self, during: str) -> str:
         return f"{during}; step() returns after Adam ({self.why})"
+
+    def brief(self, during: str) -> str:
+        return f"{during}, step() returns after Adam"
 
 
 class Early(StepReturn):
@@ -139,6 +158,9 @@ class Early(StepReturn):
 
     def describe(self, during: str) -> str:
         return f"{during}; step() returns before Adam, the next forward waits per unit"
+
+    def brief(self, during: str) -> str:
+        return f"{during}, step() returns before Adam"
 
 
 class EarlyNvme(Early):
@@ -179,6 +201,9 @@ class Delayed(StepReturn):
             return False
         return self.exact.apply(optimizer, grad_scale, step, stepped_in_backward, vote)
 
+    def brief(self, during: str) -> str:
+        return f"delayed one step after {self.after} exact ones"
+
     def describe(self, during: str) -> str:
         return (f"delayed update after {self.after} exact steps: each step's Adam runs while the next forward and "
                 "backward use the parameters from before it, which change one step late (results differ from an "
@@ -216,6 +241,10 @@ class StepSchedule:
 
     def describe(self) -> str:
         return self.returns.describe(self.during.describe())
+
+    def brief(self) -> str:
+        """The schedule in a few words (``describe``: with why each choice was made)."""
+        return self.returns.brief(self.during.brief())
 
 
 # ----------------------------------------------------------------- choosing it
