@@ -77,6 +77,13 @@ SqNorm sq_norm(const void* data, DType dtype, size_t n, float scale) {
   return r;
 }
 
+// [Note: a float16 NaN] The hardware's conversion keeps a NaN's payload; torch's .to(torch.float16) and the
+// portable kernel give the quiet NaN 0x7e00 with the sign kept, so every variant's copy is the same bits.
+inline __m256i f16_nan(__m512i b) {
+  return _mm512_cvtepi32_epi16(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x8000)),
+                                               _mm512_set1_epi32(0x7e00)));
+}
+
 inline __m256i bf16_16_emulated(__m512 x) {
   const __m512i b = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
@@ -129,7 +136,12 @@ struct Vec {
   }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static __m256i to16(DType dtype, F x) {
-    if (dtype == DType::F16) return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (dtype == DType::F16) {
+      const __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      if (!nan) return h;
+      return _mm256_mask_mov_epi16(h, nan, f16_nan(_mm512_castps_si512(x)));
+    }
 #if defined(__AVX512BF16__)
     return bf16_16_native(x);
 #else
@@ -275,7 +287,16 @@ struct Vec {
   }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static __m128i to16(DType dtype, F x) {
-    return dtype == DType::F16 ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) : bf16_8(x);
+    if (dtype != DType::F16) return bf16_8(x);
+    const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    if (_mm256_movemask_ps(nan) == 0) return h;
+    // the quiet NaN with its sign, as torch (see [Note: a float16 NaN])
+    const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 16),
+                                                       _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7e00));
+    const __m256i n = _mm256_castps_si256(nan);
+    return _mm_blendv_epi8(h, _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)),
+                           _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1)));
   }
   static void store16(void* out, DType dtype, size_t i, F x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), to16(dtype, x));
@@ -319,6 +340,79 @@ struct Vec {
                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i)));
   }
 };
+
+// [Note: sixteen in the order of the 16-bit words] A 256-bit load of sixteen 16-bit values holds two float32 vectors
+// already, without a widening shuffle: shifting each 32-bit lane left by 16 gives the even elements (0, 2, .. 14) as
+// floats, masking off its low half the odd ones (1, 3, .. 15); and two such vectors of results, their values in the
+// high halves, go back to sixteen words in order with one shift and one word blend. Adam is element-wise, so a loop
+// whose streams are all 16-bit (a 16-bit master with bf16 moments and gradient) steps sixteen elements in this order
+// with no shuffle at all, where widening eight at a time and narrowing them back costs one to three cross-lane
+// shuffles a stream, and AVX2 cores have fewer shuffle ports than ALUs. Where a float32 stream joins them (a float32
+// master beside bf16 moments, a float32 gradient), the order is permuted once more (Pairs<true>): 64-bit blocks
+// 0, 2, 1, 3 of the words, so the even elements are 0, 2, 8, 10, 4, 6, 12, 14, which is what one in-lane
+// shuffle_ps of two float32 vectors gives; one shuffle a 16-bit stream and one a float32 vector, fewer than the
+// widening and narrowing cost. The values are the same as the eight-wide loop's, bit for bit: only the order in
+// which the lanes hold the elements differs.
+#define OFFLOAD_AVX2_PAIRS 1
+
+template <bool MIXED>
+struct Pairs {
+  static __m256i words(const uint16_t* p) {  // sixteen words, in the lane order of this mode
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return MIXED ? _mm256_permute4x64_epi64(w, 0xD8) : w;
+  }
+  static void put(uint16_t* p, __m256i w, bool stream = false) {
+    if (MIXED) w = _mm256_permute4x64_epi64(w, 0xD8);
+    if (stream) _mm256_stream_si256(reinterpret_cast<__m256i*>(p), w);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w);
+  }
+  static void widen(const void* p, size_t i, __m256 x[2]) {  // sixteen bfloat16s as two float vectors
+    const __m256i w = words(static_cast<const uint16_t*>(p) + i);
+    x[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    x[1] = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xffff0000u))));
+  }
+  // Two vectors whose 32-bit lanes hold their 16-bit results in the high (or low) halves, as sixteen words.
+  static void put_high(void* p, size_t i, __m256i even, __m256i odd, bool stream = false) {
+    put(static_cast<uint16_t*>(p) + i, _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xAA), stream);
+  }
+  static void put_low(void* p, size_t i, __m256i even, __m256i odd) {
+    put(static_cast<uint16_t*>(p) + i, _mm256_blend_epi16(even, _mm256_slli_epi32(odd, 16), 0xAA));
+  }
+  static void load32(const float* p, __m256 x[2]) {  // MIXED only: sixteen floats in its order
+    const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+    x[0] = _mm256_shuffle_ps(a, b, 0x88);
+    x[1] = _mm256_shuffle_ps(a, b, 0xDD);
+  }
+  static void store32(float* p, const __m256 x[2]) {
+    _mm256_storeu_ps(p, _mm256_unpacklo_ps(x[0], x[1]));
+    _mm256_storeu_ps(p + 8, _mm256_unpackhi_ps(x[0], x[1]));
+  }
+  static __m256i even_index() {  // the element each lane of the even vector holds
+    return MIXED ? _mm256_setr_epi32(0, 2, 8, 10, 4, 6, 12, 14) : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  }
+};
+
+inline __m256i nan_lanes(__m256 x) { return _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
+
+// bfloat16 rounded to nearest even in the high half (a NaN: the quiet 0x7fc0), as bf16_8 before its narrowing.
+inline __m256i bf16_high(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan_lanes(x));
+}
+
+// The stochastic rounding's high half (see Vec::store_stochastic), for the elements at stream indices idx.
+inline __m256i stochastic_high(__m256 x, __m256i idx, uint32_t seed) {
+  __m256i k = _mm256_xor_si256(idx, _mm256_set1_epi32(int(seed)));
+  k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 16));  // lowbias32, as scalar::mix32
+  k = _mm256_mullo_epi32(k, _mm256_set1_epi32(0x7feb352d));
+  k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 15));
+  k = _mm256_mullo_epi32(k, _mm256_set1_epi32(int(0x846ca68bu)));
+  k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 16));
+  const __m256i b = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_and_si256(k, _mm256_set1_epi32(0xffff)));
+  return _mm256_blendv_epi8(b, _mm256_set1_epi32(0x7fc00000), nan_lanes(x));
+}
 
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 
@@ -385,7 +479,14 @@ struct Vec {
   }
   static F fmadd(F a, F b, F c) { return vfmaq_f32(c, a, b); }
   static void store16(void* out, DType dtype, size_t i, F x) {
-    const uint16x4_t h = dtype == DType::F16 ? vreinterpret_u16_f16(vcvt_f16_f32(x)) : bf16_4(x);
+    uint16x4_t h;
+    if (dtype == DType::F16) {  // a NaN: the quiet one with its sign, as torch (see [Note: a float16 NaN])
+      const uint16x4_t q = vmovn_u32(vorrq_u32(vandq_u32(vshrq_n_u32(vreinterpretq_u32_f32(x), 16),
+                                                         vdupq_n_u32(0x8000)), vdupq_n_u32(0x7e00)));
+      h = vbsl_u16(vmovn_u32(vceqq_f32(x, x)), vreinterpret_u16_f16(vcvt_f16_f32(x)), q);
+    } else {
+      h = bf16_4(x);
+    }
     vst1_u16(static_cast<uint16_t*>(out) + i, h);
   }
   static void stream16(void* out, DType dtype, size_t i, F x) {
@@ -551,6 +652,36 @@ void store_moment(void* m, size_t i, typename V::F x) {
   else V::store(static_cast<float*>(m) + i, x);
 }
 
+// Adam's arithmetic on one vector of elements, shared by every loop that loads and stores them (see [Note: Adam's
+// order of operations]); the scalars rounded to float once, as torch rounds its Python floats.
+template <class V>
+struct AdamTerms {
+  using F = typename V::F;
+  F pre, scale, decay, l2, b1c, b2, b2c, inv_bc2, eps, step;
+  bool use_pre, use_scale, use_decay, use_l2, use_bc2;
+
+  explicit AdamTerms(const AdamArgs& a)
+      : pre(V::set1(a.pre_scale)), scale(V::set1(a.grad_scale)), decay(V::set1(a.decay)), l2(V::set1(a.l2)),
+        b1c(V::set1(a.one_minus_beta1)), b2(V::set1(a.beta2)), b2c(V::set1(a.one_minus_beta2)),
+        inv_bc2(V::set1(1.0f / a.bc2_sqrt)),  // one divide less per element (see [Note: one divide])
+        eps(V::set1(a.eps)), step(V::set1(a.step_size)), use_pre(a.pre_scale != 1.0f),
+        use_scale(a.grad_scale != 1.0f), use_decay(a.decay != 1.0f), use_l2(a.l2 != 0.0f),
+        use_bc2(a.bc2_sqrt != 1.0f) {}
+
+  // The new master from the gradient as loaded and the old master; the moments updated in place.
+  F update(F g, F p0, F& m, F& v) const {
+    if (use_pre) g = V::mul(g, pre);               // a landed gradient: what its accumulation would have rounded
+    if (use_scale) g = V::mul(g, scale);
+    F p = use_decay ? V::mul(p0, decay) : p0;     // AdamW: param.mul_(1 - lr * wd)
+    if (use_l2) g = V::fmadd(l2, p0, g);          // Adam: grad.add(param, alpha=wd); skipped, not * 0 (0 * inf)
+    m = V::fmadd(b1c, V::sub(g, m), m);           // exp_avg.lerp_(grad, 1 - beta1)
+    v = V::fmadd(V::mul(b2c, g), g, V::mul(v, b2));  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
+    const F root = V::sqrt(v);
+    const F denom = V::add(use_bc2 ? V::mul(root, inv_bc2) : root, eps);
+    return V::sub(p, V::div(V::mul(step, m), denom));  // param.addcdiv_(m, denom, -step_size)
+  }
+};
+
 template <class V, DType G, int OUT, bool ELSEWHERE, int MASTER, bool BF16M>
 size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
   using F = typename V::F;
@@ -568,13 +699,7 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
   const void* __restrict grad = a.grad;
   void* __restrict out16 = a.out16;
   const uint32_t seed = scalar::mix32(a.seed), at0 = uint32_t(a.index0);
-  const F pre = V::set1(a.pre_scale), scale = V::set1(a.grad_scale), decay = V::set1(a.decay), l2 = V::set1(a.l2);
-  const F b1c = V::set1(a.one_minus_beta1), b2 = V::set1(a.beta2), b2c = V::set1(a.one_minus_beta2);
-  // One divide less per element (see [Note: one divide]).
-  const F inv_bc2 = V::set1(1.0f / a.bc2_sqrt), eps = V::set1(a.eps), step = V::set1(a.step_size);
-  const bool use_bc2 = a.bc2_sqrt != 1.0f;
-  const bool use_pre = a.pre_scale != 1.0f, use_scale = a.grad_scale != 1.0f;
-  const bool use_decay = a.decay != 1.0f, use_l2 = a.l2 != 0.0f;
+  const AdamTerms<V> terms(a);
   const bool stream = WIDE && ELSEWHERE && aligned<V>(static_cast<float*>(param) + i) &&
                       aligned<V>(static_cast<float*>(exp_avg) + i) &&
                       aligned<V>(static_cast<float*>(exp_avg_sq) + i);  // see [Note: streaming stores]
@@ -586,19 +711,10 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
     if constexpr (MASTER == int(Master::SPLIT)) prefetch<V>(ELSEWHERE ? param_lo_src : param_lo, i, 2, ahead);
     prefetch<V>(ELSEWHERE ? exp_avg_src : exp_avg, i, BF16M ? 2 : 4, ahead);
     prefetch<V>(ELSEWHERE ? exp_avg_sq_src : exp_avg_sq, i, BF16M ? 2 : 4, ahead);
-    F g = V::load_any(grad, G, i);
-    if (use_pre) g = V::mul(g, pre);               // a landed gradient: what its accumulation would have rounded
-    if (use_scale) g = V::mul(g, scale);
     const F p0 = load_master<V, MASTER>(ELSEWHERE ? param_src : param, ELSEWHERE ? param_lo_src : param_lo, i);
-    F p = use_decay ? V::mul(p0, decay) : p0;     // AdamW: param.mul_(1 - lr * wd)
-    if (use_l2) g = V::fmadd(l2, p0, g);          // Adam: grad.add(param, alpha=wd); skipped, not * 0 (0 * inf)
     F m = load_moment<V, BF16M>(ELSEWHERE ? exp_avg_src : exp_avg, i);
-    m = V::fmadd(b1c, V::sub(g, m), m);           // exp_avg.lerp_(grad, 1 - beta1)
     F v = load_moment<V, BF16M>(ELSEWHERE ? exp_avg_sq_src : exp_avg_sq, i);
-    v = V::fmadd(V::mul(b2c, g), g, V::mul(v, b2));  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
-    const F root = V::sqrt(v);
-    const F denom = V::add(use_bc2 ? V::mul(root, inv_bc2) : root, eps);
-    p = V::sub(p, V::div(V::mul(step, m), denom));  // param.addcdiv_(m, denom, -step_size)
+    const F p = terms.update(V::load_any(grad, G, i), p0, m, v);
     if (stream) {
       V::stream(static_cast<float*>(param) + i, p);
       V::stream(static_cast<float*>(exp_avg) + i, m);
@@ -619,8 +735,111 @@ size_t adam_loop(const AdamArgs& a, size_t i, size_t end) {
   return i;
 }
 
+#if defined(OFFLOAD_AVX2_PAIRS)
+// Adam over sixteen elements at a time in the order of the 16-bit words (see [Note: sixteen in the order of the 16-bit
+// words]), for a state with a 16-bit stream: the same arithmetic (AdamTerms) on each half, the same roundings as
+// Vec's, so the same bits as adam_loop. A float16 gradient or copy goes through adam_loop (no word-order widening).
+template <DType G, int OUT, bool ELSEWHERE, int MASTER, bool BF16M>
+size_t adam_pairs(const AdamArgs& a, size_t i, size_t end) {
+  constexpr bool MIXED = MASTER == int(Master::F32) || !BF16M || G == DType::F32;
+  using P = Pairs<MIXED>;
+  void* __restrict param = ELSEWHERE ? a.param_out : a.param;
+  uint16_t* __restrict param_lo = ELSEWHERE ? a.param_lo_out : a.param_lo;
+  void* __restrict exp_avg = ELSEWHERE ? a.exp_avg_out : a.exp_avg;
+  void* __restrict exp_avg_sq = ELSEWHERE ? a.exp_avg_sq_out : a.exp_avg_sq;
+  // Read, when the new state goes elsewhere; in place the loads read the buffers above (one pointer to each).
+  const void* __restrict param_old = ELSEWHERE ? a.param : nullptr;
+  const uint16_t* __restrict param_lo_old = ELSEWHERE ? a.param_lo : nullptr;
+  const void* __restrict exp_avg_old = ELSEWHERE ? a.exp_avg : nullptr;
+  const void* __restrict exp_avg_sq_old = ELSEWHERE ? a.exp_avg_sq : nullptr;
+  const void* param_src = ELSEWHERE ? param_old : param;
+  const uint16_t* param_lo_src = ELSEWHERE ? param_lo_old : param_lo;
+  const void* exp_avg_src = ELSEWHERE ? exp_avg_old : exp_avg;
+  const void* exp_avg_sq_src = ELSEWHERE ? exp_avg_sq_old : exp_avg_sq;
+  const void* __restrict grad = a.grad;
+  void* __restrict out16 = a.out16;
+  const uint32_t seed = scalar::mix32(a.seed);
+  const __m256i even_index = P::even_index(), one = _mm256_set1_epi32(1);
+  const AdamTerms<Vec> terms(a);
+  // the copy of a float32 master streams around the cache where it is aligned (see [Note: streaming stores])
+  const bool stream16 = OUT == 1 && MASTER == int(Master::F32) &&
+                        reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(out16) + i) % 32 == 0;
+  const size_t ahead = a.prefetch == PREFETCH_BUILD ? Vec::PREFETCH : a.prefetch;
+  for (; i + 16 <= end; i += 16) {
+    prefetch<Vec>(grad, i, G == DType::F32 ? 4 : 2, ahead);
+    prefetch<Vec>(param_src, i, MASTER == int(Master::F32) ? 4 : 2, ahead);
+    if constexpr (MASTER == int(Master::SPLIT)) prefetch<Vec>(param_lo_src, i, 2, ahead);
+    prefetch<Vec>(exp_avg_src, i, BF16M ? 2 : 4, ahead);
+    prefetch<Vec>(exp_avg_sq_src, i, BF16M ? 2 : 4, ahead);
+    __m256 g[2], p[2], m[2], v[2];
+    if constexpr (G == DType::F32) P::load32(static_cast<const float*>(grad) + i, g);
+    else P::widen(grad, i, g);
+    if constexpr (MASTER == int(Master::F32)) {
+      P::load32(static_cast<const float*>(param_src) + i, p);
+    } else if constexpr (MASTER == int(Master::SPLIT)) {  // high << 16 plus the low half sign-extended
+      const __m256i hi = P::words(static_cast<const uint16_t*>(param_src) + i), lo = P::words(param_lo_src + i);
+      p[0] = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(hi, 16),
+                                                  _mm256_srai_epi32(_mm256_slli_epi32(lo, 16), 16)));
+      p[1] = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(int(0xffff0000u))),
+                                                  _mm256_srai_epi32(lo, 16)));
+    } else {
+      P::widen(param_src, i, p);
+    }
+    if constexpr (BF16M) {
+      P::widen(exp_avg_src, i, m);
+      P::widen(exp_avg_sq_src, i, v);
+    } else {
+      P::load32(static_cast<const float*>(exp_avg_src) + i, m);
+      P::load32(static_cast<const float*>(exp_avg_sq_src) + i, v);
+    }
+    for (int h = 0; h < 2; ++h) p[h] = terms.update(g[h], p[h], m[h], v[h]);
+    __m256i hi[2];  // a 16-bit master's words as stored, in their high halves: the copy is them
+    if constexpr (MASTER == int(Master::F32)) {
+      P::store32(static_cast<float*>(param) + i, p);
+    } else if constexpr (MASTER == int(Master::SPLIT)) {  // see Vec::store_split
+      __m256i lo[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i b = _mm256_castps_si256(p[h]), nan = nan_lanes(p[h]);
+        hi[h] = _mm256_blendv_epi8(_mm256_add_epi32(b, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7fc00000), nan);
+        lo[h] = _mm256_andnot_si256(nan, b);
+      }
+      P::put_high(param, i, hi[0], hi[1]);
+      P::put_low(param_lo, i, lo[0], lo[1]);
+    } else if constexpr (MASTER == int(Master::BF16)) {
+      hi[0] = bf16_high(p[0]);
+      hi[1] = bf16_high(p[1]);
+      P::put_high(param, i, hi[0], hi[1]);
+    } else {
+      const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(int(uint32_t(a.index0) + uint32_t(i))), even_index);
+      hi[0] = stochastic_high(p[0], at, seed);
+      hi[1] = stochastic_high(p[1], _mm256_add_epi32(at, one), seed);
+      P::put_high(param, i, hi[0], hi[1]);
+    }
+    if constexpr (BF16M) {
+      P::put_high(exp_avg, i, bf16_high(m[0]), bf16_high(m[1]));
+      P::put_high(exp_avg_sq, i, bf16_high(v[0]), bf16_high(v[1]));
+    } else {
+      P::store32(static_cast<float*>(exp_avg) + i, m);
+      P::store32(static_cast<float*>(exp_avg_sq) + i, v);
+    }
+    if constexpr (OUT == 1 && MASTER != int(Master::F32)) P::put_high(out16, i, hi[0], hi[1]);
+    else if constexpr (OUT == 1) P::put_high(out16, i, bf16_high(p[0]), bf16_high(p[1]), stream16);
+  }
+  if (stream16) Vec::fence();
+  return i;
+}
+#endif
+
 template <class V, DType G, bool ELSEWHERE, int MASTER, bool BF16M>
 size_t adam_span_out(const AdamArgs& a, size_t i, size_t end) {
+#if defined(OFFLOAD_AVX2_PAIRS)
+  // A 16-bit stream's state in word order (see [Note: sixteen in the order of the 16-bit words]); the float32 state
+  // and anything float16 stay eight-wide. The rest of the span (under sixteen) goes on below.
+  if constexpr (V::W == Vec::W && G != DType::F16 && (MASTER != int(Master::F32) || BF16M)) {
+    if (a.out16 == nullptr) i = adam_pairs<G, 0, ELSEWHERE, MASTER, BF16M>(a, i, end);
+    else if (a.out_dtype == DType::BF16) i = adam_pairs<G, 1, ELSEWHERE, MASTER, BF16M>(a, i, end);
+  }
+#endif
   if (a.out16 == nullptr) return adam_loop<V, G, 0, ELSEWHERE, MASTER, BF16M>(a, i, end);
   if (a.out_dtype == DType::BF16) return adam_loop<V, G, 1, ELSEWHERE, MASTER, BF16M>(a, i, end);
   if constexpr (MASTER == int(Master::F32)) return adam_loop<V, G, 2, ELSEWHERE, MASTER, BF16M>(a, i, end);

@@ -288,3 +288,76 @@ def test_bad_state_buffers_are_clear_errors(override, message):
     with pytest.raises(native.NativeError, match=message):
         adam_step(args["master"], args["grad"], args["exp_avg"], args["exp_avg_sq"], 1, HYPER, out16=args["out16"],
                   master_lo=args["master_lo"], stochastic=args["stochastic"])
+
+
+def _bits(n: int, dtype: torch.dtype, gen: torch.Generator, scale: float) -> torch.Tensor:
+    """Random values with the awkward ones spread through: NaN, both infinities, both zeros, subnormals, float32
+    values on a bf16 tie (low half 0x8000) and just either side of one."""
+    x = torch.randn(n, generator=gen) * scale
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -3e-39], dtype=torch.float32)
+    at = torch.randint(0, n, (n // 16,), generator=gen)
+    x[at] = specials[torch.randint(0, len(specials), (len(at),), generator=gen)]
+    bits = x.view(torch.int32)
+    tie = torch.randint(0, n, (n // 16,), generator=gen)
+    bits[tie] = (bits[tie] & ~0xFFFF) | torch.randint(0x7FFF, 0x8002, (len(tie),), generator=gen, dtype=torch.int32)
+    return x.to(dtype)
+
+
+COMBOS = [(master, moments, grad, out, into)
+          for master in ("fp32", "16+16", "bf16 nearest", "bf16 stochastic")
+          for moments in (torch.float32, torch.bfloat16)
+          for grad in (torch.float32, torch.bfloat16, torch.float16)
+          for out in (None, torch.bfloat16, torch.float16)
+          for into in (False, True)
+          if not (out is torch.float16 and master != "fp32")]
+
+
+def _one_step(master, moments, grad_dtype, out_dtype, into, offset, adamw, threads):
+    """One step of a format from fixed random state, at ``offset`` elements into its buffers (so the vector passes
+    start unaligned and end in a tail); what every buffer it wrote holds after."""
+    n = 1000
+    gen = torch.Generator().manual_seed(21)
+    p = _bits(n + offset, torch.float32, gen, 1.0)[offset:]
+    g = _bits(n + offset, grad_dtype, gen, 1e-2)[offset:]
+    m = _bits(n + offset, moments, gen, 1e-2)[offset:]
+    v = (_bits(n + offset, moments, gen, 1e-2).abs())[offset:]
+    lo = None
+    if master == "16+16":
+        hi, lo = split_master(p)
+        p = hi
+    elif master != "fp32":
+        p = p.bfloat16()
+    state = [p, m, v] + ([lo] if lo is not None else [])
+    out = torch.empty(n + offset, dtype=out_dtype)[offset:] if out_dtype is not None else None
+    targets = [torch.full((t.numel() + offset,), 7, dtype=t.dtype)[offset:] for t in state] if into else None
+    hyper = AdamHyper(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, adamw_mode=adamw)
+    adam_step(p, g, m, v, 3, hyper, grad_scale=0.75, pre_scale=0.5, out16=out, threads=threads, master_lo=lo,
+              into=tuple(targets) if targets else None,
+              stochastic=Stochastic(77, index0=5) if master == "bf16 stochastic" else None)
+    written = (targets if into else state) + ([out] if out is not None else [])
+    return [t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) for t in written]
+
+
+def _combo_id(combo) -> str:
+    master, moments, grad, out, into = combo
+    name = lambda d: "none" if d is None else str(d).replace("torch.", "")  # noqa: E731
+    return f"{master}-m_{name(moments)}-g_{name(grad)}-out_{name(out)}-{'elsewhere' if into else 'in_place'}"
+
+
+@pytest.mark.parametrize("master, moments, grad, out, into", COMBOS, ids=[_combo_id(c) for c in COMBOS])
+def test_every_variant_steps_every_format_as_the_portable_one_bit_for_bit(master, moments, grad, out, into):
+    """Each format, gradient dtype, copy and in-place or elsewhere step, on every variant this CPU runs, against the
+    portable build: element-wise arithmetic, so the vector width must not move a bit, NaN and subnormals included
+    (the run's summary names the variants this CPU could not reach)."""
+    before = native.active_variant()
+    try:
+        for offset, adamw, threads in ((0, True, 1), (3, False, 2)):
+            native.select_variant("portable")
+            want = _one_step(master, moments, grad, out, into, offset, adamw, threads)
+            for name in native.supported_variants():
+                native.select_variant(name)
+                got = _one_step(master, moments, grad, out, into, offset, adamw, threads)
+                for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                    assert torch.equal(a, b), (name, offset, i, (a != b).nonzero()[:5].flatten().tolist())
+    finally:
+        native.select_variant(before)
