@@ -1,75 +1,33 @@
 #!/usr/bin/env bash
-# Every GPU measurement and test the open issues name, in stages, each logged to $OUT/<stage>.log.
+# Every GPU measurement and test the open issues name (#84's ranked rows), in stages, each logged to $OUT/<stage>.log.
 #
-# Here (with network), once per session that is lent a GPU: build the wheels the lent machine lacks into .whl/ (git
-# ignores it; it travels with the working tree as `carry: [".whl"]`, about 10 MiB):
+# Before a loan, here (with network): build what the lent machine lacks (it has no network) into .whl/ (about
+# 10 MiB, git ignores it; it travels as carry):
 #   tools/gpu_session.sh wheels
+# A loan is 15 minutes of device time in all (the start, about 65 s with install, and idle waits counted); the machine
+# goes back after 30 s idle, so issue each call the moment the one before returns. Each Python command is cut at
+# STAGE_S seconds, and the logs are re-tarred into $BUNDLE after every stage (BUNDLE before OUT: the tool's $OUT), so
+# a call cut at its limit still brings back what finished. The calls, in #84's rank order:
+# 1. rows 1-2: the streamed lane's CUDA tests, the same under TORCH_CUDA_SANITIZER, then the 0.91B GPT homed on the
+#    host (host lane, streamed lane, auto), clipping off then on, each beside plain PyTorch and its floor:
+#      run(carry=[".whl"], timeout_s=560, command='BUNDLE=$OUT/p68.tgz OUT=/tmp/gs STAGE_S=200 tools/gpu_session.sh plan68')
+# 2. offload_states, Lion/Adagrad/Muon and zero.Init on the GPU, offload_states' round trip, the compiled units and
+#    the compiled 0.91B beside eager (prefix `install` if the machine went cold):
+#      run(carry=[".whl"], timeout_s=560, command='BUNDLE=$OUT/p69.tgz OUT=/tmp/gs STAGE_S=200 tools/gpu_session.sh plan69')
+# 3. with time left: plan44a (0.91B and 4.5B against the floor), plan44b (CUDA tests, the 8B Llama through the Trainer
+#    beside DeepSpeed and plain PyTorch), plan55 (the 4.5B with 16-bit state), largest (3-5 min, a call of its own).
+# The last timings (H200, 2026-11-27): install 40 s, cuda-tests 15-59 s, pace-0p9b one round 120 s; pace-4p5b needs a
+# call of its own (STAGE_S=400); suite a call of its own (SUITE_S, default 420 s, 14 workers). After a loan, replay
+# the same model's recorded step graph here (`offload bench schedule`) beside what was measured. What each loan
+# measured and taught: docs/performance.md, "On a GPU" and "The session script's history".
 #
-# A lent task has 15 minutes of device time in all (start-ups and idle waits counted), and the machine goes back after
-# 30 s idle: back-to-back calls of the run tool, each issued the moment the one before returns (the calls are below).
-# Each Python command is cut at STAGE_S seconds (default 300) so one stage cannot eat the call, and the work folder
-# is re-tarred into $BUNDLE after every stage (BUNDLE before OUT: the tool's $OUT, expanded before OUT is set), so a
-# call cut at its limit still brings back what finished.
-# What the H200 loan of 2026-11-27 (session 34) taught: the machine's start and the install took about 65 s of the 900;
-# pace-0p9b with 2 rounds does not finish in 170 s (one round: 120 s); pace-4p5b did not finish its first round in
-# 170 s (building the 4.5B model on every side and timing plain PyTorch), so it needs a call of its own with
-# STAGE_S=400 and fewer sides (--variants full-overlap,auto). Since session 39 the benches draw a model's weights
-# on the GPU (StepBench.build_model: the host's generator had spent about a minute a side on the 4.5B model's
-# 9 billion draws), so these stages should take minutes less; not yet measured there. The first call should be:
-#   run(carry=[".whl"], timeout_s=560, command='BUNDLE=$OUT/p.tgz OUT=/tmp/gs STAGE_S=200 tools/gpu_session.sh plan59')
-# then, the moment it returns, pace-4p5b alone (STAGE_S=400, `install` first only if the machine went cold).
-# Since session 41 the first call should be plan68 (#68's streamed lane, #71's row 1; never run on a GPU): install,
-# the streamed lane's CUDA tests (tests/test_engine_cuda.py -k streamed: correct before it is timed),
-# then the 0.91B GPT with everything homed on the host through the host lane and the streamed lane (stream_state
-# auto, chosen by the measured rates, then 0.5 and 1.0), clipping off then on, each beside plain PyTorch and its floor
-# (the longest of compute, the host Adam share and each bus direction's bytes at the measured rate):
-#   run(carry=[".whl"], timeout_s=560, command='BUNDLE=$OUT/p68.tgz OUT=/tmp/gs STAGE_S=200 tools/gpu_session.sh plan68')
-# #44 first (a task now has 15 minutes of device time in all, so plan44a, then plan44b if time is left):
-# plan44a: install; the 0.91B GPT's pace against the floor (full offload, auto with params offloaded); the 4.5B's
-#   (full, auto, auto with params on the GPU: auto is refitted after the first step by its measured peak, see
-#   [Note: the split refitted] in offload/engine/refit.py, so the timed steps run the refitted split).
-# plan44b: the CUDA tests (the refit's real trigger, the rates start-up measures and the split auto chooses by them:
-#   test_engine_cuda.py; offload estimate at the measured rates: test_cli.py); the 8B Llama through
-#   offload.hf.Trainer, DeepSpeed and plain PyTorch; the 4.5B under a 68 GiB device budget. trainer-8b-refit (a
-#   stage of its own) runs the 8B's offload side with no device budget: auto and its refit choose the split.
-#   offload.zero.Init now draws on the GPU as DeepSpeed's does ([Note: drawing on the device] in
-#   offload/zero/recipe.py, session 47; unmeasured on a GPU: initialize logs "units ... built, sharded and placed in
-#   N s"). Before it drew on the host's generator, one value at a time (a one-layer 1.27B slice of that Llama took
-#   13-18 s to build and 23-24 s to initialize on a 2-core Xeon; the whole 8B about 6x that). TRAINER_S=360 if the
-#   240 s default cuts it.
-# plan55 (#55's GPU rows): install; the 4.5B GPT full offload and auto with bf16 moments and with a bf16 master
-#   (stochastic), each against its floor at its own host step's rate (pace-4p5b-formats); pace-4p5b is the fp32 row.
-# largest (a stage of its own, about 3-5 minutes): the largest model `offload estimate` says that machine trains
-#   (its RAM, its disk under /tmp as NVMe, the GPU), at 0.9 of that size, three steps: tokens/s and each tier's
-#   peak against the estimate (tools/largest_pace.py).
-# Then, with time to spare, what was open after the H200's third loan of 2026-11-26 (docs/performance.md, "On a GPU"):
-# plan1 (about 5-6 minutes): install; the CUDA tests and the same under torch's stream sanitizer; the headline step
-#   (the regression check) beside its host Adam on two threads fewer (`host-spare-cores`: whether the Adam inside
-#   the step, 110-115 GB/s against 159 alone, loses to threads that lose their cores); activations checkpointed with
-#   their saved inputs on the GPU and on the host (never run on a GPU: the memory they save, the recompute's cost).
-# plan2 (a second call, only with time to spare): DeepSpeed on the 1.3B model, params and optimizer on the host (cut
-#   twice by a call's limit; cut at DS_1P3B_S, default 380 s).
-# If the first call finds the machine cold again for the second (more than 30 s between them), plan2 needs
-# `install` first: `tools/gpu_session.sh install plan2`. The calls:
-#   run(carry=[".whl"], timeout_s=400, command='BUNDLE=$OUT/plan1.tgz OUT=/tmp/gs tools/gpu_session.sh plan1')
-#   run(carry=[".whl"], timeout_s=450, command='BUNDLE=$OUT/plan2.tgz OUT=/tmp/gs tools/gpu_session.sh plan2')
-#
-# Every stage by name (timings from the H100 of 2026-11-24/25: install + cuda-tests + bench-step-default about 180 s;
-# bench-step-placement 149 s; bench-deepspeed-placements 232 s; bench-deepspeed + bench-deepspeed-placements +
-# bench-step-1p3b 498 s; profile + sanitizer 57 s; from the H200 of 2026-11-26: install 40, cuda-tests 59,
-# bench-step-default 35-37, bench-step-1p3b-auto 157, bench-step-1p3b-split 178, bench-step-hiding 78, bench-hooks 13,
-# bench-deepspeed-device 170, sanitizer 26-35, bench-step-nvme-early 91-112, bench-adam 36, bench-step-nvme-optimizer
-# 82, bench-deepspeed-nvme 205 s):
+# Every stage by name:
 #   install cuda-streamed cuda-tests bench-pcie bench-adam bench-hooks bench-step bench-step-default bench-step-placement
 #   bench-step-delayed bench-step-hiding bench-step-1p3b bench-step-1p3b-auto bench-step-1p3b-split bench-step-4p5b bench-step-nvme
 #   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b
 #   bench-deepspeed-nvme bench-step-checkpointing bench-step-threads profile sanitizer suite
 #   pace-0p9b pace-0p9b-lanes pace-4p5b pace-4p5b-budget pace-4p5b-formats trainer-8b trainer-8b-refit largest
 #   cuda-lend bench-lend cuda-compile bench-step-compile sanitizer-streamed
-# bench-step-4p5b runs alone (a model whose state does not fit on the GPU, auto beside all on the host); suite takes
-# a call of its own (SUITE_S, default 420 s, 14 workers).
-# Then replay the same model's recorded step graph here (`offload bench schedule`, docs/performance.md) and put the
-# prediction beside what was measured.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-session}
