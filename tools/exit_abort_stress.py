@@ -4,7 +4,8 @@ of the two-process cases that have shown it, with and without a CPU hog beside t
     .venv/bin/python tools/exit_abort_stress.py --runs 100 --hog 0,2 --out stress-out
 
 Each run is one case, in turn: accelerate's two-process loop (tests/accelerate_scripts/loop.py under `accelerate
-launch`) and Lightning's two-device fit (tests/lightning_scripts/fit.py). Runs are not tests (no timing, nothing
+launch`) and Lightning's two-device fit (tests/lightning_scripts/fit.py), each saving its state as the tests do, on
+offload's engine and on plain DDP (the tests' references). Runs are not tests (no timing, nothing
 asserted): the script prints a table of runs and aborts per case and hog, and writes it to <out>/counts.json. For
 each abort it keeps the process's stderr (every thread's Python stack: PYTHONFAULTHANDLER) and, where the kernel
 writes core files (root: it points /proc/sys/kernel/core_pattern at <out>/cores for the run and puts it back), the
@@ -35,15 +36,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+CASES = ("accelerate", "accelerate-plain", "lightning", "lightning-ddp")
+
+
 def case_command(case: str, work: Path) -> list[str]:
-    if case == "accelerate":
+    """One case's command: offload's side, or the same script on plain DDP (the tests' references, which run beside
+    it: an abort there is torch's or the framework's, not the engine's)."""
+    if case in ("accelerate", "accelerate-plain"):
         return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--main_process_port", str(_free_port()), str(REPO / "tests" / "accelerate_scripts" / "loop.py"),
-                "offload", str(work / "out.pt")]
-    if case == "lightning":
-        return [sys.executable, str(REPO / "tests" / "lightning_scripts" / "fit.py"), "offload_stage_3_offload",
-                str(work / "out"), "--devices", "2"]
-    raise ValueError(f"unknown case {case!r}: accelerate or lightning")
+                "offload" if case == "accelerate" else "plain", str(work / "out.pt"), "--save", str(work / "state")]
+    if case in ("lightning", "lightning-ddp"):
+        strategy = "offload_stage_3_offload" if case == "lightning" else "ddp"
+        return [sys.executable, str(REPO / "tests" / "lightning_scripts" / "fit.py"), strategy, str(work / "out"),
+                "--devices", "2", "--save", str(work / "saved")]
+    raise ValueError(f"unknown case {case!r}: one of {', '.join(CASES)}")
 
 
 def _hog() -> None:  # a busy core, as another test worker or job on a shared CI machine
@@ -84,7 +91,7 @@ def native_stacks(cores: Path, since: float, out: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=50, help="runs of each case at each hog level")
-    ap.add_argument("--cases", default="accelerate,lightning")
+    ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--hog", default="0,2", help="busy processes beside the runs, comma-separated levels")
     ap.add_argument("--out", default="exit-abort-stress")
     args = ap.parse_args(argv)
