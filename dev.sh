@@ -60,7 +60,8 @@ case "$cmd" in
     set +e
     # Two workers (pytest-xdist): much of the suite waits on subprocesses, ranks and emulated copies, so two
     # share this 2-core box well (16.5 -> 12.8 min, 2026-11-27). OFFLOAD_TEST_WORKERS=0 runs it in one process.
-    "$PY" -m pytest -n "${OFFLOAD_TEST_WORKERS:-2}" "$@"
+    # Whole files to a worker as it frees up, the longest first (tests/conftest.py orders them from tests/slow.txt).
+    "$PY" -m pytest -n "${OFFLOAD_TEST_WORKERS:-2}" --dist loadfile "$@"
     rc=$?
     if [ $rc -eq 5 ]; then echo "pytest collected no tests: that is a failure" >&2; exit 1; fi
     exit $rc ;;

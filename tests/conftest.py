@@ -68,10 +68,29 @@ def variant(request):
 SLOW_LIST = REPO / "tests" / "slow.txt"
 
 
-def _slow_tests() -> set[str]:
-    """Node ids in tests/slow.txt (written by tools/slow_tests.py from a timed run)."""
-    lines = SLOW_LIST.read_text().splitlines()
-    return {line.split()[1] for line in lines if line.strip() and not line.startswith("#")}
+def _slow_tests() -> dict[str, float]:
+    """Node ids in tests/slow.txt (written by tools/slow_tests.py from a timed run), with their seconds there."""
+    seconds: dict[str, float] = {}
+    for line in SLOW_LIST.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            took, nodeid = line.split()[:2]
+            seconds[nodeid] = max(float(took), seconds.get(nodeid, 0.0))
+    return seconds
+
+
+QUICK_S = 0.3  # what a test not in tests/slow.txt is taken to cost (each took under 1.5 s there)
+
+
+def _longest_files_first(items: list[pytest.Item], seconds: dict[str, float]) -> None:
+    """Order the test files by their expected time, the longest first, each file's tests kept in their order.
+    ./dev.sh test hands whole files to its workers as each becomes free (--dist loadfile): longest first is the
+    schedule that leaves no worker finishing a long file alone at the end, and a file's module-scoped fixtures
+    (a Lightning or accelerate reference run) are built once."""
+    cost: dict[str, float] = {}
+    for item in items:
+        cost[item.nodeid.split("::")[0]] = cost.get(item.nodeid.split("::")[0], 0.0) + seconds.get(item.nodeid, QUICK_S)
+    position = {item.nodeid: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-cost[item.nodeid.split("::")[0]], position[item.nodeid]))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -84,6 +103,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
+    _longest_files_first(items, slow)
     # A renamed or removed test must leave the list too. Parameters that depend on this CPU (kernel variants)
     # may be absent here, so the check is by test function.
     if not config.args or [str(a) for a in config.args] == ["tests"]:
@@ -100,7 +120,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Say which native kernel variants the variant-parametrised tests ran here, and which compiled ones this CPU
     cannot execute (so were checked only where another CPU runs the suite; NEON runs under qemu-user in
     test_native_cross.py wherever the cross tools are). No emulator from the registries runs AVX-512 here:
-    Debian's qemu-user (7.2) emulates up to AVX2, and Intel SDE is a download, not a package."""
+    Debian's qemu-user (7.2) stops on SIGILL at its first AVX-512 instruction, and Intel SDE is a download, not
+    a package (docs/testing.md)."""
     ran, compiled = native.supported_variants(), native.compiled_variants()
     missing = [v for v in compiled if v not in ran]
     terminalreporter.write_line(f"kernel variants tested on this CPU: {', '.join(ran)}"

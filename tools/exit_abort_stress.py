@@ -77,10 +77,9 @@ def native_stacks(cores: Path, since: float, out: Path) -> list[str]:
     for core in sorted(cores.glob("core.*")):
         if core.stat().st_mtime < since:
             continue
-        exe = core.name.split(".")[1] if core.name.count(".") >= 2 else None
-        binary = sys.executable if exe is None or "python" in exe else exe
-        bt = subprocess.run(["gdb", "-batch", "-ex", "thread apply all bt", binary, str(core)], capture_output=True,
-                            text=True, timeout=300)
+        # every rank is this Python (the core is named after the thread that aborted, not the program)
+        bt = subprocess.run(["gdb", "-batch", "-ex", "thread apply all bt", sys.executable, str(core)],
+                            capture_output=True, text=True, timeout=600)
         target = out / f"{core.name}.bt.txt"
         target.write_text(bt.stdout + bt.stderr)
         kept.append(str(target))
