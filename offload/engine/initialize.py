@@ -122,8 +122,9 @@ def _end_group_at_exit() -> None:
     """[Note: the group at exit] A script that ends without ``destroy_process_group()`` (most do: the Trainer and
     accelerate leave the group to the process's end) can have gloo's worker threads release tensors while Python
     finalizes; that takes the GIL of a finalizing interpreter and the rank aborts ("terminate called without an
-    active exception", now and then: tools/exit_abort_stress.py caught it once in 60 runs of plain accelerate on
-    DDP, in a ``pt_gloo_runloop`` thread, offload not imported). So at exit, while Python is whole, our streams
+    active exception", now and then: tools/exit_abort_stress.py caught it twice in 128 runs of plain accelerate on
+    DDP, offload not imported: gloo's worker dropping a finished all-reduce whose captured ThreadLocalState holds
+    Python objects, docs/testing.md). So at exit, while Python is whole, our streams
     finish their work, the all-gathers still in flight (a prefetch the script never used) are waited for, and then
     a gloo group still alive is destroyed (registered after torch's and the launcher's handlers, so it runs before
     them): none of offload's work is left for a gloo thread to finish. Destroying the group unregisters it but
