@@ -2,7 +2,7 @@
 # One entry point for the README's two commands (and CI):
 #   ./dev.sh train [args]  set up .venv, then run the main job (offload train) on its embedded default
 #   ./dev.sh demo [args]   the smaller walk-through of the engine (offload demo)
-#   ./dev.sh test [args]   set up .venv, then run the whole test suite on two workers (args go to pytest)
+#   ./dev.sh test [args]   set up .venv, then run the whole test suite on three workers (args go to pytest)
 #   ./dev.sh deepspeed     install DeepSpeed beside the venv's torch (for `offload bench step --baseline
 #                          deepspeed`) and run the tests that need it: the side-by-side, and offload.hf's
 #                          "auto" resolution against transformers' own (which imports DeepSpeed)
@@ -58,10 +58,11 @@ case "$cmd" in
       fi
     fi
     set +e
-    # Two workers (pytest-xdist): much of the suite waits on subprocesses, ranks and emulated copies, so two
-    # share this 2-core box well (16.5 -> 12.8 min, 2026-11-27). OFFLOAD_TEST_WORKERS=0 runs it in one process.
+    # Three workers (pytest-xdist) on these 2-core boxes: much of the suite waits on subprocesses, ranks and emulated
+    # copies (one worker to two: 16.5 -> 12.8 min, 2026-11-27; two to three on the AVX2 EPYC: 17:24 -> 16:04, the
+    # inner loop 2:49 -> 2:38, 2026-12-07; unmeasured on the others). OFFLOAD_TEST_WORKERS=0 runs it in one process.
     # Whole files to a worker as it frees up, the longest first (tests/conftest.py orders them from tests/slow.txt).
-    "$PY" -m pytest -n "${OFFLOAD_TEST_WORKERS:-2}" --dist loadfile "$@"
+    "$PY" -m pytest -n "${OFFLOAD_TEST_WORKERS:-3}" --dist loadfile "$@"
     rc=$?
     if [ $rc -eq 5 ]; then echo "pytest collected no tests: that is a failure" >&2; exit 1; fi
     exit $rc ;;
