@@ -253,12 +253,40 @@ SqNorm sq_norm(const void* data, DType dtype, size_t n, float scale) {
   return r;
 }
 
-inline __m128i bf16_8(__m256 x) {
+// The 16-bit roundings, each leaving its result in the high half of every 32-bit lane: the eight-wide Vec narrows
+// them, the word-order loop (see [Note: sixteen in the order of the 16-bit words]) blends two vectors of them.
+inline __m256i nan_lanes(__m256 x) { return _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
+
+// bfloat16 rounded to nearest even (a NaN: the quiet 0x7fc0).
+inline __m256i bf16_high(__m256 x) {
   const __m256i b = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan_lanes(x));
+}
+
+// A bfloat16 master rounded stochastically (see [Note: state formats]), for the elements at stream indices idx.
+inline __m256i stochastic_high(__m256 x, __m256i idx, uint32_t seed) {
+  __m256i k = _mm256_xor_si256(idx, _mm256_set1_epi32(int(seed)));
+  k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 16));  // lowbias32, as scalar::mix32
+  k = _mm256_mullo_epi32(k, _mm256_set1_epi32(0x7feb352d));
+  k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 15));
+  k = _mm256_mullo_epi32(k, _mm256_set1_epi32(int(0x846ca68bu)));
+  k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 16));
+  const __m256i b = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_and_si256(k, _mm256_set1_epi32(0xffff)));
+  return _mm256_blendv_epi8(b, _mm256_set1_epi32(0x7fc00000), nan_lanes(x));
+}
+
+// The 16+16 master's halves: the high one (rounded to nearest, ties away) in the high half of ``hi``, the float's
+// own low 16 bits in the low half of ``lo``; a NaN is the quiet NaN with a zero low half.
+inline void split_halves(__m256 x, __m256i& hi, __m256i& lo) {
+  const __m256i b = _mm256_castps_si256(x), nan = nan_lanes(x);
+  hi = _mm256_blendv_epi8(_mm256_add_epi32(b, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7fc00000), nan);
+  lo = _mm256_andnot_si256(nan, b);
+}
+
+inline __m128i bf16_8(__m256 x) {
+  const __m256i r = _mm256_srli_epi32(bf16_high(x), 16);
   // packus works per 128-bit lane; gather qwords 0 and 2 to restore element order.
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
 }
@@ -315,25 +343,15 @@ struct Vec {
     return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(h, 16), l));
   }
   static void store_split(uint16_t* hi, uint16_t* lo, size_t i, F x) {
-    const __m256i b = _mm256_castps_si256(x);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    const __m256i h = _mm256_blendv_epi8(_mm256_srli_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x8000)), 16),
-                                         _mm256_set1_epi32(0x7fc0), nan);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), low16(h));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i), low16(_mm256_andnot_si256(nan, b)));
+    __m256i h, l;
+    split_halves(x, h, l);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), low16(_mm256_srli_epi32(h, 16)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i), low16(l));
   }
   static void store_stochastic(uint16_t* out, size_t i, F x, uint32_t at, uint32_t seed) {
-    __m256i k = _mm256_xor_si256(_mm256_add_epi32(_mm256_set1_epi32(int(at)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                                 _mm256_set1_epi32(int(seed)));
-    k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 16));  // lowbias32, as scalar::mix32
-    k = _mm256_mullo_epi32(k, _mm256_set1_epi32(0x7feb352d));
-    k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 15));
-    k = _mm256_mullo_epi32(k, _mm256_set1_epi32(int(0x846ca68bu)));
-    k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 16));
-    const __m256i b = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_and_si256(k, _mm256_set1_epi32(0xffff)));
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
-                     low16(_mm256_blendv_epi8(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x7fc0), nan)));
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int(at)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i h = stochastic_high(x, idx, seed);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), low16(_mm256_srli_epi32(h, 16)));
   }
   static void copy16(void* out, const uint16_t* from, size_t i) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i),
@@ -391,28 +409,6 @@ struct Pairs {
     return MIXED ? _mm256_setr_epi32(0, 2, 8, 10, 4, 6, 12, 14) : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
   }
 };
-
-inline __m256i nan_lanes(__m256 x) { return _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
-
-// bfloat16 rounded to nearest even in the high half (a NaN: the quiet 0x7fc0), as bf16_8 before its narrowing.
-inline __m256i bf16_high(__m256 x) {
-  const __m256i b = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb);
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan_lanes(x));
-}
-
-// The stochastic rounding's high half (see Vec::store_stochastic), for the elements at stream indices idx.
-inline __m256i stochastic_high(__m256 x, __m256i idx, uint32_t seed) {
-  __m256i k = _mm256_xor_si256(idx, _mm256_set1_epi32(int(seed)));
-  k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 16));  // lowbias32, as scalar::mix32
-  k = _mm256_mullo_epi32(k, _mm256_set1_epi32(0x7feb352d));
-  k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 15));
-  k = _mm256_mullo_epi32(k, _mm256_set1_epi32(int(0x846ca68bu)));
-  k = _mm256_xor_si256(k, _mm256_srli_epi32(k, 16));
-  const __m256i b = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_and_si256(k, _mm256_set1_epi32(0xffff)));
-  return _mm256_blendv_epi8(b, _mm256_set1_epi32(0x7fc00000), nan_lanes(x));
-}
 
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 
@@ -796,13 +792,9 @@ size_t adam_pairs(const AdamArgs& a, size_t i, size_t end) {
     __m256i hi[2];  // a 16-bit master's words as stored, in their high halves: the copy is them
     if constexpr (MASTER == int(Master::F32)) {
       P::store32(static_cast<float*>(param) + i, p);
-    } else if constexpr (MASTER == int(Master::SPLIT)) {  // see Vec::store_split
+    } else if constexpr (MASTER == int(Master::SPLIT)) {
       __m256i lo[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m256i b = _mm256_castps_si256(p[h]), nan = nan_lanes(p[h]);
-        hi[h] = _mm256_blendv_epi8(_mm256_add_epi32(b, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7fc00000), nan);
-        lo[h] = _mm256_andnot_si256(nan, b);
-      }
+      for (int h = 0; h < 2; ++h) split_halves(p[h], hi[h], lo[h]);
       P::put_high(param, i, hi[0], hi[1]);
       P::put_low(param_lo, i, lo[0], lo[1]);
     } else if constexpr (MASTER == int(Master::BF16)) {

@@ -32,13 +32,18 @@ def make_model(name: str, seed: int = 0) -> torch.nn.Module:
     raise ValueError(name)
 
 
+def exact_norm(grads: list[torch.Tensor]) -> float:
+    """The global norm of float32 gradients summed in float64, as the engine sums it."""
+    return math.sqrt(float(sum(g.double().square().sum() for g in grads)))
+
+
 def clip_at_exact_norm_(params: Any, max_norm: float) -> float:
     """``clip_grad_norm_`` from the exact global norm: the norm summed in float64 (as the engine sums it) and the
     factor in torch's float32 steps (``clip_coefficient``). torch's own norm sums float32 squares in an order set by
     the CPU's vector width, so a reference clipped by it is not the same on every CPU ([Note: the clip factor] in
     offload/optim/loss_scale.py); returns the norm."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = math.sqrt(float(sum(g.double().square().sum() for g in grads)))
+    norm = exact_norm(grads)
     factor = clip_coefficient(norm, max_norm)
     for g in grads:
         g.mul_(torch.tensor(factor, dtype=g.dtype, device=g.device))

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from engine_cases import backward_over, base_config, batches, make_any, train_engine
+from engine_cases import backward_over, base_config, batches, exact_norm, make_any, train_engine
 
 from offload.machine.launch import run_ranks
 from offload.optim.loss_scale import clip_coefficient, gradient_factor
@@ -65,7 +65,7 @@ def test_the_engines_norm_is_the_exact_one_and_torchs_within_its_rounding():
     model = make_any("gpt")
     backward_over(model, "gpt", batches(1, MICRO)[0], MICRO)
     grads = [p.grad for p in model.parameters()]
-    exact = math.sqrt(float(sum(g.double().square().sum() for g in grads)))
+    exact = exact_norm(grads)
     torchs = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))
     count = sum(g.numel() for g in grads)
     assert abs(got - exact) <= count * 2.0 ** -53 * exact, (got, exact)
