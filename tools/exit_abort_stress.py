@@ -5,7 +5,9 @@ of the two-process cases that have shown it, with and without a CPU hog beside t
 
 Each run is one case, in turn: accelerate's two-process loop (tests/accelerate_scripts/loop.py under `accelerate
 launch`) and Lightning's two-device fit (tests/lightning_scripts/fit.py), each saving its state as the tests do, on
-offload's engine and on plain DDP (the tests' references). Runs are not tests (no timing, nothing
+offload's engine and on plain DDP (the tests' references); and the smallest run that shows it, torch's DDP with each
+rank pinned to one core (tools/exit_abort_ddp.py), without and with offload's hold of the backward's context
+(ddp-pinned, ddp-pinned-held). Runs are not tests (no timing, nothing
 asserted): the script prints a table of runs and aborts per case and hog, and writes it to <out>/counts.json. For
 each abort it keeps the process's stderr (every thread's Python stack: PYTHONFAULTHANDLER) and, where the kernel
 writes core files (root: it points /proc/sys/kernel/core_pattern at <out>/cores for the run and puts it back), the
@@ -36,7 +38,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-CASES = ("accelerate", "accelerate-plain", "lightning", "lightning-ddp")
+CASES = ("accelerate", "accelerate-plain", "lightning", "lightning-ddp", "ddp-pinned", "ddp-pinned-held")
 
 
 def case_command(case: str, work: Path) -> list[str]:
@@ -50,6 +52,10 @@ def case_command(case: str, work: Path) -> list[str]:
         strategy = "offload_stage_3_offload" if case == "lightning" else "ddp"
         return [sys.executable, str(REPO / "tests" / "lightning_scripts" / "fit.py"), strategy, str(work / "out"),
                 "--devices", "2", "--save", str(work / "saved")]
+    if case in ("ddp-pinned", "ddp-pinned-held"):  # the smallest run, each rank on one core; held or not
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(_free_port()), str(REPO / "tools" / "exit_abort_ddp.py"),
+                *(["--hold"] if case == "ddp-pinned-held" else [])]
     raise ValueError(f"unknown case {case!r}: one of {', '.join(CASES)}")
 
 

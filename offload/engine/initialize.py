@@ -27,6 +27,7 @@ from offload.engine.errors import EngineError
 from offload.engine.muon_groups import check_muon, muon_halves
 from offload.files.pretrained import PretrainedWeights
 from offload.machine.accelerator import Accelerator, finish_streams
+from offload.machine.backward_context import hold_on_main_thread
 from offload.machine.host_malloc import set_mmap_threshold
 from offload.optim import generic
 from offload.optim.cpu_adam import CPUAdam
@@ -120,17 +121,18 @@ _ENDING: list[bool] = []  # whether this process has registered _end_group once
 
 def _end_group_at_exit() -> None:
     """[Note: the group at exit] A script that ends without ``destroy_process_group()`` (most do: the Trainer and
-    accelerate leave the group to the process's end) can have gloo's worker threads release tensors while Python
-    finalizes; that takes the GIL of a finalizing interpreter and the rank aborts ("terminate called without an
-    active exception", now and then: tools/exit_abort_stress.py caught it twice in 128 runs of plain accelerate on
-    DDP, offload not imported, and never in 207 on offload's engine: gloo's worker dropping a finished all-reduce
-    whose captured ThreadLocalState holds Python objects, docs/testing.md). So at exit, while Python is whole, our
-    streams finish their work, the all-gathers still in flight (a prefetch the script never used) are waited for,
-    and then a gloo group still alive is destroyed (registered after torch's and the launcher's handlers, so it
-    runs before them): none of offload's work is left for a gloo thread to finish. Destroying the group unregisters
-    it but does not end its threads (gloo's shutdown is a no-op in torch 2.13; they end with the C++ group, when
-    its last Python reference dies in module teardown), so this cannot rule out work other code left behind. NCCL's
-    group is left to the script: its destroy can block on a peer, and its end at exit is only a warning."""
+    accelerate leave the group to the process's end) can have gloo's worker threads release Python objects while
+    Python finalizes; that takes the GIL of a finalizing interpreter and the rank aborts ("terminate called without
+    an active exception"). The objects are the context each backward stashes in the TLS that its collectives
+    capture: the main thread keeps its last one ([Note: the backward's context] in
+    offload/machine/backward_context.py), so at exit no gloo worker is the last holder of one. And at exit, while
+    Python is whole, our streams finish their work, the all-gathers still in flight (a prefetch the script never
+    used) are waited for, and then a gloo group still alive is destroyed (registered after torch's and the
+    launcher's handlers, so it runs before them): none of offload's work is left for a gloo thread to finish.
+    Destroying the group unregisters it but does not end its threads (gloo's shutdown is a no-op in torch 2.13;
+    they end with the C++ group, when its last Python reference dies in module teardown). NCCL's group is left to
+    the script: its destroy can block on a peer, and its end at exit is only a warning."""
+    hold_on_main_thread()
     if not _ENDING:
         _ENDING.append(True)
         atexit.register(_end_group)

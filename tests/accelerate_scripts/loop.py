@@ -19,6 +19,10 @@ import sys
 import torch
 from accelerate.utils import DeepSpeedPlugin, set_seed
 
+from offload.machine.backward_context import hold_on_main_thread
+
+hold_on_main_thread()  # the plain reference too: else torch's exit abort can fail it ([Note: the backward's context])
+
 parser = argparse.ArgumentParser()
 parser.add_argument("impl", choices=["plain", "offload", "deepspeed"])
 parser.add_argument("out")

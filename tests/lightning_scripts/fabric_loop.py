@@ -17,6 +17,9 @@ import torch
 from torch import nn
 
 import offload.lightning
+from offload.machine.backward_context import hold_on_main_thread
+
+hold_on_main_thread()  # the DDP reference too: else torch's exit abort can fail it ([Note: the backward's context])
 
 STEPS, ACCUMULATE, SAVED_AT, CLIP = 8, 2, 4, 0.5
 OFFLOAD = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": CLIP,

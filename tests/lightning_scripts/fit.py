@@ -22,7 +22,10 @@ from torch import nn
 
 import offload
 import offload.lightning  # noqa: F401 - registers the offload_* strategy names
+from offload.machine.backward_context import hold_on_main_thread
 from offload.zero.compiled import DynamoCounts
+
+hold_on_main_thread()  # the DDP reference too: else torch's exit abort can fail it ([Note: the backward's context])
 
 
 class Block(nn.Module):
