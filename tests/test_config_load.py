@@ -288,3 +288,98 @@ def test_deepspeeds_other_optimizer_types_are_refused_with_what_to_use(name, say
         Config.load({"optimizer": {"type": name, "params": {"lr": 1e-3}}})
     with pytest.raises(ConfigError, match="'Lamb2' is not one of 'Adam'"):
         Config.load({"optimizer": {"type": "Lamb2"}})
+
+
+def test_dotted_top_level_keys_are_the_nested_keys_they_name():
+    """TRL's prepare_deepspeed writes "zero_optimization.reduce_bucket_size" and friends at the top level (DeepSpeed
+    itself ignores them silently); here they act, and a fractional element count is read down to a whole one."""
+    raw = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+           "zero_optimization.stage3_param_persistence_threshold": 320,
+           "zero_optimization.stage3_prefetch_bucket_size": 921.6}
+    config = Config.load(raw)
+    assert config.zero_optimization.stage == 3
+    assert config.zero_optimization.stage3_param_persistence_threshold == 320
+    assert config.zero_optimization.stage3_prefetch_bucket_size == 921
+    assert any("dotted keys read as nested ones" in str(n) for n in config.notes)
+    assert config.get("zero_optimization")["stage"] == 3 and config.get("no_such_section", {}) == {}
+    with pytest.raises(ConfigError, match="not a section"):
+        Config.load({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "gradient_clipping.x": 2})
+    with pytest.raises(ConfigError, match="unknown key"):
+        Config.load({"train_micro_batch_size_per_gpu": 1, "zero_optimization.no_such_key": 1})
+
+
+# DeepSpeed 0.19.8's zero_optimization keys (runtime/zero/config.py), each by the name and alias it takes
+DEEPSPEED_ZERO_KEYS = (
+    "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
+    "allgather_partitions", "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint",
+    "offload_param", "offload_optimizer", "zenflow", "sub_group_size", "cpu_offload_param",
+    "cpu_offload_use_pin_memory", "cpu_offload", "prefetch_bucket_size", "stage3_prefetch_bucket_size",
+    "param_persistence_threshold", "stage3_param_persistence_threshold", "model_persistence_threshold",
+    "stage3_model_persistence_threshold", "max_live_parameters", "stage3_max_live_parameters",
+    "max_reuse_distance", "stage3_max_reuse_distance", "gather_16bit_weights_on_model_save",
+    "stage3_gather_16bit_weights_on_model_save", "module_granularity_threshold",
+    "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
+    "stage3_use_all_reduce_for_fetch_params", "allgather_sequential", "stage3_allgather_sequential",
+    "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters", "legacy_stage1",
+    "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
+    "mics_hierarchical_params_gather", "memory_efficient_linear", "pipeline_loading_checkpoint",
+    "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
+    "save_muon_momentum_buffer_in_memory", "leaf_module", "compute_grad_norm", "parameter_alignment")
+DEEPSPEED_OFFLOAD_OPTIMIZER_KEYS = ("device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
+                                    "pipeline_write", "fast_init", "ratio", "super_offload", "cpuadam_cores_perc")
+DEEPSPEED_OFFLOAD_PARAM_KEYS = ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory")
+
+
+def test_every_key_of_deepspeed_0_19_8s_zero_section_is_known():
+    from offload.config.fields import _field_names
+    from offload.config.sections import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+    legacy = {"cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"}  # rewritten before parsing
+    for keys, section in ((DEEPSPEED_ZERO_KEYS, ZeroConfig), (DEEPSPEED_OFFLOAD_OPTIMIZER_KEYS, OffloadOptimizerConfig),
+                          (DEEPSPEED_OFFLOAD_PARAM_KEYS, OffloadParamConfig)):
+        unknown = [k for k in keys if k not in _field_names(section) and k not in legacy]
+        assert unknown == [], f"{section.__name__} lacks {unknown}"
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("zenflow", {"topk_ratio": 0.1, "update_interval": 4}, "offload.delayed_update"),
+    ("parameter_alignment", 16, "end to end"),
+    ("zeropp_loco_param", {"err_beta": 0.8}, "ZeRO++"),
+])
+def test_deepspeed_zero_keys_that_would_change_training_are_refused_by_name(key, value, says):
+    with pytest.raises(ConfigError, match=f"zero_optimization.{key}.*{says}"):
+        Config.load({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, key: value}})
+
+
+@pytest.mark.parametrize("key, value", [
+    ("stage3_allgather_sequential", True), ("allgather_sequential", True), ("use_all_reduce_for_fetch_params", True),
+    ("enable_sanity_checks", True), ("save_muon_momentum_buffer_in_memory", True),
+    ("module_granularity_threshold", 4096),
+])
+def test_deepspeed_zero_keys_without_effect_here_are_named(key, value):
+    config = Config.load({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, key: value}})
+    assert [str(n) for n in config.no_effect if "zero_optimization." in str(n)], config.notes
+
+
+def test_super_offload_has_no_effect_and_cpuadam_cores_perc_is_the_host_steps_threads():
+    base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    cfg = Config.load({**base, "zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "cpu", "super_offload": True, "cpuadam_cores_perc": 0.5}}})
+    assert any("super_offload" in str(n) for n in cfg.no_effect)
+    assert (cfg.host_threads(16), cfg.host_threads(3), cfg.host_threads(1)) == (8, 1, 1)
+    assert Config.load(base).host_threads(16) is None  # the kernels' default: every core
+    assert Config.load({**base, "offload": {"cpu_threads": 3}}).host_threads(16) == 3
+    with pytest.raises(ConfigError, match="cpuadam_cores_perc.*keep one"):
+        Config.load({**base, "offload": {"cpu_threads": 3}, "zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0.5}}})
+    with pytest.raises(ConfigError, match="cpuadam_cores_perc"):
+        Config.load({**base, "zero_optimization": {"stage": 3, "offload_optimizer": {"cpuadam_cores_perc": 1.5}}})
+
+
+def test_compute_grad_norm_false_is_refused_beside_clipping():
+    base = {"train_micro_batch_size_per_gpu": 1}
+    with pytest.raises(ConfigError, match="compute_grad_norm.*gradient_clipping 1 needs the norm"):
+        Config.load({**base, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2, "compute_grad_norm": False}})
+    config = Config.load({**base, "gradient_clipping": 0,
+                          "zero_optimization": {"stage": 2, "compute_grad_norm": False}})
+    assert config.zero_optimization.compute_grad_norm is False

@@ -502,3 +502,46 @@ def test_get_data_types_names_the_configured_accumulation_dtype_as_deepspeed_doe
         assert engine.get_data_types() == (torch.bfloat16, torch.float32) and engine.steps_per_print() == 7
     finally:
         engine.close()
+
+
+def _consolidated(rank, world):
+    config = {**base_config(2, 1, world), "bf16": {"enabled": True}}
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine, *_ = deepspeed.initialize(model=make_model("gpt"), config=config)
+    rows = batches(2, 2 * world)[0][rank * 2:(rank + 1) * 2]
+    engine.backward(loss_of(engine, "gpt", rows))
+    engine.step()
+    statuses = {p.ds_status.name for p in engine.module.parameters()}
+    with engine.gathered_parameters():
+        inside = {p.ds_status.name for p in engine.module.parameters()}
+    gathered = engine._zero3_consolidated_16bit_state_dict()
+    full = engine.full_state_dict()
+    out = {"asks": engine.zero_gather_16bit_weights_on_model_save(), "statuses": (statuses, inside),
+           "stage": engine.config.get("zero_optimization", {}).get("stage"), "keys": list(gathered)}
+    if rank == 0:
+        out["dtypes"] = {str(t.dtype) for k, t in gathered.items() if k in dict(engine.module.named_parameters())}
+        out["equal"] = all(torch.equal(gathered[k], full[k].to(gathered[k].dtype)) for k in gathered)
+        out["order"] = list(gathered) == list(full)
+    engine.close()
+    return out
+
+
+def test_the_16bit_state_dict_accelerate_saves_a_zero3_model_with_is_gathered_on_rank_0():
+    """accelerate's get_state_dict and the Trainer's save_model ask these of a ZeRO-3 engine; TRL reads ds_status."""
+    first, second = run_ranks(_consolidated, 2)
+    assert first["asks"] and first["stage"] == 3
+    assert first["statuses"] == ({"NOT_AVAILABLE"}, {"AVAILABLE"}) == second["statuses"]
+    assert first["dtypes"] == {"torch.bfloat16"} and first["equal"] and first["order"]
+    assert first["keys"] and second["keys"] == []
+
+
+@pytest.mark.parametrize("compute", [True, False])
+def test_compute_grad_norm_false_reports_no_norm_as_deepspeed(compute):
+    config = base_config(2, 1, 1, clip=0.0)
+    config["zero_optimization"]["compute_grad_norm"] = compute
+    engine, *_ = deepspeed.initialize(model=make_model("gpt"), config=config)
+    engine.backward(loss_of(engine, "gpt", batches(2, 2)[0]))
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    assert (norm is None) is (not compute) and (not compute or norm > 0)
+    engine.close()

@@ -40,6 +40,8 @@ LAYERS: list[tuple[str, ...]] = [
     # "offload" is the package's __init__ only: the public API over the engine; utils, DeepSpeed's helpers over it
     ("offload.engine", "offload", "offload.utils", "offload.runtime"),
     ("offload.hf", "offload.accelerate", "offload.lightning"),
+    # offload standing in for DeepSpeed (the finder, its module table, `offload launch`) and the one-line switch
+    ("offload.stand_in", "offload.as_deepspeed"),
     ("offload.bench",),
     ("offload.commands", "offload.__main__"),  # the command line and its jobs (train uses estimate and demo)
 ]

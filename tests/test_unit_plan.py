@@ -63,3 +63,38 @@ def test_a_checkpoint_of_the_unfolded_cut_loads_into_the_folded_one(tmp_path):
     for key, value in after.full_state_dict().items():
         assert torch.equal(value, state[key]), key
     after.close()
+
+
+class Experts(torch.nn.Module):
+    """An MoE block in miniature: four experts, of which a token would use one; larger than a unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(64, 4)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(64, 64)
+        self.moe = Experts()
+        self.tail_moe = Experts()
+
+
+@pytest.mark.parametrize("leaf", [{"classes": [f"{__name__}.Experts"]}, {"classes": ["Experts"]},
+                                  {"names": ["moe", "tail_moe"]}, {"name_suffixes": ["moe"]}])
+def test_deepspeeds_leaf_modules_are_gathered_whole(leaf):
+    """zero_optimization.leaf_module (DeepSpeed 0.19.8's, by class, name or name suffix): each such module is one
+    unit anchored at itself, never split across units, whatever its size."""
+    config = offload.Config.load({"train_micro_batch_size_per_gpu": 1,
+                                  "zero_optimization": {"stage": 3, "leaf_module": leaf}})
+    model = Stack()
+    split = plan_units(model, 16 << 10, 4)  # a 16 KiB unit holds one expert: the blocks split
+    assert all(["moe"] != p.anchors for p in split)
+    whole = plan_units(model, 16 << 10, 4, atomic=config.zero_optimization.leaf_module.atomic())
+    for name in ("moe", "tail_moe"):
+        unit = next(p for p in whole if name in p.anchors)
+        assert unit.anchors == [name]
+        assert sorted(s.name for s in unit.slots) == sorted(f"{name}.{n}" for n, _ in model.get_submodule(
+            name).named_parameters())

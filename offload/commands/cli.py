@@ -46,6 +46,15 @@ def _user_errors() -> tuple[type[BaseException], ...]:
             PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 
 
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from offload.stand_in.launch import LaunchError, exec_command
+    try:
+        exec_command(args.launched)
+    except LaunchError as e:
+        raise UsageError(str(e)) from None
+    return 0  # not reached: the command replaced this process
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     mem = psutil.virtual_memory()
     print(f"offload {offload.__version__}  (python {platform.python_version()}, torch {torch.__version__})")
@@ -388,6 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="what this machine and build offer (kernels, cores, memory, accelerator)")
     p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("launch", help="run a command (accelerate launch, torchrun, python) with offload standing in "
+                                       "for DeepSpeed in every process it starts: TRL, transformers' and "
+                                       "accelerate's DeepSpeed paths run on offload's engine (docs/trl.md)")
+    p.add_argument("launched", nargs=argparse.REMAINDER, metavar="command ...", help="the command and its arguments")
+    p.set_defaults(func=_cmd_launch)
 
     p = sub.add_parser("config", help="check a DeepSpeed-format config, or print the config reference")
     csub = p.add_subparsers(dest="config_command", required=True)

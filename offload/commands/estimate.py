@@ -31,6 +31,7 @@ from offload.config import Config, ConfigError
 from offload.config.fields import resolved
 from offload.engine.refit import refits, room_beside
 from offload.engine.step_schedule import wanted
+from offload.machine.cpus import default_threads
 from offload.models.catalog import MODELS, ModelError, build_model
 from offload.optim.hyper import held_moments
 from offload.store.param_homes import describe_placement
@@ -603,7 +604,8 @@ def run_cli(args: Any, preset: Any) -> int:
         print(f"offload estimate: {e}", file=sys.stderr)
         return 2
     device_free, where = device_memory(preset)
-    est = estimate(units, config, args.world, shape, rates=step_rates(args, preset, config.offload.cpu_threads),
+    threads = config.host_threads(default_threads())
+    est = estimate(units, config, args.world, shape, rates=step_rates(args, preset, threads),
                    device_free=device_free)
     if device_free is not None:
         est.notes.append(f"device memory: {device_free / 2**30:.1f} GiB ({where})")

@@ -105,7 +105,10 @@ class Spec:
 
 
 def setting(default: Any, doc: str, **spec: Any) -> Any:
-    """A scalar field: its default, its doc, and its rules (see :class:`Spec`)."""
+    """A scalar field: its default, its doc, and its rules (see :class:`Spec`); a list default is copied for each
+    config."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"spec": Spec(doc=doc, **spec)})
     return field(default=default, metadata={"spec": Spec(doc=doc, **spec)})
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -135,7 +136,25 @@ class Config:
     offload: OffloadExtConfig = section(OffloadExtConfig, "offload's own settings (not DeepSpeed keys).")
     notes: tuple[str, ...] = dataclasses.field(default=(), compare=False, metadata={"internal": True})
 
+    def host_threads(self, cores: int) -> int | None:
+        """Threads for the host's optimizer step on a process with ``cores`` physical cores: offload.cpu_threads,
+        else offload_optimizer.cpuadam_cores_perc of the cores (DeepSpeed's share), else None (the kernels'
+        default: every core)."""
+        if self.offload.cpu_threads is not None:
+            return self.offload.cpu_threads
+        share = self.zero_optimization.offload_optimizer.cpuadam_cores_perc
+        return None if share is None else max(1, math.floor(share * cores))
+
     def check(self, path: str) -> None:
+        if (self.offload.cpu_threads is not None
+                and self.zero_optimization.offload_optimizer.cpuadam_cores_perc is not None):
+            raise ConfigError("zero_optimization.offload_optimizer.cpuadam_cores_perc",
+                              "and offload.cpu_threads both set the host step's threads; keep one")
+        clip = self.gradient_clipping
+        if not self.zero_optimization.compute_grad_norm and isinstance(clip, (int, float)) and clip > 0:
+            raise ConfigError("zero_optimization.compute_grad_norm",
+                              f"is false, but gradient_clipping {clip:g} needs the norm; set gradient_clipping 0 "
+                              "or leave compute_grad_norm out (as DeepSpeed refuses the pair)")
         if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ConfigError("bf16.enabled", "fp16 and bf16 are both enabled; enable one of them")
         batch = (self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps)
@@ -182,6 +201,11 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """DeepSpeed-format JSON values; ``Config.load(c.to_dict()) == c``."""
         return to_raw(self)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A top-level section as DeepSpeed-format JSON: DeepSpeed's ``engine.config`` is the config dict, and
+        transformers' Trainer reads it so (``engine.config.get("zero_optimization", {}).get("stage")``)."""
+        return self.to_dict().get(key, default)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -318,9 +342,40 @@ def _batch_rule(train: int | None, micro: int | None, accum: int | None, world: 
     return train, train // world, 1
 
 
+def _undot(raw: Mapping[str, Any], notes: list[str]) -> Mapping[str, Any]:
+    """A top-level key written as a dotted path (``"zero_optimization.reduce_bucket_size"``, as TRL's
+    ``prepare_deepspeed`` and accelerate's ``ds_key_long`` write them) is that nested key: DeepSpeed itself ignores
+    such a key silently; here it acts, and the note says so."""
+    dotted = [k for k in raw if isinstance(k, str) and "." in k]
+    if not dotted:
+        return raw
+    nested: dict[str, Any] = copy.deepcopy({k: v for k, v in raw.items() if k not in dotted})
+    for key in dotted:
+        *parents, leaf = key.split(".")
+        section = nested
+        for i, part in enumerate(parents):
+            child = section.setdefault(part, {})
+            if not isinstance(child, Mapping):
+                raise ConfigError(".".join(parents[:i + 1]), f"is {child!r}, not a section, so {key!r} cannot set "
+                                                              f"a key inside it")
+            section[part] = child = dict(child)
+            section = child
+        value = raw[key]
+        if isinstance(value, float) and math.isfinite(value) and value != int(value):
+            value = int(value)  # TRL writes 0.9 * hidden_size ** 2 for a bucket's element count
+            notes.append(f"{key} = {raw[key]!r} is a count of elements; read as {value}")
+        section[leaf] = value
+    notes.append(f"dotted keys read as nested ones: {', '.join(sorted(dotted))}")
+    return nested
+
+
 def _rewrite_legacy(raw: Mapping[str, Any], notes: list[str]) -> Mapping[str, Any]:
     """DeepSpeed's deprecated zero_optimization booleans, rewritten to the offload sections; an Adagrad section
-    without eps takes DeepSpeed's Adagrad default (1e-10, not Adam's 1e-8)."""
+    without eps takes DeepSpeed's Adagrad default (1e-10, not Adam's 1e-8); ``steps_per_print`` infinite (how
+    accelerate's DeepSpeed path silences DeepSpeed's log) is unset, never."""
+    if raw.get("steps_per_print") == math.inf:
+        raw = {**raw, "steps_per_print": None}
+    raw = _undot(raw, notes)
     optimizer = raw.get("optimizer")
     if (isinstance(optimizer, Mapping) and str(optimizer.get("type", "")).lower() == "adagrad"
             and "eps" not in (optimizer.get("params") or {})):

@@ -17,6 +17,7 @@ from typing import Any
 
 from .fields import AUTO as AUTO_VALUE
 from .fields import Auto, ConfigError, Support, section, setting
+from .leaf_module import LeafModuleConfig
 
 NO_EFFECT = Support.NO_EFFECT
 REFUSED = Support.REFUSED
@@ -361,6 +362,15 @@ class OffloadOptimizerConfig:
              "Beside offloaded parameters those units' shards stay on the device too, and auto homes the next "
              "units' shards there with the room left.",
         ge=0, le=1, auto=True)
+    super_offload: bool = setting(False, "DeepSpeed's SuperOffload: the CPU optimizer step overlapped with "
+                                         "backward, speculated and validated.", support=NO_EFFECT,
+                                  note="offload's host step already overlaps backward where nothing global gates "
+                                       "it (offload.overlap_step) and speculates where asked "
+                                       "(offload.speculative_step); the values are the same either way.")
+    cpuadam_cores_perc: float | None = setting(
+        None, "Fraction of this process's physical cores the host's optimizer step runs on (DeepSpeed's "
+              "SuperOffload share, 0.8 there by default); read as offload.cpu_threads = max(1, floor(fraction x "
+              "cores)). null: offload.cpu_threads decides.", ge=0, le=1)
 
     def check(self, path: str) -> None:
         check_nvme_path(self.nvme_path, self.device, path)
@@ -418,7 +428,39 @@ class ZeroConfig:
         False, "save_16bit_model gathers the full 16-bit weights.",
         aliases=("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"))
     stage3_module_granularity_threshold: int = setting(0, "DeepSpeed's leaf-module grouping threshold.", ge=0,
+                                                       aliases=("module_granularity_threshold",),
                                                        support=NO_EFFECT, note="units are sized by offload.unit_bytes.")
+    leaf_module: LeafModuleConfig = section(LeafModuleConfig, "Modules gathered whole, never split across units "
+                                                              "(DeepSpeed's leaf modules; offload.atomic_modules "
+                                                              "adds to them).")
+    stage3_allgather_sequential: bool = setting(
+        False, "DeepSpeed's one-parameter-at-a-time all-gather.", aliases=("allgather_sequential",),
+        support=NO_EFFECT, note="each unit is gathered by one all-gather of its flat buffer, unit by unit in the "
+                                "prefetch order.")
+    stage3_use_all_reduce_for_fetch_params: bool = setting(
+        False, "DeepSpeed's all-reduce in place of the parameters' all-gather.",
+        aliases=("use_all_reduce_for_fetch_params",), support=NO_EFFECT,
+        note="units are gathered with all-gather; the values are the same either way.")
+    compute_grad_norm: bool = setting(True, "Report the global gradient norm (get_global_grad_norm, the "
+                                            "Trainer's grad_norm); false: None, as DeepSpeed answers. Clipping "
+                                            "needs the norm.")
+    parameter_alignment: int | None = setting(
+        None, "DeepSpeed's alignment of each parameter's start in the flat buffer, in bytes.", ge=1,
+        support=REFUSED, note="offload lays a unit's parameters end to end, each at a multiple of its own element "
+                              "size; padding them to a larger alignment is not implemented: leave the key out.")
+    enable_sanity_checks: bool = setting(False, "DeepSpeed's ZeRO-3 parameter-status checks.", support=NO_EFFECT,
+                                         note="offload checks every unit's state transition always "
+                                              "(offload/zero/unit.py).")
+    save_muon_momentum_buffer_in_memory: bool = setting(
+        False, "DeepSpeed's Muon momentum kept in device memory.", support=NO_EFFECT,
+        note="offload's Muon keeps its momentum where the optimizer state lives (offload_optimizer.device).")
+    zenflow: dict[str, Any] | None = setting(
+        None, "DeepSpeed's ZenFlow (the important gradient columns stepped now, the rest later).", support=REFUSED,
+        note="ZenFlow steps most of each matrix from gradients several steps old, which changes the values; "
+             "offload's delayed update (offload.delayed_update) overlaps the host's step with the next forward "
+             "and backward by stepping whole gradients one step late instead: use it, or leave zenflow out.")
+    zeropp_loco_param: dict[str, Any] | None = setting(None, "ZeRO++ LoCo gradient compression.", support=REFUSED,
+                                                       note=_NO_ZEROPP)
     ignore_unused_parameters: bool = setting(True, "Tolerate trainable parameters that receive no gradient in a step "
                                                    "(stepped with a zero gradient, as DeepSpeed does: weight decay "
                                                    "and the moments still move them, unlike torch.optim); false "

@@ -139,7 +139,7 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
                        len(untracked), ", ".join(untracked[:5]) + (" ..." if len(untracked) > 5 else ""))
 
     plans = plan_units(model, config.offload.unit_bytes, compute_dtype.itemsize,
-                       atomic=tuple(config.offload.atomic_modules or ()),
+                       atomic=(*(config.offload.atomic_modules or ()), *config.zero_optimization.leaf_module.atomic()),
                        fold_below=int(resolved(config.zero_optimization.stage3_param_persistence_threshold)))
     telemetry = Telemetry()
     trained = {plan.index for plan in plans if any(id(s.param) in group_of for s in plan.slots)}
@@ -159,7 +159,8 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
         # auto's split by this machine's rates, where it has a split to choose (see [Note: rates measured at
         # start-up]): the state on the host (on NVMe the disk's rate is not measured: state first), on a device with
         # memory of its own, bounded by a budget or its size
-        measured = (rates.measure(accel, config.offload.cpu_threads, group)
+        threads = config.host_threads(default_threads())  # the host step's (offload.cpu_threads or DeepSpeed's share)
+        measured = (rates.measure(accel, threads, group)
                     if (ratio is AUTO or (stream is AUTO and not want.delayed))
                     and zero.offload_optimizer.device == "cpu" and not accel.host_is_device
                     and (config.offload.budgets.device is not None or device_free is not None) else None)
@@ -203,11 +204,11 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
                             telemetry=telemetry, keep_host_copies=any(g.tier is Tier.NVME for g in placement.groups))
         undo.callback(params.close)
         if zero.offload_optimizer.device != "none":  # the host steps state: its Adam tuned for this CPU
-            tuned = prefetch.choose(config.offload.host_prefetch, config.offload.cpu_threads or default_threads())
+            tuned = prefetch.choose(config.offload.host_prefetch, threads or default_threads())
             logger.info("rank %d: %s", group.rank, tuned.describe())
         optimizer = ShardedAdam(
             param_groups, accel, [(i, n) for i, n in shard_sizes if i in trained], params=params,
-            rule=AdamRule(choice.adamw_mode, choice.bias_correction, config.offload.cpu_threads, choice.update),
+            rule=AdamRule(choice.adamw_mode, choice.bias_correction, threads, choice.update),
             telemetry=telemetry,
             plan=StatePlan(device=zero.offload_optimizer.device, groups=placement.groups,
                            step_buffers=placement.step_buffers,

@@ -239,6 +239,8 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable, Compiling, StateLending
             self._stop_if_agreed(stop)
             return
         self.last_grad_norm, grad_scale = gradient_factor(sum_sq, nonfinite, scale, self._clip)
+        if not self.config.zero_optimization.compute_grad_norm:
+            self.last_grad_norm = None  # as DeepSpeed's get_global_grad_norm answers (the finite check still ran)
         self.schedule.norm_known(clipped=grad_scale != unclipped_factor(scale))
         self.runtime.reshard_all()
         behind: ParamSwapError | None = None

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from offload.config import Config
 from offload.engine import checkpoint_io, weights
 from offload.engine.accumulation import Accumulation
 from offload.engine.errors import EngineError
@@ -31,6 +32,7 @@ class Persistence:
 
     # The engine's fields and steps these use (Engine's).
     accumulation: Accumulation
+    config: Config
     optimizer: ShardedAdam
     telemetry: Telemetry
     loss_scaler: LossScaler
@@ -86,6 +88,19 @@ class Persistence:
         self._drain("saving the 16-bit model", publish=True)  # a delayed update's last step goes out with it
         self.optimizer.repair_stale()
         return weights.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's question before it gathers a ZeRO-3 model to save it (accelerate's ``get_state_dict``)."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                              ) -> dict[str, torch.Tensor]:
+        """DeepSpeed's name (accelerate and transformers call it to save a ZeRO-3 model): the compute-dtype weights
+        gathered on rank 0's host, ``{}`` elsewhere; a collective (see weights.consolidated_16bit_state_dict)."""
+        self.life.check()
+        self._drain("gathering the 16-bit state dict", publish=True)
+        self.optimizer.repair_stale()
+        return weights.consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
     # ----------------------------------------------------------------- checkpoints (offload/engine/checkpoint_io.py)
 

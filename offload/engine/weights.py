@@ -268,6 +268,33 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
     return True
 
 
+def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's state_dict in the compute dtype on rank 0's host, gathered unit by unit (a collective; the
+    other ranks get ``{}``), as DeepSpeed's ``_zero3_consolidated_16bit_state_dict`` answers accelerate's
+    ``get_state_dict``: rank 0 holds the whole model once, so ``write_weights`` is the way for a model that does not
+    fit the host."""
+    layout, buffers = state_dict_layout(engine)
+    by_unit: dict[int, list[tuple[str, Any]]] = {}
+    for key, index, slot in layout:
+        if not (exclude_frozen_parameters and not slot.param.requires_grad):
+            by_unit.setdefault(index, []).append((key, slot))
+    dtype, device = engine.compute_dtype, engine.accel.device
+    rank0 = engine.group.rank == 0
+    values: dict[str, torch.Tensor] = {}
+    for unit in engine.units:
+        full = torch.empty(unit.padded, dtype=dtype, device=device)
+        all_gather(full, engine.params.read(unit.index).to(device), unit.group)
+        if rank0:
+            host = full.cpu()
+            for key, s in by_unit.get(unit.index, ()):
+                values[key] = host[s.offset:s.offset + s.numel].view(s.shape).clone()
+        del full
+    if not rank0:
+        return {}
+    values.update(buffers)
+    return {key: values[key] for key in live_state_dict(engine.module) if key in values}
+
+
 def write_weights(engine: Any, save_dir: str | os.PathLike[str], save_filename: str,
                   exclude_frozen_parameters: bool = False) -> None:
     """Rank 0 streams the gathered compute-dtype weights to one file (torch.save, or safetensors by the file's

@@ -62,7 +62,8 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
                atomic: tuple[type[nn.Module] | str, ...] = (), fold_below: int = 0) -> list[UnitPlan]:
     """Units in module order; every parameter of ``model`` lands in exactly one.
 
-    ``atomic`` adds module classes (or class names) that must not be split; runs of at most ``fold_below``
+    ``atomic`` adds modules that must not be split: classes, class names (bare or qualified by their module),
+    module names in ``model``, or ``"*suffix"`` for the modules whose name ends so; runs of at most ``fold_below``
     elements (and a sixteenth of a unit) fold into a neighbouring unit (0: none do).
     """
     for name, p in model.named_parameters():
@@ -70,12 +71,15 @@ def plan_units(model: nn.Module, unit_bytes: int, element_bytes: int,
             raise sharded_elsewhere(name)
     target = max(1, unit_bytes // element_bytes)  # in elements
     fold = min(fold_below, target // 16)
-    atomic_names = {a for a in atomic if isinstance(a, str)} | set(getattr(model, "_no_split_modules", None) or ())
+    words = {a for a in atomic if isinstance(a, str)} | set(getattr(model, "_no_split_modules", None) or ())
+    suffixes = tuple(a[1:] for a in words if a.startswith("*"))
     atomic_types = ATOMIC_MODULES + tuple(a for a in atomic if isinstance(a, type))
 
     def is_atomic(module: nn.Module, name: str) -> bool:
-        return (isinstance(module, atomic_types) or type(module).__name__ in atomic_names
-                or compiled(module) and bool(name))
+        kind = type(module)
+        return (isinstance(module, atomic_types) or kind.__name__ in words
+                or f"{kind.__module__}.{kind.__qualname__}" in words or bool(name) and name in words
+                or bool(suffixes) and name.endswith(suffixes) or compiled(module) and bool(name))
     claimed: set[int] = set()
     units: list[UnitPlan] = []
     held: tuple[list[str], list[tuple[str, nn.Parameter]]] = ([], [])  # a tiny run waiting for the next unit

@@ -39,6 +39,19 @@ class UnitState(enum.Enum):
     """``full`` holds every parameter's values and the module's parameters point into it."""
 
 
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's name for a ZeRO-3 parameter's state, kept on each parameter as ``ds_status`` (TRL reads it to
+    decide whether to gather a head it calls directly): the unit's state, in DeepSpeed's words."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+_DS_STATUS = {UnitState.SHARDED: ZeroParamStatus.NOT_AVAILABLE, UnitState.GATHERING: ZeroParamStatus.INFLIGHT,
+              UnitState.UNSHARDED: ZeroParamStatus.AVAILABLE}
+
+
 class Use(enum.Enum):
     """What claims a unit between forwards (the running forwards themselves are counted by ``Unit.holders``)."""
 
@@ -139,6 +152,17 @@ class Unit:
         self.unbinds = self.in_place and not whole
         self.keep(kept)
         self.unbind()
+
+    @property
+    def state(self) -> UnitState:
+        return self._state
+
+    @state.setter
+    def state(self, value: UnitState) -> None:
+        self._state = value
+        status = _DS_STATUS[value]
+        for s in self.slots:
+            setattr(s.param, "ds_status", status)
 
     # ----------------------------------------------------------------- uses
 

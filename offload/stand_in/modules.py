@@ -1,0 +1,129 @@
+"""What each ``deepspeed`` module is, under the switch: offload's DeepSpeed surface (docs/deepspeed-api.md), module by
+module as transformers, accelerate and TRL import it. A module is built when first imported; a name it lacks raises
+an AttributeError that says offload stands in for DeepSpeed, and a ``deepspeed`` module not in this table fails its
+import by name (offload/stand_in/__init__.py)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+DEEPSPEED_VERSION = "0.19.8"  # the DeepSpeed whose surface offload answers (docs/deepspeed-api.md)
+
+
+def move_to_device(item: Any, device: torch.device | str, criterion_func: Callable[[Any], bool]) -> Any:
+    """DeepSpeed's runtime.utils helper: the tensors in nested lists, tuples and dicts that ``criterion_func`` picks,
+    moved to ``device``."""
+    if criterion_func(item):
+        return item.to(device)
+    if isinstance(item, (list, tuple)):
+        return type(item)(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item
+
+
+def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") -> Any:
+    """DeepSpeed's checkpoint.utils helper: every tensor in nested containers cloned (detached) to ``device``, so a
+    saved view does not drag its whole storage into the file."""
+    if torch.is_tensor(item):
+        return item.detach().clone().to(device)
+    if isinstance(item, (list, tuple)):
+        return type(item)(clone_tensors_for_torch_save(v, device) for v in item)
+    if isinstance(item, dict):
+        return {k: clone_tensors_for_torch_save(v, device) for k, v in item.items()}
+    return item
+
+
+def initialize(*args: Any, **kwargs: Any) -> Any:
+    """``deepspeed.initialize`` as DeepSpeed 0.19.8 runs it: the default group started first where none runs (a
+    group of one without a launcher), since the Trainer and accelerate, seeing DeepSpeed, gather across it; then
+    offload's ``initialize``."""
+    from offload.comm import init_distributed
+    from offload.engine import initialize as engine_initialize
+    init_distributed(dist_init_required=kwargs.get("dist_init_required"))
+    return engine_initialize(*args, **kwargs)
+
+
+def _public(module_name: str, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    module = importlib.import_module(module_name)
+    names = getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]
+    return {n: getattr(module, n) for n in names if n not in skip}
+
+
+def _top() -> dict[str, Any]:
+    names = _public("offload", skip=("comm", "ops", "utils", "zero", "__version__"))  # those: this table's modules
+    return {**names, "__version__": DEEPSPEED_VERSION, "initialize": initialize}
+
+
+def _utils() -> dict[str, Any]:
+    return {**_public("offload.utils", skip=("zero_to_fp32",)), "logger": logging.getLogger("offload")}
+
+
+def _lr_schedules() -> dict[str, Any]:
+    from offload.optim.lr_schedules import LR_SCHEDULES
+    return {**LR_SCHEDULES, "VALID_LR_SCHEDULES": list(LR_SCHEDULES)}
+
+
+def _partition_parameters() -> dict[str, Any]:
+    from offload.zero import GatheredParameters, Init, register_external_parameter
+    from offload.zero.unit import ZeroParamStatus
+    return {"ZeroParamStatus": ZeroParamStatus, "GatheredParameters": GatheredParameters, "Init": Init,
+            "register_external_parameter": register_external_parameter}
+
+
+def _engine() -> dict[str, Any]:
+    from offload.engine import Engine
+    return {"DeepSpeedEngine": Engine}
+
+
+def _none() -> dict[str, Any]:  # a package whose names are its modules
+    return {}
+
+
+MODULES: dict[str, Callable[[], dict[str, Any]]] = {
+    "deepspeed": _top,
+    "deepspeed.comm": lambda: _public("offload.comm"),
+    "deepspeed.zero": lambda: _public("offload.zero"),
+    "deepspeed.ops": _none,
+    "deepspeed.ops.adam": lambda: _public("offload.ops.adam"),
+    "deepspeed.ops.lion": lambda: _public("offload.ops.lion"),
+    "deepspeed.ops.adagrad": lambda: _public("offload.ops.adagrad"),
+    "deepspeed.utils": _utils,
+    "deepspeed.utils.zero_to_fp32": lambda: _public("offload.utils.zero_to_fp32"),
+    "deepspeed.checkpointing": lambda: _public("offload.checkpointing"),
+    "deepspeed.runtime": _none,
+    "deepspeed.runtime.engine": _engine,
+    "deepspeed.runtime.lr_schedules": _lr_schedules,
+    "deepspeed.runtime.utils": lambda: {"move_to_device": move_to_device},
+    "deepspeed.runtime.zero": lambda: {k: v for k, v in _partition_parameters().items() if k != "ZeroParamStatus"},
+    "deepspeed.runtime.zero.partition_parameters": _partition_parameters,
+    "deepspeed.runtime.zero.offload_config": lambda: _public("offload.runtime.zero.offload_config"),
+    "deepspeed.checkpoint": _none,
+    "deepspeed.checkpoint.utils": lambda: {"clone_tensors_for_torch_save": clone_tensors_for_torch_save},
+    "deepspeed.launcher": _none,
+    "deepspeed.launcher.runner": lambda: {"DEEPSPEED_ENVIRONMENT_NAME": ".deepspeed_env"},
+}
+
+
+def fill(module: types.ModuleType) -> None:
+    """The module's names from the table; its submodules reached as attributes, as ``import deepspeed`` then
+    ``deepspeed.zero.Init`` does."""
+    name = module.__name__
+    module.__dict__.update(MODULES[name]())
+    module.__dict__.update(__offload__=True, __path__=[])
+
+    def __getattr__(attr: str) -> Any:
+        child = f"{name}.{attr}"
+        if child in MODULES:
+            return importlib.import_module(child)
+        raise AttributeError(f"{name}.{attr} is DeepSpeed's and offload does not answer it: offload stands in for "
+                             "DeepSpeed in this process (offload.as_deepspeed); docs/deepspeed-api.md lists what "
+                             "it answers")
+
+    module.__dict__["__getattr__"] = __getattr__

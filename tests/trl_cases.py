@@ -1,0 +1,169 @@
+"""The cases tests/test_trl.py runs in processes forked from its zygote (tests/zygote.py), where offload's DeepSpeed
+switch was imported before transformers, accelerate and TRL: one function per script a user would write, each
+returning what the test compares. Everything is built here: a small Llama-shaped model, a word-level tokenizer and
+the data sets (no hub access)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 128
+WORDS = 120  # w0..w119, then the special tokens
+
+# DeepSpeed's ZeRO-3 with parameters and optimizer state on the host, "auto" where transformers fills it in
+ZERO3_OFFLOAD: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+                          "stage3_gather_16bit_weights_on_model_save": True},
+}
+
+
+def tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"w{i}": i for i in range(WORDS)}
+    vocab.update({"<pad>": 120, "<eos>": 121, "<bos>": 122, "<unk>": 123})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                   unk_token="<unk>")
+
+
+def llama(seed: int = 0) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=120,
+                         eos_token_id=121, bos_token_id=122)
+    return LlamaForCausalLM(config)
+
+
+def _words(n: int, generator: torch.Generator) -> str:
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, WORDS, (n,), generator=generator))
+
+
+def texts(rows: int = 48) -> Any:
+    from datasets import Dataset
+    g = torch.Generator().manual_seed(1)
+    return Dataset.from_dict({"text": [_words(12, g) for _ in range(rows)]})
+
+
+def preferences(rows: int = 48) -> Any:
+    """Prompt, chosen and rejected; each completion starts with a space, so the prompt's tokens are a prefix of the
+    prompt and completion's."""
+    from datasets import Dataset
+    g = torch.Generator().manual_seed(2)
+    return Dataset.from_dict({"prompt": [_words(6, g) for _ in range(rows)],
+                              "chosen": [" " + _words(5, g) for _ in range(rows)],
+                              "rejected": [" " + _words(5, g) for _ in range(rows)]})
+
+
+def _common(out: Path, ds: dict[str, Any] | None, steps: int, **kw: Any) -> dict[str, Any]:
+    base = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=steps,
+                learning_rate=1e-3, max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True,
+                save_strategy="no", seed=0, disable_tqdm=True, bf16=False,
+                deepspeed=copy.deepcopy(ds) if ds is not None else None)
+    base.update(kw)
+    return base
+
+
+def _losses(trainer: Any) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _engine_name(model: Any) -> str:
+    return f"{type(model).__module__}.{type(model).__name__}"
+
+
+def sft(rank: int, world: int, out: str, ds: dict[str, Any] | None, steps: int = 20,
+        resume: str | None = None, **kw: Any) -> dict[str, Any]:
+    """TRL's SFTTrainer as its docs write it; ``ds`` is the DeepSpeed config (None: plain accelerate)."""
+    from trl import SFTConfig, SFTTrainer
+    args = SFTConfig(**_common(Path(out), ds, steps, **kw), max_length=32)
+    trainer = SFTTrainer(model=llama(), args=args, train_dataset=texts(), processing_class=tokenizer())
+    trainer.train(resume_from_checkpoint=resume)
+    return {"losses": _losses(trainer), "engine": _engine_name(trainer.model_wrapped),
+            "steps": [h["step"] for h in trainer.state.log_history if "loss" in h]}
+
+
+def dpo(rank: int, world: int, out: str, ds: dict[str, Any] | None, steps: int = 20) -> dict[str, Any]:
+    """TRL's DPOTrainer with an explicit reference model (the policy's copy), which its DeepSpeed branch prepares
+    with ``deepspeed.initialize(model=...)``: what the reference holds on this rank is reported by tier."""
+    from trl import DPOConfig, DPOTrainer
+    policy = llama()
+    reference = llama()
+    reference.load_state_dict(policy.state_dict())
+    full = sum(p.numel() * p.element_size() for p in reference.parameters())
+    args = DPOConfig(**_common(Path(out), ds, steps))
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=preferences(),
+                         processing_class=tokenizer())
+    trainer.train()
+    ref = trainer.ref_model
+    summary = ref.memory_summary() if hasattr(ref, "memory_summary") else None
+    return {"losses": _losses(trainer), "engine": _engine_name(trainer.model_wrapped), "reference": _engine_name(ref),
+            "reference_training": bool(getattr(ref, "training", True)), "reference_summary": summary,
+            "reference_full_bytes": full,
+            "reference_local": sum(p.numel() * p.element_size() for p in ref.parameters())}
+
+
+def subclassed_trainer(rank: int, world: int, out: str, ds: dict[str, Any] | None, steps: int = 20) -> dict[str, Any]:
+    """A transformers.Trainer subclass that overrides ``training_step`` and ``compute_loss`` as TRL's trainers do
+    (its own loss; a count kept per step), run unchanged."""
+    from transformers import Trainer, TrainingArguments
+
+    class Counting(Trainer):
+        calls = 0
+
+        def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
+            labels = inputs.pop("labels")
+            logits = model(**inputs).logits[:, :-1].float()
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+            return (loss, logits) if return_outputs else loss
+
+        def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
+            Counting.calls += 1
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    g = torch.Generator().manual_seed(3)
+    rows = [{"input_ids": t, "labels": t, "attention_mask": torch.ones_like(t)}
+            for t in torch.randint(0, WORDS, (48, 12), generator=g)]
+    args = TrainingArguments(**_common(Path(out), ds, steps, gradient_accumulation_steps=2))
+    trainer = Counting(model=llama(), args=args, train_dataset=rows)
+    trainer.train()
+    return {"losses": _losses(trainer), "engine": _engine_name(trainer.model_wrapped), "calls": Counting.calls}
+
+
+def switch_answers(rank: int, world: int) -> dict[str, Any]:
+    """What transformers, accelerate and TRL see of DeepSpeed in a process with the switch, and how a name offload
+    does not answer fails."""
+    import importlib.metadata
+
+    import accelerate.utils
+    import deepspeed  # offload's, by the switch the zygote imported first
+    import transformers.integrations
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    answers: dict[str, Any] = {
+        "version": importlib.metadata.version("deepspeed"), "module_version": deepspeed.__version__,
+        "transformers_sees": transformers.integrations.is_deepspeed_available(),
+        "accelerate_sees": accelerate.utils.is_deepspeed_available(),
+        "offloads": bool(getattr(deepspeed, "__offload__", False)),
+        "initialize": deepspeed.initialize.__module__, "cpu_adam": DeepSpeedCPUAdam.__module__,
+        "zero_init": deepspeed.zero.Init.__module__, "status": [s.name for s in ZeroParamStatus],
+    }
+    try:
+        import deepspeed.moe.layer  # noqa: F401
+    except ModuleNotFoundError as e:
+        answers["missing_module"] = str(e)
+    try:
+        deepspeed.runtime.pipe  # noqa: B018
+    except AttributeError as e:
+        answers["missing_name"] = str(e)
+    return answers
