@@ -39,6 +39,8 @@ def fp16_overflow(rank, world):
         engine.step()
         after = engine.full_state_dict()
         unchanged = all(torch.equal(before[k], after[k]) for k in before)
+        # the optimizer's overflow, DeepSpeed's flag accelerate reads so as not to step the LR schedule
+        assert engine.optimizer.overflow is (step == 2)
         log.append((engine.loss_scale, engine.skipped_steps, unchanged, loss.item()))
     engine.close()
     return log

@@ -155,3 +155,29 @@ def test_offload_launch_refuses_deepspeeds_own_launcher_before_anything_starts()
 def _env() -> dict[str, str]:
     import os
     return {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(zygote, tmp_path_factory):
+    return zygote.run(trl_cases.save_tiny, out=str(tmp_path_factory.mktemp("tiny")))[0]
+
+
+def test_from_pretrained_under_zero3_loads_every_weight(zygote, checkpoint):
+    """transformers marks each loaded weight before gathering it, so that its initialiser skips it; zero.Init's
+    parameters built on the meta device kept the mark through their materialisation (they lost it once, and the
+    embeddings and head of every model so loaded were re-drawn at random)."""
+    assert zygote.run(trl_cases.zero3_from_pretrained, checkpoint=checkpoint) == [[]]
+
+
+@pytest.mark.slow
+def test_grpo_generates_the_same_completions_gathered_or_unit_by_unit_and_trains_as_without_deepspeed(
+        zygote, checkpoint, tmp_path):
+    plain = zygote.run(trl_cases.grpo, out=str(tmp_path / "plain"), ds=None, checkpoint=checkpoint)[0]
+    gathered = zygote.run(trl_cases.grpo, out=str(tmp_path / "gathered"), ds=trl_cases.ZERO3_OFFLOAD,
+                          checkpoint=checkpoint, gather=True)[0]
+    by_unit = zygote.run(trl_cases.grpo, out=str(tmp_path / "by_unit"), ds=trl_cases.ZERO3_OFFLOAD,
+                         checkpoint=checkpoint, gather=False)[0]
+    assert gathered["engine"] == gathered["reference"] == ENGINE
+    assert gathered["completions"] == by_unit["completions"] and gathered["grad_norms"] == by_unit["grad_norms"]
+    assert gathered["completions"][0] == plain["completions"][0]  # sampled from the same weights and generator
+    close(gathered["grad_norms"], plain["grad_norms"])

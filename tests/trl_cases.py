@@ -167,3 +167,60 @@ def switch_answers(rank: int, world: int) -> dict[str, Any]:
     except AttributeError as e:
         answers["missing_name"] = str(e)
     return answers
+
+
+def save_tiny(rank: int, world: int, out: str) -> str:
+    """The small Llama and its tokenizer as a Hugging Face checkpoint directory (what GRPO's reference model and
+    ``from_pretrained`` under ZeRO-3 load)."""
+    llama().save_pretrained(out)
+    tokenizer().save_pretrained(out)
+    return out
+
+
+def digit_reward(completions: list[str], **_: Any) -> list[float]:
+    """A reward that reads the completion's words (so equal rewards mean equal completions, near enough)."""
+    return [sum(int(w[1:]) % 7 for w in c.split() if w[1:].isdigit()) / 10 for c in completions]
+
+
+def grpo(rank: int, world: int, out: str, ds: dict[str, Any] | None, checkpoint: str, gather: bool = True,
+         steps: int = 20) -> dict[str, Any]:
+    """TRL's GRPOTrainer from a checkpoint directory, with a reference model (beta > 0, built from the same
+    directory, under ZeRO-3 by ``from_pretrained`` inside ``zero.Init``) and a reward function; sampling at
+    temperature 1. Returns the logged gradient norms and every completion generated."""
+    from trl import GRPOConfig, GRPOTrainer
+    seen: list[list[str]] = []
+
+    def reward(completions: list[str], **kw: Any) -> list[float]:
+        seen.append(list(completions))
+        return digit_reward(completions)
+
+    g = torch.Generator().manual_seed(4)
+    from datasets import Dataset
+    data = Dataset.from_dict({"prompt": [_words(4, g) for _ in range(48)]})
+    args = GRPOConfig(**_common(Path(out), ds, steps), num_generations=2, max_completion_length=6, beta=0.1,
+                      ds3_gather_for_generation=gather)
+    trainer = GRPOTrainer(model=checkpoint, reward_funcs=reward, args=args, train_dataset=data,
+                          processing_class=tokenizer())
+    trainer.train()
+    return {"grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+            "completions": seen, "engine": _engine_name(trainer.model_wrapped),
+            "reference": _engine_name(trainer.ref_model)}
+
+
+def zero3_from_pretrained(rank: int, world: int, checkpoint: str) -> list[str]:
+    """``from_pretrained`` as transformers runs it under a ZeRO-3 DeepSpeed config (inside ``zero.Init``, each
+    loaded weight gathered with ``modifier_rank=0``), then ``initialize``: the parameters that differ from the
+    checkpoint's (none, when it works)."""
+    import deepspeed
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    config = {**ZERO3_OFFLOAD, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "train_batch_size": world, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    keep = HfDeepSpeedConfig(config)  # noqa: F841 - transformers reads it through a weak reference
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    saved = load_file(str(Path(checkpoint) / "model.safetensors"))
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return [n for n, p in model.named_parameters() if not torch.equal(p.detach().cpu(), saved[n])]

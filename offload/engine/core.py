@@ -46,6 +46,7 @@ from offload.observe.telemetry import PhaseReport
 from offload.optim.loss_scale import LossScaler, gradient_factor, unclipped_factor
 from offload.store.param_swap import ParamSwapError
 from offload.zero.collectives import Group
+from offload.zero.parameter_offload import ParameterOffload
 from offload.zero.plan import ENGINE
 from offload.zero.stage import Stage
 
@@ -78,6 +79,8 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable, Compiling, StateLending
         self.module = model
         self.units, self.params, self.optimizer = parts.units, parts.params, parts.optimizer
         self.landing, self.optimizer.loss_scaler = parts.landing, self.loss_scaler
+        if self.stage.number == 3:
+            self.optimizer.parameter_offload = ParameterOffload(model)
         for slot in (s for u in self.units for s in u.slots):  # deepspeed.utils' helpers find the engine by it
             setattr(slot.param, ENGINE, weakref.ref(self))
         self.runtime, self.activations, self.memory = parts.runtime, parts.activations, parts.memory
@@ -226,7 +229,8 @@ class Engine(DeepSpeedAccessors, Persistence, Stoppable, Compiling, StateLending
         self.global_steps += 1
         self.optimizer.stepped()
         self.global_samples += self.train_batch_size()  # DeepSpeed counts the skipped steps' too
-        if nonfinite > 0 and self.compute_dtype == torch.float16:
+        self.optimizer.overflow = nonfinite > 0 and self.compute_dtype == torch.float16
+        if self.optimizer.overflow:
             self.schedule.norm_known(clipped=True)
             self.skipped_steps += 1
             self.last_grad_norm = math.inf

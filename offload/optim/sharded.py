@@ -150,6 +150,9 @@ class OptimizerFace(torch.optim.Optimizer):
         # An engine without an optimizer (forward only) still has the face, with one empty group: torch's refuses none.
         super().__init__(param_groups or [{"params": []}],
                          {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
+        # DeepSpeed's: the last step was skipped for an fp16 overflow (accelerate's scheduler then does not step)
+        self.overflow = False
+        self.parameter_offload: Any = None  # ZeRO-3: what TRL reaches into around generate (zero/parameter_offload.py)
 
     # torch's own, without the dynamo guard torch wraps them in: the guard imports torch._dynamo on first use (800
     # modules, sympy among them: over a second of every run's start-up), and nothing compiles the face.

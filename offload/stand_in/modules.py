@@ -70,11 +70,67 @@ def _lr_schedules() -> dict[str, Any]:
     return {**LR_SCHEDULES, "VALID_LR_SCHEDULES": list(LR_SCHEDULES)}
 
 
+class _Accelerator:
+    """DeepSpeed's ``get_accelerator()``, for the few questions transformers asks it: the device's name."""
+
+    def __init__(self) -> None:
+        self._name = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def device_name(self, device_index: int | str | None = None) -> str:
+        return self._name if device_index is None or self._name == "cpu" else f"{self._name}:{device_index}"
+
+    def current_device_name(self) -> str:
+        return self.device_name(torch.cuda.current_device() if self._name == "cuda" else None)
+
+    def communication_backend_name(self) -> str:
+        return "nccl" if self._name == "cuda" else "gloo"
+
+    def is_available(self) -> bool:
+        return True
+
+
+_ACCELERATOR = _Accelerator()
+
+
+def get_accelerator() -> _Accelerator:
+    return _ACCELERATOR
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], target_fp_dtype: torch.dtype,
+                                           target_device: Any = None) -> Callable[..., Any]:
+    """DeepSpeed's hook for recasting tensor constructors under ``zero.Init``; offload's Init builds on the meta
+    device and never calls it, so transformers may swap it (``prevent_arange_dtype_change``) to no effect."""
+    return fn
+
+
+def _init() -> type:
+    from offload.comm import init_distributed
+    from offload.zero import Init
+
+    class ZeroInit(Init):
+        """``deepspeed.zero.Init`` as DeepSpeed 0.19.8 runs it: the default group started first where none runs (a
+        group of one without a launcher), since transformers' ``from_pretrained`` under ZeRO-3 asks the group's
+        rank; then offload's ``zero.Init``."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            init_distributed()
+            super().__init__(*args, **kwargs)
+
+    ZeroInit.__module__, ZeroInit.__qualname__ = "deepspeed.zero", "Init"
+    return ZeroInit
+
+
+def _zero() -> dict[str, Any]:
+    return {**_public("offload.zero"), "Init": _init()}
+
+
 def _partition_parameters() -> dict[str, Any]:
-    from offload.zero import GatheredParameters, Init, register_external_parameter
+    from offload.zero import GatheredParameters, register_external_parameter
     from offload.zero.unit import ZeroParamStatus
-    return {"ZeroParamStatus": ZeroParamStatus, "GatheredParameters": GatheredParameters, "Init": Init,
-            "register_external_parameter": register_external_parameter}
+    return {"ZeroParamStatus": ZeroParamStatus, "GatheredParameters": GatheredParameters, "Init": _init(),
+            "register_external_parameter": register_external_parameter, "get_accelerator": get_accelerator,
+            "zero_wrapper_for_fp_tensor_constructor": zero_wrapper_for_fp_tensor_constructor,
+            "_orig_torch_arange": torch.arange}
 
 
 def _engine() -> dict[str, Any]:
@@ -89,7 +145,7 @@ def _none() -> dict[str, Any]:  # a package whose names are its modules
 MODULES: dict[str, Callable[[], dict[str, Any]]] = {
     "deepspeed": _top,
     "deepspeed.comm": lambda: _public("offload.comm"),
-    "deepspeed.zero": lambda: _public("offload.zero"),
+    "deepspeed.zero": _zero,
     "deepspeed.ops": _none,
     "deepspeed.ops.adam": lambda: _public("offload.ops.adam"),
     "deepspeed.ops.lion": lambda: _public("offload.ops.lion"),
@@ -106,6 +162,7 @@ MODULES: dict[str, Callable[[], dict[str, Any]]] = {
     "deepspeed.runtime.zero.offload_config": lambda: _public("offload.runtime.zero.offload_config"),
     "deepspeed.checkpoint": _none,
     "deepspeed.checkpoint.utils": lambda: {"clone_tensors_for_torch_save": clone_tensors_for_torch_save},
+    "deepspeed.accelerator": lambda: {"get_accelerator": get_accelerator},
     "deepspeed.launcher": _none,
     "deepspeed.launcher.runner": lambda: {"DEEPSPEED_ENVIRONMENT_NAME": ".deepspeed_env"},
 }

@@ -291,8 +291,12 @@ def _say_not_replayed(name: str, why: str) -> None:
 
 def _swap_in(param: torch.Tensor, values: torch.Tensor) -> None:
     # A meta tensor's data cannot be replaced by a CPU one in place; swapping keeps the Parameter
-    # object (which optimizer groups and tied modules refer to) and gives it real storage.
-    torch.utils.swap_tensors(param, nn.Parameter(values.to(param.dtype), param.requires_grad))
+    # object (which optimizer groups and tied modules refer to) and gives it real storage. swap_tensors swaps the
+    # objects' attributes too: what a caller set on the parameter (transformers marks a loaded one
+    # _is_hf_initialized before gathering it, so that its initialiser skips it) goes back onto it.
+    fresh = nn.Parameter(values.to(param.dtype), param.requires_grad)
+    torch.utils.swap_tensors(param, fresh)
+    param.__dict__.update(fresh.__dict__)
 
 
 def give_memory(plan: UnitPlan) -> list[ParamSlot]:
