@@ -362,13 +362,14 @@ def test_deepspeed_zero_keys_without_effect_here_are_named(key, value):
 
 
 def test_super_offload_has_no_effect_and_cpuadam_cores_perc_is_the_host_steps_threads():
+    from offload.machine.cpus import host_threads
     base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     cfg = Config.load({**base, "zero_optimization": {"stage": 3, "offload_optimizer": {
         "device": "cpu", "super_offload": True, "cpuadam_cores_perc": 0.5}}})
     assert any("super_offload" in str(n) for n in cfg.no_effect)
-    assert (cfg.host_threads(16), cfg.host_threads(3), cfg.host_threads(1)) == (8, 1, 1)
-    assert Config.load(base).host_threads(16) is None  # the kernels' default: every core
-    assert Config.load({**base, "offload": {"cpu_threads": 3}}).host_threads(16) == 3
+    assert (host_threads(cfg, 16), host_threads(cfg, 3), host_threads(cfg, 1)) == (8, 1, 1)
+    assert host_threads(Config.load(base), 16) is None  # the kernels' default: every core
+    assert host_threads(Config.load({**base, "offload": {"cpu_threads": 3}}), 16) == 3
     with pytest.raises(ConfigError, match="cpuadam_cores_perc.*keep one"):
         Config.load({**base, "offload": {"cpu_threads": 3}, "zero_optimization": {
             "stage": 3, "offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0.5}}})

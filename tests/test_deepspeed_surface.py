@@ -545,3 +545,23 @@ def test_compute_grad_norm_false_reports_no_norm_as_deepspeed(compute):
     norm = engine.get_global_grad_norm()
     assert (norm is None) is (not compute) and (not compute or norm > 0)
     engine.close()
+
+
+def test_deepspeed_cpu_adam_is_built_over_16bit_params_and_checks_them_when_it_steps_itself():
+    """accelerate's DeepSpeed path with optimizer offload builds DeepSpeedCPUAdam over the model's bf16 params and
+    hands it to initialize (whose masters are fp32), as DeepSpeed's allows; stepped by itself it says what it needs."""
+    from offload.ops.adam import DeepSpeedCPUAdam
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    adam = DeepSpeedCPUAdam([p], lr=0.1)
+    model = make_model("gpt").to(torch.bfloat16)
+    config = {**base_config(2, 1, 1), "bf16": {"enabled": True}}
+    del config["optimizer"]
+    engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=DeepSpeedCPUAdam(model.parameters(), lr=0.1),
+                                                 config=config)
+    engine.backward(loss_of(engine, "gpt", batches(2, 2)[0]))
+    engine.step()
+    assert engine.was_step_applied() and optimizer.param_groups[0]["lr"] == 0.1
+    engine.close()
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="needs float32 params"):
+        adam.step()

@@ -18,7 +18,11 @@ from conftest import REPO
 PACKAGE = REPO / "offload"
 
 # (module, enclosing function, what receives the callable): each with why it stays.
-ALLOWED: dict[tuple[str, str, str], str] = {}
+ALLOWED: dict[tuple[str, str, str], str] = {
+    ("offload.zero.parameter_offload", "__init__", "module.ds_external_parameters"):
+        "DeepSpeed's method on the root module, which TRL calls around generate; it answers from the module's own "
+        "registered parameters and runs no work of offload's",
+}
 
 # Methods that run the caller's own work on a lane of theirs, in order: a callable handed to one is not a hand-off.
 EXECUTORS = {

@@ -7,6 +7,7 @@ import torch
 from engine_cases import base_config, check_parity, make_model, train_engine, train_reference
 
 import offload
+from offload.engine.build import leaf_modules
 from offload.machine.launch import run_ranks
 from offload.models import GPT, GPTConfig
 from offload.zero.plan import plan_units
@@ -92,7 +93,7 @@ def test_deepspeeds_leaf_modules_are_gathered_whole(leaf):
     model = Stack()
     split = plan_units(model, 16 << 10, 4)  # a 16 KiB unit holds one expert: the blocks split
     assert all(["moe"] != p.anchors for p in split)
-    whole = plan_units(model, 16 << 10, 4, atomic=config.zero_optimization.leaf_module.atomic())
+    whole = plan_units(model, 16 << 10, 4, atomic=leaf_modules(config.zero_optimization.leaf_module))
     for name in ("moe", "tail_moe"):
         unit = next(p for p in whole if name in p.anchors)
         assert unit.anchors == [name]

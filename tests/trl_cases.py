@@ -63,6 +63,13 @@ def preferences(rows: int = 48) -> Any:
                               "rejected": [" " + _words(5, g) for _ in range(rows)]})
 
 
+# [the order of construction] Each case builds its model before its trainer's arguments. Arguments with a ZeRO-3
+# DeepSpeed config make transformers initialise a model built after them module by module under GatheredParameters
+# (transformers' initialize_weights_zero3), which draws the random weights in another order than plain construction:
+# under DeepSpeed as under offload. A plain run beside it would then start from other weights (a Llama classifier
+# does; the causal LM happens not to). Users load checkpoints, where the order does not matter.
+
+
 def _common(out: Path, ds: dict[str, Any] | None, steps: int, **kw: Any) -> dict[str, Any]:
     base = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=steps,
                 learning_rate=1e-3, max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True,
@@ -84,8 +91,9 @@ def sft(rank: int, world: int, out: str, ds: dict[str, Any] | None, steps: int =
         resume: str | None = None, **kw: Any) -> dict[str, Any]:
     """TRL's SFTTrainer as its docs write it; ``ds`` is the DeepSpeed config (None: plain accelerate)."""
     from trl import SFTConfig, SFTTrainer
+    model = llama()
     args = SFTConfig(**_common(Path(out), ds, steps, **kw), max_length=32)
-    trainer = SFTTrainer(model=llama(), args=args, train_dataset=texts(), processing_class=tokenizer())
+    trainer = SFTTrainer(model=model, args=args, train_dataset=texts(), processing_class=tokenizer())
     trainer.train(resume_from_checkpoint=resume)
     return {"losses": _losses(trainer), "engine": _engine_name(trainer.model_wrapped),
             "steps": [h["step"] for h in trainer.state.log_history if "loss" in h]}
@@ -133,8 +141,9 @@ def subclassed_trainer(rank: int, world: int, out: str, ds: dict[str, Any] | Non
     g = torch.Generator().manual_seed(3)
     rows = [{"input_ids": t, "labels": t, "attention_mask": torch.ones_like(t)}
             for t in torch.randint(0, WORDS, (48, 12), generator=g)]
+    model = llama()
     args = TrainingArguments(**_common(Path(out), ds, steps, gradient_accumulation_steps=2))
-    trainer = Counting(model=llama(), args=args, train_dataset=rows)
+    trainer = Counting(model=model, args=args, train_dataset=rows)
     trainer.train()
     return {"losses": _losses(trainer), "engine": _engine_name(trainer.model_wrapped), "calls": Counting.calls}
 
@@ -150,13 +159,15 @@ def switch_answers(rank: int, world: int) -> dict[str, Any]:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+    import offload.zero
+
     answers: dict[str, Any] = {
         "version": importlib.metadata.version("deepspeed"), "module_version": deepspeed.__version__,
         "transformers_sees": transformers.integrations.is_deepspeed_available(),
         "accelerate_sees": accelerate.utils.is_deepspeed_available(),
         "offloads": bool(getattr(deepspeed, "__offload__", False)),
         "initialize": deepspeed.initialize.__module__, "cpu_adam": DeepSpeedCPUAdam.__module__,
-        "zero_init": deepspeed.zero.Init.__module__, "status": [s.name for s in ZeroParamStatus],
+        "zero_init": issubclass(deepspeed.zero.Init, offload.zero.Init), "status": [s.name for s in ZeroParamStatus],
     }
     try:
         import deepspeed.moe.layer  # noqa: F401
@@ -224,3 +235,34 @@ def zero3_from_pretrained(rank: int, world: int, checkpoint: str) -> list[str]:
     saved = load_file(str(Path(checkpoint) / "model.safetensors"))
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         return [n for n, p in model.named_parameters() if not torch.equal(p.detach().cpu(), saved[n])]
+
+
+def reward_model(rank: int, world: int, out: str, ds: dict[str, Any] | None, steps: int = 20) -> dict[str, Any]:
+    """TRL's RewardTrainer on a Llama-shaped sequence classifier (one score), over chosen and rejected pairs."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=120,
+                         eos_token_id=121, bos_token_id=122, num_labels=1)
+    model = LlamaForSequenceClassification(config)  # before the config: see [the order of construction] below
+    args = RewardConfig(**_common(Path(out), ds, steps), max_length=32)
+    trainer = RewardTrainer(model=model, args=args, train_dataset=preferences(), processing_class=tokenizer())
+    trainer.train()
+    return {"losses": _losses(trainer), "engine": _engine_name(trainer.model_wrapped)}
+
+
+def refused_config(rank: int, world: int, out: str, zero: dict[str, Any]) -> dict[str, Any]:
+    """SFT with a DeepSpeed config whose zero_optimization offload refuses: what is raised, and how far training
+    got before it."""
+    from offload.config import ConfigError
+    ds = {**ZERO3_OFFLOAD, "zero_optimization": {**ZERO3_OFFLOAD["zero_optimization"], **zero}}
+    from trl import SFTConfig, SFTTrainer
+    model = llama()
+    trainer = SFTTrainer(model=model, args=SFTConfig(**_common(Path(out), ds, 4), max_length=32),
+                         train_dataset=texts(), processing_class=tokenizer())
+    try:
+        trainer.train()
+    except ConfigError as e:
+        return {"error": str(e), "steps": trainer.state.global_step}
+    return {"error": None, "steps": trainer.state.global_step}

@@ -15,7 +15,8 @@
 #    the compiled 0.91B beside eager (prefix `install` if the machine went cold):
 #      run(carry=[".whl"], timeout_s=560, command='BUNDLE=$OUT/p69.tgz OUT=/tmp/gs STAGE_S=200 tools/gpu_session.sh plan69')
 # 3. with time left: plan44a (0.91B and 4.5B against the floor), plan44b (CUDA tests, the 8B Llama through the Trainer
-#    beside DeepSpeed and plain PyTorch), plan55 (the 4.5B with 16-bit state), largest (3-5 min, a call of its own).
+#    beside DeepSpeed and plain PyTorch), trl-sft-8b (#83's row: TRL's SFTTrainer through the switch beside DeepSpeed;
+#    `tools/gpu_session.sh trl_wheels` here first), plan55 (the 4.5B with 16-bit state), largest (a call of its own).
 # The last timings (H200, 2026-11-27): install 40 s, cuda-tests 15-59 s, pace-0p9b one round 120 s; pace-4p5b needs a
 # call of its own (STAGE_S=400); suite a call of its own (SUITE_S, default 420 s, 14 workers). After a loan, replay
 # the same model's recorded step graph here (`offload bench schedule`) beside what was measured. What each loan
@@ -27,7 +28,7 @@
 #   bench-step-nvme-optimizer bench-step-nvme-early bench-deepspeed bench-deepspeed-device bench-deepspeed-placements bench-deepspeed-1p3b
 #   bench-deepspeed-nvme bench-step-checkpointing bench-step-threads profile sanitizer suite
 #   pace-0p9b pace-0p9b-lanes pace-4p5b pace-4p5b-budget pace-4p5b-formats trainer-8b trainer-8b-refit largest
-#   cuda-lend bench-lend cuda-compile bench-step-compile sanitizer-streamed
+#   cuda-lend bench-lend cuda-compile bench-step-compile sanitizer-streamed trl-sft-8b
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-session}
@@ -90,6 +91,30 @@ libaio() {  # DeepSpeed's async_io op (its NVMe variant) is built by its JIT the
   cp /usr/include/libaio.h .whl/libaio/include/ &&
   cp -L "$lib" ".whl/libaio/lib/${soname:-libaio.so.1}" &&
   cp -L "$lib" .whl/libaio/lib/libaio.so
+}
+
+trl_wheels() {  # here, for the trl-sft-8b stage: TRL, datasets and what datasets needs beyond transformers' own
+  # requirements, as 3.12 wheels without their dependencies (pyarrow is most of it, about 45 MiB: carry .whl alone)
+  mkdir -p .whl/trl &&
+  $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl/trl \
+    "trl==$($PY -c 'import trl; print(trl.__version__)')" "datasets==$($PY -c 'import datasets; print(datasets.__version__)')" \
+    pyarrow dill multiprocess xxhash "fsspec[http]" &&
+  du -sh .whl/trl && ls .whl/trl
+}
+
+# #83's row: TRL's SFTTrainer on the 8B Llama shape, offload behind the switch beside DeepSpeed's own ZeRO-3 offload,
+# one config file for both (the deepspeed side's of trainer-8b), and plain PyTorch (its out-of-memory shown)
+trl_sft_8b() {
+  $PY -m pip install -q --no-index --no-deps .whl/trl/*.whl || echo "TRL's wheels missing: tools/gpu_session.sh trl_wheels here first"
+  local d=$OUT/trl-sft-8b; mkdir -p "$d"
+  local base='"bf16": {"enabled": true}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}'
+  echo "{$base, \"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"cpu\", \"pin_memory\": true}, \"offload_optimizer\": {\"device\": \"cpu\", \"pin_memory\": true}}}" > "$d/config.json"
+  local side
+  for side in ${TRAINER_SIDES:-switch deepspeed plain}; do
+    STAGE_S=${TRAINER_S:-240} py tools/trainer_pace.py --trainer sft --side "$side" --config "$d/config.json" \
+      --out "$d/$side.json" --steps "${TRAINER_STEPS:-3}" --warmup 2 || echo "$side: rc=$?"
+  done
 }
 
 install() {
@@ -294,6 +319,8 @@ for s in "${stages[@]}"; do
     pace-4p5b-budget) stage pace-4p5b-budget pace pace-4p5b-budget "${M4P5B_SEQ1K[@]}" --steps 3 --warmup 2 --rounds 1 --device-budget 68Gi --variants auto,auto-params-device ;;
     pace-4p5b-formats) stage pace-4p5b-formats pace_formats ;;
     trainer-8b) STAGE_S=${TRAINER_S:-240} stage trainer-8b trainer_8b ;;
+    trl-sft-8b) STAGE_S=${TRAINER_S:-240} stage trl-sft-8b trl_sft_8b ;;
+    trl_wheels) stage trl-wheels trl_wheels ;;
     largest) stage largest py tools/largest_pace.py --nvme-path /tmp/nvme-largest --out "$OUT/largest.json" ;;
     trainer-8b-refit) TRAINER_SIDES=offload TRAINER_BUDGET= TRAINER_TAG=-refit STAGE_S=${TRAINER_S:-240} stage trainer-8b-refit trainer_8b ;;
     *) echo "unknown stage $s" ;;

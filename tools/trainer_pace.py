@@ -6,8 +6,12 @@ synthetic tokens and the same DeepSpeed-format config on every side, activation 
 state alone is 16 bytes a parameter) shows its error as it happened and the next side starts clean:
 
   offload    offload.hf.Trainer(offload_config=CONFIG), the model built under offload.zero.Init (never whole in memory)
+  switch     `import offload.as_deepspeed`, then exactly the deepspeed side: offload behind transformers' DeepSpeed path
   deepspeed  transformers.Trainer with TrainingArguments(deepspeed=CONFIG), its own zero.Init through the arguments
   plain      transformers.Trainer without either: everything on the GPU (fp32 weights, bf16 autocast, AdamW)
+
+``--trainer sft`` runs TRL's SFTTrainer (SFTConfig, the same tokens as a pretokenized data set) in place of
+transformers' Trainer on the switch, deepspeed and plain sides: #83's row, TRL beside DeepSpeed with one config file.
 
 Each side writes one JSON line: tokens/s over the timed steps (median step time, after the warm-up), the GPU's high
 water, the process's peak RSS, the losses, or the error. ``--tiny`` shrinks the model for a CPU smoke run.
@@ -51,7 +55,8 @@ class Tokens(torch.utils.data.Dataset):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--side", choices=["offload", "deepspeed", "plain"], required=True)
+    p.add_argument("--side", choices=["offload", "switch", "deepspeed", "plain"], required=True)
+    p.add_argument("--trainer", choices=["hf", "sft"], default="hf", help="transformers' Trainer, or TRL's SFTTrainer")
     p.add_argument("--config", required=True, help="a DeepSpeed-format config, read as it is by both engines")
     p.add_argument("--out", required=True, help="the JSON result")
     p.add_argument("--seq", type=int, default=2048)
@@ -59,7 +64,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="a tiny Llama on this machine's device: a smoke run")
     args = p.parse_args()
-    return record(args.out, {"side": args.side, "seq": args.seq, "config": args.config}, lambda: train(args))
+    if args.trainer == "sft" and args.side == "offload":
+        p.error("--trainer sft runs on the switch, deepspeed and plain sides (offload.hf.Trainer is not TRL's)")
+    return record(args.out, {"side": args.side, "trainer": args.trainer, "seq": args.seq, "config": args.config},
+                  lambda: train(args))
 
 
 def record(path: str, out: dict[str, Any], work: Callable[[], dict[str, Any]],
@@ -82,7 +90,20 @@ def record(path: str, out: dict[str, Any], work: Callable[[], dict[str, Any]],
     return 0 if "error" not in out else 1
 
 
+def sft_parts(rows: torch.Tensor, vocab: int) -> tuple[Any, Any]:
+    """The tokens as a pretokenized data set and a word-level tokenizer of the model's vocabulary (no hub)."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    words = {f"t{i}": i for i in range(vocab - 1)} | {"<pad>": vocab - 1}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="<pad>")),
+                                        pad_token="<pad>", eos_token="<pad>")
+    return Dataset.from_dict({"input_ids": rows.tolist()}), tokenizer
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
+    if args.side == "switch":
+        import offload.as_deepspeed  # noqa: F401 - before transformers: it decides at import whether DeepSpeed is here
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
@@ -117,7 +138,19 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             model = LlamaForCausalLM(model_config)
         trainer: Any = offload.hf.Trainer(model=model, args=TrainingArguments(**common), offload_config=args.config,
                                           train_dataset=data, callbacks=[Clock()])
-    elif args.side == "deepspeed":
+    elif args.trainer == "sft":
+        from trl import SFTConfig, SFTTrainer
+        deepspeed = args.config if args.side != "plain" else None
+        targs = SFTConfig(**common, deepspeed=deepspeed, max_length=seq, packing=False)  # before the model: zero.Init
+        if args.side == "plain":  # built where it trains, as the plain side below
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+                model = transformers.AutoModelForCausalLM.from_config(model_config)
+        else:  # under the engine's zero.Init, through the arguments made first
+            model = transformers.AutoModelForCausalLM.from_config(model_config)
+        dataset, tokenizer = sft_parts(data.ids, shape["vocab_size"])
+        trainer = SFTTrainer(model=model, args=targs, train_dataset=dataset, processing_class=tokenizer,
+                             callbacks=[Clock()])
+    elif args.side in ("deepspeed", "switch"):
         targs = TrainingArguments(**common, deepspeed=args.config)  # before the model: its zero.Init applies
         model = transformers.AutoModelForCausalLM.from_config(model_config)
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=data, callbacks=[Clock()])

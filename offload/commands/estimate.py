@@ -31,7 +31,7 @@ from offload.config import Config, ConfigError
 from offload.config.fields import resolved
 from offload.engine.refit import refits, room_beside
 from offload.engine.step_schedule import wanted
-from offload.machine.cpus import default_threads
+from offload.machine.cpus import host_threads
 from offload.models.catalog import MODELS, ModelError, build_model
 from offload.optim.hyper import held_moments
 from offload.store.param_homes import describe_placement
@@ -604,7 +604,7 @@ def run_cli(args: Any, preset: Any) -> int:
         print(f"offload estimate: {e}", file=sys.stderr)
         return 2
     device_free, where = device_memory(preset)
-    threads = config.host_threads(default_threads())
+    threads = host_threads(config)
     est = estimate(units, config, args.world, shape, rates=step_rates(args, preset, threads),
                    device_free=device_free)
     if device_free is not None:

@@ -22,6 +22,3 @@ class LeafModuleConfig:
     names: list[str] = setting([], "Modules, by their qualified name in the model, never split across units.")
     name_suffixes: list[str] = setting([], "Modules whose qualified name ends with one of these, never split "
                                            "across units.")
-
-    def atomic(self) -> tuple[str, ...]:
-        return (*self.classes, *self.names, *(f"*{suffix}" for suffix in self.name_suffixes))

@@ -136,15 +136,6 @@ class Config:
     offload: OffloadExtConfig = section(OffloadExtConfig, "offload's own settings (not DeepSpeed keys).")
     notes: tuple[str, ...] = dataclasses.field(default=(), compare=False, metadata={"internal": True})
 
-    def host_threads(self, cores: int) -> int | None:
-        """Threads for the host's optimizer step on a process with ``cores`` physical cores: offload.cpu_threads,
-        else offload_optimizer.cpuadam_cores_perc of the cores (DeepSpeed's share), else None (the kernels'
-        default: every core)."""
-        if self.offload.cpu_threads is not None:
-            return self.offload.cpu_threads
-        share = self.zero_optimization.offload_optimizer.cpuadam_cores_perc
-        return None if share is None else max(1, math.floor(share * cores))
-
     def check(self, path: str) -> None:
         if (self.offload.cpu_threads is not None
                 and self.zero_optimization.offload_optimizer.cpuadam_cores_perc is not None):

@@ -23,6 +23,7 @@ from offload.aio.base import IOEngine
 from offload.aio.choose import engine_from_config
 from offload.config import Config
 from offload.config.fields import AUTO, resolved
+from offload.config.leaf_module import LeafModuleConfig
 from offload.engine import rates, step_schedule
 from offload.engine.errors import EngineError
 from offload.engine.memory import MemoryAccount
@@ -31,7 +32,7 @@ from offload.engine.step_schedule import StepSchedule
 from offload.files.pretrained import PretrainedWeights
 from offload.machine import prefetch
 from offload.machine.accelerator import Accelerator
-from offload.machine.cpus import default_threads
+from offload.machine.cpus import default_threads, host_threads
 from offload.observe.telemetry import Telemetry
 from offload.optim.generic import GenericStep
 from offload.optim.hyper import held_moments
@@ -84,6 +85,11 @@ class SwapFiles:
             swap_dir.close()
         self._open.clear()
 
+
+
+def leaf_modules(leaf: LeafModuleConfig) -> tuple[str, ...]:
+    """DeepSpeed's leaf modules as plan_units' atomic names: classes and module names as they are, suffixes marked."""
+    return (*leaf.classes, *leaf.names, *(f"*{suffix}" for suffix in leaf.name_suffixes))
 
 @dataclass
 class Parts:
@@ -139,7 +145,8 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
                        len(untracked), ", ".join(untracked[:5]) + (" ..." if len(untracked) > 5 else ""))
 
     plans = plan_units(model, config.offload.unit_bytes, compute_dtype.itemsize,
-                       atomic=(*(config.offload.atomic_modules or ()), *config.zero_optimization.leaf_module.atomic()),
+                       atomic=(*(config.offload.atomic_modules or ()),
+                               *leaf_modules(config.zero_optimization.leaf_module)),
                        fold_below=int(resolved(config.zero_optimization.stage3_param_persistence_threshold)))
     telemetry = Telemetry()
     trained = {plan.index for plan in plans if any(id(s.param) in group_of for s in plan.slots)}
@@ -159,7 +166,7 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
         # auto's split by this machine's rates, where it has a split to choose (see [Note: rates measured at
         # start-up]): the state on the host (on NVMe the disk's rate is not measured: state first), on a device with
         # memory of its own, bounded by a budget or its size
-        threads = config.host_threads(default_threads())  # the host step's (offload.cpu_threads or DeepSpeed's share)
+        threads = host_threads(config)  # the host step's (offload.cpu_threads, or DeepSpeed's share of the cores)
         measured = (rates.measure(accel, threads, group)
                     if (ratio is AUTO or (stream is AUTO and not want.delayed))
                     and zero.offload_optimizer.device == "cpu" and not accel.host_is_device

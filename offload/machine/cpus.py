@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from offload.config import Config
+
 SYS = Path("/sys")
 PROC = Path("/proc")
 
@@ -112,6 +114,16 @@ def _within_quota(count: int, sys_root: Path, proc: Path) -> int:
 def default_threads() -> int:
     """Threads for offload's memory-bound host kernels: the physical cores this process may use."""
     return physical_cores()
+
+
+def host_threads(config: Config, cores: int | None = None) -> int | None:
+    """Threads for the host's optimizer step: offload.cpu_threads, else zero_optimization.offload_optimizer's
+    cpuadam_cores_perc of ``cores`` (DeepSpeed's share; default: this process's physical cores), else None (the
+    kernels' default, every core)."""
+    if config.offload.cpu_threads is not None:
+        return config.offload.cpu_threads
+    share = config.zero_optimization.offload_optimizer.cpuadam_cores_perc
+    return None if share is None else max(1, math.floor(share * (default_threads() if cores is None else cores)))
 
 
 @contextlib.contextmanager

@@ -28,6 +28,15 @@ class DeepSpeedCPUAdam(CPUAdam):
         super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
                          bias_correction=bias_correction)
 
+    def _check_params(self) -> None:
+        """Not at construction: as DeepSpeed's, this is built over the model's (bf16) params to be handed to
+        ``initialize`` (accelerate's DeepSpeed path does so with optimizer offload), which steps fp32 masters of
+        its own. Stepped by itself, the params are checked first (``step``)."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        CPUAdam._check_params(self)
+        return super().step(closure)
+
 
 class FusedAdam(torch.optim.Adam):
     """DeepSpeed's FusedAdam signature over torch's Adam (fused where torch fuses it): ``adam_w_mode`` is

@@ -67,6 +67,10 @@ class CPUAdam(HostOptimizer):
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = threads
         host_prefetch.choose(prefetch, threads or default_threads())
+        self._check_params()
+
+    def _check_params(self) -> None:
+        """The params this steps in place: fp32, contiguous, on the CPU; a clear error naming the first that is not."""
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 where = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
