@@ -175,6 +175,9 @@ def test_the_groups_split_as_deepspeeds_with_a_scripts_tags_and_group_keys():
     assert groups == [(True, n_matrices, MUON_LR, WD), (False, 1, ADAM_LR, WD), (False, len(rest), 5e-4, 0.0)]
     assert optimizer.param_groups[0]["momentum"] == MOMENTUM and optimizer.hyper(0).rule == "muon"
     assert optimizer.hyper(1).rule == "adam" and optimizer.hyper(1).betas == (0.9, 0.95)
+    # each parameter marked as it was decided, as DeepSpeed marks them; the script's own mark kept
+    assert [p.use_muon for p in decay] == [p is not model.wte.weight for p in decay]
+    assert not any(p.use_muon for p in rest) and model.wte.weight.use_muon is False
     engine.close()
     with offload.zero.Init():  # built a unit at a time: the parameters keep their shapes, so the split is the same
         model = make_any("gpt")

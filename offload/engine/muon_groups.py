@@ -5,7 +5,8 @@ tag says; any other is Muon's when it is a matrix whose name says neither ``embe
 tags every parameter of two or more dimensions, overwriting a script's tag; torch.optim.Muon takes only 2-D ones,
 so here the rest go to AdamW and a 3-D or 4-D parameter tagged for Muon is refused.) Each param group the script
 passed splits into its Muon half and its AdamW half, as DeepSpeed splits them: the config's value, then
-``muon_lr`` / ``adam_lr``, then the group's own key, the most specific last."""
+``muon_lr`` / ``adam_lr``, then the group's own key, the most specific last. Every parameter then carries
+``use_muon`` as it was decided, as DeepSpeed marks them (a script reads the mark to log or to build its own groups)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,9 @@ def muon_halves(model: nn.Module, source: list[Any], p: AdamParams) -> list[dict
     for g in groups:
         halves: dict[bool, list[Any]] = {True: [], False: []}
         for q in g["params"]:
-            halves[uses_muon(q, names.get(id(q), ""))].append(q)
+            mine = uses_muon(q, names.get(id(q), ""))
+            q.use_muon = mine  # DeepSpeed marks each parameter so, and scripts read the mark
+            halves[mine].append(q)
         for use_muon, defaults, keys in ((True, muon, MUON_KEYS), (False, adam, ADAM_KEYS)):
             if not halves[use_muon]:
                 continue
