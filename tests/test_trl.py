@@ -87,9 +87,14 @@ def test_dpo_prepares_its_reference_model_as_an_engine(zygote, tmp_path):
     close(ours["losses"], plain["losses"])
 
 
+@pytest.fixture(scope="module")
+def plain_dpo_at_two_ranks(zygote, tmp_path_factory):
+    return zygote.run(trl_cases.dpo, world=2, out=str(tmp_path_factory.mktemp("plain_dpo")), ds=None)
+
+
 @pytest.mark.slow  # the inner loop keeps the switch's answers and one trainer
-def test_two_ranks_hold_half_the_reference_each(zygote, tmp_path):
-    plain = zygote.run(trl_cases.dpo, world=2, out=str(tmp_path / "plain"), ds=None)
+def test_two_ranks_hold_half_the_reference_each(zygote, plain_dpo_at_two_ranks, tmp_path):
+    plain = plain_dpo_at_two_ranks
     ours = zygote.run(trl_cases.dpo, world=2, out=str(tmp_path / "ds"), ds=trl_cases.ZERO3_OFFLOAD)
     full = ours[0]["reference_full_bytes"]
     for rank in ours:
@@ -124,7 +129,7 @@ use_cpu: true
 
 
 @pytest.mark.slow
-def test_offload_launch_runs_accelerate_launch_with_a_deepspeed_config_on_the_engine(zygote, tmp_path):
+def test_offload_launch_runs_accelerate_launch_with_a_deepspeed_config_on_the_engine(plain_dpo_at_two_ranks, tmp_path):
     config = tmp_path / "zero3_offload.yaml"
     config.write_text(ACCELERATE_ZERO3_OFFLOAD)
     bin_dir = Path(sys.executable).parent
@@ -136,8 +141,7 @@ def test_offload_launch_runs_accelerate_launch_with_a_deepspeed_config_on_the_en
     assert "stands in for DeepSpeed 0.19.8" in done.stderr
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["engine"] == r["reference"] == ENGINE for r in ranks)
-    plain = zygote.run(trl_cases.dpo, world=2, out=str(tmp_path / "plain"), ds=None)
-    close(ranks[0]["losses"], plain[0]["losses"])
+    close(ranks[0]["losses"], plain_dpo_at_two_ranks[0]["losses"])
 
 
 def test_offload_launch_refuses_deepspeeds_own_launcher_before_anything_starts():

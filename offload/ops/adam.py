@@ -33,7 +33,7 @@ class DeepSpeedCPUAdam(CPUAdam):
         ``initialize`` (accelerate's DeepSpeed path does so with optimizer offload), which steps fp32 masters of
         its own. Stepped by itself, the params are checked first (``step``)."""
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         CPUAdam._check_params(self)
         return super().step(closure)
 
