@@ -241,7 +241,10 @@ def _failed(engine: Any, root: Path, tag: str, error: BaseException | None) -> B
     _barrier(group)
     number = next((n for n in fulls if n is not None), None)
     if number is not None:
-        message = _disk_full_message(engine, root, tag, number)
+        # rank 0's count of the bytes free, for every rank: each measuring its own would tell ranks different
+        # numbers while anything else writes to that disk
+        free = _gather_objects(shutil.disk_usage(root).free if rank == 0 else None, group)[0]
+        message = _disk_full_message(engine, root, tag, number, free)
         full_error = CheckpointDiskFull(message, number)
         if error is not None:
             full_error.__cause__ = error
@@ -251,7 +254,7 @@ def _failed(engine: Any, root: Path, tag: str, error: BaseException | None) -> B
                                     "checkpoint is intact")
 
 
-def _disk_full_message(engine: Any, root: Path, tag: str, number: int) -> str:
+def _disk_full_message(engine: Any, root: Path, tag: str, number: int, free: int) -> str:
     """Bytes a checkpoint takes (the last complete one's, else this rank's state times the ranks), bytes free,
     the checkpoint to resume from, and what to do."""
     tag_now = latest_tag(root)
@@ -262,7 +265,6 @@ def _disk_full_message(engine: Any, root: Path, tag: str, number: int) -> str:
         last = None
         # what a checkpoint holds an element: a lent 16+16 high half is saved too (its master as one float32)
         needed = engine.partition.world * engine.optimizer.saved_bytes()
-    free = shutil.disk_usage(root).free
     return (f"checkpoint {tag!r} did not fit in {root}: its file system is full ({errno.errorcode[number]}); a "
             f"checkpoint of this run takes about {needed:,} bytes and {free:,} are free there. The partial save "
             f"was removed, so the disk is as it was; "
