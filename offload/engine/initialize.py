@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -131,11 +132,19 @@ def _end_group_at_exit() -> None:
     launcher's handlers, so it runs before them): none of offload's work is left for a gloo thread to finish.
     Destroying the group unregisters it but does not end its threads (gloo's shutdown is a no-op in torch 2.13;
     they end with the C++ group, when its last Python reference dies in module teardown). NCCL's group is left to
-    the script: its destroy can block on a peer, and its end at exit is only a warning."""
+    the script: its destroy can block on a peer, and its end at exit is only a warning. Last, the main thread
+    sleeps a moment (``_SETTLE_S``) with the GIL released, while Python is still whole: a gloo worker drops a
+    finished work a fraction of a millisecond after its wait returns, and whatever Python object that work held
+    last (a tensor whose Python side is gone, say) is then released on the worker with a GIL it can still take.
+    The backward's context was the one such object seen in a core; the sleep covers the others (an abort was seen
+    once more, in the accelerate two-process test, after datasets and pyarrow came into its processes)."""
     hold_on_main_thread()
     if not _ENDING:
         _ENDING.append(True)
         atexit.register(_end_group)
+
+
+_SETTLE_S = 0.05  # the workers drop finished works within a millisecond; fifty leaves a loaded machine room
 
 
 def _end_group() -> None:
@@ -143,6 +152,7 @@ def _end_group() -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
         wait_in_flight()
         dist.destroy_process_group()
+    time.sleep(_SETTLE_S)  # see [Note: the group at exit]
 
 
 def _default_device() -> torch.device:
