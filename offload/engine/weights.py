@@ -268,25 +268,40 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
     return True
 
 
+def _kept_by_unit(layout: list[tuple[str, int, Any]], exclude_frozen_parameters: bool
+                  ) -> dict[int, list[tuple[str, Any]]]:
+    """The state_dict keys to gather, with their slots, by unit (frozen parameters left out when asked)."""
+    by_unit: dict[int, list[tuple[str, Any]]] = {}
+    for key, index, slot in layout:
+        if not (exclude_frozen_parameters and not slot.param.requires_grad):
+            by_unit.setdefault(index, []).append((key, slot))
+    return by_unit
+
+
+def _gathered_units(engine: Any) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each unit's whole compute-dtype values on the device, one unit gathered at a time (a collective: every rank
+    iterates to the end). The caller drops its ``full`` before asking for the next, so that one unit's buffer is
+    alive at a time."""
+    for unit in engine.units:
+        full = torch.empty(unit.padded, dtype=engine.compute_dtype, device=engine.accel.device)
+        all_gather(full, engine.params.read(unit.index).to(engine.accel.device), unit.group)
+        yield unit.index, full
+        del full
+
+
 def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
     """The whole model's state_dict in the compute dtype on rank 0's host, gathered unit by unit (a collective; the
     other ranks get ``{}``), as DeepSpeed's ``_zero3_consolidated_16bit_state_dict`` answers accelerate's
     ``get_state_dict``: rank 0 holds the whole model once, so ``write_weights`` is the way for a model that does not
     fit the host."""
     layout, buffers = state_dict_layout(engine)
-    by_unit: dict[int, list[tuple[str, Any]]] = {}
-    for key, index, slot in layout:
-        if not (exclude_frozen_parameters and not slot.param.requires_grad):
-            by_unit.setdefault(index, []).append((key, slot))
-    dtype, device = engine.compute_dtype, engine.accel.device
+    by_unit = _kept_by_unit(layout, exclude_frozen_parameters)
     rank0 = engine.group.rank == 0
     values: dict[str, torch.Tensor] = {}
-    for unit in engine.units:
-        full = torch.empty(unit.padded, dtype=dtype, device=device)
-        all_gather(full, engine.params.read(unit.index).to(device), unit.group)
+    for index, full in _gathered_units(engine):
         if rank0:
             host = full.cpu()
-            for key, s in by_unit.get(unit.index, ()):
+            for key, s in by_unit.get(index, ()):
                 values[key] = host[s.offset:s.offset + s.numel].view(s.shape).clone()
         del full
     if not rank0:
@@ -301,11 +316,8 @@ def write_weights(engine: Any, save_dir: str | os.PathLike[str], save_filename: 
     name), unit by unit: it never holds the whole state dict. A collective: when rank 0's write fails (a full
     disk), it keeps taking part in the gathers, and every rank then raises, none is left waiting."""
     layout, buffers = state_dict_layout(engine)
-    by_unit: dict[int, list[tuple[str, Any]]] = {}
-    for key, index, slot in layout:
-        if not (exclude_frozen_parameters and not slot.param.requires_grad):
-            by_unit.setdefault(index, []).append((key, slot))
-    dtype, device = engine.compute_dtype, engine.accel.device
+    by_unit = _kept_by_unit(layout, exclude_frozen_parameters)
+    dtype = engine.compute_dtype
     path = Path(save_dir) / save_filename
     writer = _RankZeroWriter(path) if engine.group.rank == 0 else None
     if writer is not None:
@@ -314,12 +326,10 @@ def write_weights(engine: Any, save_dir: str | os.PathLike[str], save_filename: 
         specs += [TensorSpec(key, t.dtype, tuple(t.shape)) for key, t in buffers.items()]
         written = {s.key for s in specs}
         writer.open(specs, [key for key in live_state_dict(engine.module) if key in written])
-    for unit in engine.units:  # one unit gathered at a time
-        full = torch.empty(unit.padded, dtype=dtype, device=device)
-        all_gather(full, engine.params.read(unit.index).to(device), unit.group)
+    for index, full in _gathered_units(engine):
         if writer is not None and writer.error is None:
             host = full.cpu()
-            for key, s in by_unit.get(unit.index, ()):
+            for key, s in by_unit.get(index, ()):
                 writer.write(key, host[s.offset:s.offset + s.numel].view(s.shape))
         del full
     if writer is not None:
@@ -327,7 +337,7 @@ def write_weights(engine: Any, save_dir: str | os.PathLike[str], save_filename: 
             writer.write(key, t)
         writer.finish()
     # Also what keeps the other ranks from returning before rank 0's file is in place.
-    if not all_ok(writer is None or writer.error is None, engine.group, device):
+    if not all_ok(writer is None or writer.error is None, engine.group, engine.accel.device):
         if writer is not None and writer.error is not None:
             raise writer.error
         raise OSError(f"rank {engine.group.rank}: rank 0 could not write {path} (its error says why); nothing was "
