@@ -16,28 +16,27 @@ import torch
 DEEPSPEED_VERSION = "0.19.8"  # the DeepSpeed whose surface offload answers (docs/deepspeed-api.md)
 
 
+def _map_nested(item: Any, pick: Callable[[Any], bool], fn: Callable[[Any], Any]) -> Any:
+    """``fn`` on each item ``pick`` takes inside nested lists, tuples and dicts; the containers rebuilt as they were."""
+    if pick(item):
+        return fn(item)
+    if isinstance(item, (list, tuple)):
+        return type(item)(_map_nested(v, pick, fn) for v in item)
+    if isinstance(item, dict):
+        return {k: _map_nested(v, pick, fn) for k, v in item.items()}
+    return item
+
+
 def move_to_device(item: Any, device: torch.device | str, criterion_func: Callable[[Any], bool]) -> Any:
     """DeepSpeed's runtime.utils helper: the tensors in nested lists, tuples and dicts that ``criterion_func`` picks,
     moved to ``device``."""
-    if criterion_func(item):
-        return item.to(device)
-    if isinstance(item, (list, tuple)):
-        return type(item)(move_to_device(v, device, criterion_func) for v in item)
-    if isinstance(item, dict):
-        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
-    return item
+    return _map_nested(item, criterion_func, lambda t: t.to(device))
 
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") -> Any:
     """DeepSpeed's checkpoint.utils helper: every tensor in nested containers cloned (detached) to ``device``, so a
     saved view does not drag its whole storage into the file."""
-    if torch.is_tensor(item):
-        return item.detach().clone().to(device)
-    if isinstance(item, (list, tuple)):
-        return type(item)(clone_tensors_for_torch_save(v, device) for v in item)
-    if isinstance(item, dict):
-        return {k: clone_tensors_for_torch_save(v, device) for k, v in item.items()}
-    return item
+    return _map_nested(item, torch.is_tensor, lambda t: t.detach().clone().to(device))
 
 
 def initialize(*args: Any, **kwargs: Any) -> Any:
