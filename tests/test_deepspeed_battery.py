@@ -2,7 +2,10 @@
 DeepSpeed where it is installed and, with its import changed as the README says, under offload; what each
 observes (losses, counters, what calls return) must agree. Without DeepSpeed the offload side is held to what
 DeepSpeed 0.19.8 observed when the expectations were recorded (tests/ds_battery/expected, by
-``python tests/test_deepspeed_battery.py --record``), on its CPU accelerator in fp32."""
+``python tests/test_deepspeed_battery.py --record``), on its CPU accelerator in fp32.
+
+Under offload each rank is forked from one zygote per module that imported offload (and PEFT) once
+(tests/zygote.py), with the variables a launcher sets; DeepSpeed's side starts fresh processes."""
 
 import json
 import math
@@ -12,10 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from zygote import Zygote
 
 from offload.machine.launch import _free_port
 
 HERE = Path(__file__).parent / "ds_battery"
+# both sides on the CPU, as recorded (on a GPU machine offload would train there and zero.Init draw there)
+ENV = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
 
 # script -> (config, whether it takes --save_dir, processes); every config is fp32
 SCRIPTS = {
@@ -61,33 +67,55 @@ REL = 2e-5  # losses, in one run on one machine: DeepSpeed's and offload's fp32 
 RECORDED_REL = 1e-3
 
 
-def run(impl: str, name: str, tmp: Path) -> dict:
-    """What the script observed; with several processes (started as a launcher starts them), what every rank
-    observed, which must be the same but for the rank's number."""
-    config, saves, world = SCRIPTS[name]
-    args = ["--deepspeed", "--deepspeed_config", str(HERE / "configs" / config)]
-    if saves:
-        args += ["--save_dir", str(tmp / f"{impl}-save")]
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote(["torch", "offload", "peft"], env=ENV)
+    yield z
+    z.close()
+
+
+def arguments(impl: str, name: str, tmp: Path) -> list[str]:
+    config, saves, _ = SCRIPTS[name]
+    args = [impl, str(HERE / "scripts" / f"{name}.py"), "--deepspeed", "--deepspeed_config",
+            str(HERE / "configs" / config)]
+    return args + (["--save_dir", str(tmp / f"{impl}-save")] if saves else [])
+
+
+def started(impl: str, name: str, tmp: Path) -> list[tuple[int, str]]:
+    """Each rank's exit code and output, every rank a fresh process (as a launcher starts them)."""
+    world = SCRIPTS[name][2]
     port = str(_free_port())  # another test's ranks may hold a port a formula would pick (xdist workers)
     procs = []
     for rank in range(world):
-        # both on the CPU, as recorded (on a GPU machine offload would train there and zero.Init draw there)
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "PYTHONWARNINGS": "ignore"}
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "run.py"), impl, str(HERE / "scripts" / f"{name}.py"),
-                                       *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                      cwd=tmp))
-    observed = []
-    for rank, proc in enumerate(procs):
+        env = {**os.environ, **ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "run.py"), *arguments(impl, name, tmp)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp))
+    ran = []
+    for proc in procs:
         try:
-            stdout, stderr = proc.communicate(timeout=600)
+            output, _ = proc.communicate(timeout=600)
         finally:
             for p in procs:
                 if p.poll() is None and proc.returncode != 0:
                     p.kill()
-        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, f"{impl} {name} rank {rank}:\n{stdout[-3000:]}\n{stderr[-5000:]}"
+        ran.append((proc.returncode, output))
+    return ran
+
+
+def run(impl: str, name: str, tmp: Path, zygote: Zygote | None = None) -> dict:
+    """What the script observed; with several processes, what every rank observed, which must be the same but for
+    the rank's number. Forked from the zygote where one is given."""
+    if zygote is None:
+        ran = started(impl, name, tmp)
+    else:
+        ran = [(one.code, one.output) for one in zygote.script(HERE / "run.py", *arguments(impl, name, tmp),
+                                                                 world=SCRIPTS[name][2], cwd=tmp, torchrun=True,
+                                                                 timeout=600)]
+    observed = []
+    for rank, (code, output) in enumerate(ran):
+        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+        assert code == 0 and lines, f"{impl} {name} rank {rank}:\n{output[-8000:]}"
         observed.append(json.loads(lines[-1].removeprefix("RESULT ")))
     for rank, seen in enumerate(observed[1:], start=1):
         differences = same({**seen, "rank": 0}, observed[0], 0.0)
@@ -121,8 +149,8 @@ def _has_deepspeed() -> bool:
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_a_deepspeed_script_runs_the_same_under_offload(name, tmp_path):
-    ours = run("offload", name, tmp_path)
+def test_a_deepspeed_script_runs_the_same_under_offload(name, tmp_path, zygote):
+    ours = run("offload", name, tmp_path, zygote)
     recorded = json.loads((HERE / "expected" / f"{name}.json").read_text())
     known = {key for script, key in KNOWN if script == name}
     for key in known:

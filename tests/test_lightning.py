@@ -1,7 +1,11 @@
 """offload.lightning: a LightningModule fitted by Lightning's Trainer with an offload_* strategy trains as under
 Lightning's own DDP (tests/lightning_scripts/fit.py, run as a script per side: losses, learning rates, validation,
 final weights), at one process and at two through Lightning's own launcher; fit(ckpt_path=...) from a
-ModelCheckpoint resumes bitwise; DeepSpeed is never imported; what it cannot run is refused by name."""
+ModelCheckpoint resumes bitwise; DeepSpeed is never imported; what it cannot run is refused by name.
+
+The scripts run as `python script.py` (and at two ranks as under torchrun) in processes forked from one zygote per
+module that imported Lightning and offload once (tests/zygote.py): Lightning's import alone is about 6 s of CPU. The
+two tests named for Lightning's and Fabric's own launchers start the script as a subprocess, as a user does."""
 
 import os
 import subprocess
@@ -13,21 +17,45 @@ import torch
 
 pytest.importorskip("lightning")
 
+from zygote import Zygote  # noqa: E402
+
 FIT = Path(__file__).parent / "lightning_scripts" / "fit.py"
 FABRIC_LOOP = Path(__file__).parent / "lightning_scripts" / "fabric_loop.py"
 
 
-def fit(strategy: str, out: Path, *extra: str, devices: int = 1) -> list[dict]:
-    """Each rank's record of one run."""
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote(["lightning", "lightning.pytorch", "offload.lightning", "offload.zero.compiled"])
+    yield z
+    z.close()
+
+
+def launched(script: Path, cwd: Path, *argv: str) -> str:
+    """The script started as a user starts it (Lightning's launcher then starts its other ranks): its stderr."""
     # faulthandler: a rank that aborts (the rare "terminate called without an active exception" at exit, see
     # docs/testing.md) prints every thread's Python stack into stderr, which the assertion shows
-    proc = subprocess.run([sys.executable, str(FIT), strategy, str(out), "--devices", str(devices), *extra],
-                          capture_output=True, text=True, cwd=out.parent, timeout=300,
+    proc = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, cwd=cwd, timeout=300,
                           env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     assert proc.returncode == 0, proc.stderr[-8000:]
+    return proc.stderr
+
+
+def forked(zygote: Zygote, script: Path, cwd: Path, *argv: str, world: int = 1) -> str:
+    """The script at `world` ranks forked from the zygote: its ranks' output."""
+    ran = zygote.script(script, *argv, world=world, cwd=cwd)
+    for rank, one in enumerate(ran):
+        assert one.code == 0, f"rank {rank} exited with {one.code}:\n{one.output[-8000:]}"
+    return "".join(one.output for one in ran)
+
+
+def fit(zygote: Zygote | None, strategy: str, out: Path, *extra: str, devices: int = 1) -> list[dict]:
+    """Each rank's record of one run; without a zygote through Lightning's own launcher."""
+    argv = (strategy, str(out), "--devices", str(devices), *extra)
+    stderr = launched(FIT, out.parent, *argv) if zygote is None else forked(zygote, FIT, out.parent, *argv,
+                                                                          world=devices)
     records = [torch.load(f"{out}.{rank}.pt") for rank in range(devices)]
     for record in records:
-        record["stderr"] = proc.stderr
+        record["stderr"] = stderr
     return records
 
 
@@ -44,28 +72,28 @@ def assert_trains_as(ours: dict, plain: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory) -> dict:
+def ddp_run(zygote, tmp_path_factory) -> dict:
     """Lightning's DDP at one process: the reference the one-process runs compare with (run once per worker)."""
-    plain, = fit("ddp", tmp_path_factory.mktemp("ddp") / "ddp")
+    plain, = fit(zygote, "ddp", tmp_path_factory.mktemp("ddp") / "ddp")
     return plain
 
 
 @pytest.mark.parametrize("strategy", ["offload_stage_3_offload", "offload_stage_2"])
-def test_a_lightning_module_trains_on_the_engine_as_under_ddp(tmp_path, strategy, ddp_run):
+def test_a_lightning_module_trains_on_the_engine_as_under_ddp(zygote, tmp_path, strategy, ddp_run):
     """Accumulation 2 (the loss divided once, see [Note: the loss is divided once]), clipping at 0.5, a StepLR
     stepped by Lightning, validation inside the fit and trainer.validate after it (on the fit's engine)."""
     plain = ddp_run
-    ours, = fit(strategy, tmp_path / "offload")
+    ours, = fit(zygote, strategy, tmp_path / "offload")
     assert_trains_as(ours, plain)
     whole = sum(v.numel() for k, v in plain["weights"].items() if k != "batches")  # the parameters
     assert ours["params_total"] == whole and sum(ours["params_per_device"][1:]) == whole  # the model summary
 
 
-def test_blocks_compiled_in_configure_model_train_under_the_strategy_as_under_ddp(tmp_path):
+def test_blocks_compiled_in_configure_model_train_under_the_strategy_as_under_ddp(zygote, tmp_path):
     """#69: blocks compiled in place in configure_model: each one unit, its gathers outside its graph, the losses
     and weights of the same compiled blocks under DDP."""
-    plain, = fit("ddp", tmp_path / "ddp", "--compile", "aot_eager")
-    ours, = fit("offload_stage_3_offload", tmp_path / "offload", "--compile", "aot_eager")
+    plain, = fit(zygote, "ddp", tmp_path / "ddp", "--compile", "aot_eager")
+    ours, = fit(zygote, "offload_stage_3_offload", tmp_path / "offload", "--compile", "aot_eager")
     assert_trains_as(ours, plain)
     assert ours["compiled"]["compiled"] == ["net.blocks.0", "net.blocks.1"]
     # the training graph and validation's (no gradients), as under DDP; no break
@@ -73,8 +101,8 @@ def test_blocks_compiled_in_configure_model_train_under_the_strategy_as_under_dd
 
 
 def test_two_processes_through_lightnings_launcher(tmp_path):
-    plain = fit("ddp", tmp_path / "ddp", devices=2)
-    ours = fit("offload_stage_3_offload", tmp_path / "offload", devices=2)
+    plain = fit(None, "ddp", tmp_path / "ddp", devices=2)
+    ours = fit(None, "offload_stage_3_offload", tmp_path / "offload", devices=2)
     for rank in range(2):
         assert ours[rank]["world"] == 2
         assert_trains_as(ours[rank], plain[rank])
@@ -84,12 +112,12 @@ def test_two_processes_through_lightnings_launcher(tmp_path):
     assert 0 < ours[0]["params_per_device"][0] < whole
 
 
-def test_manual_optimization_trains_as_under_ddp(tmp_path):
+def test_manual_optimization_trains_as_under_ddp(zygote, tmp_path):
     """A training_step that calls manual_backward and optimizer.step itself (as GANs and RL modules do), at two
     processes: DDP's losses, learning rates and weights (see [Note: manual optimization runs beside the forward]).
     Before, the step inside the engine's forward was refused: the root's unit was in use by that forward."""
-    plain = fit("ddp", tmp_path / "ddp", "--manual", devices=2)
-    ours = fit("offload_stage_3_offload", tmp_path / "offload", "--manual", devices=2)
+    plain = fit(zygote, "ddp", tmp_path / "ddp", "--manual", devices=2)
+    ours = fit(zygote, "offload_stage_3_offload", tmp_path / "offload", "--manual", devices=2)
     for rank in range(2):
         assert ours[rank]["losses"] == pytest.approx(plain[rank]["losses"], rel=1e-5, abs=1e-6)
         assert ours[rank]["lrs"] == plain[rank]["lrs"] and ours[rank]["global_step"] == plain[rank]["global_step"]
@@ -97,11 +125,11 @@ def test_manual_optimization_trains_as_under_ddp(tmp_path):
             torch.testing.assert_close(ours[rank]["weights"][key], value, rtol=1e-5, atol=1e-6)
 
 
-def test_fit_from_a_model_checkpoint_resumes_bitwise(tmp_path):
-    whole, = fit("offload_stage_3_offload", tmp_path / "whole", "--save", str(tmp_path / "saved"))
+def test_fit_from_a_model_checkpoint_resumes_bitwise(zygote, tmp_path):
+    whole, = fit(zygote, "offload_stage_3_offload", tmp_path / "whole", "--save", str(tmp_path / "saved"))
     saved = tmp_path / "saved" / "epoch=0-step=4.ckpt"
     assert (saved / "latest").is_file() and (saved / "checkpoint").is_dir()  # the engine's folder, as DeepSpeed's
-    resumed, = fit("offload_stage_3_offload", tmp_path / "resumed", "--resume", str(saved))
+    resumed, = fit(zygote, "offload_stage_3_offload", tmp_path / "resumed", "--resume", str(saved))
     assert resumed["losses"] == whole["losses"][8:] and resumed["lrs"] == whole["lrs"][8:]
     assert resumed["val_losses"] == whole["val_losses"][4:] and resumed["validated"] == whole["validated"]
     for key, value in whole["weights"].items():  # the module's buffer too
@@ -110,15 +138,16 @@ def test_fit_from_a_model_checkpoint_resumes_bitwise(tmp_path):
     assert "left out" not in resumed["stderr"]
 
 
-def test_a_single_file_checkpoint_loads_into_the_shards(tmp_path):
+def test_a_single_file_checkpoint_loads_into_the_shards(zygote, tmp_path):
     """OffloadStrategy(load_full_weights=True): a plain Lightning checkpoint (DDP's ModelCheckpoint file) read into
     the stage-3 shards at two ranks: the resumed run's first step sees DDP's weights exactly on each rank, and each
     rank's buffer its saved value (the optimizer state is not in such a file, as Lightning warns). A file missing a
     key of the model is refused before anything is written."""
-    plain = fit("ddp", tmp_path / "ddp", "--save", str(tmp_path / "saved"), devices=2)
+    plain = fit(zygote, "ddp", tmp_path / "ddp", "--save", str(tmp_path / "saved"), devices=2)
     saved = tmp_path / "saved" / "epoch=0-step=4.ckpt"
     assert saved.is_file()
-    ours = fit("offload_stage_3_offload", tmp_path / "offload", "--full-weights", "--resume", str(saved), devices=2)
+    ours = fit(zygote, "offload_stage_3_offload", tmp_path / "offload", "--full-weights", "--resume", str(saved),
+               devices=2)
     for rank in range(2):
         assert ours[rank]["losses"][:2] == plain[rank]["losses"][8:10]  # the first step, before any update
         assert ours[rank]["batches"] == plain[rank]["batches"] == 16  # 8 saved, 8 more
@@ -127,41 +156,40 @@ def test_a_single_file_checkpoint_loads_into_the_shards(tmp_path):
     checkpoint = torch.load(saved, weights_only=False)
     del checkpoint["state_dict"]["net.head.bias"]
     torch.save(checkpoint, tmp_path / "lacking.ckpt")
-    proc = subprocess.run([sys.executable, str(FIT), "offload_stage_3_offload", str(tmp_path / "lacking"),
-                           "--full-weights", "--resume", str(tmp_path / "lacking.ckpt")],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert proc.returncode != 0 and "missing keys: net.head.bias" in proc.stderr
+    refused, = zygote.script(FIT, "offload_stage_3_offload", str(tmp_path / "lacking"), "--full-weights", "--resume",
+                             str(tmp_path / "lacking.ckpt"), cwd=tmp_path)
+    assert refused.code != 0 and "missing keys: net.head.bias" in refused.output
 
 
-def test_bf16_mixed_runs_the_engine_in_bf16(tmp_path, ddp_run):
+def test_bf16_mixed_runs_the_engine_in_bf16(zygote, tmp_path, ddp_run):
     """DeepSpeed's meaning of bf16-mixed under Lightning: bf16 weights and inputs, an fp32 master (beside the fp32
     run, which the offload strategies equal to fp32 rounding: the test above)."""
     fp32 = ddp_run
-    bf16, = fit("offload_stage_3_offload", tmp_path / "bf16", "--precision", "bf16-mixed")
+    bf16, = fit(zygote, "offload_stage_3_offload", tmp_path / "bf16", "--precision", "bf16-mixed")
     assert bf16["losses"] != fp32["losses"]
     assert bf16["losses"] == pytest.approx(fp32["losses"], rel=5e-2, abs=1e-2)
     assert all(v.dtype == torch.float32 for v in bf16["weights"].values())  # the master, whole
 
 
-def fabric_loop(tmp_path: Path, devices: int) -> list[dict]:
-    """Each rank's record of the Fabric loop's four runs (ddp, offload, offload resumed, offload from DDP's file)."""
-    proc = subprocess.run([sys.executable, str(FABRIC_LOOP), str(tmp_path / "out"), "--folder", str(tmp_path),
-                           "--devices", str(devices)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def fabric_loop(zygote: Zygote | None, tmp_path: Path, devices: int) -> list[dict]:
+    """Each rank's record of the Fabric loop's four runs (ddp, offload, offload resumed, offload from DDP's file);
+    without a zygote through Fabric's own launcher."""
+    argv = (str(tmp_path / "out"), "--folder", str(tmp_path), "--devices", str(devices))
+    stderr = launched(FABRIC_LOOP, tmp_path, *argv) if zygote is None else forked(zygote, FABRIC_LOOP, tmp_path, *argv)
     records = [torch.load(tmp_path / f"out.{rank}.pt") for rank in range(devices)]
     for record in records:
-        record["stderr"] = proc.stderr
+        record["stderr"] = stderr
     return records
 
 
 @pytest.mark.parametrize("devices", [1, 2])
-def test_a_fabric_loop_trains_on_the_engine_as_under_ddp_and_resumes_bitwise(tmp_path, devices):
+def test_a_fabric_loop_trains_on_the_engine_as_under_ddp_and_resumes_bitwise(zygote, tmp_path, devices):
     """The loop a Fabric user of DeepSpeed writes (fabric.init_module, fabric.setup(model, optimizer,
     scheduler=...), accumulation 2 by two fabric.backward calls and one optimizer.step, clipping at 0.5 from the
     config where DDP's loop calls fabric.clip_gradients, the scheduler stepped by the script, fabric.save and
     fabric.load of model, optimizer, scheduler and a counter) against the same loop under ddp; at two processes
     through Fabric's own launcher."""
-    for record in fabric_loop(tmp_path, devices):
+    for record in fabric_loop(zygote if devices == 1 else None, tmp_path, devices):
         plain, ours, resumed, full = record["ddp"], record["offload"], record["resumed"], record["full_weights"]
         assert ours["strategy"] == "OffloadStrategy" and ours["world"] == devices and not record["deepspeed_imported"]
         assert max(plain["norms"]) > 0.5  # the clipping bit

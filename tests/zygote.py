@@ -10,15 +10,25 @@ import is paid once per module.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import runpy
 import signal
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+# what torchrun sets beside the rank variables; Lightning and Fabric read TORCHELASTIC_RUN_ID as "launched from
+# outside" and then start no processes of their own
+_TORCHRUN = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+             "TORCHELASTIC_RUN_ID")
 
 
 def _free_port() -> int:
@@ -31,7 +41,7 @@ def _rank(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[st
           write: int) -> None:
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
     try:
         result: tuple[str, Any] = ("ok", fn(rank, world, **kwargs))
     except BaseException:  # noqa: BLE001 - reported to the test
@@ -42,6 +52,53 @@ def _rank(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[st
         data = pickle.dumps(("error", f"rank {rank} returned what does not pickle:\n{traceback.format_exc()}"))
     with os.fdopen(write, "wb") as f:
         f.write(data)
+
+
+@dataclass(frozen=True)
+class Ran:
+    """One rank's run of a script: its exit code (0; 1 for an exception; SystemExit's own) and its stdout and
+    stderr together, as a test of a subprocess would read them."""
+
+    code: int
+    output: str
+
+
+def _exit_code(e: SystemExit) -> int:
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)  # sys.exit("message"): printed, exit status 1, as the interpreter does
+    return 1
+
+
+def _run_script(rank: int, world: int, path: str, argv: list[str], cwd: str, torchrun: bool) -> Ran:
+    """``python path *argv`` in cwd, in this forked rank: with torchrun's variables and TORCHELASTIC_RUN_ID (as
+    under torchrun), or without them (a plain ``python script.py``)."""
+    if torchrun:
+        os.environ["TORCHELASTIC_RUN_ID"] = "zygote"
+    else:
+        for name in _TORCHRUN:
+            os.environ.pop(name, None)
+    os.chdir(cwd)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    with tempfile.TemporaryFile() as log:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        faulthandler.enable()  # a rank that hangs or aborts prints every thread's stack into its output
+        code = 0
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as e:
+            code = _exit_code(e)
+        except BaseException:  # noqa: BLE001 - the traceback goes to the output, as the interpreter's would
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        log.seek(0)
+        return Ran(code, log.read().decode(errors="replace"))
 
 
 def _serve(conn: Any, preload: list[str]) -> None:
@@ -125,6 +182,13 @@ class Zygote:
         if errors:
             raise RuntimeError("\n".join(errors))
         return [value for _, value in answers]
+
+    def script(self, path: str | os.PathLike[str], *argv: str, world: int = 1, cwd: str | os.PathLike[str] = ".",
+               timeout: float = 300.0, env: dict[str, str] | None = None, torchrun: bool | None = None) -> list[Ran]:
+        """What ``python path *argv`` does, or ``torchrun --nproc-per-node world`` (``torchrun``: by default at
+        several ranks), each rank forked from the imports already made: its exit code and output, one per rank."""
+        return self.run(_run_script, world, timeout, env, path=str(path), argv=list(argv), cwd=str(cwd),
+                        torchrun=world > 1 if torchrun is None else torchrun)
 
     def close(self) -> None:
         if self._process.is_alive() and self._process.pid is not None:
