@@ -885,12 +885,13 @@ void adam(const AdamArgs& a, size_t begin, size_t end) {
 
 // [Note: one state] Lion and Adagrad keep one state buffer beside the master (Lion its momentum, Adagrad its sum of
 // squared gradients): with the float32 state 12 bytes an element moved where Adam moves 16 (plus the gradient and
-// the 16-bit copy). Each line rounds where the reference rounds: Lion as its paper and DeepSpeed's CPU Lion write it
-// (the decay first, the sign of beta1 * m + (1 - beta1) * g, then the momentum's own update with beta2), with
-// torch's add(alpha=)'s FMA; Adagrad as torch.optim.Adagrad's single-tensor path (the L2 term into the gradient, the
-// sum's addcmul_ as an FMA, the divide by sqrt(sum) + eps; its learning rate decayed by the caller). The sign of 0
-// is 0 and of a NaN a NaN, as torch.sign's. The master and the state take Adam's formats (see [Note: state
-// formats]): loaded and stored as held, the arithmetic float32, so a 16+16 master steps bit for bit as a float32 one.
+// the 16-bit copy). Each line rounds where the reference rounds: Lion as its paper writes it (the decay first, the
+// sign of beta1 * m + (1 - beta1) * g, then the momentum's own update with beta2), with torch's add(alpha=)'s FMA;
+// Adagrad as torch.optim.Adagrad's single-tensor path (the L2 term into the gradient, the sum's addcmul_ as an FMA,
+// the divide by sqrt(sum) + eps; its learning rate decayed by the caller). The sign of 0 is 0 and of a NaN a NaN, as
+// torch.sign's (DeepSpeed's CPU Lion steps an exact zero by -lr, its GPU Lion by +lr). The master and the state take
+// Adam's formats (see [Note: state formats]): loaded and stored as held, the arithmetic float32, so a 16+16 master
+// steps bit for bit as a float32 one.
 template <class V, DType G, int OUT, int RULE, int MASTER, bool BF16S>
 size_t one_state_loop(const OneStateArgs& a, size_t i, size_t end) {
   using F = typename V::F;

@@ -44,6 +44,8 @@ SCRIPTS = {
     "optimizer_schedules": ("zero3_no_clip_key.json", False, 1),
     "client_torch_optimizers": ("zero3_no_clip_key.json", False, 1),
     "muon_schedule": ("zero3_on_device.json", False, 1),
+    "lion_relu": ("zero2_lion.json", False, 1),
+    "fp16_dynamic": ("zero2_fp16.json", False, 1),
 }
 # Where offload answers otherwise, and why (docs/deepspeed-api.md says the same); nothing else may differ.
 KNOWN: dict[tuple[str, str], str] = {
@@ -57,6 +59,13 @@ KNOWN: dict[tuple[str, str], str] = {
                                      "0.100000024) and fuses the momentum's blend; offload's is the paper's update "
                                      "in torch's fp32 order (tests/test_one_state.py holds it there bit for bit), "
                                      "so the two part in the last places and Lion's sign magnifies that by step 4",
+    ("lion_relu", "relu"): "where beta1 * m + (1 - beta1) * g is exactly zero (a ReLU unit dead on the batch) the "
+                           "paper's sign(0) = 0 leaves the weight, as offload does; DeepSpeed 0.19.8's CPU Lion "
+                           "moves it by -lr (and its GPU Lion by +lr): the losses part at step 2 (the tanh run holds "
+                           "the rest)",
+    ("fp16_dynamic", "as_built"): "DeepSpeed builds its fp32 master from the module cast to fp16; offload's master is "
+                                  "the model's fp32 weights: the losses part at step 2 (the rounded run, where both "
+                                  "start from the same weights, holds the rest: losses, scales and skipped steps)",
     ("muon_schedule", "losses"): "offload's Muon is torch.optim.Muon's (its Newton-Schulz coefficients in bf16, the "
                                  "step scaled by the matrix's shape); DeepSpeed 0.19.8's runs its own iteration "
                                  "without the scaling: the losses agree until the second Muon update and part by "

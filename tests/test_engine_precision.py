@@ -104,3 +104,25 @@ def test_scale_never_drops_below_min_and_static_scale_never_moves():
     static.update(overflow=True)
     static.update(overflow=False)
     assert (static.scale, static.dynamic) == (128.0, False)
+
+
+def master_at_start(rank, world, precision):
+    model = make_model("gpt")
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine, _, _, _ = offload.initialize(model=model, config={**base_config(2, 1, world), precision: {"enabled": True}})
+    master = engine.full_state_dict()
+    engine.close()
+    return weights, master
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_the_master_starts_as_the_models_fp32_weights_not_their_16_bit_rounding(precision, dtype):
+    """DeepSpeed casts the module to 16 bits before it builds its master, so its master starts rounded; here the
+    master is the weights the model held (docs/deepspeed-api.md: why, and the line that gives DeepSpeed's start)."""
+    weights, master = run_ranks(master_at_start, 1, precision=precision)[0]
+    assert master.keys() == weights.keys()
+    rounded = 0
+    for key, value in weights.items():
+        assert master[key].dtype == torch.float32 and torch.equal(master[key], value), key
+        rounded += int((value.to(dtype).float() != value).sum())
+    assert rounded > 0  # the 16-bit rounding would have changed them

@@ -35,7 +35,8 @@ N = 100_003  # not a multiple of any vector width: every variant's tail runs too
 
 
 def reference_lion(p, g, m, lr, betas, wd):
-    """Lion as its paper writes it (and lucidrains' lion-pytorch, and DeepSpeed's CPU Lion)."""
+    """Lion as its paper writes it (and lucidrains' lion-pytorch): sign(0) is 0, where DeepSpeed's CPU Lion steps
+    by -lr and its GPU Lion by +lr (docs/deepspeed-api.md)."""
     p.mul_(1 - lr * wd)
     p.add_(m.clone().mul_(betas[0]).add(g, alpha=1 - betas[0]).sign_(), alpha=-lr)
     m.mul_(betas[1]).add_(g, alpha=1 - betas[1])
