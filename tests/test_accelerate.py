@@ -145,14 +145,26 @@ def launch(impl: str, out: Path, *extra: str) -> list[dict]:
     return [torch.load(f"{out}.{rank}") for rank in range(2)]
 
 
-def test_two_processes_under_accelerate_launch_train_as_accelerate_and_resume_bitwise(tmp_path):
-    plain = launch("plain", tmp_path / "plain.pt")
+def forked_pair(zygote: Zygote, impl: str, out: Path, *extra: str) -> list[dict]:
+    """The loop's two ranks forked from the zygote with the variables accelerate launch hands torchrun's ranks (each
+    rank writes OUT.rank only where accelerate saw two processes)."""
+    ran = zygote.script(LOOP, impl, str(out), *extra, world=2, cwd=out.parent,
+                        env={"ACCELERATE_USE_CPU": "true", "PYTHONWARNINGS": "ignore"})
+    for rank, one in enumerate(ran):
+        assert one.code == 0, f"rank {rank}:\n{one.output[-4000:]}"
+    return [torch.load(f"{out}.{rank}") for rank in range(2)]
+
+
+def test_two_processes_under_accelerate_launch_train_as_accelerate_and_resume_bitwise(zygote, tmp_path):
+    """offload's run started by accelerate launch itself, as a user starts it; accelerate's reference and the
+    resumed run forked as its ranks."""
+    plain = forked_pair(zygote, "plain", tmp_path / "plain.pt")
     ours = launch("offload", tmp_path / "offload.pt", "--save", str(tmp_path / "state"))  # saved after epoch 1
     for mine, theirs in zip(ours, plain):
         assert mine["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
         for key, value in theirs["state"].items():
             torch.testing.assert_close(mine["state"][key], value, rtol=1e-5, atol=1e-6)
-    resumed = launch("offload", tmp_path / "resumed.pt", "--load", str(tmp_path / "state"))
+    resumed = forked_pair(zygote, "offload", tmp_path / "resumed.pt", "--load", str(tmp_path / "state"))
     for whole, again in zip(ours, resumed):
         assert again["losses"] == whole["losses"][len(whole["losses"]) // 2:]
         for key, value in whole["state"].items():

@@ -513,27 +513,31 @@ print("LOSSES", json.dumps(logged(trainer)))
 
 def test_a_sigterm_stops_the_trainer_after_its_step_with_a_checkpoint_that_resumes(tmp_path):
     """save_strategy "no", and still a checkpoint of the step the signal stopped: the Trainer's loop saves it and
-    the process exits 143; train(resume_from_checkpoint=True) then goes on as the run that never stopped."""
-    import os
-    import subprocess
-    import sys
-
+    the process exits 143; train(resume_from_checkpoint=True) then goes on as the run that never stopped. Each run
+    is a process of its own, forked from a zygote that imported transformers and offload once (tests/zygote.py)."""
     from conftest import REPO
+    from zygote import Zygote
 
-    def run(out, at, resume):
-        return subprocess.run([sys.executable, "-c", STOPPED_TRAINER, str(REPO / "tests"), str(path), str(out),
-                               str(at), "resume" if resume else "start"], capture_output=True, text=True,
-                              timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    script = tmp_path / "stopped_trainer.py"
+    script.write_text(STOPPED_TRAINER)
+    zygote = Zygote(["transformers", "offload.hf", "test_hf_trainer"], env={"CUDA_VISIBLE_DEVICES": ""})
+    try:
+        def run(out, at, resume):
+            ran, = zygote.script(script, str(REPO / "tests"), str(path), str(out), str(at),
+                                 "resume" if resume else "start", cwd=tmp_path, timeout=600)
+            return ran
 
-    path = save(tiny("llama"), tmp_path / "ckpt")
-    straight = run(tmp_path / "straight", 0, False)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    stopped = run(tmp_path / "out", 6, False)  # backward calls 5 and 6 make step 3
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    assert (f"offload.hf.Trainer: stopped by SIGTERM after step 3; saved checkpoint {tmp_path / 'out'}/checkpoint-3;"
-            in stopped.stdout), stopped.stdout[-2000:]
-    assert (tmp_path / "out" / "checkpoint-3" / "offload" / "latest").read_text() == "global_step3"
-    resumed = run(tmp_path / "out", 0, True)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    losses = [json.loads(r.stdout.split("LOSSES ")[-1]) for r in (straight, resumed)]
+        path = save(tiny("llama"), tmp_path / "ckpt")
+        straight = run(tmp_path / "straight", 0, False)
+        assert straight.code == 0, straight.output[-3000:]
+        stopped = run(tmp_path / "out", 6, False)  # backward calls 5 and 6 make step 3
+        assert stopped.code == 143, stopped.output[-3000:]
+        said = f"offload.hf.Trainer: stopped by SIGTERM after step 3; saved checkpoint {tmp_path / 'out'}/checkpoint-3;"
+        assert said in stopped.output, stopped.output[-2000:]
+        assert (tmp_path / "out" / "checkpoint-3" / "offload" / "latest").read_text() == "global_step3"
+        resumed = run(tmp_path / "out", 0, True)
+        assert resumed.code == 0, resumed.output[-3000:]
+    finally:
+        zygote.close()
+    losses = [json.loads(r.output.split("LOSSES ")[-1].splitlines()[0]) for r in (straight, resumed)]
     assert len(losses[0]) == 6 and losses[1] == pytest.approx(losses[0], rel=1e-6)

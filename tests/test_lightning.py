@@ -100,8 +100,9 @@ def test_blocks_compiled_in_configure_model_train_under_the_strategy_as_under_dd
     assert ours["graphs"] == plain["graphs"] == 2 and ours["graph_breaks"] == plain["graph_breaks"] == 0
 
 
-def test_two_processes_through_lightnings_launcher(tmp_path):
-    plain = fit(None, "ddp", tmp_path / "ddp", devices=2)
+def test_two_processes_through_lightnings_launcher(zygote, tmp_path):
+    """The offload side started as a user starts it (Lightning's launcher starts rank 1); DDP's reference forked."""
+    plain = fit(zygote, "ddp", tmp_path / "ddp", devices=2)
     ours = fit(None, "offload_stage_3_offload", tmp_path / "offload", devices=2)
     for rank in range(2):
         assert ours[rank]["world"] == 2

@@ -16,7 +16,9 @@
 #      run(carry=[".whl"], timeout_s=560, command='BUNDLE=$OUT/p69.tgz OUT=/tmp/gs STAGE_S=200 tools/gpu_session.sh plan69')
 # 3. with time left: plan44a (0.91B and 4.5B against the floor), plan44b (CUDA tests, the 8B Llama through the Trainer
 #    beside DeepSpeed and plain PyTorch), trl-sft-8b (#83's row: TRL's SFTTrainer through the switch beside DeepSpeed;
-#    `tools/gpu_session.sh trl_wheels` here first), plan55 (the 4.5B with 16-bit state), largest (a call of its own).
+#    `tools/gpu_session.sh trl_wheels` here first: .whl/trl is 55 MiB (2026-12-07), .whl and it together over the
+#    64 MiB carry, so run it in a call of its own right after one that carried .whl and installed, carry=[".whl/trl"]
+#    (a warm machine keeps .whl)), plan55 (the 4.5B with 16-bit state), largest (a call of its own).
 # The last timings (H200, 2026-11-27): install 40 s, cuda-tests 15-59 s, pace-0p9b one round 120 s; pace-4p5b needs a
 # call of its own (STAGE_S=400); suite a call of its own (SUITE_S, default 420 s, 14 workers). After a loan, replay
 # the same model's recorded step graph here (`offload bench schedule`) beside what was measured. What each loan
