@@ -103,7 +103,9 @@ def check(run: dict, ref: dict, compiled: tuple[str, ...] = BLOCKS) -> None:
     assert report["compiled"] == list(compiled)
 
 
-@pytest.mark.parametrize("stage,params,state", [(3, "cpu", "cpu"), (3, "nvme", "nvme"), (3, "none", "none"),
+# a variant the others cover in the inner loop (`-m "not slow"`) is marked slow; the whole suite runs it
+@pytest.mark.parametrize("stage,params,state", [pytest.param(3, "cpu", "cpu", marks=pytest.mark.slow),
+                                                (3, "nvme", "nvme"), (3, "none", "none"),
                                                 (2, "none", "cpu"), (1, "none", "cpu"), (0, "none", "none")])
 def test_blocks_compiled_before_initialize_train_as_under_plain_torch(tmp_path, stage, params, state):
     ref = plain(STEPS, MICRO)
@@ -161,7 +163,7 @@ def test_compile_refuses_what_it_cannot_honour():
     engine.close()
 
 
-@pytest.mark.parametrize("how", ["module.compile", "torch.compile"])
+@pytest.mark.parametrize("how", [pytest.param("module.compile", marks=pytest.mark.slow), "torch.compile"])
 def test_a_model_compiled_whole_trains_exactly_and_is_told_to_compile_its_blocks(caplog, how):
     """The units' gathers stay outside the graph, so a whole-model graph breaks at each unit: correct, said once."""
     ref = plain(STEPS, MICRO)

@@ -31,6 +31,8 @@ from offload.store.sub_groups import STREAMED_SLOTS
 LAGGING_GPU = {**STREAM_CHECK, "OFFLOAD_EMULATED_DISCRETE_DEVICE": "1", "OFFLOAD_EMULATED_COPY_DELAY_S": "0.002",
                "CUDA_VISIBLE_DEVICES": ""}
 STEPS = 3
+# variants another case of the same test already covers in the inner loop (`-m "not slow"`); the whole suite runs them
+SLOW = pytest.mark.slow
 
 
 def streamed_config(world: int, stage: int = 3, params: str = "none", clip: float = 1.0, share: float = 0.5,
@@ -50,8 +52,8 @@ def _lanes(engine: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("stage,world,params,clip", [
-    (3, 1, "none", 1.0), (3, 1, "cpu", 0.0), (3, 2, "cpu", 1.0), (3, 2, "none", 0.0), (2, 2, "none", 1.0),
-    (1, 1, "none", 0.0)])
+    (3, 1, "none", 1.0), pytest.param(3, 1, "cpu", 0.0, marks=SLOW), (3, 2, "cpu", 1.0), (3, 2, "none", 0.0),
+    (2, 2, "none", 1.0), (1, 1, "none", 0.0)])
 def test_the_streamed_lane_trains_as_plain_pytorch(stage, world, params, clip):
     config = streamed_config(world, stage, params, clip)
     results = run_ranks(train_engine, world, env=LAGGING_GPU, name="gpt", config=config, steps=STEPS, micro=2,
@@ -94,7 +96,7 @@ def test_all_of_the_state_streamed_trains_as_all_of_it_on_the_host():
     check_parity([streamed], hosted)
 
 
-@pytest.mark.parametrize("params,state", [("none", "cpu"), ("cpu", "cpu"), ("none", "nvme")])
+@pytest.mark.parametrize("params,state", [("none", "cpu"), pytest.param("cpu", "cpu", marks=SLOW), ("none", "nvme")])
 def test_the_16_16_master_with_bf16_moments_streams_as_the_host_steps_it(params, state, monkeypatch, tmp_path):
     """The format as held on the host (or NVMe, through the pass's buffer) goes up and back as bytes; the device
     steps it in torch's ops, widened to fp32 and split back: the same training as the host's kernel, to fp32
@@ -151,8 +153,9 @@ def _nvme_lanes(engine: Any) -> dict[str, Any]:
             "streamed_tiers": sorted({g.tier.value for g in groups if g.streamed})}
 
 
-@pytest.mark.parametrize("world,params,clip,stage", [(1, "none", 1.0, 3), (2, "cpu", 0.0, 3), (2, "none", 1.0, 3),
-                                                      (1, "cpu", 0.0, 3), (2, "none", 1.0, 2), (2, "none", 0.0, 1)])
+@pytest.mark.parametrize("world,params,clip,stage", [(1, "none", 1.0, 3), pytest.param(2, "cpu", 0.0, 3, marks=SLOW),
+                                                      (2, "none", 1.0, 3), (1, "cpu", 0.0, 3),
+                                                      pytest.param(2, "none", 1.0, 2, marks=SLOW), (2, "none", 0.0, 1)])
 def test_nvme_state_streamed_through_the_host_trains_as_plain_pytorch(tmp_path, world, params, clip, stage):
     """[Note: NVMe state streamed]: read into the pass's buffer, stepped on the device, written back to NVMe; the
     copies lag, so a copy back the pass did not wait for before its write shows as a wrong result."""
@@ -375,7 +378,8 @@ def _deferred_per_step(rank: int, world: int, config: dict[str, Any], read: str)
     return {"after_step": after_step, "after_read": after_read, "losses": losses, "state": state}
 
 
-@pytest.mark.parametrize("world,params,read", [(1, "cpu", "forward"), (2, "cpu", "forward"), (1, "none", "forward"),
+@pytest.mark.parametrize("world,params,read", [(1, "cpu", "forward"), (2, "cpu", "forward"),
+                                               pytest.param(1, "none", "forward", marks=SLOW),
                                                (1, "cpu", "state"), (1, "cpu", "zero_grad")])
 def test_streamed_steps_not_read_ahead_are_deferred_to_their_first_reader(world, params, read):
     """[Note: streamed steps deferred]: with step() returning early, the sub-groups whose state was not read ahead

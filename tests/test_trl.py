@@ -5,6 +5,7 @@ reference model is an engine holding 1/W of the weights on each rank. Every case
 zygote per module (tests/zygote.py) that imported the switch, transformers, TRL and datasets once; the switch is
 never installed in the pytest worker itself."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("trl")
-pytest.importorskip("datasets")
+if importlib.util.find_spec("datasets") is None:  # found, not imported: datasets brings pyarrow and pandas
+    pytest.skip("datasets is not installed", allow_module_level=True)
 
 import trl_cases  # noqa: E402
 from zygote import Zygote  # noqa: E402
