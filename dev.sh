@@ -80,7 +80,8 @@ case "$cmd" in
     DS_BUILD_OPS=0 "$PY" -m pip install --disable-pip-version-check -q --no-deps "${DEEPSPEED_SPEC:-deepspeed==0.19.8}"
     "$PY" -m pip install --disable-pip-version-check -q einops hjson msgpack ninja py-cpuinfo "pydantic>=2" tqdm
     exec "$PY" -m pytest -q tests/test_bench_versus.py tests/test_hf_trainer.py tests/test_deepspeed_battery.py \
-      tests/test_config_load.py -k "versus or hugging_faces_own or battery or deepspeed or default" "$@" ;;
+      tests/test_config_load.py tests/test_trl.py tests/test_accelerate.py \
+      -k "versus or hugging_faces_own or battery or deepspeed or default" "$@" ;;
   *)
     echo "usage: ./dev.sh train|demo|test|deepspeed [args]" >&2; exit 64 ;;
 esac

@@ -168,6 +168,7 @@ def switch_answers(rank: int, world: int) -> dict[str, Any]:
         "offloads": bool(getattr(deepspeed, "__offload__", False)),
         "initialize": deepspeed.initialize.__module__, "cpu_adam": DeepSpeedCPUAdam.__module__,
         "zero_init": issubclass(deepspeed.zero.Init, offload.zero.Init), "status": [s.name for s in ZeroParamStatus],
+        "file": deepspeed.__file__,
     }
     try:
         import deepspeed.moe.layer  # noqa: F401

@@ -42,7 +42,10 @@ class DeepSpeedFinder(importlib.abc.MetaPathFinder):
                 f"{fullname} is DeepSpeed's and offload does not answer it: offload stands in for DeepSpeed in this "
                 "process (offload.as_deepspeed); docs/deepspeed-api.md lists what it answers. Without the switch, "
                 "an installed DeepSpeed runs instead", name=fullname)
-        return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
+        spec = importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
+        if fullname == "deepspeed":  # deepspeed.__file__, which scripts read to find DeepSpeed's folder: the stand-in's
+            spec.origin, spec.has_location = str(PATH / "deepspeed" / "__init__.py"), True
+        return spec
 
     def find_distributions(self, context: Any = None) -> Iterator[importlib.metadata.Distribution]:
         name = getattr(context, "name", None)
