@@ -199,7 +199,7 @@ def _rss_of_training(rank, world, path):
     # (offload.host_malloc, see offload/machine/host_malloc.py) makes RSS track the live memory that the budgets bound.
     config["offload"]["host_malloc"] = {"mmap_threshold": "128KiB"}
     with offload.zero.Init(draw_device="cpu"):  # the host's memory is measured
-        model = GPT(GPTConfig(vocab_size=512, context=32, hidden_size=512, layers=12, heads=8))
+        model = GPT(GPTConfig(vocab_size=512, context=32, hidden_size=384, layers=12, heads=8))
     plan = estimate(model_units(model, Config.load(config).resolve(world_size=1)), Config.load(config), 1,
                     discrete=False)  # trained on the CPU (a GPU's landing buffers would count against the host)
     config["offload"]["budgets"] = {"host": plan.total("host")}  # what the plan needs: no optimizer state fits
@@ -223,5 +223,7 @@ def test_process_memory_stays_within_the_budgets_when_the_state_is_several_times
     assert state > 3 * run["budget"], "the training state is several times the host budget"
     assert run["memory"]["host"]["peak"] <= run["budget"] and run["memory"]["nvme"]["total"] > 12 * run["params"]
     device = run["memory"]["device"]["gathered_peak"]  # on a CPU run the compute device is RAM too
-    slack = 128 << 20  # torch's allocator, autograd and activations, the I/O threads: not in any budget
+    # torch's allocator, autograd and activations, the I/O threads: not in any budget (measured 26 MiB at this size,
+    # 35 MiB at width 512, AVX2 EPYC 2026-12-07): a resident fp32 master (86 MiB here) would not fit beside it
+    slack = 80 << 20
     assert run["growth"] <= run["budget"] + device + slack, (run["growth"], run["budget"], device, state)
