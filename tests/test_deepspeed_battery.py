@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from zygote import Zygote
+from zygote import Ran, Zygote, torchrun_env
 
 from offload.machine.launch import _free_port
 
@@ -90,14 +90,13 @@ def arguments(impl: str, name: str, tmp: Path) -> list[str]:
     return args + (["--save_dir", str(tmp / f"{impl}-save")] if saves else [])
 
 
-def started(impl: str, name: str, tmp: Path) -> list[tuple[int, str]]:
+def started(impl: str, name: str, tmp: Path) -> list[Ran]:
     """Each rank's exit code and output, every rank a fresh process (as a launcher starts them)."""
     world = SCRIPTS[name][2]
-    port = str(_free_port())  # another test's ranks may hold a port a formula would pick (xdist workers)
+    port = _free_port()  # another test's ranks may hold a port a formula would pick (xdist workers)
     procs = []
     for rank in range(world):
-        env = {**os.environ, **ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env = {**os.environ, **ENV, **torchrun_env(rank, world, port)}
         procs.append(subprocess.Popen([sys.executable, str(HERE / "run.py"), *arguments(impl, name, tmp)],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp))
     ran = []
@@ -108,7 +107,7 @@ def started(impl: str, name: str, tmp: Path) -> list[tuple[int, str]]:
             for p in procs:
                 if p.poll() is None and proc.returncode != 0:
                     p.kill()
-        ran.append((proc.returncode, output))
+        ran.append(Ran(proc.returncode, output))
     return ran
 
 
@@ -118,13 +117,12 @@ def run(impl: str, name: str, tmp: Path, zygote: Zygote | None = None) -> dict:
     if zygote is None:
         ran = started(impl, name, tmp)
     else:
-        ran = [(one.code, one.output) for one in zygote.script(HERE / "run.py", *arguments(impl, name, tmp),
-                                                                 world=SCRIPTS[name][2], cwd=tmp, torchrun=True,
-                                                                 timeout=600)]
+        ran = zygote.script(HERE / "run.py", *arguments(impl, name, tmp), world=SCRIPTS[name][2], cwd=tmp,
+                            torchrun=True, timeout=600)
     observed = []
-    for rank, (code, output) in enumerate(ran):
-        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-        assert code == 0 and lines, f"{impl} {name} rank {rank}:\n{output[-8000:]}"
+    for rank, one in enumerate(ran):
+        lines = [line for line in one.output.splitlines() if line.startswith("RESULT ")]
+        assert one.code == 0 and lines, f"{impl} {name} rank {rank}:\n{one.output[-8000:]}"
         observed.append(json.loads(lines[-1].removeprefix("RESULT ")))
     for rank, seen in enumerate(observed[1:], start=1):
         differences = same({**seen, "rank": 0}, observed[0], 0.0)

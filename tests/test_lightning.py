@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from zygote import Zygote  # noqa: E402
+from zygote import Zygote, succeeded  # noqa: E402
 
 FIT = Path(__file__).parent / "lightning_scripts" / "fit.py"
 FABRIC_LOOP = Path(__file__).parent / "lightning_scripts" / "fabric_loop.py"
@@ -40,19 +40,13 @@ def launched(script: Path, cwd: Path, *argv: str) -> str:
     return proc.stderr
 
 
-def forked(zygote: Zygote, script: Path, cwd: Path, *argv: str, world: int = 1) -> str:
-    """The script at `world` ranks forked from the zygote: its ranks' output."""
-    ran = zygote.script(script, *argv, world=world, cwd=cwd)
-    for rank, one in enumerate(ran):
-        assert one.code == 0, f"rank {rank} exited with {one.code}:\n{one.output[-8000:]}"
-    return "".join(one.output for one in ran)
-
-
 def fit(zygote: Zygote | None, strategy: str, out: Path, *extra: str, devices: int = 1) -> list[dict]:
     """Each rank's record of one run; without a zygote through Lightning's own launcher."""
     argv = (strategy, str(out), "--devices", str(devices), *extra)
-    stderr = launched(FIT, out.parent, *argv) if zygote is None else forked(zygote, FIT, out.parent, *argv,
-                                                                          world=devices)
+    if zygote is None:
+        stderr = launched(FIT, out.parent, *argv)
+    else:
+        stderr = succeeded(zygote.script(FIT, *argv, world=devices, cwd=out.parent))
     records = [torch.load(f"{out}.{rank}.pt") for rank in range(devices)]
     for record in records:
         record["stderr"] = stderr
@@ -176,7 +170,10 @@ def fabric_loop(zygote: Zygote | None, tmp_path: Path, devices: int) -> list[dic
     """Each rank's record of the Fabric loop's four runs (ddp, offload, offload resumed, offload from DDP's file);
     without a zygote through Fabric's own launcher."""
     argv = (str(tmp_path / "out"), "--folder", str(tmp_path), "--devices", str(devices))
-    stderr = launched(FABRIC_LOOP, tmp_path, *argv) if zygote is None else forked(zygote, FABRIC_LOOP, tmp_path, *argv)
+    if zygote is None:
+        stderr = launched(FABRIC_LOOP, tmp_path, *argv)
+    else:
+        stderr = succeeded(zygote.script(FABRIC_LOOP, *argv, cwd=tmp_path))
     records = [torch.load(tmp_path / f"out.{rank}.pt") for rank in range(devices)]
     for record in records:
         record["stderr"] = stderr

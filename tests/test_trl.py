@@ -19,7 +19,7 @@ if importlib.util.find_spec("datasets") is None:  # found, not imported: dataset
     pytest.skip("datasets is not installed", allow_module_level=True)
 
 import trl_cases  # noqa: E402
-from zygote import Zygote  # noqa: E402
+from zygote import Zygote, torchrun_env  # noqa: E402
 
 ENGINE = "offload.engine.core.Engine"
 TOLERANCE = 1e-4  # the bound; the runs here agree to a few ulps of the loss (fp32 sums in another order)
@@ -86,9 +86,8 @@ def test_sft_under_the_switch_trains_as_under_deepspeed_itself(zygote, tmp_path)
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is not installed (./dev.sh deepspeed installs it)")
     from offload.machine.launch import _free_port
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "DS_ACCELERATOR": "cpu",
-           "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+    env = {**os.environ, **torchrun_env(0, 1, _free_port()), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", DEEPSPEED_SIDE, str(tmp_path / "deepspeed")], capture_output=True,
                           text=True, timeout=600, env=env, cwd=tmp_path)

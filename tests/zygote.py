@@ -16,7 +16,6 @@ import os
 import pickle
 import runpy
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -31,17 +30,16 @@ _TORCHRUN = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "
              "TORCHELASTIC_RUN_ID")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The rank variables torchrun gives rank ``rank`` of ``world`` on this host (the rendezvous on ``port``)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0"}
 
 
 def _rank(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[str, str], kwargs: dict[str, Any],
           write: int) -> None:
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+    os.environ.update(torchrun_env(rank, world, port))
     try:
         result: tuple[str, Any] = ("ok", fn(rank, world, **kwargs))
     except BaseException:  # noqa: BLE001 - reported to the test
@@ -61,6 +59,13 @@ class Ran:
 
     code: int
     output: str
+
+
+def succeeded(ran: list[Ran]) -> str:
+    """Every rank's output, once each has exited 0 (else the failing rank's code and output's tail)."""
+    for rank, one in enumerate(ran):
+        assert one.code == 0, f"rank {rank} exited with {one.code}:\n{one.output[-8000:]}"
+    return "".join(one.output for one in ran)
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -106,6 +111,7 @@ def _serve(conn: Any, preload: list[str]) -> None:
     import importlib
     for name in preload:
         importlib.import_module(name)
+    from offload.machine.launch import _free_port  # after the preload, which may need to come first (the switch)
     conn.send(("ready", None))
     while True:
         try:
