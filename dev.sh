@@ -58,9 +58,11 @@ case "$cmd" in
       fi
     fi
     set +e
-    # Three workers (pytest-xdist) on these 2-core boxes: much of the suite waits on subprocesses, ranks and emulated
+    # Three workers (pytest-xdist) on these 2-core boxes: part of the suite waits on subprocesses, ranks and emulated
     # copies (one worker to two: 16.5 -> 12.8 min, 2026-11-27; two to three on the AVX2 EPYC: 17:24 -> 16:04, the
     # inner loop 2:49 -> 2:38, 2026-12-07; unmeasured on the others). OFFLOAD_TEST_WORKERS=0 runs it in one process.
+    # Each computes on one intra-op thread (tests/conftest.py sets OMP_NUM_THREADS): with three on two cores, a
+    # team of two spins against the other workers (18:00 -> 13:50 on the AVX2 EPYC, 2026-12-07).
     # Whole files to a worker as it frees up, the longest first (tests/conftest.py orders them from tests/slow.txt).
     "$PY" -m pytest -n "${OFFLOAD_TEST_WORKERS:-3}" --dist loadfile "$@"
     rc=$?

@@ -21,7 +21,7 @@ from offload.machine.launch import run_ranks
 # `offload train` with a signal sent to this process while the backward of its STOP_AT-th call runs (on rank
 # STOP_RANK only), STOP_TIMES times: inside autograd's hooks, the worst place for a KeyboardInterrupt.
 SIGNALLED = """
-import os, signal, sys
+import os, signal, sys, time
 from offload.engine.core import Engine
 from offload.commands.cli import main
 at, signum = int(os.environ["STOP_AT"]), getattr(signal, os.environ["STOP_SIGNAL"])
@@ -33,6 +33,12 @@ def signalled(self, loss, *args, **kwargs):
     if len(calls) == at and self.group.rank == rank:
         for _ in range(times):
             os.kill(os.getpid(), signum)
+            # Signals of one kind do not queue: one sent while the last is still pending (the kernel may hand it to
+            # another thread, which has yet to run) is merged with it. A person's second Ctrl-C comes after the first
+            # was taken; so does this one.
+            deadline = time.monotonic() + 30
+            while not self.stop.requested and time.monotonic() < deadline:
+                time.sleep(0.01)
     return backward(self, loss, *args, **kwargs)
 Engine.backward = signalled
 raise SystemExit(main(sys.argv[1:]))
