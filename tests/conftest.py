@@ -3,9 +3,9 @@ import pathlib
 
 # One intra-op thread for torch in every worker and in every rank or script it starts (they inherit it). The suite
 # runs three workers on two cores, and an OpenMP team of two per process spins while it waits for its partner, which
-# another worker holds: on the AVX2 EPYC (2 vCPUs) the whole suite took 1080 s and 2100 CPU-s with the default team,
-# 830 s and 1560 CPU-s with this (2026-12-07). Set before torch is imported, which reads it once; a developer who
-# wants another team size sets OMP_NUM_THREADS themselves.
+# another worker holds: on the AVX2 EPYC (2 vCPUs) the whole suite took 1080 s with the default team (both cores
+# 97% busy: about 2100 CPU-s), 830 s and 1560 CPU-s with this (2026-12-07). Set before torch is imported, which
+# reads it once; a developer who wants another team size sets OMP_NUM_THREADS themselves.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402 - after the thread count, which must come before torch
