@@ -2,12 +2,15 @@
 not ordered after the compute stream's conflicting access fails, though the CPU ran compute first; ordered by an
 event it passes; host memory and reads beside reads are left alone."""
 
+import gc
 import time
 
 import pytest
 import torch
 
+from offload.machine import stream_check
 from offload.machine.accelerator import Accelerator, StreamError
+from offload.machine.buffers import AlignedBuffer
 from offload.machine.stream_check import ENV, StreamOrderError
 
 
@@ -91,3 +94,37 @@ def test_a_closed_engine_checks_nothing_more(accel):
     _ran(stream.record())
     accel.check.close()
     _ = device + 1  # would conflict: not checked once closed
+
+
+def test_an_out_argument_is_a_write(accel):
+    device, host = torch.empty(1024), _host(accel, 1.0)
+    stream = accel.copy_stream("up")
+    stream.run(lambda: device.copy_(host, non_blocking=True))
+    _ran(stream.record())
+    with pytest.raises(StreamOrderError, match="compute writes device bytes .* that up wrote in aten.copy_"):
+        torch.mul(torch.ones(1024), 2, out=device)
+
+
+def test_a_strided_view_covers_the_bytes_from_its_first_element_to_its_last(accel):
+    """Compute reads the left half of each row of an 8 x 128 tensor: from row 0's first element to row 7's 64th.
+    A copy may write what lies past that without a wait; within it, it must wait."""
+    device, host = torch.ones(8, 128), _host(accel, 0.0)
+    past, within = accel.copy_stream("past the last element"), accel.copy_stream("within")
+    for stream in (past, within):  # after the fill
+        stream.wait_event(accel.compute_event())
+    _ = device[:, :64] * 2
+    past.run(lambda: device[7, 64:].copy_(host[:64], non_blocking=True))
+    past.synchronize()
+    within.run(lambda: device[6, 64:].copy_(host[:64], non_blocking=True))
+    with pytest.raises(StreamError, match="within writes device bytes .* that compute read in aten.mul"):
+        within.synchronize()
+
+
+def test_a_host_buffer_is_forgotten_once_its_memory_is_gone(accel):
+    """Host buffers are left out by their storage, until they are freed: the memory may then hold device tensors."""
+    buffers = [AlignedBuffer(4096) for _ in range(3)]
+    keys = {stream_check._storage(b.tensor) for b in buffers}
+    assert keys <= stream_check._HOST
+    del buffers
+    gc.collect()
+    assert not keys & stream_check._HOST

@@ -60,7 +60,7 @@ class AlignedBuffer:
         if self.capacity >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
             self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        stream_check.host_memory(self.tensor.data_ptr(), self.capacity)
+        stream_check.host_memory(self.tensor, self._mmap)
         self.pinned = False
         if pin if pin is not None else torch.cuda.is_available():
             # Registering pages with the driver makes H2D/D2H copies from them asynchronous; portable, so they are

@@ -30,6 +30,7 @@ import contextlib
 import os
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 Clock = dict[str, int]
 COMPUTE = "compute"
 ENV = "OFFLOAD_EMULATED_STREAM_CHECK"  # 1, or "stacks": each access also says where it was issued (slower)
-_HOST: list[tuple[int, int]] = []  # host buffers' address ranges, kept where the check is wanted (not checked)
+_HOST: set[tuple[int, int]] = set()  # host buffers' storages (see ``_storage``), where the check is wanted: not checked
 
 
 def wanted() -> bool:
@@ -58,7 +59,7 @@ class _Access:
     agent: str
     tick: int  # the agent's own clock entry at the access
     write: bool
-    op: str
+    op: torch._ops.OpOverload  # made a string only in an error: this runs on every op
     where: str = ""  # where the access was issued (OFFLOAD_EMULATED_STREAM_CHECK=stacks)
 
 
@@ -76,13 +77,22 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     return storage._cdata, storage.data_ptr()
 
 
-def _span(t: torch.Tensor) -> tuple[int, int] | None:
-    """The bytes ``t`` can touch, as addresses (None: no memory)."""
-    if t.device.type != "cpu" or t.is_sparse or t.numel() == 0:
+_Memory = tuple[tuple[int, int], int, int]  # a tensor's storage key, and the addresses [start, end) it can touch
+
+
+def _memory(t: torch.Tensor) -> _Memory | None:
+    """The storage and bytes ``t`` can touch (None: no memory). Computed once per tensor and op: this runs on
+    every op of every engine test."""
+    if not t.is_cpu or t.is_sparse:
+        return None
+    numel = t.numel()
+    if numel == 0:
         return None
     start = t.data_ptr()
+    if t.is_contiguous():
+        return _storage(t), start, start + numel * t.element_size()
     last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
-    return start, start + (last + 1) * t.element_size()
+    return _storage(t), start, start + (last + 1) * t.element_size()
 
 
 class StreamCheck:
@@ -94,7 +104,8 @@ class StreamCheck:
         self.compute_thread = threading.get_ident()
         self.clocks: dict[str, Clock] = {COMPUTE: {COMPUTE: 0}}
         self._events: dict[int, Clock] = {}  # by id of the event object: its latest record's clock
-        self._accesses: dict[tuple[int, int], list[_Access]] = {}  # by storage (see ``_storage``)
+        # by storage (see ``_storage``), then by agent, bytes and kind: the latest such access
+        self._accesses: dict[tuple[int, int], dict[tuple[str, int, int, bool], _Access]] = {}
         self._lock = threading.RLock()
         self._local = threading.local()  # the agent and clock of the work running on this thread, if any
         self.main_host: Clock = {}  # what the compute thread has seen complete (its blocking waits)
@@ -214,29 +225,28 @@ class StreamCheck:
             return
         with self._lock:
             agent = self._agent()
-            if agent is None:
+            if agent is None or func.is_view:  # a view touches no data
                 return
             name, clock = agent
-            if func.is_view:
-                return  # no data touched
             reads, writes = _accessed(func, args, kwargs)
-            inputs = {_storage(t) for t in reads + writes if _span(t) is not None}
-            fresh = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and _span(t) is not None
-                     and _storage(t) not in inputs]
-            for t in fresh:  # a new allocation: its memory's history starts here
-                self._accesses.pop(_storage(t), None)
+            inputs = {m[0] for m in reads + writes}
+            outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+            fresh = [m for m in _memories(outs) if m[0] not in inputs]
+            for m in fresh:  # a new allocation: its memory's history starts here
+                self._accesses.pop(m[0], None)
             if func in _NO_ACCESS:
                 return  # allocated (on a GPU, from the pool of the stream that asked), not written
-            for t, write in [(t, False) for t in reads] + [(t, True) for t in writes + fresh]:
-                self._access(t, write, name, clock, str(func))
+            for m in reads:
+                self._access(m, False, name, clock, func)
+            for m in writes + fresh:
+                self._access(m, True, name, clock, func)
 
-    def _access(self, t: torch.Tensor, write: bool, agent: str, clock: Clock, op: str) -> None:
-        span = _span(t)
-        if span is None or any(lo <= span[0] < hi for lo, hi in _HOST):
+    def _access(self, memory: _Memory, write: bool, agent: str, clock: Clock, op: torch._ops.OpOverload) -> None:
+        key, start, end = memory
+        if key in _HOST:
             return
-        start, end = span
-        history = self._accesses.setdefault(_storage(t), [])
-        for a in history:
+        history = self._accesses.setdefault(key, {})
+        for a in history.values():
             if a.agent != agent and a.start < end and start < a.end and (write or a.write) \
                     and clock.get(a.agent, 0) < a.tick:
                 raise StreamOrderError(
@@ -245,10 +255,9 @@ class StreamCheck:
                     f"{a.agent} {'wrote' if a.write else 'read'} in {a.op}{a.where} with no wait for it between "
                     f"them: on a GPU the two may run in either order (its access {a.tick} of {a.agent}'s order, "
                     f"{agent} ordered after {clock.get(a.agent, 0)}; see [Note: stream order checked])")
-        tick = clock.get(agent, 0)
-        history[:] = [a for a in history if not (a.agent == agent and a.start == start and a.end == end
-                                                 and a.write == write)]
-        history.append(_Access(start, end, agent, tick, write, op, self._issued(agent)))
+        slot = (agent, start, end, write)  # an agent's latest access of one kind to the same bytes is what counts
+        history.pop(slot, None)
+        history[slot] = _Access(start, end, agent, clock.get(agent, 0), write, op, self._issued(agent))
 
     def _issued(self, agent: str) -> str:
         """Where the access running now was issued (``stacks`` only): a stream's work where it was enqueued, the
@@ -262,19 +271,38 @@ _NO_ACCESS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.d
               torch.ops.aten.detach.default, torch.ops.aten.set_.source_Storage_storage_offset,
               torch.ops.aten.resize_.default}
 
+# by op: (position, name, written) of each argument that can hold a tensor, read once from its schema
+_PLANS: dict[torch._ops.OpOverload, tuple[tuple[int, str, bool], ...]] = {}
+
+
+def _plan(func: torch._ops.OpOverload) -> tuple[tuple[int, str, bool], ...]:
+    plan = _PLANS.get(func)
+    if plan is None:
+        plan = _PLANS[func] = tuple(
+            (i, arg.name, arg.alias_info is not None and arg.alias_info.is_write)
+            for i, arg in enumerate(func._schema.arguments) if "Tensor" in str(arg.type))
+    return plan
+
+
+def _memories(values: list[object]) -> list[_Memory]:
+    memories = []
+    for t in values:
+        if isinstance(t, torch.Tensor) and (m := _memory(t)) is not None:
+            memories.append(m)
+    return memories
+
 
 def _accessed(func: torch._ops.OpOverload, args: tuple[object, ...],
-              kwargs: dict[str, object]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The tensors ``func`` reads and those it writes, by its schema."""
-    reads: list[torch.Tensor] = []
-    writes: list[torch.Tensor] = []
-    schema = func._schema
-    named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
-    for arg in schema.arguments:
-        value = named.get(arg.name)
-        tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-        written = arg.alias_info is not None and arg.alias_info.is_write
-        (writes if written else reads).extend(tensors)
+              kwargs: dict[str, object]) -> tuple[list[_Memory], list[_Memory]]:
+    """The memory ``func`` reads and that it writes, by its schema."""
+    reads: list[_Memory] = []
+    writes: list[_Memory] = []
+    for i, name, written in _plan(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if value is None:
+            continue
+        found = _memories([value] if isinstance(value, torch.Tensor) else tree_flatten(value)[0])
+        (writes if written else reads).extend(found)
     return reads, writes
 
 
@@ -310,10 +338,13 @@ def active() -> StreamCheck | None:
     return _ACTIVE if _ACTIVE is not None and not _ACTIVE.closed else None
 
 
-def host_memory(start: int, nbytes: int) -> None:
-    """``nbytes`` at ``start`` are host memory: not checked (see the note)."""
+def host_memory(tensor: torch.Tensor, owner: object) -> None:
+    """``tensor``'s storage is host memory, not checked (see the note), until ``owner`` (what keeps the memory
+    mapped) is collected."""
     if wanted():
-        _HOST.append((start, start + nbytes))
+        key = _storage(tensor)
+        _HOST.add(key)
+        weakref.finalize(owner, _HOST.discard, key)
 
 
 def _where() -> str:
