@@ -89,9 +89,8 @@ def _memory(t: torch.Tensor) -> _Memory | None:
     if numel == 0:
         return None
     start = t.data_ptr()
-    if t.is_contiguous():
-        return _storage(t), start, start + numel * t.element_size()
-    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
+    last = numel - 1 if t.is_contiguous() else \
+        sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
     return _storage(t), start, start + (last + 1) * t.element_size()
 
 
@@ -230,8 +229,7 @@ class StreamCheck:
             name, clock = agent
             reads, writes = _accessed(func, args, kwargs)
             inputs = {m[0] for m in reads + writes}
-            outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
-            fresh = [m for m in _memories(outs) if m[0] not in inputs]
+            fresh = [m for m in _memories(out) if m[0] not in inputs]
             for m in fresh:  # a new allocation: its memory's history starts here
                 self._accesses.pop(m[0], None)
             if func in _NO_ACCESS:
@@ -284,9 +282,12 @@ def _plan(func: torch._ops.OpOverload) -> tuple[tuple[int, str, bool], ...]:
     return plan
 
 
-def _memories(values: list[object]) -> list[_Memory]:
+def _memories(value: object) -> list[_Memory]:
+    """The memory of each tensor in ``value`` (a tensor, None, or a nest of them)."""
+    if value is None:
+        return []
     memories = []
-    for t in values:
+    for t in [value] if isinstance(value, torch.Tensor) else tree_flatten(value)[0]:
         if isinstance(t, torch.Tensor) and (m := _memory(t)) is not None:
             memories.append(m)
     return memories
@@ -298,11 +299,7 @@ def _accessed(func: torch._ops.OpOverload, args: tuple[object, ...],
     reads: list[_Memory] = []
     writes: list[_Memory] = []
     for i, name, written in _plan(func):
-        value = args[i] if i < len(args) else kwargs.get(name)
-        if value is None:
-            continue
-        found = _memories([value] if isinstance(value, torch.Tensor) else tree_flatten(value)[0])
-        (writes if written else reads).extend(found)
+        (writes if written else reads).extend(_memories(args[i] if i < len(args) else kwargs.get(name)))
     return reads, writes
 
 
