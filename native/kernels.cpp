@@ -93,10 +93,10 @@ inline __m256i bf16_16_emulated(__m512 x) {
 }
 
 #if defined(__AVX512BF16__)
-// [Note: avx512_bf16 and subnormals] VCVTNEPS2BF16 rounds to nearest even like torch, but
-// flushes subnormal inputs to zero and keeps NaN payloads; lanes with a zero exponent are
-// redone the portable way so the copy equals torch's .to(torch.bfloat16) bit for bit on
-// every finite value.
+// VCVTNEPS2BF16 rounds to nearest even like the portable kernel, but flushes subnormal inputs to zero and keeps a
+// NaN's sign and payload (see [Note: instruction rules] in scalar.h, whose bf16_from_vcvtneps2bf16 states this
+// fix-up): lanes with a zero exponent and NaN lanes are redone the portable way, so every variant stores the same
+// bits, a NaN as the one quiet 0x7fc0 (a checkpoint written on one CPU reads the same on another).
 //
 // [Note: a variant of its own for avx512_bf16] The instruction is compiled into the avx512bf16 variant, whose
 // flags allow it everywhere, not into the avx512 one behind a target attribute: a function built for another
@@ -106,7 +106,8 @@ inline __m256i bf16_16_emulated(__m512 x) {
 inline __m256i bf16_16_native(__m512 x) {
   __m256i r = (__m256i)_mm512_cvtneps_pbh(x);
   const __mmask16 tiny = __mmask16(~_mm512_test_epi32_mask(_mm512_castps_si512(x), _mm512_set1_epi32(0x7f800000)));
-  if (tiny) r = _mm256_mask_mov_epi16(r, tiny, bf16_16_emulated(x));
+  const __mmask16 redo = tiny | _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  if (redo) r = _mm256_mask_mov_epi16(r, redo, bf16_16_emulated(x));
   return r;
 }
 #endif
@@ -1088,6 +1089,61 @@ uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
 }
 #endif
 
+// The 16-bit values this variant's kernels store (see [Note: instruction rules] in scalar.h): Vec's store16, fix-ups
+// included, and the scalar tail's.
+void to16(const float* x, uint16_t* out, DType dtype, size_t n) {
+  size_t i = 0;
+#if !defined(OFFLOAD_NO_VECTOR)
+  for (; i + Vec::W <= n; i += Vec::W) Vec::store16(out, dtype, i, Vec::load(x + i));
+#endif
+  for (; i < n; ++i) Scalar::store16(out, dtype, i, x[i]);
+}
+
+// The conversion instruction this variant leans on for dtype, bare (no fix-up), named as its scalar model is.
+const char* instruction_name(DType dtype) {
+#if defined(__AVX512BF16__)
+  if (dtype == DType::BF16) return "vcvtneps2bf16";
+#endif
+#if !defined(OFFLOAD_NO_VECTOR)
+  if (dtype == DType::F16) return "vcvtps2ph";  // every Vec's float16 store: F16C's, or AArch64's FCVTN
+#endif
+  (void)dtype;
+  return nullptr;
+}
+
+// That instruction's results over n floats, W at a time (the last W through a padded copy); false where the variant
+// has no instruction for dtype.
+bool instruction16(const float* x, uint16_t* out, DType dtype, size_t n) {
+  if (instruction_name(dtype) == nullptr) return false;
+#if !defined(OFFLOAD_NO_VECTOR)
+  constexpr size_t W = Vec::W;
+  for (size_t i = 0; i < n; i += W) {
+    float in[W] = {};
+    uint16_t got[W];
+    for (size_t k = 0; k < W && i + k < n; ++k) in[k] = x[i + k];
+#if defined(__AVX512F__)
+    if (dtype == DType::F16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(got),
+                          _mm512_cvtps_ph(_mm512_loadu_ps(in), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#if defined(__AVX512BF16__)
+    if (dtype == DType::BF16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(got), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in)));
+#endif
+#elif defined(__AVX2__)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(got),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(in), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__aarch64__)
+    vst1_u16(got, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(in))));
+#endif
+    for (size_t k = 0; k < W && i + k < n; ++k) out[i + k] = got[k];
+  }
+  return true;
+#else
+  (void)x, (void)out, (void)n;
+  return false;
+#endif
+}
+
 }  // namespace
 
 extern const KernelTable OFFLOAD_CAT(kernels_, OFFLOAD_ISA_NAME) = {
@@ -1098,6 +1154,9 @@ extern const KernelTable OFFLOAD_CAT(kernels_, OFFLOAD_ISA_NAME) = {
     &crc32c,
     &accumulate,
     &one_state,
+    &to16,
+    &instruction_name,
+    &instruction16,
 };
 
 }  // namespace offload

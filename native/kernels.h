@@ -110,6 +110,12 @@ struct KernelTable {
   void (*accumulate)(float* a, const void* b, DType dtype, float s, bool overwrite, size_t begin, size_t end);
   // Elements [begin, end) of one Lion or Adagrad step.
   void (*one_state)(const OneStateArgs& a, size_t begin, size_t end);
+  // The 16-bit values (dtype BF16 or F16) the kernels store for n floats, fix-ups included: the portable rounding.
+  void (*to16)(const float* x, uint16_t* out, DType dtype, size_t n);
+  // The conversion instruction the variant leans on for dtype, named as its scalar model in scalar.h, or nullptr;
+  // and its bare results, before the variant's fix-ups (false where it has none). See [Note: instruction rules].
+  const char* (*instruction_name)(DType dtype);
+  bool (*instruction16)(const float* x, uint16_t* out, DType dtype, size_t n);
 };
 
 extern const KernelTable kernels_portable;

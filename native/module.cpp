@@ -13,6 +13,7 @@
 
 #include "dispatch.h"
 #include "pool.h"
+#include "scalar.h"
 
 namespace nb = nanobind;
 using namespace offload;
@@ -259,6 +260,50 @@ void py_crc32c_blocks(const AnyArray& data, size_t block, const nb::ndarray<uint
   crc32c_blocks(data.data(), nbytes, block, out.data(), threads);
 }
 
+// [Note: instruction rules] in scalar.h: the conversions the tests hold against one another.
+DType dtype16(const std::string& dtype) {
+  if (dtype == "bfloat16") return DType::BF16;
+  if (dtype == "float16") return DType::F16;
+  throw std::invalid_argument("dtype must be 'bfloat16' or 'float16', not '" + dtype + "'");
+}
+
+void py_to16(const RwArray& x, const RwArray& out, const std::string& dtype, bool instruction) {
+  const size_t n = x.size();
+  const float* in = fp32_buffer(x, "x", n);
+  uint16_t* o = half_buffer(out, "out", n);
+  const KernelTable& k = active_kernels();
+  const DType d = dtype16(dtype);
+  nb::gil_scoped_release unlocked;
+  if (!instruction) return k.to16(in, o, d, n);
+  if (!k.instruction16(in, o, d, n))
+    throw std::invalid_argument(std::string("kernel variant '") + k.name + "' stores " + dtype +
+                                " through no conversion instruction of its own");
+}
+
+std::optional<std::string> py_instruction_name(const std::string& dtype) {
+  const char* name = active_kernels().instruction_name(dtype16(dtype));
+  if (name == nullptr) return std::nullopt;
+  return std::string(name);
+}
+
+void py_model16(const RwArray& x, const RwArray& out, const std::string& rule) {
+  const size_t n = x.size();
+  const float* in = fp32_buffer(x, "x", n);
+  uint16_t* o = half_buffer(out, "out", n);
+  uint16_t (*f)(float) = nullptr;
+  if (rule == "bfloat16") f = scalar::f32_to_bf16;
+  else if (rule == "float16") f = scalar::f32_to_f16;
+  else if (rule == "vcvtneps2bf16") f = scalar::instruction::vcvtneps2bf16;
+  else if (rule == "vcvtneps2bf16+fix") f = scalar::bf16_from_vcvtneps2bf16;
+  else if (rule == "vcvtps2ph") f = scalar::instruction::vcvtps2ph;
+  else if (rule == "vcvtps2ph+fix") f = scalar::f16_from_vcvtps2ph;
+  else
+    throw std::invalid_argument("no scalar model '" + rule + "'; models: bfloat16, float16, vcvtneps2bf16, "
+                                "vcvtneps2bf16+fix, vcvtps2ph, vcvtps2ph+fix");
+  nb::gil_scoped_release unlocked;
+  for (size_t i = 0; i < n; ++i) o[i] = f(in[i]);
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -300,6 +345,14 @@ NB_MODULE(_native, m) {
         nb::arg("threads"), "CRC-32C of each block of a dense CPU buffer into out (uint32).");
   m.def("touch3", &py_touch3, nb::arg("p").noconvert(), nb::arg("m").noconvert(), nb::arg("v").noconvert(),
         nb::arg("g").noconvert(), nb::arg("threads"), "p += g, m += g, v += g: Adam's memory traffic alone.");
+  m.def("to16", &py_to16, nb::arg("x").noconvert(), nb::arg("out").noconvert(), nb::arg("dtype"),
+        nb::arg("instruction"),
+        "The active variant's 16-bit values of float32 x into out: as its kernels store them, or (instruction) the "
+        "bare conversion instruction it leans on.");
+  m.def("instruction_name", &py_instruction_name, nb::arg("dtype"),
+        "The conversion instruction the active variant leans on for dtype, named as its scalar model, or None.");
+  m.def("model16", &py_model16, nb::arg("x").noconvert(), nb::arg("out").noconvert(), nb::arg("rule"),
+        "A scalar model's 16-bit values of float32 x into out (native/scalar.h, [Note: instruction rules]).");
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);

@@ -116,6 +116,53 @@ static inline uint16_t bf16_stochastic(float f, uint32_t random) {
   return uint16_t((x + (random & 0xffffu)) >> 16);
 }
 
+// [Note: instruction rules] A vector variant that stores through a conversion instruction inherits the
+// instruction's own rules, which are not the portable rounding's, and fixes the lanes where they differ. Each rule is
+// modelled here in scalar code, compiled into every build: the tests hold model + fix-up to the portable rounding on
+// every CPU (so a machine that cannot run a variant still checks what the variant must store), and each instruction
+// to its model on the CPUs that run it (tests/test_conversion_rules.py). The instructions the variants lean on:
+// - VCVTNEPS2BF16 (avx512bf16's bfloat16): round to nearest even, but a zero or subnormal input gives a signed zero
+//   (denormals are zero whatever MXCSR says), and a NaN keeps its sign and payload, quieted. The variant redoes the
+//   lanes with a zero exponent and the NaN lanes the portable way.
+// - VCVTPS2PH with the round-to-nearest immediate (avx2's and avx512's float16), and AArch64's FCVTN under Linux's
+//   FPCR (neon's): IEEE round to nearest even, subnormal results kept; a NaN keeps its sign and the top of its
+//   payload, quieted. The variants give every NaN the quiet 0x7e00 with its sign, as torch does.
+// No variant uses AMX, and none contracts a multiply and an add into an FMA the portable build does not make
+// (-ffp-contract=off; an FMA is written as one on both sides, __builtin_fmaf here); square root and divide are
+// correctly rounded in every instruction set.
+namespace instruction {
+
+static inline uint16_t vcvtneps2bf16(float f) {
+  const uint32_t x = f32_to_bits(f);
+  const uint32_t exp = x & 0x7f800000u;
+  if (exp == 0) return uint16_t((x >> 16) & 0x8000u);                  // zero or subnormal: a signed zero
+  if (exp == 0x7f800000u && (x & 0x7fffffu)) return uint16_t((x >> 16) | 0x40u);  // NaN: quieted, payload kept
+  return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);             // round to nearest even (Inf stays Inf)
+}
+
+static inline uint16_t vcvtps2ph(float f) {
+  const uint32_t x = f32_to_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u)
+    return uint16_t(((x >> 16) & 0x8000u) | 0x7e00u | ((x >> 13) & 0x3ffu));  // NaN: quieted, payload's top kept
+  return f32_to_f16(f);
+}
+
+}  // namespace instruction
+
+// What a variant's kernels store from each instruction: its result, with the lanes whose rules differ from the
+// portable rounding redone (the scalar statement of the vector fix-ups in kernels.cpp).
+static inline uint16_t bf16_from_vcvtneps2bf16(float f) {
+  const uint32_t x = f32_to_bits(f);
+  const bool zero_exponent = (x & 0x7f800000u) == 0, nan = (x & 0x7fffffffu) > 0x7f800000u;
+  return zero_exponent || nan ? f32_to_bf16(f) : instruction::vcvtneps2bf16(f);
+}
+
+static inline uint16_t f16_from_vcvtps2ph(float f) {
+  const uint32_t x = f32_to_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t(((x >> 16) & 0x8000u) | 0x7e00u);
+  return instruction::vcvtps2ph(f);
+}
+
 static inline bool nonfinite(float f) { return (f32_to_bits(f) & 0x7f800000u) == 0x7f800000u; }
 
 }  // namespace scalar

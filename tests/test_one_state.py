@@ -183,13 +183,22 @@ def test_the_engine_steps_lion_and_adagrad_as_plain_torch(tmp_path, rule, world,
     config, hyper = rule_config(tmp_path, rule, world, stage, state, clip)
     results = run_ranks(train_engine, world, name="gpt", config=config, steps=STEPS, micro=MICRO, accum=ACCUM)
     ref = reference(rule, STEPS, MICRO * ACCUM * world, clip, world, **hyper)
-    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
     if rule == "adagrad" and world > 1:
-        # two ranks sum a gradient in another order: where it is near zero beside the weight decay's term, Adagrad
-        # steps by about lr * sign(g) and that sign is rounding's (an unused embedding row): the losses say enough
+        # Adagrad's first step is lr * g / (|g| + eps), with DeepSpeed's eps of 1e-10 +-lr for every g that is not
+        # zero, whatever its size. Two ranks round a gradient otherwise than one process over the whole batch (their
+        # halves, then a sum in another order); where g cancels to rounding's size (an embedding row two
+        # micro-batches pull apart) its sign is rounding's and its weight 2 * lr apart, so no elementwise bound
+        # short of 2 * lr holds on the weights, and the losses move by what those weights do to them. Measured on
+        # one Xeon with torch's own AVX-512 and AVX2 kernels (ATEN_CPU_CAPABILITY) against ours: 1.3e-5 and 1.8e-5
+        # relative at the sixth step; held to 1e-4. A larger eps does not tighten it (1e-4 and 1e-3 were tried):
+        # the ranks' gradients differ by more than a sum's order there.
+        torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-4,
+                                   atol=0)
         return
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
     for key, value in ref["state"].items():
-        torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, k=key: f"{k}: {m}")
 
 
 def test_what_lion_and_adagrad_do_not_take_is_said():

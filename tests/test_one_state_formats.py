@@ -161,7 +161,23 @@ def test_state_on_the_emulated_gpu_steps_as_the_host_kernel(rule, master, lane):
     if master == "bf16-stochastic":
         torch.testing.assert_close(torch.tensor(half["losses"]), torch.tensor(host["losses"]), rtol=1e-2, atol=1e-2)
         return
-    exact = dict(rtol=0, atol=0) if rule == "lion" else dict(rtol=1e-2, atol=2e-4)
-    torch.testing.assert_close(torch.tensor(half["losses"]), torch.tensor(host["losses"]), **exact)
+    if rule == "lion":
+        exact = dict(rtol=0, atol=0)
+        torch.testing.assert_close(torch.tensor(half["losses"]), torch.tensor(host["losses"]), **exact)
+        for name, value in host["masters"].items():
+            torch.testing.assert_close(half["masters"][name], value, msg=lambda m, k=name: f"{k}: {m}", **exact)
+        return
+    # Adagrad. torch's CPU ops contract (or not) a multiply and an add into an FMA as the compiler built each of
+    # its AVX2, AVX-512 or NEON kernels, where the native kernel always fuses the sum's addcmul: the fp32 sum
+    # differs by an ulp or two, a fp32 weight by a few ulps a step (rtol 1e-6). Stored in bf16, such a sum can
+    # round to its neighbour at a tie: at most one bf16 ulp (2**-7 relative) more each step, so by step t
+    # the sums differ by at most (t - 1) * 2**-7 relative, sqrt(sum) by half that, and the step, lr * g /
+    # sqrt(sum) with |g| <= sqrt(sum), by at most lr * (t - 1) * 2**-8. Over STEPS steps a weight is at most
+    # lr * 2**-8 * STEPS * (STEPS - 1) / 2 apart (1.2e-3 here); the decay's feedback into g is 0.01 of that.
+    lr = config["optimizer"]["params"]["lr"]
+    apart = lr * 2 ** -8 * STEPS * (STEPS - 1) / 2
     for name, value in host["masters"].items():
-        torch.testing.assert_close(half["masters"][name], value, msg=lambda m, k=name: f"{k}: {m}", **exact)
+        torch.testing.assert_close(half["masters"][name], value, rtol=1e-6, atol=apart,
+                                   msg=lambda m, k=name: f"{k}: {m}")
+    # the losses follow from the weights, which carry the bound: they are held loosely
+    torch.testing.assert_close(torch.tensor(half["losses"]), torch.tensor(host["losses"]), rtol=1e-2, atol=0)

@@ -56,6 +56,46 @@ def select_variant(name: str) -> None:
         raise NativeError(str(e)) from None
 
 
+# [Note: instruction rules] in native/scalar.h: what each conversion instruction does, modelled in scalar code.
+MODEL_RULES = ("bfloat16", "float16", "vcvtneps2bf16", "vcvtneps2bf16+fix", "vcvtps2ph", "vcvtps2ph+fix")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise NativeError(f"dtype must be torch.bfloat16 or torch.float16, not {dtype}")
+    return "bfloat16" if dtype == torch.bfloat16 else "float16"
+
+
+def to16(x: torch.Tensor, dtype: torch.dtype, *, instruction: bool = False) -> torch.Tensor:
+    """The 16-bit values (as int16 bits) the active variant's kernels store for float32 ``x``, or, with
+    ``instruction``, what the bare conversion instruction it leans on gives before its fix-ups."""
+    x = _check_buffer(x, "x", (torch.float32,))
+    out = torch.empty(x.shape, dtype=torch.int16)
+    try:
+        _native.to16(_dl(x), _dl(out), _dtype_name(dtype), instruction)
+    except ValueError as e:
+        raise NativeError(str(e)) from None
+    return out
+
+
+def instruction_name(dtype: torch.dtype) -> str | None:
+    """The conversion instruction the active variant leans on for ``dtype`` (its scalar model's name), or None."""
+    name = _native.instruction_name(_dtype_name(dtype))
+    return None if name is None else str(name)
+
+
+def model16(x: torch.Tensor, rule: str) -> torch.Tensor:
+    """A scalar model's 16-bit values (as int16 bits) for float32 ``x``: the portable rounding to ``bfloat16`` or
+    ``float16``, an instruction's own rules, or the instruction with the fix-ups the variants apply (``+fix``)."""
+    x = _check_buffer(x, "x", (torch.float32,))
+    out = torch.empty(x.shape, dtype=torch.int16)
+    try:
+        _native.model16(_dl(x), _dl(out), rule)
+    except ValueError as e:
+        raise NativeError(str(e)) from None
+    return out
+
+
 def default_threads() -> int:
     """Physical cores this process may use: the kernels are memory-bound, and hyper-threads add no bandwidth (see
     [Note: CPUs a process may use] in offload/machine/cpus.py)."""

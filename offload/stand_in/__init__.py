@@ -20,7 +20,10 @@ from offload.stand_in.modules import DEEPSPEED_VERSION, MODULES, fill
 log = logging.getLogger("offload")
 
 PATH = Path(__file__).resolve().parent / "path"  # what `offload launch` puts first on PYTHONPATH (launch.py)
-_DIST_INFO = PATH / f"deepspeed-{DEEPSPEED_VERSION}.dist-info"
+# The distribution the switch reports, as one metadata file (a legacy egg-info that importlib.metadata reads whole):
+# a wheel build drops every folder named *.dist-info inside a package (scikit-build-core does), and this is the file
+# that `offload launch`'s PYTHONPATH and the finder below both serve.
+_METADATA = PATH / f"deepspeed-{DEEPSPEED_VERSION}.egg-info"
 
 
 class _Loader(importlib.abc.Loader):
@@ -50,7 +53,7 @@ class DeepSpeedFinder(importlib.abc.MetaPathFinder):
     def find_distributions(self, context: Any = None) -> Iterator[importlib.metadata.Distribution]:
         name = getattr(context, "name", None)
         if name is None or name.lower().replace("_", "-") == "deepspeed":
-            yield importlib.metadata.PathDistribution(_DIST_INFO)
+            yield importlib.metadata.PathDistribution(_METADATA)
 
 
 _FINDER = DeepSpeedFinder()
@@ -70,11 +73,14 @@ def install() -> None:
         raise ImportError("DeepSpeed was imported before offload.as_deepspeed: put `import offload.as_deepspeed` "
                           "first in the script (before transformers, accelerate, TRL or deepspeed), or start it "
                           "under `offload launch`")
+    if not _METADATA.is_file():  # what transformers reads first: without it they fail obscurely
+        raise ImportError(f"offload's install lacks {_METADATA}, the deepspeed distribution the switch reports: "
+                          "reinstall offload (`pip install .` from its source ships it)")
     sys.meta_path.insert(0, _FINDER)
     importlib.invalidate_caches()
     try:
         theirs = next(d for d in importlib.metadata.distributions(name="deepspeed")
-                      if getattr(d, "_path", None) != _DIST_INFO)
+                      if getattr(d, "_path", None) != _METADATA)
         also = f"; the installed DeepSpeed {theirs.version} is not used"
     except StopIteration:
         also = ""

@@ -13,6 +13,7 @@ from offload.machine.accelerator import CopyStream
 from offload.store.param_store import ParamStore
 from offload.store.tier import Tier
 from offload.zero.collectives import Group, all_gather
+from offload.zero.partition_view import PartitionView
 from offload.zero.plan import UnitPlan, sharded_elsewhere
 
 if TYPE_CHECKING:
@@ -134,9 +135,16 @@ class Unit:
             setattr(s.param, "ds_numel", s.numel)
             held = max(0, min(s.offset + s.numel, shard_end) - max(s.offset, self.shard_start))
             setattr(s.param, "partition_numel", PartitionNumel(held))
+            start = max(s.offset, self.shard_start) - self.shard_start if held else 0
+            setattr(s.param, "ds_tensor", PartitionView(self, start, held, self._partition_device(device)))
         self._bind()
         if not self.keeps_full:
             self._release_memory()
+
+    def _partition_device(self, device: torch.device) -> torch.device:
+        """Where this rank's shard lives: the compute device for a device home, else host memory (NVMe reads land
+        there)."""
+        return device if self.params.home(self.index) is Tier.DEVICE else torch.device("cpu")
 
     def _bind(self) -> None:
         """The parameters are views into ``full``: what forward and backward read while the unit is gathered."""

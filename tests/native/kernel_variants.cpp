@@ -211,6 +211,30 @@ void check_landed(const KernelTable& k, std::mt19937& rng, size_t n) {
   }
 }
 
+// [Note: instruction rules] in scalar.h: every high half with the low halves that decide a rounding; the variant's
+// stores are the portable rounding, and the instruction it leans on is its scalar model.
+void check_conversions(const KernelTable& k) {
+  const uint32_t lows[] = {0x0000, 0x0001, 0x0fff, 0x1000, 0x1001, 0x1fff, 0x2000, 0x7fff, 0x8000, 0x8001, 0xffff};
+  std::vector<float> x;
+  for (uint32_t high = 0; high < 0x10000u; ++high)
+    for (uint32_t low : lows) x.push_back(scalar::bits_to_f32((high << 16) | low));
+  const size_t n = x.size() - 3;  // a tail the vector width does not divide
+  std::vector<uint16_t> got(n), want(n);
+  for (DType d : {DType::BF16, DType::F16}) {
+    const char* what = d == DType::BF16 ? "bfloat16" : "float16";
+    k.to16(x.data(), got.data(), d, n);
+    for (size_t i = 0; i < n; ++i) want[i] = d == DType::BF16 ? scalar::f32_to_bf16(x[i]) : scalar::f32_to_f16(x[i]);
+    if (!same_bits(got.data(), want.data(), 2 * n)) fail(k.name, "16-bit store", n, what);
+    const char* name = k.instruction_name(d);
+    if (name == nullptr) continue;
+    if (!k.instruction16(x.data(), got.data(), d, n)) fail(k.name, "instruction16", n, name);
+    const bool bf16 = std::strcmp(name, "vcvtneps2bf16") == 0;
+    for (size_t i = 0; i < n; ++i)
+      want[i] = bf16 ? scalar::instruction::vcvtneps2bf16(x[i]) : scalar::instruction::vcvtps2ph(x[i]);
+    if (!same_bits(got.data(), want.data(), 2 * n)) fail(k.name, "instruction against its model", n, name);
+  }
+}
+
 void check_crc(const KernelTable& k, std::mt19937& rng, size_t n) {
   std::vector<uint8_t> bytes(n + 1);
   for (auto& b : bytes) b = uint8_t(rng());
@@ -253,6 +277,7 @@ int main() {
       check_landed(*k, rng, n);
     }
     for (size_t n : {0, 1, 7, 8, 9, 24, 4095, 12287, 12288, 12289, 100003}) check_crc(*k, rng, n);
+    check_conversions(*k);
   }
   if (failures) {
     std::printf("%d failure(s)\n", failures);

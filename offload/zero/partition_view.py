@@ -1,0 +1,61 @@
+"""A ZeRO-3 parameter's ``ds_tensor``: DeepSpeed's name for this rank's partition of it, which users' scripts and
+libraries read (to count what a rank holds, or to look at its values).
+
+[Note: the partition as a view] offload shards a unit's flat buffer, not each parameter, so a parameter's part on
+this rank is the piece of the rank's unit shard that falls inside it: possibly empty, and at W ranks the pieces add
+up to the whole parameter. That shard lives on the device, in host memory or on NVMe, and the optimizer rewrites it
+each step. ``ds_tensor`` is a read-only tensor of the piece's shape and dtype whose every use reads the shard where it
+lives at that moment (from NVMe, a fresh copy), so it is never stale and holds no memory of its own; writing into it
+is refused by name, since the optimizer owns the shard. DeepSpeed's own partition is padded per parameter: its
+``numel()`` is numel / W rounded up, here the elements the rank actually holds.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+if TYPE_CHECKING:
+    from offload.zero.unit import Unit
+
+
+class PartitionView(torch.Tensor):
+    """This rank's ``numel`` elements of a unit's shard from ``start``: see [Note: the partition as a view]."""
+
+    _unit: weakref.ReferenceType[Unit]
+    _start: int
+    ds_numel: int
+
+    @staticmethod
+    def __new__(cls, unit: Unit, start: int, numel: int, device: torch.device) -> PartitionView:
+        view = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=unit.dtype, device=device)
+        view._unit = weakref.ref(unit)
+        view._start = start
+        view.ds_numel = numel  # DeepSpeed's ds_tensor carries its own element count too
+        return view
+
+    def read(self) -> torch.Tensor:
+        """The piece's values now: a view of the shard in memory, or a copy of it read from NVMe."""
+        unit = self._unit()
+        if unit is None:
+            raise RuntimeError("ds_tensor belongs to an engine that has been closed: its partition is gone")
+        return unit.params.read(unit.index)[self._start:self._start + self.numel()]
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's stub: untyped
+        return f"ds_tensor({self.read()!r})"
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub leaves out func, which every subclass takes
+            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func._schema.is_mutable:
+            raise RuntimeError(f"ds_tensor is this rank's partition, read where the parameter store keeps it; "
+                               f"{func} would write into it, and the optimizer owns those values: change a "
+                               "parameter under deepspeed.zero.GatheredParameters(..., modifier_rank=...) instead")
+        return func(*tree_map(_read, args), **tree_map(_read, kwargs or {}))
+
+
+def _read(x: Any) -> Any:
+    return x.read() if isinstance(x, PartitionView) else x
