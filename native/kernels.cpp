@@ -2,7 +2,9 @@
 //
 // [Note: one source, many targets] CMake compiles this file several times with
 // different -m flags and OFFLOAD_ISA_NAME set; the preprocessor picks the
-// intrinsics the flags allow. Everything here has internal linkage (anonymous
+// intrinsics the flags allow. The portable variant is built with OFFLOAD_SCALAR_ONLY: one
+// element at a time on every machine, AArch64 too, whose baseline has Advanced SIMD (it
+// is the reference every vector variant is held to, so it must not be one of them). Everything here has internal linkage (anonymous
 // namespace, static helpers) and no std:: templates are instantiated: an
 // inline function with external linkage compiled with -mavx512f could be
 // merged by the linker into the portable variant and fault on an AVX2 CPU.
@@ -411,7 +413,7 @@ struct Pairs {
   }
 };
 
-#elif defined(__aarch64__) && defined(__ARM_NEON)
+#elif defined(__aarch64__) && defined(__ARM_NEON) && !defined(OFFLOAD_SCALAR_ONLY)
 
 inline float32x4_t load4(const void* data, DType dtype, size_t i) {
   switch (dtype) {

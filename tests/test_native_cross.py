@@ -28,7 +28,7 @@ def build_kernel_check(cxx: str, names: list[str], out: Path, link: list[str]) -
     objects = []
     for name in names:
         obj = out / f"{name}.o"
-        flags = variant_flags(name) if name != "portable" else []
+        flags = variant_flags(name)
         subprocess.run([*common, *flags, f"-DOFFLOAD_ISA_NAME={name}", "-c", str(ROOT / "native" / "kernels.cpp"),
                         "-o", str(obj)], check=True)
         objects.append(str(obj))
