@@ -134,11 +134,15 @@ def test_without_save_on_stop_it_stops_after_the_step_and_names_the_last_checkpo
                                                                                            "global_step4"]
 
 
-def test_a_second_signal_stops_at_once_and_leaves_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("started", ["SIGINT default", "SIGINT ignored"])
+def test_a_second_signal_stops_at_once_and_leaves_the_last_checkpoint(tmp_path, started):
+    """Also where the process started with SIGINT ignored, as bash starts a background job (Python then installs
+    no KeyboardInterrupt of its own): the first line promised that a second SIGINT stops at once."""
     args = ["train", "--out", str(tmp_path / "out"), *_common(tmp_path, "cpu"), "--save-every", "2"]
     env = {**os.environ, "STOP_AT": "5", "STOP_SIGNAL": "SIGINT", "STOP_TIMES": "2"}
+    disposition = signal.SIG_IGN if started == "SIGINT ignored" else signal.SIG_DFL
     proc = subprocess.run([sys.executable, "-c", SIGNALLED, *args], capture_output=True, text=True, timeout=600,
-                          env=env)
+                          env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert "interrupted at once by a second SIGINT" in proc.stderr
     assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == "global_step4"

@@ -115,7 +115,12 @@ class SignalStop:
         self.uninstall()
         if callable(previous):
             previous(signum, frame)  # SIGINT's default raises KeyboardInterrupt here
-        else:  # SIG_DFL (SIGTERM's: the process ends) or SIG_IGN
+        elif signum == signal.SIGINT:
+            # SIGINT ignored when the process started (bash starts a background job so, and Python then leaves it
+            # ignored): the second one still stops at once, as the first one's line promised
+            raise KeyboardInterrupt
+        else:  # SIG_DFL (SIGTERM's: the process ends), or SIG_IGN, which would break the same promise
+            signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
 
 
