@@ -24,8 +24,11 @@ def pieces(rank, world, params, path):
         out["pieces"][name] = (d.numel(), d.ds_numel, d.clone(), str(d.device), tuple(d.shape), p.ds_numel)
     with pytest.raises(RuntimeError, match="ds_tensor is this rank's partition.*would write into it"):
         next(engine.module.parameters()).ds_tensor.add_(1.0)
-    out["sum"] = float(next(engine.module.parameters()).ds_tensor.float().sum())
+    first = next(engine.module.parameters())
+    out["sum"] = float(first.ds_tensor.float().sum())
     engine.close()
+    with pytest.raises(RuntimeError, match="ds_tensor belongs to an engine that has been closed"):
+        first.ds_tensor.sum()
     return out
 
 

@@ -114,6 +114,7 @@ class ParamStore:
         self._kept: dict[int, tuple[list[tuple[int, int]], torch.Tensor]] = {}
         self._kept_next: dict[int, torch.Tensor] = {}
         self._staged: dict[int, torch.Tensor] = {}  # NVMe shards' step targets, until ``wrote``
+        self.closed = False  # the engine closed: no shard is held any more
 
     def add(self, index: int, name: str, values: torch.Tensor, *, device_view: torch.Tensor | None = None,
             host_copy: bool = False) -> None:
@@ -540,6 +541,7 @@ class ParamStore:
         return homes + [s.handed for s in self._shards.values() if s.handed is not None]
 
     def close(self) -> None:
+        self.closed = True
         if self._h2d is not None:
             self.accel.drain(self._h2d, "parameter copies back")
         if self.swap is not None:

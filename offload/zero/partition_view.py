@@ -13,36 +13,36 @@ is refused by name, since the optimizer owns the shard. DeepSpeed's own partitio
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
-if TYPE_CHECKING:
-    from offload.zero.unit import Unit
+from offload.store.param_store import ParamStore
 
 
 class PartitionView(torch.Tensor):
-    """This rank's ``numel`` elements of a unit's shard from ``start``: see [Note: the partition as a view]."""
+    """This rank's ``numel`` elements of unit ``index``'s shard from ``start``: see [Note: the partition as a view]."""
 
-    _unit: weakref.ReferenceType[Unit]
+    _store: weakref.ReferenceType[ParamStore]
+    _index: int
     _start: int
     ds_numel: int
 
     @staticmethod
-    def __new__(cls, unit: Unit, start: int, numel: int, device: torch.device) -> PartitionView:
-        view = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=unit.dtype, device=device)
-        view._unit = weakref.ref(unit)
-        view._start = start
+    def __new__(cls, store: ParamStore, index: int, start: int, numel: int, device: torch.device) -> PartitionView:
+        view = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=store.dtype, device=device)
+        view._store = weakref.ref(store)  # the parameter keeps no engine alive
+        view._index, view._start = index, start
         view.ds_numel = numel  # DeepSpeed's ds_tensor carries its own element count too
         return view
 
     def read(self) -> torch.Tensor:
         """The piece's values now: a view of the shard in memory, or a copy of it read from NVMe."""
-        unit = self._unit()
-        if unit is None:
+        store = self._store()
+        if store is None or store.closed:
             raise RuntimeError("ds_tensor belongs to an engine that has been closed: its partition is gone")
-        return unit.params.read(unit.index)[self._start:self._start + self.numel()]
+        return store.read(self._index)[self._start:self._start + self.numel()]
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's stub: untyped
         return f"ds_tensor({self.read()!r})"

@@ -136,7 +136,8 @@ class Unit:
             held = max(0, min(s.offset + s.numel, shard_end) - max(s.offset, self.shard_start))
             setattr(s.param, "partition_numel", PartitionNumel(held))
             start = max(s.offset, self.shard_start) - self.shard_start if held else 0
-            setattr(s.param, "ds_tensor", PartitionView(self, start, held, self._partition_device(device)))
+            view = PartitionView(params, self.index, start, held, self._partition_device(device))
+            setattr(s.param, "ds_tensor", view)
         self._bind()
         if not self.keeps_full:
             self._release_memory()
