@@ -213,12 +213,12 @@ def test_a_device_sum_without_a_gradient_in_the_last_micro_batch_comes_over_when
     engine.close()
 
 
-@pytest.mark.parametrize("host,accum,in_place", [(10**9, 1, True), (550_000, 1, False), (10**9, 2, False)],
+@pytest.mark.parametrize("host,accum,in_place", [(10**9, 1, True), (550_000, 1, True), (10**9, 2, False)],
                          ids=["nvme-all-on-host", "nvme-split", "nvme-accumulating"])
 def test_the_placement_alone_says_whether_gradients_are_read_where_they_land(tmp_path, host, accum, in_place):
-    """offload_optimizer.device nvme whose host budget keeps every sub-group on the host reads gradients where
-    they land (as device cpu does) and counts no accumulator; a split, or accumulation, makes the accumulators
-    the budget counted, byte for byte."""
+    """offload_optimizer.device nvme at one micro-batch a step reads gradients where they land (as device cpu
+    does), whether its sub-groups stay on the host or some go to NVMe, and counts no accumulator; accumulation
+    makes the accumulators the budget counted, byte for byte."""
     import offload
     config = base_config(2, accum, 1, clip=0.5, sub_group_size=3000)
     config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}

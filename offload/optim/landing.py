@@ -30,8 +30,8 @@ smaller ones a few at a time. The D2H copies are not held: the hook issues each 
 its stream. Waiting for any of the worker's events sends what is held first, so nothing
 waits on a landing that was never handed over.
 
-[Note: gradients read where they land] With one micro-batch per step (and the optimizer
-state in host memory) a unit's gradient is its only one, so nothing needs adding up: the
+[Note: gradients read where they land] With one micro-batch per step (the optimizer state
+in host memory or on NVMe) a unit's gradient is its only one, so nothing needs adding up: the
 landing worker leaves it where it landed (the landing buffer; on a CPU device the reduced
 shard itself, held until the step), in the compute dtype, with the factor the accumulation
 would have applied, takes its norm there (the native norm multiplies each element by that

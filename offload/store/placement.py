@@ -220,9 +220,10 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
     if opt.device != "none" and offloaded_sizes:
         # Read in place, a device home's host copy is the device shard, unless NVMe state keeps copies apart.
         in_place = set() if discrete or opt.device == "nvme" else {i for i, h in homes.items() if h is Tier.DEVICE}
-        # With the state offloaded to the host it all stays there; on NVMe, whether any of it does is known only
-        # once the sub-groups are placed (below), and until then the accumulators are counted.
-        out.grads_read_where_they_land = one_micro_batch and opt.device == "cpu"
+        # One micro-batch a step: the gradient is read where it lands, whether the state is stepped from host
+        # memory or from NVMe (the landing keeps it until the step commits, so a pass that fails and steps again
+        # still finds it), and no fp32 accumulator is made.
+        out.grads_read_where_they_land = one_micro_batch
         step_buffers = out.step_buffers = host_parts(offloaded_sizes, {i for i, _ in nvme_params} | in_place, item,
                                                      landing=discrete,
                                                      accumulators=not out.grads_read_where_they_land,
@@ -253,12 +254,6 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
             _hand_over_host_tier_only(out, shards)
     except ConfigError as e:
         out.problems.append(e)
-    if (opt.device == "nvme" and out.placed and offloaded_sizes and one_micro_batch
-            and all(g.tier is not Tier.NVME for g in out.groups)):
-        # offload_optimizer.device nvme with every sub-group kept on the host: no accumulator is made after all.
-        out.grads_read_where_they_land = True
-        out.host.pop("gradient accumulators", None)
-        out.step_buffers.pop("gradient accumulators", None)
     if out.placed:
         _plan_optimizer_state(out, nvme_limit, opt.buffer_count)
     _plan_host_params(out, shards, trained - out.state_on_device - out.streamed if opt.device != "none" else set(),
