@@ -8,6 +8,7 @@ import pytest
 from conftest import REPO
 
 from offload.config import AUTO, Config, ConfigError, load_config
+from offload.store.sub_groups import sub_group_elements
 
 SHIPPED = sorted((REPO / "configs").glob("*.json")) + [REPO / "offload" / "defaults" / "demo.json"]
 
@@ -46,7 +47,8 @@ def test_three_ways_to_give_a_config_agree(tmp_path):
 def test_defaults_are_deepspeeds():
     cfg = Config.load({})
     zero = cfg.zero_optimization
-    assert zero.stage == 0 and zero.reduce_bucket_size == 500_000_000 and zero.sub_group_size == 10**9
+    assert zero.stage == 0 and zero.reduce_bucket_size == 500_000_000 and zero.sub_group_size is AUTO
+    assert sub_group_elements(zero) == 10**9  # DeepSpeed's, where the state is not on NVMe
     assert zero.stage3_prefetch_bucket_size == 50_000_000 and zero.stage3_param_persistence_threshold == 100_000
     assert zero.stage3_max_live_parameters == 10**9 and zero.stage3_max_reuse_distance == 10**9
     assert zero.offload_param.buffer_count == 5 and zero.offload_optimizer.buffer_count == 4

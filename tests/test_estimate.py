@@ -314,3 +314,26 @@ def test_a_blocks_activations_count_the_attention_scores_only_where_attention_ke
     assert fused.per_layer(2) == 34 * s * b * h
     assert eager.per_layer(2) - fused.per_layer(2) == 5 * a * s * s * b
     assert fused.per_layer(4) == 2 * fused.per_layer(2)
+
+
+def test_nvme_state_buffers_under_the_default_sub_group_size_do_not_grow_with_the_model(tmp_path):
+    """sub_group_size auto (the default) with the state on NVMe cuts a sub-group per unit ([Note: the sub-group's
+    default size] in offload/store/sub_groups.py): the step's host buffers are buffer_count units' state at 1B
+    parameters as at 8B, where DeepSpeed's 1e9 (set in the config, it still acts) makes them four times 1e9
+    elements' state. With the state on the host, auto is DeepSpeed's 1e9."""
+    from offload.commands.estimate import choice_config, synthetic_units
+    base = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    raw = choice_config(base, {"offload_param": "nvme", "offload_optimizer": "nvme"}, str(tmp_path))
+    config = Config.load(raw).resolve(world_size=1)
+    buffers = {n: estimate(synthetic_units(n, config), config, 1, discrete=True, device_free=0).tiers["host"]
+               ["optimizer NVMe buffers"] for n in (10**9, 8 * 10**9)}
+    # four units' fp32 state (the largest unit's size moves a little with the model's cut)
+    assert max(buffers.values()) < 4 * 12 * 40_000_000
+    assert abs(buffers[10**9] - buffers[8 * 10**9]) < 0.01 * buffers[10**9]
+    raw["zero_optimization"]["sub_group_size"] = 10**9
+    config = Config.load(raw).resolve(world_size=1)
+    big = estimate(synthetic_units(8 * 10**9, config), config, 1, discrete=True, device_free=0)
+    assert big.tiers["host"]["optimizer NVMe buffers"] >= 4 * 12 * 9 * 10**8  # whole units up to 1e9 elements
+    on_host = Config.load(choice_config(base, {"offload_param": "cpu", "offload_optimizer": "cpu"}, str(tmp_path)))
+    from offload.store.sub_groups import sub_group_elements
+    assert sub_group_elements(on_host.resolve(world_size=1).zero_optimization) == 10**9

@@ -37,7 +37,7 @@ from offload.optim.hyper import held_moments
 from offload.store.param_homes import describe_placement
 from offload.store.placement import KEPT_GRADS, MachineOffer, Shards, Speculation, StageLayout, StepAsks, plan, traffic
 from offload.store.step_cost import STATE_BYTES, Rates, StepPrediction, adam_bytes, adam_ms, predict
-from offload.store.sub_groups import SubGroup, unpipelined_note
+from offload.store.sub_groups import SubGroup, sub_group_elements, unpipelined_note
 from offload.store.tier import Tier
 from offload.zero.stage import Stage
 
@@ -238,14 +238,20 @@ def estimate(unit_numels: list[int], config: Config, world: int,
     if not placement.placed:
         return est
     buffers = host.get("optimizer NVMe buffers", 0)
-    unpipelined = unpipelined_note(placement.groups, int(zero.sub_group_size))
+    unpipelined = unpipelined_note(placement.groups, sub_group_elements(zero))
     if unpipelined:
         est.notes.append(unpipelined)
     elif buffers > est.total(Tier.HOST.value) // 4:
-        smaller = int(zero.sub_group_size) // 10
-        est.notes.append(f"each optimizer NVMe buffer holds a whole sub-group (sub_group_size "
-                         f"{int(zero.sub_group_size):,} elements): {buffers / 2**30:.2f} GiB of buffers; a smaller "
-                         f"sub_group_size (e.g. {smaller:.0e}) shrinks them")
+        largest = max((g for g in placement.groups if g.tier is Tier.NVME), key=lambda g: g.nbytes)
+        if len(largest.members) > 1:
+            smaller = sub_group_elements(zero) // 10
+            est.notes.append(f"each optimizer NVMe buffer holds a whole sub-group (sub_group_size "
+                             f"{sub_group_elements(zero):,} elements): {buffers / 2**30:.2f} GiB of buffers; a "
+                             f"smaller sub_group_size (e.g. {smaller:.0e}) shrinks them")
+        else:  # a unit is never split across sub-groups
+            est.notes.append(f"each optimizer NVMe buffer holds the largest unit's state ({largest.numel:,} "
+                             f"elements): {buffers / 2**30:.2f} GiB of buffers; a smaller offload.unit_bytes or "
+                             "offload_optimizer.buffer_count shrinks them")
     est.notes.append(("not counted: " if activations is not None else "not counted: activations, ")
                      + "the CUDA context and allocator slack")
     return est
@@ -362,9 +368,6 @@ CHOICES: dict[str, dict[str, str]] = {
 }
 
 
-NVME_SUB_GROUP = 100_000_000
-
-
 def choice_config(base: dict[str, Any], choice: dict[str, str], nvme_path: str) -> dict[str, Any]:
     raw = {**base, "zero_optimization": {**base.get("zero_optimization", {}), "stage": 3}}
     zero = raw["zero_optimization"]
@@ -374,11 +377,7 @@ def choice_config(base: dict[str, Any], choice: dict[str, str], nvme_path: str) 
             zero[section]["nvme_path"] = nvme_path
     if choice["offload_param"] == "nvme":
         zero["offload_param"]["max_in_cpu"] = 0
-    if choice["offload_optimizer"] == "nvme":
-        # The step's NVMe buffers each hold one sub-group: DeepSpeed's default of 1e9 elements would need 12 GB
-        # per buffer; 1e8 keeps them at 1.2 GB and the pipeline as fast.
-        zero.setdefault("sub_group_size", NVME_SUB_GROUP)
-    return raw
+    return raw  # sub_group_size as the config says; auto keeps NVMe state's buffers small (sub_groups.py)
 
 
 def largest_trainable(base: dict[str, Any], machine: Machine, world: int = 1) -> dict[str, tuple[int, str]]:
@@ -475,14 +474,15 @@ def format_stages(stages: dict[int, Estimate], raw: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_largest(largest: dict[str, tuple[int, str]], machine: Machine, world: int) -> str:
+def format_largest(largest: dict[str, tuple[int, str]], machine: Machine, world: int,
+                   sub_group_size: object = "auto") -> str:
     gpu = f"GPU {_gib(machine.device_bytes)}" if machine.device_bytes is not None else "no GPU"
     lines = [f"this machine: {gpu}, RAM available {_gib(machine.host_bytes)}, free under {machine.nvme_path} "
              f"{_gib(machine.nvme_bytes)}; the largest model per choice (ZeRO stage 3, W={world} ranks here, "
              "sharing RAM and disk; limited by):"]
     for name, (n, tier) in largest.items():
         zero = CHOICES[name]
-        extra = f", sub_group_size {NVME_SUB_GROUP:.0e}" if zero["offload_optimizer"] == "nvme" else ""
+        extra = f", sub_group_size {sub_group_size}" if zero["offload_optimizer"] == "nvme" else ""
         extra += ", max_in_cpu 0" if zero["offload_param"] == "nvme" else ""
         lines.append(f"  {name:33s} {n / 1e9:7.2f}B params  ({tier:6s})  offload_param {zero['offload_param']}, "
                      f"offload_optimizer {zero['offload_optimizer']}{extra}")
@@ -617,7 +617,7 @@ def run_cli(args: Any, preset: Any) -> int:
                                 {"zero_optimization": {k: v for k, v in raw["zero_optimization"].items()
                                                        if k not in ("offload_param", "offload_optimizer")}},
                                 machine, args.world)
-    print(format_largest(largest, machine, args.world))
+    print(format_largest(largest, machine, args.world, raw["zero_optimization"].get("sub_group_size", "auto")))
     if args.json:
         import json
         from dataclasses import asdict

@@ -260,7 +260,7 @@ class Config:
 
 _VARIANTS = {"scheduler.params": tuple(SCHEDULER_PARAMS.values()), "optimizer.params": (AdamParams,)}
 # Keys whose "auto" the engine decides at start-up; resolve leaves them "auto".
-RUNTIME_AUTO = ("zero_optimization.offload_optimizer.ratio", "offload.stream_state")
+RUNTIME_AUTO = ("zero_optimization.offload_optimizer.ratio", "offload.stream_state", "zero_optimization.sub_group_size")
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _HIDDEN_DERIVED = {
     # Hugging Face's integration sizes these from the model's hidden size.

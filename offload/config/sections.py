@@ -405,8 +405,11 @@ class ZeroConfig:
     offload_param: OffloadParamConfig = section(OffloadParamConfig, "Stage 3: where parameter shards live.")
     offload_optimizer: OffloadOptimizerConfig = section(OffloadOptimizerConfig, "Where optimizer state lives and the "
                                                                                 "step runs.")
-    sub_group_size: int = setting(1_000_000_000, "Elements per optimizer-step sub-group (the unit of the pipelined "
-                                                 "NVMe step).", ge=1)
+    sub_group_size: int | Auto = setting(
+        AUTO_VALUE, "Elements per optimizer-step sub-group (the unit of the pipelined NVMe step; the step's NVMe "
+                    "buffers each hold the largest). auto: 2e7 with the state on NVMe (a sub-group is one unit, so "
+                    "the buffers stay small whatever the model's size), else 1e9 (DeepSpeed's default).",
+        ge=1, auto=True)
     stage3_prefetch_bucket_size: int | Auto = setting(
         50_000_000, "Elements of parameters prefetched ahead of use. auto: 0.9 * hidden_size**2.",
         ge=0, auto=True, aliases=("prefetch_bucket_size",))

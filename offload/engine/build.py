@@ -49,7 +49,7 @@ from offload.store.placement import MachineOffer, Shards, StageLayout, StepAsks,
 from offload.store.placement import plan as plan_placement
 from offload.store.state_format import Master, from_config, mix_seed
 from offload.store.step_cost import predict
-from offload.store.sub_groups import unpipelined_note
+from offload.store.sub_groups import sub_group_elements, unpipelined_note
 from offload.store.swapdir import PREFIX, SwapDir, TierRoom
 from offload.store.tier import Tier
 from offload.zero.collectives import Group, broadcast
@@ -200,7 +200,7 @@ def build(model: nn.Module, config: Config, choice: OptimizerChoice, *, group: G
                         len(placement.streamed), len(trained),
                         f"{sum(n for i, n in shard_sizes if i in placement.streamed):,}")
         placement.check()  # every budget, before anything is allocated
-        unpipelined = unpipelined_note(placement.groups, int(zero.sub_group_size))
+        unpipelined = unpipelined_note(placement.groups, sub_group_elements(zero))
         if unpipelined:
             logger.warning("rank %d: %s", group.rank, unpipelined)
         param_swap = ParamSwap(nvme_params, compute_dtype,

@@ -37,6 +37,7 @@ from offload.store.sub_groups import (
     nvme_buffers,
     place_sub_groups,
     plan_sub_groups,
+    sub_group_elements,
 )
 from offload.store.tier import Tier
 
@@ -179,7 +180,7 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
     homes = {i: off_device for i, _ in shard_sizes} | {i: Tier.NVME for i, _ in nvme_params}
     trained_sizes = shards.trained_sizes
     fmt = shards.state_format(config)
-    out = Placement(homes, nvme_params, plan_sub_groups(trained_sizes, int(zero.sub_group_size), fmt=fmt), False)
+    out = Placement(homes, nvme_params, plan_sub_groups(trained_sizes, sub_group_elements(zero), fmt=fmt), False)
     out.device_grads_kept = one_micro_batch and item == 2
     alias = stage.parts == 1 and discrete and not stage.resident_params
     if alias:
@@ -431,7 +432,7 @@ def _plan_state_on_device(out: Placement, shards: Shards, config: Any, stage: St
             streamed = lanes.fastest([len(chosen)], home_spare=False)[1]
     if chosen:
         out.state_on_device = frozenset(i for i, _ in chosen)
-        out.groups = plan_sub_groups(trained_sizes, int(zero.sub_group_size), out.state_on_device,
+        out.groups = plan_sub_groups(trained_sizes, sub_group_elements(zero), out.state_on_device,
                                      shards.state_format(config))
         out.device["optimizer state"] = sum(g.nbytes for g in out.groups if g.tier is Tier.DEVICE)
         out.device[part] = grad_bytes * sum(n for _, n in chosen)
@@ -490,7 +491,7 @@ def _stream(out: Placement, shards: Shards, config: Any, chosen: list[tuple[int,
     offload/store/param_store.py)."""
     zero = config.zero_optimization
     out.streamed = frozenset(i for i, _ in chosen)
-    out.groups = plan_sub_groups(shards.trained_sizes, int(zero.sub_group_size), out.state_on_device,
+    out.groups = plan_sub_groups(shards.trained_sizes, sub_group_elements(zero), out.state_on_device,
                                  shards.state_format(config), streamed=out.streamed)
     part, grad_bytes = device_grads(out.device_grads_kept, shards.item)
     out.device[part] = out.device.get(part, 0) + grad_bytes * sum(n for _, n in chosen)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload.config.fields import Auto
+from offload.config.sections import ZeroConfig
 from offload.machine.buffers import round_up
 from offload.store.budget import TierBudget
 from offload.store.state_format import FP32, StateFormat, StateSlot
@@ -138,6 +140,26 @@ def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buff
             g.tier, left = Tier.HOST, left - cost
         else:
             g.tier = Tier.NVME
+
+
+# [Note: the sub-group's default size] DeepSpeed's default sub_group_size, 1e9 elements, sizes the NVMe step's host
+# buffers: buffer_count (4) of the largest sub-group, 4 x 1e9 x 12 bytes with fp32 Adam state, 48 GB of host memory
+# for any model past 4B parameters a rank: the RAM, not the disk, would bound the model. With the state on NVMe,
+# sub_group_size "auto" (the default) is 2e7 elements: a sub-group is then one unit (offload.unit_bytes' 64 MiB is
+# 33.5M bf16 weights, and a unit is never split), so the buffers hold four units' state, about 1.6 GB with fp32
+# state and 0.8 GB with the 16+16 master and bf16 moments, whatever the model's size. Each read and write is still
+# tens of MiB, far past the size where the disk reaches its bandwidth (offload tune-nvme's grid), and smaller
+# sub-groups step under backward sooner. With the state on the host or the device, "auto" is DeepSpeed's 1e9
+# (its sub-groups hold no buffers). A number set in the config acts as DeepSpeed's does.
+NVME_SUB_GROUP = 20_000_000
+DEEPSPEED_SUB_GROUP = 1_000_000_000
+
+
+def sub_group_elements(zero: ZeroConfig) -> int:
+    """zero_optimization.sub_group_size as the plan cuts by it (see [Note: the sub-group's default size])."""
+    if isinstance(zero.sub_group_size, Auto):
+        return NVME_SUB_GROUP if zero.offload_optimizer.device == "nvme" else DEEPSPEED_SUB_GROUP
+    return int(zero.sub_group_size)
 
 
 PIPELINE_WORTH = 16_000_000  # elements of NVMe state below which one sub-group's serial pass costs little
