@@ -18,6 +18,7 @@ from offload.machine.launch import run_ranks
 from offload.optim.landing import ReducedShard
 from offload.optim.shard_state import ShardPhase
 from offload.optim.sharded import LastBackward
+from offload.store.placement import HELD_GRADS
 from offload.store.tier import Tier
 
 LAG = {"OFFLOAD_EMULATED_COPY_DELAY_S": "0.002"}  # implies a discrete device: every copy a GPU makes
@@ -236,6 +237,9 @@ def test_the_placement_alone_says_whether_gradients_are_read_where_they_land(tmp
         counted = engine.memory_summary()["host"].get("gradient accumulators", 0)
         assert optimizer.landing.reads_in_place is in_place
         assert (made == 0) is in_place and made == counted
+        # on a CPU device a gradient read where it landed is the reduced shard, held until the step: counted too
+        held = sum(s.landed.numel() * s.landed.element_size() for s in shards if s.landed is not None)
+        assert (held > 0) is in_place and held == engine.memory_summary()["host"].get(HELD_GRADS, 0)
         engine.step()
     finally:
         engine.close()

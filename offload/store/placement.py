@@ -41,20 +41,26 @@ from offload.store.sub_groups import (
 )
 from offload.store.tier import Tier
 
+HELD_GRADS = "gradients held until the step"  # see host_parts
+
 
 def host_parts(sizes: list[tuple[int, int]], no_copy: set[int], item: int, *, landing: bool = True,
-               accumulators: bool = True, on_device: frozenset[int] | set[int] = frozenset()) -> dict[str, int]:
+               accumulators: bool = True, held: bool = False,
+               on_device: frozenset[int] | set[int] = frozenset()) -> dict[str, int]:
     """Host bytes an offloaded optimizer reserves besides its state, by part: fp32 gradient accumulators (with
-    ``accumulators``: a step of one micro-batch with its state on the host reads gradients where they land
-    instead, see [Note: gradients read where they land] in offload/optim/landing.py; none for the units
-    accumulated ``on_device``), compute-dtype copies of the new shards (not for ``no_copy``: shards homed on NVMe,
-    or read in place), and, with ``landing``, one landing buffer per shard for its gradient (see [Note: gradients
-    land] there): compute dtype, or fp32 for a unit whose accumulated sum comes over once (see [Note: gradients
-    accumulated on the device] there)."""
+    ``accumulators``: a step of one micro-batch reads gradients where they land instead, see [Note: gradients
+    read where they land] in offload/optim/landing.py; none for the units accumulated ``on_device``),
+    compute-dtype copies of the new shards (not for ``no_copy``: shards homed on NVMe, or read in place), with
+    ``landing`` one landing buffer per shard for its gradient (see [Note: gradients land] there): compute dtype,
+    or fp32 for a unit whose accumulated sum comes over once (see [Note: gradients accumulated on the device]
+    there), and with ``held`` the gradients a CPU device reads where they land: the reduced shards themselves,
+    in the compute dtype, kept until the step."""
     parts = {"gradient accumulators": 4 * sum(n for i, n in sizes if i not in on_device) if accumulators else 0,
              "parameter copies": item * sum(n for i, n in sizes if i not in no_copy)}
     if landing:
         parts["gradient landing"] = sum((4 if i in on_device else item) * n for i, n in sizes)
+    if held:
+        parts[HELD_GRADS] = item * sum(n for i, n in sizes if i not in on_device)
     return {what: n for what, n in parts.items() if n}
 
 
@@ -228,6 +234,7 @@ def plan(shards: Shards, config: Any, stage: StageLayout = StageLayout(), machin
         step_buffers = out.step_buffers = host_parts(offloaded_sizes, {i for i, _ in nvme_params} | in_place, item,
                                                      landing=discrete,
                                                      accumulators=not out.grads_read_where_they_land,
+                                                     held=not discrete and out.grads_read_where_they_land,
                                                      on_device=out.device_accumulated)
         if step.delayed:
             out.staged = frozenset(i for i, _ in offloaded_sizes if not (discrete and homes[i] is Tier.DEVICE))
