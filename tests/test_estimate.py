@@ -4,6 +4,7 @@ here."""
 import json
 
 import pytest
+import torch
 from engine_cases import base_config, describe_engine, make_model
 
 from offload.commands.cli import main
@@ -101,6 +102,8 @@ def test_cli_prints_tiers_and_the_largest_models_and_writes_json(tmp_path, capsy
                  "--offload-optimizer", "nvme", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "optimizer state (two slots per sub-group)" in text and "largest model per choice" in text
+    if not torch.cuda.is_available():  # which machine the parts are for, and which the table is
+        assert text.startswith("(this machine has no GPU: the parts below are a GPU machine's, with the h100 ")
     report = json.loads(out.read_text())
     assert report["estimate"]["world"] == 2 and report["estimate"]["tiers"]["nvme"]
     assert set(report["largest"]) >= {"no offload", "params + optimizer on nvme"}

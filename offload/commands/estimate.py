@@ -609,6 +609,10 @@ def run_cli(args: Any, preset: Any) -> int:
                    device_free=device_free)
     if device_free is not None:
         est.notes.append(f"device memory: {device_free / 2**30:.1f} GiB ({where})")
+    if not torch.cuda.is_available():  # the parts below are a GPU machine's; the last table is this one's
+        print(f"(this machine has no GPU: the parts below are a GPU machine's, with {where} device memory, whose "
+              "gradients land in pinned host buffers; the largest-model table at the end is this machine's own, "
+              "where host memory is the device)")
     print(format_estimate(est, config))
     stages = compare_stages(units, raw, args.world, hidden_size, shape)
     print(format_stages(stages, raw))
