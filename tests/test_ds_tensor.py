@@ -2,6 +2,8 @@
 parameter wherever its shard lives, read when used ([Note: the partition as a view] in offload/zero/partition_view.py).
 """
 
+import copy
+
 import pytest
 import torch
 from engine_cases import base_config, batches, loss_of, make_any
@@ -22,10 +24,19 @@ def pieces(rank, world, params, path):
     for name, p in engine.module.named_parameters():
         d = p.ds_tensor
         out["pieces"][name] = (d.numel(), d.ds_numel, d.clone(), str(d.device), tuple(d.shape), p.ds_numel)
+    first = next(p for p in engine.module.parameters() if p.ds_tensor.numel() > 2)
+    before = first.ds_tensor.clone()
     with pytest.raises(RuntimeError, match="ds_tensor is this rank's partition.*would write into it"):
-        next(engine.module.parameters()).ds_tensor.add_(1.0)
-    first = next(engine.module.parameters())
-    out["sum"] = float(first.ds_tensor.float().sum())
+        first.ds_tensor.add_(1.0)
+    first.ds_tensor.detach().add_(100.0)  # each works on a copy: never the shard the optimizer owns
+    first.ds_tensor.data.mul_(0)
+    first.ds_tensor[0:2].zero_()
+    assert torch.equal(first.ds_tensor.clone(), before)
+    buf = torch.empty(before.shape, dtype=before.dtype)
+    buf.copy_(first.ds_tensor)  # an op that only reads it runs
+    assert torch.equal(buf, before) and first.ds_tensor.tolist() == before.tolist()
+    assert torch.equal(copy.deepcopy(first.ds_tensor), before)
+    out["sum"], out["first"] = float(first.ds_tensor.float().sum()), first.ds_tensor.clone()
     engine.close()
     with pytest.raises(RuntimeError, match="ds_tensor belongs to an engine that has been closed"):
         first.ds_tensor.sum()
@@ -45,5 +56,4 @@ def test_each_ranks_ds_tensor_is_its_piece_and_the_pieces_make_the_parameter(tmp
         assert torch.equal(torch.cat([v0, v1]), whole[name].flatten()), name  # current values, in order
         some_split |= n0 > 0 and n1 > 0
     assert some_split  # a parameter that straddles the two shards
-    first = next(iter(ranks[0]["pieces"].values()))[2]
-    assert ranks[0]["sum"] == pytest.approx(float(first.float().sum()))
+    assert ranks[0]["sum"] == pytest.approx(float(ranks[0]["first"].float().sum()))

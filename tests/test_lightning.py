@@ -242,6 +242,8 @@ def test_the_trainer_gives_it_deepspeeds_precision_plugin_and_config():
     assert isinstance(trainer.strategy, OffloadStrategy) and isinstance(trainer.precision_plugin, DeepSpeedPrecision)
     zero = trainer.strategy.config["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "nvme"
+    assert zero["sub_group_size"] == "auto"  # not Lightning's 1e12, which would make one buffer of the state
+    assert OffloadStrategy(stage=3, sub_group_size=10**8).config["zero_optimization"]["sub_group_size"] == 10**8
     given = OffloadStrategy(config={"zero_optimization": {"stage": 2}, "offload": {"unit_bytes": 1 << 20}})
     assert given.config == {"zero_optimization": {"stage": 2}, "offload": {"unit_bytes": 1 << 20}}
     assert not given.zero_stage_3

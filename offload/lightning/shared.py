@@ -33,8 +33,13 @@ def bind_arguments(deepspeed_class: Any, strategy: Any, args: tuple[Any, ...], k
     """``deepspeed_class.__init__``'s arguments as given, its defaults filled in; what offload cannot honour
     refused by name."""
     bound = inspect.signature(deepspeed_class.__init__).bind(strategy, *args, **kwargs)
+    explicit = set(bound.arguments)
     bound.apply_defaults()
     given = bound.arguments
+    if "sub_group_size" not in explicit:
+        # Lightning's default (1e12: the whole state one sub-group) would make the NVMe step's buffers as large as
+        # the state; offload's auto keeps them a few units' ([Note: the sub-group's default size])
+        given["sub_group_size"] = "auto"
     if given["exclude_frozen_parameters"]:
         raise ValueError("exclude_frozen_parameters=True: offload's checkpoint holds every parameter, frozen "
                          "ones too, and loads every key; leave it False")

@@ -149,9 +149,10 @@ class Placement:
     # The delayed update's units whose new shard waits in a staging buffer: compute reads (or gathers from) the
     # step's target. A device home's separate host copy is written in place; only its copy back waits.
     staged: frozenset[int] = frozenset()
-    # One micro-batch a step and the offloaded state all on the host (or the device): the optimizer reads each
-    # gradient where it lands and makes no fp32 accumulators (offload/optim/sharded.py: [Note: gradients read
-    # where they land]). The plan owns this fact: the budget counts accumulators exactly when it is false.
+    # One micro-batch a step, the state offloaded to the host or NVMe: the optimizer reads each gradient where it
+    # lands and makes no fp32 accumulators (offload/optim/landing.py: [Note: gradients read where they land]). The
+    # plan owns this fact: the budget counts accumulators exactly when it is false (and, on a CPU device, the
+    # gradients held until the step when it is true).
     grads_read_where_they_land: bool = False
     # One 16-bit micro-batch a step: a unit stepped on the device keeps its one gradient as it was reduced until the
     # step, instead of an fp32 accumulator (offload/optim/sharded.py: [Note: a device gradient kept as it landed]).

@@ -145,11 +145,12 @@ def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buff
 # [Note: the sub-group's default size] DeepSpeed's default sub_group_size, 1e9 elements, sizes the NVMe step's host
 # buffers: buffer_count (4) of the largest sub-group, 4 x 1e9 x 12 bytes with fp32 Adam state, 48 GB of host memory
 # for any model past 4B parameters a rank: the RAM, not the disk, would bound the model. With the state on NVMe,
-# sub_group_size "auto" (the default) is 2e7 elements: a sub-group is then one unit (offload.unit_bytes' 64 MiB is
-# 33.5M bf16 weights, and a unit is never split), so the buffers hold four units' state, about 1.6 GB with fp32
-# state and 0.8 GB with the 16+16 master and bf16 moments, whatever the model's size. Each read and write is still
-# tens of MiB, far past the size where the disk reaches its bandwidth (offload tune-nvme's grid), and smaller
-# sub-groups step under backward sooner. With the state on the host or the device, "auto" is DeepSpeed's 1e9
+# sub_group_size "auto" (the default) is 2e7 elements: a sub-group holds at most that, or one unit's shard where it
+# is larger (offload.unit_bytes' 64 MiB is 33.5M bf16 weights, a rank's shard of it 33.5M / W, and a shard is
+# never split), so the buffers hold four of those, whatever the model's size: at W = 1 about 1.6 GB with fp32
+# state and 0.8 GB with the 16+16 master and bf16 moments. Each read and write is still tens of MiB, far past the
+# size where the disk reaches its bandwidth (offload tune-nvme's grid), and smaller sub-groups step under backward
+# sooner (on the Xeon the 16-layer GPT's step was not slower than at 1e8: docs/performance.md, Memory). With the state on the host or the device, "auto" is DeepSpeed's 1e9
 # (its sub-groups hold no buffers). A number set in the config acts as DeepSpeed's does.
 NVME_SUB_GROUP = 20_000_000
 DEEPSPEED_SUB_GROUP = 1_000_000_000
@@ -172,6 +173,11 @@ def unpipelined_note(groups: list[SubGroup], sub_group_size: int) -> str | None:
     if len(nvme) != 1 or nvme[0].numel < PIPELINE_WORTH:
         return None
     n = nvme[0].numel
+    if len(nvme[0].members) == 1:  # a unit is never split across sub-groups
+        return (f"the optimizer state on NVMe is one unit's, {n:,} elements: its Adam and write wait for "
+                f"backward's last gradient and run one after the other (only its read hides under backward), and "
+                f"its buffer takes {nvme[0].nbytes / 2**30:.2f} GiB; a smaller offload.unit_bytes would cut it "
+                "into units that pipeline")
     suggest = float(f"{n / 8:.0e}")
     return (f"the optimizer state on NVMe is one sub-group of {n:,} elements (sub_group_size {sub_group_size:,}): "
             f"its Adam and write wait for backward's last gradient and run one after the other (only its read hides "

@@ -5,9 +5,11 @@ libraries read (to count what a rank holds, or to look at its values).
 this rank is the piece of the rank's unit shard that falls inside it: possibly empty, and at W ranks the pieces add
 up to the whole parameter. That shard lives on the device, in host memory or on NVMe, and the optimizer rewrites it
 each step. ``ds_tensor`` is a read-only tensor of the piece's shape and dtype whose every use reads the shard where it
-lives at that moment (from NVMe, a fresh copy), so it is never stale and holds no memory of its own; writing into it
-is refused by name, since the optimizer owns the shard. DeepSpeed's own partition is padded per parameter: its
-``numel()`` is numel / W rounded up, here the elements the rank actually holds.
+lives at that moment, so it is never stale and holds no memory of its own. Each use works on a copy of the piece
+(from NVMe, the copy the read makes): what an op returns, a view or ``.data`` included, never aliases the shard,
+which the optimizer owns, and an op that would write into ``ds_tensor`` itself is refused by name; one that only
+reads it (``buf.copy_(p.ds_tensor)``) runs. DeepSpeed's own partition is padded per parameter: its ``numel()`` is
+numel / W rounded up, here the elements the rank actually holds.
 """
 
 from __future__ import annotations
@@ -38,23 +40,38 @@ class PartitionView(torch.Tensor):
         return view
 
     def read(self) -> torch.Tensor:
-        """The piece's values now: a view of the shard in memory, or a copy of it read from NVMe."""
+        """The piece's values now, in memory of their own (never an alias of the shard)."""
         store = self._store()
         if store is None or store.closed:
             raise RuntimeError("ds_tensor belongs to an engine that has been closed: its partition is gone")
-        return store.read(self._index)[self._start:self._start + self.numel()]
+        return store.read(self._index)[self._start:self._start + self.numel()].clone()
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's stub: untyped
         return f"ds_tensor({self.read()!r})"
 
+    def tolist(self) -> Any:  # torch refuses these for a subclass: answered from the values
+        return self.read().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return self.read().numpy(force=force)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return self.read()
+
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]  # torch's stub leaves out func, which every subclass takes
             cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func._schema.is_mutable:
-            raise RuntimeError(f"ds_tensor is this rank's partition, read where the parameter store keeps it; "
-                               f"{func} would write into it, and the optimizer owns those values: change a "
-                               "parameter under deepspeed.zero.GatheredParameters(..., modifier_rank=...) instead")
-        return func(*tree_map(_read, args), **tree_map(_read, kwargs or {}))
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            if written and any(isinstance(v, PartitionView) for v in (value if isinstance(value, (list, tuple))
+                                                                      else (value,))):
+                raise RuntimeError(f"ds_tensor is this rank's partition, read where the parameter store keeps it; "
+                                   f"{func} would write into it, and the optimizer owns those values: change a "
+                                   "parameter under deepspeed.zero.GatheredParameters(..., modifier_rank=...) "
+                                   "instead")
+        return func(*tree_map(_read, args), **tree_map(_read, kwargs))
 
 
 def _read(x: Any) -> Any:
