@@ -150,8 +150,9 @@ def place_sub_groups(groups: list[SubGroup], device: str, host: TierBudget, buff
 # never split), so the buffers hold four of those, whatever the model's size: at W = 1 about 1.6 GB with fp32
 # state and 0.8 GB with the 16+16 master and bf16 moments. Each read and write is still tens of MiB, far past the
 # size where the disk reaches its bandwidth (offload tune-nvme's grid), and smaller sub-groups step under backward
-# sooner (on the Xeon the 16-layer GPT's step was not slower than at 1e8: docs/performance.md, Memory). With the state on the host or the device, "auto" is DeepSpeed's 1e9
-# (its sub-groups hold no buffers). A number set in the config acts as DeepSpeed's does.
+# sooner (on the Xeon the 16-layer GPT's step was not slower than at 1e8: docs/performance.md, Memory). With the
+# state on the host or the device, "auto" is DeepSpeed's 1e9 (its sub-groups hold no buffers). A number set in the
+# config acts as DeepSpeed's does.
 NVME_SUB_GROUP = 20_000_000
 DEEPSPEED_SUB_GROUP = 1_000_000_000
 
