@@ -92,6 +92,11 @@ def test_offload_sections_default_as_deepspeeds(section, key):
     assert getattr(getattr(Config.load({}).zero_optimization, section), key) == DEEPSPEED_ZERO_DEFAULTS[section, key]
 
 
+# Defaults that differ from DeepSpeed 0.19.8's on purpose, each said in the key's help (offload/config/sections.py)
+ON_PURPOSE = {"cpuadam_cores_perc": "null: offload.cpu_threads decides the host step's threads",
+              "parameter_alignment": "refused: null is the key left out"}
+
+
 def test_zero_section_defaults_equal_deepspeeds_where_it_is_installed():
     """Every key of DeepSpeed 0.19.8's ZeRO, offload_optimizer and offload_param models that offload's schema has too
     defaults to the same value (its pydantic models hold the defaults)."""
@@ -111,9 +116,13 @@ def test_zero_section_defaults_equal_deepspeeds_where_it_is_installed():
             value = getattr(field.default, "value", field.default)
             if key is None or hasattr(value, "model_fields") or dataclasses.is_dataclass(getattr(ours, key)):
                 continue
+            if key in ON_PURPOSE:
+                continue
             compared += 1
-            if getattr(ours, key) != value:
-                differ.append(f"{where}.{key}: offload {getattr(ours, key)!r}, DeepSpeed {value!r}")
+            # sub_group_size's default is auto: DeepSpeed's 1e9 except with the state on NVMe (not here)
+            mine = sub_group_elements(zero) if key == "sub_group_size" else getattr(ours, key)
+            if mine != value:
+                differ.append(f"{where}.{key}: offload {mine!r}, DeepSpeed {value!r}")
     assert compared > 20 and not differ, differ
 
 
