@@ -4,7 +4,8 @@
 // different -m flags and OFFLOAD_ISA_NAME set; the preprocessor picks the
 // intrinsics the flags allow. The portable variant is built with OFFLOAD_SCALAR_ONLY: one
 // element at a time on every machine, AArch64 too, whose baseline has Advanced SIMD (it
-// is the reference every vector variant is held to, so it must not be one of them). Everything here has internal linkage (anonymous
+// is the reference every vector variant is held to, so it must not be one of them).
+// Everything here has internal linkage (anonymous
 // namespace, static helpers) and no std:: templates are instantiated: an
 // inline function with external linkage compiled with -mavx512f could be
 // merged by the linker into the portable variant and fault on an AVX2 CPU.
@@ -1129,7 +1130,8 @@ bool instruction16(const float* x, uint16_t* out, DType dtype, size_t n) {
                           _mm512_cvtps_ph(_mm512_loadu_ps(in), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
 #if defined(__AVX512BF16__)
-    if (dtype == DType::BF16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(got), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in)));
+    if (dtype == DType::BF16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(got), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in)));
 #endif
 #elif defined(__AVX2__)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(got),

@@ -56,10 +56,6 @@ def select_variant(name: str) -> None:
         raise NativeError(str(e)) from None
 
 
-# [Note: instruction rules] in native/scalar.h: what each conversion instruction does, modelled in scalar code.
-MODEL_RULES = ("bfloat16", "float16", "vcvtneps2bf16", "vcvtneps2bf16+fix", "vcvtps2ph", "vcvtps2ph+fix")
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     if dtype not in (torch.bfloat16, torch.float16):
         raise NativeError(f"dtype must be torch.bfloat16 or torch.float16, not {dtype}")

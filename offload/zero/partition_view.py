@@ -62,16 +62,23 @@ class PartitionView(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]  # torch's stub leaves out func, which every subclass takes
             cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for i, arg in enumerate(func._schema.arguments):
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            written = arg.alias_info is not None and arg.alias_info.is_write
-            if written and any(isinstance(v, PartitionView) for v in (value if isinstance(value, (list, tuple))
-                                                                      else (value,))):
-                raise RuntimeError(f"ds_tensor is this rank's partition, read where the parameter store keeps it; "
-                                   f"{func} would write into it, and the optimizer owns those values: change a "
-                                   "parameter under deepspeed.zero.GatheredParameters(..., modifier_rank=...) "
-                                   "instead")
+        if _writes_a_view(func, args, kwargs):
+            raise RuntimeError(f"ds_tensor is this rank's partition, read where the parameter store keeps it; "
+                               f"{func} would write into it, and the optimizer owns those values: change a "
+                               "parameter under deepspeed.zero.GatheredParameters(..., modifier_rank=...) instead")
         return func(*tree_map(_read, args), **tree_map(_read, kwargs))
+
+
+def _writes_a_view(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` writes into an argument that is a ``PartitionView`` (its schema marks that argument written;
+    an op that only reads one, ``buf.copy_(p.ds_tensor)``, does not)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if any(isinstance(v, PartitionView) for v in (value if isinstance(value, (list, tuple)) else (value,))):
+            return True
+    return False
 
 
 def _read(x: Any) -> Any:

@@ -133,9 +133,10 @@ class Unit:
         for s in self.slots:  # the whole shape, and this rank's part of it, under DeepSpeed's names for them
             setattr(s.param, "ds_shape", torch.Size(s.shape))
             setattr(s.param, "ds_numel", s.numel)
-            held = max(0, min(s.offset + s.numel, shard_end) - max(s.offset, self.shard_start))
+            first = max(s.offset, self.shard_start)  # the parameter's first element on this rank, if any
+            held = max(0, min(s.offset + s.numel, shard_end) - first)
             setattr(s.param, "partition_numel", PartitionNumel(held))
-            start = max(s.offset, self.shard_start) - self.shard_start if held else 0
+            start = first - self.shard_start if held else 0
             view = PartitionView(params, self.index, start, held, self._partition_device(device))
             setattr(s.param, "ds_tensor", view)
         self._bind()
